@@ -1,0 +1,71 @@
+"""ModelSpec: the architecture numbers a memory estimate needs, and nothing else (no torch, no transformers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """`count` parameter tensors named `name`, each of `numel` elements (e.g. 32 x 'layers.*.self_attn.q_proj.weight')."""
+
+    name: str
+    numel: int
+    count: int = 1
+
+    @property
+    def total(self) -> int:
+        return self.numel * self.count
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformer (or any model) described by numbers. Built by memfit.sources from a catalog entry, an HF
+    config, a hub id or a live nn.Module.
+
+    `params` lists every trainable parameter tensor once (tied weights once), so `num_params` is exact and the
+    optimizer terms that depend on tensor sizes (8-bit AdamW keeps tensors under 4096 elements in fp32, Adafactor
+    factors matrices) can be computed.
+    """
+
+    name: str
+    model_type: str
+    """HF model_type: llama, mistral, qwen2, gemma2, phi3, gpt2, gpt_neox, bert... ('custom' for plain modules)."""
+    params: tuple[ParamTensor, ...]
+    hidden_size: int = 0
+    num_layers: int = 0
+    num_attention_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    max_position_embeddings: int = 0
+    is_decoder: bool = True
+    """Causal LM (logits over the vocabulary at every position) vs encoder (BERT: MLM head)."""
+    gated_mlp: bool = True
+    """SwiGLU/GeGLU (gate, up, down) vs a plain two-matrix MLP."""
+    hidden_act: str = "silu"
+    norm: str = "rmsnorm"
+    """'rmsnorm' or 'layernorm'."""
+    tie_word_embeddings: bool = False
+    source: str = "catalog"
+    """Where the numbers came from: 'catalog', a config.json path, 'hub:<id>', 'module'."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Family-specific details (e.g. gemma2 logit soft-capping, gpt_neox partial rotary) for the estimator."""
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.total for p in self.params)
+
+    @property
+    def is_transformer(self) -> bool:
+        """Whether the analytic activation model applies (otherwise only `memfit trace` can size activations)."""
+        return self.num_layers > 0 and self.hidden_size > 0
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def params_matching(self, *fragments: str) -> int:
+        """Elements in parameter tensors whose name contains any of `fragments`."""
+        return sum(p.total for p in self.params if any(f in p.name for f in fragments))

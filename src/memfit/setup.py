@@ -1,0 +1,200 @@
+"""TrainingSetup: what one training step does, as a frozen value. Techniques transform it; they never edit numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .errors import ConfigError
+
+
+class _Choice(str, Enum):
+    """A string enum whose value is what the user types on the command line."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, text: "str | _Choice") -> "_Choice":
+        if isinstance(text, cls):
+            return text
+        key = str(text).strip().lower().replace("_", "-")
+        for member in cls:
+            if key == member.value or key in member.aliases():
+                return member
+        choices = ", ".join(m.value for m in cls)
+        raise ConfigError(f"unknown {cls.label()} '{text}': choose one of {choices}")
+
+    def aliases(self) -> tuple[str, ...]:
+        return ()
+
+    @classmethod
+    def label(cls) -> str:
+        return cls.__name__.lower()
+
+
+class Precision(_Choice):
+    """How parameters, gradients and activations are stored."""
+
+    FP32 = "fp32"  # everything fp32
+    AMP_BF16 = "amp-bf16"  # torch.autocast(bf16): fp32 weights/grads/states; bf16 weight copies cached for backward
+    AMP_FP16 = "amp-fp16"  # same, fp16 + GradScaler
+    BF16 = "bf16"  # pure bf16: params, grads and optimizer states all bf16
+    BF16_MASTER = "bf16-master"  # bf16 params+grads, fp32 master copy + states (DeepSpeed bf16, Megatron)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {
+            "amp-bf16": ("amp", "bf16-amp", "bf16-mixed", "mixed"),
+            "amp-fp16": ("fp16-amp", "fp16", "fp16-mixed", "16-mixed"),
+            "bf16": ("pure-bf16", "bf16-true", "bfloat16"),
+            "bf16-master": ("bf16-fp32-master", "master"),
+            "fp32": ("float32", "32"),
+        }.get(self.value, ())
+
+    @property
+    def is_autocast(self) -> bool:
+        return self in (Precision.AMP_BF16, Precision.AMP_FP16)
+
+    @property
+    def param_dtype(self) -> str:
+        return "bf16" if self in (Precision.BF16, Precision.BF16_MASTER) else "fp32"
+
+    @property
+    def compute_dtype(self) -> str:
+        return {Precision.FP32: "fp32", Precision.AMP_FP16: "fp16"}.get(self, "bf16")
+
+    @property
+    def master_weights(self) -> bool:
+        """An fp32 copy of the weights lives in the optimizer (4 B/param)."""
+        return self is Precision.BF16_MASTER
+
+
+class Optimizer(_Choice):
+    ADAMW = "adamw"  # torch.optim.AdamW(foreach=False): one parameter at a time
+    ADAMW_FOREACH = "adamw-foreach"  # torch default on CUDA: multi-tensor, parameter-sized temporaries
+    ADAMW_FUSED = "adamw-fused"  # fused=True: one kernel, no parameter-sized temporaries
+    ADAMW_8BIT = "adamw-8bit"  # bitsandbytes AdamW8bit: block-wise uint8 states
+    SGD = "sgd"  # SGD with momentum: one state
+    ADAFACTOR = "adafactor"  # factored second moment, no first moment (HF/transformers defaults)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {
+            "adamw": ("adam", "adamw-torch", "adamw-single"),
+            "adamw-8bit": ("adam8bit", "adamw8bit", "8bit", "bnb", "adamw-bnb-8bit", "paged-adamw-8bit"),
+            "sgd": ("sgd-momentum",),
+        }.get(self.value, ())
+
+    @property
+    def is_adam(self) -> bool:
+        return self.value.startswith("adamw")
+
+
+class Checkpointing(_Choice):
+    NONE = "none"
+    FULL = "full"  # recompute every transformer block in backward (HF gradient_checkpointing)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"none": ("off", "no", "false"), "full": ("on", "yes", "true")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "gradient checkpointing mode"
+
+
+class Attention(_Choice):
+    EAGER = "eager"  # materialises the B x H x T x T scores and softmax per layer
+    SDPA = "sdpa"  # flash / memory-efficient kernel: O(T) extra memory
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"sdpa": ("flash", "flash-attention", "flash-attention-2", "flash_attention_2", "fa2"),
+                "eager": ("math", "naive")}[self.value]
+
+
+class Sharding(_Choice):
+    NONE = "none"
+    ZERO1 = "zero1"  # optimizer states sharded
+    ZERO2 = "zero2"  # + gradients
+    ZERO3 = "zero3"  # + parameters (== FSDP full shard)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"none": ("ddp", "zero0", "0"), "zero1": ("1",), "zero2": ("2", "shard-grad-op"),
+                "zero3": ("3", "fsdp", "full-shard")}[self.value]
+
+    @property
+    def stage(self) -> int:
+        return 0 if self is Sharding.NONE else int(self.value[-1])
+
+
+class Offload(_Choice):
+    NONE = "none"
+    OPTIMIZER = "optimizer"  # ZeRO-Offload: optimizer states (and master weights) in CPU RAM, step on CPU
+    OPTIMIZER_AND_PARAMS = "optimizer+params"  # ZeRO-Infinity style: parameters too (needs ZeRO-3)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"none": ("off", "no"), "optimizer": ("opt", "cpu"), "optimizer+params": ("all", "params")}[self.value]
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """One training step on one data-parallel rank. Validated at construction; every problem reported at once."""
+
+    micro_batch_size: int = 8
+    """Sequences per GPU per forward/backward (HF: per_device_train_batch_size)."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step; gradients stay allocated between them."""
+    precision: Precision = Precision.AMP_BF16
+    optimizer: Optimizer = Optimizer.ADAMW_FOREACH
+    checkpointing: Checkpointing = Checkpointing.NONE
+    attention: Attention = Attention.SDPA
+    sharding: Sharding = Sharding.NONE
+    offload: Offload = Offload.NONE
+    num_gpus: int = 1
+    """Data-parallel ranks that sharding spreads over (GPUs per node x nodes)."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
+                           ("attention", Attention), ("sharding", Sharding), ("offload", Offload)):
+            object.__setattr__(self, name, kind.parse(getattr(self, name)))
+        problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
+                    for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus")
+                    if not _positive_int(getattr(self, name))]
+        if not problems:
+            problems += self._combination_problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _combination_problems(self) -> list[str]:
+        problems = []
+        if self.sharding is not Sharding.NONE and self.num_gpus < 2:
+            problems.append(f"{self.sharding} shards over GPUs and needs at least 2 (got num_gpus={self.num_gpus})")
+        if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.sharding is not Sharding.ZERO3:
+            problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
+        if self.offload is not Offload.NONE and self.optimizer is Optimizer.ADAMW_8BIT:
+            problems.append("CPU offload runs DeepSpeed's CPU Adam; it does not combine with bitsandbytes 8-bit AdamW")
+        return problems
+
+    def replace(self, **changes) -> "TrainingSetup":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Sequences per optimizer step across all ranks."""
+        return self.micro_batch_size * self.grad_accum_steps * self.num_gpus
+
+    def to_dict(self) -> dict:
+        return {f.name: (getattr(self, f.name).value if isinstance(getattr(self, f.name), Enum)
+                         else list(getattr(self, f.name)) if f.name == "notes" else getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
