@@ -1,0 +1,184 @@
+"""What autograd keeps for backward, tensor by tensor, for the transformer families memfit knows.
+
+Each family is a *recipe*: the tensors one layer saves, per token, with their dtype class. The recipes were read off
+the transformers 5.x modelling code and checked tensor by tensor with `torch.autograd.graph.saved_tensors_hooks` on
+tiny real models (tests/test_estimate_accuracy.py measures whole steps against the profiler).
+
+Dtype classes: 'f32' always fp32; 'res' the residual stream (fp32 under fp32 and autocast, bf16 when pure bf16);
+'cmp' a matmul output (fp32, or bf16/fp16 under autocast and pure bf16); 'lin' the input a Linear saves: under
+autocast every Linear casts its fp32 input to its own bf16 copy (autocast caches casts of weights only), otherwise
+all Linears reading one tensor share it, so 'lin' rows carry how many Linears read the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model_spec import ModelSpec
+from ..setup import Attention, Precision, TrainingSetup
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Per-token elements of one saved tensor (or `readers` Linears' inputs) in one layer."""
+
+    group: str  # attention / mlp / norms
+    elems: float
+    dtype: str  # f32 / res / cmp / lin
+    readers: int = 1
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    residual: int
+    compute: int
+    autocast: bool
+
+    @classmethod
+    def of(cls, precision: Precision) -> "Dtypes":
+        if precision.is_autocast:
+            return cls(residual=4, compute=2, autocast=True)
+        if precision.param_dtype == "bf16":
+            return cls(residual=2, compute=2, autocast=False)
+        return cls(residual=4, compute=4, autocast=False)
+
+    def bytes_of(self, item: Saved) -> float:
+        if item.dtype == "f32":
+            return 4 * item.elems
+        if item.dtype == "res":
+            return self.residual * item.elems
+        if item.dtype == "cmp":
+            return self.compute * item.elems
+        # 'lin': one shared copy in the residual dtype, or one bf16 copy per reading Linear under autocast
+        copies = item.readers if self.autocast else 1
+        size = self.compute if self.autocast else self.residual
+        return copies * size * item.elems
+
+
+def _rmsnorm(spec: ModelSpec, d: Dtypes, count: int = 1) -> list[Saved]:
+    # LlamaRMSNorm: x.to(fp32) (saved by pow and mul), rsqrt (B*T*1), normalised x cast back (saved by weight mul).
+    # Gemma2RMSNorm keeps the normalised value in fp32: `_norm(x.float()) * (1 + w.float())`.
+    normed = "f32" if spec.model_type == "gemma2" else "res"
+    h = spec.hidden_size
+    return [Saved("norms", h, "f32"), Saved("norms", 1, "f32"), Saved("norms", h, normed)] * count
+
+
+def _layernorm(spec: ModelSpec, count: int = 1, input_saved: bool = True) -> list[Saved]:
+    # aten.native_layer_norm saves its input plus fp32 mean and rstd (B*T*1 each).
+    rows = [Saved("norms", 1, "f32"), Saved("norms", 1, "f32")]
+    if input_saved:
+        rows.append(Saved("norms", spec.hidden_size, "res"))
+    return rows * count
+
+
+def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
+    """q, k, v, output and softmax statistics (SDPA) or the T x T probabilities (eager)."""
+    h, kv, heads = spec.hidden_size, spec.kv_dim, spec.num_attention_heads
+    if setup.attention is Attention.SDPA:
+        # Flash / memory-efficient SDPA saves q, k, v (k, v at kv-head width: GQA is passed through), the output
+        # and the fp32 log-sum-exp per head and token; never the T x T matrix.
+        k_v = 2 * kv
+        if spec.extra.get("fused_qkv") or spec.model_type in ("gpt2", "gpt_neox"):
+            # q/k/v are views of one fused projection output; v (and, without rotary, q/k) keep it all alive.
+            fused = h + 2 * kv
+            rotated = 0 if spec.model_type == "gpt2" else h + kv  # rotary writes new q, k tensors
+            return [Saved("attention", fused, "cmp"), Saved("attention", rotated, "cmp"),
+                    Saved("attention", h, "cmp"), Saved("attention", heads, "f32")]
+        return [Saved("attention", h + k_v, "cmp"), Saved("attention", h, "cmp"), Saved("attention", heads, "f32")]
+    # Eager: q and k (repeated to all heads) for QK^T, fp32 softmax output (and its cast copy under bf16),
+    # v repeated, and the transposed output copy fed to o_proj.
+    probs = [Saved("attention", heads * seq_len, "f32")]
+    if d.compute == 2:
+        probs.append(Saved("attention", heads * seq_len, "cmp"))
+    return [Saved("attention", 4 * h, "cmp")] + probs
+
+
+def _llama_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    sandwich = 2 if spec.extra.get("sandwich_norms") else 1  # gemma2 norms before and after attention and MLP
+    rows = _rmsnorm(spec, d, 2 * sandwich)
+    qkv_readers = 1 if spec.extra.get("fused_qkv") else 3
+    rows += [Saved("attention", h, "lin", qkv_readers)] + _attention_core(spec, setup, seq_len, d)
+    up_readers = 1 if spec.extra.get("fused_gate_up") else 2
+    if spec.gated_mlp:
+        # gate out (saved by act), act out and up out (saved by mul), product (saved by down_proj)
+        rows += [Saved("mlp", h, "lin", up_readers), Saved("mlp", (3 + _act_saved(spec)) * inter, "cmp")]
+    else:
+        rows += [Saved("mlp", h, "lin"), Saved("mlp", 2 * inter, "cmp")]
+    return rows
+
+
+def _gpt2_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    rows = _layernorm(spec, 2)
+    rows += [Saved("attention", h, "lin")] + _attention_core(spec, setup, seq_len, d)
+    rows += [Saved("mlp", h, "lin"), Saved("mlp", (_act_saved(spec) + 1) * inter, "cmp")]
+    return rows
+
+
+def _act_saved(spec: ModelSpec) -> int:
+    """I-sized tensors the activation saves: gelu_new is written out in Python (pow, tanh, two muls) and saves
+    four; torch's own silu/gelu/relu save their input only."""
+    return 4 if spec.hidden_act == "gelu_new" else 1
+
+
+def _neox_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    # Parallel residual: both LayerNorms read the same x, saved once.
+    rows = _layernorm(spec, 2, input_saved=False) + [Saved("norms", h, "res")]
+    rows += [Saved("attention", h, "lin")] + _attention_core(spec, setup, seq_len, d)
+    rows += [Saved("mlp", h, "lin"), Saved("mlp", (_act_saved(spec) + 1) * inter, "cmp")]
+    return rows
+
+
+def _bert_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    rows = [Saved("attention", h, "lin", 3)] + _attention_core(spec, setup, seq_len, d)
+    rows += _layernorm(spec, 2)  # post-LN after attention and after the MLP (inputs are residual sums)
+    rows += [Saved("mlp", h, "lin"), Saved("mlp", 2 * inter, "cmp")]  # gelu input, output.dense input
+    return rows
+
+
+LAYER_RECIPES = {
+    "llama": _llama_layer, "mistral": _llama_layer, "qwen2": _llama_layer, "gemma2": _llama_layer,
+    "phi3": _llama_layer, "gpt2": _gpt2_layer, "gpt_neox": _neox_layer, "bert": _bert_layer,
+}
+
+
+def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int) -> dict[str, int]:
+    """Bytes one transformer layer keeps for backward, by group (attention / mlp / norms)."""
+    recipe = LAYER_RECIPES.get(spec.model_type, _llama_layer)
+    d = Dtypes.of(setup.precision)
+    out = {"attention": 0.0, "mlp": 0.0, "norms": 0.0}
+    for item in recipe(spec, setup, seq_len, d):
+        out[item.group] += d.bytes_of(item) * tokens
+    return {k: int(v) for k, v in out.items()}
+
+
+def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict[str, int]:
+    """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform)."""
+    d = Dtypes.of(setup.precision)
+    h = spec.hidden_size
+    if spec.model_type == "bert":
+        rows = [Saved("norms", h, "lin"), Saved("norms", h, "cmp")] + _layernorm(spec) + [Saved("norms", h, "lin")]
+    elif spec.norm == "layernorm":
+        rows = _layernorm(spec) + [Saved("norms", h, "lin")]
+    else:
+        rows = _rmsnorm(spec, d) + [Saved("norms", h, "lin")]
+    return {"head": int(sum(d.bytes_of(r) for r in rows) * tokens)}
+
+
+def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int) -> int:
+    """Token ids kept by the embedding backward (int64), position tables shared by all layers."""
+    d = Dtypes.of(setup.precision)
+    ids = 8 * tokens
+    if spec.model_type == "bert":
+        # token-type and position ids, and the embedding LayerNorm
+        ids += 8 * tokens + 8 * seq_len + int(sum(d.bytes_of(r) for r in _layernorm(spec)) * tokens)
+    elif spec.model_type == "gpt2":
+        ids += 8 * seq_len
+    else:
+        # rotary cos/sin tables (1 x T x head_dim, shared by every layer), fp32 unless the model is pure bf16
+        rotary = spec.head_dim * spec.extra.get("rotary_pct", 1.0)
+        ids += int(2 * seq_len * rotary * d.residual)
+    return ids

@@ -1,0 +1,41 @@
+"""Where the seed's rules of thumb differ from what the engines do, said next to the numbers they affect."""
+
+from __future__ import annotations
+
+from ..model_spec import ModelSpec
+from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
+
+AMP_KEEPS_FP32 = ("mixed precision (torch.autocast) does not halve parameter memory: weights, gradients and Adam "
+                  "states stay fp32, and bf16 copies of every Linear weight are cached for backward (+2 B/param). "
+                  "It shrinks activations. Only pure bf16 halves parameters and gradients.")
+MASTER_16B = ("bf16 with fp32 master weights costs 2 + 2 + 12 = 16 B/param, the same as fp32 Adam "
+              "(ZeRO paper sec. 3.1): no static saving without sharding.")
+EIGHT_BIT = ("8-bit AdamW keeps ~2.03 B/param of state (uint8 x 2 + fp32 absmax per 256), a quarter of fp32 "
+             "Adam's 8 B/param, not a half; tensors under 4096 elements keep fp32 state.")
+FOREACH = ("foreach AdamW (torch's CUDA default) allocates one parameter-sized temporary in the step "
+           "(_foreach_sqrt); fused=True or foreach=False avoid it.")
+CKPT = ("full checkpointing keeps each block's input (B x T x h) instead of its saved tensors; the saving is the "
+        "per-block ratio, not exactly L, and one block is rebuilt at a time during backward.")
+LOGITS = ("HF upcasts logits to fp32 for the loss; with a large vocabulary logits + log-softmax + their gradients "
+          "(~4 x B x T x V x 4 B at the start of backward) can dominate activations, and checkpointing does not "
+          "touch them.")
+
+
+def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
+    notes = []
+    if setup.precision.is_autocast:
+        notes.append(AMP_KEEPS_FP32)
+    if setup.precision is Precision.BF16_MASTER:
+        notes.append(MASTER_16B)
+    if setup.optimizer is Optimizer.ADAMW_8BIT:
+        notes.append(EIGHT_BIT)
+    if setup.optimizer is Optimizer.ADAMW_FOREACH:
+        notes.append(FOREACH)
+    if setup.checkpointing is Checkpointing.FULL:
+        notes.append(CKPT)
+    if spec.vocab_size >= 8 * spec.hidden_size:
+        notes.append(LOGITS)
+    if setup.attention is Attention.EAGER:
+        notes.append("eager attention keeps the fp32 B x H x T x T softmax of every layer for backward; "
+                     "SDPA/FlashAttention keeps O(T) statistics instead.")
+    return notes
