@@ -1,0 +1,81 @@
+"""Diagnose an estimate in the seed's terms: static memory, activation memory, both, or it fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .estimate.result import Category, MemoryEstimate
+from .hardware import Hardware
+from .units import format_bytes
+
+DEFAULT_MARGIN = 0.05
+"""Fraction of the device memory kept free: kernels' workspaces, allocator spikes, the unmodelled."""
+
+
+class Bottleneck(str, Enum):
+    FITS = "fits"
+    STATIC = "static"
+    ACTIVATIONS = "activations"
+    BOTH = "both"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    bottleneck: Bottleneck
+    capacity_bytes: int
+    budget_bytes: int
+    """capacity x (1 - margin): what the plan must stay under."""
+    required_bytes: int
+    static_bytes: int
+    """Parameters + gradients + optimizer states (+ the runtime overhead that is there from the start)."""
+    activation_bytes: int
+    """Activations + temporaries at the peak."""
+    margin: float
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Budget left (negative: over by this much)."""
+        return self.budget_bytes - self.required_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.bottleneck is Bottleneck.FITS
+
+    def summary(self) -> str:
+        need, budget = format_bytes(self.required_bytes), format_bytes(self.budget_bytes)
+        if self.fits:
+            return f"fits: needs {need} of {budget} usable ({format_bytes(self.headroom_bytes)} headroom)"
+        over = format_bytes(-self.headroom_bytes)
+        what = {Bottleneck.STATIC: "static memory (parameters + gradients + optimizer states)",
+                Bottleneck.ACTIVATIONS: "activation memory",
+                Bottleneck.BOTH: "both static and activation memory"}[self.bottleneck]
+        return f"does not fit: needs {need} of {budget} usable (over by {over}); the bottleneck is {what}"
+
+    def to_dict(self) -> dict:
+        return {"bottleneck": self.bottleneck.value, "capacity_bytes": self.capacity_bytes,
+                "budget_bytes": self.budget_bytes, "required_bytes": self.required_bytes,
+                "headroom_bytes": self.headroom_bytes, "static_bytes": self.static_bytes,
+                "activation_bytes": self.activation_bytes, "margin": self.margin}
+
+
+def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> Diagnosis:
+    """A component is a bottleneck when it alone takes more than half of the budget: then no change to the other
+    can make the step fit. Over budget, at least one of the two always does."""
+    cats = estimate.by_category()
+    static = estimate.static_bytes + cats[Category.OVERHEAD]
+    activ = estimate.activation_bytes
+    capacity = hardware.gpu.memory_bytes
+    budget = int(capacity * (1 - margin))
+    required = estimate.total_bytes
+    if required <= budget:
+        bottleneck = Bottleneck.FITS
+    else:
+        static_heavy, act_heavy = static > budget / 2, activ > budget / 2
+        bottleneck = (Bottleneck.BOTH if static_heavy and act_heavy else
+                      Bottleneck.STATIC if static_heavy else Bottleneck.ACTIVATIONS)
+    return Diagnosis(bottleneck=bottleneck, capacity_bytes=capacity, budget_bytes=budget, required_bytes=required,
+                     static_bytes=static, activation_bytes=activ, margin=margin)

@@ -1,0 +1,33 @@
+"""Every combination of the techniques that TrainingSetup accepts, for `plan --optimize`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from .errors import ConfigError
+from .hardware import Hardware
+from .setup import Attention, Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
+
+
+def candidate_setups(setup: TrainingSetup, hardware: Hardware) -> Iterator[TrainingSetup]:
+    precisions = {setup.precision}
+    if hardware.gpu.bf16:
+        precisions |= {Precision.AMP_BF16, Precision.BF16}
+    elif setup.precision is Precision.FP32:
+        precisions.add(Precision.AMP_FP16)
+    optimizers = {setup.optimizer}
+    if setup.optimizer.is_adam:
+        optimizers |= {Optimizer.ADAMW_8BIT, Optimizer.ADAMW_FUSED}
+    batch = setup.micro_batch_size * setup.grad_accum_steps
+    micro = [b for b in range(1, setup.micro_batch_size + 1) if batch % b == 0 and setup.micro_batch_size % b == 0]
+    n = hardware.world_size
+    shardings = [Sharding.NONE] + ([Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3] if n > 1 else [])
+    for prec, opt, ckpt, b, shard, off in itertools.product(
+            sorted(precisions), sorted(optimizers), list(Checkpointing), micro, shardings, list(Offload)):
+        try:
+            yield setup.replace(precision=prec, optimizer=opt, checkpointing=ckpt, attention=Attention.SDPA,
+                                micro_batch_size=b, grad_accum_steps=batch // b, sharding=shard, offload=off,
+                                num_gpus=n)
+        except ConfigError:
+            continue

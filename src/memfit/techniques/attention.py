@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from ..setup import Attention
+from .base import Context, Proposal, Skip, Technique, register
+
+
+@register
+class FlashAttention(Technique):
+    key = "flash_attention"
+    title = "FlashAttention / SDPA"
+
+    def propose(self, ctx: Context) -> Proposal | Skip:
+        if ctx.setup.attention is Attention.SDPA:
+            return Skip("already a kernel that never materialises T x T (sdpa)")
+        return Proposal(ctx.setup.replace(attention=Attention.SDPA),
+                        "AutoModelForCausalLM.from_pretrained(..., attn_implementation=\"sdpa\")",
+                        "none: usually faster than eager attention",
+                        "drops the B x H x T x T softmax every layer keeps for backward")

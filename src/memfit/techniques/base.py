@@ -1,0 +1,77 @@
+"""A technique is a small class that proposes a new TrainingSetup; it never edits numbers. The estimator re-sizes the
+proposal, so each technique's memory effect is modelled (and tested) once, in the estimator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+from ..diagnose import Bottleneck, Diagnosis, diagnose
+from ..estimate.analytic import estimate
+from ..estimate.result import MemoryEstimate
+from ..hardware import Hardware
+from ..model_spec import ModelSpec
+from ..setup import TrainingSetup
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a technique may look at: the model, the hardware, the current setup and its estimate."""
+
+    spec: ModelSpec
+    hardware: Hardware
+    setup: TrainingSetup
+    estimate: MemoryEstimate
+    diagnosis: Diagnosis
+    margin: float
+
+    def fits(self, setup: TrainingSetup) -> bool:
+        return self.fits_on(setup, self.hardware)
+
+    def fits_on(self, setup: TrainingSetup, hardware: Hardware) -> bool:
+        return diagnose(estimate(self.spec, setup, hardware), hardware, margin=self.margin).fits
+
+    def first_fitting(self, candidates: list[TrainingSetup]) -> TrainingSetup | None:
+        return next((c for c in candidates if self.fits(c)), None)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    setup: TrainingSetup
+    change: str
+    """The one-line change to make (code or config)."""
+    cost: str
+    """What it costs: compute, communication, traffic, convergence caveats."""
+    why: str
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+class Technique:
+    key: ClassVar[str]
+    title: ClassVar[str]
+
+    def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+REGISTRY: dict[str, Technique] = {}
+
+
+def register(cls: type[Technique]) -> type[Technique]:
+    REGISTRY[cls.key] = cls()
+    return cls
+
+
+# The seed's ladders, cheapest change first (shared/seed: "A Decision Framework").
+LADDERS: dict[Bottleneck, tuple[str, ...]] = {
+    Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "zero"),
+    Bottleneck.ACTIVATIONS: ("checkpointing", "micro_batch", "flash_attention"),
+    Bottleneck.BOTH: ("mixed_precision", "checkpointing", "adam_8bit", "micro_batch", "flash_attention", "zero",
+                      "cpu_offload"),
+}
+
+EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from ..setup import Checkpointing
+from .base import Context, Proposal, Skip, Technique, register
+
+
+@register
+class GradientCheckpointing(Technique):
+    key = "checkpointing"
+    title = "gradient checkpointing"
+
+    def propose(self, ctx: Context) -> Proposal | Skip:
+        if ctx.setup.checkpointing is Checkpointing.FULL:
+            return Skip("already on")
+        return Proposal(ctx.setup.replace(checkpointing=Checkpointing.FULL),
+                        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})",
+                        "+33% compute (one extra forward per step)",
+                        "keeps only each block's input and recomputes the rest during backward")

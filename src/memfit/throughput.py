@@ -1,0 +1,45 @@
+"""A coarse step-time model for ranking setups that fit (`memfit plan --optimize`). Relative, not absolute.
+
+time/sample = (compute + exposed communication + offload) / effective batch, where
+- compute = 6 P tokens FLOPs (Kaplan et al. 2020), 8 P tokens with full checkpointing (one extra forward), at a
+  model FLOP utilisation that falls for small micro-batches (fewer tokens per matmul) and for eager attention;
+- ZeRO traffic (ZeRO paper sec. 7) over NVLink within a node or the network across nodes, half of it hidden
+  behind compute;
+- offload: bf16 gradients down and parameters up over PCIe, and a CPU Adam step at ~1e9 params/s per rank.
+"""
+
+from __future__ import annotations
+
+from .hardware import Hardware
+from .model_spec import ModelSpec
+from .setup import Attention, Checkpointing, Offload, Optimizer, Precision, TrainingSetup
+from .techniques.costs import offload_traffic_bytes, zero_traffic_bytes
+
+NVLINK_BYTES_PER_S = 200e9
+NETWORK_BYTES_PER_S = 25e9
+CPU_ADAM_PARAMS_PER_S = 1e9
+BASE_MFU = 0.45
+
+
+def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> float:
+    """Modelled seconds per training sample (per rank); only ratios between setups are meaningful."""
+    tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps
+    flops_per_token = (8 if setup.checkpointing is Checkpointing.FULL else 6) * spec.num_params
+    mfu = BASE_MFU * min(1.0, (setup.micro_batch_size * setup.seq_len / 4096) ** 0.25)
+    if setup.attention is Attention.EAGER:
+        mfu *= 0.85
+    if setup.precision is Precision.FP32:
+        mfu *= 0.5  # tf32 tensor cores run at half the bf16 rate
+    peak = (hardware.gpu.peak_tflops_bf16 or 100.0) * 1e12
+    compute = tokens * flops_per_token / (peak * mfu)
+    comm = 0.0
+    if setup.num_gpus > 1:
+        link = NVLINK_BYTES_PER_S if hardware.num_nodes == 1 else NETWORK_BYTES_PER_S
+        comm = 0.5 * zero_traffic_bytes(spec, setup) / link
+    offload = 0.0
+    if setup.offload is not Offload.NONE:
+        offload = (offload_traffic_bytes(spec, setup) / (hardware.gpu.host_link_gbps * 1e9)
+                   + spec.num_params / setup.num_gpus / CPU_ADAM_PARAMS_PER_S)
+    if setup.optimizer is Optimizer.ADAMW_8BIT:
+        compute *= 1.01
+    return (compute + comm + offload) / (setup.micro_batch_size * setup.grad_accum_steps)
