@@ -1,0 +1,80 @@
+"""Resolve any model reference into a ModelSpec: a catalog name, a config.json, a hub id, a config dict or object,
+or a live nn.Module. The only part of memfit that reads Hugging Face configs or modules; importing it imports
+neither torch nor transformers (the hub path imports transformers when it is used)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelSourceError, suggest
+from ..model_spec import ModelSpec
+from .catalog import catalog_config, catalog_entry, catalog_names, catalog_spec, close_names, find_entry
+from .hf_config import from_config_file, from_hf_config, from_hub
+from .layouts import SUPPORTED_MODEL_TYPES
+from .module import from_module, from_pretrained_config, is_hf_config, is_module
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "catalog_config", "catalog_entry", "catalog_names", "from_config_file",
+    "from_hf_config", "from_hub", "from_module", "from_pretrained_config", "resolve_model",
+]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""namespace/name, as the Hub spells repository ids."""
+
+
+def _looks_like_path(text: str) -> bool:
+    return (text.endswith(".json") or text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1
+            or bool(re.match(r"^[A-Za-z]:", text)))
+
+
+def _resolve_text(text: str, name: str | None) -> ModelSpec:
+    entry = find_entry(text)
+    if entry is not None:
+        spec = catalog_spec(entry["name"])
+        return replace(spec, name=name) if name else spec
+    path = Path(text).expanduser()
+    if path.exists():
+        return from_config_file(path, name=name)
+    if _looks_like_path(text):
+        raise ModelSourceError(f"no config.json at '{text}': check the path, or use a catalog name "
+                               "(`memfit models` lists them)")
+    if _HUB_ID.match(text):
+        return from_hub(text, name=name, alternatives=close_names(text))
+    raise suggest(text, catalog_names(), "model")
+
+
+def resolve_model(ref: Any, *, name: str | None = None) -> ModelSpec:
+    """A ModelSpec from whatever names a model:
+
+    - a catalog name or alias, case-insensitive ('llama-3.1-8b', 'Qwen/Qwen2.5-7B' is matched offline too);
+    - a path to a config.json, or to a folder holding one;
+    - a hub id 'org/name' (transformers.AutoConfig; offline or missing -> ModelSourceError naming alternatives);
+    - a config dict, or a transformers PretrainedConfig;
+    - an nn.Module or PreTrainedModel (its exact tensors; architecture numbers from model.config when it has one).
+
+    `name` overrides the name the spec is shown under. An unknown plain name raises UnknownNameError listing the
+    closest catalog names.
+    """
+    if isinstance(ref, ModelSpec):
+        return replace(ref, name=name) if name else ref
+    if isinstance(ref, os.PathLike):
+        return from_config_file(ref, name=name)
+    if isinstance(ref, str):
+        text = ref.strip()
+        if not text:
+            raise ModelSourceError("empty model reference: give a catalog name, a config.json path or a hub id")
+        return _resolve_text(text, name)
+    if isinstance(ref, Mapping):
+        label = name or ref.get("_name_or_path") or ref.get("model_type") or "model"
+        return from_hf_config(ref, name=str(label), source="config dict")
+    if is_module(ref):
+        return from_module(ref, name=name)
+    if is_hf_config(ref):
+        return from_pretrained_config(ref, name=name)
+    raise ModelSourceError(f"cannot read a model from a {type(ref).__name__}: give a catalog name, a config.json "
+                           "path, a hub id, a config dict or an nn.Module")

@@ -1,0 +1,284 @@
+"""Hugging Face config.json -> ModelSpec, by arithmetic alone (no torch, no transformers at import or call time),
+plus the two readers around it: a config.json on disk and a hub id (the one place transformers is imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import MissingDependencyError, ModelSourceError
+from ..model_spec import ModelSpec
+from .layouts import SUPPORTED_MODEL_TYPES, Arch, param_layout
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one model_type spells and defaults its numbers. Defaults are those of the transformers config class,
+    so a config.json that omits a key means what it means to transformers."""
+
+    norm: str
+    gated_mlp: bool
+    tie_default: bool
+    max_positions_default: int
+    act_default: str
+    is_decoder: bool = True
+    keys: dict[str, str] = field(default_factory=dict)
+    """Canonical name -> this family's key, where they differ (GPT-2's n_embd, n_layer...)."""
+    act_keys: tuple[str, ...] = ("hidden_act",)
+    head_dim_default: int = 0
+    """Used when the config has no head_dim (gemma: 256); 0 means hidden_size / num_attention_heads."""
+    uses_head_dim: bool = True
+    """False where the modeling code ignores head_dim and kv heads (GPT-2, GPT-NeoX, BERT: plain multi-head)."""
+    attention_bias_default: bool = False
+
+
+_GPT2_KEYS = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+              "max_position_embeddings": "n_positions", "intermediate_size": "n_inner"}
+
+FAMILIES: dict[str, _Family] = {
+    "llama": _Family("rmsnorm", True, False, 2048, "silu"),
+    "mistral": _Family("rmsnorm", True, False, 131072, "silu"),
+    "qwen2": _Family("rmsnorm", True, False, 32768, "silu"),
+    "qwen3": _Family("rmsnorm", True, False, 32768, "silu"),
+    "gemma": _Family("rmsnorm", True, True, 8192, "gelu_pytorch_tanh", head_dim_default=256,
+                     act_keys=("hidden_activation", "hidden_act")),
+    "gemma2": _Family("rmsnorm", True, True, 8192, "gelu_pytorch_tanh", head_dim_default=256,
+                      act_keys=("hidden_activation", "hidden_act")),
+    "phi3": _Family("rmsnorm", True, False, 4096, "silu"),
+    "gpt2": _Family("layernorm", False, True, 1024, "gelu_new", keys=_GPT2_KEYS,
+                    act_keys=("activation_function",), uses_head_dim=False),
+    "gpt_neox": _Family("layernorm", False, False, 2048, "gelu", uses_head_dim=False, attention_bias_default=True),
+    "bert": _Family("layernorm", False, True, 512, "gelu", is_decoder=False, uses_head_dim=False),
+}
+
+
+class _Reader:
+    """Reads and checks config values, collecting every problem so one error names them all."""
+
+    def __init__(self, config: Mapping[str, Any], family: _Family, source: str) -> None:
+        self.config, self.family, self.source = config, family, source
+        self.problems: list[str] = []
+
+    def key(self, canonical: str) -> str:
+        return self.family.keys.get(canonical, canonical)
+
+    def positive_int(self, canonical: str, default: int | None = None) -> int:
+        key = self.key(canonical)
+        value = self.config.get(key)
+        if value is None:
+            if default is None:
+                self.problems.append(f"'{key}' is missing")
+                return 0
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            self.problems.append(f"'{key}' must be a positive whole number, got {value!r}")
+            return 0
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.config.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.problems.append(f"'{key}' must be true or false, got {value!r}")
+            return default
+        return value
+
+    def fail_if_any(self) -> None:
+        if self.problems:
+            raise ModelSourceError(f"{self.source}: " + "; ".join(self.problems) + ".")
+
+
+def _model_type(config: Mapping[str, Any], source: str) -> str:
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelSourceError(f"{source}: config has no 'model_type' string; is this a Hugging Face config.json?")
+    if model_type not in FAMILIES:
+        raise ModelSourceError(
+            f"{source}: model_type '{model_type}' has no parameter layout in memfit (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); pass the built nn.Module instead (memfit reads its tensors)."
+        )
+    return model_type
+
+
+def _heads(r: _Reader, hidden: int) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim), checking that they fit together."""
+    heads = r.positive_int("num_attention_heads")
+    if not r.family.uses_head_dim:
+        if heads and hidden and hidden % heads:
+            r.problems.append(f"'{r.key('num_attention_heads')}' ({heads}) must divide "
+                              f"'{r.key('hidden_size')}' ({hidden})")
+        return heads, heads, hidden // heads if heads else 0
+    kv_heads = r.positive_int("num_key_value_heads", default=heads or 1)
+    if heads and kv_heads and heads % kv_heads:
+        r.problems.append(f"'num_key_value_heads' ({kv_heads}) must divide 'num_attention_heads' ({heads})")
+    if r.config.get("head_dim") is not None:
+        return heads, kv_heads, r.positive_int("head_dim")
+    if r.family.head_dim_default:
+        return heads, kv_heads, r.family.head_dim_default
+    if heads and hidden and hidden % heads:
+        r.problems.append(f"'num_attention_heads' ({heads}) must divide 'hidden_size' ({hidden}) "
+                          "when 'head_dim' is not given")
+    return heads, kv_heads, hidden // heads if heads else 0
+
+
+def parse_arch(config: Mapping[str, Any], source: str) -> Arch:
+    """Validated, defaulted architecture numbers of an HF config dict; ModelSourceError names every bad key."""
+    if not isinstance(config, Mapping):
+        raise ModelSourceError(f"{source}: a model config must be a JSON object, got {type(config).__name__}")
+    model_type = _model_type(config, source)
+    family = FAMILIES[model_type]
+    r = _Reader(config, family, source)
+    hidden = r.positive_int("hidden_size")
+    heads, kv_heads, head_dim = _heads(r, hidden)
+    if model_type == "gpt2":  # GPT2MLP: n_inner or 4 * n_embd
+        intermediate = r.positive_int("intermediate_size", default=4 * hidden)
+    else:
+        intermediate = r.positive_int("intermediate_size")
+    arch = Arch(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_layers=r.positive_int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        vocab_size=r.positive_int("vocab_size"),
+        max_positions=r.positive_int("max_position_embeddings", default=family.max_positions_default),
+        tie_word_embeddings=r.flag("tie_word_embeddings", family.tie_default),
+        attention_bias=r.flag("attention_bias", family.attention_bias_default),
+        mlp_bias=r.flag("mlp_bias", False),
+        type_vocab_size=r.positive_int("type_vocab_size", default=2) if model_type == "bert" else 0,
+    )
+    r.fail_if_any()
+    return arch
+
+
+def _rotary_fraction(config: Mapping[str, Any], default: float) -> float:
+    """GPT-NeoX's rotary_pct, spelled partial_rotary_factor (or nested in rope_parameters) by transformers 5."""
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
+    for value in (config.get("rotary_pct"), config.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
+            return float(value)
+    return default
+
+
+def _family_extra(arch: Arch, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What the activation estimator needs beyond the common numbers, per family."""
+    t = arch.model_type
+    extra: dict[str, Any] = {}
+    if t == "qwen2":
+        extra["qkv_bias"] = True
+    if t == "qwen3":
+        extra["qk_norm"] = True
+    if t in ("llama", "gemma", "gemma2", "qwen3") and arch.attention_bias:
+        extra["attention_bias"] = True
+    if t == "llama" and arch.mlp_bias:
+        extra["mlp_bias"] = True
+    if t == "gpt_neox":
+        extra["parallel_residual"] = bool(config.get("use_parallel_residual", True))
+        extra["rotary_pct"] = _rotary_fraction(config, 0.25)
+    if t == "gemma2":
+        extra["final_logit_softcapping"] = config.get("final_logit_softcapping", 30.0)
+        extra["attn_logit_softcapping"] = config.get("attn_logit_softcapping", 50.0)
+        extra["sandwich_norms"] = True
+        extra["query_pre_attn_scalar"] = config.get("query_pre_attn_scalar", 256)
+    if t == "phi3":
+        extra.update(fused_qkv=True, fused_gate_up=True)
+    if t == "gpt2":
+        extra["conv1d"] = True
+    if t == "bert":
+        extra.update(mlm_head_transform=True, type_vocab_size=arch.type_vocab_size)
+    window = config.get("sliding_window")
+    uses_window = t in ("mistral", "gemma2", "phi3") or (t in ("qwen2", "qwen3") and config.get("use_sliding_window"))
+    if uses_window and isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        extra["sliding_window"] = window
+    return extra
+
+
+def _hidden_act(config: Mapping[str, Any], family: _Family) -> str:
+    for key in family.act_keys:
+        if isinstance(config.get(key), str):
+            return config[key]
+    return family.act_default
+
+
+def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> ModelSpec:
+    """A ModelSpec from a Hugging Face config dict: exact per-tensor parameter layout, architecture numbers and the
+    family details the activation estimator needs. Raises ModelSourceError (one line) for a malformed config."""
+    arch = parse_arch(config, source)
+    family = FAMILIES[arch.model_type]
+    return ModelSpec(
+        name=name,
+        model_type=arch.model_type,
+        params=param_layout(arch),
+        hidden_size=arch.hidden_size,
+        num_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        intermediate_size=arch.intermediate_size,
+        vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_positions,
+        is_decoder=family.is_decoder,
+        gated_mlp=family.gated_mlp,
+        hidden_act=_hidden_act(config, family),
+        norm=family.norm,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        source=source,
+        extra=_family_extra(arch, config),
+    )
+
+
+def from_config_file(path: str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
+    """A ModelSpec from a config.json file, or from a folder that holds one (a downloaded checkpoint)."""
+    path = Path(path).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ModelSourceError(f"cannot read {file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ModelSourceError(f"cannot read {file}: not a UTF-8 text file") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise ModelSourceError(f"{file} is not valid JSON: {exc.msg} at {where}") from None
+    default_name = file.parent.name if file.name == "config.json" and file.parent.name else file.stem
+    return from_hf_config(config, name=name or default_name, source=str(file))
+
+
+def _env_offline() -> bool:
+    return any(os.environ.get(v, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def from_hub(repo_id: str, *, name: str | None = None, alternatives: list[str] | None = None) -> ModelSpec:
+    """A ModelSpec from a Hub repository's config.json, through transformers.AutoConfig (cached files only when
+    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set). Never runs remote code."""
+    hint = f"try {', '.join(repr(a) for a in alternatives)} or " if alternatives else "use a catalog name or "
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise MissingDependencyError(
+            f"resolving hub id '{repo_id}' needs transformers (pip install 'memfit[hf]'); "
+            f"{hint}pass a local config.json"
+        ) from None
+    offline = _env_offline()
+    try:
+        config = AutoConfig.from_pretrained(repo_id, local_files_only=offline, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - hub, network and parsing failures all mean "not resolvable here"
+        reason = "offline and not in the local cache" if offline else _first_line(exc)
+        raise ModelSourceError(f"cannot get the config of '{repo_id}' from the Hugging Face Hub ({reason}); "
+                               f"{hint}pass a local config.json") from None
+    return from_hf_config(config.to_dict(), name=name or repo_id, source=f"hub:{repo_id}")
+
+
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
