@@ -33,14 +33,22 @@ class Dtypes:
     residual: int
     compute: int
     autocast: bool
+    on_cpu: bool = False
+    """CPU kernels differ: dropout keeps a mask in the input's dtype (CUDA: bool), and SDPA with dropout falls
+    back to the math path that materialises T x T (CUDA's flash / memory-efficient kernels do not)."""
 
     @classmethod
-    def of(cls, precision: Precision) -> "Dtypes":
+    def of(cls, precision: Precision, on_cpu: bool = False) -> "Dtypes":
         if precision.is_autocast:
-            return cls(residual=4, compute=2, autocast=True)
+            return cls(residual=4, compute=2, autocast=True, on_cpu=on_cpu)
         if precision.param_dtype == "bf16":
-            return cls(residual=2, compute=2, autocast=False)
-        return cls(residual=4, compute=4, autocast=False)
+            return cls(residual=2, compute=2, autocast=False, on_cpu=on_cpu)
+        return cls(residual=4, compute=4, autocast=False, on_cpu=on_cpu)
+
+    @property
+    def mask(self) -> str:
+        """Dtype class of a dropout mask."""
+        return "cmp" if self.on_cpu else "u8"
 
     def bytes_of(self, item: Saved) -> float:
         if item.dtype == "f32":
@@ -49,6 +57,8 @@ class Dtypes:
             return self.residual * item.elems
         if item.dtype == "cmp":
             return self.compute * item.elems
+        if item.dtype == "u8":
+            return item.elems
         # 'lin': one shared copy in the residual dtype, or one bf16 copy per reading Linear under autocast
         copies = item.readers if self.autocast else 1
         size = self.compute if self.autocast else self.residual
@@ -74,7 +84,8 @@ def _layernorm(spec: ModelSpec, count: int = 1, input_saved: bool = True) -> lis
 def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
     """q, k, v, output and softmax statistics (SDPA) or the T x T probabilities (eager)."""
     h, kv, heads = spec.hidden_size, spec.kv_dim, spec.num_attention_heads
-    if setup.attention is Attention.SDPA:
+    dropout = spec.extra.get("attention_dropout", 0.0) > 0
+    if setup.attention is Attention.SDPA and not (dropout and d.on_cpu):
         # Flash / memory-efficient SDPA saves q, k, v (k, v at kv-head width: GQA is passed through), the output
         # and the fp32 log-sum-exp per head and token; never the T x T matrix.
         k_v = 2 * kv
@@ -85,12 +96,25 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
             return [Saved("attention", fused, "cmp"), Saved("attention", rotated, "cmp"),
                     Saved("attention", h, "cmp"), Saved("attention", heads, "f32")]
         return [Saved("attention", h + k_v, "cmp"), Saved("attention", h, "cmp"), Saved("attention", heads, "f32")]
-    # Eager: q and k (repeated to all heads) for QK^T, fp32 softmax output (and its cast copy under bf16),
-    # v repeated, and the transposed output copy fed to o_proj.
-    probs = [Saved("attention", heads * seq_len, "f32")]
-    if d.compute == 2:
-        probs.append(Saved("attention", heads * seq_len, "cmp"))
-    return [Saved("attention", 4 * h, "cmp")] + probs
+    # Eager (or CPU SDPA with dropout, which takes the math path): q and k (repeated to all heads) for QK^T, the
+    # softmax output, v repeated, and the transposed output copy fed to o_proj. The probabilities that meet v are
+    # the softmax cast back to the compute dtype, or with dropout its mask and the dropped probabilities.
+    if setup.attention is Attention.SDPA:
+        # CPU math fallback: computes in fp32 whatever the input dtype (q, k, v, output; softmax, mask, dropped)
+        return [Saved("attention", 4 * h, "f32"), Saved("attention", 3 * heads * seq_len, "f32")]
+    rows = [Saved("attention", 4 * h, "cmp"), Saved("attention", heads * seq_len, "f32")]
+    if dropout:
+        rows += [Saved("attention", heads * seq_len, d.mask), Saved("attention", heads * seq_len, "cmp")]
+    elif d.compute == 2:
+        rows.append(Saved("attention", heads * seq_len, "cmp"))
+    return rows
+
+
+def _residual_dropouts(spec: ModelSpec, d: Dtypes, count: int) -> list[Saved]:
+    """Dropout on a branch output keeps only its mask."""
+    if spec.extra.get("residual_dropout", 0.0) <= 0:
+        return []
+    return [Saved("norms", spec.hidden_size, d.mask)] * count
 
 
 def _llama_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
@@ -113,7 +137,7 @@ def _gpt2_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) 
     rows = _layernorm(spec, 2)
     rows += [Saved("attention", h, "lin")] + _attention_core(spec, setup, seq_len, d)
     rows += [Saved("mlp", h, "lin"), Saved("mlp", (_act_saved(spec) + 1) * inter, "cmp")]
-    return rows
+    return rows + _residual_dropouts(spec, d, 2)
 
 
 def _act_saved(spec: ModelSpec) -> int:
@@ -136,7 +160,7 @@ def _bert_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) 
     rows = [Saved("attention", h, "lin", 3)] + _attention_core(spec, setup, seq_len, d)
     rows += _layernorm(spec, 2)  # post-LN after attention and after the MLP (inputs are residual sums)
     rows += [Saved("mlp", h, "lin"), Saved("mlp", 2 * inter, "cmp")]  # gelu input, output.dense input
-    return rows
+    return rows + _residual_dropouts(spec, d, 2)
 
 
 LAYER_RECIPES = {
@@ -145,10 +169,11 @@ LAYER_RECIPES = {
 }
 
 
-def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int) -> dict[str, int]:
+def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
+                      on_cpu: bool = False) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward, by group (attention / mlp / norms)."""
     recipe = LAYER_RECIPES.get(spec.model_type, _llama_layer)
-    d = Dtypes.of(setup.precision)
+    d = Dtypes.of(setup.precision, on_cpu)
     out = {"attention": 0.0, "mlp": 0.0, "norms": 0.0}
     for item in recipe(spec, setup, seq_len, d):
         out[item.group] += d.bytes_of(item) * tokens
@@ -168,10 +193,13 @@ def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict
     return {"head": int(sum(d.bytes_of(r) for r in rows) * tokens)}
 
 
-def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int) -> int:
+def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
+                          on_cpu: bool = False) -> int:
     """Token ids kept by the embedding backward (int64), position tables shared by all layers."""
-    d = Dtypes.of(setup.precision)
+    d = Dtypes.of(setup.precision, on_cpu)
     ids = 8 * tokens
+    if spec.extra.get("embedding_dropout", 0.0) > 0:
+        ids += int(d.bytes_of(Saved("norms", spec.hidden_size, d.mask)) * tokens)
     if spec.model_type == "bert":
         # token-type and position ids, and the embedding LayerNorm
         ids += 8 * tokens + 8 * seq_len + int(sum(d.bytes_of(r) for r in _layernorm(spec)) * tokens)

@@ -34,7 +34,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Memor
         setup = setup.replace(num_gpus=hardware.world_size)
     full = full_static(spec, setup)
     static = shard(spec, setup, full)
-    moments = _moments(spec, setup, static, full.step_temp)
+    moments = _moments(spec, setup, static, full.step_temp, hardware.is_cpu)
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
@@ -72,12 +72,12 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     return terms
 
 
-def _activation_terms(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[Term], dict]:
+def _activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> tuple[list[Term], dict]:
     """Terms alive at the end of forward (and so at the start of backward)."""
     tokens, seq = setup.tokens_per_micro_step, setup.seq_len
     layers = spec.num_layers
-    per_layer = act.layer_saved_bytes(spec, setup, tokens, seq)
-    d = act.Dtypes.of(setup.precision)
+    per_layer = act.layer_saved_bytes(spec, setup, tokens, seq, on_cpu)
+    d = act.Dtypes.of(setup.precision, on_cpu)
     ckpt = setup.checkpointing is Checkpointing.FULL
     terms = []
     if ckpt:
@@ -88,13 +88,16 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[Term]
             terms.append(Term(f"activations/{label}", Category.ACTIVATIONS, layers * per_layer[group],
                               f"L x saved {group} tensors per layer", ENGINE_SOURCE))
     head = act.head_saved_bytes(spec, setup, tokens)["head"]
-    emb = act.embedding_saved_bytes(spec, setup, tokens, seq) + 2 * 8 * tokens  # + input_ids and labels
-    terms.append(Term("activations/embeddings+head", Category.ACTIVATIONS, head + emb,
-                      "token ids, position tables, final norm, LM-head input", ENGINE_SOURCE))
+    emb = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu) + 2 * 8 * tokens  # + input_ids and labels
+    terms.append(Term("activations/embeddings", Category.ACTIVATIONS, emb,
+                      "token ids, labels, position tables", ENGINE_SOURCE))
+    terms.append(Term("activations/head", Category.ACTIVATIONS, head,
+                      "final norm and LM-head input (BERT: MLM transform)", ENGINE_SOURCE))
     vocab = spec.vocab_size * tokens
     logits = vocab * d.compute * (2 if spec.extra.get("final_logit_softcapping") else 1)
     terms.append(Term("activations/logits", Category.ACTIVATIONS, logits,
-                      f"B x T x V x {d.compute} B (kept by the model output)", "HF CausalLMOutput / MaskedLMOutput"))
+                      f"B x T x V x {d.compute} B, until the loss is computed",
+                      "HF CausalLMOutput; freed before backward when only the loss is kept (HF Trainer)"))
     loss_bytes = _loss_elem_bytes(spec, setup)
     terms.append(Term("activations/loss", Category.ACTIVATIONS, vocab * loss_bytes + 8 * tokens,
                       f"B x T x V x {loss_bytes} B log-softmax + shifted labels",
@@ -124,9 +127,9 @@ def _linear_weight_elems(spec: ModelSpec) -> int:
     return total
 
 
-def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int) -> dict:
+def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int, on_cpu: bool) -> dict:
     accum_grads = static.grads if setup.grad_accum_steps > 1 else 0
-    acts, info = _activation_terms(spec, setup)
+    acts, info = _activation_terms(spec, setup, on_cpu)
     tokens, d = info["tokens"], info["d"]
     vocab = spec.vocab_size * tokens
     head_grad_bytes = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
@@ -137,20 +140,28 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
     loss_tmp = Term("temporaries/loss_backward", Category.TEMPORARIES, 2 * vocab * loss_bytes,
                     f"2 x B x T x V x {loss_bytes} B: gradients of log-softmax and of the logits",
                     "aten log_softmax_backward")
-    moments["loss backward"] = (Phase.BACKWARD, forward + [loss_tmp])
+    # The Trainer keeps only the loss, so the logits are gone when backward starts (a loop that holds `outputs`
+    # through backward adds B x T x V x dtype here).
+    moments["loss backward"] = (Phase.BACKWARD, [t for t in forward if t.name != "activations/logits"] + [loss_tmp])
     layer_tmp = Term("temporaries/layer_backward", Category.TEMPORARIES,
-                     tokens * (3 * spec.intermediate_size * d.compute + 2 * spec.hidden_size * d.residual),
-                     "~3 x B x T x I (MLP input grads) + 2 x B x T x h (residual grads)", "autograd of one block")
+                     tokens * (spec.intermediate_size * d.compute + 2 * spec.hidden_size * d.residual),
+                     "B x T x I (MLP input grad) + 2 x B x T x h (residual grads)", "autograd of one block")
     grads_so_far = max(accum_grads, head_grad_bytes)
-    no_loss = [t for t in acts if t.name not in ("activations/logits", "activations/loss")]
+    # Once the head's backward has run, its saved tensors and the loss's are gone.
+    no_loss = [t for t in acts if t.name not in ("activations/logits", "activations/loss", "activations/head")]
     first_layer = _static_terms(spec, setup, static, grads_so_far) + no_loss + [layer_tmp]
     if setup.checkpointing is Checkpointing.FULL:
         recomputed = sum(info["per_layer"].values())
         first_layer.append(Term("activations/recomputed_block", Category.ACTIVATIONS, recomputed,
                                 "one block's saved tensors, rebuilt during backward", "torch.utils.checkpoint"))
     moments["first block backward"] = (Phase.BACKWARD, first_layer)
-    end = _static_terms(spec, setup, static, static.grads) + [t for t in no_loss if t.name == "activations/embeddings+head"]
+    end = _static_terms(spec, setup, static, static.grads) + [t for t in no_loss if t.name == "activations/embeddings"]
     if setup.checkpointing is Checkpointing.FULL:
+        # block 0 is rebuilt before its own and the embedding's gradients exist
+        pending = spec.params_matching(".*.") // max(spec.num_layers, 1) + spec.params_matching(
+            "embed_tokens", "wte", "word_embeddings", "embed_in")
+        end = _static_terms(spec, setup, static, static.grads - static.grads * pending // max(spec.num_params, 1))
+        end += [t for t in no_loss if t.name == "activations/embeddings"]
         end += [layer_tmp, Term("activations/recomputed_block", Category.ACTIVATIONS,
                                 sum(info["per_layer"].values()), "block 0 rebuilt during backward",
                                 "torch.utils.checkpoint")]

@@ -167,6 +167,27 @@ def _rotary_fraction(config: Mapping[str, Any], default: float) -> float:
     return default
 
 
+# (attention-probabilities key, residual key, embedding key, transformers' default) per family
+_DROPOUT_KEYS = {
+    "gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop", 0.1),
+    "bert": ("attention_probs_dropout_prob", "hidden_dropout_prob", "hidden_dropout_prob", 0.1),
+    "phi3": ("attention_dropout", "resid_pdrop", "embd_pdrop", 0.0),
+    "gpt_neox": ("attention_dropout", "hidden_dropout", None, 0.0),
+}
+
+
+def _dropout(model_type: str, config: Mapping[str, Any]) -> dict[str, float]:
+    """Dropout probabilities: each active dropout keeps a mask for backward (and eager attention's a T x T one)."""
+    attn_key, resid_key, embd_key, default = _DROPOUT_KEYS.get(model_type, ("attention_dropout", None, None, 0.0))
+
+    def prob(key: str | None) -> float:
+        value = config.get(key, default) if key else 0.0
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+    out = {"attention_dropout": prob(attn_key), "residual_dropout": prob(resid_key), "embedding_dropout": prob(embd_key)}
+    return {k: v for k, v in out.items() if v > 0}
+
+
 def _family_extra(arch: Arch, config: Mapping[str, Any]) -> dict[str, Any]:
     """What the activation estimator needs beyond the common numbers, per family."""
     t = arch.model_type
@@ -193,6 +214,7 @@ def _family_extra(arch: Arch, config: Mapping[str, Any]) -> dict[str, Any]:
         extra["conv1d"] = True
     if t == "bert":
         extra.update(mlm_head_transform=True, type_vocab_size=arch.type_vocab_size)
+    extra.update(_dropout(t, config))
     window = config.get("sliding_window")
     uses_window = t in ("mistral", "gemma2", "phi3") or (t in ("qwen2", "qwen3") and config.get("use_sliding_window"))
     if uses_window and isinstance(window, int) and not isinstance(window, bool) and window > 0:
