@@ -1,0 +1,251 @@
+"""The options every sizing command shares, parsed into library values at the command-line boundary.
+
+Each option is an `Annotated` alias with its help panel; `with_setup_options` adds the whole set to a command in
+place of its `opts: SetupOptions` parameter, so a new command (trace, measure, launch) takes the same options by
+writing one parameter. Values are checked here, so a bad number is one line naming the option, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from ..diagnose import DEFAULT_MARGIN
+from ..errors import MemfitError
+from ..hardware import GPU, Hardware, get_gpu, make_hardware
+from ..model_spec import ModelSpec
+from ..setup import Attention, Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup, _Choice
+from ..units import parse_size
+
+MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
+DEFAULT_GPU = "A100-80GB"
+
+# Upper bounds that no real step reaches; they keep the ladder's divisor search and --optimize's enumeration short.
+MAX_MICRO_BATCH = 65_536
+MAX_SEQ_LEN = 16 * 1024 * 1024
+MAX_ACCUM = 65_536
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 65_536
+
+
+def whole_number(maximum: int) -> Callable[[str], int]:
+    """A parser for a whole number in [1, maximum]: '0', '-3', '1.5' and 'abc' are rejected with one line."""
+
+    def parse(value: str | int) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            try:
+                number = int(str(value).strip())
+            except ValueError:
+                raise typer.BadParameter(f"'{value}' is not a whole number") from None
+        if not 1 <= number <= maximum:
+            raise typer.BadParameter(f"{number} must be a whole number from 1 to {maximum:,}")
+        return number
+
+    return parse
+
+
+def fraction(value: str | float) -> float:
+    """A finite number in [0, 1)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise typer.BadParameter(f"'{value}' is not a number: give a fraction such as 0.05") from None
+    if not (math.isfinite(number) and 0 <= number < 1):
+        raise typer.BadParameter(f"{value} must be a fraction from 0 (keep nothing free) up to, not including, 1")
+    return number
+
+
+def size(value: str | int) -> int:
+    """A memory size: 512GiB, 1.5TB, 64G (bare numbers are GiB)."""
+    if isinstance(value, int):
+        return value
+    try:
+        return parse_size(str(value))
+    except MemfitError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+def gpu(value: str | GPU) -> GPU:
+    """A catalog GPU name or alias, or a memory size for a GPU that is not in the catalog."""
+    if isinstance(value, GPU):
+        return value
+    text = str(value).strip()
+    try:
+        return get_gpu(text)
+    except MemfitError as error:
+        message = str(error)
+    if text[:1].isdigit() or text[:1] in "+-.":
+        try:  # a size parse_size rejects: say why in its words rather than 'unknown gpu'
+            parse_size(text)
+        except MemfitError as size_error:
+            message = str(size_error)
+    raise typer.BadParameter(message)
+
+
+def choice(kind: type[_Choice]) -> Callable[[str], _Choice]:
+    """A parser for one of a setup enum's values, or an alias it accepts (e.g. 'flash' for sdpa)."""
+
+    def parse(value: str | _Choice) -> _Choice:
+        try:
+            return kind.parse(value)
+        except MemfitError as error:
+            raise typer.BadParameter(str(error)) from None
+
+    return parse
+
+
+def _choices(kind: type[_Choice]) -> str:
+    return ", ".join(m.value for m in kind)
+
+
+def _option(*decls: str, panel: str, help: str, parser: Callable | None = None, metavar: str | None = None,
+            **extra) -> Any:
+    return typer.Option(*decls, help=help, rich_help_panel=panel, parser=parser, metavar=metavar,
+                        show_default=False, **extra)
+
+
+def _choice_option(decl: str, kind: type[_Choice], help: str) -> Any:
+    return _option(decl, panel=SETUP_PANEL, parser=choice(kind), metavar=decl.lstrip("-").upper(),
+                   help=help)
+
+
+ModelArg = Annotated[str, typer.Argument(
+    metavar="MODEL", show_default=False, rich_help_panel=MODEL_PANEL,
+    help="A catalog name (see `memfit models`), a path to a config.json or a folder holding one, "
+         "or a Hugging Face hub id (org/name).")]
+
+GpuOpt = Annotated[Optional[GPU], _option(
+    "--gpu", panel=HARDWARE_PANEL, parser=gpu, metavar="NAME|SIZE",
+    help=f"GPU: a catalog name (see `memfit gpus`) or a memory size such as 24GiB. Default: {DEFAULT_GPU}.")]
+GpusOpt = Annotated[Optional[int], _option(
+    "--gpus", panel=HARDWARE_PANEL, parser=whole_number(MAX_GPUS_PER_NODE), metavar="N",
+    help="GPUs per node. Default: 1. With more than one, the plan may shard with ZeRO.")]
+NodesOpt = Annotated[Optional[int], _option(
+    "--nodes", panel=HARDWARE_PANEL, parser=whole_number(MAX_NODES), metavar="N", help="Nodes. Default: 1.")]
+CpuRamOpt = Annotated[Optional[int], _option(
+    "--cpu-ram", panel=HARDWARE_PANEL, parser=size, metavar="SIZE",
+    help="Host RAM per node for CPU offload, e.g. 512GiB. Default: 256GiB.")]
+MarginOpt = Annotated[Optional[float], _option(
+    "--margin", panel=HARDWARE_PANEL, parser=fraction, metavar="FRACTION",
+    help=f"Fraction of GPU memory kept free for kernels' workspaces and spikes. Default: {DEFAULT_MARGIN}.")]
+
+BatchOpt = Annotated[Optional[int], _option(
+    "--batch", "-b", panel=SETUP_PANEL, parser=whole_number(MAX_MICRO_BATCH), metavar="N",
+    help=f"Micro-batch: sequences per GPU per forward/backward. Default: {TrainingSetup.micro_batch_size}.")]
+SeqOpt = Annotated[Optional[int], _option(
+    "--seq", "-s", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
+    help=f"Sequence length in tokens. Default: {TrainingSetup.seq_len}, or the model's maximum if shorter.")]
+AccumOpt = Annotated[Optional[int], _option(
+    "--accum", panel=SETUP_PANEL, parser=whole_number(MAX_ACCUM), metavar="N",
+    help=f"Gradient accumulation steps. Default: {TrainingSetup.grad_accum_steps}.")]
+PrecisionOpt = Annotated[Optional[Precision], _choice_option(
+    "--precision", Precision, help=f"{_choices(Precision)}. Default: {TrainingSetup.precision}.")]
+OptimizerOpt = Annotated[Optional[Optimizer], _choice_option(
+    "--optimizer", Optimizer, help=f"{_choices(Optimizer)}. Default: {TrainingSetup.optimizer}.")]
+CheckpointingOpt = Annotated[Optional[Checkpointing], _choice_option(
+    "--checkpointing", Checkpointing,
+    help=f"Gradient checkpointing: {_choices(Checkpointing)}. Default: {TrainingSetup.checkpointing}.")]
+AttentionOpt = Annotated[Optional[Attention], _choice_option(
+    "--attention", Attention,
+    help=f"{_choices(Attention)} (sdpa = FlashAttention / memory-efficient kernel). "
+         f"Default: {TrainingSetup.attention}.")]
+ZeroOpt = Annotated[Optional[Sharding], _choice_option(
+    "--zero", Sharding,
+    help=f"ZeRO sharding: {_choices(Sharding)}. Default: none (the plan shards when needed); needs 2+ GPUs.")]
+OffloadOpt = Annotated[Optional[Offload], _choice_option(
+    "--offload", Offload, help=f"CPU offload: {_choices(Offload)}. Default: none.")]
+
+JsonOpt = Annotated[bool, _option("--json", panel=OUTPUT_PANEL,
+                                  help="Print JSON only (sizes as integer bytes), for scripts.")]
+VerboseOpt = Annotated[bool, _option("--verbose", "-v", panel=OUTPUT_PANEL,
+                                     help="Show each term's formula and source.")]
+
+
+@dataclass(frozen=True)
+class SetupOptions:
+    """What the user gave on the command line; None where an option was not given."""
+
+    gpu: GPU | None = None
+    gpus: int | None = None
+    nodes: int | None = None
+    cpu_ram: int | None = None
+    margin: float | None = None
+    batch: int | None = None
+    seq: int | None = None
+    accum: int | None = None
+    precision: Precision | None = None
+    optimizer: Optimizer | None = None
+    checkpointing: Checkpointing | None = None
+    attention: Attention | None = None
+    zero: Sharding | None = None
+    offload: Offload | None = None
+
+    @property
+    def margin_fraction(self) -> float:
+        return DEFAULT_MARGIN if self.margin is None else self.margin
+
+    def hardware(self) -> Hardware:
+        return make_hardware(self.gpu or DEFAULT_GPU, gpus_per_node=self.gpus or 1, num_nodes=self.nodes or 1,
+                             cpu_ram=self.cpu_ram)
+
+    def setup(self, spec: ModelSpec, hardware: Hardware) -> TrainingSetup:
+        """The TrainingSetup the options describe; defaults are a typical fine-tune, stated in `notes`."""
+        defaults = TrainingSetup()
+        seq, notes = self.seq, []
+        max_positions = spec.max_position_embeddings
+        if seq is None and 0 < max_positions < defaults.seq_len:
+            seq = max_positions
+            notes.append(f"seq {seq}: the default {defaults.seq_len} clamped to the model's "
+                         f"max_position_embeddings")
+        elif seq is not None and 0 < max_positions < seq:
+            notes.append(f"seq {seq} is longer than the model's max_position_embeddings ({max_positions})")
+        assumed = [f"{label} {value}" for label, given, value in (
+            ("micro-batch", self.batch, defaults.micro_batch_size), ("seq", self.seq, seq or defaults.seq_len),
+            ("accum", self.accum, defaults.grad_accum_steps), ("precision", self.precision, defaults.precision),
+            ("optimizer", self.optimizer, defaults.optimizer),
+            ("checkpointing", self.checkpointing, defaults.checkpointing),
+            ("attention", self.attention, defaults.attention)) if given is None]
+        if assumed:
+            notes.insert(0, "assumed: " + ", ".join(assumed) + " (a typical fine-tune; set them with options)")
+        chosen = {"micro_batch_size": self.batch, "seq_len": seq, "grad_accum_steps": self.accum,
+                  "precision": self.precision, "optimizer": self.optimizer, "checkpointing": self.checkpointing,
+                  "attention": self.attention, "sharding": self.zero, "offload": self.offload}
+        return TrainingSetup(**{k: v for k, v in chosen.items() if v is not None}, num_gpus=hardware.world_size,
+                             notes=tuple(notes))
+
+
+_SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
+    "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
+    "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
+    "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
+}
+
+
+def with_setup_options(command: Callable) -> Callable:
+    """Replace the command's `opts: SetupOptions` parameter by the shared options, and call it with them collected
+    into a SetupOptions. Typer reads the signature, so `--help` lists the options in their panels."""
+    signature = inspect.signature(command)
+    names = list(signature.parameters)
+    if "opts" not in names:
+        raise TypeError(f"{command.__name__} needs an `opts: SetupOptions` parameter")
+    at = names.index("opts")
+    before = list(signature.parameters.values())[:at]
+    after = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in list(signature.parameters.values())[at + 1:]]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+              for name, annotation in _SHARED_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        opts = SetupOptions(**{name: kwargs.pop(name) for name in _SHARED_OPTIONS})
+        return command(*args, opts=opts, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=before + shared + after)
+    wrapper.__annotations__ = {p.name: p.annotation for p in wrapper.__signature__.parameters.values()}
+    return wrapper

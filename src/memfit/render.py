@@ -1,0 +1,293 @@
+"""Terminal rendering: the only module that imports rich. Every function takes a Console and library values and
+prints; nothing here computes a number. Sizes are shown in GiB (1024**3), labelled GiB, and every line fits the
+console width (80 columns is the target)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+
+from rich import box
+from rich.console import Console
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from .diagnose import Diagnosis
+from .estimate.result import MemoryEstimate
+from .hardware import GPU, Hardware
+from .model_spec import ModelSpec
+from .setup import TrainingSetup
+from .units import GiB, format_bytes
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """Width from the terminal (or $COLUMNS); 80 when the output is not a terminal. No colour when piped."""
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def gib(num_bytes: int) -> str:
+    return f"{num_bytes / GiB:.2f}"
+
+
+def _params(num_params: int) -> str:
+    if num_params >= 10**9:
+        return f"{num_params / 1e9:.2f} B params"
+    return f"{num_params / 1e6:.1f} M params"
+
+
+def describe_setup(setup: TrainingSetup) -> str:
+    return (f"micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, accum {setup.grad_accum_steps}, "
+            f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
+            f"sharding {setup.sharding}, offload {setup.offload}")
+
+
+def _heading(console: Console, title: str) -> None:
+    console.print()
+    console.print(Text(title, style="bold"))
+
+
+def _bullets(console: Console, lines: Iterable[str], *, style: str = "") -> None:
+    for line in lines:
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        grid.add_column(overflow="fold")
+        grid.add_row("-", Text(line, style=style))
+        console.print(Padding(grid, (0, 0, 0, 1)))
+
+
+def _fields(console: Console, rows: Sequence[tuple[str, str | Text]]) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(label, value if isinstance(value, Text) else Text(value))
+    console.print(grid)
+
+
+def header(console: Console, command: str, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware,
+           margin: float) -> None:
+    gpu = hardware.gpu
+    count = f"{hardware.world_size} x " if hardware.world_size > 1 else ""
+    nodes = f" ({hardware.num_nodes} nodes x {hardware.gpus_per_node})" if hardware.num_nodes > 1 else ""
+    nominal = f", sold as {gpu.nominal}" if gpu.nominal else ""
+    budget = int(gpu.memory_bytes * (1 - margin))
+    console.print(Text.assemble(("memfit ", "bold"), (command, "bold cyan"), "  ", (spec.name, "bold"),
+                                f"  {_params(spec.num_params)}"))
+    _fields(console, [
+        ("model", f"{spec.model_type}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+                  f"vocab {spec.vocab_size:,} (from {spec.source})"),
+        ("GPU", f"{count}{gpu.name}{nodes}: {gib(gpu.memory_bytes)} GiB usable{nominal}; "
+                f"{margin:.0%} kept free -> {gib(budget)} GiB budget"),
+        ("setup", describe_setup(setup)),
+        *[("", Text(note, style="dim")) for note in setup.notes],
+    ])
+
+
+def breakdown(console: Console, estimate: MemoryEstimate, *, verbose: bool = False) -> None:
+    total = estimate.total_bytes
+    title = f"Peak memory per GPU: {gib(total)} GiB ({estimate.method} estimate)"
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left", title_style="bold")
+    table.add_column("term", overflow="fold", ratio=1)
+    table.add_column("category", no_wrap=True)
+    table.add_column("GiB", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    for term in estimate.terms:
+        name = Text(term.name)
+        if verbose and term.formula:
+            name.append(f"\n{term.formula}", style="dim")
+            if term.source:
+                name.append(f"\n[{term.source}]", style="dim italic")
+        share = term.num_bytes / total if total else 0.0
+        table.add_row(name, str(term.category), gib(term.num_bytes), f"{share:.1%}")
+    table.add_section()
+    table.add_row(Text("total", style="bold"), "", Text(gib(total), style="bold"), "100.0%")
+    console.print()
+    console.print(table)
+    if estimate.cpu_bytes:
+        console.print(Text(f"CPU RAM for offloaded tensors: {gib(estimate.cpu_bytes)} GiB per node"))
+
+
+def peak_and_diagnosis(console: Console, estimate: MemoryEstimate, diagnosis: Diagnosis) -> None:
+    phases = ", ".join(f"{phase} {gib(num_bytes)}" for phase, num_bytes in estimate.phase_peaks.items())
+    rows: list[tuple[str, str | Text]] = [
+        ("peak", f"during {estimate.peak_phase}" + (f" (tensor GiB by phase: {phases})" if phases else ""))]
+    style = "green" if diagnosis.fits else "red"
+    rows.append(("diagnosis", Text(diagnosis.summary(), style=style)))
+    rows.append(("", f"static {gib(diagnosis.static_bytes)} GiB (params + grads + optimizer + runtime), "
+                     f"activations {gib(diagnosis.activation_bytes)} GiB, headroom "
+                     f"{gib(diagnosis.headroom_bytes)} GiB"))
+    console.print()
+    _fields(console, rows)
+
+
+def notes(console: Console, estimate: MemoryEstimate) -> None:
+    if not estimate.notes:
+        return
+    _heading(console, "Where the rule of thumb differs")
+    _bullets(console, estimate.notes)
+
+
+def estimate_report(console: Console, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware,
+                    estimate: MemoryEstimate, diagnosis: Diagnosis, *, verbose: bool = False) -> None:
+    header(console, "estimate", spec, setup, hardware, diagnosis.margin)
+    breakdown(console, estimate, verbose=verbose)
+    peak_and_diagnosis(console, estimate, diagnosis)
+    notes(console, estimate)
+
+
+def _fits_cell(diagnosis: Diagnosis) -> Text:
+    if diagnosis.fits:
+        return Text("yes", style="green")
+    return Text(f"no: {diagnosis.bottleneck}", style="red")
+
+
+def ladder(console: Console, plan) -> None:
+    """One row per PlanStep, then each step's change and why, then the rungs passed over."""
+    _heading(console, "Ladder (cheapest change first, re-estimated after each step)")
+    if not plan.steps:
+        console.print(Text(" nothing to change: the step fits as given", style="green"))
+        return
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("technique", max_width=24, overflow="fold")
+    table.add_column("GiB after", justify="right", no_wrap=True)
+    table.add_column("fits", no_wrap=True)
+    table.add_column("cost", ratio=1, overflow="fold")
+    table.add_row("", Text("as given", style="dim"), gib(plan.initial_estimate.total_bytes),
+                  _fits_cell(plan.initial_diagnosis), "")
+    for number, step in enumerate(plan.steps, 1):
+        table.add_row(str(number), step.title, gib(step.estimate.total_bytes), _fits_cell(step.diagnosis), step.cost)
+    console.print(table)
+    for number, step in enumerate(plan.steps, 1):
+        console.print(Text(f" {number}. {step.title}", style="bold"))
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(style="dim", no_wrap=True)
+        grid.add_column(overflow="fold")
+        grid.add_row("change", Text(step.change, style="cyan"))
+        grid.add_row("why", Text(step.why))
+        console.print(Padding(grid, (0, 0, 0, 4)))
+    if plan.skipped:
+        _heading(console, "Rungs passed over")
+        _bullets(console, [f"{title}: {reason}" for title, reason in plan.skipped])
+
+
+def verdict(console: Console, plan) -> None:
+    final = plan.final_diagnosis
+    _heading(console, "Verdict")
+    changes = len(plan.steps)
+    rows: list[tuple[str, str | Text]] = []
+    if plan.fits:
+        lead = "as given" if not changes else f"after {changes} change{'s' if changes > 1 else ''}"
+        rows.append(("fits", Text(f"{lead}: {final.summary().removeprefix('fits: ')}", style="bold green")))
+        if changes:
+            rows.append(("final setup", describe_setup(plan.final_setup)))
+    else:
+        rows.append(("no fit", Text("nothing on the ladder makes it fit: "
+                                    + final.summary().removeprefix("does not fit: "), style="bold red")))
+    cpu = plan.final_estimate.cpu_bytes
+    if cpu:
+        rows.append(("CPU RAM", f"{gib(cpu)} GiB of {gib(plan.hardware.cpu_ram_bytes)} GiB per node"))
+    _fields(console, rows)
+    if not plan.fits and plan.suggestions:
+        _heading(console, "What would fit")
+        _bullets(console, plan.suggestions)
+
+
+def optimized(console: Console, choice, reference: TrainingSetup) -> None:
+    """The throughput-optimal fitting setup (plan --optimize) and where it differs from the ladder's."""
+    _heading(console, "Throughput-optimal setup (--optimize)")
+    if choice is None:
+        console.print(Text(" no combination of the techniques fits either", style="red"))
+        return
+    if not choice.differences:
+        console.print(Text(" the ladder's final setup is already the fastest fitting one"))
+        return
+    speed = choice.relative_step_time
+    console.print(Text(f" {gib(choice.estimate.total_bytes)} GiB; modelled time per sample {speed:.2f}x the "
+                       f"ladder's final setup. Differs in:"))
+    _bullets(console, choice.differences)
+
+
+def snippets(console: Console, items: Mapping[str, str]) -> None:
+    """Paste-ready configuration of the final setup: {title: text}."""
+    if not items:
+        return
+    _heading(console, "Configuration for the final setup")
+    for title, text in items.items():
+        console.print(Text(f" {title}", style="dim"))
+        console.print(Padding(Text(text, style="cyan", overflow="fold"), (0, 0, 0, 2)))
+
+
+def python_call(function: str, kwargs: Mapping[str, object]) -> str:
+    lines = [f"{function}("] + [f"    {key}={value!r}," for key, value in kwargs.items()] + [")"]
+    return "\n".join(lines)
+
+
+def compact_json(data: Mapping, *, width: int = 72, indent: int = 2) -> str:
+    """A JSON object one key per line, with nested objects inline where they fit in `width`: short, still valid."""
+    items = []
+    for key, value in data.items():
+        inline = f"{' ' * indent}{json.dumps(key)}: {json.dumps(value)}"
+        if isinstance(value, Mapping) and value and len(inline) > width:
+            inline = f"{' ' * indent}{json.dumps(key)}: " + compact_json(value, width=width, indent=indent + 2)
+        items.append(inline)
+    return "{\n" + ",\n".join(items) + "\n" + " " * (indent - 2) + "}"
+
+
+def emitted(console: Console, paths: Sequence[str]) -> None:
+    _heading(console, "Written")
+    _bullets(console, paths)
+
+
+def plan_report(console: Console, plan, *, verbose: bool = False, optimize_requested: bool = False,
+                optimized_choice=None, config_snippets: Mapping[str, str] | None = None,
+                emitted_paths: Sequence[str] = ()) -> None:
+    header(console, "plan", plan.spec, plan.initial_setup, plan.hardware, plan.margin)
+    breakdown(console, plan.initial_estimate, verbose=verbose)
+    peak_and_diagnosis(console, plan.initial_estimate, plan.initial_diagnosis)
+    notes(console, plan.initial_estimate)
+    ladder(console, plan)
+    verdict(console, plan)
+    if optimize_requested:
+        optimized(console, optimized_choice, plan.final_setup)
+    if plan.fits and config_snippets:
+        snippets(console, config_snippets)
+    if emitted_paths:
+        emitted(console, emitted_paths)
+
+
+def models_table(console: Console, entries: Sequence[Mapping]) -> None:
+    """One row per model; under 110 columns the hub id goes under the name, so the table fits 80 columns."""
+    wide = console.width >= 110
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left",
+                  title="Built-in models (memfit plan MODEL)", title_style="bold")
+    table.add_column("name" if wide else "name / hub id", overflow="fold")
+    for header in ("params\nB", "layers", "hidden", "heads\n/kv", "vocab", "max\npos"):
+        table.add_column(header.replace("\n", " ") if wide else header, justify="right", no_wrap=True)
+    if wide:
+        table.add_column("hub id", overflow="fold")
+    for e in entries:
+        hub = Text(e["hub_id"], style="dim")
+        name = Text(e["name"]) if wide else Text.assemble(e["name"], "\n", hub)
+        numbers = [f"{e['num_params'] / 1e9:.2f}", str(e["num_layers"]), str(e["hidden_size"]),
+                   f"{e['num_attention_heads']}/{e['num_kv_heads']}", str(e["vocab_size"]),
+                   str(e["max_position_embeddings"])]
+        table.add_row(name, *numbers, *([hub] if wide else []))
+    console.print(table)
+
+
+def gpus_table(console: Console, gpus: Sequence[GPU], *, verbose: bool = False) -> None:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="GPU catalog (--gpu NAME, or a size such as 24GiB)",
+                  title_justify="left", title_style="bold")
+    table.add_column("name", no_wrap=True)
+    table.add_column("usable GiB", justify="right", no_wrap=True)
+    table.add_column("nominal", no_wrap=True)
+    table.add_column("bf16", no_wrap=True)
+    table.add_column("source", overflow="fold", ratio=1, min_width=12)
+    for gpu in gpus:
+        source = Text(gpu.source, style="dim", no_wrap=not verbose, overflow="fold" if verbose else "ellipsis")
+        table.add_row(gpu.name, gib(gpu.memory_bytes), gpu.nominal, "yes" if gpu.bf16 else "no", source)
+    console.print(table)
+    if not verbose:
+        console.print(Text("Full sources: memfit gpus --verbose (or --json).", style="dim"))
