@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from .errors import ConfigError
 from .hardware import Hardware
+from .techniques.micro_batch import divisors
 from .setup import Attention, Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
 
 
@@ -20,7 +21,7 @@ def candidate_setups(setup: TrainingSetup, hardware: Hardware) -> Iterator[Train
     if setup.optimizer.is_adam:
         optimizers |= {Optimizer.ADAMW_8BIT, Optimizer.ADAMW_FUSED}
     batch = setup.micro_batch_size * setup.grad_accum_steps
-    micro = [b for b in range(1, setup.micro_batch_size + 1) if batch % b == 0 and setup.micro_batch_size % b == 0]
+    micro = divisors(setup.micro_batch_size)
     n = hardware.world_size
     shardings = [Sharding.NONE] + ([Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3] if n > 1 else [])
     for prec, opt, ckpt, b, shard, off in itertools.product(

@@ -16,8 +16,8 @@ FOREACH = ("foreach AdamW (torch's CUDA default) allocates one parameter-sized t
            "(_foreach_sqrt); fused=True or foreach=False avoid it.")
 CKPT = ("full checkpointing keeps each block's input (B x T x h) instead of its saved tensors; the saving is the "
         "per-block ratio, not exactly L, and one block is rebuilt at a time during backward.")
-LOGITS = ("HF upcasts logits to fp32 for the loss; with a large vocabulary logits + log-softmax + their gradients "
-          "(~4 x B x T x V x 4 B at the start of backward) can dominate activations, and checkpointing does not "
+LOGITS = ("HF upcasts logits to fp32 for the loss; with a large vocabulary log-softmax and its two gradients "
+          "(3 x B x T x V x 4 B at the start of backward) can dominate activations, and checkpointing does not "
           "touch them.")
 
 
