@@ -1,0 +1,135 @@
+"""transformers.TrainingArguments kwargs and from_pretrained kwargs for a TrainingSetup (transformers 5.x names;
+`legacy_names` gives the gradient_checkpointing* spelling that older releases need)."""
+
+from __future__ import annotations
+
+from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
+from .deepspeed import deepspeed_owns_optimizer
+from .emitted import EmittedConfig, engine_work, uses_deepspeed
+
+# TrainingArguments.optim names (transformers.training_args.OptimizerNames).
+_OPTIM_NAMES = {
+    Optimizer.ADAMW: "adamw_torch",
+    Optimizer.ADAMW_FOREACH: "adamw_torch",
+    Optimizer.ADAMW_FUSED: "adamw_torch_fused",
+    Optimizer.ADAMW_8BIT: "adamw_bnb_8bit",
+    Optimizer.SGD: "sgd",
+    Optimizer.ADAFACTOR: "adafactor",
+}
+
+
+def hf_trainer_kwargs(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.json",
+                      legacy_names: bool = False) -> dict:
+    """Keyword arguments for `transformers.TrainingArguments` (output_dir and the schedule are yours to add)."""
+    return _build(setup, deepspeed_path, legacy_names)[0]
+
+
+def hf_model_kwargs(setup: TrainingSetup) -> dict:
+    """Keyword arguments for `AutoModelForCausalLM.from_pretrained`: what the Trainer cannot set on the model."""
+    return _model_build(setup)[0]
+
+
+def hf_trainer_file(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.json", legacy_names: bool = False,
+                    filename: str = "training_args.json") -> EmittedConfig:
+    content, comments, notes = _build(setup, deepspeed_path, legacy_names)
+    summary = ("`TrainingArguments(output_dir=..., **json.load(f))`, or "
+               "`HfArgumentParser(TrainingArguments).parse_json_file(...)`.")
+    return EmittedConfig(filename, content, comments, tuple(notes), summary=summary)
+
+
+def hf_model_file(setup: TrainingSetup, *, filename: str = "model_kwargs.json") -> EmittedConfig:
+    content, comments = _model_build(setup)
+    return EmittedConfig(filename, content, comments,
+                         summary="`AutoModelForCausalLM.from_pretrained(name, **json.load(f))`: what the Trainer "
+                                 "cannot set on the model.")
+
+
+def _build(setup: TrainingSetup, deepspeed_path: str, legacy_names: bool) -> tuple[dict, dict[str, str], list[str]]:
+    content = {"per_device_train_batch_size": setup.micro_batch_size,
+               "gradient_accumulation_steps": setup.grad_accum_steps}
+    comments = {"per_device_train_batch_size": "sequences per GPU per micro-step: the batch memfit's estimate used",
+                "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
+                                               f"{setup.effective_batch_size} sequences"}
+    notes: list[str] = []
+    for part in (_precision_part, _optimizer_part, _checkpointing_part, _engine_part):
+        part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
+                                                       legacy_names=legacy_names)
+        content.update(part_content)
+        comments.update(part_comments)
+        notes += part_notes
+    return content, comments, notes
+
+
+def _precision_part(setup: TrainingSetup, **_):
+    precision, deepspeed = setup.precision, uses_deepspeed(setup)
+    bf16 = precision in (Precision.AMP_BF16, Precision.BF16_MASTER) or (deepspeed and precision is Precision.BF16)
+    content = {"bf16": bf16, "fp16": precision is Precision.AMP_FP16}
+    if precision is Precision.BF16 and not deepspeed:
+        bf16_reason = ("false: pure bf16 is not a TrainingArguments flag; the model is loaded in bf16 "
+                       "(model_kwargs.json dtype) and trained as is, so grads and optimizer states are bf16 too")
+    elif precision is Precision.BF16_MASTER and not deepspeed:
+        bf16_reason = ("bf16 autocast over fp32 weights: without DeepSpeed the Trainer has no bf16-weights + fp32 "
+                       "master mode; autocast holds the same 16 bytes per parameter with AdamW")
+    elif deepspeed and precision in (Precision.BF16, Precision.BF16_MASTER):
+        bf16_reason = "must equal deepspeed.json bf16.enabled (the Trainer checks); DeepSpeed does the casting"
+    elif bf16:
+        bf16_reason = "torch.autocast(bf16): fp32 weights, bf16 activations"
+    else:
+        bf16_reason = "off: the plan does not compute in bf16"
+    fp16_reason = ("torch.autocast(fp16) with a GradScaler" if content["fp16"] else "off")
+    return content, {"bf16": bf16_reason, "fp16": fp16_reason}, []
+
+
+def _optimizer_part(setup: TrainingSetup, **_):
+    optimizer = setup.optimizer
+    content: dict = {"optim": _OPTIM_NAMES[optimizer]}
+    notes: list[str] = []
+    if uses_deepspeed(setup) and deepspeed_owns_optimizer(setup):
+        reason = f"{optimizer}; deepspeed.json has an optimizer block, which the Trainer uses instead of this name"
+    elif optimizer is Optimizer.ADAMW:
+        reason = ("adamw_torch is AdamW with torch's default (foreach on CUDA); the planned single-tensor AdamW "
+                  "has no optim name and adamw_torch ignores optim_args")
+        notes.append("For the planned single-tensor AdamW pass Trainer(..., optimizer_cls_and_kwargs="
+                     "(torch.optim.AdamW, {'lr': lr, 'foreach': False})); it overrides `optim`.")
+    elif optimizer is Optimizer.SGD:
+        content["optim_args"] = "momentum=0.9"
+        reason = "torch.optim.SGD"
+    else:
+        reason = {Optimizer.ADAMW_FOREACH: "torch AdamW, multi-tensor (foreach) on CUDA by default",
+                  Optimizer.ADAMW_FUSED: "torch AdamW(fused=True): one kernel, no parameter-sized temporaries",
+                  Optimizer.ADAMW_8BIT: "bitsandbytes AdamW8bit: block-wise uint8 moments (needs bitsandbytes)",
+                  Optimizer.ADAFACTOR: "transformers Adafactor, factored second moment and no first moment"}[optimizer]
+    comments = {"optim": reason}
+    if "optim_args" in content:
+        comments["optim_args"] = "SGD with momentum as planned (one state per parameter); torch's default is 0"
+    return content, comments, notes
+
+
+def _checkpointing_part(setup: TrainingSetup, *, legacy_names: bool, **_):
+    if setup.checkpointing is Checkpointing.NONE:
+        return {}, {}, []
+    name = "gradient_checkpointing" if legacy_names else "activation_checkpointing"
+    content = {name: True, f"{name}_kwargs": {"use_reentrant": False}}
+    comments = {name: "recompute each transformer block in backward: activations kept only at block inputs",
+                f"{name}_kwargs": "non-reentrant torch.utils.checkpoint: works with frozen inputs and kwargs"}
+    return content, comments, []
+
+
+def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):
+    if not uses_deepspeed(setup):
+        return {}, {}, []
+    reason = (f"{engine_work(setup)} through DeepSpeed (chosen over FSDP2: it also expresses ZeRO-1, "
+              "optimizer-only offload, sharded pure-bf16 states and 8-bit AdamW)")
+    return {"deepspeed": deepspeed_path}, {"deepspeed": reason}, []
+
+
+def _model_build(setup: TrainingSetup) -> tuple[dict, dict[str, str]]:
+    content: dict = {"attn_implementation": setup.attention.value, "use_cache": False}
+    comments = {"attn_implementation": ("SDPA: flash/memory-efficient kernel, no T x T scores kept"
+                                        if setup.attention is Attention.SDPA else
+                                        "eager: materialises the T x T scores per layer, as planned"),
+                "use_cache": "no K/V cache during training: the output would keep every layer's K/V alive"}
+    if setup.precision is Precision.BF16:
+        content["dtype"] = "bfloat16"
+        comments["dtype"] = "pure bf16: weights (and so grads and optimizer states) in bf16"
+    return content, comments

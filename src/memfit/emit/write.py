@@ -1,0 +1,115 @@
+"""Write every engine file for a plan into one directory, with a README saying what each file is for.
+
+memfit records what it wrote (name and SHA-256) in a manifest, so a later run may replace its own untouched
+files but never a file the user wrote or edited."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..hardware import Hardware
+from ..setup import TrainingSetup
+from .accelerate import accelerate_file
+from .deepspeed import deepspeed_file
+from .emitted import EmittedConfig, describe, uses_deepspeed
+from .fsdp import fsdp2_file, fsdp2_unsupported
+from .hf_trainer import hf_model_file, hf_trainer_file
+
+MANIFEST = ".memfit-emit.json"
+
+
+def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path) -> tuple[list[EmittedConfig], dict]:
+    """The files for the plan, and {filename: why it is not written} for the ones that do not apply."""
+    deepspeed_path = str(directory.resolve() / "deepspeed.json")
+    files = [hf_trainer_file(setup, deepspeed_path=deepspeed_path), hf_model_file(setup)]
+    skipped: dict[str, str] = {}
+    if uses_deepspeed(setup):
+        try:
+            files.append(deepspeed_file(setup))
+        except ConfigError as error:  # a plan DeepSpeed cannot run is an error only on the DeepSpeed route
+            raise ConfigError(f"cannot write deepspeed.json: {error}") from error
+    else:
+        skipped["deepspeed.json"] = "the plan neither shards nor offloads, so DeepSpeed is not needed"
+    files.append(accelerate_file(setup, hardware, deepspeed_path=deepspeed_path))
+    reason = fsdp2_unsupported(setup)
+    if reason:
+        skipped["fsdp2_shard.py"] = skipped["accelerate_fsdp2.yaml"] = reason
+    else:
+        files += [fsdp2_file(setup), accelerate_file(setup, hardware, backend="fsdp", filename="accelerate_fsdp2.yaml")]
+    files.append(_readme(setup, files, skipped))
+    return files, skipped
+
+
+def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *, force: bool = False) -> list[Path]:
+    """Write the plan's engine files into `directory` (created if missing) and return their paths.
+
+    Replaces files memfit wrote there before and nobody changed since; refuses, naming every such file, to replace
+    anything else unless `force`."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{directory} is a file, not a directory: choose a directory for the engine configs")
+    files, _ = emitted_files(setup, hardware, directory)
+    written = _read_manifest(directory)
+    if not force:
+        _refuse_foreign_files(directory, [f.filename for f in files], written)
+    _remove_stale(directory, {f.filename for f in files}, written)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths, manifest = [], {}
+    for emitted in files:
+        text = emitted.render()
+        path = directory / emitted.filename
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+        manifest[emitted.filename] = _digest(text)
+    (directory / MANIFEST).write_text(json.dumps({"files": manifest}, indent=2) + "\n", encoding="utf-8")
+    return paths
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _read_manifest(directory: Path) -> dict[str, str]:
+    try:
+        data = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        return {str(k): str(v) for k, v in data.get("files", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _ours(path: Path, written: dict[str, str]) -> bool:
+    """Written by memfit and unchanged since."""
+    try:
+        return path.is_file() and written.get(path.name) == _digest(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _refuse_foreign_files(directory: Path, names: list[str], written: dict[str, str]) -> None:
+    foreign = [name for name in names if (directory / name).exists() and not _ours(directory / name, written)]
+    if foreign:
+        raise ConfigError(f"{directory} already has {', '.join(foreign)} not written by memfit (or edited since): "
+                          "choose another directory or pass force=True (--force) to overwrite")
+
+
+def _remove_stale(directory: Path, names: set[str], written: dict[str, str]) -> None:
+    """Files an earlier plan wrote that this plan does not (e.g. deepspeed.json), if nobody edited them."""
+    for name in written:
+        path = directory / name
+        if name not in names and Path(name).name == name and _ours(path, written):
+            path.unlink()
+
+
+def _readme(setup: TrainingSetup, files: list[EmittedConfig], skipped: dict[str, str]) -> EmittedConfig:
+    lines = ["# Engine configs written by memfit", "", f"Plan: {describe(setup)}.", "",
+             "| File | What it is for |", "| --- | --- |"]
+    lines += [f"| `{f.filename}` | {f.summary} |" for f in files]
+    if skipped:
+        lines += ["", "Not written:", ""] + [f"- `{name}`: {why}" for name, why in skipped.items()]
+    lines += ["", "JSON cannot hold comments, so the reason for each setting is listed here. memfit records what it "
+              f"wrote in `{MANIFEST}`: a rerun replaces its own untouched files and refuses to touch any other.", ""]
+    text = "\n".join(lines) + "\n" + "\n".join(f.explain() for f in files)
+    return EmittedConfig("README.md", text, summary="this file")
