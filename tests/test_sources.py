@@ -118,7 +118,8 @@ def test_catalog_architecture_numbers():
     assert gpt2.norm == "layernorm" and not gpt2.gated_mlp and gpt2.extra["conv1d"]
     bert = resolve_model("bert-base-uncased")
     assert not bert.is_decoder and bert.extra == {"mlm_head_transform": True, "type_vocab_size": 2,
-                                                  "hub_id": "google-bert/bert-base-uncased"}
+                                                  "attention_dropout": 0.1, "residual_dropout": 0.1,
+                                                  "embedding_dropout": 0.1, "hub_id": "google-bert/bert-base-uncased"}
     assert not any("pooler" in p.name for p in bert.params)
     pythia = resolve_model("pythia-160m")
     assert pythia.extra["parallel_residual"] and pythia.extra["rotary_pct"] == 0.25
