@@ -1,0 +1,119 @@
+"""Real steps on CPU under torch.profiler(profile_memory=True): every allocation and free, replayed on top of what
+was live before profiling (parameters, buffers, optimizer state, the batches), is the ground truth (FACTS: profiler
+events, MemoryProfile and MemTracker agree to the byte). Marks let replay.py give each byte a term."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch._C._profiler import _EventType
+
+from .replay import Allocation, Mark, Replay, replay
+from .step import training_step
+
+MARK_PREFIX = "memfit::mark/"
+
+
+def measure_cpu_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=None) -> tuple[Replay, list[float]]:
+    """Run `steps` optimizer steps under the profiler; return the replay and the losses."""
+    marks: dict[str, Mark] = {}
+    position = {"step": 0, "micro": 0}
+
+    def mark(**fields) -> None:
+        name = f"{MARK_PREFIX}{len(marks)}"
+        marks[name] = Mark(**fields)
+        with torch.profiler.record_function(name):
+            pass
+
+    def on_phase(phase: str) -> None:
+        position["micro"] += phase == "forward"
+        tags = {"gradients": tuple(_grad_pointers(model))} if phase == "optimizer" else {}
+        mark(phase=phase, step=position["step"], micro=position["micro"], tags=tags)
+
+    baseline = storage_baseline(model, optimizer, batches)
+    losses = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=False) as prof:
+        for step in range(1, steps + 1):
+            position.update(step=step, micro=0)
+            losses.append(training_step(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=on_phase))
+            mark(tags=optimizer_tags(optimizer))
+    return replay(baseline, _events(prof, marks)), losses
+
+
+def storage_baseline(model, optimizer, batches) -> list[tuple[int, int, str]]:
+    """(pointer, bytes, term) of each distinct storage live before profiling that belongs to the step."""
+    seen: dict[int, tuple[int, int, str]] = {}
+
+    def add(tensors, term: str) -> None:
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen and tensor.device.type == "cpu" and storage.nbytes() > 0:
+                seen[storage.data_ptr()] = (storage.data_ptr(), storage.nbytes(), term)
+
+    add(model.parameters(), "parameters")
+    add(model.buffers(), "buffers")
+    add((p.grad for p in model.parameters() if p.grad is not None), "gradients")
+    for term, pointers_tensors in _optimizer_tensors(optimizer).items():
+        add(pointers_tensors, term)
+    add(_tensors_in(batches), "inputs")
+    return list(seen.values())
+
+
+def optimizer_tags(optimizer) -> dict[str, tuple[int, ...]]:
+    return {term: tuple(t.untyped_storage().data_ptr() for t in tensors)
+            for term, tensors in _optimizer_tensors(optimizer).items()}
+
+
+def _optimizer_tensors(optimizer) -> dict[str, list[torch.Tensor]]:
+    """Optimizer state (incl. bitsandbytes' quantisation maps) and, for bf16-master, the fp32 master weights."""
+    masters = list(getattr(optimizer, "master_params", ()))
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    params |= {id(p) for p in getattr(optimizer, "model_params", ())}
+    skip = {"param_groups", "model_params", "master_params", "defaults"}
+    state = [t for key, value in vars(optimizer).items() if key not in skip for t in _tensors_in(value)]
+    inner = getattr(optimizer, "inner", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        state += [t for key, value in vars(inner).items() if key not in skip for t in _tensors_in(value)]
+    state = [t for t in state if id(t) not in params]
+    return {"optimizer/master_weights": masters, "optimizer": state}
+
+
+def _tensors_in(value, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 6 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 6 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+
+
+def _grad_pointers(model) -> Iterator[int]:
+    for param in model.parameters():
+        if param.grad is not None:
+            yield param.grad.untyped_storage().data_ptr()
+
+
+def _events(prof, marks: dict[str, Mark]) -> list[Allocation | Mark]:
+    timed = []
+    for order, event in enumerate(_walk(prof.profiler.kineto_results.experimental_event_tree())):
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            if fields.device.type == "cpu":
+                timed.append((event.start_time_ns, order,
+                              Allocation(fields.ptr, fields.alloc_size, fields.total_allocated)))
+        elif event.name in marks:
+            timed.append((event.start_time_ns, order, marks[event.name]))
+    timed.sort(key=lambda item: (item[0], item[1]))
+    return [item for _, _, item in timed]
+
+
+def _walk(nodes) -> Iterator:
+    stack = list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(node.children))

@@ -1,0 +1,323 @@
+"""One training step, written once: `measure` runs it on real tensors and the tracer on fake ones, so a prediction and
+a measurement always describe the same step. The signatures here are a contract other modules call.
+
+What HF does with attention masks (transformers 5.24, checked on CPU for llama, mistral, qwen2, gpt2 and bert):
+- SDPA, no padding mask, no cache: `create_causal_mask` returns None and SDPA runs with `is_causal=True`; no T x T
+  tensor exists at all (bert's bidirectional mask is skipped the same way, under eager attention too).
+- Eager (decoders): one float B x 1 x T x T additive mask per forward, built once in the model's forward and shared
+  by every layer. Eager attention genuinely needs it; it dies when the forward returns (with checkpointing it is
+  among the saved layer inputs and lives until the backward ends).
+- Under FakeTensorMode, `masking_utils.find_packed_sequence_indices` cannot read the position ids, so it reports
+  "packed" and a full bool B x 1 x T x T mask is built and handed to SDPA. `training_step` therefore runs the forward
+  inside `unpacked_sequences()` when the batch carries no position_ids: it tells transformers what the real step
+  finds out by itself, so the fake step matches the real one and the real one is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, MissingDependencyError
+from ..setup import Checkpointing, Optimizer, Precision, TrainingSetup
+
+PhaseCallback = Callable[[str], None]
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+# Encoder-only families: built as masked LMs (logits at every position, bidirectional attention).
+MASKED_LM_TYPES = frozenset({"bert", "roberta", "distilbert", "electra", "xlm-roberta", "albert", "modernbert"})
+
+DEFAULT_LR = {Optimizer.SGD: 1e-2}
+"""Learning rates when the caller gives none (1e-3 otherwise; Adafactor uses its own relative step)."""
+
+
+def param_dtype(setup: TrainingSetup) -> torch.dtype:
+    return torch.bfloat16 if setup.precision.param_dtype == "bf16" else torch.float32
+
+
+def autocast_factory(setup: TrainingSetup, device_type: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """`with factory(): ...` runs torch.autocast for amp-* precisions and does nothing otherwise."""
+    if not setup.precision.is_autocast:
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if setup.precision is Precision.AMP_BF16 else torch.float16
+    return functools.partial(torch.autocast, device_type=device_type, dtype=dtype)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+
+
+def hf_config_from_dict(config: Mapping):
+    transformers = _import("transformers")
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("the config dict has no 'model_type': add e.g. \"model_type\": \"llama\"")
+    values.pop("architectures", None)
+    try:
+        return transformers.AutoConfig.for_model(model_type, **values)
+    except ValueError as error:
+        raise ConfigError(f"transformers cannot build a '{model_type}' config: {error}") from None
+
+
+def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
+    """A transformers model with random weights from an HF config dict, set up the way `setup` trains it.
+
+    Causal LM (masked LM for encoder-only types such as bert), attention implementation from `setup.attention`,
+    `use_cache=False` (a cache keeps every layer's K/V alive), pure bf16 parameters for bf16 / bf16-master (the fp32
+    master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, train mode.
+    """
+    transformers = _import("transformers")
+    hf_config = hf_config_from_dict(config)
+    hf_config.use_cache = False
+    auto = (transformers.AutoModelForMaskedLM if hf_config.model_type in MASKED_LM_TYPES
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_config(hf_config, attn_implementation=str(setup.attention), dtype=param_dtype(setup))
+    if model_device(model) != torch.device(device):  # no-op `.to` skipped: on fake tensors it swaps every tensor
+        model.to(device)
+    if setup.checkpointing is Checkpointing.FULL:
+        enable_hf_checkpointing(model)
+    model.train()
+    return model
+
+
+def enable_hf_checkpointing(model) -> None:
+    """HF's switch, non-reentrant. transformers 5.x renamed it (`gradient_checkpointing_enable` is deprecated)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_hf_checkpointing(model) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def hf_checkpointing_is_on(model: torch.nn.Module) -> bool:
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
+def is_hf_model(model: object) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    return isinstance(model, sys.modules["transformers"].PreTrainedModel)
+
+
+# ------------------------------------------------------------------------------------------------ the optimizer
+
+
+def make_optimizer(model: torch.nn.Module, setup: TrainingSetup, *, lr: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer `setup.optimizer` names, over the trainable parameters.
+
+    For bf16-master the optimizer works on an fp32 copy of the bf16 parameters (see master.py). Where the requested
+    variant cannot run (fused AdamW on a device or dtype without a fused kernel), it falls back and says so in the
+    optimizer's `memfit_notes` attribute, which `measure` copies into its result.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters (requires_grad=False everywhere): nothing to train")
+    notes: list[str] = []
+    build = functools.partial(_base_optimizer, setup=setup, lr=lr, notes=notes)
+    if setup.precision.master_weights:
+        from .master import MasterWeightsOptimizer
+
+        optimizer = MasterWeightsOptimizer(params, build)
+    else:
+        optimizer = build(params)
+    optimizer.memfit_notes = tuple(notes)
+    return optimizer
+
+
+def _base_optimizer(params, *, setup: TrainingSetup, lr: float | None, notes: list[str]) -> torch.optim.Optimizer:
+    lr = DEFAULT_LR.get(setup.optimizer, 1e-3) if lr is None else lr
+    kind = setup.optimizer
+    if kind is Optimizer.ADAMW:
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
+    if kind is Optimizer.ADAMW_FOREACH:
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if kind is Optimizer.ADAMW_FUSED:
+        try:
+            return torch.optim.AdamW(params, lr=lr, fused=True)
+        except (RuntimeError, ValueError) as error:
+            notes.append(f"fused AdamW is not available here ({error}); measured the single-tensor AdamW instead")
+            return torch.optim.AdamW(params, lr=lr, foreach=False)
+    if kind is Optimizer.ADAMW_8BIT:
+        bnb = _import("bitsandbytes", extra="engines")
+        return bnb.optim.AdamW8bit(params, lr=lr)
+    if kind is Optimizer.SGD:
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if kind is Optimizer.ADAFACTOR:
+        from transformers.optimization import Adafactor
+
+        # HF's defaults: a relative step size, so no learning rate is given.
+        return Adafactor(params, scale_parameter=True, relative_step=True, warmup_init=False, lr=None)
+    raise ConfigError(f"no optimizer factory for '{kind}'")
+
+
+# --------------------------------------------------------------------------------------------------- the batch
+
+
+def make_batch(config_or_spec, setup: TrainingSetup, *, device="cpu", generator: torch.Generator | None = None) -> dict:
+    """Random token ids of shape (micro_batch_size, seq_len) and their labels; no attention_mask (no padding).
+
+    Causal LMs: labels are a copy of the ids (HF shifts them inside the loss). Masked LMs (bert): every position is
+    labelled; a real MLM collator labels ~15%, but the logits and the loss are computed at every position either way,
+    so the memory is the same.
+    """
+    vocab_size = _field(config_or_spec, "vocab_size")
+    if not vocab_size:
+        raise ConfigError("make_batch needs a vocab_size (an HF config dict, a transformers config or a ModelSpec)")
+    shape = (setup.micro_batch_size, setup.seq_len)
+    on_device = generator is None or generator.device == torch.device(device)
+    input_ids = torch.randint(0, int(vocab_size), shape, generator=generator,
+                              device=device if on_device else generator.device)
+    input_ids = input_ids.to(device)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def _field(source, name: str):
+    if isinstance(source, Mapping):
+        return source.get(name)
+    config = getattr(source, "config", None)  # a model passed in place of its config
+    if config is not None and not hasattr(source, name):
+        source = config
+    return getattr(source, name, None)
+
+
+# ---------------------------------------------------------------------------------------------------- the step
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, setup: TrainingSetup, *,
+                  loss_fn: LossFn | None = None, phase_callback: PhaseCallback | None = None) -> float:
+    """One optimizer step: `setup.grad_accum_steps` micro-steps (forward + loss under autocast for amp-*, then
+    backward of loss / accum), then `optimizer.step()` and `optimizer.zero_grad(set_to_none=True)`.
+
+    `batches`: one batch (a dict of tensors, reused for every micro-step) or a sequence of grad_accum_steps batches.
+    `loss_fn(model, batch)` returns the scalar loss; by default the model's output `.loss`.
+    `phase_callback` is called with "forward", "backward" and "optimizer" as each phase begins (once per micro-step
+    for the first two); each phase also runs inside a `record_function("memfit::<phase>")` range.
+    Returns the mean loss over the micro-steps (nan on fake tensors, which have no values).
+    """
+    micro_batches = _micro_batches(batches, setup.grad_accum_steps)
+    notify = phase_callback or _no_phase
+    autocast = autocast_factory(setup, model_device(model).type)
+    scaler = _grad_scaler(optimizer, setup, model_device(model).type)
+    compute_loss = loss_fn or default_loss
+    losses = []
+    for batch in micro_batches:
+        notify("forward")
+        with torch.profiler.record_function("memfit::forward"), autocast(), _mask_hint(model, batch):
+            loss = compute_loss(model, batch)
+        notify("backward")
+        with torch.profiler.record_function("memfit::backward"):
+            scaled = loss / setup.grad_accum_steps
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        losses.append(_value(loss))
+        del loss, scaled
+    notify("optimizer")
+    with torch.profiler.record_function("memfit::optimizer"):
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return sum(losses) / len(losses)
+
+
+def default_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    output = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.ndim == 0:
+        loss = output
+    if loss is None:
+        raise ConfigError("the model's output has no loss: pass loss_fn=lambda model, batch: <scalar loss tensor>")
+    return loss
+
+
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """Tell transformers' masking code the batch holds one sequence per row (see the module docstring).
+
+    On real tensors `find_packed_sequence_indices` already returns None for such a batch, so this changes nothing;
+    on fake tensors it cannot read the values and would build a full B x 1 x T x T mask per forward.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _no_packed_sequences(position_ids):
+    return None
+
+
+def _mask_hint(model, batch) -> contextlib.AbstractContextManager:
+    packed = isinstance(batch, Mapping) and batch.get("position_ids") is not None
+    return unpacked_sequences() if is_hf_model(model) and not packed else contextlib.nullcontext()
+
+
+def _micro_batches(batches, grad_accum_steps: int) -> list:
+    if isinstance(batches, (Mapping, torch.Tensor)):
+        return [batches] * grad_accum_steps
+    batches = list(batches) if isinstance(batches, Sequence) else batches
+    if not isinstance(batches, list) or len(batches) != grad_accum_steps:
+        count = len(batches) if isinstance(batches, list) else "an unsized iterable of"
+        raise ConfigError(f"got {count} micro-batches for grad_accum_steps={grad_accum_steps}: pass one batch "
+                          f"(reused) or a list of exactly {grad_accum_steps}")
+    return batches
+
+
+def _grad_scaler(optimizer, setup: TrainingSetup, device_type: str):
+    """amp-fp16 needs loss scaling; one GradScaler per optimizer, kept on it so its scale carries across steps."""
+    if setup.precision is not Precision.AMP_FP16:
+        return None
+    scaler = getattr(optimizer, "_memfit_grad_scaler", None)
+    if scaler is None:
+        scaler = torch.amp.GradScaler(device_type)
+        optimizer._memfit_grad_scaler = scaler
+    return scaler
+
+
+def _value(loss: torch.Tensor) -> float:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(loss, FakeTensor) or loss.device.type == "meta":
+        return float("nan")
+    return float(loss.detach().item())
+
+
+def _no_phase(phase: str) -> None:
+    return None
+
+
+def _import(name: str, *, extra: str = "torch"):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise MissingDependencyError(f"{name} is needed here: pip install 'memfit[{extra}]' (or pip install {name})"
+                                     ) from None

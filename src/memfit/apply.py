@@ -1,0 +1,200 @@
+"""apply_(): make a live model train the way a setup (or a Plan's final setup) says. The only in-process mutation in
+memfit. Every item of the setup is reported as a Change: what was done, or why nothing was (already so, not
+applicable, the caller's job) -- never silent.
+
+What it changes on the model: gradient checkpointing (HF's switch, or torch.utils.checkpoint around the repeated
+blocks of a plain module), the attention implementation (HF models), the parameter dtype (pure bf16 / back to fp32).
+What it hands back for the training loop: `autocast()` for amp-*, `make_optimizer(model)`, the micro-batch size and
+accumulation steps. Sharding and offload need an engine and are only reported.
+
+torch is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .setup import Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
+
+OPTIMIZER_CLASSES = {
+    Optimizer.ADAMW: "torch.optim.AdamW(foreach=False)",
+    Optimizer.ADAMW_FOREACH: "torch.optim.AdamW(foreach=True)",
+    Optimizer.ADAMW_FUSED: "torch.optim.AdamW(fused=True)",
+    Optimizer.ADAMW_8BIT: "bitsandbytes.optim.AdamW8bit",
+    Optimizer.SGD: "torch.optim.SGD(momentum=0.9)",
+    Optimizer.ADAFACTOR: "transformers.optimization.Adafactor (HF defaults: relative step, no lr)",
+}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One item of the setup: `changed` says whether the model was modified; `detail` says what or why not."""
+
+    name: str
+    changed: bool
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'changed' if self.changed else 'unchanged'} - {self.detail}"
+
+
+@dataclass(frozen=True)
+class AppliedChanges:
+    """What apply_ did to the model and what the training loop must do with the rest."""
+
+    setup: TrainingSetup
+    changes: tuple[Change, ...]
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    """`with applied.autocast(): loss = ...` -- torch.autocast for amp-* precisions, a no-op otherwise."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.setup.micro_batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.setup.grad_accum_steps
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        """Names of the items that modified the model."""
+        return tuple(c.name for c in self.changes if c.changed)
+
+    def __getitem__(self, name: str) -> Change:
+        for change in self.changes:
+            if change.name == name:
+                return change
+        raise KeyError(name)
+
+    def make_optimizer(self, model, *, lr: float | None = None):
+        """The setup's optimizer over `model`'s trainable parameters (bf16-master: behind an fp32 master copy)."""
+        from ._torch.step import make_optimizer
+
+        return make_optimizer(model, self.setup, lr=lr)
+
+    def summary(self) -> str:
+        return "\n".join(str(change) for change in self.changes)
+
+
+def apply_(model, plan_or_setup) -> AppliedChanges:
+    """Change `model` (an HF PreTrainedModel or any nn.Module) in place to train as the setup says."""
+    import torch
+
+    from ._torch import step as torch_step
+
+    setup = getattr(plan_or_setup, "final_setup", plan_or_setup)
+    if not isinstance(setup, TrainingSetup):
+        raise ConfigError(f"apply_ needs a TrainingSetup or a Plan, got {type(plan_or_setup).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"apply_ changes an nn.Module, got {type(model).__name__}")
+    is_hf = torch_step.is_hf_model(model)
+    changes = [handler(model, setup, is_hf) for handler in _HANDLERS]
+    autocast = torch_step.autocast_factory(setup, torch_step.model_device(model).type)
+    return AppliedChanges(setup, tuple(c for c in changes if c is not None), autocast)
+
+
+# -------------------------------------------------------------------------------------------- one per setup item
+
+
+def _precision(model, setup: TrainingSetup, is_hf: bool) -> Change:
+    import torch
+
+    target = torch.bfloat16 if setup.precision.param_dtype == "bf16" else torch.float32
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    how = {
+        Precision.AMP_BF16: "; wrap forward and loss in `applied.autocast()` (torch.autocast bf16)",
+        Precision.AMP_FP16: "; wrap forward and loss in `applied.autocast()` (torch.autocast fp16) and scale the "
+                            "loss with torch.amp.GradScaler",
+        Precision.BF16_MASTER: "; `applied.make_optimizer` keeps the fp32 master copy",
+    }.get(setup.precision, "")
+    name = "bf16" if target is torch.bfloat16 else "fp32"
+    if dtypes <= {target}:
+        return Change("precision", False, f"parameters already {name} ({setup.precision}){how}")
+    model.to(dtype=target)
+    was = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    return Change("precision", True, f"cast parameters {was} -> {name} ({setup.precision}){how}")
+
+
+def _attention(model, setup: TrainingSetup, is_hf: bool) -> Change:
+    want = str(setup.attention)
+    if not is_hf:
+        return Change("attention", False, "not applicable: a plain nn.Module attends however its code does "
+                                          "(torch.nn.functional.scaled_dot_product_attention is the O(T) kernel)")
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == want:
+        return Change("attention", False, f"already {want}")
+    try:
+        model.set_attn_implementation(want)
+    except (ValueError, ImportError) as error:
+        return Change("attention", False, f"could not switch {current} -> {want}: {error}")
+    now = getattr(model.config, "_attn_implementation", None)
+    if now != want:
+        return Change("attention", False, f"{type(model).__name__} kept {now}: it cannot switch to {want}")
+    return Change("attention", True, f"switched {current} -> {want}")
+
+
+def _checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:
+    from ._torch import blocks, step as torch_step
+
+    want_on = setup.checkpointing is Checkpointing.FULL
+    if is_hf:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            return Change("checkpointing", False, f"not applicable: {type(model).__name__} does not support it")
+        is_on = torch_step.hf_checkpointing_is_on(model)
+        if is_on == want_on:
+            return Change("checkpointing", False, f"already {'on' if is_on else 'off'}")
+        (torch_step.enable_hf_checkpointing if want_on else torch_step.disable_hf_checkpointing)(model)
+        how = "on (HF activation checkpointing, use_reentrant=False)" if want_on else "off, as the setup asks"
+        return Change("checkpointing", True, f"turned {how}")
+    found = blocks.repeated_blocks(model)
+    if found is None:
+        if not want_on:
+            return Change("checkpointing", False, "already off")
+        return Change("checkpointing", False, "not applicable: no nn.ModuleList of repeated blocks found; wrap your "
+                                              "blocks' forward in torch.utils.checkpoint.checkpoint yourself")
+    list_name, block_list = found
+    wrapped = sum(blocks.is_checkpointed(b) for b in block_list)
+    if want_on and wrapped == len(block_list):
+        return Change("checkpointing", False, f"already on ({wrapped} blocks of '{list_name}')")
+    if not want_on and wrapped == 0:
+        return Change("checkpointing", False, "already off")
+    for block in block_list:
+        (blocks.checkpoint_block if want_on else blocks.uncheckpoint_block)(block)
+    verb = "wrapped" if want_on else "unwrapped"
+    return Change("checkpointing", True, f"{verb} the {len(block_list)} blocks of '{list_name}' "
+                                         "(torch.utils.checkpoint, non-reentrant)")
+
+
+def _optimizer(model, setup: TrainingSetup, is_hf: bool) -> Change:
+    detail = f"build it with applied.make_optimizer(model): {OPTIMIZER_CLASSES[setup.optimizer]}"
+    if setup.precision.master_weights:
+        detail += " on an fp32 master copy of the bf16 parameters"
+    if setup.optimizer is Optimizer.ADAMW_8BIT:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            detail += " -- bitsandbytes is not installed: pip install bitsandbytes"
+    return Change("optimizer", False, detail)
+
+
+def _batching(model, setup: TrainingSetup, is_hf: bool) -> Change:
+    return Change("batching", False,
+                  f"the data loader is yours: micro-batch {setup.micro_batch_size} x {setup.grad_accum_steps} "
+                  f"accumulation steps = {setup.micro_batch_size * setup.grad_accum_steps} sequences per optimizer "
+                  f"step (HF: per_device_train_batch_size={setup.micro_batch_size}, "
+                  f"gradient_accumulation_steps={setup.grad_accum_steps}), sequences of {setup.seq_len} tokens")
+
+
+def _engine(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
+    if setup.sharding is Sharding.NONE and setup.offload is Offload.NONE:
+        return None
+    parts = [f"{setup.sharding} over {setup.num_gpus} GPUs"] if setup.sharding is not Sharding.NONE else []
+    parts += [f"offload {setup.offload}"] if setup.offload is not Offload.NONE else []
+    return Change("engine", False, f"{' + '.join(parts)} needs an engine (DeepSpeed / FSDP): launch with the config "
+                                   "memfit emits; apply_ changes this one process only")
+
+
+_HANDLERS = (_precision, _attention, _checkpointing, _optimizer, _batching, _engine)

@@ -1,0 +1,149 @@
+"""measure(): run real training steps and report their peak memory as a MemoryEstimate (method='measured'), the same
+type the analytic estimate and the fake-tensor trace return, so prediction and truth compare directly.
+
+torch is imported inside the function only: importing memfit never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .errors import ConfigError
+from .estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoint
+from .setup import TrainingSetup
+
+TERM_CATEGORIES: dict[str, Category] = {
+    "parameters": Category.PARAMETERS,
+    "buffers": Category.PARAMETERS,
+    "gradients": Category.GRADIENTS,
+    "optimizer": Category.OPTIMIZER,
+    "optimizer/master_weights": Category.OPTIMIZER,
+    "activations": Category.ACTIVATIONS,
+    "inputs": Category.ACTIVATIONS,
+    "temporaries": Category.TEMPORARIES,
+    "temporaries/preexisting": Category.TEMPORARIES,
+    "overhead/allocator_reserve": Category.OVERHEAD,
+}
+ALWAYS_SHOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+TERM_FORMULAS = {
+    "parameters": "distinct parameter storages",
+    "buffers": "registered buffers (rotary tables, position ids)",
+    "gradients": "p.grad storages alive at the peak",
+    "optimizer": "optimizer.state tensors (and bitsandbytes quantisation maps)",
+    "optimizer/master_weights": "fp32 master copy of the bf16 parameters",
+    "activations": "allocated in forward and still alive when backward starts",
+    "inputs": "the batch tensors",
+    "temporaries": "every other allocation alive at the peak",
+    "temporaries/preexisting": "live before the step, owned by nobody memfit knows, freed during it",
+    "overhead/allocator_reserve": "max_memory_reserved - max_memory_allocated",
+}
+
+
+def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=None, batches=None, optimizer=None,
+            loss_fn=None) -> MemoryEstimate:
+    """Run `steps` real optimizer steps and return their peak memory, broken down at the moment of the peak.
+
+    `model_or_config`: an nn.Module (measured as it is: call `apply_` first to change it) or an HF config dict (built
+    with random weights by `build_hf_model`, on CUDA when available unless `device` says otherwise). The model runs in
+    train mode and its weights really change. `setup` may be a TrainingSetup or a Plan (its `final_setup`).
+    `batches`: one batch dict (reused) or a list of grad_accum_steps; made from the model's vocabulary when omitted
+    (a plain nn.Module needs them). `optimizer`: built from `setup` when omitted. `loss_fn(model, batch) -> loss`.
+
+    The first step creates the optimizer state; the result is the peak over all steps (normally step 2's, the
+    steady state) and its notes give each step's peak. On CPU the numbers come from torch.profiler's allocation
+    events and the total equals the profiler's peak of live bytes exactly; on CUDA from the caching allocator.
+    """
+    setup = getattr(setup, "final_setup", setup)
+    if not isinstance(setup, TrainingSetup):
+        raise ConfigError(f"measure needs a TrainingSetup (or a Plan), got {type(setup).__name__}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
+    import torch
+
+    from ._torch import step as torch_step
+
+    model, name, notes = _resolve_model(model_or_config, setup, device)
+    where = torch_step.model_device(model)
+    if batches is None:
+        batches = _default_batches(model, setup, where)
+    if optimizer is None:
+        optimizer = torch_step.make_optimizer(model, setup)
+    notes += list(getattr(optimizer, "memfit_notes", ()))
+    was_training = model.training
+    model.train()
+    try:
+        if where.type == "cuda":
+            from ._torch.measure_cuda import measure_cuda_steps
+
+            measured, losses = measure_cuda_steps(model, optimizer, batches, setup, steps=steps, loss_fn=loss_fn,
+                                                  device=where)
+            device_name = torch.cuda.get_device_name(where)
+        else:
+            from ._torch.measure_cpu import measure_cpu_steps
+            from ._torch.replay import summarise
+
+            result, losses = measure_cpu_steps(model, optimizer, batches, setup, steps=steps, loss_fn=loss_fn)
+            measured = summarise(result)
+            device_name = str(where)
+    finally:
+        model.train(was_training)
+    notes += list(measured.notes)
+    notes.append("peak per step: " + ", ".join(f"step {i}: {b:,} B" for i, b in enumerate(measured.step_peaks, 1))
+                 + " (step 1 creates the optimizer state)")
+    notes.append("losses: " + ", ".join(f"{loss:.4f}" for loss in losses))
+    return _estimate(measured, setup, notes, name, device_name)
+
+
+def _resolve_model(model_or_config, setup: TrainingSetup, device) -> tuple[object, str, list[str]]:
+    import torch
+
+    from ._torch import step as torch_step
+
+    if isinstance(model_or_config, Mapping):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = torch_step.build_hf_model(dict(model_or_config), setup, device=device)
+        name = model_or_config.get("_name_or_path") or model_or_config.get("model_type", "model")
+        return model, str(name), [f"built from a config with random weights ({model.__class__.__name__})"]
+    if not isinstance(model_or_config, torch.nn.Module):
+        raise ConfigError(f"measure takes an nn.Module or an HF config dict, got {type(model_or_config).__name__}")
+    if device is not None and torch_step.model_device(model_or_config) != torch.device(device):
+        model_or_config.to(device)
+    config = getattr(model_or_config, "config", None)
+    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "") or type(model_or_config).__name__
+    return model_or_config, str(name), []
+
+
+def _default_batches(model, setup: TrainingSetup, device) -> list:
+    import torch
+
+    from ._torch.step import make_batch
+
+    config = getattr(model, "config", None)
+    if getattr(config, "vocab_size", None) is None:
+        raise ConfigError("measure needs batches= for a model without an HF config: one dict of tensors its forward "
+                          "takes (or a list of grad_accum_steps of them)")
+    generator = torch.Generator().manual_seed(0)
+    return [make_batch(config, setup, device=device, generator=generator) for _ in range(setup.grad_accum_steps)]
+
+
+def _estimate(measured, setup: TrainingSetup, notes: list[str], name: str, device_name: str) -> MemoryEstimate:
+    names = list(ALWAYS_SHOWN) + sorted(t for t, b in measured.peak_terms.items() if t not in ALWAYS_SHOWN and b)
+    terms = tuple(Term(t, _category(t), measured.peak_terms.get(t, 0), TERM_FORMULAS.get(t, ""), "measured")
+                  for t in names)
+    timeline = tuple(TimelinePoint(index, Phase(phase), _by_category(by_term), label)
+                     for index, (phase, label, by_term) in enumerate(measured.timeline))
+    return MemoryEstimate(terms=terms, peak_phase=Phase(measured.peak_phase), method="measured", setup=setup,
+                          phase_peaks={Phase(p): b for p, b in measured.phase_peaks.items()}, notes=tuple(notes),
+                          timeline=timeline, model_name=name, device_name=device_name)
+
+
+def _category(term: str) -> Category:
+    return TERM_CATEGORIES.get(term, Category.TEMPORARIES)
+
+
+def _by_category(by_term: dict[str, int]) -> dict[Category, int]:
+    totals = {c: 0 for c in Category}
+    for term, num_bytes in by_term.items():
+        totals[_category(term)] += num_bytes
+    return totals

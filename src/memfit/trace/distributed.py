@@ -1,0 +1,110 @@
+"""ZeRO as FSDP2 (`fully_shard`) over a fake process group: one process plays rank 0 of N, no communication.
+
+FACTS.md: FSDPMemTracker with a fake process group gave the same per-rank peak as a real 2-process gloo run; the
+device mesh must be made outside FakeTensorMode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..setup import Offload, Precision, Sharding, TrainingSetup
+from .tracker import StepTracker, _Kind
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[object]:
+    """A fake process group of `world_size` ranks (this process is rank 0) and its 1-D device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConfigError("a torch.distributed process group already exists in this process: "
+                          "trace a sharded setup in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharder(setup: TrainingSetup, mesh, block_finder: Callable[[nn.Module], list[nn.Module]]):
+    """A function that applies the setup's ZeRO stage to a model with FSDP2 and returns notes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def shard(model: nn.Module) -> list[str]:
+        notes = [f"{setup.sharding} traced as FSDP2 fully_shard over a fake process group of {setup.num_gpus} ranks; "
+                 "numbers are per rank"]
+        options: dict = {"mesh": mesh, "reshard_after_forward": setup.sharding is Sharding.ZERO3}
+        if setup.precision is Precision.BF16_MASTER:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            notes.append("bf16-master under FSDP2: fp32 sharded parameters (the master copy), bf16 all-gathers")
+        if setup.sharding is Sharding.ZERO1:
+            notes.append("FSDP2 has no ZeRO-1 mode: traced as ZeRO-2 (gradients sharded too), so gradients are "
+                         "1/N of what ZeRO-1 keeps")
+        blocks = block_finder(model)
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        notes.append(f"{len(blocks)} blocks sharded as their own FSDP units, the rest with the root")
+        return notes
+
+    return shard
+
+
+def host_kinds(setup: TrainingSetup) -> tuple[set[_Kind], bool]:
+    """Kinds that CPU offload keeps in host memory, and whether the optimizer step runs on the host."""
+    if setup.offload is Offload.NONE:
+        return set(), False
+    kinds = {_Kind.OPTIMIZER, _Kind.HOST_TEMPORARIES}
+    if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+        kinds |= {_Kind.PARAMETERS, _Kind.GRADIENTS}
+    return kinds, True
+
+
+def instrument(model: nn.Module, tracker: StepTracker) -> Callable[[], None]:
+    """Name FSDP2's unsharded parameters and sharded gradients as they appear; returns an undo function."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return lambda: None
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group  # private: FSDP2 has no public hook for these
+            if group is not None:
+                groups.append(group)
+    for group in groups:
+        _wrap_group(group, tracker)
+
+    def undo() -> None:
+        for group in groups:
+            for name in ("wait_for_unshard", "post_backward"):
+                group.__dict__.pop(name, None)
+
+    return undo
+
+
+def _wrap_group(group, tracker: StepTracker) -> None:
+    wait_for_unshard, post_backward = group.wait_for_unshard, group.post_backward
+
+    def unsharded(*args, **kwargs):
+        result = wait_for_unshard(*args, **kwargs)
+        for fsdp_param in group.fsdp_params:
+            for tensor in fsdp_param.all_gather_outputs:
+                tracker.register(tensor, _Kind.GATHERED)
+        return result
+
+    def reduced(*args, **kwargs):
+        result = post_backward(*args, **kwargs)
+        tracker.classify_gradients(fsdp_param.sharded_param for fsdp_param in group.fsdp_params)
+        return result
+
+    group.wait_for_unshard = unsharded
+    group.post_backward = reduced

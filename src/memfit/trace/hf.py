@@ -1,0 +1,51 @@
+"""Transformers models for the tracer: a model reference to its HF config dict, and the layers FSDP shards."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch import nn
+
+from ..errors import ModelSourceError
+
+
+def resolve_config(model_ref: str | Mapping) -> tuple[dict, str]:
+    """(HF config dict, display name) for a catalog name, a config.json path, a hub id or a config dict."""
+    from .. import sources
+
+    if isinstance(model_ref, Mapping):
+        config = dict(model_ref)
+        return config, str(config.get("_name_or_path") or config.get("model_type") or "model")
+    spec = sources.resolve_model(model_ref)  # raises the sources' own clear errors (unknown name, offline hub)
+    text = model_ref.strip()
+    if spec.source == "catalog":
+        return sources.catalog_config(text), spec.name
+    path = Path(text).expanduser()
+    if path.exists():
+        return _read_config(path), spec.name
+    return _hub_config(text), spec.name
+
+
+def _read_config(path: Path) -> dict:
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ModelSourceError(f"cannot read '{file}': {error}") from None
+
+
+def _hub_config(repo_id: str) -> dict:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(repo_id, trust_remote_code=False).to_dict()
+
+
+def block_finder(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers (the classes HF lists in `_no_split_modules`), the unit FSDP shards one at a time."""
+    from .session import repeated_blocks
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    return blocks or repeated_blocks(model)

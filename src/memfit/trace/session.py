@@ -1,0 +1,200 @@
+"""What a traced step runs: model, optimizer, micro-batch and the loop, built the same way on fake or real tensors.
+
+Built inside a FakeTensorMode for `trace`; built outside one, the same session is a real CPU step (the tests profile
+it to check the trace). The step itself is memfit's one training step (`memfit._torch.step`), so a trace, a
+measurement and a user's loop describe the same thing. Techniques are applied for real: parameter dtype, autocast,
+gradient checkpointing (HF's switch, or torch.utils.checkpoint around repeated blocks), attention implementation,
+the optimizer; ZeRO sharding comes from `distributed.py` through `shard`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._torch import step as runner
+from ..errors import ConfigError
+from ..setup import Checkpointing, Optimizer, Precision, TrainingSetup
+
+PhaseCallback = Callable[[str], None]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+Sharder = Callable[[nn.Module], list[str]]
+
+
+@dataclass
+class StepSession:
+    """One optimizer step, ready to run: `run(phase_callback)` does forward/backward per micro-batch, then step."""
+
+    model: nn.Module
+    optimizer: Any
+    batch: Any
+    run: Callable[[PhaseCallback], None]
+    name: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+
+def build_hf_session(config: dict, setup: TrainingSetup, *, loss_fn: LossFn | None = None,
+                     shard: Sharder | None = None) -> StepSession:
+    """A transformers model from its config dict, with token batches of the setup's shape."""
+    with _already_on_cpu():
+        model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
+    batch = runner.make_batch(config, setup, device="cpu")
+    return _finish(model, batch, setup, loss_fn=loss_fn, shard=shard, notes=[])
+
+
+def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup, *,
+                         input_builder: Callable[[TrainingSetup], Any], loss_fn: LossFn | None = None,
+                         shard: Sharder | None = None) -> StepSession:
+    """A model that `factory()` builds; `input_builder(setup)` returns one micro-batch, reused for each micro-step."""
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
+    dtype = runner.param_dtype(_model_setup(setup))
+    cast_floating(model, dtype)
+    model.train()
+    notes: list[str] = []
+    if setup.checkpointing is Checkpointing.FULL:
+        wrapped = checkpoint_repeated_blocks(model)
+        notes.append(f"gradient checkpointing: torch.utils.checkpoint around {wrapped} repeated blocks" if wrapped
+                     else "no repeated blocks to checkpoint were found: gradient checkpointing not applied")
+    if setup.attention is not TrainingSetup().attention:
+        notes.append("the attention setting does not apply to a plain module: it runs its own attention code")
+    batch = _cast_floats(input_builder(setup), dtype)
+    return _finish(model, batch, setup, loss_fn=loss_fn or module_loss, shard=shard, notes=notes)
+
+
+def _finish(model: nn.Module, batch, setup: TrainingSetup, *, loss_fn, shard: Sharder | None,
+            notes: list[str]) -> StepSession:
+    if shard is not None:
+        notes += shard(model)
+    with _real_constructor(setup):
+        optimizer = runner.make_optimizer(model, _model_setup(setup))
+    notes += getattr(optimizer, "memfit_notes", ())
+
+    micro_batches = [batch] * setup.grad_accum_steps  # one batch object reused: one alive at a time, as from a loader
+
+    def run(phase_callback: PhaseCallback) -> None:
+        runner.training_step(model, optimizer, micro_batches, setup, loss_fn=loss_fn, phase_callback=phase_callback)
+
+    name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+    return StepSession(model=model, optimizer=optimizer, batch=batch, run=run, name=name, notes=notes)
+
+
+@contextlib.contextmanager
+def _already_on_cpu():
+    """Skip `model.to("cpu")` on a model that is built on cpu: on FakeTensors `Module.to` swaps every tensor and
+    fails, since the fake-tensor converter holds weakrefs to them."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.to
+
+    def to(self, *args, **kwargs):
+        if not kwargs and len(args) == 1 and str(args[0]) == "cpu":
+            return self
+        return original(self, *args, **kwargs)
+
+    PreTrainedModel.to = to
+    try:
+        yield
+    finally:
+        PreTrainedModel.to = original
+
+
+def _model_setup(setup: TrainingSetup) -> TrainingSetup:
+    """bf16-master under ZeRO is FSDP2 mixed precision: fp32 (master) shards, bf16 all-gathers, a plain optimizer."""
+    if setup.precision is Precision.BF16_MASTER and setup.sharding.stage > 0:
+        return setup.replace(precision=Precision.FP32)
+    return setup
+
+
+def _real_constructor(setup: TrainingSetup):
+    """bitsandbytes' constructor reads tensor values (.tolist()), which fake tensors lack (FACTS.md)."""
+    if setup.optimizer is not Optimizer.ADAMW_8BIT:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def module_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Call the model on the batch (dict -> kwargs, tuple -> args); its `.loss`, else the mean of its output."""
+    if isinstance(batch, dict):
+        output = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise ConfigError(f"cannot make a loss from a {type(output).__name__}: pass loss_fn=(model, batch) -> loss")
+    return output.float().mean()
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)`, done by replacing tensors: `Module.to` swaps tensors in place, which FakeTensors refuse
+    (they carry weakrefs). Tied parameters stay tied."""
+    converted: dict[int, torch.Tensor] = {}
+
+    def convert(tensor: torch.Tensor, make) -> torch.Tensor:
+        if id(tensor) not in converted:
+            converted[id(tensor)] = make(tensor.detach().to(dtype)) if tensor.dtype != dtype else tensor
+        return converted[id(tensor)]
+
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if param.is_floating_point():
+                    module._parameters[name] = convert(param, lambda t, p=param: nn.Parameter(t, p.requires_grad))
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_floating_point():
+                    module._buffers[name] = convert(buffer, lambda t: t)
+
+
+def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    if dtype is torch.float32:
+        return batch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+
+
+# ---- checkpointing of plain modules ----------------------------------------------------------------------------------
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """Children of a ModuleList/Sequential that are 2+ non-leaf modules of one class (transformer layers, stages)."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(True for _ in children[0].children()):
+            blocks += children
+            inside.update(id(m) for child in children for m in child.modules())
+    return blocks
+
+
+def checkpoint_repeated_blocks(model: nn.Module) -> int:
+    """Wrap each repeated block's forward in non-reentrant torch.utils.checkpoint; returns how many."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        def run(*args, _forward=block.forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = run
+    return len(blocks)

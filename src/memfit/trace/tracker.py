@@ -1,0 +1,486 @@
+"""StepTracker: every tensor storage a training step allocates and frees, with O(1) bookkeeping per event.
+
+A `TorchDispatchMode` sees the outputs of every op. Each new untyped storage is registered once (keyed by the
+storage object's id; a weakref callback records the free), and its bytes go to one `_Kind`. Live bytes per kind,
+the device total and its peak are plain integer updates, so the cost per op does not grow with the model (torch's
+`MemTracker` walks every tracked module on every op in `_update_peak_stats`; see FACTS.md).
+
+Byte counts are `storage.nbytes()`: what the CPU allocator is asked for and the profiler reports. The peak and the
+category snapshot at the peak are exact at op granularity; only a kernel's internal workspace is invisible.
+
+Categories are decided when a storage is born (phase and module stack) and refined later: a storage that turns
+out to be a `p.grad` or an optimizer state, or an activation freed before forward ends (a temporary), is moved to
+its real kind in the live counts and, when it was alive at the peak, in the peak snapshot too.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..estimate.result import Category, Phase
+
+_PHASE_ORDER = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+
+
+class _Kind(IntEnum):
+    """Finer than `Category`: each kind becomes one named `Term` of the result."""
+
+    PARAMETERS = 0
+    BUFFERS = 1
+    GATHERED = 2  # FSDP all-gathered (unsharded) parameters
+    GRADIENTS = 3
+    OPTIMIZER = 4
+    ACTIVATIONS = 5
+    INPUTS = 6
+    TEMPORARIES = 7
+    HOST_TEMPORARIES = 8  # optimizer-step scratch of a step that runs on the host (CPU offload)
+
+
+KIND_TERMS: dict[_Kind, tuple[str, Category]] = {
+    _Kind.PARAMETERS: ("parameters", Category.PARAMETERS),
+    _Kind.BUFFERS: ("parameters/buffers", Category.PARAMETERS),
+    _Kind.GATHERED: ("parameters/gathered", Category.PARAMETERS),
+    _Kind.GRADIENTS: ("gradients", Category.GRADIENTS),
+    _Kind.OPTIMIZER: ("optimizer", Category.OPTIMIZER),
+    _Kind.ACTIVATIONS: ("activations", Category.ACTIVATIONS),
+    _Kind.INPUTS: ("activations/inputs", Category.ACTIVATIONS),
+    _Kind.TEMPORARIES: ("temporaries", Category.TEMPORARIES),
+    _Kind.HOST_TEMPORARIES: ("temporaries/host", Category.TEMPORARIES),
+}
+_NUM_KINDS = len(_Kind)
+_ROOT = "(model)"
+
+
+@dataclass(frozen=True)
+class TraceProgress:
+    """Handed to the progress callback while a trace runs."""
+
+    step: int
+    """1-based training step (iteration)."""
+    num_steps: int
+    phase: Phase
+    fraction: float
+    """Of the whole trace, 0..1 (an estimate inside a phase; exact at phase boundaries)."""
+
+    @property
+    def message(self) -> str:
+        return f"step {self.step}/{self.num_steps} {self.phase.value}"
+
+
+class _Storage:
+    __slots__ = ("key", "nbytes", "kind", "module", "alloc_index", "phase_serial", "ref")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Live bytes per kind right after one allocation or free."""
+
+    event: int
+    step: int
+    phase: Phase | None
+    live: tuple[int, ...]
+    label: str = ""
+
+
+class StepTracker(TorchDispatchMode):
+    """Enter inside a FakeTensorMode (or on real tensors); call `mark(phase)` at phase boundaries.
+
+    `host_kinds` are kinds that live in host memory (CPU offload): counted in `host_bytes`, not the device peak.
+    With `optimizer_on_host`, everything the optimizer step allocates is host memory.
+    """
+
+    def __init__(self, *, host_kinds: Iterable[_Kind] = (), optimizer_on_host: bool = False, num_steps: int = 2,
+                 progress: Callable[[TraceProgress], None] | None = None, progress_interval_s: float = 0.25) -> None:
+        super().__init__()
+        self._records: dict[int, _Storage] = {}
+        self._on_host = [k in set(host_kinds) for k in _Kind]
+        self._optimizer_on_host = optimizer_on_host
+        self.live = [0] * _NUM_KINDS
+        self.device_bytes = 0
+        self.host_bytes = 0
+        self.peak_bytes = 0
+        self.peak_live: list[int] = [0] * _NUM_KINDS
+        self.peak_event = -1
+        self.peak_phase: Phase | None = None
+        self.peak_step = 0
+        self.phase_peaks: dict[Phase, int] = {}
+        self.events = 0
+        self.step = 0
+        self.num_steps = num_steps
+        self.phase: Phase | None = None
+        self._phase_serial = 0
+        self._phase_start_event = 0
+        self._phase_events: dict[Phase, int] = {}
+        self._stack: list[str] = []
+        self._module_names: dict[int, str] = {}
+        self.saved_by_module: dict[str, int] = {}
+        self._history: list[tuple[int, ...]] = []
+        self.marks: list[tuple[int, int, Phase]] = []
+        self._hooks: list = []
+        self._active = False
+        self._progress = progress
+        self._progress_interval_s = progress_interval_s
+        self._progress_next = 0.0
+        self._dtensor_type = _dtensor_type()
+        self._wait_tensor = _wait_tensor_op()
+        self._orig_resize = None
+
+    # ---- registration -------------------------------------------------------------------------------------
+
+    def watch_module(self, model: torch.nn.Module, *, prefix: str = "") -> None:
+        """Register a model's parameters and buffers and name its modules for `top_modules`."""
+        for name, module in model.named_modules():
+            self._module_names[id(module)] = f"{prefix}{name}" or _ROOT
+        for param in model.parameters():
+            self.register(param, _Kind.PARAMETERS)
+            if param.grad is not None:
+                self.register(param.grad, _Kind.GRADIENTS)
+            if param.requires_grad and _local(param) is param:  # sharded (DTensor) grads come from FSDP instead
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_accumulated))
+        for buffer in model.buffers():
+            self.register(buffer, _Kind.BUFFERS)
+
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.register(param.grad, _Kind.GRADIENTS)
+
+    def register(self, tensor: torch.Tensor, kind: _Kind) -> None:
+        """Count a tensor that exists already (or reclassify it if it is known)."""
+        storage = _storage_of(tensor)
+        if storage is None:
+            return
+        record = self._records.get(id(storage))
+        if record is None:
+            self._add(storage, kind)
+        elif record.kind != kind:
+            self._reclassify(record, kind)
+
+    def register_tree(self, tree, kind: _Kind) -> None:
+        for tensor in _tensors_in(tree):
+            self.register(tensor, kind)
+
+    def classify_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        for param in params:
+            grad = getattr(param, "grad", None)
+            if grad is not None:
+                self.register(_local(grad), _Kind.GRADIENTS)
+
+    def classify_optimizer_state(self, optimizer) -> None:
+        """States, and parameters the optimizer owns that the model does not (fp32 master copies)."""
+        for group in getattr(optimizer, "param_groups", ()):
+            for param in group["params"]:
+                record = self._records.get(id(_storage_of(param)))
+                if record is None or record.kind is not _Kind.PARAMETERS:
+                    self.register(_local(param), _Kind.OPTIMIZER)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    self.register(_local(value), _Kind.OPTIMIZER)
+
+    # ---- phases ----------------------------------------------------------------------------------------------
+
+    def mark(self, phase: Phase | str) -> None:
+        """The step enters `phase`. A forward after anything else starts a new step."""
+        phase = Phase(phase)
+        if phase is Phase.FORWARD and self.phase in (None, Phase.OPTIMIZER):
+            self.step += 1  # a forward after backward is the next micro-batch of the same step
+        elif self.phase is Phase.FORWARD:
+            self._collect_saved_activations()
+        if self.phase is not None:
+            self._phase_events[self.phase] = max(self._phase_events.get(self.phase, 0),
+                                                 self.events - self._phase_start_event)
+        self.phase = phase
+        self._phase_serial += 1
+        self._phase_start_event = self.events
+        self.marks.append((self.events, self.step, phase))
+        self._report_progress(force=True)
+
+    def _collect_saved_activations(self) -> None:
+        """Activations alive when forward ends are what each module saved for backward."""
+        saved: dict[str, int] = {}
+        for record in self._records.values():
+            if record.kind is _Kind.ACTIVATIONS and record.phase_serial == self._phase_serial:
+                saved[record.module] = saved.get(record.module, 0) + record.nbytes
+        for name, num_bytes in saved.items():
+            self.saved_by_module[name] = max(self.saved_by_module.get(name, 0), num_bytes)
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------------
+
+    def _birth_kind(self) -> _Kind:
+        phase = self.phase
+        if phase is Phase.FORWARD:
+            return _Kind.ACTIVATIONS
+        if phase is Phase.BACKWARD:
+            return _Kind.ACTIVATIONS if self._stack else _Kind.TEMPORARIES  # a module forward in backward: recompute
+        if phase is Phase.OPTIMIZER and self._optimizer_on_host:
+            return _Kind.HOST_TEMPORARIES
+        return _Kind.TEMPORARIES
+
+    def _add(self, storage, kind: _Kind) -> None:
+        record = _Storage()
+        record.key = key = id(storage)
+        record.nbytes = num_bytes = storage.nbytes()
+        record.kind = kind
+        record.module = self._stack[-1] if self._stack else _ROOT
+        record.alloc_index = self.events
+        record.phase_serial = self._phase_serial
+        record.ref = weakref.ref(storage, lambda _ref, record=record: self._free(record))
+        self._records[key] = record
+        if num_bytes:
+            self._change(kind, num_bytes)
+
+    def _free(self, record: _Storage) -> None:
+        if self._records.get(record.key) is record:
+            del self._records[record.key]
+        if not self._active or not record.nbytes:
+            return
+        kind = record.kind
+        if kind is _Kind.ACTIVATIONS and self.phase is Phase.FORWARD and record.phase_serial == self._phase_serial:
+            self._retro(record, _Kind.TEMPORARIES)  # born and dead within one forward: a temporary
+        self._change(kind, -record.nbytes)
+
+    def _resized(self, record: _Storage, num_bytes: int) -> None:
+        delta = num_bytes - record.nbytes
+        if not record.nbytes:
+            record.alloc_index = self.events  # re-allocated (FSDP2 all-gather outputs): born again
+        record.nbytes = num_bytes
+        if delta:
+            self._change(record.kind, delta)
+
+    def _change(self, kind: _Kind, delta: int) -> None:
+        """The only place live totals change; one event of the timeline."""
+        live = self.live
+        live[kind] += delta
+        self.events += 1
+        self._history.append(tuple(live))
+        if self._on_host[kind]:
+            self.host_bytes += delta
+            return
+        total = self.device_bytes = self.device_bytes + delta
+        if delta > 0:
+            phase = self.phase
+            if phase is not None and total > self.phase_peaks.get(phase, 0):
+                self.phase_peaks[phase] = total
+            if total > self.peak_bytes:
+                self.peak_bytes = total
+                self.peak_live = live.copy()
+                self.peak_event = self.events
+                self.peak_phase = phase
+                self.peak_step = self.step
+        if self._progress is not None and not self.events & 255:
+            self._report_progress()
+
+    def _reclassify(self, record: _Storage, kind: _Kind) -> None:
+        old = record.kind
+        if old is kind:
+            return
+        num_bytes = record.nbytes
+        if not num_bytes:
+            record.kind = kind
+            return
+        self._retro(record, kind)
+        self.live[old] -= num_bytes
+        self.live[kind] += num_bytes
+        if self._on_host[old] != self._on_host[kind]:
+            sign = 1 if self._on_host[kind] else -1
+            self.host_bytes += sign * num_bytes
+            self.device_bytes -= sign * num_bytes
+
+    def _retro(self, record: _Storage, kind: _Kind) -> None:
+        """A storage alive at the peak turned out to be `kind`: fix the peak snapshot (same residency only)."""
+        old = record.kind
+        if record.alloc_index < self.peak_event and self._on_host[old] == self._on_host[kind]:
+            self.peak_live[old] -= record.nbytes
+            self.peak_live[kind] += record.nbytes
+        record.kind = kind
+
+    # ---- the dispatch mode -----------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._dtensor_type is not None and self._dtensor_type in types:
+            return NotImplemented  # let DTensor desugar into ops on local shards, then see those
+        if func is self._wait_tensor:
+            out = args[0]  # its fake impl returns a new tensor; eager returns the input
+        else:
+            out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._see(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._see(item)
+                elif isinstance(item, (tuple, list)):
+                    for tensor in item:
+                        if isinstance(tensor, torch.Tensor):
+                            self._see(tensor)
+        return out
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # sparse / storage-less tensors
+        record = self._records.get(id(storage))
+        if record is None:
+            self._add(storage, self._birth_kind())
+        elif record.nbytes != storage.nbytes():  # resize_ / set_ to a larger size in place
+            self._resized(record, storage.nbytes())
+
+    # ---- context -----------------------------------------------------------------------------------------------
+
+    def __enter__(self):
+        self._active = True
+        self._install_hooks()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.phase is not None:
+                self._phase_events[self.phase] = max(self._phase_events.get(self.phase, 0),
+                                                     self.events - self._phase_start_event)
+            self._remove_hooks()
+            self._active = False
+
+    def _install_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        names, stack = self._module_names, self._stack
+
+        def pre(module, _args):
+            stack.append(names.get(id(module)) or type(module).__name__)
+
+        def post(_module, _args, _output):
+            if stack:
+                stack.pop()
+
+        self._hooks += [nn_module.register_module_forward_pre_hook(pre),
+                        nn_module.register_module_forward_hook(post, always_call=True)]
+        self._orig_resize = torch.UntypedStorage.resize_
+        original, records = self._orig_resize, self._records
+
+        def resize_(storage, size):  # FSDP2 frees / re-allocates unsharded parameters by resizing storages
+            result = original(storage, size)
+            record = records.get(id(storage))
+            if record is not None and record.nbytes != storage.nbytes():
+                self._resized(record, storage.nbytes())
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            self._orig_resize = None
+
+    # ---- progress and results --------------------------------------------------------------------------------
+
+    def _report_progress(self, force: bool = False) -> None:
+        if self._progress is None or self.phase is None:
+            return
+        now = time.monotonic()
+        if not force and now < self._progress_next:
+            return
+        self._progress_next = now + self._progress_interval_s
+        phase_index = _PHASE_ORDER.index(self.phase)
+        expected = self._phase_events.get(self.phase) or _GUESS_EVENTS[self.phase]
+        within = min(0.99, (self.events - self._phase_start_event) / max(expected, 1))
+        done = (max(self.step, 1) - 1) * 3 + phase_index + within
+        self._progress(TraceProgress(step=max(self.step, 1), num_steps=self.num_steps, phase=self.phase,
+                                     fraction=min(1.0, done / (3 * self.num_steps))))
+
+    def finish_progress(self) -> None:
+        if self._progress is not None:
+            self._progress(TraceProgress(step=self.step, num_steps=self.num_steps,
+                                         phase=self.phase or Phase.OPTIMIZER, fraction=1.0))
+
+    @property
+    def peak_by_kind(self) -> dict[_Kind, int]:
+        return {kind: self.peak_live[kind] for kind in _Kind if not self._on_host[kind]}
+
+    def host_live(self) -> dict[_Kind, int]:
+        return {kind: self.live[kind] for kind in _Kind if self._on_host[kind]}
+
+    def samples(self, max_points: int = 2000) -> list[Sample]:
+        """The history, down-sampled to at most ~max_points: each bucket keeps its highest moment, phase
+        boundaries and the peak are always kept."""
+        history = self._history
+        if not history:
+            return []
+        on_host = self._on_host
+        device = [sum(v for k, v in enumerate(row) if not on_host[k]) for row in history]
+        keep = {len(history) - 1, max(self.peak_event - 1, 0)}
+        bucket = max(1, -(-len(history) // max(1, max_points - len(keep))))
+        for start in range(0, len(history), bucket):
+            stop = min(start + bucket, len(history))
+            keep.add(max(range(start, stop), key=device.__getitem__))
+        marks = sorted(self.marks)
+        labels = {event: f"step {step} {phase.value}" for event, step, phase in marks if event < len(history)}
+        keep.update(labels)
+        labels[max(self.peak_event - 1, 0)] = "peak"
+        samples, mark_index, step, phase = [], 0, 0, None
+        for index in sorted(keep):
+            while mark_index < len(marks) and marks[mark_index][0] <= index:
+                _, step, phase = marks[mark_index]
+                mark_index += 1
+            samples.append(Sample(event=index + 1, step=step, phase=phase, live=history[index],
+                                  label=labels.get(index, "")))
+        return samples
+
+    def top_modules(self, limit: int = 10) -> list[tuple[str, int]]:
+        """Saved activation bytes per module, repeated layers summed under one name ('layers.*.mlp')."""
+        totals: dict[str, int] = {}
+        for name, num_bytes in self.saved_by_module.items():
+            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            totals[pattern] = totals.get(pattern, 0) + num_bytes
+        ranked = sorted(((n, b) for n, b in totals.items() if b > 0), key=lambda item: (-item[1], item[0]))
+        return ranked[:limit]
+
+
+_GUESS_EVENTS = {Phase.FORWARD: 2000, Phase.BACKWARD: 4000, Phase.OPTIMIZER: 2000}
+
+
+def _storage_of(tensor: torch.Tensor):
+    tensor = _local(tensor)
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _local(tensor):
+    """The local shard of a DTensor; the tensor itself otherwise."""
+    to_local = getattr(tensor, "_local_tensor", None)
+    return to_local if isinstance(to_local, torch.Tensor) else tensor
+
+
+def _tensors_in(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _wait_tensor_op():
+    try:
+        return torch.ops._c10d_functional.wait_tensor.default
+    except (AttributeError, RuntimeError):
+        return None

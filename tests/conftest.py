@@ -1,0 +1,96 @@
+"""Shared fixtures. Nothing here imports torch at import time: core tests must run without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tiny_configs import TINY_CONFIGS
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def tiny_config(request) -> dict:
+    """Each tiny HF config in turn (a fresh copy), e.g. for 'builds and steps for every family' tests."""
+    return copy.deepcopy(TINY_CONFIGS[request.param])
+
+
+@pytest.fixture
+def tiny_llama_config() -> dict:
+    return copy.deepcopy(TINY_CONFIGS["llama"])
+
+
+@pytest.fixture
+def tiny_gpt2_config() -> dict:
+    return copy.deepcopy(TINY_CONFIGS["gpt2"])
+
+
+@pytest.fixture
+def tiny_bert_config() -> dict:
+    return copy.deepcopy(TINY_CONFIGS["bert"])
+
+
+@pytest.fixture
+def tiny_qwen2_config() -> dict:
+    return copy.deepcopy(TINY_CONFIGS["qwen2"])
+
+
+@pytest.fixture
+def tiny_mistral_config() -> dict:
+    return copy.deepcopy(TINY_CONFIGS["mistral"])
+
+
+@pytest.fixture
+def torch_cpu():
+    """torch, with one intra-op thread so memory and timings do not depend on the runner's core count."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield torch
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def make_plain_lm():
+    """A factory for a small decoder written in plain PyTorch (no transformers): embedding, an nn.ModuleList of
+    pre-norm blocks (SDPA causal attention + MLP), LM head. `model(input_ids=..., labels=...)` returns the loss."""
+    torch = pytest.importorskip("torch")
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self, hidden: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+            self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+        def forward(self, x):
+            b, t, h = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, h // self.heads).unbind(2)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True)
+            x = x + self.out(attn.transpose(1, 2).reshape(b, t, h))
+            return x + self.mlp(self.norm2(x))
+
+    class PlainLM(nn.Module):
+        def __init__(self, vocab_size: int = 512, hidden: int = 64, layers: int = 4, heads: int = 4) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab_size, hidden)
+            self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+            self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab_size, bias=False)
+
+        def forward(self, input_ids, labels=None):
+            x = self.embed(input_ids)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.norm(x))
+            if labels is None:
+                return logits
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    def make(**sizes) -> "torch.nn.Module":
+        torch.manual_seed(0)
+        return PlainLM(**sizes)
+
+    return make
