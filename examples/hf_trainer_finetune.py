@@ -66,8 +66,9 @@ def main() -> None:
         trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(64, setup.seq_len, 512),
                           optimizers=(applied.make_optimizer(model), None))
         result = trainer.train()
+    checkpointing = "on" if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) else "off"
     print(f"memfit example: Trainer ran {result.global_step} steps with {type(trainer.optimizer.optimizer).__name__}"
-          f", checkpointing on, final loss {result.training_loss:.3f}")
+          f", checkpointing {checkpointing}, final loss {result.training_loss:.3f}")
 
 
 if __name__ == "__main__":

@@ -201,3 +201,31 @@ def test_cuda_breakdown_names_the_static_terms_and_calls_the_rest_activations():
     assert sum(v for k, v in result.peak_terms.items() if k != RESERVE_TERM) == 800
     assert result.phase_peaks == {"forward": 650, "backward": 800, "optimizer": 700}
     assert result.step_peaks == (800, 650)
+
+
+def test_cuda_path_runs_end_to_end_against_a_stand_in_allocator(monkeypatch):
+    """No GPU here: the allocator statistics are stood in for, to run the CUDA bookkeeping through real steps."""
+    from memfit._torch import measure_cuda
+
+    state = {"allocated": 1000, "peak": 1000}
+
+    def reset(device=None):
+        state["peak"] = state["allocated"]
+
+    def peak(device=None):
+        state["peak"] += 100  # every phase reaches 100 bytes above where it began
+        return state["peak"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["peak"] + 50)
+    setup = TrainingSetup(micro_batch_size=1, seq_len=16, grad_accum_steps=2, precision="fp32", optimizer="adamw")
+    model = build_hf_model(TINY_CONFIGS["llama"], setup)
+    result, losses = measure_cuda.measure_cuda_steps(model, make_optimizer(model, setup), make_batch(
+        TINY_CONFIGS["llama"], setup), setup, steps=2, device=torch.device("cpu"))
+    assert len(losses) == 2 and len(result.timeline) == 2 * 5  # (forward, backward) x 2 micro-steps + optimizer
+    assert result.step_peaks == (1100, 1100)
+    assert result.peak_terms[measure_cuda.RESERVE_TERM] == 50
+    assert result.peak_terms[PREEXISTING_TERM] == 1000  # nothing the step owns is on a cuda device here

@@ -65,6 +65,9 @@ def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=Non
 
     model, name, notes = _resolve_model(model_or_config, setup, device)
     where = torch_step.model_device(model)
+    if where.type not in ("cpu", "cuda"):
+        raise ConfigError(f"measure reads memory on cpu (torch.profiler) and cuda (the caching allocator), not on "
+                          f"{where.type}: pass device='cpu' or a model on one of those")
     if batches is None:
         batches = _default_batches(model, setup, where)
     if optimizer is None:
