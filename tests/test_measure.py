@@ -229,3 +229,51 @@ def test_cuda_path_runs_end_to_end_against_a_stand_in_allocator(monkeypatch):
     assert result.step_peaks == (1100, 1100)
     assert result.peak_terms[measure_cuda.RESERVE_TERM] == 50
     assert result.peak_terms[PREEXISTING_TERM] == 1000  # nothing the step owns is on a cuda device here
+
+
+# ------------------------------------------------------------------------------ the step runner measure and trace share
+
+
+@pytest.mark.parametrize("name, check", [
+    ("adamw", lambda o: isinstance(o, torch.optim.AdamW) and o.defaults["foreach"] is False),
+    ("adamw-foreach", lambda o: isinstance(o, torch.optim.AdamW) and o.defaults["foreach"] is True),
+    ("adamw-fused", lambda o: isinstance(o, torch.optim.AdamW) and o.defaults["fused"] is True),
+    ("sgd", lambda o: isinstance(o, torch.optim.SGD) and o.defaults["momentum"] == 0.9),
+    ("adafactor", lambda o: o.defaults["relative_step"] and o.defaults["scale_parameter"] and o.defaults["lr"] is None
+     and not o.defaults["warmup_init"]),
+])
+def test_make_optimizer_builds_what_the_setup_names(name, check):
+    setup = TrainingSetup(micro_batch_size=1, seq_len=8, precision="fp32", optimizer=name)
+    optimizer = make_optimizer(build_hf_model(TINY_CONFIGS["llama"], setup), setup)
+    assert check(optimizer) and optimizer.memfit_notes == ()
+
+
+def test_make_batch_shapes_and_labels():
+    setup = TrainingSetup(micro_batch_size=3, seq_len=16)
+    batch = make_batch(TINY_CONFIGS["bert"], setup, generator=torch.Generator().manual_seed(0))
+    assert set(batch) == {"input_ids", "labels"}  # no attention_mask: no padding
+    assert batch["input_ids"].shape == (3, 16) and int(batch["input_ids"].max()) < 512
+    assert torch.equal(batch["labels"], batch["input_ids"])  # MLM: every position labelled
+    assert batch["labels"].data_ptr() != batch["input_ids"].data_ptr()
+
+
+def test_the_step_tells_transformers_the_batch_is_unpacked_so_fake_tensors_build_no_mask(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    setup = TrainingSetup(micro_batch_size=2, seq_len=32, precision="fp32", optimizer="sgd")
+    with FakeTensorMode():
+        model = build_hf_model(TINY_CONFIGS["llama"], setup)
+        batch = make_batch(TINY_CONFIGS["llama"], setup)
+        model(**batch)  # HF alone, on fake tensors: a B x 1 x T x T mask for every layer
+        assert [tuple(m.shape) for m in masks] == [(2, 1, 32, 32)] * 2
+        masks.clear()
+        loss = training_step(model, make_optimizer(model, setup), batch, setup)
+    assert masks == [None] * 2 and math.isnan(loss)
