@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .run import trace
-    from .tracker import TraceProgress
+    from .timeline import TraceProgress
 
 __all__ = ["TraceProgress", "trace"]
 
@@ -18,10 +18,10 @@ def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'memfit.trace' has no attribute {name!r}")
     try:
-        from . import run, tracker
+        from . import run, timeline
     except ImportError as error:
         from ..errors import MissingDependencyError
 
         raise MissingDependencyError(f"memfit trace needs torch ({error.name or error}): "
                                      "pip install 'memfit[torch]'") from error
-    return run.trace if name == "trace" else tracker.TraceProgress
+    return run.trace if name == "trace" else timeline.TraceProgress

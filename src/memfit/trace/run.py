@@ -109,6 +109,9 @@ def to_estimate(tracker: StepTracker, session: StepSession, setup: TrainingSetup
     cpu_bytes = sum(num_bytes for kind, num_bytes in host.items() if kind is not _Kind.HOST_TEMPORARIES)
     notes = [f"traced {tracker.events} allocations and frees over {tracker.num_steps} steps; peak in step "
              f"{tracker.peak_step} {(tracker.peak_phase or Phase.FORWARD).value}", *session.notes]
+    if tracker.values_assumed:
+        notes.append(f"the optimizer step read {tracker.values_assumed} tensor values (.item()), which fake tensors do "
+                     "not have; the trace took 0 (finite gradients, the step taken)")
     if host:
         notes.append("CPU offload: optimizer states (and the step's scratch) live in host memory, outside the "
                      "device peak; cpu_bytes is what stays on the host")

@@ -45,8 +45,7 @@ class StepSession:
 def build_hf_session(config: dict, setup: TrainingSetup, *, loss_fn: LossFn | None = None,
                      shard: Sharder | None = None) -> StepSession:
     """A transformers model from its config dict, with token batches of the setup's shape."""
-    with _already_on_cpu():
-        model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
+    model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
     batch = runner.make_batch(config, setup, device="cpu")
     return _finish(model, batch, setup, loss_fn=loss_fn, shard=shard, notes=[])
 
@@ -55,7 +54,7 @@ def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup,
                          input_builder: Callable[[TrainingSetup], Any], loss_fn: LossFn | None = None,
                          shard: Sharder | None = None) -> StepSession:
     """A model that `factory()` builds; `input_builder(setup)` returns one micro-batch, reused for each micro-step."""
-    model = factory()
+    model = _construct(factory)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
     dtype = runner.param_dtype(_model_setup(setup))
@@ -70,6 +69,28 @@ def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup,
         notes.append("the attention setting does not apply to a plain module: it runs its own attention code")
     batch = _cast_floats(input_builder(setup), dtype)
     return _finish(model, batch, setup, loss_fn=loss_fn or module_loss, shard=shard, notes=notes)
+
+
+def _construct(factory: Callable[[], nn.Module]) -> nn.Module:
+    """`factory()`; on fake tensors, deep copies made while building (nn.TransformerEncoder clones its layer) are
+    new fake tensors of the active fake mode (torch's default deep-copies the fake mode itself along with them)."""
+    from torch._guards import active_fake_mode
+
+    with _FakeDeepcopy() if active_fake_mode() is not None else contextlib.nullcontext():
+        return factory()
+
+
+class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.__deepcopy__:
+            return func(*args, **(kwargs or {}))
+        tensor, memo = args
+        if id(tensor) not in memo:
+            with torch.no_grad():
+                copied = tensor.clone()
+            memo[id(tensor)] = (nn.Parameter(copied, tensor.requires_grad) if isinstance(tensor, nn.Parameter)
+                                else copied.requires_grad_(tensor.requires_grad))
+        return memo[id(tensor)]
 
 
 def _finish(model: nn.Module, batch, setup: TrainingSetup, *, loss_fn, shard: Sharder | None,
@@ -87,26 +108,6 @@ def _finish(model: nn.Module, batch, setup: TrainingSetup, *, loss_fn, shard: Sh
 
     name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
     return StepSession(model=model, optimizer=optimizer, batch=batch, run=run, name=name, notes=notes)
-
-
-@contextlib.contextmanager
-def _already_on_cpu():
-    """Skip `model.to("cpu")` on a model that is built on cpu: on FakeTensors `Module.to` swaps every tensor and
-    fails, since the fake-tensor converter holds weakrefs to them."""
-    from transformers import PreTrainedModel
-
-    original = PreTrainedModel.to
-
-    def to(self, *args, **kwargs):
-        if not kwargs and len(args) == 1 and str(args[0]) == "cpu":
-            return self
-        return original(self, *args, **kwargs)
-
-    PreTrainedModel.to = to
-    try:
-        yield
-    finally:
-        PreTrainedModel.to = original
 
 
 def _model_setup(setup: TrainingSetup) -> TrainingSetup:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..estimate.result import Category, Phase
+from .timeline import Sample, TraceProgress
 
 _PHASE_ORDER = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 
@@ -58,35 +58,8 @@ _NUM_KINDS = len(_Kind)
 _ROOT = "(model)"
 
 
-@dataclass(frozen=True)
-class TraceProgress:
-    """Handed to the progress callback while a trace runs."""
-
-    step: int
-    """1-based training step (iteration)."""
-    num_steps: int
-    phase: Phase
-    fraction: float
-    """Of the whole trace, 0..1 (an estimate inside a phase; exact at phase boundaries)."""
-
-    @property
-    def message(self) -> str:
-        return f"step {self.step}/{self.num_steps} {self.phase.value}"
-
-
 class _Storage:
     __slots__ = ("key", "nbytes", "kind", "module", "alloc_index", "phase_serial", "ref")
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Live bytes per kind right after one allocation or free."""
-
-    event: int
-    step: int
-    phase: Phase | None
-    live: tuple[int, ...]
-    label: str = ""
 
 
 class StepTracker(TorchDispatchMode):
@@ -131,13 +104,14 @@ class StepTracker(TorchDispatchMode):
         self._dtensor_type = _dtensor_type()
         self._wait_tensor = _wait_tensor_op()
         self._orig_resize = None
+        self.values_assumed = 0
 
     # ---- registration -------------------------------------------------------------------------------------
 
-    def watch_module(self, model: torch.nn.Module, *, prefix: str = "") -> None:
+    def watch_module(self, model: torch.nn.Module) -> None:
         """Register a model's parameters and buffers and name its modules for `top_modules`."""
         for name, module in model.named_modules():
-            self._module_names[id(module)] = f"{prefix}{name}" or _ROOT
+            self._module_names[id(module)] = name or _ROOT
         for param in model.parameters():
             self.register(param, _Kind.PARAMETERS)
             if param.grad is not None:
@@ -193,14 +167,18 @@ class StepTracker(TorchDispatchMode):
             self.step += 1  # a forward after backward is the next micro-batch of the same step
         elif self.phase is Phase.FORWARD:
             self._collect_saved_activations()
-        if self.phase is not None:
-            self._phase_events[self.phase] = max(self._phase_events.get(self.phase, 0),
-                                                 self.events - self._phase_start_event)
+        self._close_phase()
         self.phase = phase
         self._phase_serial += 1
         self._phase_start_event = self.events
         self.marks.append((self.events, self.step, phase))
         self._report_progress(force=True)
+
+    def _close_phase(self) -> None:
+        """Remember how many events the phase took: the next step's progress estimate inside that phase."""
+        if self.phase is not None:
+            self._phase_events[self.phase] = max(self._phase_events.get(self.phase, 0),
+                                                 self.events - self._phase_start_event)
 
     def _collect_saved_activations(self) -> None:
         """Activations alive when forward ends are what each module saved for backward."""
@@ -308,6 +286,8 @@ class StepTracker(TorchDispatchMode):
             return NotImplemented  # let DTensor desugar into ops on local shards, then see those
         if func is self._wait_tensor:
             out = args[0]  # its fake impl returns a new tensor; eager returns the input
+        elif func is _ITEM and self.phase is Phase.OPTIMIZER:
+            return self._item(func, args[0])
         else:
             out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
@@ -321,6 +301,21 @@ class StepTracker(TorchDispatchMode):
                         if isinstance(tensor, torch.Tensor):
                             self._see(tensor)
         return out
+
+    def _item(self, func, tensor: torch.Tensor):
+        """`.item()` in the optimizer step. Fake tensors know the values of small constants (AdamW's `step`), not
+        computed ones (GradScaler's found_inf, Adafactor's RMS comparison): for those 0 is the ordinary path (finite
+        gradients, the step taken) and allocates the same tensors."""
+        from torch._subclasses.fake_tensor import DataDependentOutputException
+
+        try:
+            return func(tensor)
+        except DataDependentOutputException:
+            pass
+        self.values_assumed += 1
+        if tensor.dtype is torch.bool:
+            return False
+        return 0.0 if tensor.is_floating_point() else 0
 
     def _see(self, tensor: torch.Tensor) -> None:
         try:
@@ -344,9 +339,7 @@ class StepTracker(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            if self.phase is not None:
-                self._phase_events[self.phase] = max(self._phase_events.get(self.phase, 0),
-                                                     self.events - self._phase_start_event)
+            self._close_phase()
             self._remove_hooks()
             self._active = False
 
@@ -413,42 +406,22 @@ class StepTracker(TorchDispatchMode):
         return {kind: self.live[kind] for kind in _Kind if self._on_host[kind]}
 
     def samples(self, max_points: int = 2000) -> list[Sample]:
-        """The history, down-sampled to at most ~max_points: each bucket keeps its highest moment, phase
-        boundaries and the peak are always kept."""
-        history = self._history
-        if not history:
-            return []
-        on_host = self._on_host
-        device = [sum(v for k, v in enumerate(row) if not on_host[k]) for row in history]
-        keep = {len(history) - 1, max(self.peak_event - 1, 0)}
-        bucket = max(1, -(-len(history) // max(1, max_points - len(keep))))
-        for start in range(0, len(history), bucket):
-            stop = min(start + bucket, len(history))
-            keep.add(max(range(start, stop), key=device.__getitem__))
-        marks = sorted(self.marks)
-        labels = {event: f"step {step} {phase.value}" for event, step, phase in marks if event < len(history)}
-        keep.update(labels)
-        labels[max(self.peak_event - 1, 0)] = "peak"
-        samples, mark_index, step, phase = [], 0, 0, None
-        for index in sorted(keep):
-            while mark_index < len(marks) and marks[mark_index][0] <= index:
-                _, step, phase = marks[mark_index]
-                mark_index += 1
-            samples.append(Sample(event=index + 1, step=step, phase=phase, live=history[index],
-                                  label=labels.get(index, "")))
-        return samples
+        """The history down-sampled for a timeline (see timeline.downsample)."""
+        from .timeline import downsample
+
+        device = [not host for host in self._on_host]
+        return downsample(self._history, self.marks, self.peak_event, device, max_points)
 
     def top_modules(self, limit: int = 10) -> list[tuple[str, int]]:
-        """Saved activation bytes per module, repeated layers summed under one name ('layers.*.mlp')."""
-        totals: dict[str, int] = {}
-        for name, num_bytes in self.saved_by_module.items():
-            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
-            totals[pattern] = totals.get(pattern, 0) + num_bytes
-        ranked = sorted(((n, b) for n, b in totals.items() if b > 0), key=lambda item: (-item[1], item[0]))
-        return ranked[:limit]
+        from .timeline import group_modules
+
+        return group_modules(self.saved_by_module, limit)
 
 
 _GUESS_EVENTS = {Phase.FORWARD: 2000, Phase.BACKWARD: 4000, Phase.OPTIMIZER: 2000}
+
+
+_ITEM = torch.ops.aten._local_scalar_dense.default
 
 
 def _storage_of(tensor: torch.Tensor):
