@@ -35,22 +35,35 @@ _RENDERED_JS = """
     if (Date.now() > deadline) throw new Error('plotly graphs did not render in time');
     await new Promise(r => setTimeout(r, 50));
   }
-  await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
-  const out = {};
-  for (const d of plots()) {
-    const bars = [...d.querySelectorAll('g.trace.bars g.point path')];
-    const drawn = bars.filter(p => { const b = p.getBBox(); return b.width > 0 && b.height > 0; });
-    const r = d.getBoundingClientRect();
-    out[d.id] = {
-      bars: bars.length, bars_drawn: drawn.length,
-      bar_traces: d.querySelectorAll('g.trace.bars').length,
-      scatter_traces: d.querySelectorAll('g.scatterlayer g.trace').length,
-      fills: d.querySelectorAll('g.scatterlayer path.js-fill').length,
-      shapes: d.querySelectorAll('g.shapelayer path').length,
-      legend_items: d.querySelectorAll('g.legend g.traces').length,
-      text: d.textContent,
-      rect: {x: r.left + window.scrollX, y: r.top + window.scrollY, width: r.width, height: r.height},
-    };
+  // plotly may redraw once more (automargin, legend): measure until two frames 100 ms apart agree
+  const measure = () => {
+    const out = {};
+    for (const d of plots()) {
+      const bars = [...d.querySelectorAll('g.trace.bars g.point path')];
+      const drawn = bars.filter(p => { const b = p.getBBox(); return b.width > 0 && b.height > 0; });
+      const r = d.getBoundingClientRect();
+      out[d.id] = {
+        bars: bars.length, bars_drawn: drawn.length,
+        bar_extent: Math.round(drawn.reduce((sum, p) => sum + p.getBBox().height + p.getBBox().width, 0)),
+        bar_traces: d.querySelectorAll('g.trace.bars').length,
+        scatter_traces: d.querySelectorAll('g.scatterlayer g.trace').length,
+        fills: d.querySelectorAll('g.scatterlayer path.js-fill').length,
+        shapes: d.querySelectorAll('g.shapelayer path').length,
+        legend_items: d.querySelectorAll('g.legend g.traces').length,
+        text: d.textContent,
+        rect: {x: r.left + window.scrollX, y: r.top + window.scrollY, width: r.width, height: r.height},
+      };
+    }
+    return out;
+  };
+  const frame = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  let out = measure(), previous = null;
+  while (JSON.stringify(out) !== previous) {
+    if (Date.now() > deadline) throw new Error('plotly graphs kept changing');
+    previous = JSON.stringify(out);
+    await frame();
+    await new Promise(r => setTimeout(r, 100));
+    out = measure();
   }
   return out;
 })()
@@ -120,7 +133,8 @@ class Chromium:
             for line in self._proc.stderr:
                 lines.put(line)
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             try:
@@ -245,6 +259,11 @@ class Chromium:
                 self._proc.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait(timeout=10)
+        pump = getattr(self, "_pump", None)
+        if pump is not None:
+            pump.join(timeout=5)  # ends at EOF, once the browser has exited
+        self._proc.stderr.close()
         self._profile.cleanup()
 
     def __enter__(self) -> "Chromium":

@@ -126,7 +126,8 @@ def color_counts(png: bytes | str, colors: dict) -> dict:
     """How many pixels of each named '#rrggbb' the image holds, and the image's mean channel spread."""
     from PIL import Image, ImageStat
 
-    image = Image.open(io.BytesIO(png) if isinstance(png, bytes) else png).convert("RGB")
+    with Image.open(io.BytesIO(png) if isinstance(png, bytes) else png) as opened:
+        image = opened.convert("RGB")
     histogram = dict((rgb, n) for n, rgb in image.getcolors(maxcolors=1 << 24))
     counts = {name: histogram.get(tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)), 0) for name, c in colors.items()}
     counts["_stddev"] = sum(ImageStat.Stat(image).stddev) / 3
@@ -147,7 +148,8 @@ def test_png_of_a_plan(plan_8b, tmp_path, with_trace):
     trace = synthetic_trace() if with_trace else None
     path = write_png(plan_8b, tmp_path / "plan.png", trace=trace)
     panels = 3 if with_trace else 1
-    assert Image.open(path).size == (1200, 100 + 450 * panels) == png_size(plan_8b, trace=trace)
+    with Image.open(path) as image:
+        assert image.size == (1200, 100 + 450 * panels) == png_size(plan_8b, trace=trace)
     assert_painted(str(path), nonzero_categories(plan_estimates(plan_8b)), "plan PNG")
 
 
@@ -156,7 +158,8 @@ def test_png_of_a_trace_at_another_dpi(tmp_path):
 
     trace = synthetic_trace()
     path = write_png(trace, tmp_path / "trace.png", dpi=50)
-    assert Image.open(path).size == (600, 50 + 225 * 3) == png_size(trace, dpi=50)
+    with Image.open(path) as image:
+        assert image.size == (600, 50 + 225 * 3) == png_size(trace, dpi=50)
     assert_painted(str(path), nonzero_categories([trace]), "trace PNG")
 
 

@@ -114,6 +114,12 @@ def breakdown_categories(columns: tuple[Column, ...]) -> list[Category]:
     return [cat for cat in Category if any(t[cat] for t in totals)]
 
 
+def column_range(num_columns: int, min_slots: int = 4) -> tuple[float, float]:
+    """x range (in column slots) that centres a few bars instead of stretching one bar across the chart."""
+    pad = max(0, min_slots - num_columns) / 2
+    return -0.5 - pad, num_columns - 0.5 + pad
+
+
 def display_unit(max_bytes: int | float) -> tuple[str, int]:
     """('GiB', 2**30) or a smaller binary unit so that the largest value reads well."""
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
@@ -195,7 +201,7 @@ def breakdown_figure(data: ReportData):
                     f"budget {format_bytes(data.budget_bytes)}<br>({data.margin:.0%} margin)")
     fig.update_layout(**_layout("Memory per device: breakdown at the peak", barmode="stack",
                                 yaxis_title=f"{unit} per device", height=520))
-    fig.update_layout(margin_r=150)
+    fig.update_layout(margin_r=150, xaxis_range=list(column_range(len(labels))))
     return fig
 
 

@@ -84,7 +84,8 @@ def _verdict(data: ReportData) -> str:
 def _breakdown_section(data: ReportData) -> list[str]:
     from .figures import breakdown_figure
 
-    what = "the initial setup and after each step of the plan" if data.plan is not None else "the estimate"
+    what = ("the initial setup and after each step of the plan" if data.plan is not None
+            else f"this {data.columns[0].estimate.method} result")
     return ["<h2>Breakdown</h2>",
             f"<p>Memory per device at the peak by category, for {what}. Hover a bar for its terms.</p>",
             _chart(breakdown_figure(data), "memfit-breakdown")]

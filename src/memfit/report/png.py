@@ -14,7 +14,7 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..units import format_bytes
 from .figures import (BUDGET_COLOR, CAPACITY_COLOR, CATEGORY_COLORS, PHASE_COLORS, ReportData, breakdown_categories,
-                      display_unit, phase_spans, report_data, shown_modules, timeline_categories, wrap_label)
+                      column_range, display_unit, phase_spans, report_data, shown_modules, timeline_categories, wrap_label)
 
 WIDTH_IN = 12.0
 HEADER_IN = 1.0
@@ -105,6 +105,7 @@ def _draw_breakdown(ax, data: ReportData) -> None:
                    label=f"capacity {format_bytes(data.capacity_bytes)}")
         ax.axhline(data.budget_bytes / size, color=BUDGET_COLOR, linewidth=1.6, linestyle="--",
                    label=f"budget ({data.margin:.0%} margin)")
+    ax.set_xlim(*column_range(len(data.columns)))
     ax.set_xticks(list(x), [_plain("\n".join(wrap_label(c.label))) for c in data.columns], fontsize=8)
     ax.set_ylabel(f"{unit} per device")
     ax.set_title("Breakdown at the peak", loc="left", fontsize=10)
