@@ -15,7 +15,8 @@ from ..estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoi
 from ..setup import Optimizer, TrainingSetup
 from . import distributed, hf
 from .session import LossFn, StepSession, build_hf_session, build_module_session, repeated_blocks
-from .tracker import KIND_TERMS, StepTracker, TraceProgress, _Kind
+from .timeline import TraceProgress
+from .tracker import KIND_TERMS, StepTracker, _Kind
 
 ModelRef = str | dict | Callable[[], nn.Module]
 SOURCE = "traced: the training step run on fake tensors (FakeTensorMode), every allocation and free counted"
@@ -29,9 +30,13 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
 
     `model_ref`: a catalog name or hub id, an HF config dict, or a zero-argument factory returning an nn.Module
     (then `input_builder(setup)` returns one micro-batch). `loss_fn(model, batch)` returns the loss; by default the
-    model's output `.loss`, or for plain modules the mean of the output. Nothing real is allocated: the model is built on fake tensors.
+    model's output `.loss`, or for plain modules the mean of the output. `setup` may also be a Plan (its final
+    setup). `progress(TraceProgress)` is called as the trace advances. Nothing real is allocated: the model is
+    built on fake tensors, and the result is per rank (one device), method "traced".
     """
-    setup = setup or TrainingSetup()
+    setup = getattr(setup, "final_setup", setup) or TrainingSetup()
+    if not isinstance(setup, TrainingSetup):
+        raise ConfigError(f"trace needs a TrainingSetup (or a Plan), got {type(setup).__name__}")
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
     build, name = _builder(model_ref, input_builder, loss_fn)
