@@ -124,7 +124,7 @@ def peak_and_diagnosis(console: Console, estimate: MemoryEstimate, diagnosis: Di
 def notes(console: Console, estimate: MemoryEstimate) -> None:
     if not estimate.notes:
         return
-    _heading(console, "Where the rule of thumb differs")
+    _heading(console, "Where the rule of thumb differs" if estimate.method == "analytic" else "Notes")
     _bullets(console, estimate.notes)
 
 
@@ -291,3 +291,72 @@ def gpus_table(console: Console, gpus: Sequence[GPU], *, verbose: bool = False) 
     console.print(table)
     if not verbose:
         console.print(Text("Full sources: memfit gpus --verbose (or --json).", style="dim"))
+
+
+def comparison(console: Console, estimates: Mapping[str, MemoryEstimate], *, reference: str) -> None:
+    """Several estimates of one step side by side, by category, with each one's error against `reference`."""
+    from .estimate.result import Category
+
+    names = list(estimates)
+    _heading(console, "Side by side (GiB)")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("category")
+    for name in names:
+        table.add_column(name, justify="right")
+    cats = {name: est.by_category() for name, est in estimates.items()}
+    for cat in Category:
+        if any(cats[n][cat] for n in names):
+            table.add_row(str(cat), *(gib(cats[n][cat]) for n in names))
+    table.add_row("tensor peak", *(gib(estimates[n].tensor_bytes) for n in names), style="bold")
+    ref = estimates[reference].tensor_bytes
+    table.add_row(f"vs {reference}", *(f"{100 * (estimates[n].tensor_bytes - ref) / ref:+.2f}%" if ref else "-"
+                                       for n in names))
+    table.add_row("peak phase", *(estimates[n].peak_phase.value for n in names))
+    console.print(table)
+
+
+def top_modules(console: Console, estimate: MemoryEstimate, *, limit: int = 8) -> None:
+    if not estimate.top_modules:
+        return
+    _heading(console, "Modules whose saved activations dominate")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("module", overflow="fold")
+    table.add_column("GiB", justify="right")
+    for name, num_bytes in estimate.top_modules[:limit]:
+        table.add_row(name or "(root)", gib(num_bytes))
+    console.print(table)
+
+
+def phase_peaks(console: Console, estimate: MemoryEstimate) -> None:
+    if not estimate.phase_peaks:
+        return
+    peaks = ", ".join(f"{phase.value} {gib(value)}" for phase, value in estimate.phase_peaks.items())
+    extra = f"; host (offloaded) {gib(estimate.cpu_bytes)} GiB" if estimate.cpu_bytes else ""
+    _fields(console, [("phases", f"tensor GiB at each phase's peak: {peaks}{extra}")])
+
+
+def trace_report(console: Console, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware,
+                 traced: MemoryEstimate, diagnosis: Diagnosis, analytic: MemoryEstimate | None,
+                 *, verbose: bool = False) -> None:
+    header(console, "trace", spec, setup, hardware, diagnosis.margin)
+    breakdown(console, traced, verbose=verbose)
+    peak_and_diagnosis(console, traced, diagnosis)
+    phase_peaks(console, traced)
+    top_modules(console, traced)
+    if analytic is not None:
+        comparison(console, {"traced": traced, "analytic": analytic}, reference="traced")
+    notes(console, traced)
+
+
+def measure_report(console: Console, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware,
+                   measured: MemoryEstimate, predicted: MemoryEstimate, diagnosis: Diagnosis) -> None:
+    header(console, "measure", spec, setup, hardware, diagnosis.margin)
+    breakdown(console, measured)
+    phase_peaks(console, measured)
+    comparison(console, {"measured": measured, "analytic": predicted}, reference="measured")
+    notes(console, measured)
+
+
+def verification(console: Console, analytic: MemoryEstimate, traced: MemoryEstimate) -> None:
+    """`plan --verify`: the final setup re-checked by a trace."""
+    comparison(console, {"traced": traced, "analytic": analytic}, reference="traced")

@@ -15,7 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..errors import ConfigError, MemfitError
-from .options import OUTPUT_PANEL, JsonOpt, ModelArg, SetupOptions, VerboseOpt, with_setup_options
+from .options import OUTPUT_PANEL, JsonOpt, ModelArg, PngOpt, ReportOpt, SetupOptions, VerboseOpt, with_setup_options
 
 try:  # typer >= 0.2x vendors click; its parser errors derive from TyperException
     from typer import TyperException as CommandLineError
@@ -111,6 +111,9 @@ OptimizeOpt = Annotated[bool, typer.Option(
 EmitOpt = Annotated[Optional[Path], typer.Option(
     "--emit", metavar="DIR", rich_help_panel=OUTPUT_PANEL, file_okay=False, dir_okay=True, show_default=False,
     help="Write the final setup's engine configs (TrainingArguments, DeepSpeed, accelerate...) into DIR.")]
+VerifyOpt = Annotated[bool, typer.Option(
+    "--verify", rich_help_panel=OUTPUT_PANEL,
+    help="Re-check the final setup with `memfit trace` (the real step on fake tensors; needs torch) and show both.")]
 ForceOpt = Annotated[bool, typer.Option(
     "--force", rich_help_panel=OUTPUT_PANEL,
     help="With --emit: overwrite files in DIR that memfit did not write.")]
@@ -124,7 +127,8 @@ ForceOpt = Annotated[bool, typer.Option(
     "memfit plan Qwen/Qwen2.5-7B --gpus 4 --emit configs/"))
 @with_setup_options
 def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = False, json_output: JsonOpt = False,
-                 verbose: VerboseOpt = False, emit: EmitOpt = None, force: ForceOpt = False) -> None:
+                 verbose: VerboseOpt = False, emit: EmitOpt = None, force: ForceOpt = False,
+                 verify: VerifyOpt = False, report: ReportOpt = None, png: PngOpt = None) -> None:
     """Diagnose a training step and walk the decision ladder until it fits.
 
     Options not given take a typical fine-tune's values, and the output says which were assumed.
@@ -137,19 +141,32 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
     choice = (search_optimal(spec, setup, hardware, margin=opts.margin_fraction, reference=result.final_setup)
               if optimize else None)
     written = _emit(result.final_setup, hardware, emit, force) if emit is not None else []
+    traced = None
+    if verify:
+        from .steps import run_trace
+
+        traced = run_trace(model, result.final_setup, progress=not json_output)
+    reports = write_reports(result, report, png, trace=traced)
     if json_output:
         data = result.to_dict()
         if optimize:
             data["optimized"] = _optimized_dict(choice)
         if emit is not None:
             data["emitted"] = written
+        if verify:
+            data["verified"] = _verified_dict(result.final_estimate, traced)
+        if reports:
+            data["reports"] = reports
         _print_json(data)
         return
     from .. import render
 
-    render.plan_report(_console(), result, verbose=verbose, optimize_requested=optimize, optimized_choice=choice,
+    console = _console()
+    render.plan_report(console, result, verbose=verbose, optimize_requested=optimize, optimized_choice=choice,
                        config_snippets=_snippets(result.final_setup, render, emitted=emit is not None),
-                       emitted_paths=written)
+                       emitted_paths=written + reports)
+    if traced is not None:
+        render.verification(console, result.final_estimate, traced)
 
 
 @app.command("estimate", epilog=_examples(
@@ -245,5 +262,36 @@ def _optimized_dict(choice) -> dict | None:
             "estimate": choice.estimate.to_dict()}
 
 
+def _verified_dict(analytic, traced) -> dict:
+    return {"traced": traced.to_dict(), "analytic_tensor_bytes": analytic.tensor_bytes,
+            "traced_tensor_bytes": traced.tensor_bytes,
+            "error": (analytic.tensor_bytes - traced.tensor_bytes) / traced.tensor_bytes}
+
+
+def write_reports(obj, report: Path | None, png: Path | None, **kwargs) -> list[str]:
+    """--report / --png for a Plan or a traced estimate; returns the paths written."""
+    if report is None and png is None:
+        return []
+    try:
+        from .. import report as reporting
+    except ImportError:
+        raise ConfigError("--report/--png need memfit.report (pip install 'memfit[report]')") from None
+    written = []
+    try:
+        if report is not None:
+            written.append(str(reporting.write_html(obj, report, **kwargs)))
+        if png is not None:
+            written.append(str(reporting.write_png(obj, png, **kwargs)))
+    except ImportError as error:
+        raise ConfigError(f"the report needs {error.name}: pip install 'memfit[report]'") from None
+    except OSError as error:
+        raise ConfigError(f"cannot write the report: {error.strerror or error}") from None
+    return written
+
+
 def main() -> None:
     app()
+
+
+# Commands in other modules register themselves on `app` when imported (they import from this module).
+from . import steps  # noqa: E402,F401  (trace, measure)

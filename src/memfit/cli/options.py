@@ -11,6 +11,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
@@ -249,3 +250,10 @@ def with_setup_options(command: Callable) -> Callable:
     wrapper.__signature__ = signature.replace(parameters=before + shared + after)
     wrapper.__annotations__ = {p.name: p.annotation for p in wrapper.__signature__.parameters.values()}
     return wrapper
+
+
+ReportOpt = Annotated[Optional[Path], _option(
+    "--report", panel=OUTPUT_PANEL, metavar="FILE.html",
+    help="Also write a self-contained HTML report (charts work offline).")]
+PngOpt = Annotated[Optional[Path], _option(
+    "--png", panel=OUTPUT_PANEL, metavar="FILE.png", help="Also write the report's charts as a PNG image.")]

@@ -20,7 +20,7 @@ from .module import from_module, from_pretrained_config, is_hf_config, is_module
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "catalog_config", "catalog_entry", "catalog_names", "from_config_file",
-    "from_hf_config", "from_hub", "from_module", "from_pretrained_config", "resolve_model",
+    "from_hf_config", "from_hub", "from_module", "from_pretrained_config", "hf_config_dict", "resolve_model",
 ]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -78,3 +78,28 @@ def resolve_model(ref: Any, *, name: str | None = None) -> ModelSpec:
         return from_pretrained_config(ref, name=name)
     raise ModelSourceError(f"cannot read a model from a {type(ref).__name__}: give a catalog name, a config.json "
                            "path, a hub id, a config dict or an nn.Module")
+
+
+def hf_config_dict(ref: str | os.PathLike | Mapping) -> dict[str, Any]:
+    """The HF config values behind a model reference, to build the real model (trace, measure): a catalog entry's
+    config, a config.json's contents, or a hub id's config through transformers."""
+    if isinstance(ref, Mapping):
+        return dict(ref)
+    text = str(ref).strip()
+    entry = find_entry(text) if isinstance(ref, str) else None
+    if entry is not None:
+        return catalog_config(entry["name"])
+    path = Path(text).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.exists():
+        import json
+
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ModelSourceError(f"cannot read {path}: {error}") from None
+    spec = _resolve_text(text, None)  # raises the usual one-line errors for unknown names and bad paths
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(spec.extra.get("hub_id", text)).to_dict()

@@ -1,0 +1,132 @@
+"""Commands that run the step itself: `memfit trace` (fake tensors, exact) and `memfit measure` (real tensors).
+They import torch, inside the command, and only when called."""
+
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ConfigError, MissingDependencyError
+from .app import _console, _examples, _print_json, _resolve, app, write_reports
+from .options import (OUTPUT_PANEL, JsonOpt, ModelArg, PngOpt, ReportOpt, SetupOptions, VerboseOpt, whole_number,
+                      with_setup_options)
+
+StepsOpt = Annotated[int, typer.Option(
+    "--steps", parser=whole_number(100), metavar="N", rich_help_panel=OUTPUT_PANEL,
+    help="Training steps to run (the first creates the optimizer state).")]
+DeviceOpt = Annotated[Optional[str], typer.Option(
+    "--device", metavar="cpu|cuda", rich_help_panel=OUTPUT_PANEL, show_default=False,
+    help="Where `measure` runs the real step (default: cuda when available, else cpu).")]
+
+
+def _model_config(model: str) -> dict:
+    from ..sources import hf_config_dict
+
+    return hf_config_dict(Path(model) if Path(model).expanduser().exists() else model)
+
+
+def _require_torch(feature: str) -> None:
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # config warnings would break the one-screen output
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(f"{feature} runs the real step and needs torch: pip install 'memfit[torch]'")
+
+
+def run_trace(model: str, setup, *, steps: int = 2, progress: bool = True):
+    """Trace `model` (a CLI model reference) under `setup`; a progress bar on stderr while it runs."""
+    _require_torch("memfit trace")
+    from ..trace import trace
+
+    config = _model_config(model)
+    if not progress:
+        return trace(config, setup, steps=steps)
+    from rich.progress import Progress
+
+    with Progress(transient=True, console=_console_err()) as bar:
+        task = bar.add_task("tracing on fake tensors", total=1.0)
+
+        def advance(event) -> None:
+            bar.update(task, completed=event.fraction, description=f"tracing: {event.message}")
+
+        return trace(config, setup, steps=steps, progress=advance)
+
+
+def _console_err():
+    from .. import render
+
+    return render.make_console(stderr=True)
+
+
+@app.command("trace", epilog=_examples(
+    "memfit trace llama-3.2-1b -b 4 -s 2048",
+    "memfit trace llama-2-70b --gpu H100 --gpus 8 --zero zero3 --precision bf16 --checkpointing full",
+    "memfit trace gpt2 --report gpt2.html --png gpt2.png"))
+@with_setup_options
+def trace_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, json_output: JsonOpt = False,
+                  verbose: VerboseOpt = False, report: ReportOpt = None, png: PngOpt = None) -> None:
+    """Run the real training step on fake tensors (no GPU, no weights) and report its exact per-GPU peak,
+    timeline and the modules whose activations dominate, next to the analytic estimate."""
+    from ..diagnose import diagnose
+    from ..estimate.analytic import estimate
+
+    spec, setup, hardware = _resolve(model, opts)
+    traced = run_trace(model, setup, steps=steps, progress=not json_output)
+    analytic = estimate(spec, setup, hardware) if spec.is_transformer else None
+    diagnosis = diagnose(traced, hardware, margin=opts.margin_fraction)
+    written = write_reports(traced, report, png, hardware=hardware, margin=opts.margin_fraction)
+    if json_output:
+        _print_json({"model": spec.name, "gpu": hardware.gpu.name, "setup": setup.to_dict(),
+                     "traced": traced.to_dict(), "analytic": analytic.to_dict() if analytic else None,
+                     "diagnosis": diagnosis.to_dict(), "written": written})
+        return
+    from .. import render
+
+    console = _console()
+    render.trace_report(console, spec, setup, hardware, traced, diagnosis, analytic, verbose=verbose)
+    if written:
+        render.emitted(console, written)
+
+
+@app.command("measure", epilog=_examples(
+    "memfit measure gpt2 -b 2 -s 256 --precision fp32 --optimizer adamw",
+    "memfit measure ./tiny/config.json --device cpu --json",
+    "memfit measure llama-3.2-1b --gpu H100 --device cuda -b 4 -s 2048"))
+@with_setup_options
+def measure_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, device: DeviceOpt = None,
+                    json_output: JsonOpt = False) -> None:
+    """Build the model with random weights, run real training steps on this machine, and print the measured peak
+    and breakdown next to memfit's prediction (CPU: profiler memory events; CUDA: the caching allocator)."""
+    _require_torch("memfit measure")
+    import torch
+
+    from ..diagnose import diagnose
+    from ..estimate.analytic import estimate
+    from ..hardware import cpu_device, make_hardware
+    from ..measure import measure
+
+    if device not in (None, "cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, got '{device}'")
+    where = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if where == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to torch on this machine")
+    spec, setup, hardware = _resolve(model, opts)
+    if where == "cpu":
+        import os
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        hardware = make_hardware(cpu_device(ram))
+    measured = measure(_model_config(model), setup, steps=steps, device=where)
+    predicted = estimate(spec, setup, hardware)
+    diagnosis = diagnose(measured, hardware, margin=opts.margin_fraction)
+    if json_output:
+        _print_json({"model": spec.name, "device": where, "setup": setup.to_dict(),
+                     "measured": measured.to_dict(), "analytic": predicted.to_dict(),
+                     "error": (predicted.tensor_bytes - measured.tensor_bytes) / measured.tensor_bytes})
+        return
+    from .. import render
+
+    render.measure_report(_console(), spec, setup, hardware, measured, predicted, diagnosis)
