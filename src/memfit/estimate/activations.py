@@ -84,6 +84,7 @@ def _layernorm(spec: ModelSpec, count: int = 1, input_saved: bool = True) -> lis
 def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
     """q, k, v, output and softmax statistics (SDPA) or the T x T probabilities (eager)."""
     h, kv, heads = spec.hidden_size, spec.kv_dim, spec.num_attention_heads
+    q = heads * spec.head_dim or h  # the query/output width (Gemma 2: 8 x 256 = 2048 beside a 2304 hidden size)
     dropout = spec.extra.get("attention_dropout", 0.0) > 0
     if setup.attention is Attention.SDPA and not (dropout and d.on_cpu):
         # Flash / memory-efficient SDPA saves q, k, v (k, v at kv-head width: GQA is passed through), the output
@@ -91,18 +92,20 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
         k_v = 2 * kv
         if spec.extra.get("fused_qkv") or spec.model_type in ("gpt2", "gpt_neox"):
             # q/k/v are views of one fused projection output; v (and, without rotary, q/k) keep it all alive.
-            fused = h + 2 * kv
-            rotated = 0 if spec.model_type == "gpt2" else h + kv  # rotary writes new q, k tensors
+            fused = q + 2 * kv
+            rotated = 0 if spec.model_type == "gpt2" else q + kv  # rotary writes new q, k tensors
             return [Saved("attention", fused, "cmp"), Saved("attention", rotated, "cmp"),
-                    Saved("attention", h, "cmp"), Saved("attention", heads, "f32")]
-        return [Saved("attention", h + k_v, "cmp"), Saved("attention", h, "cmp"), Saved("attention", heads, "f32")]
+                    Saved("attention", q, "cmp"), Saved("attention", heads, "f32")]
+        return [Saved("attention", q + k_v, "cmp"), Saved("attention", q, "cmp"), Saved("attention", heads, "f32")]
     # Eager (or CPU SDPA with dropout, which takes the math path): q and k (repeated to all heads) for QK^T, the
     # softmax output, v repeated, and the transposed output copy fed to o_proj. The probabilities that meet v are
     # the softmax cast back to the compute dtype, or with dropout its mask and the dropped probabilities.
     if setup.attention is Attention.SDPA:
         # CPU math fallback: computes in fp32 whatever the input dtype (q, k, v, output; softmax, mask, dropped)
-        return [Saved("attention", 4 * h, "f32"), Saved("attention", 3 * heads * seq_len, "f32")]
-    rows = [Saved("attention", 4 * h, "cmp"), Saved("attention", heads * seq_len, "f32")]
+        return [Saved("attention", 4 * q, "f32"), Saved("attention", 3 * heads * seq_len, "f32")]
+    rows = [Saved("attention", 4 * q, "cmp"), Saved("attention", heads * seq_len, "f32")]
+    if spec.extra.get("attn_logit_softcapping"):
+        rows.append(Saved("attention", heads * seq_len, "cmp"))  # Gemma 2: tanh(scores / cap) keeps its output
     if dropout:
         rows += [Saved("attention", heads * seq_len, d.mask), Saved("attention", heads * seq_len, "cmp")]
     elif d.compute == 2:

@@ -59,7 +59,7 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
                   "ZeRO paper sec. 3.1; exact P from the model's parameter tensors")]
     if static.param_working_set and setup.sharding is Sharding.ZERO3:
         terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set,
-                          "unsharded root (embeddings, head) + 2 blocks (current + prefetch)",
+                          "unsharded root (embeddings, head) + the block being computed",
                           "FSDP2 all-gather / DeepSpeed ZeRO-3 prefetch"))
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""
@@ -94,7 +94,11 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> tu
     terms.append(Term("activations/head", Category.ACTIVATIONS, head,
                       "final norm and LM-head input (BERT: MLM transform)", ENGINE_SOURCE))
     vocab = spec.vocab_size * tokens
-    logits = vocab * d.compute * (2 if spec.extra.get("final_logit_softcapping") else 1)
+    logits = vocab * d.compute
+    if spec.extra.get("final_logit_softcapping"):
+        terms.append(Term("activations/logit_softcap", Category.ACTIVATIONS, logits,
+                          f"B x T x V x {d.compute} B: tanh(logits / cap), kept for backward",
+                          "transformers Gemma2ForCausalLM final_logit_softcapping"))
     terms.append(Term("activations/logits", Category.ACTIVATIONS, logits,
                       f"B x T x V x {d.compute} B, until the loss is computed",
                       "HF CausalLMOutput; freed before backward when only the loss is kept (HF Trainer)"))
@@ -148,7 +152,8 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
                      "B x T x I (MLP input grad) + 2 x B x T x h (residual grads)", "autograd of one block")
     grads_so_far = max(accum_grads, head_grad_bytes)
     # Once the head's backward has run, its saved tensors and the loss's are gone.
-    no_loss = [t for t in acts if t.name not in ("activations/logits", "activations/loss", "activations/head")]
+    no_loss = [t for t in acts if t.name not in ("activations/logits", "activations/loss", "activations/head",
+                                                 "activations/logit_softcap")]
     first_layer = _static_terms(spec, setup, static, grads_so_far) + no_loss + [layer_tmp]
     if setup.checkpointing is Checkpointing.FULL:
         recomputed = sum(info["per_layer"].values())

@@ -35,6 +35,13 @@ def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
         notes.append(CKPT)
     if spec.vocab_size >= 8 * spec.hidden_size:
         notes.append(LOGITS)
+    if spec.model_type == "gemma2" and setup.attention is Attention.SDPA:
+        notes.append("transformers runs Gemma 2 with eager or flash_attention_2 (logit soft-capping), not torch "
+                     "SDPA: 'sdpa' is sized as FlashAttention-2, which keeps no T x T matrix.")
+    if setup.precision is Precision.BF16_MASTER and setup.sharding.stage >= 1:
+        notes.append("sharded bf16-master is sized as DeepSpeed lays it out (bf16 parameter partition + fp32 "
+                     "master + states); FSDP2's MixedPrecisionPolicy keeps only the fp32 shard (2 B/param less "
+                     "until gradients exist).")
     if setup.attention is Attention.EAGER:
         notes.append("eager attention keeps the fp32 B x H x T x T softmax of every layer for backward; "
                      "SDPA/FlashAttention keeps O(T) statistics instead.")

@@ -130,7 +130,8 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes) -> ShardedSt
     if setup.sharding is Sharding.ZERO3:
         per_layer = sum(p.numel for p in spec.params if ".*." in p.name)
         outer = spec.num_params - sum(p.total for p in spec.params if ".*." in p.name)
-        # Unsharded copies live beside the shards: the block being computed and the prefetched one, plus the
-        # root module (embeddings, LM head) that FSDP2 gathers for the whole forward and backward.
-        working = full.param_bytes_per_elem * (2 * per_layer + outer)
+        # Unsharded copies live beside the shards: the root module (embeddings, final norm, LM head), gathered for
+        # the whole forward and backward, and the block being computed. At the activation peak (start of backward)
+        # that is one block; FSDP2 traces over a fake process group show exactly root + 1 block there.
+        working = full.param_bytes_per_elem * (per_layer + outer)
     return ShardedStatic(params=params, grads=grads, optimizer=optimizer, cpu=cpu, param_working_set=working)
