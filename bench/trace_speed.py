@@ -111,8 +111,8 @@ def report(results: dict) -> str:
         "# memfit trace: speed and memory",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {_cpus()} CPU cores, Python "
-        f"{platform.python_version()}, torch {_torch_version()}. Setup: B=1, T=2048, fp32, SDPA, AdamW (single-tensor). "
-        "One timed iteration after one warm-up iteration (which creates the optimizer state), each tracker in its own "
+        f"{platform.python_version()}, torch {_torch_version()}. Setup: B=1, T=2048, fp32, SDPA, "
+        "AdamW (single-tensor). One timed iteration after one warm-up iteration (which creates the optimizer state), each tracker in its own "
         "process, on fake tensors.",
         "",
         "| tracker | model | s / iteration | warm-up s | peak (GiB) | peak (bytes) | max RSS (MiB) |",

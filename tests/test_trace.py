@@ -8,6 +8,7 @@ profiling (FACTS.md, "Ground truth on CPU").
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import subprocess
@@ -277,20 +278,32 @@ def test_zero3_shards_parameters_and_optimizer_state_exactly():
 
 @pytest.mark.slow
 def test_zero3_trace_equals_a_real_two_process_gloo_run(tmp_path):
-    """Real FSDP2 over gloo on 2 processes. One rank matches the traced rank to the byte; on the other, a scratch
-    buffer inside gloo's reduce-scatter (one block's unsharded gradients, which NCCL does not need) is alive at the
-    peak; which rank that is varies from run to run."""
+    """Real FSDP2 over gloo on 2 processes. The fake process group completes every collective at once; gloo runs
+    reduce-scatters on its own threads, and a finished unit's reduce-scatter input (that FSDP unit's unsharded
+    gradients) can still be alive when the peak comes, on either rank, depending on timing. So each real rank's peak
+    is the traced one plus a few such whole buffers, to the byte."""
     setup = setup_of(micro_batch_size=8, seq_len=64, sharding="zero3", num_gpus=2)
     traced = trace(BlockNet, setup, input_builder=features).tensor_bytes
     script = tmp_path / "rank.py"
     script.write_text(_GLOO_RANK)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank)], env=env, stdout=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port], env=env, stdout=subprocess.PIPE,
+                              text=True) for rank in range(2)]
     peaks = [int(p.communicate(timeout=240)[0].split()[-1]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert abs(min(peaks) - traced) <= TOLERANCE * traced, (peaks, traced)
-    assert 0 <= max(peaks) - traced <= 0.05 * traced, (peaks, traced)
+    unit_grads = [sum(p.numel() * 4 for p in Block().parameters())] * 4  # one FSDP unit per block, and the root:
+    unit_grads.append(sum(p.numel() * 4 for name, p in BlockNet().named_parameters() if "blocks" not in name))
+    in_flight = {sum(combo) for count in range(4) for combo in itertools.combinations(unit_grads, count)}
+    assert all(peak - traced in in_flight for peak in peaks), (peaks, traced, sorted(in_flight))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 _GLOO_RANK = """
@@ -300,8 +313,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from memfit.trace import distributed
 from memfit.trace.session import build_module_session, repeated_blocks
 from test_trace import BlockNet, features, measured_peak, setup_of
-rank = int(sys.argv[1])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=2)
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 setup = setup_of(micro_batch_size=8, seq_len=64, sharding="zero3", num_gpus=2)
 session = build_module_session(BlockNet, setup, input_builder=features,
                                shard=distributed.sharder(setup, init_device_mesh("cpu", (2,)), repeated_blocks))
@@ -340,7 +353,7 @@ def test_timeline_phases_and_top_modules(results):
 
 def test_progress_reports_phases_up_to_done():
     seen: list[TraceProgress] = []
-    trace(copy.deepcopy(TINY_CONFIGS["gpt2"]), setup_of(), progress=seen.append)
+    trace(copy.deepcopy(TINY_CONFIGS["gpt2"]), setup_of(grad_accum_steps=2), progress=seen.append)
     fractions = [p.fraction for p in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and all(0 <= f <= 1 for f in fractions)
     assert {p.message for p in seen} >= {"step 1/2 forward", "step 2/2 optimizer"}

@@ -6,7 +6,6 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -101,6 +101,7 @@ class StepTracker(TorchDispatchMode):
         self._progress = progress
         self._progress_interval_s = progress_interval_s
         self._progress_next = 0.0
+        self._progress_done = 0.0
         self._dtensor_type = _dtensor_type()
         self._wait_tensor = _wait_tensor_op()
         self._orig_resize = None
@@ -390,8 +391,9 @@ class StepTracker(TorchDispatchMode):
         expected = self._phase_events.get(self.phase) or _GUESS_EVENTS[self.phase]
         within = min(0.99, (self.events - self._phase_start_event) / max(expected, 1))
         done = (max(self.step, 1) - 1) * 3 + phase_index + within
+        self._progress_done = max(self._progress_done, min(1.0, done / (3 * self.num_steps)))  # never backwards
         self._progress(TraceProgress(step=max(self.step, 1), num_steps=self.num_steps, phase=self.phase,
-                                     fraction=min(1.0, done / (3 * self.num_steps))))
+                                     fraction=self._progress_done))
 
     def finish_progress(self) -> None:
         if self._progress is not None:
