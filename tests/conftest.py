@@ -95,21 +95,3 @@ def make_plain_lm():
 
     return make
 
-
-# Known regression, tracked in issue 3 (memfit trace, still open): after the step runner stopped re-moving models
-# to the CPU, the plain-module traces (CNN, ViT, checkpointed plain blocks) disagree with the measured peak.
-# Non-strict xfail so the suite reports them (XPASS once fixed) without blocking the landed work.
-_KNOWN_TRACE_REGRESSIONS = (
-    "test_traced_peak_equals_real_cpu_peak[cnn]",
-    "test_traced_peak_equals_real_cpu_peak[vit]",
-    "test_traced_peak_equals_real_cpu_peak[checkpointing-plain]",
-    "test_techniques_move_memory_the_right_way",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    import pytest
-
-    for item in items:
-        if item.fspath.basename == "test_trace.py" and item.name in _KNOWN_TRACE_REGRESSIONS:
-            item.add_marker(pytest.mark.xfail(reason="issue 3: plain-module trace regression", strict=False))

@@ -291,7 +291,7 @@ def from_hub(repo_id: str, *, name: str | None = None, alternatives: list[str] |
             f"resolving hub id '{repo_id}' needs transformers (pip install 'memfit[hf]'); "
             f"{hint}pass a local config.json"
         ) from None
-    offline = _env_offline()
+    offline = _env_offline() or not _hub_reachable()
     try:
         config = AutoConfig.from_pretrained(repo_id, local_files_only=offline, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - hub, network and parsing failures all mean "not resolvable here"
@@ -299,6 +299,26 @@ def from_hub(repo_id: str, *, name: str | None = None, alternatives: list[str] |
         raise ModelSourceError(f"cannot get the config of '{repo_id}' from the Hugging Face Hub ({reason}); "
                                f"{hint}pass a local config.json") from None
     return from_hf_config(config.to_dict(), name=name or repo_id, source=f"hub:{repo_id}")
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One quick TCP connect to the Hub endpoint. Without it, huggingface_hub retries an unreachable host five
+    times with back-off (~35 s) before failing; with it an offline machine falls back to the cache at once."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlparse(constants.ENDPOINT)
+    except Exception:  # noqa: BLE001 - no hub client: let transformers report it
+        return True
+    host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _first_line(exc: BaseException, limit: int = 160) -> str:
