@@ -295,3 +295,4 @@ def main() -> None:
 
 # Commands in other modules register themselves on `app` when imported (they import from this module).
 from . import steps  # noqa: E402,F401  (trace, measure)
+from . import launch  # noqa: E402,F401  (launch)
