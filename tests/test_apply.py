@@ -154,20 +154,29 @@ def test_planned_setup_brings_a_real_hf_step_under_the_budget_and_still_learns()
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_hand_made_setup_brings_a_plain_pytorch_step_under_the_budget_and_still_learns(make_plain_lm):
-    # memfit.plan.plan sizes activations from an architecture (an HF config); a plain module has none, so the
-    # setup is written by hand here. TODO: take it from memfit.plan.plan once plan() can start from a traced estimate.
+def test_traced_plan_brings_a_plain_pytorch_step_under_the_budget_and_still_learns(make_plain_lm):
+    # A plain module has no architecture for the analytic model: the planner sizes each rung with a trace instead.
+    from memfit.hardware import cpu_device, make_hardware
+    from memfit.plan import plan
+    from memfit.sources import from_module
+    from memfit.trace import traced_estimator
+
     model = make_plain_lm()
     original = TrainingSetup(micro_batch_size=8, seq_len=128, precision="fp32", optimizer="adamw")
     before = measure(model, original, batches=make_batch({"vocab_size": 512}, original))
     budget = int(0.6 * before.total_bytes)
-    setup = original.replace(checkpointing="full", micro_batch_size=2, grad_accum_steps=4)
-    applied = apply_(model, setup)
-    assert applied.changed == ("checkpointing",)
+    estimator = traced_estimator(make_plain_lm, input_builder=lambda s: make_batch({"vocab_size": 512}, s),
+                                 loss_fn=lambda m, batch: m(**batch))
+    the_plan = plan(from_module(model), original, make_hardware(cpu_device(budget)), estimator=estimator)
+    assert the_plan.fits and not the_plan.initial_diagnosis.fits
+    applied = apply_(model, the_plan)
+    setup = applied.setup
+    assert applied.changed  # at least one real change (checkpointing wraps the blocks; batching re-chunks)
     generator = torch.Generator().manual_seed(1)
     batches = [make_batch({"vocab_size": 512}, setup, generator=generator) for _ in range(setup.grad_accum_steps)]
     optimizer = applied.make_optimizer(model)
     after = measure(model, setup, batches=batches, optimizer=optimizer)
     assert before.total_bytes > budget > after.total_bytes
+    assert abs(after.total_bytes - the_plan.final_estimate.tensor_bytes) <= 0.05 * after.total_bytes
     losses = _train(model, optimizer, batches, setup)
     assert losses[-1] < losses[0] - 0.5

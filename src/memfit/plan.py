@@ -12,6 +12,7 @@ from .hardware import Hardware, gpu_catalog
 from .model_spec import ModelSpec
 from .setup import Sharding, TrainingSetup
 from .techniques import LADDERS, REGISTRY, Context, Proposal, Skip
+from .techniques.base import EstimateFn
 from .throughput import relative_step_time
 from .units import format_bytes
 
@@ -75,33 +76,37 @@ class Plan:
                 "suggestions": list(self.suggestions)}
 
 
-def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> Plan:
+def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
+         estimator: EstimateFn = estimate) -> Plan:
     """The seed's decision framework: diagnose, take the next untried rung of the ladder for the current bottleneck
-    (falling back to the combined ladder when that one is spent), re-estimate, and stop at the first fit."""
+    (falling back to the combined ladder when that one is spent), re-estimate, and stop at the first fit.
+
+    `estimator(spec, setup, hardware)` sizes each setup: the analytic model by default; a trace
+    (`memfit.trace.traced_estimator`) plans models that have no transformer shape, such as plain nn.Modules."""
     current = setup
-    est = estimate(spec, current, hardware)
+    est = estimator(spec, current, hardware)
     diag = diagnose(est, hardware, margin=margin)
     initial = (est, diag)
     steps: list[PlanStep] = []
     skipped: dict[str, str] = {}
     tried: set[str] = set()
     while not diag.fits:
-        proposal = _next_proposal(spec, hardware, current, est, diag, margin, tried, skipped)
+        proposal = _next_proposal(Context(spec, hardware, current, est, diag, margin, estimator), tried, skipped)
         if proposal is None:
             break
         key, prop = proposal
         current = prop.setup
-        est = estimate(spec, current, hardware)
+        est = estimator(spec, current, hardware)
         diag = diagnose(est, hardware, margin=margin)
         steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, prop.why))
-    suggestions = () if diag.fits else tuple(_suggestions(spec, current, hardware, margin))
+    suggestions = () if diag.fits else tuple(_suggestions(spec, current, hardware, margin, estimator))
     return Plan(spec, hardware, setup, initial[0], initial[1], tuple(steps),
                 tuple((REGISTRY[k].title, r) for k, r in skipped.items()), suggestions, margin)
 
 
-def _next_proposal(spec, hardware, setup, est, diag, margin, tried, skipped) -> tuple[str, Proposal] | None:
-    ladder = LADDERS[diag.bottleneck] + tuple(k for k in LADDERS[Bottleneck.BOTH] if k not in LADDERS[diag.bottleneck])
-    ctx = Context(spec, hardware, setup, est, diag, margin)
+def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tuple[str, Proposal] | None:
+    own = LADDERS[ctx.diagnosis.bottleneck]
+    ladder = own + tuple(k for k in LADDERS[Bottleneck.BOTH] if k not in own)
     for key in ladder:
         if key in tried:
             continue
@@ -115,21 +120,22 @@ def _next_proposal(spec, hardware, setup, est, diag, margin, tried, skipped) -> 
     return None
 
 
-def _suggestions(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, margin: float) -> list[str]:
+def _suggestions(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, margin: float,
+                 estimator: EstimateFn) -> list[str]:
     out = []
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         if n <= hardware.world_size:
             continue
         hw = dataclasses.replace(hardware, gpus_per_node=min(n, 8), num_nodes=max(1, n // 8))
         trial = setup.replace(sharding=Sharding.ZERO3, num_gpus=n)
-        if diagnose(estimate(spec, trial, hw), hw, margin=margin).fits:
+        if diagnose(estimator(spec, trial, hw), hw, margin=margin).fits:
             out.append(f"more GPUs: with ZeRO-3 this setup fits on {n} x {hardware.gpu.name}")
             break
     for gpu in sorted(gpu_catalog().values(), key=lambda g: g.memory_bytes):
         if gpu.memory_bytes <= hardware.gpu.memory_bytes:
             continue
         hw = dataclasses.replace(hardware, gpu=gpu)
-        if diagnose(estimate(spec, setup, hw), hw, margin=margin).fits:
+        if diagnose(estimator(spec, setup, hw), hw, margin=margin).fits:
             out.append(f"a larger GPU: it fits on {gpu.name} ({format_bytes(gpu.memory_bytes)})")
             break
     frozen = 2 * spec.num_params

@@ -39,7 +39,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Memor
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
     phase, terms = moments[peak_name]
-    terms = [t for t in terms if t.num_bytes > 0] + _overhead(_total(terms), setup, hardware)
+    terms = [t for t in terms if t.num_bytes > 0] + runtime_overhead_terms(_total(terms), setup, hardware)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu, notes=tuple(rule_of_thumb_notes(spec, setup)), model_name=spec.name,
@@ -185,7 +185,8 @@ def _without_gathered(static: ShardedStatic) -> ShardedStatic:
     return replace(static, param_working_set=0)
 
 
-def _overhead(tensor_peak: int, setup: TrainingSetup, hardware: Hardware) -> list[Term]:
+def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Hardware) -> list[Term]:
+    """What the device needs beyond tensors: CUDA context, allocator fragmentation, NCCL buffers."""
     terms = []
     if hardware.cuda_context_bytes:
         terms.append(Term("overhead/cuda_context", Category.OVERHEAD, hardware.cuda_context_bytes,

@@ -24,12 +24,18 @@ class Context:
     estimate: MemoryEstimate
     diagnosis: Diagnosis
     margin: float
+    estimator: "EstimateFn" = estimate
+    """How setups are sized: the analytic model by default, a trace for models without a transformer shape."""
+
+    def size(self, setup: TrainingSetup, hardware: Hardware | None = None) -> MemoryEstimate:
+        """The estimate of another setup, with this plan's estimator."""
+        return self.estimator(self.spec, setup, hardware or self.hardware)
 
     def fits(self, setup: TrainingSetup) -> bool:
         return self.fits_on(setup, self.hardware)
 
     def fits_on(self, setup: TrainingSetup, hardware: Hardware) -> bool:
-        return diagnose(estimate(self.spec, setup, hardware), hardware, margin=self.margin).fits
+        return diagnose(self.size(setup, hardware), hardware, margin=self.margin).fits
 
     def first_fitting(self, candidates: list[TrainingSetup]) -> TrainingSetup | None:
         return next((c for c in candidates if self.fits(c)), None)

@@ -26,9 +26,7 @@ class CpuOffload(Technique):
             optimizer = Optimizer.ADAMW if setup.optimizer is Optimizer.ADAMW_8BIT else setup.optimizer
             precision = Precision.BF16_MASTER if setup.precision is Precision.BF16 else setup.precision
             nxt = setup.replace(offload=Offload.OPTIMIZER, optimizer=optimizer, precision=precision)
-        from ..estimate.analytic import estimate
-
-        host_need = estimate(ctx.spec, nxt, ctx.hardware).cpu_bytes * ctx.hardware.gpus_per_node
+        host_need = ctx.size(nxt).cpu_bytes * ctx.hardware.gpus_per_node
         if host_need > ctx.hardware.cpu_ram_bytes:
             return Skip(f"offload needs {format_bytes(host_need)} of CPU RAM per node, more than the "
                         f"{format_bytes(ctx.hardware.cpu_ram_bytes)} given (--cpu-ram)")

@@ -8,20 +8,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .estimator import traced_estimator
     from .run import trace
     from .timeline import TraceProgress
 
-__all__ = ["TraceProgress", "trace"]
+__all__ = ["TraceProgress", "trace", "traced_estimator"]
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'memfit.trace' has no attribute {name!r}")
     try:
-        from . import run, timeline
+        from . import estimator, run, timeline
     except ImportError as error:
         from ..errors import MissingDependencyError
 
         raise MissingDependencyError(f"memfit trace needs torch ({error.name or error}): "
                                      "pip install 'memfit[torch]'") from error
-    return run.trace if name == "trace" else timeline.TraceProgress
+    return {"trace": run.trace, "traced_estimator": estimator.traced_estimator,
+            "TraceProgress": timeline.TraceProgress}[name]
