@@ -5,6 +5,7 @@ console width (80 columns is the target)."""
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 
 from rich import box
@@ -255,6 +256,33 @@ def plan_report(console: Console, plan, *, verbose: bool = False, optimize_reque
         snippets(console, config_snippets)
     if emitted_paths:
         emitted(console, emitted_paths)
+    if plan.hardware.world_size > 1:
+        launch_and_communication(console, plan)
+
+
+def launch_and_communication(console: Console, plan) -> None:
+    """'Launch (per node)' and 'Communication per step' for a plan over more than one GPU (memfit.launch)."""
+    from .launch import engine_description, launch_section
+
+    section = launch_section(plan)
+    if section is None:
+        return
+    hardware, comm = section.hardware, section.comm
+    _heading(console, "Launch (per node)")
+    console.print(Text(f" {engine_description(section.setup, section.engine)} over {hardware.world_size} ranks "
+                       f"({hardware.num_nodes} node(s) x {hardware.gpus_per_node}): "
+                       f"{gib(section.per_rank_bytes)} GiB per rank", overflow="fold"))
+    env = " ".join(f"{key}={shlex.quote(value)}" for key, value in section.commands[0].env)
+    lines = [f"environment on every node: {env}"]
+    lines += [f"node {c.node_rank}: {shlex.join(c.argv)}" for c in section.commands] + list(section.notes)
+    _bullets(console, lines)
+    _heading(console, "Communication per step")
+    lines = [f"per rank: {format_bytes(comm.per_rank_bytes)} ({comm.psi_multiple:g} x Psi, ZeRO paper sec. 7)"]
+    lines += [f"{c.name}: {format_bytes(c.num_bytes)}, {c.what}" for c in comm.collectives]
+    if hardware.num_nodes > 1:
+        lines.append(f"over each node's network link: {format_bytes(comm.inter_node_bytes_per_node)} "
+                     "(a ring crosses each node boundary once)")
+    _bullets(console, lines)
 
 
 def models_table(console: Console, entries: Sequence[Mapping]) -> None:
