@@ -153,6 +153,7 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
             data["optimized"] = _optimized_dict(choice)
         if emit is not None:
             data["emitted"] = written
+        data["launch"] = _launch_dict(result)
         if verify:
             data["verified"] = _verified_dict(result.final_estimate, traced)
         if reports:
@@ -252,6 +253,14 @@ def _snippets(setup, render, *, emitted: bool) -> dict[str, str]:
     if not emitted:
         items["all engine files (accelerate, FSDP2, README):"] = "memfit plan ... --emit DIR"
     return items
+
+
+def _launch_dict(result) -> dict | None:
+    """Per-rank memory, per-node commands and communication per step for more than one GPU (memfit.launch)."""
+    from ..launch import launch_section
+
+    section = launch_section(result)
+    return section.to_dict() if section is not None else None
 
 
 def _optimized_dict(choice) -> dict | None:
