@@ -136,10 +136,13 @@ class Prepared:
         self.optimizer.zero_grad(set_to_none=True)
 
     def local_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: {'parameters', 'optimizer', 'master_weights'} (each storage counted once, padding
-        included). Parameters are the local shards (FSDP2 DTensor `to_local()`, DeepSpeed ZeRO-3 `ds_tensor`);
-        optimizer is the inner optimizer's state; master_weights are DeepSpeed's fp32 partitions (and memfit's bf16
-        master copy), which ZeRO keeps beside the model's parameters."""
+        """Bytes this rank holds now, each storage counted once, padding included:
+        - parameters: the local shards (FSDP2 DTensor `to_local()`; DeepSpeed ZeRO-3 `ds_tensor`, plus parameters
+          under stage3_param_persistence_threshold, which stay whole), or whole parameters;
+        - optimizer: the inner optimizer's state tensors; optimizer_scalars: its 0-dim ones (AdamW's `step`
+          counters, one per tensor it steps, never sharded);
+        - master_weights: DeepSpeed's fp32 partitions (kept even when the model is fp32) or memfit's bf16 master copy;
+        - gradient_buffers: DeepSpeed ZeRO-3's flat gradient partition buffer, allocated at initialisation."""
         return local_bytes(self)
 
 
@@ -366,7 +369,7 @@ def _skip_inference_shm_op(deepspeed) -> None:
 
 def local_bytes(prepared: Prepared) -> dict[str, int]:
     seen: set[int] = set()
-    totals = {"parameters": 0, "optimizer": 0, "master_weights": 0}
+    totals = dict.fromkeys(("parameters", "optimizer", "optimizer_scalars", "master_weights", "gradient_buffers"), 0)
 
     def add(term: str, tensors) -> None:
         for tensor in tensors:
@@ -376,24 +379,23 @@ def local_bytes(prepared: Prepared) -> dict[str, int]:
             storage = local.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
-                totals[term] += storage.nbytes()
+                totals["optimizer_scalars" if term == "optimizer" and local.dim() == 0 else term] += storage.nbytes()
 
-    module = prepared.module
+    module, optimizer = prepared.module, prepared.optimizer
     if prepared.engine == "deepspeed":
-        inner = prepared.optimizer
         # ZeRO-3: the partition is ds_tensor; parameters under the persistence threshold also stay whole (.data).
         add("parameters", [getattr(p, "ds_tensor", None) for p in module.parameters()])
         add("parameters", [p.data for p in module.parameters() if p.data.numel()])
         for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-            add("master_weights", getattr(inner, name, None) or [])
-        base = getattr(inner, "optimizer", inner)
-        add("optimizer", _state_tensors(base, skip=_param_ids(base)))
+            add("master_weights", getattr(optimizer, name, None) or [])
+        add("gradient_buffers", [getattr(optimizer, "grad_partitions_flat_buffer", None)])  # ZeRO-3, from init
+        base = getattr(optimizer, "optimizer", optimizer)
     else:
         add("parameters", module.parameters())
-        add("master_weights", getattr(prepared.optimizer, "master_params", ()))
-        base = getattr(prepared.optimizer, "optim", prepared.optimizer)  # ZeroRedundancyOptimizer's local optimizer
+        add("master_weights", getattr(optimizer, "master_params", ()))
+        base = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
         base = getattr(base, "inner", base)  # memfit's bf16 master-weights wrapper
-        add("optimizer", _state_tensors(base, skip=_param_ids(base)))
+    add("optimizer", _state_tensors(base, skip=_param_ids(base)))
     return totals
 
 
