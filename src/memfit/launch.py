@@ -5,8 +5,8 @@ Pure: no torch. `launch_plan(plan_or_setup, hardware, script)` gives a `MultiNod
 script learns its setup and engine from two environment variables the commands set (MEMFIT_SETUP, MEMFIT_ENGINE) and
 calls `prepare(model, setup)` (memfit._torch.engine, imported lazily) on every rank.
 
-Engines: "fsdp" runs torch.distributed (FSDP2 for ZeRO-2/3, DDP + ZeroRedundancyOptimizer for ZeRO-1, DDP without
-sharding); "deepspeed" runs `deepspeed.initialize` with memfit's DeepSpeed config. Launchers: "torchrun" (both
+Engines: "fsdp" runs torch.distributed (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer for ZeRO-1, all-reduced
+gradients without sharding); "deepspeed" runs `deepspeed.initialize` with memfit's DeepSpeed config. Launchers: "torchrun" (both
 engines; DeepSpeed reads torchrun's RANK/WORLD_SIZE/MASTER_ADDR) or "deepspeed" (its own launcher: one command on
 node 0 that reaches the others over ssh/pdsh through a hostfile).
 """
@@ -112,7 +112,8 @@ def default_engine(setup: TrainingSetup) -> str:
 def engine_description(setup: TrainingSetup, engine: str) -> str:
     if check_engine(engine) == "deepspeed":
         return f"DeepSpeed ZeRO stage {max(setup.sharding.stage, 1 if setup.offload is not Offload.NONE else 0)}"
-    return {Sharding.NONE: "torch DDP", Sharding.ZERO1: "torch DDP + ZeroRedundancyOptimizer (ZeRO-1)",
+    return {Sharding.NONE: "torch data parallel (gradients all-reduced)",
+            Sharding.ZERO1: "torch ZeroRedundancyOptimizer (ZeRO-1)",
             Sharding.ZERO2: "FSDP2 fully_shard, reshard_after_forward=False (ZeRO-2)",
             Sharding.ZERO3: "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3)"}[setup.sharding]
 
@@ -216,6 +217,7 @@ class CommVolume:
     A ring collective over N ranks sends (N-1)/N of Psi per rank; the paper (and these totals) round that to Psi."""
 
     collectives: tuple[Collective, ...]
+    num_params: int
     world_size: int
     num_nodes: int
     gpus_per_node: int
@@ -228,8 +230,7 @@ class CommVolume:
     @property
     def psi_multiple(self) -> float:
         """Total elements over P: 2 for DDP and ZeRO-1/2, 3 for ZeRO-3 (torch's ZeRO-1 adds a broadcast: 3)."""
-        params = max((c.elements for c in self.collectives), default=0)
-        return sum(c.elements for c in self.collectives) / params if params else 0.0
+        return sum(c.elements for c in self.collectives) / self.num_params if self.num_params else 0.0
 
     @property
     def inter_node_bytes_per_node(self) -> int:
@@ -268,16 +269,16 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, engin
     notes: list[str] = []
     stage = setup.sharding.stage
     if stage == 0:
-        collectives = (Collective("all-reduce", "gradients (DDP: a reduce-scatter + an all-gather)", 2 * params,
-                                  reduce_bytes),)
+        collectives = (Collective("all-reduce", "gradients (a ring all-reduce: reduce-scatter + all-gather)",
+                                  2 * params, reduce_bytes),)
     elif stage == 3:
         collectives = (gather, Collective("all-gather", "parameters again in backward", params, gather_bytes),
                        scatter)
     elif stage == 1 and engine == "fsdp":
-        collectives = (Collective("all-reduce", "gradients (DDP)", 2 * params, reduce_bytes),
+        collectives = (Collective("all-reduce", "whole gradients", 2 * params, reduce_bytes),
                        Collective("broadcast", "updated parameters from their owner", params, gather_bytes))
-        notes.append("torch's ZeRO-1 (DDP + ZeroRedundancyOptimizer) all-reduces whole gradients and broadcasts "
-                     "the updated parameters: 3 Psi, where DeepSpeed's ZeRO-1 reduce-scatters (2 Psi)")
+        notes.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces whole gradients and broadcasts the "
+                     "updated parameters: 3 Psi, where DeepSpeed's ZeRO-1 reduce-scatters (2 Psi)")
     else:
         collectives = (Collective("reduce-scatter", "gradients (after backward)", params, reduce_bytes),
                        Collective("all-gather", "updated parameters (after the step)" if engine == "deepspeed"
@@ -285,7 +286,8 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, engin
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         notes.append("parameter offload adds host<->device copies (techniques.costs.offload_traffic_bytes), not "
                      "network traffic")
-    return CommVolume(collectives, hardware.world_size, hardware.num_nodes, hardware.gpus_per_node, tuple(notes))
+    return CommVolume(collectives, params, hardware.world_size, hardware.num_nodes, hardware.gpus_per_node,
+                      tuple(notes))
 
 
 def _reduce_dtype_bytes(setup: TrainingSetup, engine: str) -> int:
@@ -336,7 +338,7 @@ def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "
                 script_args: Sequence[str] = (), hostnames: Sequence[str] = ()) -> MultiNodePlan:
     """How to launch a setup (or a Plan's final setup) on `hardware`: per-rank memory, one command per node, and
     the communication volume per step. `spec` is needed with a setup (a Plan carries its own); `engine` defaults to
-    torch's (FSDP2 / DDP) where it can express the setup, else DeepSpeed."""
+    torch's (FSDP2, ZeroRedundancyOptimizer) where it can express the setup, else DeepSpeed."""
     from .estimate.analytic import estimate
 
     setup, hardware, spec, per_rank = _resolve_plan(plan_or_setup, hardware, spec)
