@@ -21,7 +21,7 @@ What it guarantees (tests/test_fit.py checks each on a simulated device, against
   steps that change precision, the optimizer, sharding or offload are skipped and the reason logged: mid-run they
   would cast parameters under existing state or throw the state away (restart with them instead).
 - **An OOM inside optimizer.step() leaves no half-updated model** while freeing memory lets the step finish: see
-  `_TransactionalStep`. Such an OOM changes no setup (activations are gone by then; micro-batch and checkpointing
+  `TransactionalStep`. Such an OOM changes no setup (activations are gone by then; micro-batch and checkpointing
   do not change the step's memory), so the step resumes where it stopped.
 - **It stops.** Every OOM moves one rung down a finite ladder (the plan's steps, then, with `extend_plan`,
   checkpointing and halving the micro-batch down to 1); when none is left it raises `FitOutOfMemoryError`, one line
@@ -30,16 +30,15 @@ What it guarantees (tests/test_fit.py checks each on a simulated device, against
 
 from __future__ import annotations
 
-import copy
 import gc
 import logging
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .apply import AppliedChanges, apply_
 from .errors import ConfigError, MemfitError
+from ._torch.transactional import TransactionalStep, is_out_of_memory
 from .setup import Attention, Checkpointing, Precision, TrainingSetup
 
 LIVE_FIELDS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "attention")
@@ -52,7 +51,6 @@ FROZEN_FIELDS = {
     "num_gpus": "the number of ranks is fixed at launch",
     "seq_len": "the data decides the sequence length",
 }
-_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "alloc_failed")
 logger = logging.getLogger("memfit.fit")
 
 
@@ -118,15 +116,6 @@ class FitReport:
         return "\n".join(lines + [f"  {event}" for event in self.events])
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch.OutOfMemoryError, or a RuntimeError whose message says the allocator failed (CPU, cuBLAS, MPS)."""
-    import torch
-
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _OOM_MESSAGES)
-
-
 def log_event(event: FitEvent) -> None:
     """The default `on_change`: a warning on the 'memfit.fit' logger."""
     logger.warning("memfit fit: %s", event)
@@ -189,7 +178,7 @@ class FitLoop:
         self.on_change = on_change
         self.phase_callback = phase_callback
         self.extend_plan = extend_plan
-        self._stepper = _TransactionalStep(model, self.optimizer, step_undo)
+        self._stepper = TransactionalStep(model, self.optimizer, step_undo)
         self._step_total = 0
         self._previous_target = first
         self._fallbacks: set[str] = set()
@@ -388,137 +377,6 @@ class FitLoop:
         self._events.append(event)
         if self.on_change is not None:
             self.on_change(event)
-
-
-class _TransactionalStep:
-    """optimizer.step(), one parameter at a time, each update undoable.
-
-    How: the gradients of all parameters are set aside; each parameter in turn gets its gradient back, its value and
-    optimizer state are copied (the undo record), `optimizer.step()` runs (every torch optimizer, bitsandbytes' and
-    HF's skip parameters without a gradient) and the gradient is released. An OOM inside one parameter's update
-    restores that parameter and its state from the record and puts the gradients of it and of every later parameter
-    back; the parameters before it have finished and hold no gradient. So "holds a gradient" always means "still to
-    step", and a resumed step picks up exactly the unfinished parameters: each parameter is updated once, with its
-    full gradient. For optimizers whose update of a parameter reads only that parameter's gradient and state (SGD,
-    Adam/AdamW single-tensor, foreach or fused, Adafactor, 8-bit Adam), the result equals one uninterrupted
-    optimizer.step() bit for bit; optimizers that couple parameters (a global gradient norm inside the step, LBFGS)
-    are not supported. Step hooks (`register_step_pre_hook` / `_post_hook`) run once per parameter.
-
-    Cost: memory for one parameter's record at a time -- its value plus its state (3x the largest parameter for
-    AdamW), on the device or, with undo='host', in host memory. If the record itself does not fit on the device it is
-    kept in host memory for that parameter (nothing has changed yet when it is made). Against that, each gradient is
-    released as soon as its parameter is done and foreach temporaries shrink to one parameter, so the step's peak
-    rarely rises. Time: one optimizer.step() call per parameter and one extra copy of every parameter and state per
-    step (the step is memory-bound, so roughly twice its plain time; small next to forward and backward). memfit's
-    bf16 master-weights wrapper is stepped through its inner optimizer, one master copy at a time.
-    """
-
-    def __init__(self, model, optimizer, undo: str) -> None:
-        self.optimizer = optimizer
-        self.undo = None if undo == "none" else undo
-        self.names = {id(p): name for name, p in model.named_parameters()}
-        self.master = all(hasattr(optimizer, a) for a in ("inner", "model_params", "master_params"))
-
-    @property
-    def units(self) -> list[tuple[Any, Any]]:
-        """(tensor holding the gradient, optimizer.state key) per parameter, in the optimizer's order."""
-        if self.master:
-            return list(zip(self.optimizer.model_params, self.optimizer.master_params))
-        return [(p, p) for group in self.optimizer.param_groups for p in group["params"]]
-
-    @property
-    def remaining(self) -> int:
-        """Parameters still to step in this step: those holding a gradient."""
-        return sum(holder.grad is not None for holder, _ in self.units)
-
-    def next_name(self) -> str:
-        return next((self.names.get(id(h), "?") for h, _ in self.units if h.grad is not None), "?")
-
-    def step(self) -> None:
-        if self.undo is None:
-            self.optimizer.step()
-            return
-        import torch
-
-        pending = [(holder, key) for holder, key in self.units if holder.grad is not None]
-        grads = [holder.grad for holder, _ in pending]
-        for holder, _ in pending:
-            holder.grad = None
-        done = 0
-        try:
-            with torch.no_grad():
-                for holder, key in pending:
-                    record = self._save(holder, key)
-                    try:
-                        self._step_one(holder, key, grads[done])
-                    except BaseException:
-                        self._restore(holder, key, record)
-                        raise
-                    grads[done] = None  # released as soon as its parameter is done
-                    done += 1
-        finally:
-            for (holder, _), grad in zip(pending[done:], grads[done:]):
-                holder.grad = grad
-
-    def _step_one(self, holder, key, grad) -> None:
-        if self.master:
-            key.grad = grad.to(key.dtype)
-            try:
-                self.optimizer.inner.step()
-            finally:
-                key.grad = None
-            holder.copy_(key)
-        else:
-            holder.grad = grad
-            try:
-                self.optimizer.step()
-            finally:
-                holder.grad = None
-
-    def _state(self):
-        return self.optimizer.inner.state if self.master else self.optimizer.state
-
-    def _save(self, holder, key) -> dict[str, Any]:
-        """Copies of everything this parameter's update may change in place, made before it starts."""
-        state = self._state().get(key)
-        tensors = {"key": key, "holder": holder} if holder is not key else {"key": key}
-        if state is not None:
-            tensors.update({f"state/{k}": v for k, v in state.items() if _is_tensor(v)})
-        try:
-            copies = _copies(tensors, host=self.undo == "host")
-        except RuntimeError as error:
-            if not is_out_of_memory(error) or self.undo == "host":
-                raise
-            del error
-            copies = _copies(tensors, host=True)  # nothing has changed yet: keep this record in host memory
-        plain = None if state is None else {k: copy.deepcopy(v) for k, v in state.items() if not _is_tensor(v)}
-        devices = None if state is None else {k: v.device for k, v in state.items() if _is_tensor(v)}
-        return {"copies": copies, "plain": plain, "devices": devices}
-
-    def _restore(self, holder, key, record: dict[str, Any]) -> None:
-        copies = record["copies"]
-        key.detach().copy_(copies["key"])
-        if "holder" in copies:
-            holder.detach().copy_(copies["holder"])
-        state = self._state()
-        if record["plain"] is None:
-            state.pop(key, None)  # created by the failed update
-            return
-        restored = {k: copies[f"state/{k}"].to(device) for k, device in record["devices"].items()}
-        state[key] = {**record["plain"], **restored}
-
-
-def _copies(tensors: dict, *, host: bool) -> dict:
-    return {name: t.detach().to("cpu", copy=True) if host else t.detach().clone() for name, t in tensors.items()}
-
-
-def _is_tensor(value) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
-
-
-# ------------------------------------------------------------------------------------------------ setups, batches
 
 
 def _ladder(plan_or_setups) -> tuple[TrainingSetup, list[tuple[str, TrainingSetup]]]:
