@@ -74,7 +74,7 @@ def train(config: dict, setup: TrainingSetup, engine: str, *, steps: int, lr: fl
     rank, ranks = init_process_group()
     torch.manual_seed(0)  # the same initial weights on every rank
     with PeakMeter() as meter:  # entered before the model exists, so every byte the job allocates is counted
-        model = build_hf_model(config, setup.replace(sharding="none", num_gpus=1))
+        model = build_hf_model(config, setup.replace(sharding="none", offload="none", num_gpus=1))
         prepared = prepare(model, setup, engine=engine, lr=lr)
         device = next(prepared.module.parameters()).device
         batches = [global_batch(config, setup, ranks, step) for step in range(steps)]

@@ -6,9 +6,9 @@ script learns its setup and engine from two environment variables the commands s
 calls `prepare(model, setup)` (memfit._torch.engine, imported lazily) on every rank.
 
 Engines: "fsdp" runs torch.distributed (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer for ZeRO-1, all-reduced
-gradients without sharding); "deepspeed" runs `deepspeed.initialize` with memfit's DeepSpeed config. Launchers: "torchrun" (both
-engines; DeepSpeed reads torchrun's RANK/WORLD_SIZE/MASTER_ADDR) or "deepspeed" (its own launcher: one command on
-node 0 that reaches the others over ssh/pdsh through a hostfile).
+gradients without sharding); "deepspeed" runs `deepspeed.initialize` with memfit's DeepSpeed config. Launchers:
+"torchrun" (both engines; DeepSpeed reads torchrun's RANK/WORLD_SIZE/MASTER_ADDR) or "deepspeed" (its own launcher:
+one command on node 0 that reaches the others over ssh/pdsh through a hostfile).
 """
 
 from __future__ import annotations

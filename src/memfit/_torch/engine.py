@@ -206,7 +206,10 @@ def shard(model: nn.Module, setup: TrainingSetup, *, blocks: Sequence[nn.Module]
     if mesh is not None:
         options["mesh"] = mesh
     if setup.precision in (Precision.AMP_BF16, Precision.AMP_FP16, Precision.BF16_MASTER):
-        # fp32 sharded parameters (the master copy), compute in the low dtype, gradients reduced in fp32.
+        # fp32 sharded parameters (the master copy), compute in the low dtype, gradients reduced in fp32. A model
+        # built in bf16 for bf16-master (memfit's single-process layout) is widened first.
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            model.to(torch.float32)
         low = torch.float16 if setup.precision is Precision.AMP_FP16 else torch.bfloat16
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
