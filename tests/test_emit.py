@@ -566,3 +566,15 @@ def test_deepspeed_initialize_runs_emitted_config(precision, offload, state_dtyp
     assert type(inner).__name__ == ("DeepSpeedCPUAdam" if offload == "optimizer" else "AdamW")
     states = [t for s in inner.state.values() for k, t in s.items() if k.startswith("exp_avg")]
     assert states and all(t.dtype == getattr(torch, state_dtype) for t in states)
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_torch_engine_plans_become_fsdp2_trainer_arguments(sharding, tmp_path):
+    from transformers import TrainingArguments
+
+    setup = TrainingSetup(sharding=sharding, num_gpus=2, engine="torch", precision="bf16-master")
+    kwargs = emit.hf_trainer_kwargs(setup)
+    assert "deepspeed" not in kwargs
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+    assert args.fsdp and args.fsdp_config["version"] == 2
+    assert args.fsdp_config["reshard_after_forward"] is (sharding == "zero3")

@@ -23,7 +23,7 @@ from memfit.techniques.costs import zero_traffic_bytes
 SPEC_70B = resolve_model("llama-2-70b")
 FOUR_BY_EIGHT = make_hardware("H100", gpus_per_node=8, num_nodes=4)
 SETUP_70B = TrainingSetup(micro_batch_size=1, seq_len=4096, precision="bf16", optimizer="adamw",
-                          checkpointing="full", sharding="zero3", num_gpus=32)
+                          checkpointing="full", sharding="zero3", num_gpus=32, engine="torch")
 
 
 def _flag(argv, name: str) -> str:
@@ -129,13 +129,18 @@ def test_plan_of_70b_on_four_nodes_carries_its_launch():
 
 
 def test_engine_choice_and_refusals():
+    # The setup names its engine; what torch's engines cannot express is refused when the setup is built.
     assert default_engine(SETUP_70B) == "fsdp"
-    assert default_engine(SETUP_70B.replace(optimizer="adamw-8bit")) == "deepspeed"
-    assert default_engine(SETUP_70B.replace(sharding="zero1", precision="bf16-master")) == "deepspeed"
-    assert "ZeRO-Offload" in engine_unsupported(SETUP_70B.replace(offload="optimizer"), "fsdp")
-    assert engine_unsupported(SETUP_70B.replace(offload="optimizer"), "deepspeed") is None
+    assert default_engine(SETUP_70B.replace(engine="deepspeed")) == "deepspeed"
+    with pytest.raises(ConfigError, match="FSDP2"):
+        SETUP_70B.replace(optimizer="adamw-8bit")
+    with pytest.raises(ConfigError, match="ZeRO-1"):
+        SETUP_70B.replace(sharding="zero1", precision="bf16-master")
+    offloaded = SETUP_70B.replace(engine="deepspeed", offload="optimizer")
+    assert "ZeRO-Offload" in engine_unsupported(offloaded, "fsdp")
+    assert engine_unsupported(offloaded, "deepspeed") is None
     with pytest.raises(ConfigError, match="engine 'fsdp' cannot run"):
-        launch_plan(SETUP_70B.replace(optimizer="adafactor"), FOUR_BY_EIGHT, "t.py", spec=SPEC_70B, engine="fsdp")
+        launch_plan(offloaded, FOUR_BY_EIGHT, "t.py", spec=SPEC_70B, engine="fsdp")
     with pytest.raises(ConfigError, match="unknown engine"):
         launch_plan(SETUP_70B, FOUR_BY_EIGHT, "t.py", spec=SPEC_70B, engine="megatron")
     with pytest.raises(ConfigError, match="needs the hardware and the model spec"):

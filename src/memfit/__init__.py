@@ -12,12 +12,12 @@ from .estimate.result import Category, MemoryEstimate, Phase, Term
 from .hardware import GPU, Hardware, get_gpu, make_hardware
 from .model_spec import ModelSpec, ParamTensor
 from .plan import Plan, PlanStep, optimize
-from .setup import Attention, Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from .setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "Bottleneck", "Category", "Checkpointing", "ConfigError", "Diagnosis", "GPU", "Hardware",
+    "Attention", "Bottleneck", "Category", "Checkpointing", "Engine", "ConfigError", "Diagnosis", "GPU", "Hardware",
     "MemfitError", "MemoryEstimate", "ModelSourceError", "ModelSpec", "Offload", "Optimizer", "ParamTensor", "Phase",
     "Plan", "PlanStep", "Precision", "Sharding", "Term", "TrainingSetup", "UnknownNameError", "as_hardware", "as_spec",
     "diagnose_memory", "estimate_memory", "get_gpu", "make_hardware", "optimize", "plan_memory", "typical_setup",

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .hardware import Hardware
 from .model_spec import ModelSpec
-from .setup import Offload, Optimizer, Precision, Sharding, TrainingSetup
-from .units import format_bytes
+from .setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 
 ENGINES = ("fsdp", "deepspeed")
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -105,8 +104,8 @@ def engine_unsupported(setup: TrainingSetup, engine: str) -> str | None:
 
 
 def default_engine(setup: TrainingSetup) -> str:
-    """torch's own engine where it expresses the setup (nothing extra to install), DeepSpeed otherwise."""
-    return "fsdp" if engine_unsupported(setup, "fsdp") is None else "deepspeed"
+    """The setup's engine (TrainingSetup.engine: 'torch' runs as DDP / ZeroRedundancyOptimizer / FSDP2 here)."""
+    return "fsdp" if setup.engine is Engine.TORCH else "deepspeed"
 
 
 def engine_description(setup: TrainingSetup, engine: str) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from .errors import ConfigError
 from .hardware import Hardware
 from .techniques.micro_batch import divisors
-from .setup import Attention, Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from .setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 
 
 def candidate_setups(setup: TrainingSetup, hardware: Hardware) -> Iterator[TrainingSetup]:
@@ -24,11 +24,12 @@ def candidate_setups(setup: TrainingSetup, hardware: Hardware) -> Iterator[Train
     micro = divisors(setup.micro_batch_size)
     n = hardware.world_size
     shardings = [Sharding.NONE] + ([Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3] if n > 1 else [])
-    for prec, opt, ckpt, b, shard, off in itertools.product(
-            sorted(precisions), sorted(optimizers), list(Checkpointing), micro, shardings, list(Offload)):
+    engines = list(Engine) if n > 1 else [setup.engine]
+    for prec, opt, ckpt, b, shard, off, engine in itertools.product(
+            sorted(precisions), sorted(optimizers), list(Checkpointing), micro, shardings, list(Offload), engines):
         try:
             yield setup.replace(precision=prec, optimizer=opt, checkpointing=ckpt, attention=Attention.SDPA,
                                 micro_batch_size=b, grad_accum_steps=batch // b, sharding=shard, offload=off,
-                                num_gpus=n)
+                                num_gpus=n, engine=engine)
         except ConfigError:
             continue

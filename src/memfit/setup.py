@@ -135,6 +135,19 @@ class Offload(_Choice):
         return {"none": ("off", "no"), "optimizer": ("opt", "cpu"), "optimizer+params": ("all", "params")}[self.value]
 
 
+class Engine(_Choice):
+    """Who shards and offloads: their memory layouts differ (memfit.estimate.static says how)."""
+
+    DEEPSPEED = "deepspeed"  # ZeRO 0-3, ZeRO-Offload; what `memfit plan --emit` configures for sharding
+    TORCH = "torch"  # DDP, ZeroRedundancyOptimizer (ZeRO-1), FSDP2 fully_shard (ZeRO-2/3)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"deepspeed": ("ds",), "torch": ("fsdp", "fsdp2", "pytorch", "ddp")}[self.value]
+
+
+_ZERO1_TORCH_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "sgd")
+
+
 @dataclass(frozen=True)
 class TrainingSetup:
     """One training step on one data-parallel rank. Validated at construction; every problem reported at once."""
@@ -153,12 +166,15 @@ class TrainingSetup:
     offload: Offload = Offload.NONE
     num_gpus: int = 1
     """Data-parallel ranks that sharding spreads over (GPUs per node x nodes)."""
+    engine: Engine = Engine.DEEPSPEED
+    """The engine that runs data parallelism, sharding and offload when num_gpus > 1 or offload is on."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
     def __post_init__(self) -> None:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
-                           ("attention", Attention), ("sharding", Sharding), ("offload", Offload)):
+                           ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
+                           ("engine", Engine)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus")
@@ -176,6 +192,22 @@ class TrainingSetup:
             problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
         if self.offload is not Offload.NONE and self.optimizer is Optimizer.ADAMW_8BIT:
             problems.append("CPU offload runs DeepSpeed's CPU Adam; it does not combine with bitsandbytes 8-bit AdamW")
+        if self.engine is Engine.TORCH:
+            problems += self._torch_engine_problems()
+        return problems
+
+    def _torch_engine_problems(self) -> list[str]:
+        """What torch's own engines cannot express (checked against torch 2.13 FSDP2 / ZeroRedundancyOptimizer)."""
+        problems = []
+        if self.offload is Offload.OPTIMIZER:
+            problems.append("FSDP2 offloads parameters with the optimizer step, never the optimizer alone: use "
+                            "offload optimizer+params with zero3, or engine deepspeed")
+        if self.sharding.stage >= 2 and self.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR):
+            problems.append(f"{self.optimizer} cannot step FSDP2's sharded (DTensor) parameters: use engine deepspeed")
+        if self.sharding is Sharding.ZERO1 and (self.optimizer.value not in _ZERO1_TORCH_OPTIMIZERS
+                                                 or self.precision.master_weights):
+            problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) covers AdamW and SGD without an fp32 master "
+                            "copy: use engine deepspeed")
         return problems
 
     def replace(self, **changes) -> "TrainingSetup":

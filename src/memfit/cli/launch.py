@@ -13,7 +13,7 @@ import typer
 from ..errors import ConfigError
 from ..units import format_bytes
 from .app import _examples, _print_json, app
-from .options import HARDWARE_PANEL, OUTPUT_PANEL, JsonOpt, SetupOptions, with_setup_options
+from .options import HARDWARE_PANEL, JsonOpt, SetupOptions, with_setup_options
 
 LAUNCH_PANEL = "Launch"
 
@@ -23,10 +23,6 @@ ScriptArg = Annotated[str, typer.Argument(
          "examples/sharded_train.py).")]
 ScriptArgs = Annotated[Optional[list[str]], typer.Argument(
     metavar="[-- SCRIPT_ARGS...]", show_default=False, help="Arguments for the script, after --.")]
-EngineOpt = Annotated[Optional[str], typer.Option(
-    "--engine", metavar="fsdp|deepspeed", rich_help_panel=LAUNCH_PANEL, show_default=False,
-    help="fsdp: torch.distributed (FSDP2 for zero2/zero3, ZeroRedundancyOptimizer for zero1); deepspeed: "
-         "deepspeed.initialize with memfit's config. Default: fsdp where it expresses the setup.")]
 LauncherOpt = Annotated[str, typer.Option(
     "--launcher", metavar="torchrun|deepspeed", rich_help_panel=LAUNCH_PANEL,
     help="torchrun (one command per node; both engines) or the deepspeed launcher (one command on node 0, "
@@ -51,7 +47,7 @@ PortOpt = Annotated[int, typer.Option(
     "memfit launch train.py --gpus 2 --zero zero2 --engine deepspeed -- --steps 100"))
 @with_setup_options
 def launch_command(script: ScriptArg, opts: SetupOptions, script_args: ScriptArgs = None,
-                   engine: EngineOpt = None, launcher: LauncherOpt = "torchrun", dry_run: DryRunOpt = False,
+                   launcher: LauncherOpt = "torchrun", dry_run: DryRunOpt = False,
                    model: ModelOpt = None, master_addr: MasterOpt = "", master_port: PortOpt = 29500,
                    json_output: JsonOpt = False) -> None:
     """Run SCRIPT on every GPU of every node with the setup the options describe, sharded by FSDP2 or DeepSpeed.
@@ -61,7 +57,7 @@ def launch_command(script: ScriptArg, opts: SetupOptions, script_args: ScriptArg
     from ..launch import DEFAULT_MASTER, launch_plan, local_command
 
     args = list(script_args or [])
-    plan = launch_plan(*_setup(model, opts), script, spec=_spec(model), engine=engine, launcher=launcher,
+    plan = launch_plan(*_setup(model, opts), script, spec=_spec(model), launcher=launcher,
                        master_addr=master_addr or DEFAULT_MASTER, master_port=master_port, script_args=args)
     if dry_run:
         if json_output:

@@ -20,7 +20,7 @@ from ..diagnose import DEFAULT_MARGIN
 from ..errors import MemfitError
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import Attention, Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup, _Choice
+from ..setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup, _Choice
 from ..units import parse_size
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
@@ -162,6 +162,10 @@ ZeroOpt = Annotated[Optional[Sharding], _choice_option(
     help=f"ZeRO sharding: {_choices(Sharding)}. Default: none (the plan shards when needed); needs 2+ GPUs.")]
 OffloadOpt = Annotated[Optional[Offload], _choice_option(
     "--offload", Offload, help=f"CPU offload: {_choices(Offload)}. Default: none.")]
+EngineOpt = Annotated[Optional[Engine], _choice_option(
+    "--engine", Engine,
+    help=f"Who shards and offloads: {_choices(Engine)} (DDP / ZeroRedundancyOptimizer / FSDP2). Their memory "
+         "layouts differ. Default: deepspeed.")]
 
 JsonOpt = Annotated[bool, _option("--json", panel=OUTPUT_PANEL,
                                   help="Print JSON only (sizes as integer bytes), for scripts.")]
@@ -187,6 +191,7 @@ class SetupOptions:
     attention: Attention | None = None
     zero: Sharding | None = None
     offload: Offload | None = None
+    engine: Engine | None = None
 
     @property
     def margin_fraction(self) -> float:
@@ -217,7 +222,7 @@ class SetupOptions:
             notes.insert(0, "assumed: " + ", ".join(assumed) + " (a typical fine-tune; set them with options)")
         chosen = {"micro_batch_size": self.batch, "seq_len": seq, "grad_accum_steps": self.accum,
                   "precision": self.precision, "optimizer": self.optimizer, "checkpointing": self.checkpointing,
-                  "attention": self.attention, "sharding": self.zero, "offload": self.offload}
+                  "attention": self.attention, "sharding": self.zero, "offload": self.offload, "engine": self.engine}
         return TrainingSetup(**{k: v for k, v in chosen.items() if v is not None}, num_gpus=hardware.world_size,
                              notes=tuple(notes))
 
@@ -225,6 +230,7 @@ class SetupOptions:
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
+    "engine": EngineOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
 }
 

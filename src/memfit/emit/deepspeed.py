@@ -90,6 +90,19 @@ def _zero_part(setup: TrainingSetup, hf_auto: bool):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         comments["zero_optimization.offload_param"] = (
             "ZeRO-Infinity: the bf16/fp32 parameter shards also live in CPU RAM and are fetched layer by layer")
+    if hf_auto:
+        # DeepSpeed's own default reduce bucket is 5e8 elements, allocated whole on every rank (1-2 GB whatever the
+        # model). "auto" lets the HF Trainer / accelerate size the buckets from the model: hidden^2 (the value
+        # memfit's estimate assumes), 0.9 x hidden^2 prefetch, 10 x hidden persistence threshold.
+        zero["reduce_bucket_size"] = "auto"
+        comments["zero_optimization.reduce_bucket_size"] = (
+            "auto = hidden_size^2 elements (HF); DeepSpeed's default 5e8 would hold 1-2 GB per rank")
+        if stage == 3:
+            zero["stage3_prefetch_bucket_size"] = "auto"
+            zero["stage3_param_persistence_threshold"] = "auto"
+            comments["zero_optimization.stage3_prefetch_bucket_size"] = "auto = 0.9 x hidden_size^2 (HF)"
+            comments["zero_optimization.stage3_param_persistence_threshold"] = (
+                "auto = 10 x hidden_size (HF): smaller tensors (norms, biases) stay whole on every rank")
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         comments["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = (

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Mapping
 
-from ..setup import Offload, Sharding, TrainingSetup
+from ..setup import Engine, Offload, Sharding, TrainingSetup
 
 _FORMATS = {".json": "json", ".yaml": "yaml", ".yml": "yaml", ".py": "python", ".md": "markdown"}
 
@@ -51,9 +51,14 @@ class EmittedConfig:
 
 
 def uses_deepspeed(setup: TrainingSetup) -> bool:
-    """memfit's route for sharding and offload is DeepSpeed: it expresses ZeRO-1, optimizer-only offload and
-    pure bf16 with sharded bf16 states, which FSDP2 cannot; FSDP2 is emitted alongside where it can express the plan."""
-    return setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE
+    """DeepSpeed runs the plan when it shards or offloads and the setup's engine is DeepSpeed (the default: it also
+    expresses ZeRO-1, optimizer-only offload, sharded pure-bf16 states and 8-bit AdamW, which FSDP2 cannot)."""
+    return setup.engine is Engine.DEEPSPEED and (setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE)
+
+
+def uses_fsdp(setup: TrainingSetup) -> bool:
+    """torch's FSDP2 runs the plan: engine torch with ZeRO-2/3 (TrainingSetup refuses what FSDP2 cannot express)."""
+    return setup.engine is Engine.TORCH and setup.sharding.stage >= 2
 
 
 def engine_work(setup: TrainingSetup) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
 from .deepspeed import deepspeed_owns_optimizer
-from .emitted import EmittedConfig, engine_work, uses_deepspeed
+from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
 # TrainingArguments.optim names (transformers.training_args.OptimizerNames).
 _OPTIM_NAMES = {
@@ -116,6 +116,14 @@ def _checkpointing_part(setup: TrainingSetup, *, legacy_names: bool, **_):
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):
+    if uses_fsdp(setup):
+        zero3 = setup.sharding.stage == 3
+        content = {"fsdp": True,
+                   "fsdp_config": {"version": 2, "reshard_after_forward": zero3,
+                                   "offload_params": setup.offload.value == "optimizer+params"}}
+        comments = {"fsdp": f"{setup.sharding} through torch FSDP2 (engine torch)",
+                    "fsdp_config": "FSDP2; reshard_after_forward True = ZeRO-3, False = ZeRO-2"}
+        return content, comments, []
     if not uses_deepspeed(setup):
         return {}, {}, []
     reason = (f"{engine_work(setup)} through DeepSpeed (chosen over FSDP2: it also expresses ZeRO-1, "

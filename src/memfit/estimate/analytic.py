@@ -42,7 +42,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Memor
     terms = [t for t in terms if t.num_bytes > 0] + runtime_overhead_terms(_total(terms), setup, hardware)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu, notes=tuple(rule_of_thumb_notes(spec, setup)), model_name=spec.name,
+        cpu_bytes=static.cpu, notes=tuple(rule_of_thumb_notes(spec, setup)) + static.notes, model_name=spec.name,
         device_name=hardware.gpu.name)
 
 
@@ -57,13 +57,19 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     terms = [Term("parameters", Category.PARAMETERS, static.params,
                   f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
                   "ZeRO paper sec. 3.1; exact P from the model's parameter tensors")]
-    if static.param_working_set and setup.sharding is Sharding.ZERO3:
-        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set,
-                          "unsharded root (embeddings, head) + the block being computed",
+    if static.param_working_set:
+        what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
+                "unsharded root (embeddings, head) + the block being computed")
+        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set, what,
                           "FSDP2 all-gather / DeepSpeed ZeRO-3 prefetch"))
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""
         terms.append(Term("gradients", Category.GRADIENTS, grads, f"P x {p_bytes} B{g_note}", "ZeRO paper sec. 3.1"))
+    if static.comm_buffers:
+        terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers,
+                          "DDP gradient buckets (1 x gradients)" if setup.engine.value == "torch" else
+                          "DeepSpeed reduce bucket: hidden^2 elements (HF 'auto')",
+                          "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2, measured on 2 gloo ranks"))
     if static.optimizer:
         o_note = f" / {n} ranks" if setup.sharding.stage >= 1 else ""
         terms.append(Term("optimizer/states", Category.OPTIMIZER, static.optimizer,
@@ -132,7 +138,8 @@ def _linear_weight_elems(spec: ModelSpec) -> int:
 
 
 def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int, on_cpu: bool) -> dict:
-    accum_grads = static.grads if setup.grad_accum_steps > 1 else 0
+    # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
+    accum_grads = static.grads if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
     acts, info = _activation_terms(spec, setup, on_cpu)
     tokens, d = info["tokens"], info["d"]
     vocab = spec.vocab_size * tokens

@@ -9,10 +9,10 @@ blocks, fp32 state below min_8bit_size=4096 elements) for 8-bit AdamW; transform
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
-from ..setup import Offload, Optimizer, Precision, Sharding, TrainingSetup
+from ..setup import Engine, Offload, Optimizer, Precision, TrainingSetup
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation: one fp32 absmax per 256 elements
@@ -108,30 +108,83 @@ class ShardedStatic:
     optimizer: int
     cpu: int
     param_working_set: int
-    """ZeRO-3: unsharded parameters of the blocks being computed (all-gather buffers), beyond the shard."""
+    """Unsharded parameters gathered for compute beyond the rank's shard (ZeRO-3 / FSDP2), at the activation peak."""
+    comm_buffers: int = 0
+    """Gradient communication buffers the engine keeps for the whole step (DDP buckets, DeepSpeed's reduce bucket)."""
+    grads_preallocated: bool = False
+    """The gradient partition exists before backward (DeepSpeed ZeRO-3 allocates it at start-up)."""
+    notes: tuple[str, ...] = ()
 
 
 def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes) -> ShardedStatic:
-    n = setup.num_gpus
-    stage = setup.sharding.stage
+    """Per-rank static memory as the engine lays it out (ZeRO paper sec. 5 for the stages; the engine-specific
+    buffers were measured on 2-rank gloo runs of DeepSpeed 0.19, FSDP2 and DDP in torch 2.13, tests/test_launch.py)."""
+    n, stage = setup.num_gpus, setup.sharding.stage
     params = full.params // n if stage >= 3 else full.params
     grads = full.grads // n if stage >= 2 else full.grads
     optimizer = (full.states + full.master) // n if stage >= 1 else full.states + full.master
-    cpu = 0
-    if setup.offload is not Offload.NONE:
-        # ZeRO-Offload keeps fp32 master weights, fp32 gradients and the states in host RAM (per rank's shard)
-        fp32_master = 4 * spec.num_params if full.params != 4 * spec.num_params else 0
-        cpu = (full.states + fp32_master + 4 * spec.num_params) // (n if stage >= 1 else 1)
-        optimizer = 0
+    engine = _deepspeed_layout if setup.engine is Engine.DEEPSPEED else _torch_layout
+    out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0))
+    return _offloaded(spec, setup, full, out)
+
+
+def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
+    n, stage = setup.num_gpus, setup.sharding.stage
+    if n == 1 and setup.offload is Offload.NONE:
+        return s
+    optimizer, comm, notes = s.optimizer, 0, []
+    if stage >= 1 and setup.precision in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16):
+        # DeepSpeed's ZeRO optimizer keeps an fp32 copy of each rank's partition even when the weights are fp32
+        optimizer += 4 * spec.num_params // n
+        notes.append("DeepSpeed keeps an fp32 copy of each rank's parameter partition (+4 B/param / N)")
+    if stage in (0, 1, 2):
+        # reduce_bucket_size = hidden^2 elements, the value HF's "auto" fills in (memfit emits "auto")
+        comm = min(spec.hidden_size**2, spec.num_params) * full.param_bytes_per_elem
+    working = full.param_bytes_per_elem * _root_plus_block(spec) if stage == 3 else 0
+    return replace(s, optimizer=optimizer, comm_buffers=comm, param_working_set=working,
+                   grads_preallocated=stage == 3, notes=tuple(notes))
+
+
+def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
+    n, stage = setup.num_gpus, setup.sharding.stage
+    if n > 1 and stage == 0:
+        # DDP copies gradients into its buckets (gradient_as_bucket_view=False, the default HF and accelerate use)
+        return replace(s, comm_buffers=full.grads, notes=("DDP gradient buckets: one more gradient-sized buffer",))
+    if stage < 2:
+        return s
+    params, grads, optimizer = s.params, s.grads, s.optimizer
+    compute_bytes = full.param_bytes_per_elem
+    if setup.precision.master_weights:
+        # FSDP2 MixedPrecisionPolicy(param_dtype=bf16): the fp32 shard is the master copy; gradients reduce to fp32
+        params, grads, optimizer = 4 * spec.num_params // n, 4 * spec.num_params // n, full.states // n
+        compute_bytes = 2
+    if not setup.precision.master_weights:
+        params = full.params // n  # FSDP2 shards the parameters at rest at both stages
+    if stage == 2:
+        # reshard_after_forward=False: every block stays gathered from its forward to its backward
+        working = compute_bytes * spec.num_params
+    else:
+        working = compute_bytes * _root_plus_block(spec)
+    return replace(s, params=params, grads=grads, optimizer=optimizer, param_working_set=working)
+
+
+def _root_plus_block(spec: ModelSpec) -> int:
+    """Unsharded copies at the activation peak: the root module (embeddings, final norm, LM head), gathered for the
+    whole forward and backward, and the block being computed (FSDP2 traces show exactly this at backward's start)."""
+    per_layer = sum(p.numel for p in spec.params if ".*." in p.name)
+    outer = spec.num_params - sum(p.total for p in spec.params if ".*." in p.name)
+    return per_layer + outer
+
+
+def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
+    if setup.offload is Offload.NONE:
+        return s
+    n = setup.num_gpus if setup.sharding.stage >= 1 else 1
+    # ZeRO-Offload keeps fp32 master weights, fp32 gradients and the states in host RAM (per rank's shard)
+    fp32_master = 4 * spec.num_params if full.params != 4 * spec.num_params else 0
+    cpu = (full.states + fp32_master + 4 * spec.num_params) // n
+    params = s.params
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         cpu += params
         params = 0
-    working = 0
-    if setup.sharding is Sharding.ZERO3:
-        per_layer = sum(p.numel for p in spec.params if ".*." in p.name)
-        outer = spec.num_params - sum(p.total for p in spec.params if ".*." in p.name)
-        # Unsharded copies live beside the shards: the root module (embeddings, final norm, LM head), gathered for
-        # the whole forward and backward, and the block being computed. At the activation peak (start of backward)
-        # that is one block; FSDP2 traces over a fake process group show exactly root + 1 block there.
-        working = full.param_bytes_per_elem * (per_layer + outer)
-    return ShardedStatic(params=params, grads=grads, optimizer=optimizer, cpu=cpu, param_working_set=working)
+    return replace(s, optimizer=0, cpu=cpu, params=params)

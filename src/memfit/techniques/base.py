@@ -11,7 +11,8 @@ from ..estimate.analytic import estimate
 from ..estimate.result import MemoryEstimate
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
-from ..setup import TrainingSetup
+from ..errors import ConfigError
+from ..setup import Engine, TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,15 @@ class Technique:
 
     def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def with_engine_that_can(setup: TrainingSetup, **changes) -> TrainingSetup:
+    """`setup` with `changes`; when torch's engines cannot express the result (optimizer-only offload, 8-bit Adam on
+    FSDP2 shards...), the same with DeepSpeed, which can. The step's `why` then names the engine."""
+    try:
+        return setup.replace(**changes)
+    except ConfigError:
+        return setup.replace(**changes, engine=Engine.DEEPSPEED)
 
 
 REGISTRY: dict[str, Technique] = {}

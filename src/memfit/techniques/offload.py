@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from ..setup import Offload, Optimizer, Precision, Sharding
 from ..units import format_bytes
-from .base import Context, Proposal, Skip, Technique, register
+from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
 from .costs import offload_traffic
 
 
@@ -21,11 +21,11 @@ class CpuOffload(Technique):
         if setup.offload is Offload.OPTIMIZER:
             if setup.sharding is not Sharding.ZERO3:
                 return Skip("offloading parameters too needs ZeRO-3 (more than one GPU)")
-            nxt = setup.replace(offload=Offload.OPTIMIZER_AND_PARAMS)
+            nxt = with_engine_that_can(setup, offload=Offload.OPTIMIZER_AND_PARAMS)
         else:
             optimizer = Optimizer.ADAMW if setup.optimizer is Optimizer.ADAMW_8BIT else setup.optimizer
             precision = Precision.BF16_MASTER if setup.precision is Precision.BF16 else setup.precision
-            nxt = setup.replace(offload=Offload.OPTIMIZER, optimizer=optimizer, precision=precision)
+            nxt = with_engine_that_can(setup, offload=Offload.OPTIMIZER, optimizer=optimizer, precision=precision)
         host_need = ctx.size(nxt).cpu_bytes * ctx.hardware.gpus_per_node
         if host_need > ctx.hardware.cpu_ram_bytes:
             return Skip(f"offload needs {format_bytes(host_need)} of CPU RAM per node, more than the "

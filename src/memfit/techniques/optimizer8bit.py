@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from ..setup import Offload, Optimizer
-from .base import Context, Proposal, Skip, Technique, register
+from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
 
 
 @register
@@ -17,7 +17,7 @@ class Adam8bit(Technique):
             return Skip(f"the optimizer is {opt}, not Adam")
         if ctx.setup.offload is not Offload.NONE:
             return Skip("optimizer states are offloaded to the CPU already")
-        return Proposal(ctx.setup.replace(optimizer=Optimizer.ADAMW_8BIT),
+        return Proposal(with_engine_that_can(ctx.setup, optimizer=Optimizer.ADAMW_8BIT),
                         "TrainingArguments(optim=\"adamw_bnb_8bit\")  # bitsandbytes.optim.AdamW8bit",
                         "negligible step time; matches 32-bit Adam on LM fine-tuning (Dettmers et al. 2022)",
                         "block-wise 8-bit states: ~2 B/param instead of 8 B/param (a quarter, not a half)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..setup import Sharding
-from .base import Context, Proposal, Skip, Technique, register
+from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
 from .costs import zero_traffic
 
 
@@ -21,18 +21,23 @@ class ZeroSharding(Technique):
         stages = [s for s in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) if s.stage > ctx.setup.sharding.stage]
         if not stages:
             return Skip("already ZeRO-3")
-        candidates = [ctx.setup.replace(sharding=s, num_gpus=n) for s in stages]
+        candidates = [with_engine_that_can(ctx.setup, sharding=s, num_gpus=n) for s in stages]
         chosen = ctx.first_fitting(candidates) or candidates[-1]
         stage = chosen.sharding
-        return Proposal(chosen, f"deepspeed zero_optimization.stage={stage.stage}"
-                        + ("  (FSDP2: fully_shard per block)" if stage.stage == 3 else ""),
-                        zero_traffic(ctx.spec, chosen),
-                        f"{stage} splits {'optimizer states' if stage.stage == 1 else 'optimizer states and gradients' if stage.stage == 2 else 'parameters, gradients and optimizer states'} over {n} GPUs")
+        change = (f"deepspeed zero_optimization.stage={stage.stage}" if chosen.engine.value == "deepspeed" else
+                  {1: "torch ZeroRedundancyOptimizer", 2: "FSDP2 fully_shard(reshard_after_forward=False)",
+                   3: "FSDP2 fully_shard per block, then the root"}[stage.stage])
+        what = {1: "optimizer states", 2: "optimizer states and gradients",
+                3: "parameters, gradients and optimizer states"}[stage.stage]
+        why = f"{stage} splits {what} over {n} GPUs"
+        if chosen.engine is not ctx.setup.engine:
+            why += f" (with DeepSpeed: torch's engines cannot shard this setup, {chosen.optimizer} included)"
+        return Proposal(chosen, change, zero_traffic(ctx.spec, chosen), why)
 
 
 def _gpus_needed(ctx: Context) -> str:
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512):
         hw = dataclasses.replace(ctx.hardware, gpus_per_node=min(n, 8), num_nodes=max(1, n // 8))
-        if ctx.fits_on(ctx.setup.replace(sharding=Sharding.ZERO3, num_gpus=n), hw):
+        if ctx.fits_on(with_engine_that_can(ctx.setup, sharding=Sharding.ZERO3, num_gpus=n), hw):
             return f"with ZeRO-3 it would fit on {n} x {ctx.hardware.gpu.name} (--gpus {n})"
     return "ZeRO-3 alone would not make it fit even on 512 GPUs"
