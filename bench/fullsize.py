@@ -6,10 +6,8 @@ The trace runs the real HF training step on fake tensors (exact tensor peak of t
 the analytic side is evaluated for a CPU device too (same kernel choices: e.g. dropout masks); on a GPU the two
 differ only where the kernels do. Cases disagreeing by more than 3% are flagged.
 
-Sharded rows compare different engines' layouts: the trace runs FSDP2 (bf16-master = fp32 shards that double as the
-master copy; optimizer-only offload leaves those shards on the device), the analytic model sizes DeepSpeed's (bf16
-partition + fp32 master + states; offload moves master and states to the host). Gemma 2 runs eager only: transformers
-refuses torch SDPA for it.
+Sharded rows use engine torch on both sides (the trace runs FSDP2 over a fake process group). Gemma 2 runs eager
+only: transformers refuses torch SDPA for it.
 """
 
 from __future__ import annotations
@@ -36,14 +34,18 @@ VARIANTS = {
     "8-bit adamw": {"optimizer": "adamw-8bit", "precision": "bf16"},
     "foreach": {"optimizer": "adamw-foreach"},
     "B=4 T=512": {"micro_batch_size": 4, "seq_len": 512},
-    "zero3 x8 bf16-master": {"precision": "bf16-master", "sharding": "zero3", "num_gpus": 8},
-    "zero2 x8 + offload": {"precision": "bf16-master", "sharding": "zero2", "num_gpus": 8, "offload": "optimizer"},
+    "zero3 x8 bf16-master": {"precision": "bf16-master", "sharding": "zero3", "num_gpus": 8, "engine": "torch"},
+    "zero2 x8 bf16-master": {"precision": "bf16-master", "sharding": "zero2", "num_gpus": 8, "engine": "torch"},
+    "zero3 x8 + offload": {"precision": "bf16-master", "sharding": "zero3", "num_gpus": 8, "engine": "torch",
+                           "offload": "optimizer+params"},
+    "bf16 B=8": {"precision": "bf16", "micro_batch_size": 8},
+    "bf16 eager B=4 T=1024": {"precision": "bf16", "attention": "eager", "micro_batch_size": 4, "seq_len": 1024},
     "eager bf16": {"attention": "eager", "precision": "bf16", "seq_len": 1024},
     "eager bf16 + ckpt": {"attention": "eager", "precision": "bf16", "seq_len": 1024, "checkpointing": "full"},
 }
 MODELS = {
-    "llama-2-7b": list(VARIANTS), "llama-2-13b": ["fp32 adamw", "bf16 + ckpt", "zero3 x8 bf16-master"],
-    "llama-3.1-70b": ["bf16 + ckpt", "zero3 x8 bf16-master"], "qwen2.5-7b": ["fp32 adamw", "pure bf16", "eager"],
+    "llama-2-7b": list(VARIANTS), "llama-2-13b": ["fp32 adamw", "bf16 + ckpt", "bf16 B=8", "zero3 x8 bf16-master"],
+    "llama-3.1-70b": ["bf16 + ckpt", "zero3 x8 bf16-master"], "qwen2.5-7b": ["fp32 adamw", "pure bf16", "eager", "bf16 B=8", "bf16 eager B=4 T=1024"],
     "mistral-7b": ["fp32 adamw", "bf16 + ckpt"], "gpt2-xl": ["fp32 adamw", "pure bf16", "bf16 + ckpt"],
     "bert-large-uncased": ["fp32 adamw", "bf16 + ckpt"], "pythia-6.9b": ["fp32 adamw", "bf16 + ckpt"],
     "phi-3-mini": ["fp32 adamw", "bf16 + ckpt"], "gemma-2-9b": ["eager bf16", "eager bf16 + ckpt"],

@@ -45,6 +45,9 @@ def sharder(setup: TrainingSetup, mesh, block_finder: Callable[[nn.Module], list
         if setup.precision is Precision.BF16_MASTER:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             notes.append("bf16-master under FSDP2: fp32 sharded parameters (the master copy), bf16 all-gathers")
+        if setup.engine.value == "deepspeed":
+            notes.append("the setup's engine is DeepSpeed, whose layout differs (fp32 partition copy, pre-allocated "
+                         "ZeRO-3 gradient partition); the trace runs torch's FSDP2: compare with --engine torch")
         if setup.sharding is Sharding.ZERO1:
             notes.append("FSDP2 has no ZeRO-1 mode: traced as ZeRO-2 (gradients sharded too), so gradients are "
                          "1/N of what ZeRO-1 keeps")
