@@ -5,6 +5,10 @@
     >>> p.initial_diagnosis.bottleneck, [s.title for s in p.steps]
 """
 
+from .apply import AppliedChanges, apply_
+from .fit import FitLoop, FitOutOfMemoryError, fit_steps
+from .launch import launch_plan, prepare, shard
+from .measure import measure
 from .api import as_hardware, as_spec, diagnose_memory, estimate_memory, plan_memory, typical_setup
 from .diagnose import Bottleneck, Diagnosis
 from .errors import ConfigError, MemfitError, ModelSourceError, UnknownNameError
@@ -17,7 +21,8 @@ from .setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precisi
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "Bottleneck", "Category", "Checkpointing", "Engine", "ConfigError", "Diagnosis", "GPU", "Hardware",
+    "AppliedChanges", "FitLoop", "FitOutOfMemoryError", "apply_", "fit_steps", "launch_plan", "measure", "prepare",
+    "shard", "Attention", "Bottleneck", "Category", "Checkpointing", "Engine", "ConfigError", "Diagnosis", "GPU", "Hardware",
     "MemfitError", "MemoryEstimate", "ModelSourceError", "ModelSpec", "Offload", "Optimizer", "ParamTensor", "Phase",
     "Plan", "PlanStep", "Precision", "Sharding", "Term", "TrainingSetup", "UnknownNameError", "as_hardware", "as_spec",
     "diagnose_memory", "estimate_memory", "get_gpu", "make_hardware", "optimize", "plan_memory", "typical_setup",
