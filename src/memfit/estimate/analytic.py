@@ -11,7 +11,7 @@ total is the step's peak and its terms are the breakdown:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from ..hardware import Hardware
@@ -137,54 +137,101 @@ def _linear_weight_elems(spec: ModelSpec) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every moment of the step is built from."""
+
+    spec: ModelSpec
+    setup: TrainingSetup
+    static: ShardedStatic
+    acts: list[Term]
+    per_layer: dict[str, int]
+    dtypes: act.Dtypes
+
+    @property
+    def tokens(self) -> int:
+        return self.setup.tokens_per_micro_step
+
+    def static_terms(self, grads: int, static: ShardedStatic | None = None) -> list[Term]:
+        return _static_terms(self.spec, self.setup, static or self.static, grads)
+
+    def acts_except(self, *names: str) -> list[Term]:
+        return [t for t in self.acts if t.name not in names]
+
+    def recomputed_block(self, what: str) -> Term:
+        return Term("activations/recomputed_block", Category.ACTIVATIONS, sum(self.per_layer.values()), what,
+                    "torch.utils.checkpoint")
+
+    def layer_temporaries(self) -> Term:
+        d, spec = self.dtypes, self.spec
+        return Term("temporaries/layer_backward", Category.TEMPORARIES,
+                    self.tokens * (spec.intermediate_size * d.compute + 2 * spec.hidden_size * d.residual),
+                    "B x T x I (MLP input grad) + 2 x B x T x h (residual grads)", "autograd of one block")
+
+
+# Saved by the head and the loss: gone once the head's backward has run.
+_HEAD_AND_LOSS = ("activations/logits", "activations/loss", "activations/head", "activations/logit_softcap")
+
+
 def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int, on_cpu: bool) -> dict:
-    # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
-    accum_grads = static.grads if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
     acts, info = _activation_terms(spec, setup, on_cpu)
-    tokens, d = info["tokens"], info["d"]
-    vocab = spec.vocab_size * tokens
-    head_grad_bytes = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
-    moments: dict[str, tuple[Phase, list[Term]]] = {}
-    forward = _static_terms(spec, setup, static, accum_grads) + acts
-    moments["forward end"] = (Phase.FORWARD, forward)
-    loss_bytes = _loss_elem_bytes(spec, setup)
-    loss_tmp = Term("temporaries/loss_backward", Category.TEMPORARIES, 2 * vocab * loss_bytes,
+    step = _Step(spec, setup, static, acts, info["per_layer"], info["d"])
+    # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
+    early_grads = static.grads if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
+    forward = step.static_terms(early_grads) + acts
+    return {
+        "forward end": (Phase.FORWARD, forward),
+        "loss backward": (Phase.BACKWARD, _loss_backward(step, forward)),
+        "first block backward": (Phase.BACKWARD, _first_block_backward(step, early_grads)),
+        "end of backward": (Phase.BACKWARD, _end_of_backward(step)),
+        "optimizer step": (Phase.OPTIMIZER, _optimizer_step(step, step_temp)),
+    }
+
+
+def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
+    """Log-softmax backward: its output and two B x T x V gradients. The Trainer keeps only the loss, so the logits
+    are gone by then (a loop that holds `outputs` through backward adds B x T x V x dtype here)."""
+    loss_bytes = _loss_elem_bytes(step.spec, step.setup)
+    loss_tmp = Term("temporaries/loss_backward", Category.TEMPORARIES,
+                    2 * step.spec.vocab_size * step.tokens * loss_bytes,
                     f"2 x B x T x V x {loss_bytes} B: gradients of log-softmax and of the logits",
                     "aten log_softmax_backward")
-    # The Trainer keeps only the loss, so the logits are gone when backward starts (a loop that holds `outputs`
-    # through backward adds B x T x V x dtype here).
-    moments["loss backward"] = (Phase.BACKWARD, [t for t in forward if t.name != "activations/logits"] + [loss_tmp])
-    layer_tmp = Term("temporaries/layer_backward", Category.TEMPORARIES,
-                     tokens * (spec.intermediate_size * d.compute + 2 * spec.hidden_size * d.residual),
-                     "B x T x I (MLP input grad) + 2 x B x T x h (residual grads)", "autograd of one block")
-    grads_so_far = max(accum_grads, head_grad_bytes)
-    # Once the head's backward has run, its saved tensors and the loss's are gone.
-    no_loss = [t for t in acts if t.name not in ("activations/logits", "activations/loss", "activations/head",
-                                                 "activations/logit_softcap")]
-    first_layer = _static_terms(spec, setup, static, grads_so_far) + no_loss + [layer_tmp]
-    if setup.checkpointing is Checkpointing.FULL:
-        recomputed = sum(info["per_layer"].values())
-        first_layer.append(Term("activations/recomputed_block", Category.ACTIVATIONS, recomputed,
-                                "one block's saved tensors, rebuilt during backward", "torch.utils.checkpoint"))
-    moments["first block backward"] = (Phase.BACKWARD, first_layer)
-    end = _static_terms(spec, setup, static, static.grads) + [t for t in no_loss if t.name == "activations/embeddings"]
-    if setup.checkpointing is Checkpointing.FULL:
-        # block 0 is rebuilt before its own and the embedding's gradients exist
-        pending = spec.params_matching(".*.") // max(spec.num_layers, 1) + spec.params_matching(
-            "embed_tokens", "wte", "word_embeddings", "embed_in")
-        end = _static_terms(spec, setup, static, static.grads - static.grads * pending // max(spec.num_params, 1))
-        end += [t for t in no_loss if t.name == "activations/embeddings"]
-        end += [layer_tmp, Term("activations/recomputed_block", Category.ACTIVATIONS,
-                                sum(info["per_layer"].values()), "block 0 rebuilt during backward",
-                                "torch.utils.checkpoint")]
-    moments["end of backward"] = (Phase.BACKWARD, end)
-    step = _static_terms(spec, setup, _without_gathered(static), static.grads)
+    return [t for t in forward if t.name != "activations/logits"] + [loss_tmp]
+
+
+def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
+    """The last block's backward: every block's activations, the head's gradients, one block's temporaries (and,
+    with checkpointing, that block rebuilt)."""
+    spec, static = step.spec, step.static
+    head_grads = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
+    terms = step.static_terms(max(early_grads, head_grads)) + step.acts_except(*_HEAD_AND_LOSS)
+    terms.append(step.layer_temporaries())
+    if step.setup.checkpointing is Checkpointing.FULL:
+        terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
+    return terms
+
+
+def _end_of_backward(step: _Step) -> list[Term]:
+    """All gradients exist; with checkpointing, block 0 is rebuilt before its own and the embedding's gradients."""
+    spec, static = step.spec, step.static
+    embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
+    if step.setup.checkpointing is not Checkpointing.FULL:
+        return step.static_terms(static.grads) + embeddings
+    pending = spec.params_matching(".*.") // max(spec.num_layers, 1) + spec.params_matching(
+        "embed_tokens", "wte", "word_embeddings", "embed_in")
+    grads = static.grads - static.grads * pending // max(spec.num_params, 1)
+    return (step.static_terms(grads) + embeddings
+            + [step.layer_temporaries(), step.recomputed_block("block 0 rebuilt during backward")])
+
+
+def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
+    """Parameters (shards only: nothing is gathered), gradients, states and the step's temporaries."""
+    terms = step.static_terms(step.static.grads, _without_gathered(step.static))
     if step_temp:
-        step.append(Term("temporaries/optimizer_step", Category.TEMPORARIES,
-                         step_temp // (setup.num_gpus if setup.sharding.stage >= 1 else 1),
-                         f"{setup.optimizer} step temporaries", "torch.optim.adamw / transformers Adafactor"))
-    moments["optimizer step"] = (Phase.OPTIMIZER, step)
-    return moments
+        shards = step.setup.num_gpus if step.setup.sharding.stage >= 1 else 1
+        terms.append(Term("temporaries/optimizer_step", Category.TEMPORARIES, step_temp // shards,
+                          f"{step.setup.optimizer} step temporaries", "torch.optim.adamw / transformers Adafactor"))
+    return terms
 
 
 def _without_gathered(static: ShardedStatic) -> ShardedStatic:
