@@ -206,6 +206,10 @@ def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     head_grads = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
     terms = step.static_terms(max(early_grads, head_grads)) + step.acts_except(*_HEAD_AND_LOSS)
     terms.append(step.layer_temporaries())
+    if static.block_reduce_bytes:
+        terms.append(Term("temporaries/grad_reduce_scatter", Category.TEMPORARIES, static.block_reduce_bytes,
+                          "one block's unsharded gradients (+ fp32 copy for the reduce-scatter)",
+                          "FSDP2 post-backward reduce-scatter, fake-process-group traces"))
     if step.setup.checkpointing is Checkpointing.FULL:
         terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
     return terms

@@ -113,6 +113,8 @@ class ShardedStatic:
     """Gradient communication buffers the engine keeps for the whole step (DDP buckets, DeepSpeed's reduce bucket)."""
     grads_preallocated: bool = False
     """The gradient partition exists before backward (DeepSpeed ZeRO-3 allocates it at start-up)."""
+    block_reduce_bytes: int = 0
+    """Transient in each block's backward: its unsharded gradients (and their upcast for the reduce-scatter)."""
     notes: tuple[str, ...] = ()
 
 
@@ -165,7 +167,12 @@ def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: S
         working = compute_bytes * spec.num_params
     else:
         working = compute_bytes * _root_plus_block(spec)
-    return replace(s, params=params, grads=grads, optimizer=optimizer, param_working_set=working)
+    # a block's backward makes its gradients unsharded in the compute dtype, upcast to fp32 for the reduce-scatter
+    # under MixedPrecisionPolicy(reduce_dtype=fp32), before the shard is kept
+    per_layer = sum(p.numel for p in spec.params if ".*." in p.name)
+    reduce = per_layer * (compute_bytes + (4 if setup.precision.master_weights else 0))
+    return replace(s, params=params, grads=grads, optimizer=optimizer, param_working_set=working,
+                   block_reduce_bytes=reduce)
 
 
 def _root_plus_block(spec: ModelSpec) -> int:
