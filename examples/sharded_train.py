@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from memfit import TrainingSetup
-from memfit._torch.engine import PeakMeter, init_process_group
+from memfit._torch.engine import init_process_group
+from memfit._torch.rank_memory import PeakMeter
 from memfit._torch.step import build_hf_model
 from memfit.launch import engine_from_env, prepare, setup_from_env
 
