@@ -94,8 +94,10 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
             # q/k/v are views of one fused projection output; v (and, without rotary, q/k) keep it all alive.
             fused = q + 2 * kv
             rotated = 0 if spec.model_type == "gpt2" else q + kv  # rotary writes new q, k tensors
+            # Phi-3 makes the attention output contiguous before o_proj: one more q-sized copy
+            out_copies = 2 if spec.model_type == "phi3" else 1
             return [Saved("attention", fused, "cmp"), Saved("attention", rotated, "cmp"),
-                    Saved("attention", q, "cmp"), Saved("attention", heads, "f32")]
+                    Saved("attention", out_copies * q, "cmp"), Saved("attention", heads, "f32")]
         return [Saved("attention", q + k_v, "cmp"), Saved("attention", q, "cmp"), Saved("attention", heads, "f32")]
     # Eager (or CPU SDPA with dropout, which takes the math path): q and k (repeated to all heads) for QK^T, the
     # softmax output, v repeated, and the transposed output copy fed to o_proj. The probabilities that meet v are
