@@ -13,6 +13,6 @@ class GradientCheckpointing(Technique):
         if ctx.setup.checkpointing is Checkpointing.FULL:
             return Skip("already on")
         return Proposal(ctx.setup.replace(checkpointing=Checkpointing.FULL),
-                        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})",
+                        "TrainingArguments(activation_checkpointing=True)  # or model.activation_checkpointing_enable()",
                         "+33% compute (one extra forward per step)",
                         "keeps only each block's input and recomputes the rest during backward")
