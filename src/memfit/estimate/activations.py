@@ -105,14 +105,47 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
     if setup.attention is Attention.SDPA:
         # CPU math fallback: computes in fp32 whatever the input dtype (q, k, v, output; softmax, mask, dropped)
         return [Saved("attention", 4 * q, "f32"), Saved("attention", 3 * heads * seq_len, "f32")]
-    rows = [Saved("attention", 4 * q, "cmp"), Saved("attention", heads * seq_len, "f32")]
+    softmax = eager_softmax_dtype(spec)
+    rows = [Saved("attention", 4 * q, "cmp"), Saved("attention", heads * seq_len, softmax)]
     if spec.extra.get("attn_logit_softcapping"):
         rows.append(Saved("attention", heads * seq_len, "cmp"))  # Gemma 2: tanh(scores / cap) keeps its output
     if dropout:
         rows += [Saved("attention", heads * seq_len, d.mask), Saved("attention", heads * seq_len, "cmp")]
-    elif d.compute == 2:
+    elif d.compute == 2 and softmax == "f32":
         rows.append(Saved("attention", heads * seq_len, "cmp"))
     return rows
+
+
+def eager_softmax_dtype(spec: ModelSpec) -> str:
+    """The Llama family's eager attention takes the softmax in fp32 (`softmax(..., dtype=torch.float32)`);
+    GPT-2's and BERT's take it in the scores' dtype."""
+    return "cmp" if spec.model_type in ("gpt2", "bert") else "f32"
+
+
+def attention_backward_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
+                             on_cpu: bool = False) -> int:
+    """Transient T x T gradients while an eager (or CPU math-path) attention runs backward: the gradient of the
+    probabilities and of the scores, in the softmax's dtype, beside its saved tensors."""
+    dropout = spec.extra.get("attention_dropout", 0.0) > 0
+    if setup.attention is Attention.SDPA and not (dropout and on_cpu):
+        return 0
+    d = Dtypes.of(setup.precision, on_cpu)
+    dtype = "f32" if setup.attention is Attention.SDPA else eager_softmax_dtype(spec)
+    # an fp32 softmax (Llama family) backward holds the gradient of its cast copy and its own; others hold one
+    count = 2 if setup.attention is Attention.EAGER and dtype == "f32" else 1
+    per_token = count * d.bytes_of(Saved("attention", spec.num_attention_heads * seq_len, dtype))
+    if count == 2 and d.compute == 2 and not dropout:
+        # the probabilities' bf16 copy (saved for the matmul with v) is released once that matmul's backward ran
+        per_token -= d.bytes_of(Saved("attention", spec.num_attention_heads * seq_len, "cmp"))
+    return int(per_token * tokens)
+
+
+def checkpointed_mask_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int) -> int:
+    """Eager attention in a causal LM gets a B x 1 x T x T additive mask (model dtype) from transformers' masking
+    utilities; under checkpointing it is an input of every checkpointed block, so it lives through backward."""
+    if setup.attention is not Attention.EAGER or not spec.is_decoder:
+        return 0
+    return int(Dtypes.of(setup.precision).residual * tokens * seq_len)
 
 
 def _residual_dropouts(spec: ModelSpec, d: Dtypes, count: int) -> list[Saved]:
@@ -143,6 +176,12 @@ def _gpt2_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) 
     rows += [Saved("attention", h, "lin")] + _attention_core(spec, setup, seq_len, d)
     rows += [Saved("mlp", h, "lin"), Saved("mlp", (_act_saved(spec) + 1) * inter, "cmp")]
     return rows + _residual_dropouts(spec, d, 2)
+
+
+def activation_backward_factor(spec: ModelSpec) -> int:
+    """I-sized gradients alive at once in the MLP's backward, net of the down-projection's saved input, freed once
+    its backward ran: gelu_new's Python formula chains three (measured), torch's activations one."""
+    return 2 if spec.hidden_act == "gelu_new" else 1
 
 
 def _act_saved(spec: ModelSpec) -> int:
