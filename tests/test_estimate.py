@@ -158,3 +158,12 @@ def test_diagnosis_words():
     long = diagnose(estimate(spec, TrainingSetup(micro_batch_size=64, seq_len=1024, attention="eager"), hw), hw)
     assert long.bottleneck is Bottleneck.ACTIVATIONS
     assert math.isclose(long.budget_bytes, hw.gpu.memory_bytes * 0.95, rel_tol=1e-6)
+
+
+def test_adafactor_is_not_factored_under_deepspeed_zero():
+    spec = resolve_model("llama-3.2-1b")
+    plain = full_static(spec, TrainingSetup(precision="fp32", optimizer="adafactor")).states
+    zero = full_static(spec, TrainingSetup(precision="fp32", optimizer="adafactor", sharding="zero2",
+                                           num_gpus=8)).states
+    assert plain < 0.1 * 4 * spec.num_params  # factored: rows + columns per matrix
+    assert zero >= 4 * spec.num_params  # flat partitions: one fp32 value per parameter

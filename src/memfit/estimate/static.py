@@ -55,6 +55,10 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, s
         return total, "2 x uint8 x P + fp32 absmax per 256 elements (fp32 states for tensors < 4096 elements)"
     if opt is Optimizer.SGD:
         return s_bytes * spec.num_params, f"momentum buffer {s_bytes} B x P"
+    if setup.sharding.stage >= 1 and setup.engine is Engine.DEEPSPEED:
+        # DeepSpeed hands the optimizer flat 1-D partitions: nothing left to factor, the 2nd moment is full size
+        # (measured: exp_avg_sq of 8836 elements for an 8836-parameter model)
+        return s_bytes * spec.num_params + 4 * n_tensors, "full 2nd moment: ZeRO's flat partitions cannot be factored"
     return _adafactor_bytes(spec, s_bytes), "factored 2nd moment: rows + cols per matrix, full for vectors"
 
 
