@@ -30,20 +30,29 @@ def as_hardware(hardware: Hardware | str, *, gpus_per_node: int = 1, num_nodes: 
     return make_hardware(hardware, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
 
 
-def typical_setup(spec: ModelSpec, hardware: Hardware, **overrides: Any) -> TrainingSetup:
-    """TrainingSetup() defaults (a typical fine-tune), the sequence clamped to the model's context, the world size
-    taken from the hardware; `notes` say what was assumed."""
-    notes = []
-    defaults = TrainingSetup()
-    if "seq_len" not in overrides and spec.max_position_embeddings and spec.max_position_embeddings < defaults.seq_len:
-        overrides["seq_len"] = spec.max_position_embeddings
-        notes.append(f"seq_len clamped to the model's max_position_embeddings ({spec.max_position_embeddings})")
-    overrides.setdefault("num_gpus", hardware.world_size)
-    assumed = [f"{name}={getattr(defaults, name)}" for name in
-               ("micro_batch_size", "seq_len", "precision", "optimizer", "attention") if name not in overrides]
+_ASSUMED_LABELS = (("micro_batch_size", "micro-batch"), ("seq_len", "seq"), ("grad_accum_steps", "accum"),
+                   ("precision", "precision"), ("optimizer", "optimizer"), ("checkpointing", "checkpointing"),
+                   ("attention", "attention"))
+
+
+def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> TrainingSetup:
+    """The TrainingSetup with the fields the user `given` (None counts as not given), TrainingSetup()'s defaults (a
+    typical fine-tune) for the rest, the default sequence clamped to the model's context and the world size taken
+    from the hardware. `notes` say what was assumed, so the output can state it."""
+    given = {name: value for name, value in given.items() if value is not None}
+    defaults, notes = TrainingSetup(), []
+    max_positions = spec.max_position_embeddings
+    if "seq_len" not in given and 0 < max_positions < defaults.seq_len:
+        notes.append(f"seq {max_positions}: the default {defaults.seq_len} clamped to the model's "
+                     "max_position_embeddings")
+    elif 0 < max_positions < given.get("seq_len", 0):
+        notes.append(f"seq {given['seq_len']} is longer than the model's max_position_embeddings ({max_positions})")
+    seq = given.get("seq_len", min(defaults.seq_len, max_positions or defaults.seq_len))
+    assumed = [f"{label} {seq if name == 'seq_len' else getattr(defaults, name)}"
+               for name, label in _ASSUMED_LABELS if name not in given]
     if assumed:
-        notes.insert(0, "assumed a typical fine-tune: " + ", ".join(assumed))
-    return TrainingSetup(**overrides, notes=tuple(notes))
+        notes.insert(0, "assumed: " + ", ".join(assumed) + " (a typical fine-tune; set them with options)")
+    return TrainingSetup(**{"num_gpus": hardware.world_size, **given, "seq_len": seq}, notes=tuple(notes))
 
 
 def estimate_memory(model: ModelRef, setup: TrainingSetup | None = None,

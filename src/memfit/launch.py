@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .hardware import Hardware
 from .model_spec import ModelSpec
-from .setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from .setup import Engine, Offload, Precision, Sharding, TrainingSetup
 
 ENGINES = ("fsdp", "deepspeed")
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -75,31 +75,18 @@ def check_engine(engine: str) -> str:
 # ---------------------------------------------------------------------------------- which engine runs the setup
 
 
-_ZERO_REDUNDANCY_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED, Optimizer.SGD)
-
-
 def engine_unsupported(setup: TrainingSetup, engine: str) -> str | None:
-    """Why `engine` cannot run the setup, or None when it can."""
-    if check_engine(engine) == "deepspeed":
-        from .emit import deepspeed_config
+    """Why `engine` cannot run the setup, or None when it can. torch's limits are TrainingSetup's own validation
+    (engine torch); DeepSpeed's are what its config builder refuses."""
+    try:
+        if check_engine(engine) == "deepspeed":
+            from .emit import deepspeed_config
 
-        try:
             deepspeed_config(setup)
-        except ConfigError as error:
-            return str(error)
-        return None
-    if setup.offload is Offload.OPTIMIZER:
-        return ("FSDP2 offloads parameters, gradients and the optimizer step together, never the optimizer alone: "
-                "use --engine deepspeed (ZeRO-Offload)")
-    if setup.sharding in (Sharding.ZERO2, Sharding.ZERO3) and setup.optimizer in (Optimizer.ADAMW_8BIT,
-                                                                                  Optimizer.ADAFACTOR):
-        return f"{setup.optimizer} cannot step FSDP2's DTensor parameters: use --engine deepspeed"
-    if setup.sharding is Sharding.ZERO1:
-        if setup.optimizer not in _ZERO_REDUNDANCY_OPTIMIZERS:
-            return (f"torch's ZeRO-1 (ZeroRedundancyOptimizer) is built here for AdamW and SGD, not "
-                    f"{setup.optimizer}: use --engine deepspeed")
-        if setup.precision.master_weights:
-            return "ZeRO-1 with an fp32 master copy is DeepSpeed's bf16 mode: use --engine deepspeed"
+        else:
+            setup.replace(engine=Engine.TORCH)
+    except ConfigError as error:
+        return str(error)
     return None
 
 

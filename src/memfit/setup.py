@@ -201,7 +201,7 @@ class TrainingSetup:
         problems = []
         if self.offload is Offload.OPTIMIZER:
             problems.append("FSDP2 offloads parameters with the optimizer step, never the optimizer alone: use "
-                            "offload optimizer+params with zero3, or engine deepspeed")
+                            "offload optimizer+params with zero3, or engine deepspeed (ZeRO-Offload)")
         if self.sharding.stage >= 2 and self.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR):
             problems.append(f"{self.optimizer} cannot step FSDP2's sharded (DTensor) parameters: use engine deepspeed")
         if self.sharding is Sharding.ZERO1 and (self.optimizer.value not in _ZERO1_TORCH_OPTIMIZERS

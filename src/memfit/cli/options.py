@@ -203,28 +203,12 @@ class SetupOptions:
 
     def setup(self, spec: ModelSpec, hardware: Hardware) -> TrainingSetup:
         """The TrainingSetup the options describe; defaults are a typical fine-tune, stated in `notes`."""
-        defaults = TrainingSetup()
-        seq, notes = self.seq, []
-        max_positions = spec.max_position_embeddings
-        if seq is None and 0 < max_positions < defaults.seq_len:
-            seq = max_positions
-            notes.append(f"seq {seq}: the default {defaults.seq_len} clamped to the model's "
-                         f"max_position_embeddings")
-        elif seq is not None and 0 < max_positions < seq:
-            notes.append(f"seq {seq} is longer than the model's max_position_embeddings ({max_positions})")
-        assumed = [f"{label} {value}" for label, given, value in (
-            ("micro-batch", self.batch, defaults.micro_batch_size), ("seq", self.seq, seq or defaults.seq_len),
-            ("accum", self.accum, defaults.grad_accum_steps), ("precision", self.precision, defaults.precision),
-            ("optimizer", self.optimizer, defaults.optimizer),
-            ("checkpointing", self.checkpointing, defaults.checkpointing),
-            ("attention", self.attention, defaults.attention)) if given is None]
-        if assumed:
-            notes.insert(0, "assumed: " + ", ".join(assumed) + " (a typical fine-tune; set them with options)")
-        chosen = {"micro_batch_size": self.batch, "seq_len": seq, "grad_accum_steps": self.accum,
-                  "precision": self.precision, "optimizer": self.optimizer, "checkpointing": self.checkpointing,
-                  "attention": self.attention, "sharding": self.zero, "offload": self.offload, "engine": self.engine}
-        return TrainingSetup(**{k: v for k, v in chosen.items() if v is not None}, num_gpus=hardware.world_size,
-                             notes=tuple(notes))
+        from ..api import typical_setup
+
+        return typical_setup(spec, hardware, micro_batch_size=self.batch, seq_len=self.seq,
+                             grad_accum_steps=self.accum, precision=self.precision, optimizer=self.optimizer,
+                             checkpointing=self.checkpointing, attention=self.attention, sharding=self.zero,
+                             offload=self.offload, engine=self.engine)
 
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
