@@ -10,9 +10,10 @@ from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
 from .hardware import Hardware, gpu_catalog
 from .model_spec import ModelSpec
-from .setup import Sharding, TrainingSetup
+from .setup import TrainingSetup
 from .techniques import LADDERS, REGISTRY, Context, Proposal, Skip
 from .techniques.base import EstimateFn
+from .techniques.zero import zero3_gpus_needed
 from .throughput import relative_step_time
 from .units import format_bytes
 
@@ -99,7 +100,8 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
         est = estimator(spec, current, hardware)
         diag = diagnose(est, hardware, margin=margin)
         steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, prop.why))
-    suggestions = () if diag.fits else tuple(_suggestions(spec, current, hardware, margin, estimator))
+    suggestions = () if diag.fits else tuple(_suggestions(Context(spec, hardware, current, est, diag, margin,
+                                                                  estimator)))
     return Plan(spec, hardware, setup, initial[0], initial[1], tuple(steps),
                 tuple((REGISTRY[k].title, r) for k, r in skipped.items()), suggestions, margin)
 
@@ -120,17 +122,12 @@ def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tu
     return None
 
 
-def _suggestions(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, margin: float,
-                 estimator: EstimateFn) -> list[str]:
+def _suggestions(ctx: Context) -> list[str]:
+    spec, setup, hardware, margin, estimator = ctx.spec, ctx.setup, ctx.hardware, ctx.margin, ctx.estimator
     out = []
-    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-        if n <= hardware.world_size:
-            continue
-        hw = dataclasses.replace(hardware, gpus_per_node=min(n, 8), num_nodes=max(1, n // 8))
-        trial = setup.replace(sharding=Sharding.ZERO3, num_gpus=n)
-        if diagnose(estimator(spec, trial, hw), hw, margin=margin).fits:
-            out.append(f"more GPUs: with ZeRO-3 this setup fits on {n} x {hardware.gpu.name}")
-            break
+    n = zero3_gpus_needed(ctx)
+    if n is not None:
+        out.append(f"more GPUs: with ZeRO-3 this setup fits on {n} x {hardware.gpu.name}")
     for gpu in sorted(gpu_catalog().values(), key=lambda g: g.memory_bytes):
         if gpu.memory_bytes <= hardware.gpu.memory_bytes:
             continue

@@ -35,9 +35,21 @@ class ZeroSharding(Technique):
         return Proposal(chosen, change, zero_traffic(ctx.spec, chosen), why)
 
 
+def zero3_gpus_needed(ctx: Context, *, limit: int = 1024) -> int | None:
+    """The fewest GPUs (a power of two above the current count, 8 per node) on which the setup fits with ZeRO-3,
+    or None up to `limit`."""
+    n = 2
+    while n <= limit:
+        if n > ctx.hardware.world_size:
+            hw = dataclasses.replace(ctx.hardware, gpus_per_node=min(n, 8), num_nodes=max(1, n // 8))
+            if ctx.fits_on(with_engine_that_can(ctx.setup, sharding=Sharding.ZERO3, num_gpus=n), hw):
+                return n
+        n *= 2
+    return None
+
+
 def _gpus_needed(ctx: Context) -> str:
-    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512):
-        hw = dataclasses.replace(ctx.hardware, gpus_per_node=min(n, 8), num_nodes=max(1, n // 8))
-        if ctx.fits_on(with_engine_that_can(ctx.setup, sharding=Sharding.ZERO3, num_gpus=n), hw):
-            return f"with ZeRO-3 it would fit on {n} x {ctx.hardware.gpu.name} (--gpus {n})"
-    return "ZeRO-3 alone would not make it fit even on 512 GPUs"
+    n = zero3_gpus_needed(ctx, limit=512)
+    if n is None:
+        return "ZeRO-3 alone would not make it fit even on 512 GPUs"
+    return f"with ZeRO-3 it would fit on {n} x {ctx.hardware.gpu.name} (--gpus {n})"
