@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from memfit.diagnose import Bottleneck, diagnose
 from memfit.errors import ConfigError
 from memfit.estimate.analytic import estimate
-from memfit.estimate.result import Category
+from memfit.estimate.result import Category, Phase
 from memfit.estimate.static import full_static, shard
 from memfit.hardware import make_hardware
 from memfit.model_spec import ModelSpec, ParamTensor
@@ -91,11 +91,13 @@ def test_invariants(model, kwargs):
     assert est.total_bytes == sum(t.num_bytes for t in est.terms)
     assert all(t.num_bytes >= 0 for t in est.terms)
     assert sum(est.by_category().values()) == est.total_bytes
+    # At the peak the categories can trade places (a larger batch can move the peak from the optimizer step into
+    # backward), so the activation invariants are stated where activations are whole: at the end of forward.
     ckpt = estimate(spec, setup.replace(checkpointing="full"), hw)
-    assert ckpt.by_category()[Category.ACTIVATIONS] <= est.by_category()[Category.ACTIVATIONS] or \
-        setup.checkpointing.value == "full"
+    assert ckpt.phase_peaks[Phase.FORWARD] <= est.phase_peaks[Phase.FORWARD]
     bigger = estimate(spec, setup.replace(micro_batch_size=setup.micro_batch_size + 1), hw)
-    assert bigger.activation_bytes >= est.activation_bytes
+    assert bigger.phase_peaks[Phase.FORWARD] >= est.phase_peaks[Phase.FORWARD]
+    assert bigger.tensor_bytes >= est.tensor_bytes
     if setup.sharding.value == "zero3":
         previous = None
         for n in (2, 4, 8):
