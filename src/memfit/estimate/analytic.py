@@ -78,12 +78,10 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     return terms
 
 
-def _activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> tuple[list[Term], dict]:
+def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str, int], d: act.Dtypes) -> list[Term]:
     """Terms alive at the end of forward (and so at the start of backward)."""
-    tokens, seq = setup.tokens_per_micro_step, setup.seq_len
+    tokens, seq, on_cpu = setup.tokens_per_micro_step, setup.seq_len, d.on_cpu
     layers = spec.num_layers
-    per_layer = act.layer_saved_bytes(spec, setup, tokens, seq, on_cpu)
-    d = act.Dtypes.of(setup.precision, on_cpu)
     ckpt = setup.checkpointing is Checkpointing.FULL
     terms = []
     if ckpt:
@@ -120,8 +118,7 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> tu
         terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, copies,
                           "2 B x Linear weights: bf16 casts cached by autocast, saved for backward",
                           "torch.autocast weight cast cache"))
-    info = {"per_layer": per_layer, "tokens": tokens, "d": d}
-    return terms, info
+    return terms
 
 
 def _loss_elem_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
@@ -192,11 +189,12 @@ _HEAD_AND_LOSS = ("activations/logits", "activations/loss", "activations/head", 
 
 
 def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int, on_cpu: bool) -> dict:
-    acts, info = _activation_terms(spec, setup, on_cpu)
-    step = _Step(spec, setup, static, acts, info["per_layer"], info["d"])
+    per_layer = act.layer_saved_bytes(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
+    dtypes = act.Dtypes.of(setup.precision, on_cpu)
+    step = _Step(spec, setup, static, _activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
     # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
     early_grads = static.grads if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
-    forward = step.static_terms(early_grads) + acts
+    forward = step.static_terms(early_grads) + step.acts
     return {
         "forward end": (Phase.FORWARD, forward),
         "loss backward": (Phase.BACKWARD, _loss_backward(step, forward)),
