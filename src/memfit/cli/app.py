@@ -98,10 +98,10 @@ def _print_json(data: dict) -> None:
     typer.echo(json.dumps(data, indent=2))
 
 
-def _console():
+def _console(*, stderr: bool = False):
     from .. import render
 
-    return render.make_console()
+    return render.make_console(stderr=stderr)
 
 
 OptimizeOpt = Annotated[bool, typer.Option(
@@ -145,7 +145,7 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
     if verify:
         from .steps import run_trace
 
-        traced = run_trace(model, result.final_setup, progress=not json_output)
+        traced = run_trace(model, spec, result.final_setup, hardware, progress=not json_output)
     reports = write_reports(result, report, png, trace=traced)
     if json_output:
         data = result.to_dict()

@@ -36,29 +36,24 @@ def _require_torch(feature: str) -> None:
         raise MissingDependencyError(f"{feature} runs the real step and needs torch: pip install 'memfit[torch]'")
 
 
-def run_trace(model: str, setup, *, steps: int = 2, progress: bool = True):
-    """Trace `model` (a CLI model reference) under `setup`; a progress bar on stderr while it runs."""
+def run_trace(model: str, spec, setup, hardware, *, steps: int = 2, progress: bool = True):
+    """Trace `model` (a CLI model reference) under `setup`, with the device's runtime overhead added like any other
+    estimate (memfit.trace.traced_estimator); a progress bar on stderr while it runs."""
     _require_torch("memfit trace")
-    from ..trace import trace
+    from ..trace import traced_estimator
 
     config = _model_config(model)
     if not progress:
-        return trace(config, setup, steps=steps)
+        return traced_estimator(config, steps=steps)(spec, setup, hardware)
     from rich.progress import Progress
 
-    with Progress(transient=True, console=_console_err()) as bar:
+    with Progress(transient=True, console=_console(stderr=True)) as bar:
         task = bar.add_task("tracing on fake tensors", total=1.0)
 
         def advance(event) -> None:
             bar.update(task, completed=event.fraction, description=f"tracing: {event.message}")
 
-        return trace(config, setup, steps=steps, progress=advance)
-
-
-def _console_err():
-    from .. import render
-
-    return render.make_console(stderr=True)
+        return traced_estimator(config, steps=steps, progress=advance)(spec, setup, hardware)
 
 
 @app.command("trace", epilog=_examples(
@@ -74,7 +69,7 @@ def trace_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, json
     from ..estimate.analytic import estimate
 
     spec, setup, hardware = _resolve(model, opts)
-    traced = run_trace(model, setup, steps=steps, progress=not json_output)
+    traced = run_trace(model, spec, setup, hardware, steps=steps, progress=not json_output)
     analytic = estimate(spec, setup, hardware) if spec.is_transformer else None
     diagnosis = diagnose(traced, hardware, margin=opts.margin_fraction)
     written = write_reports(traced, report, png, hardware=hardware, margin=opts.margin_fraction)

@@ -14,7 +14,8 @@ from ..setup import TrainingSetup
 
 
 def traced_estimator(model_ref: Any, *, input_builder: Callable | None = None, loss_fn: Callable | None = None,
-                     steps: int = 2) -> Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]:
+                     steps: int = 2, progress: Callable | None = None
+                     ) -> Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]:
     """An `estimator(spec, setup, hardware)` for `memfit.plan.plan(..., estimator=...)` that traces `model_ref`
     (anything `memfit.trace.trace` takes) under each setup and adds the device's runtime overhead."""
     from .run import trace
@@ -23,7 +24,8 @@ def traced_estimator(model_ref: Any, *, input_builder: Callable | None = None, l
 
     def estimator(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> MemoryEstimate:
         if setup not in traced:
-            traced[setup] = trace(model_ref, setup, input_builder=input_builder, loss_fn=loss_fn, steps=steps)
+            traced[setup] = trace(model_ref, setup, input_builder=input_builder, loss_fn=loss_fn, steps=steps,
+                                  progress=progress)
         result = traced[setup]
         overhead = runtime_overhead_terms(result.tensor_bytes, setup, hardware)
         return dataclasses.replace(result, terms=result.terms + tuple(overhead), device_name=hardware.gpu.name)
