@@ -44,9 +44,7 @@ def main() -> int:
     optimize_ms = 1e3 * (time.perf_counter() - start)
     python_s = _wall([sys.executable, "-c", "pass"])
     import_s = _wall([sys.executable, "-c", "import memfit, sys; assert 'torch' not in sys.modules"])
-    cli_s = _wall([sys.executable, "-m", "memfit.cli", "plan", "llama-2-70b", "--gpu", "H100"]) if (
-        Path(__file__).parents[1] / "src" / "memfit" / "cli" / "__main__.py").exists() else _wall(
-        ["memfit", "plan", "llama-2-70b", "--gpu", "H100"])
+    cli_s = _wall(["memfit", "plan", "llama-2-70b", "--gpu", "H100"])
     rows = [
         ("plan(llama-2-70b, 8 x H100) in process", f"{plan_ms:.2f} ms", "< 50 ms", f"{50 / plan_ms:.0f}x under"),
         ("optimize() full search, in process", f"{optimize_ms:.1f} ms", "-", "-"),
