@@ -106,6 +106,10 @@ class StepTracker(TorchDispatchMode):
         self._wait_tensor = _wait_tensor_op()
         self._orig_resize = None
         self.values_assumed = 0
+        self._shape_only = 0
+        """> 0 while DTensor derives output shapes by running an op on global-shape fake tensors: in a real run those
+        are a private FakeTensorMode's (no memory); in a trace they would share ours and look like allocations."""
+        self._orig_propagate = None
 
     # ---- registration -------------------------------------------------------------------------------------
 
@@ -319,6 +323,8 @@ class StepTracker(TorchDispatchMode):
         return 0.0 if tensor.is_floating_point() else 0
 
     def _see(self, tensor: torch.Tensor) -> None:
+        if self._shape_only:
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -369,6 +375,23 @@ class StepTracker(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
+        self._pause_shape_propagation()
+
+    def _pause_shape_propagation(self) -> None:
+        try:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        except ImportError:
+            return
+        original = self._orig_propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def shape_only(propagator, *args, **kwargs):
+            self._shape_only += 1
+            try:
+                return original(propagator, *args, **kwargs)
+            finally:
+                self._shape_only -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = shape_only
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -377,6 +400,11 @@ class StepTracker(TorchDispatchMode):
         if self._orig_resize is not None:
             torch.UntypedStorage.resize_ = self._orig_resize
             self._orig_resize = None
+        if self._orig_propagate is not None:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
+            self._orig_propagate = None
 
     # ---- progress and results --------------------------------------------------------------------------------
 
