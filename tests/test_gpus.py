@@ -29,7 +29,7 @@ def test_catalog_has_the_required_gpus():
 def test_every_entry_loads_by_its_name(name):
     gpu = get_gpu(name)
     assert gpu.name == name
-    assert gpu.memory_bytes % MiB == 0 and gpu.peak_tflops_bf16 > 0 and gpu.host_link_gbps in (12.0, 25.0, 50.0)
+    assert gpu.memory_bytes % MiB == 0 and gpu.peak_tflops_bf16 > 0 and gpu.host_link_gb_per_s in (12.0, 25.0, 50.0)
     assert gpu.source and ("https://" in gpu.source or gpu.source.startswith("Estimated"))
 
 

@@ -7,10 +7,10 @@ from typing import Any
 from .diagnose import DEFAULT_MARGIN, Diagnosis, diagnose
 from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
-from .hardware import Hardware, make_hardware
+from .hardware import Hardware, check_precision, make_hardware
 from .model_spec import ModelSpec
 from .plan import Plan, plan
-from .setup import TrainingSetup
+from .setup import Precision, TrainingSetup, needs_bf16, parse_keep
 
 ModelRef = Any
 """A catalog name, a config.json path, a hub id, an HF config dict/PretrainedConfig, an nn.Module or a ModelSpec."""
@@ -38,9 +38,16 @@ _ASSUMED_LABELS = (("micro_batch_size", "micro-batch"), ("seq_len", "seq"), ("gr
 def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> TrainingSetup:
     """The TrainingSetup with the fields the user `given` (None counts as not given), TrainingSetup()'s defaults (a
     typical fine-tune) for the rest, the default sequence clamped to the model's context and the world size taken
-    from the hardware. `notes` say what was assumed, so the output can state it."""
+    from the hardware. On a GPU without bf16 (T4, V100) the default precision is amp-fp16, and a given bf16
+    precision is a ConfigError. `notes` say what was assumed, so the output can state it."""
     given = {name: value for name, value in given.items() if value is not None}
     defaults, notes = TrainingSetup(), []
+    if "precision" in given:
+        check_precision(given["precision"], hardware.gpu)
+    elif needs_bf16(defaults.precision) and not hardware.gpu.bf16:
+        defaults = defaults.replace(precision=Precision.AMP_FP16)
+        notes.append(f"precision amp-fp16: {hardware.gpu.name} has no bf16, so fp16 autocast with loss scaling "
+                     f"replaces the usual {TrainingSetup.precision}")
     max_positions = spec.max_position_embeddings
     if "seq_len" not in given and 0 < max_positions < defaults.seq_len:
         notes.append(f"seq {max_positions}: the default {defaults.seq_len} clamped to the model's "
@@ -52,7 +59,8 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
                for name, label in _ASSUMED_LABELS if name not in given]
     if assumed:
         notes.insert(0, "assumed: " + ", ".join(assumed) + " (a typical fine-tune; set them with options)")
-    return TrainingSetup(**{"num_gpus": hardware.world_size, **given, "seq_len": seq}, notes=tuple(notes))
+    return TrainingSetup(**{"num_gpus": hardware.world_size, "precision": defaults.precision, **given,
+                            "seq_len": seq}, notes=tuple(notes))
 
 
 def estimate_memory(model: ModelRef, setup: TrainingSetup | None = None,
@@ -69,7 +77,13 @@ def diagnose_memory(model: ModelRef, setup: TrainingSetup | None = None, hardwar
 
 
 def plan_memory(model: ModelRef, setup: TrainingSetup | None = None, hardware: Hardware | str = "A100-80GB",
-                *, margin: float = DEFAULT_MARGIN) -> Plan:
-    """Walk the seed's ladder until the step fits (or say what would)."""
+                *, margin: float = DEFAULT_MARGIN, keep: str | frozenset[str] | None = None) -> Plan:
+    """Walk the seed's ladder until the step fits (or say what would). A `setup` given counts as set by the user
+    field by field (rungs change its fields only as a last resort, saying so); `keep` ('precision,optimizer', or
+    TrainingSetup field names) pins fields no rung may change."""
+    from dataclasses import fields
+
     spec, hw = as_spec(model), as_hardware(hardware)
-    return plan(spec, setup or typical_setup(spec, hw), hw, margin=margin)
+    explicit = frozenset() if setup is None else frozenset(
+        f.name for f in fields(TrainingSetup) if f.name != "notes" and getattr(setup, f.name) != f.default)
+    return plan(spec, setup or typical_setup(spec, hw), hw, margin=margin, explicit=explicit, keep=parse_keep(keep))

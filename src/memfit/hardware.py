@@ -8,6 +8,7 @@ from functools import lru_cache
 from importlib import resources
 
 from .errors import ConfigError, suggest
+from .setup import Precision, needs_bf16
 from .units import GiB, MiB, parse_size
 
 
@@ -21,7 +22,7 @@ class GPU:
     bf16: bool = True
     peak_tflops_bf16: float = 0.0
     """Dense bf16/fp16 tensor-core TFLOP/s, for the throughput model."""
-    host_link_gbps: float = 25.0
+    host_link_gb_per_s: float = 25.0
     """Host<->device bandwidth in GB/s (PCIe 4.0 x16 ~ 25 effective) for offload costs."""
     source: str = ""
     aliases: tuple[str, ...] = ()
@@ -87,6 +88,14 @@ def get_gpu(name: str) -> GPU:
         except ConfigError:
             pass
     raise suggest(name, list(catalog), "gpu")
+
+
+def check_precision(precision: Precision | str, gpu: GPU) -> None:
+    """Refuse a precision that computes or stores in bf16 on a GPU without bf16 (T4, V100): one ConfigError line."""
+    precision = Precision.parse(precision)
+    if needs_bf16(precision) and not gpu.bf16:
+        raise ConfigError(f"{gpu.name} has no bf16, so precision {precision} cannot run on it: use amp-fp16 "
+                          "(fp16 autocast with loss scaling) or fp32")
 
 
 def cpu_device(memory_bytes: int) -> GPU:

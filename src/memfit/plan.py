@@ -1,4 +1,9 @@
-"""Walk the seed's ladder from the cheapest change, re-estimating after each step, until the step fits."""
+"""Walk the seed's ladder from the cheapest change, re-estimating after each step, until the step fits.
+
+What the user asked for is kept: fields the user set (`explicit`) are changed only when no other rung is left, and
+the step then says "you asked for X; this rung changes it to Y because ..."; fields pinned with `keep` (--keep) are
+never changed, and a rung that would change one is passed over with a reason naming the pin. Every step's `why`
+ends with the list of every field it changes, generated from the setup diff, so no rung reverts another silently."""
 
 from __future__ import annotations
 
@@ -8,14 +13,19 @@ from dataclasses import dataclass
 from .diagnose import DEFAULT_MARGIN, Bottleneck, Diagnosis, diagnose
 from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
-from .hardware import Hardware, gpu_catalog
+from .hardware import Hardware, check_precision, gpu_catalog
 from .model_spec import ModelSpec
-from .setup import TrainingSetup
+from .search import MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit
+from .setup import FIELD_LABELS, Checkpointing, TrainingSetup, setup_changes
 from .techniques import LADDERS, REGISTRY, Context, Proposal, Skip
-from .techniques.base import EstimateFn
-from .techniques.zero import zero3_gpus_needed
+from .techniques.base import EstimateFn, keep_name, pin_reason
 from .throughput import relative_step_time
 from .units import format_bytes
+
+NOT_SIZED = ("not sized by memfit yet: sequence / context parallelism (each GPU holds a slice of every sequence) "
+             "and a chunked or fused cross-entropy (never holds the whole B x T x V log-softmax and logit "
+             "gradients{loss})")
+NO_GPU_COUNT = "it does not fit even on"
 
 
 @dataclass(frozen=True)
@@ -47,8 +57,12 @@ class Plan:
     skipped: tuple[tuple[str, str], ...]
     """(technique title, why it was not used) for rungs of the ladder that were passed over."""
     suggestions: tuple[str, ...] = ()
-    """When nothing fits: what would (more GPUs, a larger GPU, LoRA)."""
+    """When nothing fits: what would, for the final bottleneck (more GPUs, a shorter sequence, LoRA...)."""
     margin: float = DEFAULT_MARGIN
+    explicit: frozenset[str] = frozenset()
+    """TrainingSetup fields the user set."""
+    keep: frozenset[str] = frozenset()
+    """TrainingSetup fields pinned with --keep."""
 
     @property
     def final_setup(self) -> TrainingSetup:
@@ -70,6 +84,7 @@ class Plan:
         return {"model": self.spec.name, "num_params": self.spec.num_params, "gpu": self.hardware.gpu.name,
                 "gpu_memory_bytes": self.hardware.gpu.memory_bytes, "world_size": self.hardware.world_size,
                 "margin": self.margin, "fits": self.fits, "initial_setup": self.initial_setup.to_dict(),
+                "explicit": sorted(self.explicit), "keep": sorted(self.keep),
                 "initial_estimate": self.initial_estimate.to_dict(),
                 "initial_diagnosis": self.initial_diagnosis.to_dict(), "steps": [s.to_dict() for s in self.steps],
                 "skipped": [{"technique": t, "reason": r} for t, r in self.skipped],
@@ -78,12 +93,22 @@ class Plan:
 
 
 def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
-         estimator: EstimateFn = estimate) -> Plan:
+         estimator: EstimateFn = estimate, explicit: frozenset[str] | None = None,
+         keep: frozenset[str] | None = None) -> Plan:
     """The seed's decision framework: diagnose, take the next untried rung of the ladder for the current bottleneck
     (falling back to the combined ladder when that one is spent), re-estimate, and stop at the first fit.
 
     `estimator(spec, setup, hardware)` sizes each setup: the analytic model by default; a trace
-    (`memfit.trace.traced_estimator`) plans models that have no transformer shape, such as plain nn.Modules."""
+    (`memfit.trace.traced_estimator`) plans models that have no transformer shape, such as plain nn.Modules.
+    `explicit`: the TrainingSetup fields the user set; rungs that change one are taken only when no other rung is
+    left, and say so. `keep`: fields no rung may change. A precision in bf16 on a GPU without bf16 is a ConfigError."""
+    check_precision(setup.precision, hardware.gpu)
+    explicit, keep = frozenset(explicit or ()), frozenset(keep or ())
+    _check_fields(explicit | keep)
+
+    def context(current: TrainingSetup, est: MemoryEstimate, diag: Diagnosis) -> Context:
+        return Context(spec, hardware, current, est, diag, margin, estimator, explicit, keep)
+
     current = setup
     est = estimator(spec, current, hardware)
     diag = diagnose(est, hardware, margin=margin)
@@ -92,53 +117,194 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
     skipped: dict[str, str] = {}
     tried: set[str] = set()
     while not diag.fits:
-        proposal = _next_proposal(Context(spec, hardware, current, est, diag, margin, estimator), tried, skipped)
+        proposal = _next_proposal(context(current, est, diag), tried, skipped)
         if proposal is None:
             break
         key, prop = proposal
+        why = explain(current, prop.setup, prop.why, explicit)
         current = prop.setup
         est = estimator(spec, current, hardware)
         diag = diagnose(est, hardware, margin=margin)
-        steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, prop.why))
-    suggestions = () if diag.fits else tuple(_suggestions(Context(spec, hardware, current, est, diag, margin,
-                                                                  estimator)))
+        steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, why))
+    suggestions: tuple[str, ...] = ()
+    if not diag.fits:
+        ctx = context(current, est, diag)
+        more = _more_gpus(ctx)
+        if "zero" in skipped and hardware.world_size < 2:
+            skipped["zero"] += "; " + more
+        suggestions = tuple(_suggestions(ctx, more))
     return Plan(spec, hardware, setup, initial[0], initial[1], tuple(steps),
-                tuple((REGISTRY[k].title, r) for k, r in skipped.items()), suggestions, margin)
+                tuple((REGISTRY[k].title, r) for k, r in skipped.items()), suggestions, margin, explicit, keep)
+
+
+def _check_fields(fields: frozenset[str]) -> None:
+    from .errors import ConfigError
+
+    unknown = sorted(fields - set(FIELD_LABELS))
+    if unknown:
+        raise ConfigError(f"unknown TrainingSetup field(s) {', '.join(unknown)}: choose from {', '.join(FIELD_LABELS)}")
+
+
+def explain(before: TrainingSetup, after: TrainingSetup, why: str, explicit: frozenset[str]) -> str:
+    """A step's `why`: the rung's reason, led by "you asked for X; this rung changes it to Y because" when it changes
+    a field the user set, and followed by every field it changes (from the setup diff, so none goes unsaid)."""
+    changes = setup_changes(before, after)
+    asked = [c for c in changes if c.field in explicit]
+    if asked:
+        why = (f"you asked for {_join(f'{c.label} {c.old}' for c in asked)}; this rung changes "
+               f"{'it' if len(asked) == 1 else 'them'} to {_join(str(c.new) for c in asked)} because {why}")
+    return f"{why} (changes {_join(c.text for c in changes)})" if changes else why
+
+
+def _join(parts) -> str:
+    parts = list(parts)
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tuple[str, Proposal] | None:
+    """The first rung of the ladder that proposes a change no pin forbids; one that changes a field the user set is
+    kept back while a rung that leaves them alone is left."""
     own = LADDERS[ctx.diagnosis.bottleneck]
     ladder = own + tuple(k for k in LADDERS[Bottleneck.BOTH] if k not in own)
+    deferred: tuple[str, Proposal] | None = None
     for key in ladder:
         if key in tried:
             continue
         result = REGISTRY[key].propose(ctx)
+        if isinstance(result, Proposal) and ctx.pinned_changes(result.setup):
+            result = Skip(pin_reason(ctx.pinned_changes(result.setup)))
         if isinstance(result, Skip):
             skipped.setdefault(key, result.reason)
+            continue
+        if ctx.explicit_changes(result.setup):
+            deferred = deferred or (key, result)
             continue
         tried.add(key)
         skipped.pop(key, None)
         return key, result
+    if deferred is not None:
+        tried.add(deferred[0])
+        skipped.pop(deferred[0], None)
+    return deferred
+
+
+def _more_gpus(ctx: Context) -> str:
+    """The one answer to "how many GPUs would it take", for the plan's final setup (search.gpus_to_fit): the ZeRO
+    rung's reason and the suggestion both print it."""
+    hw = ctx.hardware
+    if "num_gpus" in ctx.keep:
+        return f"more GPUs: not considered, --keep gpus pins {ctx.setup.num_gpus}"
+    found: GpusToFit | None = gpus_to_fit(ctx.spec, ctx.setup, hw, margin=ctx.margin, estimator=ctx.estimator,
+                                          keep=ctx.keep)
+    if found is not None:
+        return "more GPUs: " + found.text("the final setup")
+    return (f"more GPUs: {NO_GPU_COUNT} {MAX_GPUS} x {hw.gpu.name} with ZeRO-3 added to the final setup "
+            f"({describe_techniques(ctx.setup)})")
+
+
+def _suggestions(ctx: Context, more_gpus: str) -> list[str]:
+    """What would fit, for the final bottleneck: activations -> what cuts activations (sized where memfit can);
+    static memory -> more GPUs and LoRA; either -> a larger GPU."""
+    bottleneck = ctx.diagnosis.bottleneck
+    static = bottleneck in (Bottleneck.STATIC, Bottleneck.BOTH)
+    activations = bottleneck in (Bottleneck.ACTIVATIONS, Bottleneck.BOTH)
+    out = []
+    if activations:
+        out += _activation_suggestions(ctx)
+    if static or NO_GPU_COUNT not in more_gpus:
+        out.append(more_gpus)
+    larger = _larger_gpu(ctx)
+    if larger:
+        out.append(larger)
+    if static:
+        frozen = 2 * ctx.spec.num_params
+        out.append(f"LoRA: frozen bf16 weights ({format_bytes(frozen)}) with no gradients or optimizer states for "
+                   "them; memfit does not size LoRA adapters yet")
+    return out
+
+
+def _larger_gpu(ctx: Context) -> str | None:
+    for gpu in sorted(gpu_catalog().values(), key=lambda g: g.memory_bytes):
+        if gpu.memory_bytes <= ctx.hardware.gpu.memory_bytes or not _runs_on(ctx.setup, gpu):
+            continue
+        hw = dataclasses.replace(ctx.hardware, gpu=gpu)
+        if ctx.fits_on(ctx.setup, hw):
+            return f"a larger GPU: it fits on {gpu.name} ({format_bytes(gpu.memory_bytes)})"
     return None
 
 
-def _suggestions(ctx: Context) -> list[str]:
-    spec, setup, hardware, margin, estimator = ctx.spec, ctx.setup, ctx.hardware, ctx.margin, ctx.estimator
-    out = []
-    n = zero3_gpus_needed(ctx)
-    if n is not None:
-        out.append(f"more GPUs: with ZeRO-3 this setup fits on {n} x {hardware.gpu.name}")
-    for gpu in sorted(gpu_catalog().values(), key=lambda g: g.memory_bytes):
-        if gpu.memory_bytes <= hardware.gpu.memory_bytes:
-            continue
-        hw = dataclasses.replace(hardware, gpu=gpu)
-        if diagnose(estimator(spec, setup, hw), hw, margin=margin).fits:
-            out.append(f"a larger GPU: it fits on {gpu.name} ({format_bytes(gpu.memory_bytes)})")
-            break
-    frozen = 2 * spec.num_params
-    out.append(f"LoRA: frozen bf16 weights ({format_bytes(frozen)}) with no gradients or optimizer states for them; "
-               "memfit does not size LoRA adapters yet")
+def _runs_on(setup: TrainingSetup, gpu) -> bool:
+    from .errors import ConfigError
+
+    try:
+        check_precision(setup.precision, gpu)
+    except ConfigError:
+        return False
+    return True
+
+
+def _sized(ctx: Context, setup: TrainingSetup) -> str:
+    est = ctx.size(setup)
+    fits = diagnose(est, ctx.hardware, margin=ctx.margin).fits
+    return (f"{format_bytes(est.total_bytes)} of {format_bytes(ctx.diagnosis.budget_bytes)} usable, "
+            f"{'fits' if fits else 'still over'}")
+
+
+def _pinned_note(ctx: Context, *fields: str) -> str:
+    names = dict.fromkeys(keep_name(f) for f in fields if f in ctx.keep)
+    return f" (--keep {','.join(names)} pins it)" if names else ""
+
+
+def _activation_suggestions(ctx: Context) -> list[str]:
+    setup, out = ctx.setup, []
+    if "seq_len" in ctx.keep:
+        out.append(f"a shorter sequence: not considered, --keep seq pins seq {setup.seq_len}")
+    else:
+        seq = longest_fitting_seq(ctx)
+        if seq is None:
+            out.append("a shorter sequence: none fits with this setup, even seq 1")
+        else:
+            out.append(f"a shorter sequence: seq {seq} is the longest that fits with this setup "
+                       f"({_sized(ctx, setup.replace(seq_len=seq))}; searched in steps of {_seq_step(setup.seq_len)})")
+    if setup.checkpointing is Checkpointing.NONE:
+        out.append(f"gradient checkpointing: {_sized(ctx, setup.replace(checkpointing=Checkpointing.FULL))}"
+                   + _pinned_note(ctx, "checkpointing"))
+    if setup.micro_batch_size > 1:
+        smaller = setup.replace(micro_batch_size=1, grad_accum_steps=setup.grad_accum_steps * setup.micro_batch_size)
+        out.append(f"micro-batch 1 x accum {smaller.grad_accum_steps}: {_sized(ctx, smaller)}"
+                   + _pinned_note(ctx, "micro_batch_size", "grad_accum_steps"))
+    loss = sum(t.num_bytes for t in ctx.estimate.terms if "loss" in t.name)
+    out.append(NOT_SIZED.format(loss=f": {format_bytes(loss)} here" if loss else ""))
     return out
+
+
+def _seq_step(seq: int) -> int:
+    return 64 if seq > 64 else 1
+
+
+def longest_fitting_seq(ctx: Context) -> int | None:
+    """The longest sequence below the current one, in steps of 64 (of 1 for short sequences), with which the
+    setup fits: a binary search over the plan's estimator (activation memory grows with the sequence)."""
+    step = _seq_step(ctx.setup.seq_len)
+    lo, hi = 0, (ctx.setup.seq_len - 1) // step  # lo: known to fit (0 = none yet); hi: largest to try
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ctx.fits(ctx.setup.replace(seq_len=mid * step)):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo:
+        return lo * step
+    return None if step == 1 or not ctx.fits(ctx.setup.replace(seq_len=1)) else _short_seq(ctx, step)
+
+
+def _short_seq(ctx: Context, step: int) -> int:
+    best = 1
+    for seq in range(2, step):
+        if not ctx.fits(ctx.setup.replace(seq_len=seq)):
+            break
+        best = seq
+    return best
 
 
 @dataclass(frozen=True)
@@ -151,13 +317,18 @@ class OptimizedChoice:
 
 
 def optimize(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
-             reference: TrainingSetup | None = None) -> OptimizedChoice | None:
-    """Search every combination of the techniques; return the fitting setup with the best modelled throughput."""
+             reference: TrainingSetup | None = None, estimator: EstimateFn = estimate,
+             explicit: frozenset[str] | None = None, keep: frozenset[str] | None = None) -> OptimizedChoice | None:
+    """Search every combination of the techniques (search.candidate_setups; fields in `keep` fixed), sized with
+    `estimator` like plan(); return the fitting setup with the best modelled throughput. A difference in a field the
+    user set (`explicit`) says what was asked."""
     from .search import candidate_setups
 
+    check_precision(setup.precision, hardware.gpu)
     best = None
-    for cand in candidate_setups(setup, hardware):
-        est = estimate(spec, cand, hardware)
+    explicit = frozenset(explicit or ())
+    for cand in candidate_setups(setup, hardware, keep=frozenset(keep or ())):
+        est = estimator(spec, cand, hardware)
         if not diagnose(est, hardware, margin=margin).fits:
             continue
         t = relative_step_time(spec, cand, hardware)
@@ -167,7 +338,12 @@ def optimize(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margi
         return None
     ref = reference or setup
     ref_time = relative_step_time(spec, ref, hardware)
-    diffs = tuple(f"{f.name}: {getattr(ref, f.name)} -> {getattr(best[1], f.name)}"
-                  for f in dataclasses.fields(TrainingSetup)
-                  if f.name != "notes" and getattr(ref, f.name) != getattr(best[1], f.name))
-    return OptimizedChoice(best[1], best[2], best[0] / ref_time, diffs)
+    diffs = []
+    for f in dataclasses.fields(TrainingSetup):
+        old, new = getattr(ref, f.name), getattr(best[1], f.name)
+        if f.name == "notes" or old == new:
+            continue
+        asked = (f" (you asked for {getattr(setup, f.name)})"
+                 if f.name in explicit and getattr(setup, f.name) != new else "")
+        diffs.append(f"{f.name}: {old} -> {new}{asked}")
+    return OptimizedChoice(best[1], best[2], best[0] / ref_time, tuple(diffs))

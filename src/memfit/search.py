@@ -1,22 +1,36 @@
-"""Every combination of the techniques that TrainingSetup accepts, for `plan --optimize`."""
+"""Searches over setups: every combination of the techniques for `plan --optimize`, and the one answer to "how many
+GPUs would it take" that both the ladder's ZeRO rung and the plan's suggestions give."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
+from .diagnose import DEFAULT_MARGIN, diagnose
 from .errors import ConfigError
+from .estimate.analytic import estimate
+from .estimate.result import MemoryEstimate
 from .hardware import Hardware
+from .model_spec import ModelSpec
+from .setup import (Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup,
+                    needs_bf16, setup_changes)
 from .techniques.micro_batch import divisors
-from .setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
+
+EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]
 
 
-def candidate_setups(setup: TrainingSetup, hardware: Hardware) -> Iterator[TrainingSetup]:
+def candidate_setups(setup: TrainingSetup, hardware: Hardware, *,
+                     keep: frozenset[str] = frozenset()) -> Iterator[TrainingSetup]:
+    """Every setup TrainingSetup accepts that combines the techniques from `setup`, on `hardware`'s GPU count.
+    Fields in `keep` stay as in `setup`; no bf16 precision on a GPU without bf16."""
     precisions = {setup.precision}
     if hardware.gpu.bf16:
         precisions |= {Precision.AMP_BF16, Precision.BF16}
     elif setup.precision is Precision.FP32:
         precisions.add(Precision.AMP_FP16)
+    precisions = {p for p in precisions if hardware.gpu.bf16 or not needs_bf16(p)}
     optimizers = {setup.optimizer}
     if setup.optimizer.is_adam:
         optimizers |= {Optimizer.ADAMW_8BIT, Optimizer.ADAMW_FUSED}
@@ -25,11 +39,100 @@ def candidate_setups(setup: TrainingSetup, hardware: Hardware) -> Iterator[Train
     n = hardware.world_size
     shardings = [Sharding.NONE] + ([Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3] if n > 1 else [])
     engines = list(Engine) if n > 1 else [setup.engine]
-    for prec, opt, ckpt, b, shard, off, engine in itertools.product(
-            sorted(precisions), sorted(optimizers), list(Checkpointing), micro, shardings, list(Offload), engines):
+    attentions = [Attention.SDPA]
+    choices = {"precision": sorted(precisions), "optimizer": sorted(optimizers), "checkpointing": list(Checkpointing),
+               "micro_batch_size": micro, "sharding": shardings, "offload": list(Offload), "engine": engines,
+               "attention": attentions}
+    if "grad_accum_steps" in keep:
+        choices["micro_batch_size"] = [setup.micro_batch_size]
+    for name in choices:
+        if name in keep:
+            choices[name] = [getattr(setup, name)]
+    names = list(choices)
+    for values in itertools.product(*(choices[name] for name in names)):
+        fields = dict(zip(names, values))
+        fields["grad_accum_steps"] = batch // fields["micro_batch_size"]
         try:
-            yield setup.replace(precision=prec, optimizer=opt, checkpointing=ckpt, attention=Attention.SDPA,
-                                micro_batch_size=b, grad_accum_steps=batch // b, sharding=shard, offload=off,
-                                num_gpus=n, engine=engine)
+            yield setup.replace(**fields, num_gpus=n)
         except ConfigError:
             continue
+
+
+@dataclass(frozen=True)
+class GpusToFit:
+    """The fewest GPUs on which `setup` (the searched one: the given setup with ZeRO-3 over them) fits."""
+
+    num_gpus: int
+    setup: TrainingSetup
+    hardware: Hardware
+    estimate: MemoryEstimate
+    base: TrainingSetup
+    """The setup the search started from."""
+
+    @property
+    def flags(self) -> str:
+        hw = self.hardware
+        return f"--gpus {hw.gpus_per_node}" + (f" --nodes {hw.num_nodes}" if hw.num_nodes > 1 else "")
+
+    def text(self, what: str = "the setup") -> str:
+        """'it fits on N x GPU (--gpus N) with <every change> to <what> (<its techniques>)': the changes come from the
+        setup diff, so the sentence says everything the number assumes."""
+        added = [c.text for c in setup_changes(self.base, self.setup) if c.field != "num_gpus"]
+        how = f"with {', '.join(added)} added" if added else "with nothing else changed"
+        return (f"it fits on {self.num_gpus} x {self.hardware.gpu.name} ({self.flags}) {how} to {what} "
+                f"({describe_techniques(self.base)})")
+
+
+GPUS_PER_NODE = 8
+MAX_GPUS = 1024
+
+
+def scaled_out(setup: TrainingSetup, num_gpus: int, *, keep: frozenset[str] = frozenset()) -> TrainingSetup | None:
+    """The one setup the GPU count is searched over: `setup` with ZeRO-3 (the stage that shards the most) over
+    `num_gpus`, on the same engine when it can, else DeepSpeed; pinned fields stay. None when the pins forbid it."""
+    sharding = setup.sharding if "sharding" in keep else Sharding.ZERO3
+    if sharding is Sharding.NONE:
+        return None
+    try:
+        candidate = setup.replace(sharding=sharding, num_gpus=num_gpus)
+    except ConfigError:
+        if "engine" in keep:
+            return None
+        try:
+            candidate = setup.replace(sharding=sharding, num_gpus=num_gpus, engine=Engine.DEEPSPEED)
+        except ConfigError:
+            return None
+    return candidate
+
+
+def gpus_to_fit(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
+                estimator: EstimateFn = estimate, keep: frozenset[str] = frozenset(),
+                limit: int = MAX_GPUS) -> GpusToFit | None:
+    """The fewest GPUs, a power of two above the current count (8 per node), on which `scaled_out(setup, n)` fits
+    the GPU's budget; None up to `limit` or when --keep pins the GPU count or forbids sharding."""
+    if "num_gpus" in keep:
+        return None
+    n = 2
+    while n <= limit:
+        if n > hardware.world_size:
+            hw = dataclasses.replace(hardware, gpus_per_node=min(n, GPUS_PER_NODE),
+                                     num_nodes=max(1, n // GPUS_PER_NODE))
+            candidate = scaled_out(setup, n, keep=keep)
+            if candidate is None:
+                return None
+            est = estimator(spec, candidate, hw)
+            if diagnose(est, hw, margin=margin).fits:
+                return GpusToFit(n, candidate, hw, est, setup)
+        n *= 2
+    return None
+
+
+def describe_techniques(setup: TrainingSetup) -> str:
+    """A short list of what a setup uses, for sentences that say what a number assumes."""
+    parts = [str(setup.precision), str(setup.optimizer), f"checkpointing {setup.checkpointing}",
+             f"micro-batch {setup.micro_batch_size} x accum {setup.grad_accum_steps}"]
+    if setup.offload is not Offload.NONE:
+        parts.append(f"offload {setup.offload}")
+    if setup.sharding is not Sharding.NONE:
+        parts.append(f"{setup.sharding} on {setup.engine}")
+    return ", ".join(parts)

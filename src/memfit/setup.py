@@ -228,5 +228,68 @@ class TrainingSetup:
                 for f in dataclasses.fields(self)}
 
 
+FIELD_LABELS: dict[str, str] = {
+    "micro_batch_size": "micro-batch", "seq_len": "seq", "grad_accum_steps": "accum", "precision": "precision",
+    "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
+    "offload": "offload", "num_gpus": "gpus", "engine": "engine"}
+"""How each TrainingSetup field (notes aside) is named in what memfit prints."""
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """One field that differs between two setups."""
+
+    field: str
+    old: object
+    new: object
+
+    @property
+    def label(self) -> str:
+        return FIELD_LABELS[self.field]
+
+    @property
+    def text(self) -> str:
+        return f"{self.label} {self.old} -> {self.new}"
+
+
+def setup_changes(before: TrainingSetup, after: TrainingSetup) -> tuple[FieldChange, ...]:
+    """Every field (notes aside) that `after` changes, in TrainingSetup's order: the one diff that plan steps,
+    pins and the GPU-count suggestion all state, so no change goes unsaid."""
+    return tuple(FieldChange(name, getattr(before, name), getattr(after, name)) for name in FIELD_LABELS
+                 if getattr(before, name) != getattr(after, name))
+
+
+KEEP_NAMES: dict[str, tuple[str, ...]] = {
+    "precision": ("precision",), "optimizer": ("optimizer",), "engine": ("engine",), "sharding": ("sharding",),
+    "zero": ("sharding",), "checkpointing": ("checkpointing",), "attention": ("attention",),
+    "micro_batch": ("micro_batch_size",), "batch": ("micro_batch_size",), "accum": ("grad_accum_steps",),
+    "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",)}
+"""What `--keep` accepts, and the TrainingSetup fields each name pins."""
+
+
+def parse_keep(text: "str | None | frozenset[str] | set[str] | tuple[str, ...]") -> frozenset[str]:
+    """'precision,optimizer' -> the TrainingSetup fields they pin. Unknown names: one ConfigError listing the valid."""
+    if text is None:
+        return frozenset()
+    names = text.split(",") if isinstance(text, str) else list(text)
+    fields: set[str] = set()
+    for raw in names:
+        name = raw.strip().lower().replace("-", "_")
+        if not name:
+            continue
+        if name in FIELD_LABELS:
+            fields.add(name)
+        elif name in KEEP_NAMES:
+            fields.update(KEEP_NAMES[name])
+        else:
+            raise ConfigError(f"cannot keep '{raw.strip()}': choose from {', '.join(KEEP_NAMES)}")
+    return frozenset(fields)
+
+
+def needs_bf16(precision: Precision) -> bool:
+    """Whether the precision computes or stores in bf16 (a GPU without bf16 cannot run it)."""
+    return precision in (Precision.AMP_BF16, Precision.BF16, Precision.BF16_MASTER)
+
+
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

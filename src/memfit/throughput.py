@@ -38,7 +38,7 @@ def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware
         comm = 0.5 * zero_traffic_bytes(spec, setup) / link
     offload = 0.0
     if setup.offload is not Offload.NONE:
-        offload = (offload_traffic_bytes(spec, setup) / (hardware.gpu.host_link_gbps * 1e9)
+        offload = (offload_traffic_bytes(spec, setup) / (hardware.gpu.host_link_gb_per_s * 1e9)
                    + spec.num_params / setup.num_gpus / CPU_ADAM_PARAMS_PER_S)
     if setup.optimizer is Optimizer.ADAMW_8BIT:
         compute *= 1.01

@@ -20,7 +20,8 @@ from ..diagnose import DEFAULT_MARGIN
 from ..errors import MemfitError
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup, _Choice
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,
+                     TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
@@ -102,6 +103,14 @@ def choice(kind: type[_Choice]) -> Callable[[str], _Choice]:
     return parse
 
 
+def keep_fields(value: str | frozenset[str]) -> frozenset[str]:
+    """--keep: a comma list of setup fields to pin; an unknown name is one line listing the valid ones."""
+    try:
+        return parse_keep(value)
+    except MemfitError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
 def _choices(kind: type[_Choice]) -> str:
     return ", ".join(m.value for m in kind)
 
@@ -167,6 +176,12 @@ EngineOpt = Annotated[Optional[Engine], _choice_option(
     help=f"Who shards and offloads: {_choices(Engine)} (DDP / ZeroRedundancyOptimizer / FSDP2). Their memory "
          "layouts differ. Default: deepspeed.")]
 
+KeepOpt = Annotated[Optional[frozenset], _option(
+    "--keep", panel=SETUP_PANEL, parser=keep_fields, metavar="FIELDS",
+    help="Pin these fields (comma list: " + ", ".join(n for n in KEEP_NAMES if n not in ("zero", "batch"))
+         + "): the plan never changes them and says which rung it passed over for that. Without --keep, "
+         "options you give are changed only when nothing else fits, and the step says why.")]
+
 JsonOpt = Annotated[bool, _option("--json", panel=OUTPUT_PANEL,
                                   help="Print JSON only (sizes as integer bytes), for scripts.")]
 VerboseOpt = Annotated[bool, _option("--verbose", "-v", panel=OUTPUT_PANEL,
@@ -192,6 +207,8 @@ class SetupOptions:
     zero: Sharding | None = None
     offload: Offload | None = None
     engine: Engine | None = None
+    keep: frozenset[str] | None = None
+    """TrainingSetup fields pinned with --keep (planning commands only)."""
 
     @property
     def margin_fraction(self) -> float:
@@ -205,10 +222,20 @@ class SetupOptions:
         """The TrainingSetup the options describe; defaults are a typical fine-tune, stated in `notes`."""
         from ..api import typical_setup
 
-        return typical_setup(spec, hardware, micro_batch_size=self.batch, seq_len=self.seq,
-                             grad_accum_steps=self.accum, precision=self.precision, optimizer=self.optimizer,
-                             checkpointing=self.checkpointing, attention=self.attention, sharding=self.zero,
-                             offload=self.offload, engine=self.engine)
+        return typical_setup(spec, hardware, **self._setup_fields())
+
+    def _setup_fields(self) -> dict[str, Any]:
+        return dict(micro_batch_size=self.batch, seq_len=self.seq, grad_accum_steps=self.accum,
+                    precision=self.precision, optimizer=self.optimizer, checkpointing=self.checkpointing,
+                    attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine)
+
+    @property
+    def explicit(self) -> frozenset[str]:
+        """The TrainingSetup fields given on the command line (--gpus / --nodes set num_gpus)."""
+        given = {name for name, value in self._setup_fields().items() if value is not None}
+        if self.gpus is not None or self.nodes is not None:
+            given.add("num_gpus")
+        return frozenset(given)
 
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
@@ -217,6 +244,9 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "engine": EngineOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
 }
+_PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}
+"""Options only the commands that walk the ladder take."""
+_PLANNING_COMMANDS = frozenset({"plan_command"})
 
 
 def with_setup_options(command: Callable) -> Callable:
@@ -229,12 +259,13 @@ def with_setup_options(command: Callable) -> Callable:
     at = names.index("opts")
     before = list(signature.parameters.values())[:at]
     after = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in list(signature.parameters.values())[at + 1:]]
+    options = {**_SHARED_OPTIONS, **(_PLANNING_OPTIONS if command.__name__ in _PLANNING_COMMANDS else {})}
     shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-              for name, annotation in _SHARED_OPTIONS.items()]
+              for name, annotation in options.items()]
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        opts = SetupOptions(**{name: kwargs.pop(name) for name in _SHARED_OPTIONS})
+        opts = SetupOptions(**{name: kwargs.pop(name) for name in options})
         return command(*args, opts=opts, **kwargs)
 
     wrapper.__signature__ = signature.replace(parameters=before + shared + after)

@@ -12,7 +12,7 @@ from ..estimate.result import MemoryEstimate
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..errors import ConfigError
-from ..setup import Engine, TrainingSetup
+from ..setup import Engine, FieldChange, TrainingSetup, setup_changes
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,10 @@ class Context:
     margin: float
     estimator: "EstimateFn" = estimate
     """How setups are sized: the analytic model by default, a trace for models without a transformer shape."""
+    explicit: frozenset[str] = frozenset()
+    """TrainingSetup fields the user set: a rung may change one only as a last resort, and says so in `why`."""
+    keep: frozenset[str] = frozenset()
+    """TrainingSetup fields pinned with --keep: no rung changes them."""
 
     def size(self, setup: TrainingSetup, hardware: Hardware | None = None) -> MemoryEstimate:
         """The estimate of another setup, with this plan's estimator."""
@@ -40,6 +44,23 @@ class Context:
 
     def first_fitting(self, candidates: list[TrainingSetup]) -> TrainingSetup | None:
         return next((c for c in candidates if self.fits(c)), None)
+
+    def pinned_changes(self, setup: TrainingSetup) -> tuple[FieldChange, ...]:
+        """The changes from the current setup that --keep forbids."""
+        return tuple(c for c in setup_changes(self.setup, setup) if c.field in self.keep)
+
+    def explicit_changes(self, setup: TrainingSetup) -> tuple[FieldChange, ...]:
+        """The changes from the current setup to fields the user set."""
+        return tuple(c for c in setup_changes(self.setup, setup) if c.field in self.explicit)
+
+    def pick(self, candidates: list[TrainingSetup]) -> TrainingSetup | Skip:
+        """Of a rung's candidates (least change first): drop those that change a pinned field, prefer those that
+        leave the user's explicit choices alone, and take the first that fits, else the last (the most saving)."""
+        allowed = [c for c in candidates if not self.pinned_changes(c)]
+        if not allowed:
+            return Skip(pin_reason(self.pinned_changes(candidates[-1])))
+        group = [c for c in allowed if not self.explicit_changes(c)] or allowed
+        return self.first_fitting(group) or group[-1]
 
 
 @dataclass(frozen=True)
@@ -55,6 +76,18 @@ class Proposal:
 @dataclass(frozen=True)
 class Skip:
     reason: str
+
+
+def pin_reason(changes: tuple[FieldChange, ...]) -> str:
+    """Why a rung is skipped when it would change pinned fields."""
+    what = ", ".join(c.text for c in changes)
+    pins = ",".join(dict.fromkeys(keep_name(c.field) for c in changes))
+    return f"it would change {what}, which --keep {pins} pins"
+
+
+def keep_name(field: str) -> str:
+    return {"micro_batch_size": "micro_batch", "seq_len": "seq", "grad_accum_steps": "accum",
+            "num_gpus": "gpus"}.get(field, field)
 
 
 class Technique:

@@ -16,7 +16,9 @@ class MicroBatchAccumulation(Technique):
             return Skip("micro-batch is already 1")
         candidates = [ctx.setup.replace(micro_batch_size=size, grad_accum_steps=accum * (b // size))
                       for size in reversed(divisors(b)) if size < b]
-        chosen = ctx.first_fitting(candidates) or candidates[-1]
+        chosen = ctx.pick(candidates)
+        if isinstance(chosen, Skip):
+            return chosen
         nb, na = chosen.micro_batch_size, chosen.grad_accum_steps
         return Proposal(chosen,
                         f"TrainingArguments(per_device_train_batch_size={nb}, gradient_accumulation_steps={na})",

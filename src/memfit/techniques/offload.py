@@ -32,6 +32,9 @@ class CpuOffload(Technique):
                         f"{format_bytes(ctx.hardware.cpu_ram_bytes)} given (--cpu-ram)")
         change = ("deepspeed offload_optimizer.device=cpu" if nxt.offload is Offload.OPTIMIZER
                   else "deepspeed offload_param.device=cpu")
-        return Proposal(nxt, change, offload_traffic(ctx.spec, nxt, ctx.hardware),
-                        "optimizer states are used once per step: keep them (and the fp32 master weights) in "
-                        f"CPU RAM ({format_bytes(host_need)} per node) and step there")
+        why = ("optimizer states are used once per step: keep them (and the fp32 master weights) in "
+               f"CPU RAM ({format_bytes(host_need)} per node) and step there")
+        if nxt.optimizer is not setup.optimizer or nxt.precision is not setup.precision:
+            why += ("; DeepSpeed's CPU Adam steps fp32 states against an fp32 master copy, so it takes neither "
+                    "8-bit states nor pure bf16 weights")
+        return Proposal(nxt, change, offload_traffic(ctx.spec, nxt, ctx.hardware), why)
