@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -484,10 +485,11 @@ def _dotted_keys(data: dict, prefix: str = ""):
             yield from _dotted_keys(value, f"{prefix}{key}.")
 
 
-def test_write_all_writes_and_protects_user_files(tmp_path):
+def test_write_all_writes_and_protects_user_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     setup = TrainingSetup(precision="bf16-master", sharding="zero3", offload="optimizer+params", num_gpus=8,
                           checkpointing="full")
-    out = tmp_path / "configs"
+    out = Path("configs")
     paths = emit.write_all(setup, HARDWARE, out)
     names = {p.name for p in paths}
     assert names == {"training_args.json", "model_kwargs.json", "deepspeed.json", "accelerate.yaml",
@@ -495,7 +497,7 @@ def test_write_all_writes_and_protects_user_files(tmp_path):
     readme = (out / "README.md").read_text()
     assert all(f"`{name}`" in readme for name in names - {"README.md"})
     training_args = json.loads((out / "training_args.json").read_text())
-    assert training_args["deepspeed"] == str((out / "deepspeed.json").resolve())
+    assert training_args["deepspeed"] == "configs/deepspeed.json"  # relative to where memfit ran (and launches)
     compile((out / "fsdp2_shard.py").read_text(), "fsdp2_shard.py", "exec")
 
     assert emit.write_all(setup, HARDWARE, out) == paths  # memfit's own untouched files are replaced
@@ -508,6 +510,118 @@ def test_write_all_writes_and_protects_user_files(tmp_path):
     names = {p.name for p in emit.write_all(single, HARDWARE, out)}
     assert "deepspeed.json" not in names and not (out / "deepspeed.json").exists()
     assert "not needed" in (out / "README.md").read_text()
+
+
+def test_emitted_files_name_no_absolute_path_of_this_machine(tmp_path, monkeypatch):
+    """Configs are moved between machines: they name each other relative to where memfit ran, and hold no path
+    of this machine (home, interpreter, working directory), whether DIR was given relative or absolute."""
+    monkeypatch.chdir(tmp_path)
+    setup = TrainingSetup(precision="bf16-master", sharding="zero3", offload="optimizer", num_gpus=16,
+                          checkpointing="full")
+    machine = {str(tmp_path), str(tmp_path.resolve()), str(Path.home()), sys.prefix, sys.executable,
+               os.path.dirname(sys.executable)}
+    for directory, expected in ((Path("out/rel"), "out/rel/deepspeed.json"),
+                                (tmp_path / "abs", "abs/deepspeed.json")):
+        paths = emit.write_all(setup, HARDWARE, directory)
+        assert {p.name for p in paths} >= {"training_args.json", "deepspeed.json", "accelerate.yaml", "README.md"}
+        for path in paths:
+            text = path.read_text()
+            found = [m for m in machine if m in text]
+            assert not found, (path.name, found)
+        assert json.loads((directory / "training_args.json").read_text())["deepspeed"] == expected
+        assert f'deepspeed_config_file: "{expected}"' in (directory / "accelerate.yaml").read_text()
+        assert f"`{expected}`, relative to the directory memfit ran in" in (directory / "README.md").read_text()
+
+
+def test_config_path_keeps_a_directory_outside_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    assert emit.config_path("configs/", "deepspeed.json") == "configs/deepspeed.json"
+    assert emit.config_path(".", "deepspeed.json") == "deepspeed.json"
+    assert emit.config_path(tmp_path / "work" / "c", "deepspeed.json") == "c/deepspeed.json"
+    assert emit.config_path(tmp_path / "elsewhere", "deepspeed.json") == str(tmp_path / "elsewhere" / "deepspeed.json")
+
+
+WARNING = "memfit plan: does not fit: needs 99 GiB of 70 GiB usable"
+
+
+def test_warning_is_stamped_into_every_file_that_can_hold_it(tmp_path):
+    setup = TrainingSetup(precision="bf16-master", sharding="zero3", num_gpus=8, checkpointing="full")
+    paths = {p.name: p for p in emit.write_all(setup, HARDWARE, tmp_path / "out", warning=WARNING)}
+    assert set(paths) == {"training_args.json", "model_kwargs.json", "deepspeed.json", "accelerate.yaml",
+                          "accelerate_fsdp2.yaml", "fsdp2_shard.py", "README.md"}
+    for name in ("accelerate.yaml", "accelerate_fsdp2.yaml", "fsdp2_shard.py"):
+        assert paths[name].read_text().startswith(f"# WARNING: {WARNING}"), name
+    compile(paths["fsdp2_shard.py"].read_text(), "fsdp2_shard.py", "exec")  # still valid Python
+    readme = paths["README.md"].read_text()
+    assert readme.startswith(f"> **WARNING: {WARNING}**")
+    assert json.loads(paths["deepspeed.json"].read_text())[emit.WARNING_KEY] == WARNING
+    for name in ("training_args.json", "model_kwargs.json"):  # their readers refuse unknown keys
+        assert emit.WARNING_KEY not in json.loads(paths[name].read_text())
+        assert f"- `{name}`: " in readme.split("| File |")[0], name
+    files, _ = emit.emitted_files(setup, HARDWARE, tmp_path / "out", warning=WARNING)
+    assert set(emit.unmarked_files(files)) == {"training_args.json", "model_kwargs.json"}
+    plain = {p.name: p.read_text() for p in emit.write_all(setup, HARDWARE, tmp_path / "plain")}
+    assert not any("WARNING" in text or emit.WARNING_KEY in text for text in plain.values())
+
+
+def test_engines_accept_the_files_with_the_warning(tmp_path, monkeypatch, isolated_accelerate, deepspeed_world):
+    """deepspeed.json with its warning key still parses in DeepSpeedConfig and in TrainingArguments' DeepSpeed
+    bridge; training_args.json (no key) in TrainingArguments(**kwargs); both accelerate files in accelerate."""
+    _engines("transformers", "accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers import TrainingArguments
+
+    monkeypatch.chdir(tmp_path)
+    setup = TrainingSetup(precision="bf16-master", sharding="zero3", num_gpus=8, checkpointing="full")
+    emit.write_all(setup, HARDWARE, Path("out"), warning=WARNING)
+    deepspeed_world(setup.num_gpus)
+    emitted = json.loads(Path("out/deepspeed.json").read_text())
+    assert emitted[emit.WARNING_KEY] == WARNING
+    parsed = DeepSpeedConfig(_without_auto(emitted), mpu=None)  # "auto" is the HF Trainer's to fill
+    assert parsed.zero_optimization_stage == 3 and parsed.train_batch_size == setup.effective_batch_size
+    deepspeed_world(1)
+    kwargs = json.loads(Path("out/training_args.json").read_text())
+    args = TrainingArguments(output_dir="o", use_cpu=True, report_to="none", **kwargs)
+    assert args.hf_deepspeed_config.mismatches == [] and args.deepspeed_plugin.zero_stage == 3
+    for name in ("accelerate.yaml", "accelerate_fsdp2.yaml"):
+        assert load_config_from_file(f"out/{name}").num_processes == 8
+
+
+def _without_auto(data: dict) -> dict:
+    return {k: _without_auto(v) if isinstance(v, dict) else v for k, v in data.items() if v != "auto"}
+
+
+@pytest.mark.parametrize("major,name", [(4, "gradient_checkpointing"), (5, "activation_checkpointing"),
+                                        (None, "activation_checkpointing")])
+def test_checkpointing_is_named_for_the_installed_transformers(major, name, monkeypatch):
+    from memfit.emit import hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "transformers_major", lambda: major)
+    kwargs = emit.hf_trainer_kwargs(TrainingSetup(checkpointing="full"))
+    assert kwargs[name] is True and kwargs[f"{name}_kwargs"] == {"use_reentrant": False}
+    other = {"gradient_checkpointing", "activation_checkpointing"} - {name}
+    assert not other & set(kwargs)
+
+
+@pytest.mark.parametrize("version,key", [((4, 45), "torch_dtype"), ((4, 56), "dtype"), ((5, 24), "dtype"),
+                                         (None, "dtype")])
+def test_pure_bf16_dtype_keyword_is_the_one_the_installed_transformers_reads(version, key, monkeypatch):
+    from memfit.emit import hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "transformers_version", lambda: version)
+    kwargs = emit.hf_model_kwargs(TrainingSetup(precision="bf16"))
+    assert kwargs[key] == "bfloat16" and not {"dtype", "torch_dtype"} - {key} & set(kwargs)
+
+
+def test_installed_transformers_version_is_read():
+    transformers = pytest.importorskip("transformers")
+    from memfit.emit import hf_trainer
+
+    assert hf_trainer.transformers_major() == int(transformers.__version__.split(".")[0])
+    if hf_trainer.transformers_major() >= 5:
+        assert "activation_checkpointing" in emit.hf_trainer_kwargs(TrainingSetup(checkpointing="full"))
 
 
 def test_write_all_refuses_a_plan_no_engine_can_run(tmp_path):

@@ -150,3 +150,62 @@ def _by_category(by_term: dict[str, int]) -> dict[Category, int]:
     for term, num_bytes in by_term.items():
         totals[_category(term)] += num_bytes
     return totals
+
+
+# ------------------------------------------------------------------------------- host RAM, before building on CPU
+
+
+def available_host_ram() -> int | None:
+    """Bytes of RAM this machine can give a new allocation now: psutil's `available`, else /proc/meminfo
+    MemAvailable, else free pages from os.sysconf; None where none of them answers."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - not installed, or no reading on this platform
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def host_ram() -> int:
+    """This machine's total physical RAM in bytes (the CPU 'device' capacity for a diagnosis)."""
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().total)
+        except Exception:  # noqa: BLE001
+            return available_host_ram() or 1
+
+
+def check_host_ram(spec, setup: TrainingSetup) -> int:
+    """Refuse, with one line, to build and step a model on the CPU when the analytic estimate of its step (on a
+    CPU device) exceeds the RAM available now: the process would be killed by the OS with no message. Returns the
+    estimated bytes."""
+    from .estimate.analytic import estimate
+    from .hardware import cpu_device, make_hardware
+    from .units import GiB
+
+    available = available_host_ram()
+    needed = estimate(spec, setup, make_hardware(cpu_device(max(host_ram(), 1)))).total_bytes
+    if available is not None and needed > available:
+        raise ConfigError(f"measuring {spec.name} on the CPU needs ~{needed / GiB:.1f} GiB of host RAM, "
+                          f"{available / GiB:.1f} GiB available; use a smaller model or `memfit trace` "
+                          "(fake tensors, no RAM for the model)")
+    return needed

@@ -5,7 +5,6 @@ console width (80 columns is the target)."""
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
 
 from rich import box
@@ -210,14 +209,25 @@ def optimized(console: Console, choice, reference: TrainingSetup) -> None:
     _bullets(console, choice.differences)
 
 
-def snippets(console: Console, items: Mapping[str, str]) -> None:
-    """Paste-ready configuration of the final setup: {title: text}."""
+def snippets(console: Console, items: Mapping[str, str], *, title: str = "Configuration for the final setup") -> None:
+    """Paste-ready configuration of the final setup: {label: text}. Under a label ending in ':' the text is code,
+    printed unwrapped (a line longer than the console runs past it rather than breaking mid-token) so it pastes as
+    printed; under any other label it is prose, wrapped to the width."""
     if not items:
         return
-    _heading(console, "Configuration for the final setup")
-    for title, text in items.items():
-        console.print(Text(f" {title}", style="dim"))
-        console.print(Padding(Text(text, style="cyan", overflow="fold"), (0, 0, 0, 2)))
+    _heading(console, title)
+    for label, text in items.items():
+        console.print(Text(f" {label}", style="dim"))
+        if not label.endswith(":"):
+            console.print(Padding(Text(text, overflow="fold"), (0, 0, 0, 2)))
+            continue
+        for line in text.splitlines():
+            command(console, line, indent=2)
+
+
+def command(console: Console, line: str, *, indent: int = 1, style: str = "cyan") -> None:
+    """One line to copy (a shell command, a line of code), never wrapped or cropped whatever the width."""
+    console.print(Text(" " * indent + line, style=style, no_wrap=True, overflow="ignore"), soft_wrap=True)
 
 
 def python_call(function: str, kwargs: Mapping[str, object]) -> str:
@@ -236,14 +246,19 @@ def compact_json(data: Mapping, *, width: int = 72, indent: int = 2) -> str:
     return "{\n" + ",\n".join(items) + "\n" + " " * (indent - 2) + "}"
 
 
-def emitted(console: Console, paths: Sequence[str]) -> None:
+def emitted(console: Console, paths: Sequence[str], notes: Sequence[str] = ()) -> None:
     _heading(console, "Written")
     _bullets(console, paths)
+    for note in notes:
+        style = "bold red" if note.startswith("DOES NOT FIT") else "dim"
+        console.print(Padding(Text(note, style=style, overflow="fold"), (0, 0, 0, 1)))
 
 
 def plan_report(console: Console, plan, *, verbose: bool = False, optimize_requested: bool = False,
                 optimized_choice=None, config_snippets: Mapping[str, str] | None = None,
-                emitted_paths: Sequence[str] = ()) -> None:
+                config_title: str = "Configuration for the final setup", show_config: bool | None = None,
+                emitted_paths: Sequence[str] = (), emitted_notes: Sequence[str] = ()) -> None:
+    """The whole plan. `show_config` (default: the plan fits) prints `config_snippets` under `config_title`."""
     header(console, "plan", plan.spec, plan.initial_setup, plan.hardware, plan.margin)
     breakdown(console, plan.initial_estimate, verbose=verbose)
     peak_and_diagnosis(console, plan.initial_estimate, plan.initial_diagnosis)
@@ -252,30 +267,43 @@ def plan_report(console: Console, plan, *, verbose: bool = False, optimize_reque
     verdict(console, plan)
     if optimize_requested:
         optimized(console, optimized_choice, plan.final_setup)
-    if plan.fits and config_snippets:
-        snippets(console, config_snippets)
+    if (plan.fits if show_config is None else show_config) and config_snippets:
+        snippets(console, config_snippets, title=config_title)
     if emitted_paths:
-        emitted(console, emitted_paths)
+        emitted(console, emitted_paths, emitted_notes)
     if plan.hardware.world_size > 1:
-        launch_and_communication(console, plan)
+        launch_and_communication(console, plan, optimized_choice.setup if optimized_choice is not None else None)
 
 
-def launch_and_communication(console: Console, plan) -> None:
-    """'Launch (per node)' and 'Communication per step' for a plan over more than one GPU (memfit.launch)."""
-    from .launch import engine_description, launch_section
+MAX_NODE_COMMANDS = 4
+"""More nodes than this: the first two commands and the last are printed (the others differ in --node-rank)."""
 
-    section = launch_section(plan)
+
+def launch_and_communication(console: Console, plan, setup: TrainingSetup | None = None) -> None:
+    """'Launch (per node)' and 'Communication per step' for a plan over more than one GPU (memfit.launch), for
+    `setup` (the --optimize choice) when given, else the plan's final setup."""
+    from .launch import engine_description
+    from .plan_output import launch_section_for
+
+    section = launch_section_for(plan, setup)
     if section is None:
         return
     hardware, comm = section.hardware, section.comm
-    _heading(console, "Launch (per node)")
+    optimized = setup is not None and setup != plan.final_setup
+    _heading(console, "Launch (per node, the --optimize setup)" if optimized else "Launch (per node)")
     console.print(Text(f" {engine_description(section.setup, section.engine)} over {hardware.world_size} ranks "
                        f"({hardware.num_nodes} node(s) x {hardware.gpus_per_node}): "
                        f"{gib(section.per_rank_bytes)} GiB per rank", overflow="fold"))
-    env = " ".join(f"{key}={shlex.quote(value)}" for key, value in section.commands[0].env)
-    lines = [f"environment on every node: {env}"]
-    lines += [f"node {c.node_rank}: {shlex.join(c.argv)}" for c in section.commands] + list(section.notes)
-    _bullets(console, lines)
+    nodes = list(section.commands)
+    shown = nodes if len(nodes) <= MAX_NODE_COMMANDS else nodes[:2] + nodes[-1:]
+    for node in shown:  # whole commands, environment included, each on one unwrapped line
+        console.print(Text(f" node {node.node_rank} (one line, paste it whole):", style="dim"))
+        command(console, node.shell(), indent=2)
+        if len(shown) < len(nodes) and node is shown[1]:
+            console.print(Text(f" nodes 2 to {len(nodes) - 2}: the same command with --node-rank 2 to "
+                               f"{len(nodes) - 2} (all of them: --json)", style="dim"))
+    if section.notes:
+        _bullets(console, section.notes)
     _heading(console, "Communication per step")
     lines = [f"per rank: {format_bytes(comm.per_rank_bytes)} ({comm.psi_multiple:g} x Psi, ZeRO paper sec. 7)"]
     lines += [f"{c.name}: {format_bytes(c.num_bytes)}, {c.what}" for c in comm.collectives]

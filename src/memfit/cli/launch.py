@@ -12,7 +12,7 @@ import typer
 
 from ..errors import ConfigError
 from ..units import format_bytes
-from .app import _examples, _print_json, app
+from .common import app, examples, print_json
 from .options import HARDWARE_PANEL, JsonOpt, SetupOptions, with_setup_options
 
 LAUNCH_PANEL = "Launch"
@@ -41,7 +41,7 @@ PortOpt = Annotated[int, typer.Option(
     help="The rendezvous port on node 0.")]
 
 
-@app.command("launch", epilog=_examples(
+@app.command("launch", epilog=examples(
     "memfit launch train.py --gpus 2 --zero zero3 -b 4 -s 1024",
     "memfit launch train.py --gpus 8 --nodes 4 --zero zero3 --model llama-2-70b --dry-run",
     "memfit launch train.py --gpus 2 --zero zero2 --engine deepspeed -- --steps 100"))
@@ -61,7 +61,7 @@ def launch_command(script: ScriptArg, opts: SetupOptions, script_args: ScriptArg
                        master_addr=master_addr or DEFAULT_MASTER, master_port=master_port, script_args=args)
     if dry_run:
         if json_output:
-            _print_json(plan.to_dict())
+            print_json(plan.to_dict())
         else:
             _print_plan(plan, with_memory=model is not None)
         return

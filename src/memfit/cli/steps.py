@@ -2,13 +2,12 @@
 They import torch, inside the command, and only when called."""
 
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import ConfigError, MissingDependencyError
-from .app import _console, _examples, _print_json, _resolve, app, write_reports
+from .common import app, check_report_paths, console, examples, print_json, resolve, write_reports
 from .options import (OUTPUT_PANEL, JsonOpt, ModelArg, PngOpt, ReportOpt, SetupOptions, VerboseOpt, whole_number,
                       with_setup_options)
 
@@ -23,7 +22,7 @@ DeviceOpt = Annotated[Optional[str], typer.Option(
 def _model_config(model: str) -> dict:
     from ..sources import hf_config_dict
 
-    return hf_config_dict(Path(model) if Path(model).expanduser().exists() else model)
+    return hf_config_dict(model)  # a catalog name, a config.json (or its folder) or a hub id, like resolve_model
 
 
 def _require_torch(feature: str) -> None:
@@ -47,7 +46,7 @@ def run_trace(model: str, spec, setup, hardware, *, steps: int = 2, progress: bo
         return traced_estimator(config, steps=steps)(spec, setup, hardware)
     from rich.progress import Progress
 
-    with Progress(transient=True, console=_console(stderr=True)) as bar:
+    with Progress(transient=True, console=console(stderr=True)) as bar:
         task = bar.add_task("tracing on fake tensors", total=1.0)
 
         def advance(event) -> None:
@@ -56,7 +55,7 @@ def run_trace(model: str, spec, setup, hardware, *, steps: int = 2, progress: bo
         return traced_estimator(config, steps=steps, progress=advance)(spec, setup, hardware)
 
 
-@app.command("trace", epilog=_examples(
+@app.command("trace", epilog=examples(
     "memfit trace llama-3.2-1b -b 4 -s 2048",
     "memfit trace llama-2-70b --gpu H100 --gpus 8 --zero zero3 --precision bf16 --checkpointing full",
     "memfit trace gpt2 --report gpt2.html --png gpt2.png"))
@@ -68,25 +67,26 @@ def trace_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, json
     from ..diagnose import diagnose
     from ..estimate.analytic import estimate
 
-    spec, setup, hardware = _resolve(model, opts)
+    check_report_paths(report, png)
+    spec, setup, hardware = resolve(model, opts)
     traced = run_trace(model, spec, setup, hardware, steps=steps, progress=not json_output)
     analytic = estimate(spec, setup, hardware) if spec.is_transformer else None
     diagnosis = diagnose(traced, hardware, margin=opts.margin_fraction)
     written = write_reports(traced, report, png, hardware=hardware, margin=opts.margin_fraction)
     if json_output:
-        _print_json({"model": spec.name, "gpu": hardware.gpu.name, "setup": setup.to_dict(),
-                     "traced": traced.to_dict(), "analytic": analytic.to_dict() if analytic else None,
-                     "diagnosis": diagnosis.to_dict(), "written": written})
+        print_json({"model": spec.name, "gpu": hardware.gpu.name, "setup": setup.to_dict(),
+                    "traced": traced.to_dict(), "analytic": analytic.to_dict() if analytic else None,
+                    "diagnosis": diagnosis.to_dict(), "written": written})
         return
     from .. import render
 
-    console = _console()
-    render.trace_report(console, spec, setup, hardware, traced, diagnosis, analytic, verbose=verbose)
+    out = console()
+    render.trace_report(out, spec, setup, hardware, traced, diagnosis, analytic, verbose=verbose)
     if written:
-        render.emitted(console, written)
+        render.emitted(out, written)
 
 
-@app.command("measure", epilog=_examples(
+@app.command("measure", epilog=examples(
     "memfit measure gpt2 -b 2 -s 256 --precision fp32 --optimizer adamw",
     "memfit measure ./tiny/config.json --device cpu --json",
     "memfit measure llama-3.2-1b --gpu H100 --device cuda -b 4 -s 2048"))
@@ -95,33 +95,36 @@ def measure_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, de
                     json_output: JsonOpt = False) -> None:
     """Build the model with random weights, run real training steps on this machine, and print the measured peak
     and breakdown next to memfit's prediction (CPU: profiler memory events; CUDA: the caching allocator)."""
-    _require_torch("memfit measure")
-    import torch
-
     from ..diagnose import diagnose
     from ..estimate.analytic import estimate
     from ..hardware import cpu_device, make_hardware
-    from ..measure import measure
+    from ..measure import check_host_ram, host_ram
 
     if device not in (None, "cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda, got '{device}'")
+    spec, setup, hardware = resolve(model, opts)
+    if device == "cpu":  # refuse a model this machine cannot hold before importing torch or building anything
+        check_host_ram(spec, setup)
+    _require_torch("memfit measure")
+    import torch
+
+    from ..measure import measure
+
     where = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if where == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible to torch on this machine")
-    spec, setup, hardware = _resolve(model, opts)
     if where == "cpu":
-        import os
-
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        hardware = make_hardware(cpu_device(ram))
+        if device is None:
+            check_host_ram(spec, setup)
+        hardware = make_hardware(cpu_device(host_ram()))
     measured = measure(_model_config(model), setup, steps=steps, device=where)
     predicted = estimate(spec, setup, hardware)
     diagnosis = diagnose(measured, hardware, margin=opts.margin_fraction)
     if json_output:
-        _print_json({"model": spec.name, "device": where, "setup": setup.to_dict(),
-                     "measured": measured.to_dict(), "analytic": predicted.to_dict(),
-                     "error": (predicted.tensor_bytes - measured.tensor_bytes) / measured.tensor_bytes})
+        print_json({"model": spec.name, "device": where, "setup": setup.to_dict(),
+                    "measured": measured.to_dict(), "analytic": predicted.to_dict(),
+                    "error": (predicted.tensor_bytes - measured.tensor_bytes) / measured.tensor_bytes})
         return
     from .. import render
 
-    render.measure_report(_console(), spec, setup, hardware, measured, predicted, diagnosis)
+    render.measure_report(console(), spec, setup, hardware, measured, predicted, diagnosis)

@@ -10,6 +10,9 @@ from typing import Mapping
 
 from ..setup import Engine, Offload, Sharding, TrainingSetup
 
+WARNING_KEY = "_memfit_warning"
+"""The top-level key that carries the warning in a JSON file whose reader ignores unknown keys (deepspeed.json)."""
+
 _FORMATS = {".json": "json", ".yaml": "yaml", ".yml": "yaml", ".py": "python", ".md": "markdown"}
 
 
@@ -25,18 +28,42 @@ class EmittedConfig:
     """What the file cannot express: steps the user takes in code (load the model in bf16, pass an optimizer...)."""
     summary: str = ""
     """One line: what reads this file and what it is for."""
+    warning: str = ""
+    """Stamped at the top of the file when set (memfit writes "does not fit" here for a plan that does not fit):
+    a comment in YAML and Python, a quote in Markdown, a top-level WARNING_KEY in JSON whose reader ignores
+    unknown keys."""
+    unmarkable: str = ""
+    """For a JSON file whose reader refuses unknown keys: why the warning cannot be written into it."""
 
     @property
     def format(self) -> str:
         return _FORMATS.get(PurePath(self.filename).suffix, "text")
 
+    @property
+    def carries_warning(self) -> bool:
+        """Whether `render()` shows `warning` (every format but a JSON file whose reader refuses unknown keys)."""
+        return bool(self.warning) and not (self.format == "json" and self.unmarkable)
+
     def render(self) -> str:
         """The file's text. JSON carries no comments (engines parse it strictly); YAML carries them inline."""
         if isinstance(self.content, str):
-            return self.content if self.content.endswith("\n") else self.content + "\n"
+            text = self.content if self.content.endswith("\n") else self.content + "\n"
+            return self._header() + text
         if self.format == "yaml":
-            return "".join(_yaml_lines(self.content, self.comments, prefix="", indent=0))
-        return json.dumps(self.content, indent=2) + "\n"
+            return self._header() + "".join(_yaml_lines(self.content, self.comments, prefix="", indent=0))
+        content = self.content
+        if self.carries_warning:
+            content = {WARNING_KEY: self.warning, **content}
+        return json.dumps(content, indent=2) + "\n"
+
+    def _header(self) -> str:
+        if not self.warning:
+            return ""
+        if self.format == "markdown":
+            return f"> **WARNING: {self.warning}**\n\n"
+        if self.format in ("yaml", "python"):
+            return "".join(f"# {line}\n" for line in textwrap.wrap(f"WARNING: {self.warning}", width=110)) + "\n"
+        return ""
 
     def explain(self) -> str:
         """A Markdown section for the README: the file, why each setting, and the steps it cannot take itself."""

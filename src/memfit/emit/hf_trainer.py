@@ -1,7 +1,10 @@
-"""transformers.TrainingArguments kwargs and from_pretrained kwargs for a TrainingSetup (transformers 5.x names;
-`legacy_names` gives the gradient_checkpointing* spelling that older releases need)."""
+"""transformers.TrainingArguments kwargs and from_pretrained kwargs for a TrainingSetup. Checkpointing is spelled
+for the installed transformers: `activation_checkpointing*` on 5.x (or when transformers is not installed),
+`gradient_checkpointing*` on 4.x, which has no other name (`legacy_names` forces one or the other)."""
 
 from __future__ import annotations
+
+import sys
 
 from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
 from .deepspeed import deepspeed_owns_optimizer
@@ -18,8 +21,44 @@ _OPTIM_NAMES = {
 }
 
 
+def transformers_version() -> tuple[int, int] | None:
+    """The installed transformers' (major, minor): its `__version__` when already imported, else the installed
+    distribution's version, read without importing it (importing transformers takes seconds); None without it."""
+    version = getattr(sys.modules.get("transformers"), "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            return None
+    parts = str(version).split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in (parts[1] if len(parts) > 1 else "0") if c.isdigit()) or 0)
+    except ValueError:
+        return None
+
+
+def transformers_major() -> int | None:
+    version = transformers_version()
+    return version[0] if version else None
+
+
+def dtype_keyword() -> str:
+    """from_pretrained's dtype keyword: `dtype` since transformers 4.56 (and without transformers), `torch_dtype`
+    before (which silently ignores `dtype`)."""
+    version = transformers_version()
+    return "torch_dtype" if version is not None and version < (4, 56) else "dtype"
+
+
+def legacy_checkpointing_names() -> bool:
+    """True where TrainingArguments only knows gradient_checkpointing (transformers 4.x); 5.x names otherwise."""
+    major = transformers_major()
+    return major is not None and major < 5
+
+
 def hf_trainer_kwargs(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.json",
-                      legacy_names: bool = False) -> dict:
+                      legacy_names: bool | None = None) -> dict:
     """Keyword arguments for `transformers.TrainingArguments` (output_dir and the schedule are yours to add)."""
     return _build(setup, deepspeed_path, legacy_names)[0]
 
@@ -29,22 +68,27 @@ def hf_model_kwargs(setup: TrainingSetup) -> dict:
     return _model_build(setup)[0]
 
 
-def hf_trainer_file(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.json", legacy_names: bool = False,
-                    filename: str = "training_args.json") -> EmittedConfig:
+def hf_trainer_file(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.json",
+                    legacy_names: bool | None = None, filename: str = "training_args.json") -> EmittedConfig:
     content, comments, notes = _build(setup, deepspeed_path, legacy_names)
     summary = ("`TrainingArguments(output_dir=..., **json.load(f))`, or "
                "`HfArgumentParser(TrainingArguments).parse_json_file(...)`.")
-    return EmittedConfig(filename, content, comments, tuple(notes), summary=summary)
+    return EmittedConfig(filename, content, comments, tuple(notes), summary=summary,
+                         unmarkable="TrainingArguments(**kwargs) refuses unknown keys")
 
 
 def hf_model_file(setup: TrainingSetup, *, filename: str = "model_kwargs.json") -> EmittedConfig:
     content, comments = _model_build(setup)
     return EmittedConfig(filename, content, comments,
                          summary="`AutoModelForCausalLM.from_pretrained(name, **json.load(f))`: what the Trainer "
-                                 "cannot set on the model.")
+                                 "cannot set on the model.",
+                         unmarkable="from_pretrained hands unknown keys to the model's __init__, which refuses them")
 
 
-def _build(setup: TrainingSetup, deepspeed_path: str, legacy_names: bool) -> tuple[dict, dict[str, str], list[str]]:
+def _build(setup: TrainingSetup, deepspeed_path: str,
+           legacy_names: bool | None) -> tuple[dict, dict[str, str], list[str]]:
+    if legacy_names is None:
+        legacy_names = legacy_checkpointing_names()
     content = {"per_device_train_batch_size": setup.micro_batch_size,
                "gradient_accumulation_steps": setup.grad_accum_steps}
     comments = {"per_device_train_batch_size": "sequences per GPU per micro-step: the batch memfit's estimate used",
@@ -109,8 +153,11 @@ def _checkpointing_part(setup: TrainingSetup, *, legacy_names: bool, **_):
     if setup.checkpointing is Checkpointing.NONE:
         return {}, {}, []
     name = "gradient_checkpointing" if legacy_names else "activation_checkpointing"
+    other = ("activation_checkpointing on transformers 5.x" if legacy_names else
+             "gradient_checkpointing on transformers 4.x")
     content = {name: True, f"{name}_kwargs": {"use_reentrant": False}}
-    comments = {name: "recompute each transformer block in backward: activations kept only at block inputs",
+    comments = {name: "recompute each transformer block in backward: activations kept only at block inputs "
+                      f"(named for the installed transformers; {other})",
                 f"{name}_kwargs": "non-reentrant torch.utils.checkpoint: works with frozen inputs and kwargs"}
     return content, comments, []
 
@@ -138,6 +185,8 @@ def _model_build(setup: TrainingSetup) -> tuple[dict, dict[str, str]]:
                                         "eager: materialises the T x T scores per layer, as planned"),
                 "use_cache": "no K/V cache during training: the output would keep every layer's K/V alive"}
     if setup.precision is Precision.BF16:
-        content["dtype"] = "bfloat16"
-        comments["dtype"] = "pure bf16: weights (and so grads and optimizer states) in bf16"
+        key = dtype_keyword()
+        content[key] = "bfloat16"
+        comments[key] = ("pure bf16: weights (and so grads and optimizer states) in bf16 (the keyword the installed "
+                         "transformers reads: dtype since 4.56, torch_dtype before)")
     return content, comments

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -21,9 +22,24 @@ from .hf_trainer import hf_model_file, hf_trainer_file
 MANIFEST = ".memfit-emit.json"
 
 
-def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path) -> tuple[list[EmittedConfig], dict]:
-    """The files for the plan, and {filename: why it is not written} for the ones that do not apply."""
-    deepspeed_path = str(directory.resolve() / "deepspeed.json")
+def config_path(directory: str | Path, filename: str) -> str:
+    """How one emitted file names another: relative to the directory memfit runs in (`configs/deepspeed.json`),
+    where the launch normally happens too, so the files name no absolute path of this machine. An absolute
+    directory is made relative when it lies under the current directory and is otherwise kept as the user gave it."""
+    directory = Path(directory).expanduser()
+    if directory.is_absolute():
+        try:
+            directory = directory.relative_to(Path.cwd())
+        except (ValueError, OSError):
+            return str(directory / filename)
+    return (directory / filename).as_posix()
+
+
+def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *,
+                  warning: str | None = None) -> tuple[list[EmittedConfig], dict]:
+    """The files for the plan, and {filename: why it is not written} for the ones that do not apply. With
+    `warning` (e.g. "does not fit"), every file that can carry it starts with it; see EmittedConfig.warning."""
+    deepspeed_path = config_path(directory, "deepspeed.json")
     files = [hf_trainer_file(setup, deepspeed_path=deepspeed_path), hf_model_file(setup)]
     skipped: dict[str, str] = {}
     if uses_deepspeed(setup):
@@ -39,19 +55,27 @@ def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path) -> 
         skipped["fsdp2_shard.py"] = skipped["accelerate_fsdp2.yaml"] = reason
     else:
         files += [fsdp2_file(setup), accelerate_file(setup, hardware, backend="fsdp", filename="accelerate_fsdp2.yaml")]
-    files.append(_readme(setup, files, skipped))
+    if warning:
+        files = [replace(f, warning=warning) for f in files]
+    files.append(_readme(setup, files, skipped, deepspeed_path, warning))
     return files, skipped
 
 
-def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *, force: bool = False) -> list[Path]:
+def unmarked_files(files: list[EmittedConfig]) -> dict[str, str]:
+    """{filename: why} for the files that carry a warning only in the README (JSON read by a strict parser)."""
+    return {f.filename: f.unmarkable for f in files if f.warning and not f.carries_warning}
+
+
+def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *, force: bool = False,
+              warning: str | None = None) -> list[Path]:
     """Write the plan's engine files into `directory` (created if missing) and return their paths.
 
     Replaces files memfit wrote there before and nobody changed since; refuses, naming every such file, to replace
-    anything else unless `force`."""
+    anything else unless `force`. `warning` is stamped into every file that can carry it (emitted_files)."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{directory} is a file, not a directory: choose a directory for the engine configs")
-    files, _ = emitted_files(setup, hardware, directory)
+    files, _ = emitted_files(setup, hardware, directory, warning=warning)
     written = _read_manifest(directory)
     if not force:
         _refuse_foreign_files(directory, [f.filename for f in files], written)
@@ -103,13 +127,21 @@ def _remove_stale(directory: Path, names: set[str], written: dict[str, str]) -> 
             path.unlink()
 
 
-def _readme(setup: TrainingSetup, files: list[EmittedConfig], skipped: dict[str, str]) -> EmittedConfig:
-    lines = ["# Engine configs written by memfit", "", f"Plan: {describe(setup)}.", "",
-             "| File | What it is for |", "| --- | --- |"]
+def _readme(setup: TrainingSetup, files: list[EmittedConfig], skipped: dict[str, str], deepspeed_path: str,
+            warning: str | None) -> EmittedConfig:
+    lines = ["# Engine configs written by memfit", "", f"Plan: {describe(setup)}.", ""]
+    unmarked = unmarked_files(files)
+    if warning and unmarked:
+        lines += ["These files cannot say so themselves (their readers refuse unknown keys), so the warning above is "
+                  "only here:", ""] + [f"- `{name}`: {why}" for name, why in unmarked.items()] + [""]
+    lines += ["| File | What it is for |", "| --- | --- |"]
     lines += [f"| `{f.filename}` | {f.summary} |" for f in files]
     if skipped:
         lines += ["", "Not written:", ""] + [f"- `{name}`: {why}" for name, why in skipped.items()]
     lines += ["", "JSON cannot hold comments, so the reason for each setting is listed here. memfit records what it "
               f"wrote in `{MANIFEST}`: a rerun replaces its own untouched files and refuses to touch any other.", ""]
+    if any(f.filename == "deepspeed.json" for f in files):
+        lines += [f"The other files name deepspeed.json as `{deepspeed_path}`, relative to the directory memfit ran "
+                  "in: launch from there, or change the path where you keep the files.", ""]
     text = "\n".join(lines) + "\n" + "\n".join(f.explain() for f in files)
-    return EmittedConfig("README.md", text, summary="this file")
+    return EmittedConfig("README.md", text, summary="this file", warning=warning or "")

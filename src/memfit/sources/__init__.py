@@ -23,8 +23,10 @@ __all__ = [
     "from_hf_config", "from_hub", "from_module", "from_pretrained_config", "hf_config_dict", "resolve_model",
 ]
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-"""namespace/name, as the Hub spells repository ids."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", re.ASCII)
+"""namespace/name, as the Hub spells repository ids (ASCII letters, digits, '-', '_', '.')."""
+_MAX_HUB_ID = 96 * 2 + 1
+"""The Hub caps namespace and name at 96 characters each; a longer 'id' is no id."""
 
 
 def _looks_like_path(text: str) -> bool:
@@ -32,20 +34,37 @@ def _looks_like_path(text: str) -> bool:
             or bool(re.match(r"^[A-Za-z]:", text)))
 
 
+def _local_path(text: str) -> Path | None:
+    """The existing file or folder `text` names, or None. A name the OS cannot even look up (too long, a NUL
+    byte, an unknown ~user) is no local path either, and then a ModelSourceError when it looks like one."""
+    try:
+        path = Path(text).expanduser()
+        return path if path.exists() else None
+    except (OSError, ValueError, RuntimeError) as error:  # ENAMETOOLONG, embedded NUL, unknown ~user
+        if _looks_like_path(text):
+            reason = getattr(error, "strerror", None) or str(error)
+            raise ModelSourceError(f"cannot read the model path '{_shorten(text)}': {reason}") from None
+        return None
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _resolve_text(text: str, name: str | None) -> ModelSpec:
     entry = find_entry(text)
     if entry is not None:
         spec = catalog_spec(entry["name"])
         return replace(spec, name=name) if name else spec
-    path = Path(text).expanduser()
-    if path.exists():
+    path = _local_path(text)
+    if path is not None:
         return from_config_file(path, name=name)
     if _looks_like_path(text):
-        raise ModelSourceError(f"no config.json at '{text}': check the path, or use a catalog name "
+        raise ModelSourceError(f"no config.json at '{_shorten(text)}': check the path, or use a catalog name "
                                "(`memfit models` lists them)")
-    if _HUB_ID.match(text):
+    if _HUB_ID.match(text) and len(text) <= _MAX_HUB_ID:
         return from_hub(text, name=name, alternatives=close_names(text))
-    raise suggest(text, catalog_names(), "model")
+    raise suggest(_shorten(text), catalog_names(), "model")
 
 
 def resolve_model(ref: Any, *, name: str | None = None) -> ModelSpec:
@@ -89,10 +108,10 @@ def hf_config_dict(ref: str | os.PathLike | Mapping) -> dict[str, Any]:
     entry = find_entry(text) if isinstance(ref, str) else None
     if entry is not None:
         return catalog_config(entry["name"])
-    path = Path(text).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if path.exists():
+    path = _local_path(text)
+    if path is not None:
+        if path.is_dir():
+            path = path / "config.json"
         import json
 
         try:

@@ -256,16 +256,26 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
     )
 
 
+_MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""A config.json is a few kB; anything this large is some other file."""
+
+
 def from_config_file(path: str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
     """A ModelSpec from a config.json file, or from a folder that holds one (a downloaded checkpoint)."""
-    path = Path(path).expanduser()
-    file = path / "config.json" if path.is_dir() else path
     try:
+        path = Path(path).expanduser()
+        file = path / "config.json" if path.is_dir() else path
+        if file.exists() and not file.is_file():  # a device or a FIFO would be read forever
+            raise ModelSourceError(f"cannot read {file}: not a regular file")
+        if file.exists() and file.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ModelSourceError(f"{file} is {file.stat().st_size:,} bytes: not a config.json")
         text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ModelSourceError(f"cannot read {file}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise ModelSourceError(f"cannot read {file}: not a UTF-8 text file") from None
+    except (ValueError, RuntimeError) as exc:  # an embedded NUL, an unknown ~user
+        raise ModelSourceError(f"cannot read {str(path)[:80]}: {exc}") from None
+    except OSError as exc:
+        raise ModelSourceError(f"cannot read {str(file)[:200]}: {exc.strerror or exc}") from None
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
