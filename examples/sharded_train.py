@@ -8,6 +8,8 @@ rank holds and its peak memory as one JSON line per rank.
 memfit launch puts the setup and engine in the environment (MEMFIT_SETUP, MEMFIT_ENGINE); run under plain torchrun
 or the deepspeed launcher, pass them with --setup/--engine instead. Every rank builds the same model from the same
 seed and trains on its slice of the same global batch, so the loss equals a one-process run on the whole batch.
+Each rank also reports the bytes its collectives covered in every step (memfit._torch.comm_count), which
+tests/test_launch.py compares with memfit's communication model (memfit.estimate.comm).
 
 With --out DIR each rank writes DIR/rank<R>.json, then DIR/rank<R>.done once it is written: a job that is killed
 or aborts after that point (DeepSpeed on CPU sometimes does, at interpreter exit) still has complete results.
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from memfit import TrainingSetup
+from memfit._torch.comm_count import CollectiveCounter
 from memfit._torch.engine import init_process_group
 from memfit._torch.rank_memory import PeakMeter
 from memfit._torch.step import build_hf_model
@@ -40,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, help="an HF config.json (default: a tiny Llama)")
     parser.add_argument("--setup", help="TrainingSetup fields as JSON (default: MEMFIT_SETUP, else one process, "
                                         "micro-batch 2 x seq 128, fp32, AdamW)")
-    parser.add_argument("--engine", help="fsdp or deepspeed (default: MEMFIT_ENGINE, else fsdp)")
+    parser.add_argument("--engine", help="torch or deepspeed (default: MEMFIT_ENGINE, else torch)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", type=Path, help="directory for rank<R>.json and rank<R>.done")
@@ -70,8 +73,9 @@ def mean_over_ranks(value: float) -> float:
     return float(tensor.item()) / dist.get_world_size()
 
 
-def train(config: dict, setup: TrainingSetup, engine: str, *, steps: int, lr: float) -> dict:
-    """Build, shard and train on this rank; return what it held, its peak and the job's mean loss per step."""
+def train(config: dict, setup: TrainingSetup, engine, *, steps: int, lr: float) -> dict:
+    """Build, shard and train on this rank; return what it held, its peak, the payload bytes of its collectives per
+    step and the job's mean loss per step."""
     rank, ranks = init_process_group()
     torch.manual_seed(0)  # the same initial weights on every rank
     with PeakMeter() as meter:  # entered before the model exists, so every byte the job allocates is counted
@@ -79,15 +83,18 @@ def train(config: dict, setup: TrainingSetup, engine: str, *, steps: int, lr: fl
         prepared = prepare(model, setup, engine=engine, lr=lr)
         device = next(prepared.module.parameters()).device
         batches = [global_batch(config, setup, ranks, step) for step in range(steps)]
-        losses = []
+        losses, comm = [], []
         with meter.window():
             for step in range(steps):
                 local = rank_slice(batches[step], setup, rank, device)
-                losses.append(mean_over_ranks(prepared.train_step(local)))
+                with CollectiveCounter() as counter:
+                    loss = prepared.train_step(local)
+                comm.append(counter.payload_bytes())
+                losses.append(mean_over_ranks(loss))
         held = prepared.local_bytes()
-    return {"rank": rank, "world_size": ranks, "engine": prepared.engine, "setup": setup.to_dict(),
-            "losses": losses, "peak_bytes": meter.peak_bytes, "end_bytes": meter.end_bytes, **held,
-            "notes": prepared.notes}
+    return {"rank": rank, "world_size": ranks, "engine": prepared.engine.value, "runtime": prepared.runtime.name,
+            "setup": prepared.setup.to_dict(), "losses": losses, "comm_payload_bytes": comm,
+            "peak_bytes": meter.peak_bytes, "end_bytes": meter.end_bytes, **held, "notes": prepared.notes}
 
 
 def main(argv=None) -> int:

@@ -180,3 +180,33 @@ def test_traced_plan_brings_a_plain_pytorch_step_under_the_budget_and_still_lear
     assert abs(after.total_bytes - the_plan.final_estimate.tensor_bytes) <= 0.05 * after.total_bytes
     losses = _train(model, optimizer, batches, setup)
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_one_block_finder_and_one_checkpoint_wrapper_for_apply_the_engines_and_the_trace(make_plain_lm):
+    """memfit._torch.blocks is the only finder: apply_, FSDP2's units (engine.transformer_blocks), the tracer's units
+    and checkpointing (trace.session, trace.hf) all get the same modules; the engines checkpoint with apply_'s
+    wrapper, which leaves state_dict keys as they are (torch's checkpoint_wrapper renamed them)."""
+    from torch import nn
+
+    from memfit._torch import blocks, engine
+    from memfit.trace import hf, session
+
+    plain = make_plain_lm()
+    assert blocks.find_blocks(plain) == list(plain.blocks)  # the ModuleList of 4 blocks, not the MLPs inside them
+    llama = build_hf_model(TINY_CONFIGS["llama"], BASE)
+    assert blocks.find_blocks(llama) == list(llama.model.layers)  # _no_split_modules: LlamaDecoderLayer
+    stages = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)))
+    assert blocks.find_blocks(stages) == list(stages)
+    assert blocks.find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))) == []  # leaves only
+    for model in (plain, llama, stages):
+        assert session.repeated_blocks(model) == engine.transformer_blocks(model) == blocks.find_blocks(model)
+    assert hf.block_finder(llama) == blocks.find_blocks(llama)
+
+    keys = sorted(plain.state_dict())
+    engine._prepare_precision_and_checkpointing(plain, BASE.replace(checkpointing="full"))
+    assert all(blocks.is_checkpointed(block) for block in plain.blocks) and sorted(plain.state_dict()) == keys
+    assert not apply_(plain, BASE.replace(checkpointing="full"))["checkpointing"].changed  # the same wrapper
+    fresh = make_plain_lm()
+    assert session.checkpoint_repeated_blocks(fresh) == 4 and all(blocks.is_checkpointed(b) for b in fresh.blocks)
+    batch = make_batch({"vocab_size": 512}, BASE)
+    assert _forward_calls_per_step(fresh, fresh.blocks[0].mlp, BASE, batch) == 2  # recomputed in backward

@@ -255,6 +255,54 @@ def test_an_oom_inside_optimizer_step_never_leaves_a_half_updated_parameter(step
             assert torch.equal(seen["state"][i][key], value) == (i >= 2), (i, key)
 
 
+def test_amp_fp16_trains_through_the_one_loop_with_its_grad_scaler():
+    """amp-fp16 (FitLoop refused it before: it had no GradScaler) runs memfit's one loop, which scales each
+    micro-loss, unscales before the transactional step and lets the scaler take or skip it. With out-of-memory
+    errors injected in a backward and inside AdamW's update, the weights, the AdamW state and the loss scale equal a
+    hand-written autocast(float16) + torch.amp.GradScaler loop's, bit for bit."""
+    fp16 = [setup.replace(precision="amp-fp16") for setup in LADDER]
+    build, loss_fn, batches, make_opt = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = build()
+    optimizer = make_opt(model.parameters())
+    injector = OOMInjector(Injection("backward", step=1, micro_step=0, nth_op=5),
+                           Injection("optimizer", step=2, micro_step=None, nth_op=3, op="sqrt"))
+    scaled = {}
+
+    def on_phase(phase, step, micro_step):
+        injector.on_phase(phase, step, micro_step)
+        if phase == "optimizer" and step == 0:  # before unscaling: the gradients of the scaled loss
+            scaled["loop"] = [p.grad.clone() for p in model.parameters()]
+
+    torch.manual_seed(1234)
+    with injector:
+        loop = FitLoop(model, optimizer, fp16, loss_fn=loss_fn, phase_callback=on_phase, on_change=None)
+        for batch in batches():
+            loop.step(batch)
+    assert len(injector.fired) == 2 and loop.setup == fp16[1]
+
+    torch.manual_seed(0)
+    reference = build()
+    reference_optimizer = make_opt(reference.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    torch.manual_seed(1234)
+    for batch in batches():
+        for start in range(0, GLOBAL_BATCH, 4):
+            part = {k: v[start:start + 4] for k, v in batch.items()}
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(reference, part)
+            scaler.scale(loss * (4 / GLOBAL_BATCH)).backward()
+        scaled.setdefault("reference", [p.grad.clone() for p in reference.parameters()])
+        scaler.step(reference_optimizer)
+        scaler.update()
+        reference_optimizer.zero_grad(set_to_none=True)
+    assert_same_training_state(model, optimizer, reference, reference_optimizer)
+    assert optimizer._memfit_grad_scaler.get_scale() == scaler.get_scale() == 2.0**16
+    # The loss really was scaled by 2^16 before backward (unscaled gradients would be 65536x smaller).
+    assert all(torch.equal(a, b) for a, b in zip(scaled["loop"], scaled["reference"]))
+    assert max(g.abs().max().item() for g in scaled["loop"]) > 100
+
+
 def test_without_an_undo_record_an_oom_inside_optimizer_step_stops_the_loop():
     injector = OOMInjector(Injection("optimizer", step=0, micro_step=None, nth_op=3, op="sqrt"))
     with injector:

@@ -163,25 +163,25 @@ def test_plain_module_needs_batches_and_is_measured_with_them(make_plain_lm):
 def test_replay_tags_storages_for_their_whole_life():
     events = [
         Mark(phase="forward", step=1, micro=1),
-        Allocation(ptr=10, size=100),  # saved for backward
-        Allocation(ptr=11, size=7),  # forward scratch
-        Allocation(ptr=11, size=-7),
+        Allocation(ptr=10, size_bytes=100),  # saved for backward
+        Allocation(ptr=11, size_bytes=7),  # forward scratch
+        Allocation(ptr=11, size_bytes=-7),
         Mark(phase="backward", step=1, micro=1),
-        Allocation(ptr=12, size=50),  # the gradient
-        Allocation(ptr=10, size=-100),
-        Allocation(ptr=99, size=-5),  # live before, owned by nobody we know
+        Allocation(ptr=12, size_bytes=50),  # the gradient
+        Allocation(ptr=10, size_bytes=-100),
+        Allocation(ptr=99, size_bytes=-5),  # live before, owned by nobody we know
         Mark(phase="optimizer", step=1, micro=1, tags={"gradients": (12,)}),
-        Allocation(ptr=13, size=200),  # optimizer state, created in the step
-        Allocation(ptr=12, size=-50),
+        Allocation(ptr=13, size_bytes=200),  # optimizer state, created in the step
+        Allocation(ptr=12, size_bytes=-50),
         Mark(tags={"optimizer": (13,)}),
     ]
     result = replay([(1, 1000, "parameters")], events)
     assert result.baseline_bytes == 1005
-    assert result.by_term(0) == {"parameters": 1000, "activations": 100, PREEXISTING_TERM: 5}
-    assert result.by_term(1) == {"parameters": 1000, "activations": 100, "temporaries": 7, PREEXISTING_TERM: 5}
-    assert result.by_term(6) == {"parameters": 1000, "gradients": 50, "optimizer": 200}
-    assert result.by_term(7) == {"parameters": 1000, "optimizer": 200}
-    assert result.total_at(result.peak_point) == 1005 + 100 + 50 + 200 - 100 - 5
+    assert result.bytes_by_term(0) == {"parameters": 1000, "activations": 100, PREEXISTING_TERM: 5}
+    assert result.bytes_by_term(1) == {"parameters": 1000, "activations": 100, "temporaries": 7, PREEXISTING_TERM: 5}
+    assert result.bytes_by_term(6) == {"parameters": 1000, "gradients": 50, "optimizer": 200}
+    assert result.bytes_by_term(7) == {"parameters": 1000, "optimizer": 200}
+    assert result.bytes_at(result.peak_point) == 1005 + 100 + 50 + 200 - 100 - 5
     assert [s.phase for s in result.segments] == ["forward", "backward", "optimizer"]
 
 

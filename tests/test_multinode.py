@@ -1,5 +1,6 @@
 """Multi-node on paper (pure, no torch): the command each node runs, the communication volume per step of each
-ZeRO stage against the ZeRO paper's multiples, and the per-rank memory, which is the estimator's own number."""
+ZeRO stage as the launch plan shows it (memfit.estimate.comm's numbers; tests/test_comm.py checks the model itself),
+and the per-rank memory, which is the estimator's own number."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from memfit.cli.app import app
 from memfit.errors import ConfigError
 from memfit.estimate.analytic import estimate
 from memfit.hardware import make_hardware
-from memfit.launch import (ENV_ENGINE, ENV_SETUP, comm_volume, default_engine, engine_unsupported, launch_plan,
-                           launch_section, local_command, setup_env, setup_from_env)
+from memfit.estimate import comm
+from memfit.launch import (ENV_ENGINE, ENV_SETUP, comm_volume, engine_description, engine_from_env,
+                           engine_unsupported, launch_plan, launch_section, local_command, setup_env, setup_from_env)
 from memfit.plan import plan
-from memfit.setup import TrainingSetup
+from memfit.setup import Engine, TrainingSetup
 from memfit.sources import resolve_model
-from memfit.techniques.costs import zero_traffic_bytes
+from memfit.techniques.costs import zero_traffic, zero_traffic_bytes
 
 SPEC_70B = resolve_model("llama-2-70b")
 FOUR_BY_EIGHT = make_hardware("H100", gpus_per_node=8, num_nodes=4)
@@ -42,7 +44,7 @@ def test_one_torchrun_command_per_node_on_one_rendezvous():
         assert _flag(argv, "--rdzv-backend") == "c10d"
         assert _flag(argv, "--rdzv-endpoint") == "10.1.2.3:29500"
         env = dict(command.env)
-        assert env[ENV_ENGINE] == launch.engine == "fsdp"
+        assert env[ENV_ENGINE] == "torch" and launch.engine is Engine.TORCH
         assert setup_from_env(env) == SETUP_70B  # every rank trains the planned setup
         # The pasted line is the same command: the shell splits it back into the environment and argv.
         words = shlex.split(command.shell())
@@ -72,41 +74,44 @@ def test_deepspeed_launcher_runs_one_command_from_a_hostfile():
     assert launch.files["hostfile"] == "a slots=8\nb slots=8\nc slots=8\nd slots=8\n"
     # The deepspeed launcher forwards only some variables to other nodes; .deepspeed_env carries memfit's.
     forwarded = dict(line.split("=", 1) for line in launch.files[".deepspeed_env"].splitlines())
-    assert setup_from_env(forwarded) == SETUP_70B and forwarded[ENV_ENGINE] == "deepspeed"
+    assert setup_from_env(forwarded) == SETUP_70B.replace(engine="deepspeed") and forwarded[ENV_ENGINE] == "deepspeed"
 
 
 @pytest.mark.parametrize("sharding,engine,multiple", [
-    ("none", "fsdp", 2), ("zero1", "deepspeed", 2), ("zero2", "deepspeed", 2), ("zero2", "fsdp", 2),
-    ("zero3", "deepspeed", 3), ("zero3", "fsdp", 3)])
-def test_comm_volume_is_the_zero_papers_multiple(sharding, engine, multiple):
-    """ZeRO paper sec. 7: 2 Psi per rank per step for DDP and ZeRO-1/2, 3 Psi for ZeRO-3 (Psi = P in bf16)."""
-    setup = SETUP_70B.replace(sharding=sharding)
-    comm = comm_volume(SPEC_70B, setup, FOUR_BY_EIGHT, engine)
+    ("none", "torch", 2), ("zero1", "torch", 3), ("zero2", "torch", 2), ("zero3", "torch", 3),
+    ("none", "deepspeed", 2), ("zero1", "deepspeed", 3), ("zero2", "deepspeed", 3), ("zero3", "deepspeed", 2.99)])
+def test_launch_comm_is_the_one_models_on_four_nodes(sharding, engine, multiple):
+    """bf16 weights on 32 ranks (DeepSpeed: bf16-master, its bf16 mode): Psi = P in bf16. The paper's 2 / 2 / 2 /
+    3 Psi where the engine does what the paper does; torch's ZeRO-1 broadcasts and DeepSpeed's ZeRO-1/2 all-reduce
+    (3 Psi); DeepSpeed's ZeRO-3 keeps 5e8 elements gathered into backward (2.99 Psi for 69B parameters)."""
+    setup = SETUP_70B.replace(sharding=sharding, engine=engine,
+                              precision="bf16" if engine == "torch" else "bf16-master")
+    launch = comm_volume(SPEC_70B, setup, FOUR_BY_EIGHT)
     psi = 2 * SPEC_70B.num_params
-    assert comm.psi_multiple == multiple
-    assert comm.per_rank_bytes == multiple * psi
-    if sharding != "none":
-        assert comm.per_rank_bytes == zero_traffic_bytes(SPEC_70B, setup)  # techniques/costs.py agrees
-    names = sorted(c.name for c in comm.collectives)
-    expected = {0: ["all-reduce"], 1: ["all-gather", "reduce-scatter"], 2: ["all-gather", "reduce-scatter"],
-                3: ["all-gather", "all-gather", "reduce-scatter"]}[setup.sharding.stage]
-    assert names == expected
+    assert launch == comm.comm_volume(SPEC_70B, setup, FOUR_BY_EIGHT)  # one model, launch only shows it
+    assert launch.psi_multiple == pytest.approx(multiple, abs=0.005)
+    assert launch.per_rank_bytes == zero_traffic_bytes(SPEC_70B, setup)  # techniques/costs.py is the same model
+    assert launch.per_rank_bytes == round(launch.psi_multiple * psi)
     # A ring over 32 ranks, ordered by node: each node's link carries one rank's volume, (N-1)/N of Psi per call.
-    assert comm.inter_node_bytes_per_node == comm.per_rank_bytes * 31 // 32
-    assert comm.inter_node_peer_fraction == pytest.approx(24 / 31)
+    assert launch.inter_node_bytes_per_node == launch.per_rank_bytes * 31 // 32
+    assert launch.inter_node_peer_fraction == pytest.approx(24 / 31)
 
 
-def test_comm_volume_dtypes_and_torchs_zero1():
-    fp32 = comm_volume(SPEC_70B, SETUP_70B.replace(precision="fp32"), FOUR_BY_EIGHT, "fsdp")
+def test_comm_volume_dtypes_engines_and_nodes():
+    fp32 = comm_volume(SPEC_70B, SETUP_70B.replace(precision="fp32"), FOUR_BY_EIGHT)
     assert fp32.per_rank_bytes == 3 * 4 * SPEC_70B.num_params
     # FSDP2 under mixed precision gathers bf16 parameters but reduces gradients in fp32 (reduce_dtype).
-    amp = comm_volume(SPEC_70B, SETUP_70B.replace(precision="amp-bf16"), FOUR_BY_EIGHT, "fsdp")
+    amp = comm_volume(SPEC_70B, SETUP_70B.replace(precision="amp-bf16"), FOUR_BY_EIGHT)
     assert {c.name: c.dtype_bytes for c in amp.collectives} == {"all-gather": 2, "reduce-scatter": 4}
-    # torch's ZeRO-1 all-reduces whole gradients and broadcasts updated parameters: 3 Psi, not the paper's 2.
-    zero1 = comm_volume(SPEC_70B, SETUP_70B.replace(sharding="zero1"), FOUR_BY_EIGHT, "fsdp")
+    # The engine argument replaces the setup's engine; a string alias names the same engine.
+    assert comm_volume(SPEC_70B, SETUP_70B, FOUR_BY_EIGHT, "ds") == comm_volume(
+        SPEC_70B, SETUP_70B.replace(engine="deepspeed"), FOUR_BY_EIGHT)
+    zero1 = comm_volume(SPEC_70B, SETUP_70B.replace(sharding="zero1"), FOUR_BY_EIGHT)
     assert zero1.psi_multiple == 3 and any("3 Psi" in note for note in zero1.notes)
     one_node = comm_volume(SPEC_70B, SETUP_70B.replace(num_gpus=8), make_hardware("H100", gpus_per_node=8))
     assert one_node.inter_node_bytes_per_node == 0
+    assert "3 x Psi, FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3), 1.5x" in zero_traffic(SPEC_70B,
+                                                                                                   SETUP_70B)
 
 
 def test_per_rank_memory_is_the_estimate_of_the_sharded_setup():
@@ -124,14 +129,20 @@ def test_plan_of_70b_on_four_nodes_carries_its_launch():
     section = launch_section(result)
     assert result.fits and section is not None
     assert section.setup == result.final_setup and section.per_rank_bytes == result.final_estimate.total_bytes
-    assert len(section.commands) == 4 and section.engine == default_engine(result.final_setup)
+    assert len(section.commands) == 4 and section.engine is result.final_setup.engine
     assert launch_section(plan(SPEC_70B, TrainingSetup(num_gpus=1), make_hardware("H100"))) is None
 
 
 def test_engine_choice_and_refusals():
-    # The setup names its engine; what torch's engines cannot express is refused when the setup is built.
-    assert default_engine(SETUP_70B) == "fsdp"
-    assert default_engine(SETUP_70B.replace(engine="deepspeed")) == "deepspeed"
+    # One engine vocabulary: setup.Engine. The setup names its engine; aliases (fsdp, ds) parse to it; what torch's
+    # engines cannot express is refused when the setup is built.
+    assert launch_plan(SETUP_70B, FOUR_BY_EIGHT, "t.py", spec=SPEC_70B).engine is Engine.TORCH
+    assert launch_plan(SETUP_70B, FOUR_BY_EIGHT, "t.py", spec=SPEC_70B, engine="ds").engine is Engine.DEEPSPEED
+    assert engine_from_env({ENV_ENGINE: "fsdp"}) is Engine.TORCH and engine_from_env({}) is Engine.TORCH
+    assert engine_from_env({}, default=None) is None
+    assert engine_description(SETUP_70B) == "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3)"
+    assert engine_description(SETUP_70B.replace(sharding="none", precision="bf16-master"),
+                              "deepspeed") == "DeepSpeed ZeRO stage 0"
     with pytest.raises(ConfigError, match="FSDP2"):
         SETUP_70B.replace(optimizer="adamw-8bit")
     with pytest.raises(ConfigError, match="ZeRO-1"):
@@ -139,7 +150,7 @@ def test_engine_choice_and_refusals():
     offloaded = SETUP_70B.replace(engine="deepspeed", offload="optimizer")
     assert "ZeRO-Offload" in engine_unsupported(offloaded, "fsdp")
     assert engine_unsupported(offloaded, "deepspeed") is None
-    with pytest.raises(ConfigError, match="engine 'fsdp' cannot run"):
+    with pytest.raises(ConfigError, match="engine 'torch' cannot run"):
         launch_plan(offloaded, FOUR_BY_EIGHT, "t.py", spec=SPEC_70B, engine="fsdp")
     with pytest.raises(ConfigError, match="unknown engine"):
         launch_plan(SETUP_70B, FOUR_BY_EIGHT, "t.py", spec=SPEC_70B, engine="megatron")
@@ -154,7 +165,7 @@ def test_setup_round_trips_through_the_environment():
                           optimizer="sgd", checkpointing="full", attention="eager", sharding="zero2", num_gpus=16,
                           notes=("dropped on the way",))
     env = setup_env(setup, "fsdp2")
-    assert env[ENV_ENGINE] == "fsdp" and setup_from_env(env) == setup
+    assert env[ENV_ENGINE] == "torch" and setup_from_env(env) == setup.replace(engine="torch")
     assert setup_from_env({}) is None
     with pytest.raises(ConfigError, match=ENV_SETUP):
         setup_from_env({ENV_SETUP: "{not json"})
@@ -172,7 +183,8 @@ def test_cli_plan_shows_launch_and_communication_and_json_carries_them():
     assert text.exit_code == 0, text.output
     assert "Launch (per node)" in text.output and "Communication per step" in text.output
     assert "--node-rank 3" in text.output and "Psi" in text.output
-    assert max(len(line) for line in text.output.splitlines()) <= 80
+    # Everything but the pasteable commands (printed whole on one line each, never wrapped) fits 80 columns.
+    assert max(len(line) for line in text.output.splitlines() if "torchrun" not in line) <= 80
     data = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
     launch = data["launch"]
     assert [c["node_rank"] for c in launch["commands"]] == [0, 1, 2, 3]
@@ -193,7 +205,8 @@ def test_cli_launch_dry_run_prints_each_nodes_command():
     lines = [line for line in result.output.splitlines() if line.startswith("node ")]
     assert len(lines) == 4 and all(f"--node-rank {n}" in line for n, line in enumerate(lines))
     assert all("--rdzv-endpoint head:29500" in line and line.endswith("train.py --steps 10") for line in lines)
-    assert "per rank:" in result.output and "3 x Psi" in result.output
+    # DeepSpeed ZeRO-3 (the setup's default engine): 3 Psi less the 5e8 elements kept gathered into backward.
+    assert "per rank:" in result.output and "2.99275 x Psi" in result.output
     data = json.loads(runner.invoke(app, ["launch", "train.py", "--gpus", "8", "--nodes", "4", "--zero", "zero3",
                                           "--dry-run", "--json"]).stdout)
     assert data["per_rank_bytes"] is None and len(data["commands"]) == 4  # no --model: no memory

@@ -3,7 +3,8 @@ memfit. Every item of the setup is reported as a Change: what was done, or why n
 applicable, the caller's job) -- never silent.
 
 What it changes on the model: gradient checkpointing (HF's switch, or torch.utils.checkpoint around the repeated
-blocks of a plain module), the attention implementation (HF models), the parameter dtype (pure bf16 / back to fp32).
+blocks of a plain module: memfit._torch.blocks, the one finder and wrapper, which the engines and the tracer use
+too), the attention implementation (HF models), the parameter dtype (pure bf16 / back to fp32).
 What it hands back for the training loop: `autocast()` for amp-*, `make_optimizer(model)`, the micro-batch size and
 accumulation steps. Sharding and offload need an engine and are only reported.
 
@@ -149,22 +150,24 @@ def _checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:
         (torch_step.enable_hf_checkpointing if want_on else torch_step.disable_hf_checkpointing)(model)
         how = "on (HF activation checkpointing, use_reentrant=False)" if want_on else "off, as the setup asks"
         return Change("checkpointing", True, f"turned {how}")
-    found = blocks.repeated_blocks(model)
-    if found is None:
+    found = blocks.named_blocks(model)
+    if not found:
         if not want_on:
             return Change("checkpointing", False, "already off")
-        return Change("checkpointing", False, "not applicable: no nn.ModuleList of repeated blocks found; wrap your "
-                                              "blocks' forward in torch.utils.checkpoint.checkpoint yourself")
-    list_name, block_list = found
+        return Change("checkpointing", False, "not applicable: no repeated blocks found (an nn.ModuleList or "
+                                              "nn.Sequential of 2+ modules of one class); wrap your blocks' forward "
+                                              "in torch.utils.checkpoint.checkpoint yourself")
+    where = ", ".join(f"'{name}'" for name in blocks.block_containers([name for name, _ in found]))
+    block_list = [block for _, block in found]
     wrapped = sum(blocks.is_checkpointed(b) for b in block_list)
     if want_on and wrapped == len(block_list):
-        return Change("checkpointing", False, f"already on ({wrapped} blocks of '{list_name}')")
+        return Change("checkpointing", False, f"already on ({wrapped} blocks of {where})")
     if not want_on and wrapped == 0:
         return Change("checkpointing", False, "already off")
     for block in block_list:
         (blocks.checkpoint_block if want_on else blocks.uncheckpoint_block)(block)
     verb = "wrapped" if want_on else "unwrapped"
-    return Change("checkpointing", True, f"{verb} the {len(block_list)} blocks of '{list_name}' "
+    return Change("checkpointing", True, f"{verb} the {len(block_list)} blocks of {where} "
                                          "(torch.utils.checkpoint, non-reentrant)")
 
 

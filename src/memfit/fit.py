@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from .apply import AppliedChanges, apply_
 from .errors import ConfigError, MemfitError
 from ._torch.transactional import TransactionalStep, is_out_of_memory
-from .setup import Attention, Checkpointing, Precision, TrainingSetup
+from .setup import Attention, Checkpointing, TrainingSetup
 
 LIVE_FIELDS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "attention")
 """What a running job may change: none of these touches the optimizer or its state."""
@@ -151,6 +151,10 @@ class FitLoop:
     micro_step)` is told as each phase begins (e.g. `OOMInjector.on_phase`).
     `step_undo`: 'device' (default) or 'host' keeps the per-parameter undo record of the transactional optimizer step
     there; 'none' calls optimizer.step() as is (an OOM inside it then raises FitOutOfMemoryError).
+    Each attempt runs memfit's one training loop (`_torch.step.forward_backward` / `optimizer_step`, the loop that
+    measure and the tracer run), so amp-fp16 trains with a GradScaler (kept on the optimizer across steps): the
+    loss is scaled, the gradients unscaled before the transactional step, and a step the scaler skips for inf
+    gradients is a completed step.
     """
 
     def __init__(self, model, optimizer, plan_or_setups, *, loss_fn=None,
@@ -166,8 +170,6 @@ class FitLoop:
         if step_undo not in ("device", "host", "none"):
             raise ConfigError(f"step_undo must be 'device', 'host' or 'none', got {step_undo!r}")
         first, self._rungs = _ladder(plan_or_setups)
-        if first.precision is Precision.AMP_FP16:
-            raise ConfigError("FitLoop does not drive a GradScaler: use bf16, amp-bf16 or fp32 (amp-fp16 needs one)")
         if isinstance(optimizer, torch.optim.Optimizer) and not _dtypes_match(model, first):
             raise ConfigError(f"the model's parameters are not {first.precision.param_dtype} as the first setup "
                               f"({first.precision}) says: cast them before building the optimizer, or pass a factory")
@@ -225,40 +227,44 @@ class FitLoop:
         return record
 
     def _forward_backward(self, global_batch, num_samples: int, index: int):
-        """All micro-steps of one attempt. Returns (failure or None, micro sizes, loss); on failure the traceback's
-        frames are cleared so the activations they hold die with this frame."""
+        """All micro-steps of one attempt, through memfit's one loop (`_torch.step.forward_backward`), each
+        micro-loss weighted by its share of the samples. Returns (failure or None, micro sizes, loss); on failure the
+        traceback's frames are cleared so the activations they hold die with this frame."""
+        from ._torch import step as torch_step
+
         micro_batches = _split(global_batch, self.setup.micro_batch_size)
         sizes = tuple(_num_samples(mb) for mb in micro_batches)
-        total, phase, micro = 0.0, "forward", 0
+        where = {"phase": "forward", "micro": -1}
+
+        def on_phase(phase: str) -> None:
+            where["micro"] += phase == "forward"
+            where["phase"] = phase
+            self._notify(phase, index, where["micro"])
+
         try:
-            for micro, batch in enumerate(micro_batches):
-                phase = "forward"
-                self._notify(phase, index, micro)
-                with self.applied.autocast():
-                    loss = self.loss_fn(self.model, batch)
-                phase = "backward"
-                self._notify(phase, index, micro)
-                weight = sizes[micro] / num_samples
-                (loss * weight).backward()
-                total = total + loss.detach().float() * weight  # stays on the device: no sync per micro-step
-                del loss
+            loss = torch_step.forward_backward(self.model, self.optimizer, micro_batches, self.setup,
+                                               loss_fn=self.loss_fn, phase_callback=on_phase,
+                                               weights=[size / num_samples for size in sizes])
         except RuntimeError as error:
             if not is_out_of_memory(error):
                 raise
             traceback.clear_frames(error.__traceback__)
-            return _Failure(phase, micro, _one_line(error)), sizes, float("nan")
-        return None, sizes, float(total)
+            return _Failure(where["phase"], max(where["micro"], 0), _one_line(error)), sizes, float("nan")
+        return None, sizes, loss
 
-    def _optimizer_step(self, index: int) -> _Failure | None:
-        self._notify("optimizer", index, None)
+    def _optimizer_step(self, index: int, *, resume: bool = False) -> _Failure | None:
+        """The loop's optimizer phase with the transactional step (a GradScaler, for amp-fp16, still decides)."""
+        from ._torch import step as torch_step
+
+        hooks = torch_step.EngineHooks(step=self._stepper.step)
         try:
-            self._stepper.step()
+            torch_step.optimizer_step(self.model, self.optimizer, self.setup, hooks=hooks, resume=resume,
+                                      phase_callback=lambda phase: self._notify(phase, index, None))
         except RuntimeError as error:
             if not is_out_of_memory(error):
                 raise
             traceback.clear_frames(error.__traceback__)
             return _Failure("optimizer", None, _one_line(error))
-        self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         return None
 
@@ -275,7 +281,7 @@ class FitLoop:
                               f"resumed optimizer.step() at parameter {done + 1} of {self._step_total}",
                               "the failed parameter was restored from its undo record; micro-batch and checkpointing "
                               "do not change the step's memory"))
-        retry = self._optimizer_step(index)
+        retry = self._optimizer_step(index, resume=True)
         if retry is not None and self._stepper.remaining == remaining_before:
             self._broken = (f"out of memory in optimizer.step() of step {index} at parameter "
                             f"'{self._stepper.next_name()}' even after freeing memory: parameters, gradients and "

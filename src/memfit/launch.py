@@ -1,14 +1,17 @@
 """Launching a sharded training job: the command each node runs, what each rank holds, and what goes over the wire.
 
 Pure: no torch. `launch_plan(plan_or_setup, hardware, script)` gives a `MultiNodePlan` with the per-rank memory
-(the estimator's), one command per node and the communication volume per step of the chosen sharding. The running
-script learns its setup and engine from two environment variables the commands set (MEMFIT_SETUP, MEMFIT_ENGINE) and
-calls `prepare(model, setup)` (memfit._torch.engine, imported lazily) on every rank.
+(the estimator's), one command per node and the communication volume per step (memfit.estimate.comm, the one model
+of it). The running script learns its setup from the environment the commands set (MEMFIT_SETUP, which carries the
+engine; MEMFIT_ENGINE repeats it for scripts that read only that) and calls `prepare(model, setup)` on every rank;
+that imports memfit._torch.engine lazily, and the torch side never imports this module.
 
-Engines: "fsdp" runs torch.distributed (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer for ZeRO-1, all-reduced
-gradients without sharding); "deepspeed" runs `deepspeed.initialize` with memfit's DeepSpeed config. Launchers:
-"torchrun" (both engines; DeepSpeed reads torchrun's RANK/WORLD_SIZE/MASTER_ADDR) or "deepspeed" (its own launcher:
-one command on node 0 that reaches the others over ssh/pdsh through a hostfile).
+Engines are `setup.Engine`: "torch" runs torch.distributed (DDP-style all-reduce without sharding,
+ZeroRedundancyOptimizer for ZeRO-1, FSDP2 for ZeRO-2/3: `estimate.comm.runtime_of`), "deepspeed" runs
+`deepspeed.initialize` with memfit's DeepSpeed config; the engine aliases (fsdp, fsdp2, ddp, ds) are accepted
+wherever an engine is named. Launchers: "torchrun" (both engines; DeepSpeed reads torchrun's RANK/WORLD_SIZE/
+MASTER_ADDR) or "deepspeed" (its own launcher: one command on node 0 that reaches the others over ssh/pdsh through a
+hostfile).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .estimate import comm
+from .estimate.comm import Collective, CommVolume  # noqa: F401  (re-exported: what MultiNodePlan.comm holds)
 from .hardware import Hardware
 from .model_spec import ModelSpec
-from .setup import Engine, Offload, Precision, Sharding, TrainingSetup
+from .setup import Engine, TrainingSetup
 
-ENGINES = ("fsdp", "deepspeed")
 LAUNCHERS = ("torchrun", "deepspeed")
 ENV_SETUP = "MEMFIT_SETUP"
 ENV_ENGINE = "MEMFIT_ENGINE"
@@ -36,10 +40,12 @@ DEFAULT_MASTER = "NODE0_HOST"
 # ------------------------------------------------------------------------------------- setup over the environment
 
 
-def setup_env(setup: TrainingSetup, engine: str) -> dict[str, str]:
-    """The environment a launched script reads its setup and engine from (`setup_from_env`, `engine_from_env`)."""
+def setup_env(setup: TrainingSetup, engine: Engine | str | None = None) -> dict[str, str]:
+    """The environment a launched script reads its setup (and so its engine) from: `setup_from_env`,
+    `engine_from_env`. `engine` replaces the setup's."""
+    setup = on_engine(setup, engine)
     data = {key: value for key, value in setup.to_dict().items() if key != "notes"}
-    return {ENV_ENGINE: check_engine(engine), ENV_SETUP: json.dumps(data, separators=(",", ":"))}
+    return {ENV_ENGINE: setup.engine.value, ENV_SETUP: json.dumps(data, separators=(",", ":"))}
 
 
 def setup_from_env(environ: Mapping[str, str] | None = None) -> TrainingSetup | None:
@@ -60,48 +66,42 @@ def setup_from_env(environ: Mapping[str, str] | None = None) -> TrainingSetup | 
         raise ConfigError(f"{ENV_SETUP} has a field TrainingSetup does not know ({error})") from None
 
 
-def engine_from_env(environ: Mapping[str, str] | None = None, default: str = "fsdp") -> str:
-    return check_engine((os.environ if environ is None else environ).get(ENV_ENGINE) or default)
+def engine_from_env(environ: Mapping[str, str] | None = None, default: Engine | str | None = Engine.TORCH
+                    ) -> Engine | None:
+    """The engine `memfit launch` chose (MEMFIT_ENGINE), else `default`."""
+    name = (os.environ if environ is None else environ).get(ENV_ENGINE) or default
+    return None if name is None else Engine.parse(name)
 
 
-def check_engine(engine: str) -> str:
-    name = str(engine).strip().lower()
-    name = {"fsdp2": "fsdp", "torch": "fsdp", "ds": "deepspeed"}.get(name, name)
-    if name not in ENGINES:
-        raise ConfigError(f"unknown engine '{engine}': choose one of {', '.join(ENGINES)}")
-    return name
-
-
-# ---------------------------------------------------------------------------------- which engine runs the setup
-
-
-def engine_unsupported(setup: TrainingSetup, engine: str) -> str | None:
-    """Why `engine` cannot run the setup, or None when it can. torch's limits are TrainingSetup's own validation
-    (engine torch); DeepSpeed's are what its config builder refuses."""
+def on_engine(setup: TrainingSetup, engine: Engine | str | None) -> TrainingSetup:
+    """The setup run by `engine` (None: its own). Refused, in one line, when that engine cannot express it: torch's
+    limits are TrainingSetup's own validation, DeepSpeed's what its config builder refuses."""
+    if engine is None:
+        return setup
+    chosen = Engine.parse(engine)
     try:
-        if check_engine(engine) == "deepspeed":
+        moved = setup if chosen is setup.engine else setup.replace(engine=chosen)
+        if chosen is Engine.DEEPSPEED:
             from .emit import deepspeed_config
 
-            deepspeed_config(setup)
-        else:
-            setup.replace(engine=Engine.TORCH)
+            deepspeed_config(moved)
+    except ConfigError as error:
+        raise ConfigError(f"engine '{chosen}' cannot run this setup: {error}") from None
+    return moved
+
+
+def engine_unsupported(setup: TrainingSetup, engine: Engine | str) -> str | None:
+    """Why `engine` cannot run the setup, or None when it can."""
+    try:
+        on_engine(setup, engine)
     except ConfigError as error:
         return str(error)
     return None
 
 
-def default_engine(setup: TrainingSetup) -> str:
-    """The setup's engine (TrainingSetup.engine: 'torch' runs as DDP / ZeroRedundancyOptimizer / FSDP2 here)."""
-    return "fsdp" if setup.engine is Engine.TORCH else "deepspeed"
-
-
-def engine_description(setup: TrainingSetup, engine: str) -> str:
-    if check_engine(engine) == "deepspeed":
-        return f"DeepSpeed ZeRO stage {max(setup.sharding.stage, 1 if setup.offload is not Offload.NONE else 0)}"
-    return {Sharding.NONE: "torch data parallel (gradients all-reduced)",
-            Sharding.ZERO1: "torch ZeroRedundancyOptimizer (ZeRO-1)",
-            Sharding.ZERO2: "FSDP2 fully_shard, reshard_after_forward=False (ZeRO-2)",
-            Sharding.ZERO3: "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3)"}[setup.sharding]
+def engine_description(setup: TrainingSetup, engine: Engine | str | None = None) -> str:
+    """What runs the setup, in words (estimate.comm.describe_runtime)."""
+    return comm.describe_runtime(on_engine(setup, engine))
 
 
 # --------------------------------------------------------------------------------------------------- commands
@@ -177,113 +177,11 @@ def _check_port(port: int) -> None:
 # ------------------------------------------------------------------------------------------ communication volume
 
 
-@dataclass(frozen=True)
-class Collective:
-    name: str
-    """'all-gather', 'reduce-scatter', 'all-reduce' or 'broadcast'."""
-    what: str
-    elements: int
-    """Elements each rank moves per optimizer step (ZeRO paper convention: Psi per collective over P elements)."""
-    dtype_bytes: int
-
-    @property
-    def num_bytes(self) -> int:
-        return self.elements * self.dtype_bytes
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "what": self.what, "elements": self.elements, "dtype_bytes": self.dtype_bytes,
-                "bytes": self.num_bytes}
-
-
-@dataclass(frozen=True)
-class CommVolume:
-    """Bytes each rank sends per optimizer step, split by collective. Source: ZeRO (Rajbhandari et al. 2020,
-    arXiv:1910.02054) sec. 7: DDP and ZeRO-1/2 move 2 Psi (reduce-scatter of gradients + all-gather of parameters,
-    which is what a ring all-reduce is), ZeRO-3 3 Psi (parameters gathered in forward and again in backward).
-    A ring collective over N ranks sends (N-1)/N of Psi per rank; the paper (and these totals) round that to Psi."""
-
-    collectives: tuple[Collective, ...]
-    num_params: int
-    world_size: int
-    num_nodes: int
-    gpus_per_node: int
-    notes: tuple[str, ...] = ()
-
-    @property
-    def per_rank_bytes(self) -> int:
-        return sum(c.num_bytes for c in self.collectives)
-
-    @property
-    def psi_multiple(self) -> float:
-        """Total elements over P: 2 for DDP and ZeRO-1/2, 3 for ZeRO-3 (torch's ZeRO-1 adds a broadcast: 3)."""
-        return sum(c.elements for c in self.collectives) / self.num_params if self.num_params else 0.0
-
-    @property
-    def inter_node_bytes_per_node(self) -> int:
-        """Bytes per step crossing each node's network link. A ring over all ranks, ordered by node, sends on every
-        link what each rank sends, (N-1)/N of Psi per collective; one link out of each node crosses the network,
-        so each node's link carries one rank's volume and the node-local links (NVLink) carry the rest."""
-        if self.num_nodes < 2:
-            return 0
-        return self.per_rank_bytes * (self.world_size - 1) // self.world_size
-
-    @property
-    def inter_node_peer_fraction(self) -> float:
-        """Share of each rank's peers on other nodes, (N - G) / (N - 1): the share of its traffic that would cross
-        the network without a node-aware (ring or hierarchical) algorithm."""
-        if self.world_size < 2:
-            return 0.0
-        return (self.world_size - self.gpus_per_node) / (self.world_size - 1)
-
-    def to_dict(self) -> dict:
-        return {"per_rank_bytes": self.per_rank_bytes, "psi_multiple": self.psi_multiple,
-                "collectives": [c.to_dict() for c in self.collectives],
-                "inter_node_bytes_per_node": self.inter_node_bytes_per_node,
-                "inter_node_peer_fraction": self.inter_node_peer_fraction, "world_size": self.world_size,
-                "num_nodes": self.num_nodes, "notes": list(self.notes)}
-
-
-def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, engine: str = "fsdp") -> CommVolume:
-    """What each rank sends per optimizer step for the setup's sharding on `engine` (gradient accumulation: FSDP2
-    and DeepSpeed still reduce once per micro-step unless told not to; counted here once per optimizer step)."""
-    engine = check_engine(engine)
-    params = spec.num_params
-    gather_bytes = 4 if setup.precision is Precision.FP32 else 2  # parameters travel in the compute dtype
-    reduce_bytes = _reduce_dtype_bytes(setup, engine)
-    gather = Collective("all-gather", "parameters (before forward)", params, gather_bytes)
-    scatter = Collective("reduce-scatter", "gradients (after backward)", params, reduce_bytes)
-    notes: list[str] = []
-    stage = setup.sharding.stage
-    if stage == 0:
-        collectives = (Collective("all-reduce", "gradients (a ring all-reduce: reduce-scatter + all-gather)",
-                                  2 * params, reduce_bytes),)
-    elif stage == 3:
-        collectives = (gather, Collective("all-gather", "parameters again in backward", params, gather_bytes),
-                       scatter)
-    elif stage == 1 and engine == "fsdp":
-        collectives = (Collective("all-reduce", "whole gradients", 2 * params, reduce_bytes),
-                       Collective("broadcast", "updated parameters from their owner", params, gather_bytes))
-        notes.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces whole gradients and broadcasts the "
-                     "updated parameters: 3 Psi, where DeepSpeed's ZeRO-1 reduce-scatters (2 Psi)")
-    else:
-        collectives = (Collective("reduce-scatter", "gradients (after backward)", params, reduce_bytes),
-                       Collective("all-gather", "updated parameters (after the step)" if engine == "deepspeed"
-                                  else "parameters (before forward, kept until backward)", params, gather_bytes))
-    if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
-        notes.append("parameter offload adds host<->device copies (techniques.costs.offload_traffic_bytes), not "
-                     "network traffic")
-    return CommVolume(collectives, params, hardware.world_size, hardware.num_nodes, hardware.gpus_per_node,
-                      tuple(notes))
-
-
-def _reduce_dtype_bytes(setup: TrainingSetup, engine: str) -> int:
-    """FSDP2 as memfit configures it reduces in fp32 under mixed precision (reduce_dtype=float32); DeepSpeed
-    communicates in the model's dtype (communication_data_type defaults to bf16/fp16 when those are on)."""
-    if setup.precision is Precision.FP32:
-        return 4
-    if setup.precision is Precision.BF16:
-        return 2
-    return 4 if engine == "fsdp" else 2
+def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware,
+                engine: Engine | str | None = None) -> CommVolume:
+    """What each rank sends per optimizer step: memfit.estimate.comm.comm_volume for the setup on `engine` (None:
+    the setup's own), its ranks split into `hardware`'s nodes."""
+    return comm.comm_volume(spec, on_engine(setup, engine), hardware)
 
 
 # ------------------------------------------------------------------------------------------------- the plan
@@ -292,8 +190,8 @@ def _reduce_dtype_bytes(setup: TrainingSetup, engine: str) -> int:
 @dataclass(frozen=True)
 class MultiNodePlan:
     setup: TrainingSetup
+    """The setup every rank trains; its `engine` is the engine that runs it."""
     hardware: Hardware
-    engine: str
     launcher: str
     per_rank: object
     """The estimator's MemoryEstimate for one rank (memfit.estimate.analytic.estimate); None for a model the
@@ -305,11 +203,15 @@ class MultiNodePlan:
     notes: tuple[str, ...] = ()
 
     @property
+    def engine(self) -> Engine:
+        return self.setup.engine
+
+    @property
     def per_rank_bytes(self) -> int | None:
         return None if self.per_rank is None else self.per_rank.total_bytes
 
     def to_dict(self) -> dict:
-        return {"engine": self.engine, "engine_description": engine_description(self.setup, self.engine),
+        return {"engine": self.engine.value, "engine_description": engine_description(self.setup),
                 "launcher": self.launcher, "world_size": self.hardware.world_size,
                 "num_nodes": self.hardware.num_nodes, "gpus_per_node": self.hardware.gpus_per_node,
                 "per_rank_bytes": self.per_rank_bytes,
@@ -319,26 +221,25 @@ class MultiNodePlan:
 
 
 def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "train.py", *,
-                spec: ModelSpec | None = None, engine: str | None = None, launcher: str = "torchrun",
+                spec: ModelSpec | None = None, engine: Engine | str | None = None, launcher: str = "torchrun",
                 master_addr: str = DEFAULT_MASTER, master_port: int = DEFAULT_PORT,
                 script_args: Sequence[str] = (), hostnames: Sequence[str] = ()) -> MultiNodePlan:
     """How to launch a setup (or a Plan's final setup) on `hardware`: per-rank memory, one command per node, and
-    the communication volume per step. `spec` is needed with a setup (a Plan carries its own); `engine` defaults to
-    torch's (FSDP2, ZeroRedundancyOptimizer) where it can express the setup, else DeepSpeed."""
+    the communication volume per step. `spec` is needed with a setup (a Plan carries its own); `engine` replaces
+    the setup's own (refused when it cannot run the setup)."""
     from .estimate.analytic import estimate
 
     setup, hardware, spec, per_rank = _resolve_plan(plan_or_setup, hardware, spec)
     if setup.num_gpus != hardware.world_size:
         setup, per_rank = setup.replace(num_gpus=hardware.world_size), None
-    engine = default_engine(setup) if engine is None else check_engine(engine)
-    why_not = engine_unsupported(setup, engine)
-    if why_not:
-        raise ConfigError(f"engine '{engine}' cannot run this setup: {why_not}")
+    moved = on_engine(setup, engine if engine is not None else setup.engine)
+    if moved != setup:
+        setup, per_rank = moved, None
     if launcher not in LAUNCHERS:
         raise ConfigError(f"unknown launcher '{launcher}': choose one of {', '.join(LAUNCHERS)}")
     if per_rank is None and spec.is_transformer:
         per_rank = estimate(spec, setup, hardware)
-    env = setup_env(setup, engine)
+    env = setup_env(setup)
     files: dict[str, str] = {}
     notes = [f"replace {DEFAULT_MASTER} with node 0's host name or IP"] if (
         hardware.num_nodes > 1 and master_addr == DEFAULT_MASTER) else []
@@ -350,9 +251,8 @@ def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "
     else:
         commands = torchrun_commands(hardware, script, script_args, env=env, master_addr=master_addr,
                                      master_port=master_port)
-    comm = comm_volume(spec, setup, hardware, engine)
-    return MultiNodePlan(setup, hardware, engine, launcher, per_rank, commands, comm, files,
-                         tuple(notes) + comm.notes)
+    volume = comm.comm_volume(spec, setup, hardware)
+    return MultiNodePlan(setup, hardware, launcher, per_rank, commands, volume, files, tuple(notes) + volume.notes)
 
 
 def _resolve_plan(plan_or_setup, hardware: Hardware | None, spec: ModelSpec | None):
@@ -382,9 +282,10 @@ def launch_section(plan, *, script: str = "train.py") -> MultiNodePlan | None:
 
 
 def local_command(setup: TrainingSetup, gpus_per_node: int, script: str, script_args: Sequence[str] = (), *,
-                  engine: str = "fsdp", python: str | None = None) -> NodeCommand:
-    """The one-node command `memfit launch` runs: torchrun --standalone with the setup in the environment. With
-    `python`, torchrun is started as `python -m torch.distributed.run` (the same program, no PATH lookup)."""
+                  engine: Engine | str | None = None, python: str | None = None) -> NodeCommand:
+    """The one-node command `memfit launch` runs: torchrun --standalone with the setup (on `engine`, default its
+    own) in the environment. With `python`, torchrun is started as `python -m torch.distributed.run` (the same
+    program, no PATH lookup)."""
     from .hardware import cpu_device
 
     hardware = Hardware(gpu=cpu_device(1), gpus_per_node=gpus_per_node)
@@ -397,15 +298,16 @@ def local_command(setup: TrainingSetup, gpus_per_node: int, script: str, script_
 # --------------------------------------------------------------------------------- the in-process side (torch)
 
 
-def prepare(model, setup: TrainingSetup | None = None, *, engine: str | None = None, **options):
+def prepare(model, setup: TrainingSetup | None = None, *, engine: Engine | str | None = None, **options):
     """Shard `model` on its engine and build its optimizer, on this rank (see memfit._torch.engine.prepare). With no
-    setup/engine, the ones `memfit launch` put in the environment. Imports torch."""
+    setup, the one `memfit launch` put in the environment; with no engine, the environment's (MEMFIT_ENGINE), else
+    the setup's own. Imports torch."""
     from ._torch import engine as torch_engine
 
     setup = setup or setup_from_env()
     if setup is None:
         raise ConfigError(f"no setup: pass one, or start the script with memfit launch (which sets {ENV_SETUP})")
-    return torch_engine.prepare(model, setup, engine=engine or engine_from_env(), **options)
+    return torch_engine.prepare(model, setup, engine=engine or engine_from_env(default=None), **options)
 
 
 def shard(model, setup: TrainingSetup | None = None, **options):

@@ -1,8 +1,15 @@
-"""Gradient checkpointing for plain nn.Modules: the repeated blocks (children of the largest nn.ModuleList) run
-under torch.utils.checkpoint (non-reentrant) in training, the way HF's GradientCheckpointingLayer does it.
+"""The repeated blocks of a model, and gradient checkpointing around them: one finder and one wrapper, used by
+`apply_` (checkpointing a plain module), the sharded engines (FSDP2's units, checkpointing before sharding) and the
+tracer (its FSDP2 units and checkpointing of plain modules).
 
-The block's class and state_dict keys stay as they are: only the instance's `forward` is replaced, so undoing it is
-deleting that attribute.
+Which blocks: on a transformers model, the modules of the classes it lists in `_no_split_modules` (its transformer
+layers: the unit accelerate's FSDP wrap policy and the tracer shard); otherwise the children of each nn.ModuleList or
+nn.Sequential that holds two or more non-leaf modules of one class (transformer layers, stages), outermost lists only.
+
+Checkpointing: the block's forward runs under torch.utils.checkpoint (non-reentrant) while training with grad
+enabled, the way HF's GradientCheckpointingLayer does it. The block's class and state_dict keys stay as they are:
+only the instance's `forward` is replaced, so undoing it is deleting that attribute. FSDP2's hooks stay on the block
+itself: its pre-backward hook gathers the parameters before the recomputation reads them.
 """
 
 from __future__ import annotations
@@ -15,13 +22,37 @@ from torch.utils.checkpoint import checkpoint
 _MARK = "_memfit_checkpointed"
 
 
-def repeated_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
-    """(name, ModuleList) of the list with the most children (ties: more parameters); None without one."""
-    lists = [(name or "<root>", module) for name, module in model.named_modules()
-             if isinstance(module, torch.nn.ModuleList) and len(module) > 0]
-    if not lists:
-        return None
-    return max(lists, key=lambda item: (len(item[1]), sum(p.numel() for p in item[1].parameters())))
+def named_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, block) of every repeated block, in module order (see the module docstring)."""
+    listed = set(getattr(model, "_no_split_modules", None) or ())
+    if listed:
+        found = [(name, module) for name, module in model.named_modules() if type(module).__name__ in listed]
+        if found:
+            return found
+    blocks: list[tuple[str, torch.nn.Module]] = []
+    inside: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) >= 2 and len({type(c) for _, c in children}) == 1 and _has_children(children[0][1]):
+            blocks += [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in children]
+            inside.update(id(m) for _, child in children for m in child.modules())
+    return blocks
+
+
+def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of `model` (empty when it has none)."""
+    return [block for _, block in named_blocks(model)]
+
+
+def block_containers(names: list[str]) -> list[str]:
+    """The modules holding the named blocks ('model.layers' for 'model.layers.0' ...), each once, in order."""
+    return list(dict.fromkeys(name.rpartition(".")[0] or "<root>" for name in names))
+
+
+def _has_children(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.children())
 
 
 class _CheckpointedForward:
@@ -62,3 +93,11 @@ def uncheckpoint_block(block: torch.nn.Module) -> bool:
 
 def is_checkpointed(block: torch.nn.Module) -> bool:
     return bool(getattr(block, _MARK, False)) and isinstance(block.__dict__.get("forward"), _CheckpointedForward)
+
+
+def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> int:
+    """Checkpoint every repeated block of `model` (or the given ones); returns how many blocks are checkpointed."""
+    blocks = find_blocks(model) if blocks is None else blocks
+    for block in blocks:
+        checkpoint_block(block)
+    return len(blocks)

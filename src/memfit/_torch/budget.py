@@ -44,7 +44,7 @@ class DeviceBudget(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.num_ooms = 0
-        self._sizes: dict[int, int] = {}
+        self._bytes_by_storage: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
 
     # ---- what was there before --------------------------------------------------------------------------------
@@ -82,24 +82,26 @@ class DeviceBudget(TorchDispatchMode):
             return  # sparse and other storage-less tensors
         key = id(storage)
         num_bytes = storage.nbytes()
-        known = self._sizes.get(key)
-        if known is None:
+        known_bytes = self._bytes_by_storage.get(key)
+        if known_bytes is None:
             self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._free(key))
-            self._sizes[key] = known = 0
-        if num_bytes == known:
+            self._bytes_by_storage[key] = known_bytes = 0
+        if num_bytes == known_bytes:
             return
-        self._sizes[key] = num_bytes
-        self.live_bytes += num_bytes - known
-        if check and num_bytes > known and self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+        self._bytes_by_storage[key] = num_bytes
+        self.live_bytes += num_bytes - known_bytes
+        over = self.limit_bytes is not None and self.live_bytes > self.limit_bytes
+        if check and num_bytes > known_bytes and over:
             self.num_ooms += 1
+            grown_bytes = num_bytes - known_bytes
             raise torch.OutOfMemoryError(
-                f"simulated device out of memory: tried to allocate {format_bytes(num_bytes - known)}; "
-                f"{format_bytes(self.live_bytes - (num_bytes - known))} live of a {format_bytes(self.limit_bytes)} "
+                f"simulated device out of memory: tried to allocate {format_bytes(grown_bytes)}; "
+                f"{format_bytes(self.live_bytes - grown_bytes)} live of a {format_bytes(self.limit_bytes)} "
                 "limit (memfit DeviceBudget)")
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _free(self, key: int) -> None:
-        self.live_bytes -= self._sizes.pop(key, 0)
+        self.live_bytes -= self._bytes_by_storage.pop(key, 0)
         self._refs.pop(key, None)
 
 

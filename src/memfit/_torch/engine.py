@@ -1,9 +1,11 @@
 """The in-process side of `memfit launch`: what a training script calls, on every rank, to train the way a
-TrainingSetup says. `prepare(model, setup, engine=...)` returns a `Prepared` whose `train_step` runs one optimizer
-step on that engine, and whose `local_bytes()` says what this rank holds.
+TrainingSetup says. `prepare(model, setup)` returns a `Prepared` whose `train_step` runs one optimizer step on the
+setup's engine (memfit's one loop, `step.training_step`, with the engine's hooks), and whose `local_bytes()` says
+what this rank holds. This module never imports memfit.launch (launch imports it lazily).
 
-Engines and how each ZeRO stage maps onto them (checked on CPU with gloo, torch 2.13, DeepSpeed 0.19):
-- "fsdp" (torch.distributed): ZeRO-3 = FSDP2 `fully_shard` per block + root, reshard_after_forward=True; ZeRO-2 =
+Engines are `setup.Engine`; what runs each ZeRO stage is `estimate.comm.runtime_of(engine, sharding)` (checked on
+CPU with gloo, torch 2.13, DeepSpeed 0.19; what each sends per step is memfit.estimate.comm):
+- torch (torch.distributed): ZeRO-3 = FSDP2 `fully_shard` per block + root, reshard_after_forward=True; ZeRO-2 =
   the same with reshard_after_forward=False (gathered parameters stay whole from forward to backward; at rest FSDP2
   still keeps only the shard, unlike DeepSpeed's ZeRO-2). FSDP2 cannot express ZeRO-1 (it always shards gradients
   with the parameters), so ZeRO-1 here is `torch.distributed.optim.ZeroRedundancyOptimizer`, torch's own ZeRO-1:
@@ -13,7 +15,7 @@ Engines and how each ZeRO stage maps onto them (checked on CPU with gloo, torch 
   gradient-sized all-reduce buckets alive for the whole step (measured: +4 B/param in fp32 at the peak; memfit's
   estimate counts them for engine torch without sharding, as the HF Trainer and accelerate run DDP); the cost here is
   no overlap of backward and communication.
-- "deepspeed": `deepspeed.initialize` with `memfit.emit.deepspeed_config(setup)`. On CPU, DeepSpeed's communication
+- deepspeed: `deepspeed.initialize` with `memfit.emit.deepspeed_config(setup)`. On CPU, DeepSpeed's communication
   backend JIT-compiles a shared-memory op (deepspeed_shm_comm, ~35 s on first use) that only its *inference*
   all-reduce uses; training never calls it, so it is switched off here (see `_skip_inference_shm_op`).
 
@@ -22,7 +24,6 @@ torch is imported at module level: this module lives in the torch side of memfit
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,8 +33,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..launch import check_engine, engine_unsupported
-from ..setup import Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from ..estimate.comm import Runtime, runtime_of
+from ..setup import Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from . import blocks as block_tools
 from . import step as torch_step
 
 DEFAULT_MAX_GRAD_NORM = 1.0
@@ -82,58 +84,45 @@ class Prepared:
     model: Any
     optimizer: Any
     module: nn.Module
-    engine: str
-    """'fsdp2', 'zero-redundancy', 'all-reduce', 'single' or 'deepspeed'."""
     setup: TrainingSetup
+    """The setup this rank trains; `setup.engine` is its engine."""
+    world_size: int = 1
     max_grad_norm: float | None = DEFAULT_MAX_GRAD_NORM
     notes: list[str] = field(default_factory=list)
-    _scaler: Any = None
+
+    @property
+    def engine(self) -> Engine:
+        return self.setup.engine
+
+    @property
+    def runtime(self) -> Runtime:
+        """DDP, ZeroRedundancyOptimizer, FSDP2 or DeepSpeed (estimate.comm.runtime_of)."""
+        return runtime_of(self.setup.engine, self.setup.sharding, self.world_size)
 
     def train_step(self, batches, *, loss_fn: Callable | None = None) -> float:
         """One optimizer step of `setup.grad_accum_steps` micro-steps; returns this rank's mean micro-step loss.
         `batches`: one batch (reused) or a list of grad_accum_steps; `loss_fn(model, batch)` defaults to `.loss`."""
-        micro = torch_step._micro_batches(batches, self.setup.grad_accum_steps)
-        compute_loss = loss_fn or torch_step.default_loss
-        autocast = self._autocast()
-        losses = []
-        for batch in micro:
-            with autocast():
-                loss = compute_loss(self.model, batch)
-            self._backward(loss)
-            losses.append(float(loss.detach().float().item()))
-            del loss
-        self._step()
-        return sum(losses) / len(losses)
+        return torch_step.training_step(self.model, self.optimizer, batches, self.setup, loss_fn=loss_fn,
+                                        hooks=self.hooks())
 
-    def _autocast(self) -> Callable[[], contextlib.AbstractContextManager]:
-        # FSDP2 and DeepSpeed cast to the compute dtype themselves (MixedPrecisionPolicy / bf16 config).
-        if self.engine in ("fsdp2", "deepspeed"):
-            return contextlib.nullcontext
-        return torch_step.autocast_factory(self.setup, torch_step.model_device(self.module).type)
+    def hooks(self) -> torch_step.EngineHooks:
+        """How this engine runs memfit's one loop: FSDP2 and DeepSpeed cast to the compute dtype themselves
+        (MixedPrecisionPolicy / bf16 config); DeepSpeed scales, accumulates and steps in `engine.backward` +
+        `engine.step`; DDP and ZeroRedundancyOptimizer average the gradients after the last micro-step."""
+        runtime = self.runtime
+        if runtime is Runtime.DEEPSPEED:
+            return torch_step.EngineHooks(autocast=False, engine_backward=self._deepspeed_backward)
+        averaged = runtime in (Runtime.DDP, Runtime.ZERO_REDUNDANCY)
+        return torch_step.EngineHooks(autocast=not runtime.is_fsdp2,
+                                      reduce_gradients=self._average_gradients if averaged else None,
+                                      max_grad_norm=self.max_grad_norm)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self.engine == "deepspeed":
-            self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
-            self.model.step()  # applies the update only at the accumulation boundary
-            return
-        scaled = loss / self.setup.grad_accum_steps
-        (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
+    def _average_gradients(self) -> None:
+        average_gradients(self.module)
 
-    def _step(self) -> None:
-        if self.engine == "deepspeed":
-            return
-        if self.engine in ("zero-redundancy", "all-reduce"):
-            average_gradients(self.module)
-        if self._scaler is not None:
-            self._scaler.unscale_(self.optimizer)
-        if self.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
-        if self._scaler is not None:
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def _deepspeed_backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        self.model.step()  # applies the update only at the accumulation boundary
 
     def local_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, each storage counted once, padding included:
@@ -151,43 +140,48 @@ class Prepared:
 # ----------------------------------------------------------------------------------------------- prepare
 
 
-def prepare(model: nn.Module, setup: TrainingSetup, *, engine: str = "fsdp", lr: float | None = None,
+def prepare(model: nn.Module, setup: TrainingSetup, *, engine: Engine | str | None = None, lr: float | None = None,
             max_grad_norm: float | None = DEFAULT_MAX_GRAD_NORM, blocks: Sequence[nn.Module] | None = None
             ) -> Prepared:
-    """Shard `model` as `setup` says on `engine` ('fsdp' or 'deepspeed') and build its optimizer, on this rank.
+    """Shard `model` as `setup` says on its engine (or on `engine`, which replaces it) and build its optimizer, on
+    this rank.
 
     Call after `init_process_group()` (the launcher's environment), with the same model built on every rank from
     the same seed. `setup.num_gpus` must equal the job's world size. `blocks`: the modules FSDP2 shards one by one
-    (default: the nn.ModuleList holding the most parameters, i.e. the transformer blocks).
+    (default: memfit._torch.blocks.find_blocks, the transformer blocks).
     """
-    engine = check_engine(engine)
+    setup = _on_engine(setup, engine)
     ranks = world_size()
     if setup.sharding is not Sharding.NONE and setup.num_gpus != ranks:
         raise ConfigError(f"the setup shards over num_gpus={setup.num_gpus} but this job has {ranks} rank(s): launch "
                           f"{setup.num_gpus} processes or pass setup.replace(num_gpus={ranks})")
-    if engine == "deepspeed":
-        return _prepare_deepspeed(model, setup, lr=lr, max_grad_norm=max_grad_norm)
-    unsupported = engine_unsupported(setup, "fsdp")
-    if unsupported:
-        raise ConfigError(f"engine 'fsdp' cannot run this setup: {unsupported}")
+    if setup.engine is Engine.DEEPSPEED:
+        return _prepare_deepspeed(model, setup, lr=lr, max_grad_norm=max_grad_norm, ranks=ranks)
     offloaded = setup.offload is Offload.OPTIMIZER_AND_PARAMS  # FSDP2 keeps the shards on the host
     if not offloaded:
         _to_training_device(model)
     if ranks > 1 and not (offloaded and torch.cuda.is_available()):  # NCCL broadcasts device tensors only
         _broadcast_from_rank0(model)
-    if setup.sharding in (Sharding.ZERO2, Sharding.ZERO3):
+    runtime = runtime_of(setup.engine, setup.sharding, ranks)
+    if runtime.is_fsdp2:
         sharded = shard(model, setup, blocks=blocks)
         optimizer = torch_step.make_optimizer(sharded, _fsdp_optimizer_setup(setup), lr=lr)
-        return _finish(Prepared(sharded, optimizer, model, "fsdp2", setup, max_grad_norm))
-    _prepare_precision_and_checkpointing(model, setup)
-    if ranks == 1:
-        return _finish(Prepared(model, torch_step.make_optimizer(model, setup, lr=lr), model, "single", setup,
-                                max_grad_norm))
-    if setup.sharding is Sharding.ZERO1:
-        return _finish(Prepared(model, _zero_redundancy_optimizer(model, setup, lr), model, "zero-redundancy",
-                                setup, max_grad_norm))
-    return _finish(Prepared(model, torch_step.make_optimizer(model, setup, lr=lr), model, "all-reduce", setup,
-                            max_grad_norm))
+        return _finish(Prepared(sharded, optimizer, model, setup, ranks, max_grad_norm))
+    _prepare_precision_and_checkpointing(model, setup, blocks)
+    optimizer = (_zero_redundancy_optimizer(model, setup, lr) if runtime is Runtime.ZERO_REDUNDANCY
+                 else torch_step.make_optimizer(model, setup, lr=lr))
+    return _finish(Prepared(model, optimizer, model, setup, ranks, max_grad_norm))
+
+
+def _on_engine(setup: TrainingSetup, engine: Engine | str | None) -> TrainingSetup:
+    """The setup on `engine`; torch's limits are TrainingSetup's own validation (DeepSpeed's: its config)."""
+    if engine is None or Engine.parse(engine) is setup.engine:
+        return setup
+    chosen = Engine.parse(engine)
+    try:
+        return setup.replace(engine=chosen)
+    except ConfigError as error:
+        raise ConfigError(f"engine '{chosen}' cannot run this setup: {error}") from None
 
 
 def shard(model: nn.Module, setup: TrainingSetup, *, blocks: Sequence[nn.Module] | None = None,
@@ -199,11 +193,9 @@ def shard(model: nn.Module, setup: TrainingSetup, *, blocks: Sequence[nn.Module]
     if setup.sharding not in (Sharding.ZERO2, Sharding.ZERO3):
         raise ConfigError(f"FSDP2 shards zero2 and zero3, not {setup.sharding}: use prepare(model, setup), which "
                           "runs zero1 with ZeroRedundancyOptimizer")
-    unsupported = engine_unsupported(setup, "fsdp")
-    if unsupported:
-        raise ConfigError(f"FSDP2 cannot run this setup: {unsupported}")
+    setup = _on_engine(setup, Engine.TORCH)
     blocks = list(transformer_blocks(model) if blocks is None else blocks)
-    _prepare_precision_and_checkpointing(model, setup)
+    _prepare_precision_and_checkpointing(model, setup, blocks)
     options: dict[str, Any] = {"reshard_after_forward": setup.sharding is Sharding.ZERO3}
     if mesh is not None:
         options["mesh"] = mesh
@@ -225,17 +217,16 @@ def shard(model: nn.Module, setup: TrainingSetup, *, blocks: Sequence[nn.Module]
     return model
 
 
-def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The nn.ModuleList holding the most parameters: the stack of transformer blocks."""
-    candidates = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
-    if not candidates:
-        raise ConfigError("no nn.ModuleList of blocks in the model: pass blocks=[...] to prepare/shard")
-    return max(candidates, key=lambda blocks: sum(p.numel() for p in blocks.parameters()))
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP2 shards one by one: memfit._torch.blocks.find_blocks, the one finder."""
+    found = block_tools.find_blocks(model)
+    if not found:
+        raise ConfigError("no repeated blocks in the model (an nn.ModuleList or nn.Sequential of 2+ modules of one "
+                          "class): pass blocks=[...] to prepare/shard")
+    return found
 
 
 def _finish(prepared: Prepared) -> Prepared:
-    if prepared.setup.precision is Precision.AMP_FP16 and prepared.engine != "deepspeed":
-        prepared._scaler = torch.amp.GradScaler(torch_step.model_device(prepared.module).type)
     prepared.notes.extend(getattr(prepared.optimizer, "memfit_notes", ()))
     return prepared
 
@@ -245,19 +236,15 @@ def _to_training_device(model: nn.Module) -> None:
         model.to(training_device())
 
 
-def _prepare_precision_and_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
+def _prepare_precision_and_checkpointing(model: nn.Module, setup: TrainingSetup,
+                                         blocks: Sequence[nn.Module] | None = None) -> None:
     if setup.precision is Precision.BF16 and next(model.parameters()).dtype != torch.bfloat16:
         model.to(torch.bfloat16)  # pure bf16: parameters, gradients and states all bf16
     if setup.checkpointing is Checkpointing.FULL and not torch_step.hf_checkpointing_is_on(model):
         if torch_step.is_hf_model(model):
             torch_step.enable_hf_checkpointing(model)
         else:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl, checkpoint_wrapper)
-
-            blocks = transformer_blocks(model)
-            for index, block in enumerate(blocks):
-                blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            block_tools.checkpoint_blocks(model, None if blocks is None else list(blocks))
 
 
 def _fsdp_optimizer_setup(setup: TrainingSetup) -> TrainingSetup:
@@ -339,13 +326,13 @@ def deepspeed_runtime_config(setup: TrainingSetup, *, lr: float | None, max_grad
 
 
 def _prepare_deepspeed(model: nn.Module, setup: TrainingSetup, *, lr: float | None,
-                       max_grad_norm: float | None) -> Prepared:
+                       max_grad_norm: float | None, ranks: int) -> Prepared:
     deepspeed = torch_step._import("deepspeed", extra="engines")
     _skip_inference_shm_op(deepspeed)
     if setup.checkpointing is Checkpointing.FULL and torch_step.is_hf_model(model):
         torch_step.enable_hf_checkpointing(model)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    config = deepspeed_runtime_config(setup, lr=lr, max_grad_norm=max_grad_norm, ranks=world_size(),
+    config = deepspeed_runtime_config(setup, lr=lr, max_grad_norm=max_grad_norm, ranks=ranks,
                                       hidden_size=hidden if isinstance(hidden, int) else None)
     client = None
     if "optimizer" not in config:  # an optimizer DeepSpeed does not build (8-bit AdamW, Adafactor, SGD)
@@ -353,7 +340,7 @@ def _prepare_deepspeed(model: nn.Module, setup: TrainingSetup, *, lr: float | No
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config,
                                                    model_parameters=[p for p in model.parameters()
                                                                      if p.requires_grad])
-    return Prepared(engine, optimizer, model, "deepspeed", setup, max_grad_norm)
+    return Prepared(engine, optimizer, model, setup, ranks, max_grad_norm)
 
 
 def _skip_inference_shm_op(deepspeed) -> None:

@@ -25,9 +25,9 @@ RESERVE_TERM = "overhead/allocator_reserve"
 class CudaSegment:
     phase: str
     label: str
-    peak_allocated: int
-    peak_reserved: int
-    static_terms: dict[str, int]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    static_bytes_by_term: dict[str, int]
     """Bytes of step-owned tensors per term: the larger of the phase's start and end."""
 
 
@@ -37,13 +37,14 @@ def measure_cuda_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=
     open_segment: dict = {}
     losses: list[float] = []
     torch.cuda.synchronize(device)
-    preexisting = torch.cuda.memory_allocated(device) - sum(_static_terms(model, optimizer, batches).values())
+    owned = _static_bytes_by_term(model, optimizer, batches)
+    preexisting_bytes = torch.cuda.memory_allocated(device) - sum(owned.values())
 
     def close() -> None:
         if not open_segment:
             return
         torch.cuda.synchronize(device)
-        end = _static_terms(model, optimizer, batches)
+        end = _static_bytes_by_term(model, optimizer, batches)
         static = {term: max(value, end.get(term, 0)) for term, value in open_segment["start"].items()}
         segments.append(CudaSegment(open_segment["phase"], open_segment["label"],
                                     torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
@@ -54,27 +55,27 @@ def measure_cuda_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=
         close()
         torch.cuda.reset_peak_memory_stats(device)
         open_segment.update(phase=phase, label=f"step {len(losses) + 1} {phase}",
-                            start=_static_terms(model, optimizer, batches))
+                            start=_static_bytes_by_term(model, optimizer, batches))
 
     for _ in range(steps):
         loss = training_step(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=on_phase)
         close()
         losses.append(loss)
-    return cuda_breakdown(segments, max(preexisting, 0), steps), losses
+    return cuda_breakdown(segments, max(preexisting_bytes, 0), steps), losses
 
 
 def cuda_breakdown(segments: list[CudaSegment], preexisting_bytes: int, steps: int) -> MeasuredSteps:
     """The peak segment's breakdown (activations = the remainder), phase peaks, per-step peaks. Pure arithmetic."""
-    peak = max(segments, key=lambda s: s.peak_allocated)
+    peak = max(segments, key=lambda s: s.peak_allocated_bytes)
     phase_peaks: dict[str, int] = {}
     for segment in segments:
-        phase_peaks[segment.phase] = max(phase_peaks.get(segment.phase, 0), segment.peak_allocated)
+        phase_peaks[segment.phase] = max(phase_peaks.get(segment.phase, 0), segment.peak_allocated_bytes)
     terms = _with_remainder(peak, preexisting_bytes)
-    terms[RESERVE_TERM] = max(s.peak_reserved for s in segments) - peak.peak_allocated
+    terms[RESERVE_TERM] = max(s.peak_reserved_bytes for s in segments) - peak.peak_allocated_bytes
     per_step = [0] * steps
     for segment in segments:
         step = int(segment.label.split()[1]) - 1
-        per_step[step] = max(per_step[step], segment.peak_allocated)
+        per_step[step] = max(per_step[step], segment.peak_allocated_bytes)
     timeline = tuple((s.phase, f"{s.label} peak", _with_remainder(s, preexisting_bytes)) for s in segments)
     notes = ("CUDA: phase peaks are exact (max_memory_allocated per phase); the split into terms sums live tensors at "
              "phase boundaries and calls the rest of the peak activations",)
@@ -82,14 +83,14 @@ def cuda_breakdown(segments: list[CudaSegment], preexisting_bytes: int, steps: i
 
 
 def _with_remainder(segment: CudaSegment, preexisting_bytes: int) -> dict[str, int]:
-    terms = dict(segment.static_terms)
+    terms = dict(segment.static_bytes_by_term)
     if preexisting_bytes:
         terms[PREEXISTING_TERM] = preexisting_bytes
-    terms["activations"] = max(segment.peak_allocated - sum(terms.values()), 0)
+    terms["activations"] = max(segment.peak_allocated_bytes - sum(terms.values()), 0)
     return terms
 
 
-def _static_terms(model, optimizer, batches) -> dict[str, int]:
+def _static_bytes_by_term(model, optimizer, batches) -> dict[str, int]:
     groups = {
         "parameters": list(model.parameters()),
         "buffers": list(model.buffers()),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError
+from ..setup import Engine
 
 if TYPE_CHECKING:
     from .engine import Prepared
@@ -32,7 +33,7 @@ def local_bytes(prepared: Prepared) -> dict[str, int]:
                 totals["optimizer_scalars" if term == "optimizer" and local.dim() == 0 else term] += storage.nbytes()
 
     module, optimizer = prepared.module, prepared.optimizer
-    if prepared.engine == "deepspeed":
+    if prepared.engine is Engine.DEEPSPEED:
         # ZeRO-3: the partition is ds_tensor; parameters under the persistence threshold also stay whole (.data).
         add("parameters", [getattr(p, "ds_tensor", None) for p in module.parameters()])
         add("parameters", [p.data for p in module.parameters() if p.data.numel()])
@@ -135,18 +136,18 @@ def _profiled_window_peak(prof, window: str) -> tuple[int, int]:
     allocations.sort()
     live = _LiveBlocks()
     peak = None
-    for time_ns, _, ptr, size in allocations:
+    for time_ns, _, ptr, size_bytes in allocations:
         if time_ns > end:
             break
         if time_ns >= start and peak is None:
-            peak = live.total  # live when the window opened
-        if size > 0:
-            live.allocate(ptr, size)
+            peak = live.total_bytes  # live when the window opened
+        if size_bytes > 0:
+            live.allocate(ptr, size_bytes)
         else:
             live.free(ptr)
         if peak is not None:
-            peak = max(peak, live.total)
-    return (live.total if peak is None else peak), live.total
+            peak = max(peak, live.total_bytes)
+    return (live.total_bytes if peak is None else peak), live.total_bytes
 
 
 class _LiveBlocks:
@@ -157,22 +158,22 @@ class _LiveBlocks:
 
     def __init__(self) -> None:
         self.starts: list[int] = []
-        self.sizes: dict[int, int] = {}
-        self.total = 0
+        self.bytes_by_start: dict[int, int] = {}
+        self.total_bytes = 0
 
-    def allocate(self, ptr: int, size: int) -> None:
+    def allocate(self, ptr: int, size_bytes: int) -> None:
         index = bisect.bisect_left(self.starts, ptr)
-        if index > 0 and self.starts[index - 1] + self.sizes[self.starts[index - 1]] > ptr:
+        if index > 0 and self.starts[index - 1] + self.bytes_by_start[self.starts[index - 1]] > ptr:
             index -= 1
-        while index < len(self.starts) and self.starts[index] < ptr + size:
-            self.total -= self.sizes.pop(self.starts.pop(index))
+        while index < len(self.starts) and self.starts[index] < ptr + size_bytes:
+            self.total_bytes -= self.bytes_by_start.pop(self.starts.pop(index))
         self.starts.insert(index, ptr)
-        self.sizes[ptr] = size
-        self.total += size
+        self.bytes_by_start[ptr] = size_bytes
+        self.total_bytes += size_bytes
 
     def free(self, ptr: int) -> None:
-        size = self.sizes.pop(ptr, None)
-        if size is None:
+        size_bytes = self.bytes_by_start.pop(ptr, None)
+        if size_bytes is None:
             return  # allocated before profiling (never counted) or already dropped
         del self.starts[bisect.bisect_left(self.starts, ptr)]
-        self.total -= size
+        self.total_bytes -= size_bytes

@@ -26,11 +26,11 @@ PREEXISTING_TERM = "temporaries/preexisting"
 
 @dataclass(frozen=True)
 class Allocation:
-    """One allocator event: size > 0 allocates, size < 0 frees. `counter` is the profiler's running total."""
+    """One allocator event: size_bytes > 0 allocates, < 0 frees. `running_total_bytes` is the profiler's counter."""
 
     ptr: int
-    size: int
-    counter: int | None = None
+    size_bytes: int
+    running_total_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Mark:
 @dataclass
 class Record:
     ptr: int
-    size: int
+    size_bytes: int
     start: int
     """Index of the allocating event; BEFORE_FIRST_EVENT for storages live before profiling."""
     end: int = NEVER
@@ -68,31 +68,31 @@ class Segment:
 @dataclass
 class Replay:
     records: list[Record]
-    relative_totals: list[int]
+    relative_bytes: list[int]
     """Bytes allocated since profiling began (minus frees), after each event; the baseline is not included."""
     baseline_bytes: int
     segments: list[Segment]
     counter_mismatches: int = 0
     """Events where the running sum disagreed with the profiler's own counter (0 when the replay is exact)."""
 
-    def total_at(self, point: int) -> int:
-        return self.baseline_bytes + (0 if point == BEFORE_FIRST_EVENT else self.relative_totals[point])
+    def bytes_at(self, point: int) -> int:
+        return self.baseline_bytes + (0 if point == BEFORE_FIRST_EVENT else self.relative_bytes[point])
 
     @property
     def peak_point(self) -> int:
-        best, best_total = BEFORE_FIRST_EVENT, self.total_at(BEFORE_FIRST_EVENT)
-        for point, relative in enumerate(self.relative_totals):
-            if self.baseline_bytes + relative > best_total:
-                best, best_total = point, self.baseline_bytes + relative
+        best, best_bytes = BEFORE_FIRST_EVENT, self.bytes_at(BEFORE_FIRST_EVENT)
+        for point, relative in enumerate(self.relative_bytes):
+            if self.baseline_bytes + relative > best_bytes:
+                best, best_bytes = point, self.baseline_bytes + relative
         return best
 
-    def by_term(self, point: int) -> dict[str, int]:
+    def bytes_by_term(self, point: int) -> dict[str, int]:
         """Live bytes per term at a point; untagged allocations are temporaries."""
         totals: dict[str, int] = {}
         for record in self.records:
             if record.start <= point < record.end:
                 term = record.term or "temporaries"
-                totals[term] = totals.get(term, 0) + record.size
+                totals[term] = totals.get(term, 0) + record.size_bytes
         return totals
 
     def segment_of(self, point: int) -> Segment:
@@ -105,45 +105,45 @@ class Replay:
     def segment_peak(self, segment: Segment) -> int:
         """The point with the most live bytes in a segment (its first such point)."""
         points = range(segment.first_point, segment.last_point + 1)
-        return max(points, key=lambda point: (self.total_at(point), -point))
+        return max(points, key=lambda point: (self.bytes_at(point), -point))
 
 
 def replay(baseline: list[tuple[int, int, str]], events: list[Allocation | Mark]) -> Replay:
     """Replay `events` (in time order) on top of `baseline` [(ptr, bytes, term)], the storages live before."""
     live: dict[int, Record] = {}
     records: list[Record] = []
-    for ptr, size, term in baseline:
-        live[ptr] = Record(ptr, size, BEFORE_FIRST_EVENT, term=term)
+    for ptr, size_bytes, term in baseline:
+        live[ptr] = Record(ptr, size_bytes, BEFORE_FIRST_EVENT, term=term)
         records.append(live[ptr])
-    baseline_bytes = sum(record.size for record in records)
-    relative_totals: list[int] = []
+    baseline_bytes = sum(record.size_bytes for record in records)
+    relative_bytes: list[int] = []
     boundaries: list[tuple[int, Mark]] = []  # (first point of the segment, its opening mark)
     running, offset, mismatches = 0, None, 0
     for event in events:
-        point = len(relative_totals)
+        point = len(relative_bytes)
         if isinstance(event, Mark):
             _apply_tags(live, event, current_segment=len(boundaries) - 1)
             if event.phase is not None:
                 boundaries.append((point, event))
             continue
-        if event.size > 0:
-            record = Record(event.ptr, event.size, point, segment=len(boundaries) - 1)
+        if event.size_bytes > 0:
+            record = Record(event.ptr, event.size_bytes, point, segment=len(boundaries) - 1)
             live[event.ptr] = record
             records.append(record)
         else:
             record = live.pop(event.ptr, None)
             if record is None:  # live before profiling and not named by the caller
-                record = Record(event.ptr, -event.size, BEFORE_FIRST_EVENT, term=PREEXISTING_TERM)
+                record = Record(event.ptr, -event.size_bytes, BEFORE_FIRST_EVENT, term=PREEXISTING_TERM)
                 records.append(record)
-                baseline_bytes += record.size
+                baseline_bytes += record.size_bytes
             record.end = point
-        running += event.size
-        relative_totals.append(running)
-        if event.counter is not None:
-            offset = event.counter - running if offset is None else offset
-            mismatches += event.counter - offset != running
-    segments = _segments(boundaries, len(relative_totals))
-    return Replay(records, relative_totals, baseline_bytes, segments, mismatches)
+        running += event.size_bytes
+        relative_bytes.append(running)
+        if event.running_total_bytes is not None:
+            offset = event.running_total_bytes - running if offset is None else offset
+            mismatches += event.running_total_bytes - offset != running
+    segments = _segments(boundaries, len(relative_bytes))
+    return Replay(records, relative_bytes, baseline_bytes, segments, mismatches)
 
 
 def _apply_tags(live: dict[int, Record], mark: Mark, *, current_segment: int) -> None:
@@ -192,12 +192,12 @@ def summarise(result: Replay) -> MeasuredSteps:
         where = f"step {segment.step}" + (f" micro {segment.micro}" if segment.phase != "optimizer" else "")
         segment_peak = result.segment_peak(segment)
         for point, what in ((segment.first_point, "start"), (segment_peak, "peak")):
-            timeline.append((segment.phase, f"{where} {segment.phase} {what}", result.by_term(point)))
-        value = result.total_at(segment_peak)
+            timeline.append((segment.phase, f"{where} {segment.phase} {what}", result.bytes_by_term(point)))
+        value = result.bytes_at(segment_peak)
         phase_peaks[segment.phase] = max(phase_peaks.get(segment.phase, 0), value)
         step_peaks[segment.step] = max(step_peaks.get(segment.step, 0), value)
     notes = []
     if result.counter_mismatches:
         notes.append(f"{result.counter_mismatches} allocator events disagreed with the profiler's running total")
-    return MeasuredSteps(result.by_term(peak), result.segment_of(peak).phase, phase_peaks, tuple(timeline),
+    return MeasuredSteps(result.bytes_by_term(peak), result.segment_of(peak).phase, phase_peaks, tuple(timeline),
                          tuple(step_peaks[s] for s in sorted(step_peaks)), tuple(notes))

@@ -1,5 +1,8 @@
 """One training step, written once: `measure` runs it on real tensors and the tracer on fake ones, so a prediction and
-a measurement always describe the same step. The signatures here are a contract other modules call.
+a measurement always describe the same step; the sharded engines (`_torch.engine.Prepared.train_step`, through
+`EngineHooks`) and the OOM-safe loop (`fit.FitLoop`, through `forward_backward` / `optimizer_step`) run it too, so
+amp-fp16's GradScaler, accumulation and clipping live here only. The signatures here are a contract other modules
+call.
 
 What HF does with attention masks (transformers 5.24, checked on CPU for llama, mistral, qwen2, gpt2 and bert):
 - SDPA, no padding mask, no cache: `create_causal_mask` returns None and SDPA runs with `is_causal=True`; no T x T
@@ -19,6 +22,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -201,42 +205,103 @@ def _field(source, name: str):
 # ---------------------------------------------------------------------------------------------------- the step
 
 
-def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, setup: TrainingSetup, *,
-                  loss_fn: LossFn | None = None, phase_callback: PhaseCallback | None = None) -> float:
-    """One optimizer step: `setup.grad_accum_steps` micro-steps (forward + loss under autocast for amp-*, then
-    backward of loss / accum), then `optimizer.step()` and `optimizer.zero_grad(set_to_none=True)`.
+@dataclass(frozen=True)
+class EngineHooks:
+    """What an engine does differently around the one loop (`training_step`); the defaults are plain torch in one
+    process: autocast for amp-*, `(loss * weight).backward()` through a GradScaler for amp-fp16, optimizer.step()."""
+
+    autocast: bool = True
+    """False where the engine casts to the compute dtype itself (FSDP2's MixedPrecisionPolicy, DeepSpeed)."""
+    engine_backward: Callable[[torch.Tensor], None] | None = None
+    """Takes each micro-step's unweighted loss instead of backward + GradScaler + optimizer step: DeepSpeed's
+    `engine.backward(loss); engine.step()`, which scales, accumulates and steps at the boundary itself."""
+    reduce_gradients: Callable[[], None] | None = None
+    """Runs after the last backward, before unscaling and clipping (memfit's DDP / ZeroRedundancyOptimizer
+    all-reduce)."""
+    max_grad_norm: float | None = None
+    """Clip the gradient norm to this before the step (None: no clipping)."""
+    step: Callable[[], None] | None = None
+    """Runs instead of optimizer.step() (FitLoop: the transactional step); a GradScaler still decides whether."""
+
+
+PLAIN_TORCH = EngineHooks()
+
+
+def training_step(model: torch.nn.Module, optimizer, batches, setup: TrainingSetup, *,
+                  loss_fn: LossFn | None = None, phase_callback: PhaseCallback | None = None,
+                  hooks: EngineHooks = PLAIN_TORCH, weights: Sequence[float] | None = None) -> float:
+    """One optimizer step, the one training loop of memfit: `forward_backward`, then `optimizer_step`. measure and
+    the tracer run it with the default hooks; memfit._torch.engine.Prepared with its engine's; fit.FitLoop calls
+    the two halves with its own step.
 
     `batches`: one batch (a dict of tensors, reused for every micro-step) or a sequence of grad_accum_steps batches.
     `loss_fn(model, batch)` returns the scalar loss; by default the model's output `.loss`.
     `phase_callback` is called with "forward", "backward" and "optimizer" as each phase begins (once per micro-step
     for the first two); each phase also runs inside a `record_function("memfit::<phase>")` range.
-    Returns the mean loss over the micro-steps (nan on fake tensors, which have no values).
+    `weights`: each micro-batch's loss weight (default 1 / grad_accum_steps, i.e. the mean).
+    Returns the weighted loss over the micro-steps (nan on fake tensors, which have no values).
     """
-    micro_batches = _micro_batches(batches, setup.grad_accum_steps)
+    loss = forward_backward(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=phase_callback,
+                            hooks=hooks, weights=weights)
+    optimizer_step(model, optimizer, setup, phase_callback=phase_callback, hooks=hooks)
+    return loss
+
+
+def forward_backward(model: torch.nn.Module, optimizer, batches, setup: TrainingSetup, *,
+                     loss_fn: LossFn | None = None, phase_callback: PhaseCallback | None = None,
+                     hooks: EngineHooks = PLAIN_TORCH, weights: Sequence[float] | None = None) -> float:
+    """The micro-steps of one optimizer step: forward and loss (under autocast for amp-*), then backward of the
+    loss times its weight (through the GradScaler for amp-fp16, or the engine's own backward)."""
+    micro_batches = _micro_batches(batches, setup.grad_accum_steps if weights is None else len(weights))
     notify = phase_callback or _no_phase
-    autocast = autocast_factory(setup, model_device(model).type)
-    scaler = _grad_scaler(optimizer, setup, model_device(model).type)
+    device_type = model_device(model).type
+    autocast = autocast_factory(setup, device_type) if hooks.autocast else contextlib.nullcontext
+    scaler = None if hooks.engine_backward else _grad_scaler(optimizer, setup, device_type)
     compute_loss = loss_fn or default_loss
-    losses = []
-    for batch in micro_batches:
+    total = 0.0
+    for index, batch in enumerate(micro_batches):
         notify("forward")
         with torch.profiler.record_function("memfit::forward"), autocast(), _mask_hint(model, batch):
             loss = compute_loss(model, batch)
         notify("backward")
+        weight = 1 / setup.grad_accum_steps if weights is None else weights[index]
         with torch.profiler.record_function("memfit::backward"):
-            scaled = loss / setup.grad_accum_steps
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        losses.append(_value(loss))
-        del loss, scaled
-    notify("optimizer")
+            if hooks.engine_backward is not None:
+                hooks.engine_backward(loss)
+            else:
+                scaled = loss / setup.grad_accum_steps if weights is None else loss * weight
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                del scaled
+        total += _value(loss) * weight
+        del loss
+    return total
+
+
+def optimizer_step(model: torch.nn.Module, optimizer, setup: TrainingSetup, *,
+                   phase_callback: PhaseCallback | None = None, hooks: EngineHooks = PLAIN_TORCH,
+                   resume: bool = False) -> None:
+    """The optimizer phase: reduce the gradients (hooks), unscale (amp-fp16), clip, step, update the loss scale,
+    `zero_grad(set_to_none=True)`. `resume=True` continues a step whose `hooks.step` failed part-way (FitLoop after
+    an out-of-memory error): the gradients left are already reduced, unscaled and clipped."""
+    (phase_callback or _no_phase)("optimizer")
     with torch.profiler.record_function("memfit::optimizer"):
+        if hooks.engine_backward is not None:
+            return  # the engine stepped at the accumulation boundary
+        scaler = _grad_scaler(optimizer, setup, model_device(model).type)
+        target = _scaled_step(optimizer, hooks.step) if scaler is not None else None
+        if not resume:
+            if hooks.reduce_gradients is not None:
+                hooks.reduce_gradients()
+            if scaler is not None:
+                scaler.unscale_(target)
+            if hooks.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), hooks.max_grad_norm)
         if scaler is not None:
-            scaler.step(optimizer)
+            scaler.step(target)
             scaler.update()
         else:
-            optimizer.step()
+            (hooks.step or optimizer.step)()
         optimizer.zero_grad(set_to_none=True)
-    return sum(losses) / len(losses)
 
 
 def default_loss(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -279,14 +344,14 @@ def _mask_hint(model, batch) -> contextlib.AbstractContextManager:
     return unpacked_sequences() if is_hf_model(model) and not packed else contextlib.nullcontext()
 
 
-def _micro_batches(batches, grad_accum_steps: int) -> list:
+def _micro_batches(batches, num_micro_steps: int) -> list:
     if isinstance(batches, (Mapping, torch.Tensor)):
-        return [batches] * grad_accum_steps
+        return [batches] * num_micro_steps
     batches = list(batches) if isinstance(batches, Sequence) else batches
-    if not isinstance(batches, list) or len(batches) != grad_accum_steps:
+    if not isinstance(batches, list) or len(batches) != num_micro_steps:
         count = len(batches) if isinstance(batches, list) else "an unsized iterable of"
-        raise ConfigError(f"got {count} micro-batches for grad_accum_steps={grad_accum_steps}: pass one batch "
-                          f"(reused) or a list of exactly {grad_accum_steps}")
+        raise ConfigError(f"got {count} micro-batches for {num_micro_steps} micro-steps (grad_accum_steps, or one "
+                          f"weight each): pass one batch (reused) or a list of exactly {num_micro_steps}")
     return batches
 
 
@@ -299,6 +364,31 @@ def _grad_scaler(optimizer, setup: TrainingSetup, device_type: str):
         scaler = torch.amp.GradScaler(device_type)
         optimizer._memfit_grad_scaler = scaler
     return scaler
+
+
+class _ScaledStep:
+    """What the GradScaler unscales and steps: the optimizer's parameter groups, and the step the loop was given
+    (optimizer.step or a transactional one). One per optimizer, so a resumed step finds the scaler's record of it
+    (the scaler keys its per-optimizer state by the object it was handed)."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+        self.run: Callable[[], None] = optimizer.step
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, *args, **kwargs):
+        return self.run()
+
+
+def _scaled_step(optimizer, step: Callable[[], None] | None) -> _ScaledStep:
+    target = getattr(optimizer, "_memfit_scaled_step", None)
+    if target is None:
+        target = optimizer._memfit_scaled_step = _ScaledStep(optimizer)
+    target.run = step or optimizer.step
+    return target
 
 
 def _value(loss: torch.Tensor) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..estimate.comm import comm_volume, data_parallel_bytes, describe_runtime
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import Offload, TrainingSetup
@@ -9,17 +10,17 @@ from ..units import format_bytes
 
 
 def zero_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
-    """Bytes each rank sends per optimizer step. ZeRO paper sec. 7: stages 1-2 move 2 x Psi (reduce-scatter of
-    gradients + all-gather of parameters), like DDP's all-reduce; stage 3 moves 3 x Psi (parameters gathered in
-    forward and again in backward). Psi in bf16/fp16 gradient bytes."""
-    psi = 2 * spec.num_params
-    return (3 if setup.sharding.stage == 3 else 2) * psi
+    """Bytes each rank sends per optimizer step on the setup's engine and ZeRO stage: memfit.estimate.comm, the one
+    communication model (the ZeRO paper's 2 Psi / 3 Psi where the engine does what the paper does)."""
+    return comm_volume(spec, setup).per_rank_bytes
 
 
 def zero_traffic(spec: ModelSpec, setup: TrainingSetup) -> str:
-    factor = "1.5x" if setup.sharding.stage == 3 else "1x"
-    return (f"{format_bytes(zero_traffic_bytes(spec, setup))} per rank per step over the interconnect "
-            f"({factor} DDP's all-reduce)")
+    volume = comm_volume(spec, setup)
+    baseline = data_parallel_bytes(spec, setup)
+    ratio = f", {volume.per_rank_bytes / baseline:.3g}x its data-parallel all-reduce" if baseline else ""
+    return (f"{format_bytes(volume.per_rank_bytes)} per rank per step over the interconnect "
+            f"({volume.psi_multiple:.3g} x Psi, {describe_runtime(setup)}{ratio})")
 
 
 def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
@@ -34,6 +35,6 @@ def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
 
 def offload_traffic(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> str:
     traffic = offload_traffic_bytes(spec, setup)
-    seconds = traffic / (hardware.gpu.host_link_gbps * 1e9)
-    return (f"{format_bytes(traffic)} over PCIe per step (~{seconds:.2f} s at {hardware.gpu.host_link_gbps:g} GB/s) "
-            "and a CPU optimizer step")
+    link = hardware.gpu.host_link_gb_per_s
+    seconds = traffic / (link * 1e9)
+    return f"{format_bytes(traffic)} over PCIe per step (~{seconds:.2f} s at {link:g} GB/s) and a CPU optimizer step"

@@ -175,27 +175,14 @@ def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
 # ---- checkpointing of plain modules ----------------------------------------------------------------------------------
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """Children of a ModuleList/Sequential that are 2+ non-leaf modules of one class (transformer layers, stages)."""
-    blocks: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(True for _ in children[0].children()):
-            blocks += children
-            inside.update(id(m) for child in children for m in child.modules())
-    return blocks
+    """The repeated blocks: memfit._torch.blocks.find_blocks, the one finder (apply_, the engines, FSDP2 units)."""
+    from .._torch.blocks import find_blocks
+
+    return find_blocks(model)
 
 
 def checkpoint_repeated_blocks(model: nn.Module) -> int:
-    """Wrap each repeated block's forward in non-reentrant torch.utils.checkpoint; returns how many."""
-    from torch.utils.checkpoint import checkpoint
+    """Checkpoint each repeated block: memfit._torch.blocks.checkpoint_blocks, the wrapper apply_ uses."""
+    from .._torch.blocks import checkpoint_blocks
 
-    blocks = repeated_blocks(model)
-    for block in blocks:
-        def run(*args, _forward=block.forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-        block.forward = run
-    return len(blocks)
+    return checkpoint_blocks(model)

@@ -1,0 +1,291 @@
+"""Communication per optimizer step: the one model of what each data-parallel rank sends, per engine and ZeRO stage.
+
+Convention (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, sec. 7): a collective over a buffer of Psi elements
+moves Psi per rank for a reduce-scatter, an all-gather or a broadcast, and 2 Psi for an all-reduce (a ring all-reduce
+is a reduce-scatter followed by an all-gather). A ring sends (N-1)/N of that per rank; the paper, and
+`Collective.num_bytes`, round it to 1 (`CommVolume.ring_bytes_per_rank` keeps it). Bytes are Psi in the dtype that
+goes over the wire. The paper's figures: data parallelism 2 Psi, ZeRO-1 and ZeRO-2 2 Psi (reduce-scatter of the
+gradients, all-gather of the updated parameters), ZeRO-3 3 Psi (the parameters gathered in forward and again in
+backward, then the gradients reduce-scattered).
+
+What each engine really does (counted on 2 gloo ranks through the dispatcher, memfit._torch.comm_count, torch 2.13,
+DeepSpeed 0.19, with accumulation 1 and 2, fp32, amp-bf16, bf16 and bf16-master; tests/test_launch.py re-counts DDP,
+ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-steps on FSDP2 and DeepSpeed ZeRO-2):
+
+- DDP (engine torch, no sharding): one all-reduce of the gradients per optimizer step, in the gradient dtype (fp32
+  under autocast, since the weights are fp32). memfit's engine all-reduces after the last micro-step, as DDP under
+  `no_sync` (HF Trainer, accelerate) does. 2 Psi: the paper's figure.
+- ZeroRedundancyOptimizer (engine torch, ZeRO-1): the same all-reduce of whole gradients, then each rank broadcasts
+  the parameters it stepped (torch/distributed/optim/zero_redundancy_optimizer.py, `_sync_params`): 3 Psi where the
+  paper's ZeRO-1 moves 2 Psi, because torch reduces every gradient everywhere instead of reduce-scattering.
+- FSDP2 (engine torch, ZeRO-2 = reshard_after_forward=False, ZeRO-3 = True): per micro-step, an all-gather of the
+  parameters before forward (ZeRO-3: again before backward) and a reduce-scatter of the gradients after backward;
+  FSDP2 re-shards after every backward and reduce-scatters every micro-step unless the loop turns gradient sync off
+  (`set_requires_gradient_sync(False)`, which memfit's loop does not). Gathers travel in the compute dtype; under
+  memfit's MixedPrecisionPolicy (amp-*, bf16-master) gradients are reduced in fp32 (`reduce_dtype`), so ZeRO-2 with
+  amp-bf16 moves Psi in bf16 plus Psi in fp32 rather than 2 Psi of one dtype. With accumulation 1: the paper's 2 Psi
+  and 3 Psi.
+- DeepSpeed (`communication_data_type`: the 16-bit dtype when bf16/fp16 is on, else fp32). ZeRO-0: one all-reduce
+  at the accumulation boundary, 2 Psi. ZeRO-1 and ZeRO-2: each gradient bucket is all-reduced and each rank keeps
+  its partition (runtime/zero/stage_1_and_2.py `average_tensor`: `use_multi_rank_bucket_allreduce` defaults to
+  true), then the updated partitions are all-gathered: 3 Psi, not the paper's 2 (with that flag off it reduces to
+  each partition's owner instead). ZeRO-1 reduces once, at the boundary; ZeRO-2 in every micro-step's backward.
+  ZeRO-3: per micro-step, an all-gather in forward, a reduce-scatter of the gradients, and in backward an all-gather
+  of what forward released: DeepSpeed keeps a parameter gathered when it is used again within
+  `stage3_max_reuse_distance` (1e9) parameter elements (partitioned_param_coordinator.py `__params_to_release`).
+  A block's reuse lies twice the parameters after it away (the rest of forward, then backward down to it), so
+  memfit counts the last half of that distance as kept: backward re-gathers Psi - min(Psi, 5e8 elements), an
+  approximation (a tiny model keeps everything: 2 Psi in all; Llama-2-70B re-gathers all but 0.7%). The first step
+  gathers everything twice, before DeepSpeed has recorded the parameter order; these are the later steps.
+- Scalars (gradient norms, overflow checks) are not counted. Parameter offload adds host<->device copies
+  (techniques.costs.offload_traffic_bytes), not network traffic.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..hardware import Hardware
+from ..model_spec import ModelSpec
+from ..setup import Engine, Offload, Precision, Sharding, TrainingSetup
+
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = "all-reduce", "reduce-scatter", "all-gather", "broadcast"
+DEEPSPEED_MAX_REUSE_DISTANCE = 10**9
+"""DeepSpeed's stage3_max_reuse_distance default, in parameter elements (runtime/zero/config.py)."""
+PAPER_PSI_MULTIPLE = {0: 2, 1: 2, 2: 2, 3: 3}
+"""ZeRO paper sec. 7: what each rank moves per step, in units of Psi, for data parallelism and ZeRO-1/2/3."""
+
+
+class Runtime(enum.Enum):
+    """What runs data parallelism for a setup: derived from (Engine, Sharding) by `runtime_of`, never typed in."""
+
+    SINGLE = "one process (no communication)"
+    DDP = "torch data parallel (gradients all-reduced)"
+    ZERO_REDUNDANCY = "torch ZeroRedundancyOptimizer (ZeRO-1)"
+    FSDP2_NO_RESHARD = "FSDP2 fully_shard, reshard_after_forward=False (ZeRO-2)"
+    FSDP2_RESHARD = "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3)"
+    DEEPSPEED = "DeepSpeed ZeRO"
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self in (Runtime.FSDP2_NO_RESHARD, Runtime.FSDP2_RESHARD)
+
+
+def runtime_of(engine: Engine, sharding: Sharding, world_size: int = 2) -> Runtime:
+    """The one mapping from the setup's engine and ZeRO stage to what runs it (memfit._torch.engine.prepare)."""
+    if engine is Engine.DEEPSPEED:
+        return Runtime.DEEPSPEED
+    if sharding is Sharding.NONE:
+        return Runtime.SINGLE if world_size < 2 else Runtime.DDP
+    return {Sharding.ZERO1: Runtime.ZERO_REDUNDANCY, Sharding.ZERO2: Runtime.FSDP2_NO_RESHARD,
+            Sharding.ZERO3: Runtime.FSDP2_RESHARD}[sharding]
+
+
+def deepspeed_stage(setup: TrainingSetup) -> int:
+    """The stage DeepSpeed runs (offload alone runs ZeRO-1): memfit.emit.deepspeed.zero_stage."""
+    from ..emit.deepspeed import zero_stage
+
+    return zero_stage(setup)
+
+
+def describe_runtime(setup: TrainingSetup) -> str:
+    runtime = runtime_of(setup.engine, setup.sharding, setup.num_gpus)
+    if runtime is Runtime.DEEPSPEED:
+        return f"DeepSpeed ZeRO stage {deepspeed_stage(setup)}"
+    return runtime.value
+
+
+# ------------------------------------------------------------------------------------------------- the result
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    """'all-reduce', 'reduce-scatter', 'all-gather' or 'broadcast'."""
+    what: str
+    num_elements: int
+    """Elements of the whole buffer one call covers (Psi for the whole model)."""
+    dtype_bytes: int
+    calls_per_step: int = 1
+    """Calls per optimizer step: the micro-steps, for what an engine does in every backward."""
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the buffers covered per step: what memfit._torch.comm_count measures."""
+        return self.num_elements * self.dtype_bytes * self.calls_per_step
+
+    @property
+    def volume_elements(self) -> int:
+        return self.num_elements * self.calls_per_step * (2 if self.name == ALL_REDUCE else 1)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes each rank sends per step in the paper's convention (2x the payload for an all-reduce)."""
+        return self.volume_elements * self.dtype_bytes
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "what": self.what, "elements": self.num_elements, "dtype_bytes": self.dtype_bytes,
+                "calls_per_step": self.calls_per_step, "payload_bytes": self.payload_bytes, "bytes": self.num_bytes}
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """What each rank sends per optimizer step, split by collective (see the module docstring)."""
+
+    collectives: tuple[Collective, ...]
+    num_params: int
+    world_size: int
+    num_nodes: int = 1
+    gpus_per_node: int = 1
+    runtime: Runtime = Runtime.DDP
+    notes: tuple[str, ...] = ()
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return sum(c.num_bytes for c in self.collectives)
+
+    @property
+    def ring_bytes_per_rank(self) -> int:
+        """What a ring actually sends per rank: (N-1)/N of `per_rank_bytes`."""
+        return self.per_rank_bytes * (self.world_size - 1) // self.world_size if self.world_size > 1 else 0
+
+    @property
+    def psi_multiple(self) -> float:
+        """Elements moved over P: 2 for the paper's DP and ZeRO-1/2, 3 for ZeRO-3 (see the docstring for engines)."""
+        return sum(c.volume_elements for c in self.collectives) / self.num_params if self.num_params else 0.0
+
+    def payload_bytes(self) -> dict[str, int]:
+        """Payload bytes per collective name, comparable with memfit._torch.comm_count.CollectiveCounter."""
+        totals: dict[str, int] = {}
+        for c in self.collectives:
+            totals[c.name] = totals.get(c.name, 0) + c.payload_bytes
+        return totals
+
+    @property
+    def inter_node_bytes_per_node(self) -> int:
+        """Bytes per step crossing each node's network link. A ring over all ranks, ordered by node, sends on every
+        link what each rank sends, (N-1)/N of Psi per collective; one link out of each node crosses the network,
+        so each node's link carries one rank's volume and the node-local links (NVLink) carry the rest."""
+        return self.ring_bytes_per_rank if self.num_nodes > 1 else 0
+
+    @property
+    def inter_node_peer_fraction(self) -> float:
+        """Share of each rank's peers on other nodes, (N - G) / (N - 1): the share of its traffic that would cross
+        the network without a node-aware (ring or hierarchical) algorithm."""
+        if self.world_size < 2:
+            return 0.0
+        return (self.world_size - self.gpus_per_node) / (self.world_size - 1)
+
+    def to_dict(self) -> dict:
+        return {"per_rank_bytes": self.per_rank_bytes, "ring_bytes_per_rank": self.ring_bytes_per_rank,
+                "psi_multiple": self.psi_multiple, "runtime": self.runtime.value,
+                "collectives": [c.to_dict() for c in self.collectives],
+                "inter_node_bytes_per_node": self.inter_node_bytes_per_node,
+                "inter_node_peer_fraction": self.inter_node_peer_fraction, "world_size": self.world_size,
+                "num_nodes": self.num_nodes, "notes": list(self.notes)}
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+
+
+def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None = None) -> CommVolume:
+    """Bytes each of `setup.num_gpus` ranks sends per optimizer step on the setup's engine. `hardware` only splits
+    the ranks into nodes (default: one node)."""
+    runtime = runtime_of(setup.engine, setup.sharding, setup.num_gpus)
+    collectives = () if setup.num_gpus < 2 else _COLLECTIVES[runtime](spec.num_params, setup)
+    notes = _notes(runtime, setup)
+    nodes, per_node = ((hardware.num_nodes, hardware.gpus_per_node) if hardware is not None
+                       else (1, setup.num_gpus))
+    return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes)
+
+
+def data_parallel_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """What plain data parallelism on the setup's engine sends per rank per step (DDP's all-reduce, or DeepSpeed
+    ZeRO-0's), the baseline a ZeRO stage is compared with."""
+    if setup.num_gpus < 2:
+        return 0
+    params = spec.num_params
+    if setup.engine is Engine.DEEPSPEED:
+        return _deepspeed(params, setup, stage=0)[0].num_bytes
+    return _ddp(params, setup)[0].num_bytes
+
+
+def _ddp(params: int, setup: TrainingSetup) -> list[Collective]:
+    return [Collective(ALL_REDUCE, "gradients, after the last micro-step", params, _torch_param_bytes(setup))]
+
+
+def _zero_redundancy(params: int, setup: TrainingSetup) -> list[Collective]:
+    return [*_ddp(params, setup),
+            Collective(BROADCAST, "updated parameters, each from the rank that stepped it", params,
+                       _torch_param_bytes(setup))]
+
+
+def _fsdp2(params: int, setup: TrainingSetup) -> list[Collective]:
+    micro = setup.grad_accum_steps
+    gather, reduce = _fsdp2_dtype_bytes(setup)
+    collectives = [Collective(ALL_GATHER, "parameters, before each forward", params, gather, micro)]
+    if setup.sharding is Sharding.ZERO3:
+        collectives.append(Collective(ALL_GATHER, "parameters again, before each backward", params, gather, micro))
+    collectives.append(Collective(REDUCE_SCATTER, "gradients, after each backward", params, reduce, micro))
+    return collectives
+
+
+def _deepspeed(params: int, setup: TrainingSetup, stage: int | None = None) -> list[Collective]:
+    stage = deepspeed_stage(setup) if stage is None else stage
+    micro, dtype = setup.grad_accum_steps, _deepspeed_dtype_bytes(setup)
+    if stage == 0:
+        return [Collective(ALL_REDUCE, "gradients, at the accumulation boundary", params, dtype)]
+    if stage == 3:
+        regathered = params - min(params, DEEPSPEED_MAX_REUSE_DISTANCE // 2)
+        collectives = [Collective(ALL_GATHER, "parameters, in each forward", params, dtype, micro)]
+        if regathered:
+            collectives.append(Collective(ALL_GATHER, "parameters released after forward, again in backward",
+                                          regathered, dtype, micro))
+        return collectives + [Collective(REDUCE_SCATTER, "gradients, in each backward", params, dtype, micro)]
+    reduce = (Collective(ALL_REDUCE, "gradient buckets, at the accumulation boundary", params, dtype) if stage == 1
+              else Collective(ALL_REDUCE, "gradient buckets, in each backward", params, dtype, micro))
+    return [reduce, Collective(ALL_GATHER, "updated parameter partitions, after the step", params, dtype)]
+
+
+_COLLECTIVES = {Runtime.SINGLE: lambda params, setup: [], Runtime.DDP: _ddp,
+                Runtime.ZERO_REDUNDANCY: _zero_redundancy, Runtime.FSDP2_NO_RESHARD: _fsdp2,
+                Runtime.FSDP2_RESHARD: _fsdp2, Runtime.DEEPSPEED: _deepspeed}
+
+
+def _torch_param_bytes(setup: TrainingSetup) -> int:
+    """Parameters and gradients of an unsharded torch model: fp32 unless the weights are bf16 (bf16, bf16-master:
+    memfit keeps the fp32 master copy in the optimizer, so gradients are bf16)."""
+    return 2 if setup.precision.param_dtype == "bf16" else 4
+
+
+def _fsdp2_dtype_bytes(setup: TrainingSetup) -> tuple[int, int]:
+    """(all-gather, reduce-scatter) bytes per element under memfit's FSDP2 options (memfit._torch.engine.shard):
+    MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32) for amp-* and bf16-master."""
+    if setup.precision is Precision.FP32:
+        return 4, 4
+    if setup.precision is Precision.BF16:
+        return 2, 2
+    return 2, 4
+
+
+def _deepspeed_dtype_bytes(setup: TrainingSetup) -> int:
+    """DeepSpeed's communication_data_type default (runtime/engine.py): fp16 or bf16 when enabled, else fp32."""
+    return 4 if setup.precision is Precision.FP32 else 2
+
+
+def _notes(runtime: Runtime, setup: TrainingSetup) -> tuple[str, ...]:
+    notes = []
+    if runtime is Runtime.ZERO_REDUNDANCY:
+        notes.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces whole gradients and broadcasts the "
+                     "updated parameters: 3 Psi, where the ZeRO paper's ZeRO-1 moves 2 Psi")
+    if runtime is Runtime.DEEPSPEED and deepspeed_stage(setup) in (1, 2):
+        notes.append("DeepSpeed ZeRO-1/2 all-reduce gradient buckets (use_multi_rank_bucket_allreduce, on by "
+                     "default) before all-gathering the updated partitions: 3 Psi, where the ZeRO paper moves 2 Psi")
+    if setup.grad_accum_steps > 1 and (runtime.is_fsdp2 or (
+            runtime is Runtime.DEEPSPEED and deepspeed_stage(setup) >= 2)):
+        notes.append(f"gradients are reduced in each of the {setup.grad_accum_steps} micro-steps, not once per step")
+    if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+        notes.append("parameter offload adds host<->device copies (techniques.costs.offload_traffic_bytes), not "
+                     "network traffic")
+    return tuple(notes)
