@@ -18,12 +18,12 @@ exact output and saved-tensor shapes. Kernel workspaces are not tensors and stay
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 Kernels = Literal["cuda", "cpu"]
 KERNELS: tuple[str, ...] = ("cuda", "cpu")
@@ -40,7 +40,12 @@ def kernel_note(kernels: Kernels) -> str:
 
 @contextlib.contextmanager
 def device_kernels(kernels: Kernels) -> Iterator[None]:
-    """Run the step with `kernels`' memory behaviour: CUDA's through `_CudaKernels`, the CPU's as they are."""
+    """Run the step with `kernels`' memory behaviour: CUDA's by swapping `F.dropout` and
+    `F.scaled_dot_product_attention` for the calls a CUDA device makes, the CPU's as they are.
+
+    The functions are swapped on the module (modelling code looks them up at call time), not through a
+    TorchFunctionMode: the recomputation of a checkpointed block runs inside backward, where a function mode entered
+    around the step is not active, and would then save other tensors than the first forward (CheckpointError)."""
     if kernels not in KERNELS:
         from ..errors import ConfigError
 
@@ -48,25 +53,24 @@ def device_kernels(kernels: Kernels) -> Iterator[None]:
     if kernels == "cpu":
         yield
         return
-    with _CudaKernels():
+    originals = {"dropout": F.dropout, "scaled_dot_product_attention": F.scaled_dot_product_attention}
+    F.dropout = functools.partial(_dropout, originals["dropout"])
+    F.scaled_dot_product_attention = functools.partial(_sdpa_or, originals["scaled_dot_product_attention"])
+    try:
         yield
+    finally:
+        for name, function in originals.items():
+            setattr(F, name, function)
 
 
-class _CudaKernels(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            return _dropout(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
-            out = _sdpa(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+def _sdpa_or(original, *args, **kwargs):
+    out = _sdpa(*args, **kwargs)
+    return original(*args, **kwargs) if out is None else out
 
 
-def _dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+def _dropout(original, input, p: float = 0.5, training: bool = True, inplace: bool = False):
     if not training or not 0 < p < 1 or input.numel() == 0:
-        return F.dropout(input, p, training, inplace)
+        return original(input, p, training, inplace)
     out, _mask = torch.ops.aten.native_dropout(input, p, True)
     if inplace:
         return input.copy_(out)
