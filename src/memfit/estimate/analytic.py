@@ -204,6 +204,7 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         "forward end": (Phase.FORWARD, forward),
         "loss backward": (Phase.BACKWARD, _loss_backward(step, forward)),
         "first block backward": (Phase.BACKWARD, _first_block_backward(step, early_grads)),
+        "second block backward": (Phase.BACKWARD, _second_block_backward(step, early_grads)),
         "end of backward": (Phase.BACKWARD, _end_of_backward(step)),
         "embedding gradient": (Phase.BACKWARD, _embedding_gradient(step)),
         "root reduce-scatter": (Phase.BACKWARD, _root_reduce(step)),
@@ -234,6 +235,26 @@ def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     terms += step.acts_except(*_HEAD_AND_LOSS)
     terms.append(step.layer_temporaries())
     if step.setup.checkpointing is Checkpointing.FULL:
+        terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
+    return terms
+
+
+def _second_block_backward(step: _Step, early_grads: int) -> list[Term]:
+    """FSDP2 only: the next block's backward, with the first one's reduce-scatter input held, its activations (or
+    its checkpoint) gone."""
+    units = step.static.fsdp
+    if units is None or step.spec.num_layers < 2:
+        return []
+    terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(units, first=False)
+    ckpt = step.setup.checkpointing is Checkpointing.FULL
+    for term in step.acts_except(*_HEAD_AND_LOSS):
+        if ckpt and term.name == "activations/checkpoints":
+            term = replace(term, num_bytes=term.num_bytes * (step.spec.num_layers - 1) // step.spec.num_layers)
+        elif not ckpt and term.name in ("activations/attention", "activations/mlp", "activations/norms/residual"):
+            term = replace(term, num_bytes=term.num_bytes * (step.spec.num_layers - 1) // step.spec.num_layers)
+        terms.append(term)
+    terms.append(step.layer_temporaries())
+    if ckpt:
         terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
     return terms
 

@@ -135,11 +135,14 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     optimizer = (full.states + full.master) // n if stage >= 1 else full.states + full.master
     engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0))
-    return _offloaded(spec, setup, full, out)
+    return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
 
 
 def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
     n, stage = setup.num_gpus, setup.sharding.stage
+    if stage == 0 and setup.offload is Offload.NONE:
+        # BF16_Optimizer (bf16 without ZeRO) keeps fp32 gradients for the fp32 master step beside the bf16 ones
+        s = replace(s, master_grad_upcast=setup.precision.master_weights)
     if n == 1 and setup.offload is Offload.NONE:
         return s
     optimizer, comm, notes = s.optimizer, 0, []
@@ -194,7 +197,9 @@ def _root_plus_block(spec: ModelSpec) -> int:
     return per_layer + outer
 
 
-def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
+def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic, *,
+               grads_follow: bool = False) -> ShardedStatic:
+    """`grads_follow`: FSDP2's CPUOffloadPolicy moves each reduced gradient shard to the host too."""
     if setup.offload is Offload.NONE:
         return s
     n = setup.num_gpus if setup.sharding.stage >= 1 else 1
@@ -205,4 +210,7 @@ def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: Shar
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         cpu += params
         params = 0
-    return replace(s, optimizer=0, cpu=cpu, params=params)
+    grads = s.grads
+    if grads_follow and setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+        grads = 0
+    return replace(s, optimizer=0, cpu=cpu, params=params, grads=grads)
