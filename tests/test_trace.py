@@ -171,13 +171,14 @@ def traced_and_real(model: str, setup: TrainingSetup):
     """(trace result, real measured peak) for a tiny HF family name or a plain model name."""
     if model in PLAIN:
         plain = PLAIN[model]
-        estimate = trace(plain["factory"], setup, input_builder=plain["input_builder"], loss_fn=plain["loss_fn"])
+        estimate = trace(plain["factory"], setup, input_builder=plain["input_builder"], loss_fn=plain["loss_fn"],
+                         kernels="cpu")
         torch.manual_seed(0)
         session = build_module_session(plain["factory"], setup, input_builder=plain["input_builder"],
                                        loss_fn=plain["loss_fn"])
     else:
         config = copy.deepcopy(TINY_CONFIGS[model])
-        estimate = trace(config, setup)
+        estimate = trace(config, setup, kernels="cpu")
         torch.manual_seed(0)
         session = build_hf_session(config, setup)
     return estimate, measured_peak(session)
@@ -283,7 +284,7 @@ def test_zero3_trace_equals_a_real_two_process_gloo_run(tmp_path):
     gradients) can still be alive when the peak comes, on either rank, depending on timing. So each real rank's peak
     is the traced one plus a few such whole buffers, to the byte."""
     setup = setup_of(micro_batch_size=8, seq_len=64, sharding="zero3", num_gpus=2)
-    traced = trace(BlockNet, setup, input_builder=features).tensor_bytes
+    traced = trace(BlockNet, setup, input_builder=features, kernels="cpu").tensor_bytes
     script = tmp_path / "rank.py"
     script.write_text(_GLOO_RANK)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from ..errors import ConfigError
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
-from ..setup import Checkpointing, Sharding, TrainingSetup
+from ..setup import Checkpointing, Engine, Sharding, TrainingSetup
 from . import activations as act
+from . import fsdp2
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
 from .static import ShardedStatic, full_static, shard
@@ -25,15 +26,19 @@ from .static import ShardedStatic, full_static, shard
 ENGINE_SOURCE = "transformers 5.x modelling code, checked with saved_tensors_hooks on real tiny models"
 
 
-def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> MemoryEstimate:
-    """Per-device peak memory of one training step of `spec` under `setup` on `hardware`."""
+def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
+             layout: Engine | None = None) -> MemoryEstimate:
+    """Per-device peak memory of one training step of `spec` under `setup` on `hardware`.
+
+    `layout` sizes static memory as another engine lays it out (default: `setup.engine`). memfit.verify uses it
+    to compare a trace, which always runs torch's FSDP2, with the formulas on the same layout."""
     if not spec.is_transformer:
         raise ConfigError(f"'{spec.name}' has no transformer shape memfit can size analytically: "
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
     full = full_static(spec, setup)
-    static = shard(spec, setup, full)
+    static = shard(spec, setup, full, layout=layout or setup.engine)
     moments = _moments(spec, setup, static, full.step_temp, hardware.is_cpu)
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
@@ -199,7 +204,10 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         "forward end": (Phase.FORWARD, forward),
         "loss backward": (Phase.BACKWARD, _loss_backward(step, forward)),
         "first block backward": (Phase.BACKWARD, _first_block_backward(step, early_grads)),
+        "second block backward": (Phase.BACKWARD, _second_block_backward(step, early_grads)),
         "end of backward": (Phase.BACKWARD, _end_of_backward(step)),
+        "embedding gradient": (Phase.BACKWARD, _embedding_gradient(step)),
+        "root reduce-scatter": (Phase.BACKWARD, _root_reduce(step)),
         "optimizer step": (Phase.OPTIMIZER, _optimizer_step(step, step_temp)),
     }
 
@@ -217,16 +225,36 @@ def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
 
 def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     """The last block's backward: every block's activations, the head's gradients, one block's temporaries (and,
-    with checkpointing, that block rebuilt)."""
+    with checkpointing, that block rebuilt). Under FSDP2 the head's and the block's gradients are unsharded."""
     spec, static = step.spec, step.static
-    head_grads = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
-    terms = step.static_terms(max(early_grads, head_grads)) + step.acts_except(*_HEAD_AND_LOSS)
+    if static.fsdp is not None:
+        terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(static.fsdp, first=True)
+    else:
+        head_grads = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
+        terms = step.static_terms(max(early_grads, head_grads))
+    terms += step.acts_except(*_HEAD_AND_LOSS)
     terms.append(step.layer_temporaries())
-    if static.block_reduce_bytes:
-        terms.append(Term("temporaries/grad_reduce_scatter", Category.TEMPORARIES, static.block_reduce_bytes,
-                          "one block's unsharded gradients (+ fp32 copy for the reduce-scatter)",
-                          "FSDP2 post-backward reduce-scatter, fake-process-group traces"))
     if step.setup.checkpointing is Checkpointing.FULL:
+        terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
+    return terms
+
+
+def _second_block_backward(step: _Step, early_grads: int) -> list[Term]:
+    """FSDP2 only: the next block's backward, with the first one's reduce-scatter input held, its activations (or
+    its checkpoint) gone."""
+    units = step.static.fsdp
+    if units is None or step.spec.num_layers < 2:
+        return []
+    terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(units, first=False)
+    ckpt = step.setup.checkpointing is Checkpointing.FULL
+    for term in step.acts_except(*_HEAD_AND_LOSS):
+        if ckpt and term.name == "activations/checkpoints":
+            term = replace(term, num_bytes=term.num_bytes * (step.spec.num_layers - 1) // step.spec.num_layers)
+        elif not ckpt and term.name in ("activations/attention", "activations/mlp", "activations/norms/residual"):
+            term = replace(term, num_bytes=term.num_bytes * (step.spec.num_layers - 1) // step.spec.num_layers)
+        terms.append(term)
+    terms.append(step.layer_temporaries())
+    if ckpt:
         terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
     return terms
 
@@ -235,12 +263,16 @@ def _end_of_backward(step: _Step) -> list[Term]:
     """All gradients exist; with checkpointing, block 0 is rebuilt before its own and the embedding's gradients."""
     spec, static = step.spec, step.static
     embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
-    if step.setup.checkpointing is not Checkpointing.FULL:
+    if step.setup.checkpointing is not Checkpointing.FULL and static.fsdp is None:
         return step.static_terms(static.grads) + embeddings
     per_layer = spec.params_matching(".*.") // max(spec.num_layers, 1)
     pending = per_layer + spec.params_matching("embed_tokens", "wte", "word_embeddings", "embed_in")
     temporaries = step.layer_temporaries()
-    rebuilt = step.recomputed_block("block 0 rebuilt during backward")
+    if step.setup.checkpointing is Checkpointing.FULL:
+        rebuilt = step.recomputed_block("block 0 rebuilt during backward")
+    else:
+        rebuilt = replace(step.recomputed_block(""), name="activations/block0",
+                          formula="block 0's saved tensors, the last still alive")
     if step.attention_backward_dominates():
         # the peak is in block 0's attention backward: its MLP's gradients exist and its MLP tensors are freed
         mlp_params = spec.params_matching(".mlp.", ".intermediate.", ".output.dense", "dense_h_to_4h",
@@ -250,13 +282,57 @@ def _end_of_backward(step: _Step) -> list[Term]:
         rebuilt = replace(rebuilt, num_bytes=rebuilt.num_bytes - freed,
                           formula="block 0's attention tensors, rebuilt, once its MLP's backward has run")
         temporaries = replace(temporaries, num_bytes=temporaries.num_bytes + freed)
+    if static.fsdp is not None:
+        grads = static.fsdp.block_share(static.grads, static.fsdp.last_prefetching_block)
+        return (step.static_terms(grads, _gathered(static, 1)) + fsdp2.block_backward_terms(static.fsdp, first=False)
+                + embeddings
+                + [temporaries, rebuilt])
     grads = static.grads - static.grads * pending // max(spec.num_params, 1)
     return step.static_terms(grads) + embeddings + [temporaries, rebuilt]
+
+
+def _embedding_gradient(step: _Step) -> list[Term]:
+    """After the last block: the embedding's gradient. A tied matrix's LM-head contribution waits in autograd's
+    input buffer for the embedding's, and the two are summed: three V x h gradients at once."""
+    spec, static = step.spec, step.static
+    embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
+    if static.fsdp is not None:
+        grads = static.fsdp.block_share(static.grads, spec.num_layers)
+        return step.static_terms(grads, _gathered(static, 0)) + fsdp2.root_gradient_terms(static.fsdp) + embeddings
+    if not spec.tie_word_embeddings:
+        return []
+    head = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
+    return step.static_terms(static.grads - head) + embeddings + [Term(
+        "gradients/tied_embedding", Category.GRADIENTS, 3 * head,
+        "3 x V x h x grad dtype: the LM head's and the embedding's contributions and their sum",
+        "autograd InputBuffer accumulation for a parameter used twice")]
+
+
+def _root_reduce(step: _Step) -> list[Term]:
+    """FSDP2's root post-backward: every block's gradient shard, the root's unsharded gradients and their copy."""
+    units = step.static.fsdp
+    if units is None:
+        return []
+    grads = units.block_share(step.static.grads, step.spec.num_layers)
+    return step.static_terms(grads, _gathered(step.static, 0)) + fsdp2.root_reduce_terms(units)
+
+
+def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:
+    """Late in backward FSDP2 has resharded every block whose backward ran (ZeRO-2 too): the root and `blocks`
+    blocks stay gathered."""
+    units = static.fsdp
+    if units is None:
+        return static
+    return replace(static, param_working_set=(units.root_params + blocks * units.block_params) * units.compute_bytes)
 
 
 def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
     """Parameters (shards only: nothing is gathered), gradients, states and the step's temporaries."""
     terms = step.static_terms(step.static.grads, _without_gathered(step.static))
+    if step.static.master_grad_upcast:
+        terms.append(Term("temporaries/master_gradients", Category.TEMPORARIES, step.static.grads,
+                          "P x 2 B more: each bf16 gradient upcast to fp32 for the master copy's step (the bf16 one "
+                          "released as it goes)", "memfit._torch.master.MasterWeightsOptimizer"))
     if step_temp:
         shards = step.setup.num_gpus if step.setup.sharding.stage >= 1 else 1
         terms.append(Term("temporaries/optimizer_step", Category.TEMPORARIES, step_temp // shards,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, TrainingSetup
+from .fsdp2 import Fsdp2Units
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation: one fp32 absmax per 256 elements
@@ -117,25 +118,31 @@ class ShardedStatic:
     """Gradient communication buffers the engine keeps for the whole step (DDP buckets, DeepSpeed's reduce bucket)."""
     grads_preallocated: bool = False
     """The gradient partition exists before backward (DeepSpeed ZeRO-3 allocates it at start-up)."""
-    block_reduce_bytes: int = 0
-    """Transient in each block's backward: its unsharded gradients (and their upcast for the reduce-scatter)."""
+    fsdp: Fsdp2Units | None = None
+    """FSDP2's units (torch layout, ZeRO-2/3): what its backward keeps unsharded (memfit.estimate.fsdp2)."""
+    master_grad_upcast: bool = False
+    """The optimizer step upcasts each bf16 gradient to fp32 for the master copy, releasing the bf16 one as it goes."""
     notes: tuple[str, ...] = ()
 
 
-def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes) -> ShardedStatic:
-    """Per-rank static memory as the engine lays it out (ZeRO paper sec. 5 for the stages; the engine-specific
-    buffers were measured on 2-rank gloo runs of DeepSpeed 0.19, FSDP2 and DDP in torch 2.13, tests/test_launch.py)."""
+def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: Engine | None = None) -> ShardedStatic:
+    """Per-rank static memory as the engine (`layout`, default the setup's) lays it out (ZeRO paper sec. 5 for the
+    stages; the engine-specific buffers were measured on 2-rank gloo runs of DeepSpeed 0.19, FSDP2 and DDP in torch
+    2.13, tests/test_launch.py)."""
     n, stage = setup.num_gpus, setup.sharding.stage
     params = full.params // n if stage >= 3 else full.params
     grads = full.grads // n if stage >= 2 else full.grads
     optimizer = (full.states + full.master) // n if stage >= 1 else full.states + full.master
-    engine = _deepspeed_layout if setup.engine is Engine.DEEPSPEED else _torch_layout
+    engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0))
-    return _offloaded(spec, setup, full, out)
+    return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
 
 
 def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
     n, stage = setup.num_gpus, setup.sharding.stage
+    if stage == 0 and setup.offload is Offload.NONE:
+        # BF16_Optimizer (bf16 without ZeRO) keeps fp32 gradients for the fp32 master step beside the bf16 ones
+        s = replace(s, master_grad_upcast=setup.precision.master_weights)
     if n == 1 and setup.offload is Offload.NONE:
         return s
     optimizer, comm, notes = s.optimizer, 0, []
@@ -153,11 +160,14 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
 
 def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
     n, stage = setup.num_gpus, setup.sharding.stage
+    # memfit's MasterWeightsOptimizer (bf16-master without FSDP2's fp32 shards) upcasts gradients in its step
+    s = replace(s, master_grad_upcast=setup.precision.master_weights and setup.offload is Offload.NONE)
     if n > 1 and stage == 0:
         # DDP copies gradients into its buckets (gradient_as_bucket_view=False, the default HF and accelerate use)
         return replace(s, comm_buffers=full.grads, notes=("DDP gradient buckets: one more gradient-sized buffer",))
     if stage < 2:
         return s
+    s = replace(s, master_grad_upcast=False)  # FSDP2's master shards are fp32 already, and so are their gradients
     params, grads, optimizer = s.params, s.grads, s.optimizer
     compute_bytes = full.param_bytes_per_elem
     if setup.precision.master_weights:
@@ -171,12 +181,12 @@ def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: S
         working = compute_bytes * spec.num_params
     else:
         working = compute_bytes * _root_plus_block(spec)
-    # a block's backward makes its gradients unsharded in the compute dtype, upcast to fp32 for the reduce-scatter
-    # under MixedPrecisionPolicy(reduce_dtype=fp32), before the shard is kept
     per_layer = sum(p.numel for p in spec.params if ".*." in p.name)
-    reduce = per_layer * (compute_bytes + (4 if setup.precision.master_weights else 0))
-    return replace(s, params=params, grads=grads, optimizer=optimizer, param_working_set=working,
-                   block_reduce_bytes=reduce)
+    units = Fsdp2Units(block_params=per_layer, root_params=spec.num_params - per_layer * spec.num_layers,
+                       head_params=spec.vocab_size * spec.hidden_size, num_blocks=spec.num_layers,
+                       compute_bytes=compute_bytes, reduce_bytes=4 if setup.precision.master_weights else compute_bytes,
+                       reshard_after_forward=stage == 3, tied=spec.tie_word_embeddings)
+    return replace(s, params=params, grads=grads, optimizer=optimizer, param_working_set=working, fsdp=units)
 
 
 def _root_plus_block(spec: ModelSpec) -> int:
@@ -187,7 +197,9 @@ def _root_plus_block(spec: ModelSpec) -> int:
     return per_layer + outer
 
 
-def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
+def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic, *,
+               grads_follow: bool = False) -> ShardedStatic:
+    """`grads_follow`: FSDP2's CPUOffloadPolicy moves each reduced gradient shard to the host too."""
     if setup.offload is Offload.NONE:
         return s
     n = setup.num_gpus if setup.sharding.stage >= 1 else 1
@@ -198,4 +210,7 @@ def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: Shar
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         cpu += params
         params = 0
-    return replace(s, optimizer=0, cpu=cpu, params=params)
+    grads = s.grads
+    if grads_follow and setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+        grads = 0
+    return replace(s, optimizer=0, cpu=cpu, params=params, grads=grads)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..setup import Offload, Precision, Sharding, TrainingSetup
+from ..setup import Offload, Optimizer, Precision, Sharding, TrainingSetup
 from .tracker import StepTracker, _Kind
 
 
@@ -59,6 +59,50 @@ def sharder(setup: TrainingSetup, mesh, block_finder: Callable[[nn.Module], list
         return notes
 
     return shard
+
+
+class ShardLocalOptimizer:
+    """Steps FSDP2's sharded parameters through their local shards, for optimizers that have no DTensor rules
+    (bitsandbytes 8-bit AdamW, Adafactor). The shards are plain tensors sharing the DTensors' storage, so no byte
+    moves; this is also how DeepSpeed steps a rank's partition (plain tensors, never DTensors)."""
+
+    def __init__(self, params: list[torch.Tensor], build: Callable[[list[torch.Tensor]], object]) -> None:
+        self._pairs = [(param, _local(param)) for param in params]
+        self.inner = build([local for _, local in self._pairs])
+        self.memfit_notes = ("the optimizer steps each rank's local shard (plain tensors, as DeepSpeed steps its "
+                             "partition): FSDP2's DTensors have no rules for this optimizer",)
+
+    @property
+    def param_groups(self):
+        self._sync_grads()  # GradScaler unscales through param_groups before step()
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def _sync_grads(self) -> None:
+        for param, local in self._pairs:
+            local.grad = _local(param.grad) if param.grad is not None else None
+
+    def step(self, closure=None):
+        self._sync_grads()
+        return self.inner.step(closure) if closure is not None else self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param, local in self._pairs:
+            local.grad = None
+            param.grad = None
+
+
+def needs_local_step(setup: TrainingSetup) -> bool:
+    """Whether the setup's optimizer must step local shards under FSDP2 (see ShardLocalOptimizer)."""
+    return setup.sharding.stage > 0 and setup.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
 
 
 def host_kinds(setup: TrainingSetup) -> tuple[set[_Kind], bool]:

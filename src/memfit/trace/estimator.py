@@ -17,16 +17,18 @@ def traced_estimator(model_ref: Any, *, input_builder: Callable | None = None, l
                      steps: int = 2, progress: Callable | None = None
                      ) -> Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]:
     """An `estimator(spec, setup, hardware)` for `memfit.plan.plan(..., estimator=...)` that traces `model_ref`
-    (anything `memfit.trace.trace` takes) under each setup and adds the device's runtime overhead."""
+    (anything `memfit.trace.trace` takes) under each setup, with the device's kernel choices (CPU or CUDA), and adds
+    the device's runtime overhead."""
     from .run import trace
 
-    traced: dict[TrainingSetup, MemoryEstimate] = {}
+    traced: dict[tuple[TrainingSetup, str], MemoryEstimate] = {}
 
     def estimator(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> MemoryEstimate:
-        if setup not in traced:
-            traced[setup] = trace(model_ref, setup, input_builder=input_builder, loss_fn=loss_fn, steps=steps,
-                                  progress=progress)
-        result = traced[setup]
+        kernels = "cpu" if hardware.is_cpu else "cuda"  # the device's kernel choices, as the analytic model takes
+        if (setup, kernels) not in traced:
+            traced[setup, kernels] = trace(model_ref, setup, input_builder=input_builder, loss_fn=loss_fn,
+                                           steps=steps, progress=progress, kernels=kernels)
+        result = traced[setup, kernels]
         overhead = runtime_overhead_terms(result.tensor_bytes, setup, hardware)
         return dataclasses.replace(result, terms=result.terms + tuple(overhead), device_name=hardware.gpu.name)
 

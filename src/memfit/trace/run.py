@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from ..estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoint
 from ..setup import Optimizer, TrainingSetup
 from . import distributed, hf
+from .kernels import Kernels, device_kernels, kernel_note
 from .session import LossFn, StepSession, build_hf_session, build_module_session, repeated_blocks
 from .timeline import TraceProgress
 from .tracker import KIND_TERMS, StepTracker, _Kind
@@ -24,7 +25,8 @@ _ALWAYS_SHOWN = (_Kind.PARAMETERS, _Kind.GRADIENTS, _Kind.OPTIMIZER, _Kind.ACTIV
 
 def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
           input_builder: Callable[[TrainingSetup], Any] | None = None, loss_fn: LossFn | None = None,
-          steps: int = 2, progress: Callable[[TraceProgress], None] | None = None) -> MemoryEstimate:
+          steps: int = 2, progress: Callable[[TraceProgress], None] | None = None,
+          kernels: Kernels = "cuda") -> MemoryEstimate:
     """The exact per-device tensor peak of `steps` training steps (forward, loss, backward, optimizer step).
 
     `model_ref`: a catalog name or hub id, an HF config dict, or a zero-argument factory returning an nn.Module
@@ -47,7 +49,9 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
             session = build(setup, mesh)
         tracker = StepTracker(host_kinds=host, optimizer_on_host=optimizer_on_host, num_steps=steps,
                               progress=progress)
-        run_traced(session, tracker, fake_mode, steps)
+        with device_kernels(kernels):
+            run_traced(session, tracker, fake_mode, steps)
+    session.notes.append(kernel_note(kernels))
     return to_estimate(tracker, session, setup, name or session.name)
 
 

@@ -10,6 +10,7 @@ the optimizer; ZeRO sharding comes from `distributed.py` through `shard`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,7 +99,7 @@ def _finish(model: nn.Module, batch, setup: TrainingSetup, *, loss_fn, shard: Sh
     if shard is not None:
         notes += shard(model)
     with _real_constructor(setup):
-        optimizer = runner.make_optimizer(model, _model_setup(setup))
+        optimizer = _make_optimizer(model, _model_setup(setup))
     notes += getattr(optimizer, "memfit_notes", ())
 
     micro_batches = [batch] * setup.grad_accum_steps  # one batch object reused: one alive at a time, as from a loader
@@ -108,6 +109,17 @@ def _finish(model: nn.Module, batch, setup: TrainingSetup, *, loss_fn, shard: Sh
 
     name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
     return StepSession(model=model, optimizer=optimizer, batch=batch, run=run, name=name, notes=notes)
+
+
+def _make_optimizer(model: nn.Module, setup: TrainingSetup):
+    """The setup's optimizer; on FSDP2 shards it cannot step (8-bit AdamW, Adafactor), over the local shards."""
+    from . import distributed
+
+    if not distributed.needs_local_step(setup):
+        return runner.make_optimizer(model, setup)
+    notes: list[str] = []
+    build = functools.partial(runner._base_optimizer, setup=setup, lr=None, notes=notes)
+    return distributed.ShardLocalOptimizer([p for p in model.parameters() if p.requires_grad], build)
 
 
 def _model_setup(setup: TrainingSetup) -> TrainingSetup:

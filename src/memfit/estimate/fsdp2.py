@@ -1,0 +1,91 @@
+"""What FSDP2 (`fully_shard` per block, then the root) keeps alive during backward, beyond the shards.
+
+Read off torch 2.13 `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` and `_fsdp_collectives.py`, and
+checked to the byte on fake-process-group traces, which equal real 2-rank gloo runs (tests/test_trace.py):
+
+- a block's gradients are made unsharded, in the compute dtype, until its post-backward reduce-scatter;
+- the reduce-scatter input is a flat copy of them in the reduce dtype (fp32 under MixedPrecisionPolicy(
+  reduce_dtype=fp32)), and FSDP2 holds it until the next reduce-scatter (`comm_ctx.reduce_scatter_state`), so the
+  previous block's is alive while a block runs backward;
+- with resharding after forward (ZeRO-3), the next block's all-gather is issued before the current block's backward
+  (backward prefetch): its flat all-gather output lives until it is copied out;
+- the root unit (embeddings, final norm, LM head) reduce-scatters last: the LM head's gradient is unsharded from the
+  loss backward to the end of backward, and a tied embedding's two gradient contributions are summed (three copies
+  at once) before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .result import Category, Term
+
+SOURCE = "torch FSDP2 (_fsdp_param_group.post_backward, foreach_reduce, backward prefetch); fake-process-group traces"
+
+
+@dataclass(frozen=True)
+class Fsdp2Units:
+    """Element counts and dtypes of FSDP2's units for one model: one unit per block, the rest in the root."""
+
+    block_params: int
+    root_params: int
+    head_params: int
+    """The LM head's (or tied embedding's) matrix: vocab x hidden."""
+    num_blocks: int
+    compute_bytes: int
+    reduce_bytes: int
+    reshard_after_forward: bool
+    tied: bool
+
+    @property
+    def last_prefetching_block(self) -> int:
+        """Blocks whose gradients are sharded when the late-backward peak comes: under ZeRO-3 it is block 1's
+        backward (the last one with a prefetch in flight), else block 0's."""
+        return self.num_blocks - (2 if self.reshard_after_forward and self.num_blocks > 1 else 1)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_params * self.compute_bytes
+
+    def block_share(self, grads_sharded: int, blocks: int) -> int:
+        """Per-rank sharded gradient bytes of `blocks` blocks, out of `grads_sharded` for the whole model."""
+        total = self.block_params * self.num_blocks + self.root_params
+        return grads_sharded * self.block_params * blocks // max(total, 1)
+
+
+def block_backward_terms(units: Fsdp2Units, *, first: bool) -> list[Term]:
+    """Unsharded buffers while one block runs backward: its own gradients, the previous block's reduce-scatter
+    input (none for the first block), the next block's prefetched all-gather (ZeRO-3), and the LM head's gradient,
+    unsharded until the root reduces at the end. `first`: the first block to run backward (the model's last)."""
+    terms = [Term("gradients/root_unsharded", Category.GRADIENTS, units.head_params * units.compute_bytes,
+                  "V x h x compute dtype: the LM head's gradient, unsharded until the root's reduce-scatter", SOURCE),
+             Term("temporaries/grad_reduce_scatter", Category.TEMPORARIES, units.block_bytes,
+                  "one block's unsharded gradients (compute dtype), until its post-backward reduce-scatter", SOURCE)]
+    if not first:
+        terms.append(Term("temporaries/reduce_scatter_held", Category.TEMPORARIES,
+                          units.block_params * units.reduce_bytes,
+                          "the previous block's reduce-scatter input (reduce dtype), held to the next one", SOURCE))
+    if units.reshard_after_forward and units.num_blocks > 1:
+        terms.append(Term("parameters/prefetched", Category.PARAMETERS, units.block_bytes,
+                          "the next block's all-gather output (backward prefetch)", SOURCE))
+    return terms
+
+
+def root_gradient_terms(units: Fsdp2Units) -> list[Term]:
+    """After the last block: the embedding's gradient beside the LM head's (a tied matrix sums its two
+    contributions: three copies at once), the last block's reduce-scatter input still held."""
+    copies = 3 if units.tied else 2
+    return [Term("gradients/root_unsharded", Category.GRADIENTS, copies * units.head_params * units.compute_bytes,
+                 f"{copies} x V x h x compute dtype: " + ("the tied matrix's LM-head and embedding gradients and "
+                                                          "their sum" if units.tied else
+                                                          "the LM head's and the embedding's gradients"), SOURCE),
+            Term("temporaries/reduce_scatter_held", Category.TEMPORARIES, units.block_params * units.reduce_bytes,
+                 "block 0's reduce-scatter input, held to the root's", SOURCE)]
+
+
+def root_reduce_terms(units: Fsdp2Units) -> list[Term]:
+    """The root's post-backward: its unsharded gradients and their flat reduce-scatter copy."""
+    return [Term("gradients/root_unsharded", Category.GRADIENTS, units.root_params * units.compute_bytes,
+                 "the root's gradients (embeddings, final norm, LM head), unsharded", SOURCE),
+            Term("temporaries/grad_reduce_scatter", Category.TEMPORARIES, units.root_params * units.reduce_bytes,
+                 "the root's reduce-scatter input (reduce dtype)", SOURCE)]

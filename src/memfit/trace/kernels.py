@@ -1,0 +1,98 @@
+"""Which device's kernels a trace stands for.
+
+A trace runs on CPU fake tensors, so by default it would take the CPU's kernel choices. Two of them keep different
+tensors from the CUDA kernels a GPU run takes (FACTS.md, checked against ATen):
+
+- dropout: on CPU `at::dropout` multiplies by a mask it keeps for backward in the input's dtype; on CUDA it runs the
+  fused `native_dropout`, whose saved mask is bool (ATen Dropout.cpp `is_fused_kernel_acceptable`: CUDA inputs with
+  0 < p < 1);
+- scaled_dot_product_attention with dropout: the CPU flash kernel has no dropout, so SDPA falls back to the math
+  path and keeps B x H x T x T probabilities, mask and dropped probabilities; CUDA runs FlashAttention (fp16/bf16, no
+  explicit mask) or the memory-efficient kernel, which keep the output, the log-sum-exp and an RNG seed only
+  (ATen sdp_utils.cpp selection order: flash, then memory-efficient, then math).
+
+`cuda_kernels()` swaps those calls for the ops a CUDA device runs; on fake tensors their meta functions give the
+exact output and saved-tensor shapes. Kernel workspaces are not tensors and stay uncounted either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Kernels = Literal["cuda", "cpu"]
+KERNELS: tuple[str, ...] = ("cuda", "cpu")
+
+CUDA_NOTE = ("CUDA kernel choices emulated on the CPU trace: dropout keeps a bool mask (fused native_dropout) and "
+             "SDPA with dropout runs the flash / memory-efficient kernel (no T x T); kernel workspaces not counted")
+CPU_NOTE = ("CPU kernel choices: dropout keeps its mask in the input dtype and SDPA with dropout takes the math path "
+            "(T x T); a CUDA device keeps less (trace with kernels='cuda')")
+
+
+def kernel_note(kernels: Kernels) -> str:
+    return CUDA_NOTE if kernels == "cuda" else CPU_NOTE
+
+
+@contextlib.contextmanager
+def device_kernels(kernels: Kernels) -> Iterator[None]:
+    """Run the step with `kernels`' memory behaviour: CUDA's by swapping `F.dropout` and
+    `F.scaled_dot_product_attention` for the calls a CUDA device makes, the CPU's as they are.
+
+    The functions are swapped on the module (modelling code looks them up at call time), not through a
+    TorchFunctionMode: the recomputation of a checkpointed block runs inside backward, where a function mode entered
+    around the step is not active, and would then save other tensors than the first forward (CheckpointError)."""
+    if kernels not in KERNELS:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"unknown kernels '{kernels}': choose one of {', '.join(KERNELS)}")
+    if kernels == "cpu":
+        yield
+        return
+    originals = {"dropout": F.dropout, "scaled_dot_product_attention": F.scaled_dot_product_attention}
+    F.dropout = functools.partial(_dropout, originals["dropout"])
+    F.scaled_dot_product_attention = functools.partial(_sdpa_or, originals["scaled_dot_product_attention"])
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(F, name, function)
+
+
+def _sdpa_or(original, *args, **kwargs):
+    out = _sdpa(*args, **kwargs)
+    return original(*args, **kwargs) if out is None else out
+
+
+def _dropout(original, input, p: float = 0.5, training: bool = True, inplace: bool = False):
+    if not training or not 0 < p < 1 or input.numel() == 0:
+        return original(input, p, training, inplace)
+    out, _mask = torch.ops.aten.native_dropout(input, p, True)
+    if inplace:
+        return input.copy_(out)
+    return out
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
+          enable_gqa: bool = False):
+    """The CUDA kernel's call for SDPA with dropout, or None where CPU and CUDA keep the same tensors."""
+    if dropout_p <= 0 or query.dim() != 4:
+        return None
+    if key.size(-3) != query.size(-3):
+        if not enable_gqa:
+            return None
+        # flash takes grouped K/V as they are; the memory-efficient kernel needs them repeated per query head
+        if attn_mask is not None or query.dtype not in (torch.float16, torch.bfloat16):
+            groups = query.size(-3) // key.size(-3)
+            key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.size(-1) <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype is torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
