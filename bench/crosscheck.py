@@ -2,7 +2,7 @@
 
     python bench/crosscheck.py [--quick] [--families llama,gpt2]     # writes bench/results/crosscheck.md
 
-Every catalog family at its real shape, on an H100 (so both sides take CUDA's kernel choices: bool dropout masks,
+Every catalog family at its real shape (and the 7B-70B catalog shapes on a few setups each), on an H100 (so both sides take CUDA's kernel choices: bool dropout masks,
 flash / memory-efficient SDPA), across precision, optimizer (single-tensor, foreach, fused, 8-bit, Adafactor, SGD),
 checkpointing, attention, ZeRO 1/2/3 on both engines, data parallelism and offload. Each row is compared like for
 like (memfit.verify.cross_check: the formulas on the layout the trace runs, FSDP2) and flagged beyond 3%; the
@@ -53,23 +53,30 @@ SETUPS = {
     "zero2 x8 deepspeed offload": {**X8, "sharding": "zero2", "engine": "deepspeed", "precision": "bf16-master",
                                    "offload": "optimizer"},
 }
+# the larger catalog shapes (7B to 70B), on the setups where each family's size matters most
+SIZES = {"llama-2-7b": ["fp32 adamw", "amp-bf16 foreach", "bf16 ckpt", "eager bf16 ckpt", "zero3 x8 torch ckpt"],
+         "llama-2-13b": ["bf16 ckpt", "zero3 x8 deepspeed ckpt"],
+         "llama-3.1-70b": ["bf16 ckpt", "zero3 x8 torch ckpt", "zero3 x8 torch offload"],
+         "qwen2.5-7b": ["bf16 fused", "eager amp-bf16"], "gpt2-xl": ["fp32 adamw", "bf16 ckpt"],
+         "pythia-6.9b": ["fp32 adamw", "bf16 ckpt"], "gemma-2-9b": ["eager bf16 ckpt"],
+         "llama-2-70b": ["zero3 x8 deepspeed ckpt"]}
 QUICK = {"llama": ["bf16 ckpt", "zero3 x8 torch foreach", "zero2 x8 deepspeed 8-bit"], "gpt2": ["fp32 adamw"]}
 EAGER_ONLY = {"gemma2"}  # transformers refuses torch SDPA for Gemma 2
 
 
-def case_setup(family: str, name: str, max_positions: int) -> TrainingSetup:
+def case_setup(model_type: str, name: str, max_positions: int) -> TrainingSetup:
     overrides = {**BASE, **SETUPS[name]}
-    if family in EAGER_ONLY:
+    if model_type in EAGER_ONLY:
         overrides["attention"] = "eager"
     overrides["seq_len"] = min(overrides["seq_len"], max_positions or overrides["seq_len"])
     return TrainingSetup(**overrides)
 
 
-def run_case(family: str, name: str, gpu: str = "H100"):
-    """(CrossCheck, trace seconds) for one cell of the matrix."""
-    model = FAMILIES[family]
+def run_case(model: str, name: str, gpu: str = "H100"):
+    """(CrossCheck, trace seconds) for one cell of the matrix: a family key or a catalog model name."""
+    model = FAMILIES.get(model, model)
     spec = resolve_model(model)
-    setup = case_setup(family, name, spec.max_position_embeddings)
+    setup = case_setup(spec.model_type, name, spec.max_position_embeddings)
     hardware = make_hardware(gpu, gpus_per_node=min(setup.num_gpus, 8))
     start = time.perf_counter()
     traced = trace(catalog_config(model), setup, kernels="cuda")
@@ -78,12 +85,12 @@ def run_case(family: str, name: str, gpu: str = "H100"):
 
 
 def main(argv: list[str]) -> int:
-    wanted = {f: list(SETUPS) for f in FAMILIES}
+    wanted = {**{f: list(SETUPS) for f in FAMILIES}, **SIZES}
     if "--quick" in argv:
         wanted = QUICK
     for arg in argv:
         if arg.startswith("--families="):
-            wanted = {f: list(SETUPS) for f in arg.split("=", 1)[1].split(",")}
+            wanted = {f: list(SETUPS) if f in FAMILIES else SIZES[f] for f in arg.split("=", 1)[1].split(",")}
     lines = ["| family (model) | setup | traced GiB | formulas, same layout | error | formulas, own engine | "
              "trusted | trace s |", "|---|---|---:|---:|---:|---:|---|---:|"]
     errors, failures = [], 0
@@ -92,7 +99,7 @@ def main(argv: list[str]) -> int:
             try:
                 check, seconds = run_case(family, name)
             except ConfigError as error:
-                lines.append(f"| {family} ({FAMILIES[family]}) | {name} | - | - | - | - | not a valid setup: "
+                lines.append(f"| {family} ({FAMILIES.get(family, family)}) | {name} | - | - | - | - | not a valid setup: "
                              f"{str(error)[:70]} | - |")
                 continue
             except Exception as error:  # a bench reports what failed and goes on
@@ -102,7 +109,7 @@ def main(argv: list[str]) -> int:
                 continue
             errors.append((abs(check.error), family, name, check.error))
             flag = "" if check.agrees else " **>3%**"
-            lines.append(f"| {family} ({FAMILIES[family]}) | {name} | {check.traced.tensor_bytes / 2**30:.3f} | "
+            lines.append(f"| {family} ({FAMILIES.get(family, family)}) | {name} | {check.traced.tensor_bytes / 2**30:.3f} | "
                          f"{check.like_for_like.tensor_bytes / 2**30:.3f} | {check.error:+.2%}{flag} | "
                          f"{check.asked.tensor_bytes / 2**30:.3f} | {check.trusted} | {seconds:.1f} |")
             print(lines[-1], flush=True)

@@ -1,5 +1,5 @@
 """The analytic estimate against the fake-tensor trace of the real HF step at full size (7B-class shapes, no
-memory needed). bench/fullsize.py prints the whole matrix; these cases pin the families' recipes."""
+memory needed), on CPU kernels like their CPU-sized formulas; bench/crosscheck.py holds the GPU-target matrix."""
 
 import pytest
 

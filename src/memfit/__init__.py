@@ -9,6 +9,8 @@ from .apply import AppliedChanges, apply_
 from .fit import FitLoop, FitOutOfMemoryError, fit_steps
 from .launch import launch_plan, prepare, shard
 from .measure import measure
+from .callbacks import CheckResult, check
+from .solve import cheapest_gpu, fewest_gpus, max_micro_batch, max_seq_len, sweep
 from .api import as_hardware, as_spec, diagnose_memory, estimate_memory, plan_memory, typical_setup
 from .diagnose import Bottleneck, Diagnosis
 from .errors import ConfigError, MemfitError, ModelSourceError, UnknownNameError
@@ -26,6 +28,7 @@ __all__ = [
     "MemfitError", "MemoryEstimate", "ModelSourceError", "ModelSpec", "Offload", "Optimizer", "ParamTensor", "Phase",
     "Plan", "PlanStep", "Precision", "Sharding", "Term", "TrainingSetup", "UnknownNameError", "as_hardware", "as_spec",
     "diagnose_memory", "estimate_memory", "get_gpu", "make_hardware", "optimize", "plan_memory", "typical_setup",
+    "CheckResult", "check", "cheapest_gpu", "fewest_gpus", "max_micro_batch", "max_seq_len", "sweep",
 ]
 
 # Submodules keep their names (memfit.plan, memfit.diagnose, memfit.estimate): the functions of the same name live

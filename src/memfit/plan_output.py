@@ -26,7 +26,8 @@ def plan_json(plan, *, optimized=NOT_SEARCHED, verified=None, emitted: Sequence[
     - "launch": per-rank memory, per-node commands and communication per step (more than one GPU), else None;
       for the setup the configs hold: the --optimize choice when there is one, else the ladder's final setup;
     - "optimized": the --optimize choice (an OptimizedChoice, or None when nothing fits), only when searched;
-    - "verified": `verified`, a traced MemoryEstimate of the final setup, next to the analytic one;
+    - "verified": `verified`, a memfit.verify.CrossCheck of the final setup (trace, formulas like for like and
+      on the setup's own engine, which figure memfit trusts and why);
     - "emitted": the paths written by --emit, "emitted_setup" ('final' or 'optimized': which setup they hold) and,
       when the plan does not fit, "emitted_warning";
     - "reports": the --report / --png paths, when any were written.
@@ -41,7 +42,7 @@ def plan_json(plan, *, optimized=NOT_SEARCHED, verified=None, emitted: Sequence[
             data["emitted_warning"] = emitted_warning
     data["launch"] = launch_dict(plan, optimized.setup if isinstance(optimized, OptimizedChoice) else None)
     if verified is not None:
-        data["verified"] = verified_dict(plan.final_estimate, verified)
+        data["verified"] = verified.to_dict()
     if reports:
         data["reports"] = [str(path) for path in reports]
     return data
@@ -77,7 +78,3 @@ def optimized_dict(choice) -> dict | None:
             "estimate": choice.estimate.to_dict()}
 
 
-def verified_dict(analytic, traced) -> dict:
-    error = ((analytic.tensor_bytes - traced.tensor_bytes) / traced.tensor_bytes if traced.tensor_bytes else None)
-    return {"traced": traced.to_dict(), "analytic_tensor_bytes": analytic.tensor_bytes,
-            "traced_tensor_bytes": traced.tensor_bytes, "error": error}

@@ -392,15 +392,14 @@ def phase_peaks(console: Console, estimate: MemoryEstimate) -> None:
 
 
 def trace_report(console: Console, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware,
-                 traced: MemoryEstimate, diagnosis: Diagnosis, analytic: MemoryEstimate | None,
-                 *, verbose: bool = False) -> None:
+                 traced: MemoryEstimate, diagnosis: Diagnosis, check=None, *, verbose: bool = False) -> None:
     header(console, "trace", spec, setup, hardware, diagnosis.margin)
     breakdown(console, traced, verbose=verbose)
     peak_and_diagnosis(console, traced, diagnosis)
     phase_peaks(console, traced)
     top_modules(console, traced)
-    if analytic is not None:
-        comparison(console, {"traced": traced, "analytic": analytic}, reference="traced")
+    if check is not None:
+        verification(console, check)
     notes(console, traced)
 
 
@@ -413,6 +412,13 @@ def measure_report(console: Console, spec: ModelSpec, setup: TrainingSetup, hard
     notes(console, measured)
 
 
-def verification(console: Console, analytic: MemoryEstimate, traced: MemoryEstimate) -> None:
-    """`plan --verify`: the final setup re-checked by a trace."""
-    comparison(console, {"traced": traced, "analytic": analytic}, reference="traced")
+def verification(console: Console, check) -> None:
+    """A trace next to the formulas (memfit.verify.CrossCheck): like for like, then the setup's own engine, and
+    which figure memfit trusts and why."""
+    columns = {"traced": check.traced, "formulas": check.like_for_like}
+    if check.traced_as.engine_differs:
+        columns[f"formulas, {check.asked.setup.engine} layout"] = check.asked
+    comparison(console, columns, reference="traced")
+    _heading(console, "Which figure to trust")
+    for line in check.verdict():
+        console.print(Padding(Text(f"- {line}", overflow="fold"), (0, 0, 0, 1)))

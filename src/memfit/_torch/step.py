@@ -86,7 +86,13 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
     hf_config.use_cache = False
     auto = (transformers.AutoModelForMaskedLM if hf_config.model_type in MASKED_LM_TYPES
             else transformers.AutoModelForCausalLM)
-    model = auto.from_config(hf_config, attn_implementation=str(setup.attention), dtype=param_dtype(setup))
+    try:
+        model = auto.from_config(hf_config, attn_implementation=str(setup.attention), dtype=param_dtype(setup))
+    except ValueError as error:  # e.g. "Gemma2ForCausalLM does not support an attention implementation through ..."
+        if "attention" not in str(error).lower():
+            raise
+        raise ConfigError(f"transformers cannot build {hf_config.model_type} with attention "
+                          f"'{setup.attention}': use --attention eager") from None
     if model_device(model) != torch.device(device):  # no-op `.to` skipped: on fake tensors it swaps every tensor
         model.to(device)
     if setup.checkpointing is Checkpointing.FULL:

@@ -67,8 +67,12 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
     if verify:
         from .steps import run_trace
 
-        traced = run_trace(model, spec, result.final_setup, hardware, progress=not json_output)
-    reports = write_reports(result, report, png, trace=traced)
+        from ..verify import cross_check
+
+        traced = cross_check(spec, result.final_setup, hardware,
+                             run_trace(model, spec, result.final_setup, hardware, progress=not json_output),
+                             margin=opts.margin_fraction)
+    reports = write_reports(result, report, png, trace=traced.traced if traced is not None else None)
     if json_output:
         print_json(plan_json(result, optimized=choice if optimize else NOT_SEARCHED, verified=traced,
                              emitted=written if emit is not None else None, reports=reports, emitted_setup=which,
@@ -103,7 +107,7 @@ def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: 
                        show_config=result.fits or which == "optimized", emitted_paths=written + reports,
                        emitted_notes=notes)
     if traced is not None:
-        render.verification(out, result.final_estimate, traced)
+        render.verification(out, traced)
 
 
 @app.command("estimate", epilog=examples(
@@ -203,3 +207,4 @@ def main() -> None:
 # Commands in other modules register themselves on `common.app` when imported (they import from common.py only).
 from . import steps  # noqa: E402,F401  (trace, measure)
 from . import launch  # noqa: E402,F401  (launch)
+from . import fit  # noqa: E402,F401  (fit)

@@ -65,23 +65,24 @@ def trace_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, json
     """Run the real training step on fake tensors (no GPU, no weights) and report its exact per-GPU peak,
     timeline and the modules whose activations dominate, next to the analytic estimate."""
     from ..diagnose import diagnose
-    from ..estimate.analytic import estimate
+    from ..verify import cross_check
 
     check_report_paths(report, png)
     spec, setup, hardware = resolve(model, opts)
     traced = run_trace(model, spec, setup, hardware, steps=steps, progress=not json_output)
-    analytic = estimate(spec, setup, hardware) if spec.is_transformer else None
+    check = cross_check(spec, setup, hardware, traced, margin=opts.margin_fraction) if spec.is_transformer else None
     diagnosis = diagnose(traced, hardware, margin=opts.margin_fraction)
     written = write_reports(traced, report, png, hardware=hardware, margin=opts.margin_fraction)
     if json_output:
         print_json({"model": spec.name, "gpu": hardware.gpu.name, "setup": setup.to_dict(),
-                    "traced": traced.to_dict(), "analytic": analytic.to_dict() if analytic else None,
+                    "traced": traced.to_dict(), "analytic": check.asked.to_dict() if check else None,
+                    "cross_check": check.to_dict() if check else None,
                     "diagnosis": diagnosis.to_dict(), "written": written})
         return
     from .. import render
 
     out = console()
-    render.trace_report(out, spec, setup, hardware, traced, diagnosis, analytic, verbose=verbose)
+    render.trace_report(out, spec, setup, hardware, traced, diagnosis, check, verbose=verbose)
     if written:
         render.emitted(out, written)
 

@@ -202,6 +202,7 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
     forward = step.static_terms(early_grads) + step.acts
     return {
         "forward end": (Phase.FORWARD, forward),
+        "loss forward": (Phase.FORWARD, _loss_forward(step, forward)),
         "loss backward": (Phase.BACKWARD, _loss_backward(step, forward)),
         "first block backward": (Phase.BACKWARD, _first_block_backward(step, early_grads)),
         "second block backward": (Phase.BACKWARD, _second_block_backward(step, early_grads)),
@@ -210,6 +211,23 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         "root reduce-scatter": (Phase.BACKWARD, _root_reduce(step)),
         "optimizer step": (Phase.OPTIMIZER, _optimizer_step(step, step_temp)),
     }
+
+
+def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
+    """Inside the loss, still under autocast: ForCausalLMLoss upcasts the logits (`logits.float()`, a new fp32 tensor
+    beside the log-softmax it feeds), and autocast's cache still holds every Linear weight's cast: under checkpointing
+    these are not saved for backward, but live until the autocast region (forward and loss) exits."""
+    spec, setup = step.spec, step.setup
+    if not spec.is_decoder or step.dtypes.compute == 4:
+        return []
+    terms = list(forward) + [Term("temporaries/logits_fp32", Category.TEMPORARIES, spec.vocab_size * step.tokens * 4,
+                                  "B x T x V x 4 B: the logits upcast for the loss, until log-softmax has run",
+                                  "transformers loss_utils.ForCausalLMLoss (logits.float())")]
+    if setup.precision.is_autocast and setup.checkpointing is Checkpointing.FULL:
+        cached = 2 * _linear_weight_elems(spec)
+        terms = [replace(t, num_bytes=cached, formula="2 B x Linear weights: autocast's cast cache, until it exits")
+                 if t.name == "activations/autocast_weight_copies" else t for t in terms]
+    return terms
 
 
 def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:

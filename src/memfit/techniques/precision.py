@@ -27,7 +27,8 @@ class MixedPrecision(Technique):
         if wants_static and current in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16,
                                          Precision.BF16_MASTER) and ctx.setup.offload is Offload.NONE:
             return Proposal(ctx.setup.replace(precision=Precision.BF16),
-                            "model = AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16)  # pure bf16",
+                            f"model = AutoModelForCausalLM.from_pretrained(..., {_dtype_keyword()}=torch.bfloat16)"
+                            "  # pure bf16",
                             "none in compute; bf16 weight updates lose small steps: prefer stochastic rounding or "
                             "Kahan summation for long runs",
                             "the only precision change that cuts static memory: autocast keeps fp32 weights, "
@@ -40,3 +41,9 @@ class MixedPrecision(Technique):
         if current is Precision.BF16 and ctx.setup.optimizer is Optimizer.ADAMW_8BIT:
             return Skip("already pure bf16")
         return Skip(f"already {current}")
+
+
+def _dtype_keyword() -> str:
+    from ..emit.hf_trainer import dtype_keyword
+
+    return dtype_keyword()
