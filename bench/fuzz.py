@@ -202,6 +202,32 @@ def _output_options(rng: random.Random, ws: Workspace, command: str, heavy: bool
     return args
 
 
+def _fit_options(rng: random.Random, ws: Workspace) -> list[str]:
+    """`memfit fit`: --max (valid and not), the sweep's lists, outputs, and combinations it must refuse."""
+    args: list[str] = []
+    if rng.random() < 0.6:
+        args += ["--max", rng.choice(["batch", "seq", "gpus", "gpu", "tokens", ""])]
+        if rng.random() < 0.2:
+            args += ["--step", rng.choice(["1", "64", "0", "-8", "x"])]
+        if rng.random() < 0.15:
+            args.append("--ladder")
+    else:
+        args.append("--sweep")
+        if rng.random() < 0.5:
+            args += ["--seqs", rng.choice(["512,1024", "1024", "0,64", "a,b", "", "64," * 40])]
+        if rng.random() < 0.5:
+            args += ["--batches", rng.choice(["1,2,4", "8", "-1", "1,,2"])]
+        if rng.random() < 0.2:
+            args += ["--methods", rng.choice(["full-bf16", "lora", "nope", ""])]
+        if rng.random() < 0.15:
+            args += [rng.choice(["--csv", "--markdown"]), rng.choice(["out.csv", "a_file/x.csv", "x" * 300])]
+        if rng.random() < 0.1:
+            args += ["--format", rng.choice(["csv", "markdown", "table", "xml"])]
+    if rng.random() < 0.3:
+        args.append("--json")
+    return args
+
+
 def _refused_before_torch(rng: random.Random, ws: Workspace) -> tuple[str, list[str]]:
     """A model and options that `trace` / `measure` must refuse before importing torch."""
     roll = rng.random()
@@ -227,8 +253,10 @@ def make_case(rng: random.Random, ws: Workspace, *, heavy: bool = False) -> list
         command = "models"
     elif roll < 0.8:
         command = "gpus"
-    elif roll < 0.9:
+    elif roll < 0.85:
         command = "launch"
+    elif roll < 0.92:
+        command = "fit"
     else:
         command = rng.choice(["trace", "measure"])
     if command in ("models", "gpus"):
@@ -251,6 +279,8 @@ def make_case(rng: random.Random, ws: Workspace, *, heavy: bool = False) -> list
             args.append("--json")
         if rng.random() < 0.15:
             args += ["--", "--steps", "10"]
+    elif command == "fit":
+        args = ["fit", _model(rng, ws.paths)] + _shared_options(rng, max_options=2) + _fit_options(rng, ws)
     elif command in ("trace", "measure") and not heavy:
         model, extra = _refused_before_torch(rng, ws)
         args = [command, model] + _shared_options(rng, max_options=2) + extra

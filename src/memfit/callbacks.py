@@ -29,7 +29,7 @@ from .units import format_bytes
 
 logger = logging.getLogger("memfit")
 
-__all__ = ["CheckResult", "MemfitCallback", "OutOfMemoryRisk", "check", "check_accelerator", "cuda_gpu",
+__all__ = ["CheckResult", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "check", "check_accelerator", "cuda_gpu",
            "setup_from_training_args"]
 
 
@@ -139,8 +139,8 @@ def setup_from_training_args(args: Any, model: Any = None, *, num_gpus: int | No
             value = _get(args, name)
             if value:
                 read.ignored.append(f"{name}={value!r}: not modelled")
-    if "checkpointing" not in read.fields and getattr(model, "is_gradient_checkpointing", False):
-        read.set("checkpointing", Checkpointing.FULL, "model.is_gradient_checkpointing")
+    if "checkpointing" not in read.fields:
+        _read_model_checkpointing(read, model)
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if attn:
         read.set("attention", Attention.EAGER if attn == "eager" else Attention.SDPA,
@@ -279,9 +279,18 @@ def setup_from_accelerator(accelerator: Any, model: Any = None) -> ReadSetup:
         if attn:
             read.set("attention", Attention.EAGER if attn == "eager" else Attention.SDPA,
                      f"model.config._attn_implementation={attn!r}")
-    if getattr(model, "is_gradient_checkpointing", False):
-        read.set("checkpointing", Checkpointing.FULL, "model.is_gradient_checkpointing")
+    _read_model_checkpointing(read, model)
     return read.result()
+
+
+def _read_model_checkpointing(read: _Reader, model: Any) -> None:
+    """HF models say whether checkpointing is on (transformers 5.x: is_activation_checkpointing, whose older name
+    warns when read)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            if getattr(model, name):
+                read.set("checkpointing", Checkpointing.FULL, f"model.{name}")
+            return
 
 
 # ------------------------------------------------------------------------------------------------------- the device
@@ -408,7 +417,8 @@ def check(model: Any, args: Any = None, *, gpu: str | GPU | Hardware | None = No
 
     unknown = sorted(set(setup) - _SETUP_FIELDS)
     if unknown:
-        raise ConfigError(f"unknown setup field(s) {', '.join(unknown)}: choose from {', '.join(sorted(_SETUP_FIELDS))}")
+        raise ConfigError(f"unknown setup field(s) {', '.join(unknown)}: "
+                          f"choose from {', '.join(sorted(_SETUP_FIELDS))}")
     read = (setup_from_accelerator(accelerator, model) if accelerator is not None
             else setup_from_training_args(args, model, num_gpus=num_gpus))
     given = dict(read.fields)

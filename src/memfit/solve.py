@@ -441,7 +441,8 @@ class CheapestGpu:
         return {"gpu": self.gpu.name if self.gpu else None,
                 "gpu_memory_bytes": self.gpu.memory_bytes if self.gpu else None, "fits": self.fits,
                 "order": self.order, "with_ladder": self.with_ladder, "held_fixed": self.held_fixed,
-                "start": self.start, "evaluations": self.evaluations, "best": self.best.to_dict() if self.best else None,
+                "start": self.start, "evaluations": self.evaluations,
+                "best": self.best.to_dict() if self.best else None,
                 "rejected": [r.to_dict() for r in self.rejected]}
 
 
@@ -509,11 +510,13 @@ for _method in (
                {"precision": Precision.AMP_BF16, "optimizer": Optimizer.ADAMW_FOREACH,
                 "checkpointing": Checkpointing.NONE}),
         Method("full-bf16-adamw", "full bf16 + AdamW",
-               {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_FOREACH, "checkpointing": Checkpointing.NONE}),
+               {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_FOREACH,
+                "checkpointing": Checkpointing.NONE}),
         Method("full-bf16-adamw8bit", "full bf16 + 8-bit AdamW",
                {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_8BIT, "checkpointing": Checkpointing.NONE}),
         Method("full-bf16-adamw-ckpt", "full bf16 + AdamW + checkpointing",
-               {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_FOREACH, "checkpointing": Checkpointing.FULL}),
+               {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_FOREACH,
+                "checkpointing": Checkpointing.FULL}),
         Method("full-bf16-adamw8bit-ckpt", "full bf16 + 8-bit AdamW + checkpointing",
                {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_8BIT, "checkpointing": Checkpointing.FULL}),
 ):
