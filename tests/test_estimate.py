@@ -29,16 +29,16 @@ def test_zero_paper_figure_1_model_states(stage, expected_gb):
     setup = TrainingSetup(precision="bf16-master", optimizer="adamw", sharding=stage,
                           num_gpus=64 if stage != "none" else 1)
     per_rank = shard(spec, setup, full_static(spec, setup))
-    model_states = per_rank.params + per_rank.grads + per_rank.optimizer
+    model_states = per_rank.params_bytes + per_rank.grads_bytes + per_rank.optimizer_bytes
     assert model_states / 1e9 == pytest.approx(expected_gb, rel=0.03)
 
 
 def test_mixed_precision_adam_is_16_bytes_per_param():
     spec = _one_tensor_model(10**9)
     full = full_static(spec, TrainingSetup(precision="bf16-master", optimizer="adamw"))
-    assert (full.params + full.grads + full.states + full.master) / 10**9 == pytest.approx(16, abs=1e-6)
+    assert (full.params_bytes + full.grads_bytes + full.states_bytes + full.master_bytes) / 10**9 == pytest.approx(16, abs=1e-6)
     fp32 = full_static(spec, TrainingSetup(precision="fp32", optimizer="adamw"))
-    assert fp32.params + fp32.grads + fp32.states == pytest.approx(16e9, rel=1e-6)  # the same 16 B/param
+    assert fp32.params_bytes + fp32.grads_bytes + fp32.states_bytes == pytest.approx(16e9, rel=1e-6)  # the same 16 B/param
 
 
 def test_eight_bit_state_bytes_match_bitsandbytes():
@@ -56,7 +56,7 @@ def test_eight_bit_state_bytes_match_bitsandbytes():
     from memfit.sources import from_module
 
     spec = from_module(model)
-    predicted = full_static(spec, TrainingSetup(precision="fp32", optimizer="adamw-8bit")).states
+    predicted = full_static(spec, TrainingSetup(precision="fp32", optimizer="adamw-8bit")).states_bytes
     assert predicted == sum(storages.values())
 
 
@@ -181,8 +181,8 @@ def test_diagnosis_words():
 
 def test_adafactor_is_not_factored_under_deepspeed_zero():
     spec = resolve_model("llama-3.2-1b")
-    plain = full_static(spec, TrainingSetup(precision="fp32", optimizer="adafactor")).states
+    plain = full_static(spec, TrainingSetup(precision="fp32", optimizer="adafactor")).states_bytes
     zero = full_static(spec, TrainingSetup(precision="fp32", optimizer="adafactor", sharding="zero2",
-                                           num_gpus=8)).states
+                                           num_gpus=8)).states_bytes
     assert plain < 0.1 * 4 * spec.num_params  # factored: rows + columns per matrix
     assert zero >= 4 * spec.num_params  # flat partitions: one fp32 value per parameter

@@ -34,7 +34,7 @@ def test_seeded_fuzz_finds_no_traceback_bad_json_or_exit_code():
     assert not report.bad_error_output, text
     # The run is not all errors: answers, plans that do not fit and user mistakes all occur, on every command.
     assert report.exit_codes[0] >= 40 and report.exit_codes[1] >= 1 and report.exit_codes[2] >= 40, text
-    assert set(report.by_command) == {"plan", "estimate", "models", "gpus", "launch", "trace", "measure"}, text
+    assert set(report.by_command) == {"plan", "estimate", "models", "gpus", "launch", "fit", "trace", "measure"}, text
 
 
 def test_cases_are_reproducible_from_the_seed(tmp_path):

@@ -39,7 +39,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         setup = setup.replace(num_gpus=hardware.world_size)
     full = full_static(spec, setup)
     static = shard(spec, setup, full, layout=layout or setup.engine)
-    moments = _moments(spec, setup, static, full.step_temp, hardware.is_cpu)
+    moments = _moments(spec, setup, static, full.step_temp_bytes, hardware.is_cpu)
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
@@ -47,7 +47,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     terms = [t for t in terms if t.num_bytes > 0] + runtime_overhead_terms(_total(terms), setup, hardware)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu, notes=tuple(rule_of_thumb_notes(spec, setup)) + static.notes, model_name=spec.name,
+        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, setup)) + static.notes, model_name=spec.name,
         device_name=hardware.gpu.name)
 
 
@@ -59,25 +59,25 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     n = setup.num_gpus
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
-    terms = [Term("parameters", Category.PARAMETERS, static.params,
+    terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
                   f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
                   "ZeRO paper sec. 3.1; exact P from the model's parameter tensors")]
-    if static.param_working_set:
+    if static.param_working_set_bytes:
         what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
                 "unsharded root (embeddings, head) + the block being computed")
-        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set, what,
+        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set_bytes, what,
                           "FSDP2 all-gather / DeepSpeed ZeRO-3 prefetch"))
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""
         terms.append(Term("gradients", Category.GRADIENTS, grads, f"P x {p_bytes} B{g_note}", "ZeRO paper sec. 3.1"))
-    if static.comm_buffers:
-        terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers,
+    if static.comm_buffers_bytes:
+        terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers_bytes,
                           "DDP gradient buckets (1 x gradients)" if setup.engine.value == "torch" else
                           "DeepSpeed reduce bucket: hidden^2 elements (HF 'auto')",
                           "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2, measured on 2 gloo ranks"))
-    if static.optimizer:
+    if static.optimizer_bytes:
         o_note = f" / {n} ranks" if setup.sharding.stage >= 1 else ""
-        terms.append(Term("optimizer/states", Category.OPTIMIZER, static.optimizer,
+        terms.append(Term("optimizer/states", Category.OPTIMIZER, static.optimizer_bytes,
                           f"{setup.optimizer}{' + fp32 master weights' if setup.precision.master_weights else ''}"
                           f"{o_note}", "torch.optim / bitsandbytes / transformers Adafactor state layout"))
     return terms
@@ -198,7 +198,7 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
     dtypes = act.Dtypes.of(setup.precision, on_cpu)
     step = _Step(spec, setup, static, _activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
     # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
-    early_grads = static.grads if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
+    early_grads = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
     forward = step.static_terms(early_grads) + step.acts
     return {
         "forward end": (Phase.FORWARD, forward),
@@ -248,7 +248,7 @@ def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     if static.fsdp is not None:
         terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(static.fsdp, first=True)
     else:
-        head_grads = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
+        head_grads = static.grads_bytes * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
         terms = step.static_terms(max(early_grads, head_grads))
     terms += step.acts_except(*_HEAD_AND_LOSS)
     terms.append(step.layer_temporaries())
@@ -282,7 +282,7 @@ def _end_of_backward(step: _Step) -> list[Term]:
     spec, static = step.spec, step.static
     embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
     if step.setup.checkpointing is not Checkpointing.FULL and static.fsdp is None:
-        return step.static_terms(static.grads) + embeddings
+        return step.static_terms(static.grads_bytes) + embeddings
     per_layer = spec.params_matching(".*.") // max(spec.num_layers, 1)
     pending = per_layer + spec.params_matching("embed_tokens", "wte", "word_embeddings", "embed_in")
     temporaries = step.layer_temporaries()
@@ -301,11 +301,11 @@ def _end_of_backward(step: _Step) -> list[Term]:
                           formula="block 0's attention tensors, rebuilt, once its MLP's backward has run")
         temporaries = replace(temporaries, num_bytes=temporaries.num_bytes + freed)
     if static.fsdp is not None:
-        grads = static.fsdp.block_share(static.grads, static.fsdp.last_prefetching_block)
+        grads = static.fsdp.block_share(static.grads_bytes, static.fsdp.last_prefetching_block)
         return (step.static_terms(grads, _gathered(static, 1)) + fsdp2.block_backward_terms(static.fsdp, first=False)
                 + embeddings
                 + [temporaries, rebuilt])
-    grads = static.grads - static.grads * pending // max(spec.num_params, 1)
+    grads = static.grads_bytes - static.grads_bytes * pending // max(spec.num_params, 1)
     return step.static_terms(grads) + embeddings + [temporaries, rebuilt]
 
 
@@ -315,12 +315,12 @@ def _embedding_gradient(step: _Step) -> list[Term]:
     spec, static = step.spec, step.static
     embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
     if static.fsdp is not None:
-        grads = static.fsdp.block_share(static.grads, spec.num_layers)
+        grads = static.fsdp.block_share(static.grads_bytes, spec.num_layers)
         return step.static_terms(grads, _gathered(static, 0)) + fsdp2.root_gradient_terms(static.fsdp) + embeddings
     if not spec.tie_word_embeddings:
         return []
-    head = static.grads * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
-    return step.static_terms(static.grads - head) + embeddings + [Term(
+    head = static.grads_bytes * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
+    return step.static_terms(static.grads_bytes - head) + embeddings + [Term(
         "gradients/tied_embedding", Category.GRADIENTS, 3 * head,
         "3 x V x h x grad dtype: the LM head's and the embedding's contributions and their sum",
         "autograd InputBuffer accumulation for a parameter used twice")]
@@ -331,7 +331,7 @@ def _root_reduce(step: _Step) -> list[Term]:
     units = step.static.fsdp
     if units is None:
         return []
-    grads = units.block_share(step.static.grads, step.spec.num_layers)
+    grads = units.block_share(step.static.grads_bytes, step.spec.num_layers)
     return step.static_terms(grads, _gathered(step.static, 0)) + fsdp2.root_reduce_terms(units)
 
 
@@ -341,14 +341,14 @@ def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:
     units = static.fsdp
     if units is None:
         return static
-    return replace(static, param_working_set=(units.root_params + blocks * units.block_params) * units.compute_bytes)
+    return replace(static, param_working_set_bytes=(units.root_params + blocks * units.block_params) * units.compute_bytes)
 
 
 def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
     """Parameters (shards only: nothing is gathered), gradients, states and the step's temporaries."""
-    terms = step.static_terms(step.static.grads, _without_gathered(step.static))
+    terms = step.static_terms(step.static.grads_bytes, _without_gathered(step.static))
     if step.static.master_grad_upcast:
-        terms.append(Term("temporaries/master_gradients", Category.TEMPORARIES, step.static.grads,
+        terms.append(Term("temporaries/master_gradients", Category.TEMPORARIES, step.static.grads_bytes,
                           "P x 2 B more: each bf16 gradient upcast to fp32 for the master copy's step (the bf16 one "
                           "released as it goes)", "memfit._torch.master.MasterWeightsOptimizer"))
     if step_temp:
@@ -360,7 +360,7 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
 
 def _without_gathered(static: ShardedStatic) -> ShardedStatic:
     """No gathered parameters during the optimizer step: it updates the shards."""
-    return replace(static, param_working_set=0)
+    return replace(static, param_working_set_bytes=0)
 
 
 def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Hardware) -> list[Term]:

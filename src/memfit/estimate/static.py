@@ -23,11 +23,11 @@ BNB_BLOCK = 256  # bitsandbytes blockwise quantisation: one fp32 absmax per 256 
 class StaticBytes:
     """Full-model (unsharded) sizes; sharding is applied by the caller."""
 
-    params: int
-    grads: int
-    states: int
-    master: int
-    step_temp: int
+    params_bytes: int
+    grads_bytes: int
+    states_bytes: int
+    master_bytes: int
+    step_temp_bytes: int
     param_bytes_per_elem: int
     state_formula: str
 
@@ -100,21 +100,22 @@ def full_static(spec: ModelSpec, setup: TrainingSetup) -> StaticBytes:
     states, formula = optimizer_state_bytes(spec, setup)
     temp, _ = optimizer_step_temp_bytes(spec, setup)
     master = 4 * spec.num_params if setup.precision.master_weights else 0
-    return StaticBytes(params=p_bytes * spec.num_params, grads=p_bytes * spec.num_params, states=states,
-                       master=master, step_temp=temp, param_bytes_per_elem=p_bytes, state_formula=formula)
+    return StaticBytes(params_bytes=p_bytes * spec.num_params, grads_bytes=p_bytes * spec.num_params,
+                       states_bytes=states, master_bytes=master, step_temp_bytes=temp, param_bytes_per_elem=p_bytes,
+                       state_formula=formula)
 
 
 @dataclass(frozen=True)
 class ShardedStatic:
     """Per-rank resident bytes on the device and on the host."""
 
-    params: int
-    grads: int
-    optimizer: int
-    cpu: int
-    param_working_set: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    cpu_bytes: int
+    param_working_set_bytes: int
     """Unsharded parameters gathered for compute beyond the rank's shard (ZeRO-3 / FSDP2), at the activation peak."""
-    comm_buffers: int = 0
+    comm_buffers_bytes: int = 0
     """Gradient communication buffers the engine keeps for the whole step (DDP buckets, DeepSpeed's reduce bucket)."""
     grads_preallocated: bool = False
     """The gradient partition exists before backward (DeepSpeed ZeRO-3 allocates it at start-up)."""
@@ -130,9 +131,9 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     stages; the engine-specific buffers were measured on 2-rank gloo runs of DeepSpeed 0.19, FSDP2 and DDP in torch
     2.13, tests/test_launch.py)."""
     n, stage = setup.num_gpus, setup.sharding.stage
-    params = full.params // n if stage >= 3 else full.params
-    grads = full.grads // n if stage >= 2 else full.grads
-    optimizer = (full.states + full.master) // n if stage >= 1 else full.states + full.master
+    params = full.params_bytes // n if stage >= 3 else full.params_bytes
+    grads = full.grads_bytes // n if stage >= 2 else full.grads_bytes
+    optimizer = (full.states_bytes + full.master_bytes) // n if stage >= 1 else full.states_bytes + full.master_bytes
     engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0))
     return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
@@ -145,7 +146,7 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
         s = replace(s, master_grad_upcast=setup.precision.master_weights)
     if n == 1 and setup.offload is Offload.NONE:
         return s
-    optimizer, comm, notes = s.optimizer, 0, []
+    optimizer, comm, notes = s.optimizer_bytes, 0, []
     if stage >= 1 and setup.precision in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16):
         # DeepSpeed's ZeRO optimizer keeps an fp32 copy of each rank's partition even when the weights are fp32
         optimizer += 4 * spec.num_params // n
@@ -154,7 +155,7 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
         # reduce_bucket_size = hidden^2 elements, the value HF's "auto" fills in (memfit emits "auto")
         comm = min(spec.hidden_size**2, spec.num_params) * full.param_bytes_per_elem
     working = full.param_bytes_per_elem * _root_plus_block(spec) if stage == 3 else 0
-    return replace(s, optimizer=optimizer, comm_buffers=comm, param_working_set=working,
+    return replace(s, optimizer_bytes=optimizer, comm_buffers_bytes=comm, param_working_set_bytes=working,
                    grads_preallocated=stage == 3, notes=tuple(notes))
 
 
@@ -164,18 +165,18 @@ def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: S
     s = replace(s, master_grad_upcast=setup.precision.master_weights and setup.offload is Offload.NONE)
     if n > 1 and stage == 0:
         # DDP copies gradients into its buckets (gradient_as_bucket_view=False, the default HF and accelerate use)
-        return replace(s, comm_buffers=full.grads, notes=("DDP gradient buckets: one more gradient-sized buffer",))
+        return replace(s, comm_buffers_bytes=full.grads_bytes, notes=("DDP gradient buckets: one more gradient-sized buffer",))
     if stage < 2:
         return s
     s = replace(s, master_grad_upcast=False)  # FSDP2's master shards are fp32 already, and so are their gradients
-    params, grads, optimizer = s.params, s.grads, s.optimizer
+    params, grads, optimizer = s.params_bytes, s.grads_bytes, s.optimizer_bytes
     compute_bytes = full.param_bytes_per_elem
     if setup.precision.master_weights:
         # FSDP2 MixedPrecisionPolicy(param_dtype=bf16): the fp32 shard is the master copy; gradients reduce to fp32
-        params, grads, optimizer = 4 * spec.num_params // n, 4 * spec.num_params // n, full.states // n
+        params, grads, optimizer = 4 * spec.num_params // n, 4 * spec.num_params // n, full.states_bytes // n
         compute_bytes = 2
     if not setup.precision.master_weights:
-        params = full.params // n  # FSDP2 shards the parameters at rest at both stages
+        params = full.params_bytes // n  # FSDP2 shards the parameters at rest at both stages
     if stage == 2:
         # reshard_after_forward=False: every block stays gathered from its forward to its backward
         working = compute_bytes * spec.num_params
@@ -186,7 +187,7 @@ def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: S
                        head_params=spec.vocab_size * spec.hidden_size, num_blocks=spec.num_layers,
                        compute_bytes=compute_bytes, reduce_bytes=4 if setup.precision.master_weights else compute_bytes,
                        reshard_after_forward=stage == 3, tied=spec.tie_word_embeddings)
-    return replace(s, params=params, grads=grads, optimizer=optimizer, param_working_set=working, fsdp=units)
+    return replace(s, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, param_working_set_bytes=working, fsdp=units)
 
 
 def _root_plus_block(spec: ModelSpec) -> int:
@@ -204,13 +205,13 @@ def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: Shar
         return s
     n = setup.num_gpus if setup.sharding.stage >= 1 else 1
     # ZeRO-Offload keeps fp32 master weights, fp32 gradients and the states in host RAM (per rank's shard)
-    fp32_master = 4 * spec.num_params if full.params != 4 * spec.num_params else 0
-    cpu = (full.states + fp32_master + 4 * spec.num_params) // n
-    params = s.params
+    fp32_master = 4 * spec.num_params if full.params_bytes != 4 * spec.num_params else 0
+    cpu = (full.states_bytes + fp32_master + 4 * spec.num_params) // n
+    params = s.params_bytes
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         cpu += params
         params = 0
-    grads = s.grads
+    grads = s.grads_bytes
     if grads_follow and setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         grads = 0
-    return replace(s, optimizer=0, cpu=cpu, params=params, grads=grads)
+    return replace(s, optimizer_bytes=0, cpu_bytes=cpu, params_bytes=params, grads_bytes=grads)

@@ -1,0 +1,627 @@
+"""memfit's analytic estimate against published, measured GPU figures (the calibration set in shared/gpu-published).
+
+    python bench/gpu_published.py                      # prints the report, writes bench/results/gpu_published.md
+    python bench/gpu_published.py --points PATH --out FILE [--json FILE]
+
+Every in-scope point (`normalized.in_scope`) is mapped from its normalized setup to a memfit TrainingSetup and
+Hardware, or reported as "not expressible: <feature>" (the roadmap), and each expressible one is predicted on the
+metric its source measured:
+
+- allocated / active (max_memory_allocated, torchtune's "peak memory active", PEFT's tracemalloc): memfit's
+  tensor bytes (`MemoryEstimate.tensor_bytes`);
+- reserved (max_memory_reserved): tensor bytes + the allocator reserve term, i.e. the total without the CUDA
+  context and the NCCL buffers, which live outside the caching allocator;
+- nvml (nvidia-smi "used", the whole device): the total (`MemoryEstimate.total_bytes`), CUDA context included.
+
+Nothing is fitted to the points: the hardware keeps memfit's default runtime-overhead constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_POINTS = "../shared/gpu-published/points.jsonl"
+"""Relative to the repository root."""
+DEFAULT_OUT = "bench/results/gpu_published.md"
+
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.estimate.analytic import estimate  # noqa: E402
+from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
+from memfit.setup import (Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,  # noqa: E402
+                          TrainingSetup)
+from memfit.sources import resolve_model  # noqa: E402
+from memfit.units import GiB  # noqa: E402
+
+# Which memfit figure each measured metric is compared with (metric_group -> (figure key, description)).
+FIGURES = {
+    "allocated": ("tensor", "tensor bytes (MemoryEstimate.tensor_bytes: everything but runtime overhead)"),
+    "reserved": ("reserved", "tensor bytes + overhead/allocator_reserve (total without overhead/cuda_context and "
+                             "overhead/nccl, which torch's caching allocator does not hold)"),
+    "nvml": ("total", "total (MemoryEstimate.total_bytes: tensors + CUDA context + allocator reserve + NCCL)"),
+}
+OUTSIDE_ALLOCATOR = ("overhead/cuda_context", "overhead/nccl")
+_DEFAULT_HW = make_hardware("A100-80GB")
+_CONTEXT = _DEFAULT_HW.cuda_context_bytes
+
+PRECISIONS = {"fp32": Precision.FP32, "amp_fp16": Precision.AMP_FP16, "amp_bf16": Precision.AMP_BF16,
+              "pure_bf16": Precision.BF16, "bf16_master": Precision.BF16_MASTER}
+
+# Roadmap features, in the order the report lists them.
+LORA, QLORA = "LoRA", "QLoRA (quantised base weights)"
+TP, CP, PP, HSDP = "tensor parallelism", "context parallelism", "pipeline parallelism", "HSDP (replicated shards)"
+CHUNKED = "chunked cross-entropy"
+OPT_IN_BWD = "optimizer in backward"
+ACT_OFFLOAD = "activation offload"
+COMPILE = "torch.compile"
+FP8 = "float8 linears"
+SELECTIVE = "selective activation checkpointing"
+PAGED = "paged optimizer state (CUDA unified memory, outside the allocator)"
+ZERO_ONE_PROCESS = "ZeRO / offload on a single process"
+NOT_IN_CATALOG = "model not in the catalog"
+MODEL_DIFFERS = "model numbers differ from the catalog entry"
+SEQ_UNKNOWN = "sequence length unknown"
+OTHER = "other"
+
+
+@dataclass
+class Mapped:
+    """One point as memfit sees it: the setup and hardware it maps to, what it cannot express, what it approximates."""
+
+    point: dict
+    setup: TrainingSetup | None = None
+    hardware: Hardware | None = None
+    spec: object = None
+    missing: list[tuple[str, str]] = field(default_factory=list)
+    """(feature, detail): what memfit cannot express; empty = expressible."""
+    approx: list[str] = field(default_factory=list)
+    """Where the mapping approximates the source (included in the statistics, flagged)."""
+    assumed: list[str] = field(default_factory=list)
+    """Defaults filled in where the source says nothing."""
+
+    @property
+    def norm(self) -> dict:
+        return self.point["normalized"]
+
+    @property
+    def pid(self) -> str:
+        return self.norm["id"]
+
+    @property
+    def expressible(self) -> bool:
+        return not self.missing and self.setup is not None
+
+    @property
+    def features(self) -> list[str]:
+        return list(dict.fromkeys(f for f, _ in self.missing))
+
+    def reason(self) -> str:
+        return "; ".join(f"{f} ({d})" if d else f for f, d in self.missing)
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+
+
+def points_path(text: str | None) -> Path:
+    path = Path(text or DEFAULT_POINTS)
+    return path if path.is_absolute() else (REPO / path).resolve()
+
+
+def load_points(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def in_scope(points: list[dict]) -> list[dict]:
+    return [p for p in points if p.get("normalized", {}).get("in_scope")]
+
+
+# ------------------------------------------------------------------------------------------------------ mapping
+
+
+def map_point(point: dict) -> Mapped:
+    """The normalized setup of one point -> TrainingSetup + Hardware (the nearest one even when something is
+    missing, so a roadmap feature can be sized), with every feature memfit cannot express named."""
+    m = Mapped(point)
+    n = m.norm
+    _map_model(m, n.get("model") or {})
+    fields = {}
+    fields.update(_map_batch(m, n.get("batch") or {}))
+    fields.update(_map_precision(m, n.get("precision") or {}, n.get("parallel") or {}))
+    fields.update(_map_optimizer(m, n.get("optimizer") or {}))
+    fields.update(_map_checkpointing(m, n.get("checkpointing")))
+    fields.update(_map_attention(m, n.get("attention")))
+    _map_loss(m, n.get("loss"))
+    _map_flags(m, n)
+    parallel = _map_parallel(m, n.get("parallel") or {}, n.get("offload") or {})
+    fields.update(parallel)
+    if m.spec is None or "seq_len" not in fields:
+        return m
+    if any(f in (TP, PP) for f, _ in m.missing):
+        return m  # no nearest setup: every weight is split across ranks
+    try:
+        m.setup = TrainingSetup(**fields)
+    except MemfitError as error:
+        m.missing.append((OTHER, str(error)))
+        return m
+    m.hardware = _hardware(m, n.get("gpu") or {}, m.setup.num_gpus)
+    return m
+
+
+def _map_model(m: Mapped, model: dict) -> None:
+    key = model.get("key")
+    if not key:
+        m.missing.append((NOT_IN_CATALOG, "no model"))
+        return
+    try:
+        spec = resolve_model(key)
+    except MemfitError:
+        m.missing.append((NOT_IN_CATALOG, key))
+        return
+    if spec.source != "catalog":
+        m.missing.append((NOT_IN_CATALOG, key))
+        return
+    checks = (("layers", spec.num_layers), ("hidden", spec.hidden_size), ("heads", spec.num_attention_heads),
+              ("kv_heads", spec.num_kv_heads), ("intermediate", spec.intermediate_size), ("vocab", spec.vocab_size))
+    differ = [f"{name} {model[name]} vs {ours}" for name, ours in checks
+              if model.get(name) is not None and model[name] != ours]
+    if differ:
+        m.missing.append((MODEL_DIFFERS, f"{spec.name}: " + ", ".join(differ)))
+        return
+    m.spec = spec
+
+
+def _map_batch(m: Mapped, batch: dict) -> dict:
+    out = {}
+    micro = batch.get("micro_batch")
+    seq = batch.get("seq_len_per_gpu") or batch.get("seq_len")
+    if micro is None:
+        m.missing.append((OTHER, "micro-batch unknown"))
+    else:
+        out["micro_batch_size"] = int(micro)
+    if seq is None:
+        m.missing.append((SEQ_UNKNOWN, batch.get("seq_note") or ""))
+    else:
+        out["seq_len"] = int(seq)
+        kind = batch.get("seq_len_kind") or ""
+        if kind.startswith("variable"):
+            m.approx.append(f"sequence length {seq} stands for padded variable-length batches ({kind})")
+    accum = batch.get("grad_accum")
+    if accum is None:
+        m.assumed.append("no gradient accumulation (not stated)")
+    out["grad_accum_steps"] = int(accum or 1)
+    return out
+
+
+def _map_precision(m: Mapped, precision: dict, parallel: dict) -> dict:
+    kind = precision.get("kind")
+    if kind == "fsdp2_mp_bf16":
+        # FSDP2 MixedPrecisionPolicy(param=bf16, reduce=fp32) over fp32 shards: memfit's bf16-master on engine torch
+        # (the fp32 shard is the master copy; memfit.estimate.static._torch_layout)
+        return {"precision": Precision.BF16_MASTER}
+    if kind in PRECISIONS:
+        return {"precision": PRECISIONS[kind]}
+    m.missing.append((OTHER, f"precision {kind}"))
+    return {}
+
+
+def _map_optimizer(m: Mapped, opt: dict) -> dict:
+    name, impl = (opt.get("name") or ""), str(opt.get("impl") or "")
+    if opt.get("in_backward"):
+        m.missing.append((OPT_IN_BWD, ""))
+    if opt.get("paged"):
+        m.missing.append((PAGED, "bitsandbytes Paged* keeps its state in unified memory that "
+                                 "max_memory_allocated does not count"))
+    if name in ("adamw_8bit", "adam_8bit"):
+        return {"optimizer": Optimizer.ADAMW_8BIT}
+    if name == "adafactor":
+        return {"optimizer": Optimizer.ADAFACTOR}
+    if name in ("adamw", "adam"):
+        if "bnb" in impl:
+            m.missing.append((PAGED if "paged" in impl else OTHER, f"optimizer impl {impl}"))
+        if opt.get("fused"):
+            return {"optimizer": Optimizer.ADAMW_FUSED}
+        if "transformers" in impl or "for-loop" in impl:
+            # transformers' own AdamW (adamw_hf) steps one parameter at a time, like foreach=False
+            return {"optimizer": Optimizer.ADAMW}
+        m.assumed.append("torch AdamW with its CUDA default (foreach)")
+        return {"optimizer": Optimizer.ADAMW_FOREACH}
+    if name == "sgd":
+        return {"optimizer": Optimizer.SGD}
+    m.missing.append((OTHER, f"optimizer {name or 'unknown'}"))
+    return {}
+
+
+def _map_checkpointing(m: Mapped, ckpt) -> dict:
+    if ckpt in (None, "none"):
+        if ckpt is None:
+            m.assumed.append("no checkpointing (not stated)")
+        return {"checkpointing": Checkpointing.NONE}
+    if ckpt == "full":
+        return {"checkpointing": Checkpointing.FULL}
+    if str(ckpt).startswith("selective"):
+        m.missing.append((SELECTIVE, f"{ckpt}; nearest: full"))
+        return {"checkpointing": Checkpointing.FULL}
+    m.missing.append((OTHER, f"checkpointing {ckpt}"))
+    return {}
+
+
+def _map_attention(m: Mapped, attention) -> dict:
+    if attention == "eager":
+        return {"attention": Attention.EAGER}
+    if attention is None:
+        m.assumed.append("sdpa attention (not stated)")
+        return {"attention": Attention.SDPA}
+    if attention in ("sdpa", "flash_attn2", "flash_attention_2", "flash"):
+        return {"attention": Attention.SDPA}
+    m.missing.append((OTHER, f"attention {attention}"))
+    return {}
+
+
+def _map_loss(m: Mapped, loss) -> None:
+    if loss in (None, "full_logits_ce"):
+        return
+    if loss == "chunked_ce":
+        m.missing.append((CHUNKED, ""))
+    elif loss == "classification_head":
+        m.approx.append("the source trains a 2-label classification head; memfit sizes BERT's MLM head over the "
+                        "vocabulary")
+    else:
+        m.missing.append((OTHER, f"loss {loss}"))
+
+
+def _map_flags(m: Mapped, n: dict) -> None:
+    lora = n.get("lora")
+    if lora:
+        m.missing.append((QLORA if lora.get("base_quant") else LORA, f"r={lora.get('r')}"))
+    if n.get("compile"):
+        m.missing.append((COMPILE, ""))
+    if n.get("float8"):
+        m.missing.append((FP8, ""))
+
+
+def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
+    engine = (par.get("engine") or "none").lower()
+    tp, pp, cp = (int(par.get(k) or 1) for k in ("tp", "pp", "cp"))
+    replicate = int(par.get("dp_replicate") or 1)
+    world = int(par.get("world_size") or 1)
+    stage = int(par.get("zero_stage") or 0)
+    for degree, feature in ((tp, TP), (pp, PP), (cp, CP)):
+        if degree > 1:
+            m.missing.append((feature, f"x{degree}"))
+    if replicate > 1 and stage:
+        m.missing.append((HSDP, f"replicate x{replicate}"))
+    if off.get("activations"):
+        m.missing.append((ACT_OFFLOAD, ""))
+    # the ranks one parameter is sharded over (CP ranks shard with FSDP in torchtitan): the nearest memfit setup
+    shard = int(par.get("param_shard_degree") or world)
+    out = {"num_gpus": max(1, shard if stage else world)}
+    if engine == "deepspeed":
+        out["engine"] = Engine.DEEPSPEED
+    elif engine in ("fsdp2", "fsdp", "ddp", "torch"):
+        out["engine"] = Engine.TORCH
+    out["sharding"] = {0: Sharding.NONE, 1: Sharding.ZERO1, 2: Sharding.ZERO2, 3: Sharding.ZERO3}.get(stage)
+    if out["sharding"] is None:
+        m.missing.append((OTHER, f"zero stage {stage}"))
+        out["sharding"] = Sharding.NONE
+    offload = Offload.NONE
+    if off.get("params"):
+        offload = Offload.OPTIMIZER_AND_PARAMS
+    elif off.get("optimizer"):
+        offload = Offload.OPTIMIZER
+    out["offload"] = offload
+    if out["num_gpus"] < 2 and stage:
+        # memfit shards over two or more ranks only; nearest: no sharding, the optimizer offloaded if it was
+        m.missing.append((ZERO_ONE_PROCESS, f"{engine} zero{stage} on {world} process"))
+        out["sharding"] = Sharding.NONE
+        out["offload"] = Offload.OPTIMIZER if offload is not Offload.NONE else Offload.NONE
+    return out
+
+
+def _hardware(m: Mapped, gpu: dict, num_gpus: int) -> Hardware:
+    key, mem = gpu.get("key") or "", gpu.get("mem_GiB")
+    device: GPU | None = None
+    try:
+        device = get_gpu(key)
+    except MemfitError:
+        device = None
+    if device is None or device.name.startswith("custom"):
+        device = GPU(name=key or "unknown", memory_bytes=int((mem or 80) * GiB),
+                     source="the point's stated memory")
+        m.assumed.append(f"{key}: not in memfit's GPU catalog, {mem} GiB as stated")
+    per_node = min(num_gpus, 8)
+    nodes = max(1, math.ceil(num_gpus / per_node))
+    return make_hardware(device, gpus_per_node=per_node, num_nodes=nodes)
+
+
+# --------------------------------------------------------------------------------------------------- predicting
+
+
+@dataclass
+class Row:
+    mapped: Mapped
+    metric: str
+    group: str
+    measured_gib: float | None
+    is_oom: bool
+    predicted_gib: float | None = None
+    figure: str = ""
+    nearest_gib: float | None = None
+    head_gib: float = 0.0
+    capacity_gib: float | None = None
+    error: str = ""
+
+    @property
+    def err_pct(self) -> float | None:
+        if self.predicted_gib is None or not self.measured_gib:
+            return None
+        return 100.0 * (self.predicted_gib - self.measured_gib) / self.measured_gib
+
+    @property
+    def predicted_oom(self) -> bool | None:
+        if self.predicted_gib is None or self.capacity_gib is None:
+            return None
+        return self.predicted_gib > self.capacity_gib
+
+
+def figure_bytes(est, group: str) -> tuple[int, str]:
+    """The memfit figure comparable with one measured metric group."""
+    key, _ = FIGURES.get(group, FIGURES["allocated"])
+    if key == "tensor":
+        return est.tensor_bytes, key
+    if key == "reserved":
+        return est.total_bytes - sum(t.num_bytes for t in est.terms if t.name in OUTSIDE_ALLOCATOR), key
+    return est.total_bytes, key
+
+
+def predict(mapped: Mapped) -> Row:
+    meas = mapped.norm.get("measured") or {}
+    group = meas.get("metric_group") or meas.get("metric") or "allocated"
+    row = Row(mapped, meas.get("metric") or group, group, meas.get("value_GiB"), bool(meas.get("is_oom")))
+    if mapped.setup is None or mapped.hardware is None:
+        return row
+    try:
+        est = estimate(mapped.spec, mapped.setup, mapped.hardware)
+    except MemfitError as error:
+        if mapped.expressible:
+            mapped.missing.append((OTHER, f"memfit refused: {error}"))
+        row.error = str(error)
+        return row
+    num_bytes, row.figure = figure_bytes(est, group)
+    row.capacity_gib = mapped.hardware.gpu.memory_bytes / GiB
+    row.head_gib = sum(t.num_bytes for t in est.terms if "logits" in t.name or t.name == "activations/loss") / GiB
+    if mapped.expressible:
+        row.predicted_gib = num_bytes / GiB
+    else:
+        row.nearest_gib = num_bytes / GiB
+    return row
+
+
+def evaluate(points: list[dict]) -> list[Row]:
+    return [predict(map_point(p)) for p in points]
+
+
+# ---------------------------------------------------------------------------------------------------- reporting
+
+
+def setup_summary(setup: TrainingSetup | None) -> str:
+    if setup is None:
+        return "-"
+    parts = [f"{setup.micro_batch_size}x{setup.seq_len}"]
+    if setup.grad_accum_steps > 1:
+        parts.append(f"accum {setup.grad_accum_steps}")
+    parts += [str(setup.precision), str(setup.optimizer)]
+    if setup.checkpointing is Checkpointing.FULL:
+        parts.append("ckpt")
+    parts.append(str(setup.attention))
+    if setup.num_gpus > 1:
+        parts.append(f"{setup.sharding} x{setup.num_gpus} {setup.engine}")
+    if setup.offload is not Offload.NONE:
+        parts.append(f"offload {setup.offload}")
+    return ", ".join(parts)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summary(rows: list[Row]) -> dict:
+    done = [r for r in rows if r.mapped.expressible and r.err_pct is not None]
+    errors = [abs(r.err_pct) for r in done]
+    by_source: dict[str, list[float]] = {}
+    for r in done:
+        by_source.setdefault(r.mapped.norm["source"], []).append(r.err_pct)
+    features: Counter = Counter()
+    only: Counter = Counter()
+    for r in rows:
+        if not r.mapped.expressible:
+            feats = r.mapped.features
+            features.update(feats)
+            if len(feats) == 1:
+                only.update(feats)
+    oom_rows = [r for r in rows if r.is_oom]
+    oom_known = [r for r in oom_rows if r.predicted_oom is not None]
+    ran = [r for r in done if not r.is_oom]
+    return {
+        "points": len(rows),
+        "expressible": len(done),
+        "not_expressible": len(rows) - len(done),
+        "median_abs_error_pct": statistics.median(errors) if errors else None,
+        "p90_abs_error_pct": percentile(errors, 90) if errors else None,
+        "median_signed_error_pct": statistics.median([r.err_pct for r in done]) if done else None,
+        "by_source": {s: {"n": len(v), "median_error_pct": statistics.median(v),
+                          "median_abs_error_pct": statistics.median([abs(x) for x in v])}
+                      for s, v in sorted(by_source.items())},
+        "features": dict(features.most_common()),
+        "only_blocker": dict(only.most_common()),
+        "oom_rows": len(oom_rows),
+        "oom_rows_expressible": len(oom_known),
+        "oom_rows_agree": sum(1 for r in oom_known if r.predicted_oom),
+        "ran_rows_predicted_fit": sum(1 for r in ran if r.predicted_oom is False),
+        "ran_rows": len(ran),
+    }
+
+
+def _fmt(value, spec: str = ".2f", empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def context_anchors(points: list[dict]) -> list[dict]:
+    """The sources' own CUDA-context measurements (out-of-scope 'anchor:cuda_context' points): shown next to
+    memfit's constant, never used to change it."""
+    found = []
+    for p in points:
+        n = p.get("normalized") or {}
+        if "anchor:cuda_context" in (n.get("techniques") or []) and (n.get("measured") or {}).get("value_GiB"):
+            found.append({"id": n["id"], "source": n.get("source"), "gpu": (n.get("gpu") or {}).get("key"),
+                          "GiB": n["measured"]["value_GiB"]})
+    return found
+
+
+def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[Row] = (),
+           anchors: list[dict] = ()) -> str:
+    lines = ["# memfit vs published GPU measurements", "",
+             f"Points: `{points_label}` (in scope: {stats['points']}; expressible in memfit: "
+             f"{stats['expressible']}; not expressible: {stats['not_expressible']}). Generated by "
+             "`python bench/gpu_published.py`; nothing is fitted to the points (memfit's default overhead constants: "
+             f"CUDA context {_CONTEXT / GiB:.2f} GiB, allocator reserve {_DEFAULT_HW.allocator_reserve_fraction:.0%} "
+             f"of the tensor peak, NCCL {_DEFAULT_HW.nccl_bytes_per_communicator / GiB:.2f} GiB when more than one "
+             "GPU).", "",
+             "Which memfit figure is compared with which measured metric:", ""]
+    for group, (_, text) in FIGURES.items():
+        metrics = sorted({r.metric for r in rows if r.group == group})
+        lines.append(f"- `{group}` ({', '.join(metrics) or 'no point'}): {text}")
+    lines += ["", "Error % = (memfit - measured) / measured. `~` marks a row whose mapping approximates the "
+              "source (listed under the table); they are in the statistics.", "",
+              "## Summary", ""]
+    lines.append(f"- expressible points: {stats['expressible']} of {stats['points']}")
+    lines.append(f"- median |error|: {_fmt(stats['median_abs_error_pct'], '.1f')}%; 90th percentile |error|: "
+                 f"{_fmt(stats['p90_abs_error_pct'], '.1f')}%; median signed error: "
+                 f"{_fmt(stats['median_signed_error_pct'], '+.1f')}%")
+    for source, s in stats["by_source"].items():
+        lines.append(f"- {source}: {s['n']} points, median error {s['median_error_pct']:+.1f}%, "
+                     f"median |error| {s['median_abs_error_pct']:.1f}%")
+    lines.append(f"- OOM rows in scope: {stats['oom_rows']} ({stats['oom_rows_expressible']} expressible, memfit "
+                 f"predicts OOM for {stats['oom_rows_agree']} of them); rows that ran: memfit predicts they fit for "
+                 f"{stats['ran_rows_predicted_fit']} of {stats['ran_rows']}")
+    for a in anchors:
+        nvml = [r for r in rows if r.mapped.expressible and r.group == "nvml"
+                and r.mapped.norm["source"] == a["source"]]
+        lines.append(f"- {a['id']} ({a['source']}, {a['gpu']}, out of scope) measured the bare CUDA context at "
+                     f"{a['GiB']:.2f} GiB where memfit assumes {_CONTEXT / GiB:.2f} GiB: "
+                     f"{a['GiB'] - _CONTEXT / GiB:.2f} GiB of the gap of each of this source's {len(nvml)} nvml rows "
+                     "(shown, not applied)")
+    lines += ["", "## Expressible points", "",
+              "| id | source | model | setup | metric | memfit figure | measured GiB | memfit GiB | error % |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r.mapped.expressible:
+            continue
+        mark = "~" if r.mapped.approx else ""
+        lines.append(f"| {r.mapped.pid}{mark} | {r.mapped.norm['source']} | {r.mapped.spec.name} | "
+                     f"{setup_summary(r.mapped.setup)} | {r.metric} | {r.figure} | "
+                     f"{_fmt(r.measured_gib, '.2f', 'OOM')} "
+                     f"| {_fmt(r.predicted_gib)} | {_fmt(r.err_pct, '+.1f')} |")
+    lines += ["", "Approximations and assumptions:", ""]
+    for r in rows:
+        if r.mapped.expressible and (r.mapped.approx or r.mapped.assumed):
+            notes = list(r.mapped.approx)
+            if any("classification" in a for a in r.mapped.approx):
+                notes.append(f"memfit's logits/loss terms at its peak: {r.head_gib:.2f} GiB")
+            notes += [f"assumed {a}" for a in r.mapped.assumed]
+            lines.append(f"- {r.mapped.pid}: " + "; ".join(notes))
+    worst = sorted((r for r in rows if r.mapped.expressible and r.err_pct is not None),
+                   key=lambda r: -abs(r.err_pct))[:5]
+    lines += ["", "Worst expressible points: " + ", ".join(f"{r.mapped.pid} ({r.err_pct:+.1f}%)" for r in worst)]
+    lines += ["", "## Not expressible (the roadmap)", "",
+              "| feature | points needing it | points it alone blocks |", "|---|---|---|"]
+    for feature, count in stats["features"].items():
+        lines.append(f"| {feature} | {count} | {stats['only_blocker'].get(feature, 0)} |")
+    lines += ["", "memfit GiB on the nearest setup it can express (the missing features ignored, named in the "
+              "reason; not in the statistics, a size for the roadmap only):", "",
+              "| id | source | model | metric | measured GiB | nearest memfit GiB | not expressible: |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.mapped.expressible:
+            continue
+        model = (r.mapped.norm.get("model") or {}).get("key") or "-"
+        lines.append(f"| {r.mapped.pid} | {r.mapped.norm['source']} | {model} | {r.metric} | "
+                     f"{_fmt(r.measured_gib, '.2f', 'OOM')} | {_fmt(r.nearest_gib)} | {r.mapped.reason()} |")
+    lines += ["", "Paged optimizers (bitsandbytes Paged*) keep their state in CUDA unified memory: the torch "
+              "allocator does not count it, so an allocated/active figure excludes it and memfit, which counts the "
+              "state on the device, cannot be compared until it models paging."]
+    if extra_oom:
+        lines += ["", "## OOM rows outside the in-scope set (information only)", "",
+                  "| id | source | model | predicted OOM | not expressible: |", "|---|---|---|---|---|"]
+        for r in extra_oom:
+            predicted = {None: "-", True: "yes", False: "no"}[r.predicted_oom]
+            model = (r.mapped.norm.get("model") or {}).get("key") or "-"
+            lines.append(f"| {r.mapped.pid} | {r.mapped.norm['source']} | {model} | {predicted} | "
+                         f"{r.mapped.reason() or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def row_json(r: Row) -> dict:
+    return {"id": r.mapped.pid, "source": r.mapped.norm["source"], "expressible": r.mapped.expressible,
+            "features": r.mapped.features, "reason": r.mapped.reason(), "approx": r.mapped.approx,
+            "assumed": r.mapped.assumed, "setup": r.mapped.setup.to_dict() if r.mapped.setup else None,
+            "metric": r.metric, "metric_group": r.group, "figure": r.figure, "measured_gib": r.measured_gib,
+            "memfit_gib": r.predicted_gib, "nearest_gib": r.nearest_gib, "error_pct": r.err_pct,
+            "is_oom": r.is_oom, "predicted_oom": r.predicted_oom}
+
+
+def run(points_file: Path) -> tuple[list[Row], dict, list[Row], list[dict]]:
+    points = load_points(points_file)
+    rows = evaluate(in_scope(points))
+    extra = evaluate([p for p in points if not p["normalized"].get("in_scope")
+                      and (p["normalized"].get("measured") or {}).get("is_oom")])
+    return rows, summary(rows), extra, context_anchors(points)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", default=DEFAULT_POINTS,
+                        help=f"points.jsonl (relative paths from the repository root; default {DEFAULT_POINTS})")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"markdown report (default {DEFAULT_OUT})")
+    parser.add_argument("--json", default=None, help="also write the rows and the summary as JSON here")
+    args = parser.parse_args(argv)
+    path = points_path(args.points)
+    if not path.is_file():
+        print(f"error: no points file at {args.points} (resolved against the repository root)", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    rows, stats, extra, anchors = run(path)
+    label = args.points if not Path(args.points).is_absolute() else path.name
+    text = render(rows, stats, points_label=label, extra_oom=extra, anchors=anchors)
+    out = Path(args.out)
+    out = out if out.is_absolute() else REPO / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    if args.json:
+        target = Path(args.json)
+        target = target if target.is_absolute() else REPO / target
+        target.write_text(json.dumps({"summary": stats, "rows": [row_json(r) for r in rows], "anchors": anchors,
+                                      "oom_outside_scope": [row_json(r) for r in extra]}, indent=1),
+                          encoding="utf-8")
+    print(text)
+    shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    print(f"({time.perf_counter() - start:.1f} s; written to {shown})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""MLP (dense feed-forward) and Experts (a routed mixture of MLPs, optionally with shared experts)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..registry import GraphTensor, Node, children_params, children_tensors, field_children, handler, join
+from .linear import Linear, LoraLinear, linear_rows
+
+
+@dataclass(frozen=True)
+class MLP(Node):
+    """`up` holds the column-parallel input projections (gate and up, a fused gate_up, or fc1), `down` the
+    row-parallel output projection. `gated`: act(gate(x)) * up(x) (SwiGLU, GeGLU) rather than act(fc1(x))."""
+
+    hidden: int
+    intermediate: int
+    gated: bool
+    act: str
+    up: tuple[Linear | LoraLinear, ...]
+    down: Linear | LoraLinear
+    name: str = field(default="mlp", kw_only=True)
+
+    @property
+    def bias(self) -> bool:
+        return any((p.base if isinstance(p, LoraLinear) else p).bias for p in (*self.up, self.down))
+
+
+@handler("children", MLP)
+def _mlp_children(node: MLP, path: str):
+    return field_children(node, path, ("up", "down"))
+
+
+handler("params", MLP)(children_params)
+handler("tensors", MLP)(children_tensors)
+
+
+@dataclass(frozen=True)
+class Experts(Node):
+    """`num_experts` copies of `expert`, `top_k` of them per token, chosen by `router` (hidden -> num_experts).
+    `shared_experts`: an MLP every token goes through (DeepSeek merges its n shared experts into one wider MLP);
+    `shared_gate`: Qwen2-MoE's sigmoid gate on it. `stacked`: transformers 5 keeps each projection of all experts
+    as one 3-D parameter (<path>.experts.gate_up_proj, E x 2I x H); otherwise a ModuleList
+    (<path>.experts.*.<proj>.weight)."""
+
+    num_experts: int
+    top_k: int
+    expert: MLP
+    router: Linear | LoraLinear
+    shared_experts: MLP | None = None
+    shared_gate: Linear | LoraLinear | None = None
+    stacked: bool = True
+    name: str = field(default="mlp", kw_only=True)
+
+
+@handler("children", Experts)
+def _experts_children(node: Experts, path: str):
+    yield "expert", None, node.expert, join(path, "experts.*" if not node.stacked else "experts")
+    yield from field_children(node, path, ("router", "shared_experts", "shared_gate"))
+
+
+@handler("params", Experts)
+def _experts_params(node: Experts) -> int:
+    from ..registry import params_of
+
+    shared = sum(params_of(n) for n in (node.router, node.shared_experts, node.shared_gate) if n is not None)
+    return node.num_experts * params_of(node.expert) + shared
+
+
+@handler("tensors", Experts)
+def _experts_tensors(node: Experts, path: str) -> Iterator[GraphTensor]:
+    for field_name, _, child, child_path in _experts_children(node, path):
+        if field_name != "expert":
+            from ..registry import tensors_of
+
+            yield from tensors_of(child, child_path)
+        elif node.stacked:
+            yield from _stacked(node, child_path)
+        else:
+            for t in children_tensors(child, child_path):
+                yield GraphTensor(t.name, t.numel, t.count * node.num_experts, t.trainable, t.local)
+
+
+def _stacked(node: Experts, path: str) -> Iterator[GraphTensor]:
+    """One E x out x in tensor per projection (and an E x out '<proj>_bias' where the projection has a bias)."""
+    for proj in (*node.expert.up, node.expert.down):
+        if isinstance(proj, LoraLinear):
+            raise TypeError(f"LoRA on stacked expert weights ('{join(path, proj.name)}') is not modelled")
+        for suffix, numel, local in linear_rows(proj):
+            name = join(path, proj.name if suffix == "weight" else f"{proj.name}_bias")
+            yield GraphTensor(name, node.num_experts * numel, 1, proj.trainable, node.num_experts * local)

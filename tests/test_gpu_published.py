@@ -1,0 +1,129 @@
+"""bench/gpu_published.py: published GPU points map to the right memfit setups, what memfit cannot express is named,
+and the report covers every in-scope point exactly once."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memfit.setup import Attention, Checkpointing, Engine, Optimizer, Precision, Sharding
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_published.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("memfit_bench_gpu_published", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gp = _load()
+POINTS = gp.points_path(None)
+pytestmark = pytest.mark.skipif(not POINTS.is_file(),
+                                reason=f"published points not found at {gp.DEFAULT_POINTS} (relative to the repo root)")
+
+
+@pytest.fixture(scope="module")
+def points() -> dict[str, dict]:
+    return {p["normalized"]["id"]: p for p in gp.load_points(POINTS)}
+
+
+def test_torchtitan_fsdp_point_maps_to_zero3_over_its_world_size(points):
+    for pid, world in (("P085", 8), ("P088", 128)):
+        m = gp.map_point(points[pid])
+        setup = m.setup
+        assert (setup.sharding, setup.num_gpus, setup.engine) == (Sharding.ZERO3, world, Engine.TORCH)
+        assert setup.precision is Precision.BF16_MASTER  # FSDP2 MixedPrecisionPolicy over fp32 shards
+        assert (setup.micro_batch_size, setup.seq_len, setup.attention) == (2, 8192, Attention.SDPA)
+        assert m.hardware.world_size == world and m.hardware.gpus_per_node == 8
+        assert m.spec.name == "llama-3.1-8b"
+        # selective op checkpointing is what keeps it from being compared (nearest setup: full)
+        assert m.features == [gp.SELECTIVE] and not m.expressible
+        assert setup.checkpointing is Checkpointing.FULL
+    compiled = gp.map_point(points["P087"])
+    assert set(compiled.features) == {gp.SELECTIVE, gp.COMPILE, gp.FP8}
+
+
+def test_lora_and_other_features_are_named_not_expressible(points):
+    lora = gp.map_point(points["P020"])
+    assert not lora.expressible and gp.LORA in lora.features
+    assert gp.QLORA in gp.map_point(points["P021"]).features
+    paged = gp.map_point(points["P019"])
+    assert gp.PAGED in paged.features and "outside the allocator" in gp.PAGED
+    assert gp.TP in gp.map_point(points["P095"]).features
+    assert gp.CP in gp.map_point(points["P092"]).features
+    assert gp.CHUNKED in gp.map_point(points["P015"]).features
+    assert gp.OPT_IN_BWD in gp.map_point(points["P017"]).features
+    assert gp.ACT_OFFLOAD in gp.map_point(points["P018"]).features
+    t0 = gp.map_point(points["P137"])
+    assert gp.NOT_IN_CATALOG in t0.features and t0.setup is None
+
+
+def test_expressible_points_map_their_precision_optimizer_and_metric(points):
+    bert = gp.map_point(points["P003"])
+    assert bert.expressible and bert.spec.name == "bert-large-uncased"
+    s = bert.setup
+    assert (s.micro_batch_size, s.seq_len, s.precision, s.optimizer, s.attention, s.checkpointing) == (
+        4, 512, Precision.FP32, Optimizer.ADAMW, Attention.EAGER, Checkpointing.NONE)
+    assert bert.hardware.gpu.name == "V100-16GB"
+    assert any("classification head" in a for a in bert.approx)
+    accum = gp.map_point(points["P007"]).setup
+    assert (accum.micro_batch_size, accum.grad_accum_steps, accum.precision, accum.checkpointing) == (
+        1, 4, Precision.AMP_FP16, Checkpointing.FULL)
+    assert gp.map_point(points["P010"]).setup.optimizer is Optimizer.ADAMW_8BIT
+    assert gp.map_point(points["P008"]).setup.optimizer is Optimizer.ADAFACTOR
+    tune = gp.map_point(points["P013"])
+    assert tune.expressible and tune.setup.precision is Precision.BF16 and tune.setup.seq_len == 4096
+    row = gp.predict(tune)
+    assert (row.metric, row.figure) == ("active", "tensor") and row.predicted_gib > 0
+    assert gp.predict(bert).figure == "total"  # nvml: the whole device
+
+
+def test_each_metric_gets_its_memfit_figure(points):
+    from memfit.estimate.analytic import estimate
+
+    m = gp.map_point(points["P085"])  # multi-GPU: context, reserve and NCCL terms all present
+    est = estimate(m.spec, m.setup, m.hardware)
+    names = {t.name for t in est.terms}
+    assert {"overhead/cuda_context", "overhead/nccl", "overhead/allocator_reserve"} <= names
+    context_nccl = est.term("overhead/cuda_context").num_bytes + est.term("overhead/nccl").num_bytes
+    assert gp.figure_bytes(est, "reserved") == (est.total_bytes - context_nccl, "reserved")
+    assert gp.figure_bytes(est, "allocated") == (est.tensor_bytes, "tensor")
+    assert gp.figure_bytes(est, "nvml") == (est.total_bytes, "total")
+
+
+def test_runs_end_to_end_and_lists_every_in_scope_point_once(points, tmp_path):
+    out, js = tmp_path / "report.md", tmp_path / "rows.json"
+    start = time.perf_counter()
+    assert gp.main(["--out", str(out), "--json", str(js)]) == 0
+    assert time.perf_counter() - start < 10
+    text = out.read_text()
+    in_scope = sorted(pid for pid, p in points.items() if p["normalized"]["in_scope"])
+    listed = re.findall(r"^\| (P\d+)~? \|", text, flags=re.M)
+    for pid in in_scope:
+        assert listed.count(pid) == 1, pid
+    assert not set(listed) - set(in_scope) - {pid for pid, p in points.items()
+                                             if p["normalized"]["measured"].get("is_oom")}
+    for heading in ("median |error|", "90th percentile", "OOM rows in scope", "## Not expressible (the roadmap)",
+                    "Which memfit figure is compared with which measured metric"):
+        assert heading in text
+    data = json.loads(js.read_text())
+    assert sorted(r["id"] for r in data["rows"]) == in_scope
+    assert all(r["expressible"] or r["reason"] for r in data["rows"])  # every skip says why
+    stats = data["summary"]
+    assert stats["expressible"] + stats["not_expressible"] == len(in_scope)
+    assert stats["expressible"] >= 5 and stats["median_abs_error_pct"] is not None
+    assert stats["features"][gp.LORA] >= 1
+
+
+def test_missing_points_file_is_one_error(tmp_path, capsys):
+    assert gp.main(["--points", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "r.md")]) == 2
+    assert "no points file" in capsys.readouterr().err
