@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..registry import GraphTensor, Node, children_params, children_tensors, field_children, handler, join
+from ..registry import (GraphTensor, Node, children_params, children_tensors, field_children, handler, join, params_of,
+                        tensors_of)
 from .linear import Linear, LoraLinear, linear_rows
 
 
@@ -62,8 +63,6 @@ def _experts_children(node: Experts, path: str):
 
 @handler("params", Experts)
 def _experts_params(node: Experts) -> int:
-    from ..registry import params_of
-
     shared = sum(params_of(n) for n in (node.router, node.shared_experts, node.shared_gate) if n is not None)
     return node.num_experts * params_of(node.expert) + shared
 
@@ -72,8 +71,6 @@ def _experts_params(node: Experts) -> int:
 def _experts_tensors(node: Experts, path: str) -> Iterator[GraphTensor]:
     for field_name, _, child, child_path in _experts_children(node, path):
         if field_name != "expert":
-            from ..registry import tensors_of
-
             yield from tensors_of(child, child_path)
         elif node.stacked:
             yield from _stacked(node, child_path)

@@ -1,0 +1,122 @@
+"""Output heads: LMHead (causal LM logits), Seq2SeqLMHead (decoder logits of an encoder-decoder), MaskedLMHead
+(BERT's transform + LayerNorm + decoder) and ClassificationHead (an optional pooler + a classifier)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..registry import (GraphTensor, Node, children_params, children_tensors, field_children, handler, join,
+                        tensors_of)
+from .embedding import Param
+from .linear import Linear, LoraLinear, linear_rows
+from .norm import Norm
+
+
+@dataclass(frozen=True)
+class LMHead(Node):
+    """`proj`: hidden -> vocabulary. `tied`: its weight is the input embedding's (counted there once; only a bias,
+    if any, is the head's own). `softcap`: final-logit soft-capping (Gemma 2)."""
+
+    proj: Linear | LoraLinear
+    tied: bool = False
+    softcap: float | None = None
+    name: str = field(default="", kw_only=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.proj.out_features
+
+
+@dataclass(frozen=True)
+class Seq2SeqLMHead(Node):
+    """The decoder's LM head of an encoder-decoder (T5, BART): as LMHead, over the target sequence."""
+
+    proj: Linear | LoraLinear
+    tied: bool = True
+    softcap: float | None = None
+    name: str = field(default="", kw_only=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.proj.out_features
+
+
+@handler("children", LMHead, Seq2SeqLMHead)
+def _head_children(node: LMHead | Seq2SeqLMHead, path: str):
+    return field_children(node, path, ("proj",))
+
+
+@handler("params", LMHead, Seq2SeqLMHead)
+def _head_params(node: LMHead | Seq2SeqLMHead) -> int:
+    return sum(t.total for t in _head_tensors(node, ""))
+
+
+@handler("tensors", LMHead, Seq2SeqLMHead)
+def _head_tensors(node: LMHead | Seq2SeqLMHead, path: str) -> Iterator[GraphTensor]:
+    if not node.tied:
+        return children_tensors(node, path)
+    if isinstance(node.proj, LoraLinear):
+        raise TypeError("a tied LM head shares the embedding's weight: LoRA on it is not modelled")
+    # the weight is the input embedding's (counted there); only a bias is the head's own
+    proj_path = join(path, node.proj.name)
+    return (GraphTensor(join(proj_path, suffix), numel, 1, node.proj.trainable, local)
+            for suffix, numel, local in linear_rows(node.proj) if suffix == "bias")
+
+
+@dataclass(frozen=True)
+class MaskedLMHead(Node):
+    """BERT's MLM head: `transform` (hidden -> hidden) + act + `norm`, then `decoder` (hidden -> vocabulary) whose
+    weight is tied to the word embeddings and whose bias is `bias` when `tied`."""
+
+    transform: Linear | LoraLinear
+    norm: Norm
+    decoder: Linear | LoraLinear
+    bias: Param
+    tied: bool = True
+    act: str = "gelu"
+    name: str = field(default="cls.predictions", kw_only=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.out_features
+
+
+@handler("children", MaskedLMHead)
+def _mlm_children(node: MaskedLMHead, path: str):
+    return field_children(node, path, ("transform", "norm", "decoder", "bias"))
+
+
+@handler("tensors", MaskedLMHead)
+def _mlm_tensors(node: MaskedLMHead, path: str) -> Iterator[GraphTensor]:
+    for field_name, _, child, child_path in _mlm_children(node, path):
+        if field_name == "decoder" and node.tied:
+            continue  # weight = word embeddings, bias = `bias`
+        yield from tensors_of(child, child_path)
+
+
+@handler("params", MaskedLMHead)
+def _mlm_params(node: MaskedLMHead) -> int:
+    return sum(t.total for t in _mlm_tensors(node, ""))
+
+
+@dataclass(frozen=True)
+class ClassificationHead(Node):
+    """`pooler` (hidden -> hidden, optional) then `proj` (hidden -> num_labels)."""
+
+    proj: Linear | LoraLinear
+    pooler: Linear | LoraLinear | None = None
+    name: str = field(default="", kw_only=True)
+
+    @property
+    def num_labels(self) -> int:
+        return self.proj.out_features
+
+
+@handler("children", ClassificationHead)
+def _cls_children(node: ClassificationHead, path: str):
+    return field_children(node, path, ("pooler", "proj"))
+
+
+handler("params", ClassificationHead)(children_params)
+handler("tensors", ClassificationHead)(children_tensors)
