@@ -81,7 +81,7 @@ PRECISIONS = ("fp32", "amp-bf16", "bf16")
 CHECKPOINTING = ("none", "full")
 ATTENTION = ("sdpa", "eager")
 OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-8bit")
-SHAPE = {"tiny": (2, 64), "small": (4, 512)}
+SHAPE = {"tiny": (2, 128), "small": (4, 512)}
 """(micro-batch, sequence) of the main matrix, per model size."""
 
 
@@ -115,7 +115,7 @@ def full_matrix(size: str) -> list[Case]:
     cases = [Case(fam, prec, opt, ckpt, attn, b, t) for fam, prec, ckpt, attn, opt in
              itertools.product(FAMILIES, PRECISIONS, CHECKPOINTING, ATTENTION, OPTIMIZERS)]
     batches = (1, 2, 8, 16) if size == "small" else (1, 4)
-    seqs = (128, 256, 1024, 2048) if size == "small" else (32, 128)
+    seqs = (128, 256, 1024, 2048) if size == "small" else (64, 256)
     for fam in FAMILIES:  # batch and sequence sweeps on the common fine-tune setup, plus fp32 eager (T^2 scores)
         cases += [Case(fam, "bf16", "adamw", "none", "sdpa", batch, t) for batch in batches]
         cases += [Case(fam, "bf16", "adamw", "none", "sdpa", b, seq) for seq in seqs]

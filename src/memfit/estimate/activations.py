@@ -105,7 +105,7 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
     if setup.attention is Attention.SDPA:
         # CPU math fallback: computes in fp32 whatever the input dtype (q, k, v, output; softmax, mask, dropped)
         return [Saved("attention", 4 * q, "f32"), Saved("attention", 3 * heads * seq_len, "f32")]
-    softmax = eager_softmax_dtype(spec)
+    softmax = eager_softmax_dtype(spec, setup, d.on_cpu)
     rows = [Saved("attention", 4 * q, "cmp"), Saved("attention", heads * seq_len, softmax)]
     if spec.extra.get("attn_logit_softcapping"):
         rows.append(Saved("attention", heads * seq_len, "cmp"))  # Gemma 2: tanh(scores / cap) keeps its output
@@ -116,10 +116,16 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
     return rows
 
 
-def eager_softmax_dtype(spec: ModelSpec) -> str:
+def eager_softmax_dtype(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> str:
     """The Llama family's eager attention takes the softmax in fp32 (`softmax(..., dtype=torch.float32)`);
-    GPT-2's and BERT's take it in the scores' dtype."""
-    return "cmp" if spec.model_type in ("gpt2", "bert") else "f32"
+    GPT-2's and BERT's take it in the scores' dtype. Under autocast the scores are fp32 anyway on CUDA (autocast's
+    CUDA fp32 list has softmax), and on CPU for causal models (the fp32 additive mask promotes them); CPU autocast
+    leaves BERT's in bf16."""
+    if spec.model_type not in ("gpt2", "bert"):
+        return "f32"
+    if setup.precision.is_autocast and (not on_cpu or spec.is_decoder):
+        return "f32"
+    return "cmp"
 
 
 def attention_backward_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
@@ -130,7 +136,7 @@ def attention_backward_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int,
     if setup.attention is Attention.SDPA and not (dropout and on_cpu):
         return 0
     d = Dtypes.of(setup.precision, on_cpu)
-    dtype = "f32" if setup.attention is Attention.SDPA else eager_softmax_dtype(spec)
+    dtype = "f32" if setup.attention is Attention.SDPA else eager_softmax_dtype(spec, setup, on_cpu)
     # an fp32 softmax (Llama family) backward holds the gradient of its cast copy and its own; others hold one
     count = 2 if setup.attention is Attention.EAGER and dtype == "f32" else 1
     per_token = count * d.bytes_of(Saved("attention", spec.num_attention_heads * seq_len, dtype))

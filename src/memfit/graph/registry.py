@@ -104,6 +104,13 @@ def children_of(node: Any, path: str) -> Iterator[Child]:
     return iter(dispatch("children", node, path))
 
 
+def walk(node: Any, path: str = "", parents: tuple = ()) -> Iterator[tuple[str, Any, tuple]]:
+    """Every node under `node` (itself first) with its path and its ancestry: ((ancestor, field), ...)."""
+    yield path, node, parents
+    for field, _, child, child_path in children_of(node, path):
+        yield from walk(child, child_path, parents + ((node, field),))
+
+
 def join(path: str, name: str) -> str:
     if not name:
         return path

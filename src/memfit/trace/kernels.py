@@ -11,8 +11,11 @@ tensors from the CUDA kernels a GPU run takes (FACTS.md, checked against ATen):
   explicit mask) or the memory-efficient kernel, which keep the output, the log-sum-exp and an RNG seed only
   (ATen sdp_utils.cpp selection order: flash, then memory-efficient, then math).
 
-`cuda_kernels()` swaps those calls for the ops a CUDA device runs; on fake tensors their meta functions give the
-exact output and saved-tensor shapes. Kernel workspaces are not tensors and stay uncounted either way.
+- autocast's op policy: CUDA autocast runs softmax and layer_norm in fp32 (torch.amp's CUDA fp32 list); CPU
+  autocast runs them in bf16 (BERT's eager softmax, its MLM head's LayerNorm).
+
+`device_kernels("cuda")` swaps those calls for the ops a CUDA device runs; on fake tensors their meta functions
+give the exact output and saved-tensor shapes. Kernel workspaces are not tensors and stay uncounted either way.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import torch.nn.functional as F
 Kernels = Literal["cuda", "cpu"]
 KERNELS: tuple[str, ...] = ("cuda", "cpu")
 
-CUDA_NOTE = ("CUDA kernel choices emulated on the CPU trace: dropout keeps a bool mask (fused native_dropout) and "
-             "SDPA with dropout runs the flash / memory-efficient kernel (no T x T); kernel workspaces not counted")
+CUDA_NOTE = ("CUDA kernel choices emulated on the CPU trace: dropout keeps a bool mask (fused native_dropout), "
+             "SDPA with dropout runs the flash / memory-efficient kernel (no T x T), autocast runs softmax and "
+             "layer_norm in fp32; kernel workspaces not counted")
 CPU_NOTE = ("CPU kernel choices: dropout keeps its mask in the input dtype and SDPA with dropout takes the math path "
             "(T x T); a CUDA device keeps less (trace with kernels='cuda')")
 
@@ -53,14 +57,28 @@ def device_kernels(kernels: Kernels) -> Iterator[None]:
     if kernels == "cpu":
         yield
         return
-    originals = {"dropout": F.dropout, "scaled_dot_product_attention": F.scaled_dot_product_attention}
+    originals = {"dropout": F.dropout, "scaled_dot_product_attention": F.scaled_dot_product_attention,
+                 "softmax": F.softmax, "layer_norm": F.layer_norm}
     F.dropout = functools.partial(_dropout, originals["dropout"])
     F.scaled_dot_product_attention = functools.partial(_sdpa_or, originals["scaled_dot_product_attention"])
+    F.softmax = functools.partial(_fp32_under_autocast, originals["softmax"])
+    F.layer_norm = functools.partial(_fp32_under_autocast, originals["layer_norm"])
     try:
         yield
     finally:
         for name, function in originals.items():
             setattr(F, name, function)
+
+
+def _fp32_under_autocast(original, input, *args, **kwargs):
+    """CUDA autocast's fp32 policy: a half-precision input is cast to fp32 (and so are the tensor arguments, as
+    autocast does), and the op runs outside the lower-precision region."""
+    if not torch.is_autocast_enabled("cpu") or input.dtype not in (torch.float16, torch.bfloat16):
+        return original(input, *args, **kwargs)
+    cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    kw = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+    with torch.autocast("cpu", enabled=False):
+        return original(input.float(), *cast, **kw)
 
 
 def _sdpa_or(original, *args, **kwargs):

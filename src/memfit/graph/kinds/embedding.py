@@ -68,7 +68,7 @@ def _patch_tensors(node: PatchEmbedding, path: str) -> Iterator[GraphTensor]:
 
 @dataclass(frozen=True)
 class Param(Node):
-    """One parameter tensor of `shape`, named by its full path (e.g. 'vit.embeddings.cls_token')."""
+    """One raw parameter tensor of `shape` (nn.Parameter: a CLS token, a table kept as a Parameter, a bias)."""
 
     name: str
     shape: tuple[int, ...]

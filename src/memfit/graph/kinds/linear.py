@@ -14,7 +14,8 @@ SHARD_STYLES = ("column", "row", "vocab")
 @dataclass(frozen=True)
 class Shard:
     """How tensor parallelism splits a node over `degree` ranks: 'column' splits the output features (weight rows
-    and bias), 'row' splits the input features (the bias stays whole), 'vocab' splits an embedding table's rows."""
+    and bias), 'row' splits the input features (the bias stays whole), 'vocab' splits a vocabulary (embedding rows,
+    LM-head outputs) padded up to a multiple of the degree."""
 
     style: str
     degree: int
@@ -44,16 +45,21 @@ class Linear(Node):
         return self.in_features * self.out_features
 
 
-def _split(numel: int, shard: Shard | None, *, split: bool) -> int:
-    return numel // shard.degree if shard is not None and split else numel
+def _local_out(out_features: int, shard: Shard | None) -> int:
+    if shard is None or shard.style == "row":
+        return out_features
+    if shard.style == "vocab":  # padded to a multiple of the degree
+        return -(-out_features // shard.degree)
+    return out_features // shard.degree
 
 
 def linear_rows(node: Linear) -> tuple[tuple[str, int, int], ...]:
-    """(suffix, numel, numel on one rank) of the weight and bias."""
-    s = node.shard
-    rows = [("weight", node.weight_numel, _split(node.weight_numel, s, split=True))]
+    """(suffix, numel, numel on one rank) of the weight and, with a bias, the bias."""
+    s, out = node.shard, node.out_features
+    local_in = node.in_features // s.degree if s is not None and s.style == "row" else node.in_features
+    rows = [("weight", node.weight_numel, local_in * _local_out(out, s))]
     if node.bias:
-        rows.append(("bias", node.out_features, _split(node.out_features, s, split=s is not None and s.style != "row")))
+        rows.append(("bias", out, _local_out(out, s)))
     return tuple(rows)
 
 
@@ -101,7 +107,7 @@ def lora_shards(shard: Shard | None) -> tuple[Shard | None, Shard | None]:
         return None, None
     if shard.style == "row":
         return Shard("row", shard.degree), None
-    return None, Shard("column", shard.degree)
+    return None, Shard(shard.style, shard.degree)
 
 
 def make_lora(base: Linear, rank: int, *, alpha: float = 8.0, adapter: str = "default") -> LoraLinear:

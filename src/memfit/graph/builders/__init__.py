@@ -1,0 +1,62 @@
+"""HF config dict -> ModelGraph: one small builder per family, registered by model_type (`@builder("llama")`).
+An unknown model_type raises ModelSourceError naming it (the caller may then trace the real module instead)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from ...errors import ModelSourceError
+from ..model import ModelGraph
+from .common import Cfg
+
+Builder = Callable[[Cfg, str], ModelGraph]
+_BUILDERS: dict[str, tuple[Builder, dict[str, Any]]] = {}
+
+
+def builder(*model_types: str, defaults: Mapping[str, Any] | None = None,
+            per_type: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[Builder], Builder]:
+    """Register fn(cfg, name) -> ModelGraph for `model_types`, reading configs with `defaults` (the transformers
+    config class's defaults for the keys the builder reads), overridden per type by `per_type`."""
+
+    def register(fn: Builder) -> Builder:
+        for model_type in model_types:
+            if model_type in _BUILDERS:
+                raise TypeError(f"model_type '{model_type}' already has a graph builder")
+            _BUILDERS[model_type] = (fn, {**(defaults or {}), **(per_type or {}).get(model_type, {})})
+        return fn
+
+    return register
+
+
+def graph_model_types() -> tuple[str, ...]:
+    """The model_types a graph can be built for from a config alone."""
+    return tuple(sorted(_BUILDERS))
+
+
+def graph_from_config(config: Any, *, name: str | None = None, source: str = "config") -> ModelGraph:
+    """The ModelGraph of a Hugging Face config (a dict or anything with to_dict(), e.g. a PretrainedConfig).
+    ModelSourceError (one line) for an unknown model_type or a malformed config."""
+    if not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise ModelSourceError(f"{source}: a model config must be a mapping, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelSourceError(f"{source}: config has no 'model_type' string; is this a Hugging Face config.json?")
+    if model_type not in _BUILDERS:
+        raise ModelSourceError(f"{source}: no graph builder for model_type '{model_type}' (known: "
+                               f"{', '.join(graph_model_types())}); trace the built module instead")
+    fn, defaults = _BUILDERS[model_type]
+    cfg = Cfg(config, model_type, defaults)
+    try:
+        graph = fn(cfg, name or str(config.get("_name_or_path") or model_type))
+    except (ArithmeticError, ValueError, TypeError):
+        cfg.check(source)  # a bad value usually caused it: name the key
+        raise
+    cfg.check(source)
+    return replace(graph, model_type=model_type, config=dict(config))
+
+
+from . import decoders, encoders, gpt, moe, seq2seq  # noqa: E402,F401  (registers the builders)

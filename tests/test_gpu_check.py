@@ -1,0 +1,80 @@
+"""bench/gpu_check.py runs end to end on the CPU (the device CI has): real steps through memfit.measure, every column
+written, CPU peaks within 5% of memfit's CPU prediction, and a failing case recorded without stopping the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("memfit_bench_gpu_check", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gc_bench = _load()
+
+
+def test_cpu_quick_run_writes_every_column_within_5_percent(tmp_path):
+    start = time.perf_counter()
+    assert gc_bench.main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - start < 30
+    data = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
+    rows = data["rows"]
+    assert [r["case"] for r in rows] == [c.name for c in gc_bench.quick_cases("tiny")]
+    assert {r["family"] for r in rows} == {"llama", "gpt2", "qwen2"}
+    for row in rows:
+        assert set(row) == set(gc_bench.COLUMNS) == set(data["columns"])
+        assert row["status"] == "ok" and row["error"] is None, row
+        # CPU: the profiler's peak, next to memfit's prediction for a CPU device (no overhead terms)
+        assert row["measured_allocated_bytes"] > 0 and row["params"] > 0
+        assert abs(row["err_allocated_pct"]) <= 5.0, row
+        assert row["memfit_total_bytes"] == row["memfit_tensor_bytes"] == row["memfit_reserved_bytes"]
+        for absent in ("measured_reserved_bytes", "nvml_used_bytes", "nvml_process_bytes", "err_reserved_pct",
+                       "err_nvml_pct"):
+            assert row[absent] is None
+        assert row["measured_peak_phase"] in ("forward", "backward", "optimizer")
+    assert data["info"]["device"] == "cpu" and data["info"]["size"] == "tiny"
+    md = (tmp_path / "gpu_check_cpu.md").read_text()
+    assert all(r["case"] in md for r in rows)
+    assert not (tmp_path / "gpu_check.md").exists()  # a CPU run never overwrites GPU results
+
+
+def test_a_failing_case_is_recorded_and_the_run_goes_on(tmp_path):
+    too_long = gc_bench.Case("gpt2", micro_batch_size=1, seq_len=1024)  # the tiny gpt2 has 512 positions
+    good = gc_bench.Case("llama", micro_batch_size=1, seq_len=32)
+    rows, info = gc_bench.run_cases([too_long, good], device="cpu", size="tiny")
+    failed, ok = rows
+    assert failed["status"] == "failed" and failed["error"]
+    assert failed["measured_allocated_bytes"] is None and failed["err_allocated_pct"] is None
+    assert set(failed) == set(gc_bench.COLUMNS)
+    assert ok["status"] == "ok" and abs(ok["err_allocated_pct"]) <= 5.0
+    md, _ = gc_bench.write_results(rows, info, tmp_path)
+    text = md.read_text()
+    assert "1 failed" in text and "## Failed cases" in text and too_long.name in text
+
+
+def test_full_matrix_covers_the_requested_axes():
+    cases = gc_bench.full_matrix("small")
+    names = [c.name for c in cases]
+    assert len(names) == len(set(names))
+    main = {(c.family, c.precision, c.checkpointing, c.attention, c.optimizer) for c in cases
+            if (c.micro_batch_size, c.seq_len) == gc_bench.SHAPE["small"]}
+    assert len(main) == 3 * 3 * 2 * 2 * 3
+    assert {c.micro_batch_size for c in cases} >= {1, 2, 4, 8, 16}
+    assert {c.seq_len for c in cases} >= {128, 512, 2048}
+    for case in cases:
+        case.setup()  # every case is a valid TrainingSetup
