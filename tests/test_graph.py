@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 from collections import Counter
-from functools import lru_cache
 
 import pytest
 
@@ -25,6 +24,7 @@ from memfit.graph import (
     UnknownNodeKindError,
     graph_from_config,
     graph_model_types,
+    linears_of,
     params_of,
     tensors_of,
     walk,
@@ -158,7 +158,9 @@ def assert_graph_matches(graph: ModelGraph, model) -> None:
 @pytest.mark.parametrize("label", sorted(TINY))
 def test_tiny_family_matches_transformers_exactly(label):
     config = TINY[label]
-    assert_graph_matches(graph_from_config(config), build_on_meta(config))
+    model = build_on_meta(config)
+    assert_graph_matches(graph_from_config(config), model)
+    assert_graph_matches(graph_from_config(model.config), model)  # a PretrainedConfig (all defaults filled in)
 
 
 def test_every_builder_has_a_tiny_config():
@@ -215,6 +217,9 @@ def test_lora_is_pure_and_structural():
     adapted = with_lora(graph, 4, ["q_proj"])
     assert graph.num_trainable_params == graph.num_params  # the input is untouched
     lora = [node for path, node in adapted.linears() if isinstance(node, LoraLinear)]
+    attention = adapted.stacks[0].block.nodes[1]
+    assert [path for path, _ in linears_of(attention, "self_attn")] == [
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     assert len(lora) == 1 and lora[0].rank == 4 and not lora[0].base.trainable
     assert (lora[0].a.in_features, lora[0].a.out_features, lora[0].b.out_features) == (64, 4, 64)
     per_layer = 4 * (64 + 64)  # A: 64 x 4, B: 4 x 64

@@ -13,7 +13,7 @@ from .kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from .kinds.linear import Linear, LoraLinear, Shard
 from .kinds.mlp import MLP, Experts
 from .kinds.norm import Dropout, Norm
-from .model import Block, ModelGraph, Stack
+from .model import Block, ModelGraph, Stack, linears_of
 from .registry import (GraphTensor, Node, UnknownNodeKindError, dispatch, handler, params_of, registered_kinds,
                        tensors_of, walk)
 from .transforms import rewrite, with_lora, with_tensor_parallel
@@ -22,6 +22,6 @@ __all__ = [
     "MLP", "Attention", "Block", "ClassificationHead", "Dropout", "Embedding", "Experts", "GraphTensor", "LMHead",
     "LatentKV", "Linear", "LoraLinear", "MaskedLMHead", "ModelGraph", "Node", "Norm", "Param", "PatchEmbedding",
     "Seq2SeqLMHead", "Shard", "Stack", "UnknownNodeKindError", "builder", "dispatch", "graph_from_config",
-    "graph_model_types", "handler", "params_of", "registered_kinds", "rewrite", "tensors_of", "walk",
+    "graph_model_types", "handler", "linears_of", "params_of", "registered_kinds", "rewrite", "tensors_of", "walk",
     "with_lora", "with_tensor_parallel",
 ]

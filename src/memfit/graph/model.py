@@ -145,15 +145,18 @@ class ModelGraph(Node):
 
     def linears(self) -> tuple[tuple[str, Linear | LoraLinear], ...]:
         """(path, node) of every projection, LoRA-adapted ones as one LoraLinear, tied heads left out."""
-        found = []
-        for path, node, parents in walk(self):
-            if isinstance(node, (Linear, LoraLinear)) and not inside_lora(parents) and not tied_head_weight(parents):
-                found.append((path, node))
-        return tuple(found)
+        return linears_of(self)
 
     def nodes(self, kind: type) -> tuple[tuple[str, Node], ...]:
         """(path, node) of every node of exactly `kind`."""
         return tuple((path, node) for path, node, _ in walk(self) if type(node) is kind)
+
+
+def linears_of(node: Node, path: str = "") -> tuple[tuple[str, Linear | LoraLinear], ...]:
+    """(path, projection) of every Linear / LoraLinear under any node (an Attention's q/k/v/o, an MLP's
+    up/down, a whole graph's), LoRA-adapted ones as one LoraLinear, a tied head's projection left out."""
+    return tuple((p, n) for p, n, parents in walk(node, path)
+                 if isinstance(n, (Linear, LoraLinear)) and not inside_lora(parents) and not tied_head_weight(parents))
 
 
 def inside_lora(parents: tuple) -> bool:

@@ -50,7 +50,7 @@ def _matches(path: str, targets: tuple[str, ...]) -> bool:
     return any(path == t or path.endswith("." + t) for t in targets)
 
 
-def with_lora(graph: ModelGraph, rank: int, targets: Iterable[str], *, alpha: float | None = None,
+def with_lora(graph: ModelGraph, rank: int, targets: Iterable[str], *, alpha: float = 8.0,
               freeze_base: bool = True) -> ModelGraph:
     """LoRA on every Linear whose path matches `targets` (peft's target_modules rule: a name or a dotted suffix):
     frozen base, trainable A (in x rank) and B (rank x out). With `freeze_base` (peft's default) every other
@@ -69,7 +69,7 @@ def with_lora(graph: ModelGraph, rank: int, targets: Iterable[str], *, alpha: fl
         if (isinstance(node, Linear) and _matches(path, targets) and not _in_stacked_experts(parents)
                 and not tied_head_weight(parents)):
             matched.append(path)
-            return make_lora(node, rank, alpha=float(alpha if alpha is not None else rank))
+            return make_lora(node, rank, alpha=float(alpha))
         if freeze_base and getattr(node, "trainable", False) is True and not isinstance(node, LoraLinear):
             return dataclasses.replace(node, trainable=False)
         return node

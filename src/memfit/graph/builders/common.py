@@ -101,17 +101,17 @@ def dropouts(**where_p: float | None) -> tuple[Dropout, ...]:
 def attention(hidden: int, heads: int, kv_heads: int, head_dim: int, *, qkv_bias: bool = False,
               out_bias: bool = False, names: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
               fused: str | None = None, out_in: int | None = None, norms: tuple[Norm, ...] = (),
-              name: str = "self_attn", kv_in: int | None = None, **numbers: Any) -> Attention:
+              name: str = "self_attn", **numbers: Any) -> Attention:
     """Separate q/k/v (or one `fused` qkv) and an output projection. `out_in`: the output projection's input
-    size where it is not heads * head_dim (StableLM); `kv_in`: the k/v input size of a cross-attention."""
+    size where it is not heads * head_dim (StableLM)."""
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     if fused:
         qkv = (Linear(fused, hidden, q_dim + 2 * kv_dim, qkv_bias),)
         out_name = names[-1]
     else:
         q, k, v, out_name = names
-        kv_in = kv_in or hidden
-        qkv = (Linear(q, hidden, q_dim, qkv_bias), Linear(k, kv_in, kv_dim, qkv_bias), Linear(v, kv_in, kv_dim, qkv_bias))
+        qkv = (Linear(q, hidden, q_dim, qkv_bias), Linear(k, hidden, kv_dim, qkv_bias),
+               Linear(v, hidden, kv_dim, qkv_bias))
     out = Linear(out_name, out_in or q_dim, hidden, out_bias)
     return Attention(heads, kv_heads, head_dim, hidden, qkv, out, norms=norms, name=name, **numbers)
 
