@@ -78,3 +78,24 @@ def test_full_matrix_covers_the_requested_axes():
     assert {c.seq_len for c in cases} >= {128, 512, 2048}
     for case in cases:
         case.setup()  # every case is a valid TrainingSetup
+
+
+def test_cuda_report_compares_each_reading_with_its_memfit_figure(tmp_path):
+    """The CUDA report, rendered offline from a made-up row: allocated vs tensor, reserved vs tensor + allocator
+    reserve, NVML (this process) vs the total."""
+    row = dict.fromkeys(gc_bench.COLUMNS)
+    mib = 2**20
+    row.update(case="llama-bf16-adamw-ckpt_none-sdpa-b4-s512", family="llama", params=124_000_000, status="ok",
+               seconds=1.0, measured_allocated_bytes=1000 * mib, measured_reserved_bytes=1100 * mib,
+               nvml_used_bytes=2000 * mib, nvml_process_bytes=1600 * mib, memfit_tensor_bytes=1010 * mib,
+               memfit_reserved_bytes=1060 * mib, memfit_total_bytes=1572 * mib, measured_peak_phase="backward",
+               memfit_peak_phase="backward")
+    row["err_allocated_pct"] = gc_bench._pct(row["memfit_tensor_bytes"], row["measured_allocated_bytes"])
+    info = {"device": "cuda", "name": "NVIDIA H200", "torch": "2.x", "size": "small", "steps": 2,
+            "cuda_context_bytes": 520 * mib, "memfit_cuda_context_bytes": 512 * mib, "nvml": "pynvml"}
+    md, js = gc_bench.write_results([row], info, tmp_path)
+    assert md.name == "gpu_check.md" and js.name == "gpu_check.json"
+    text = md.read_text()
+    assert "CUDA context of this process" in text and "520.0 MiB" in text
+    assert "allocated (max_memory_allocated" in text and "reserved (max_memory_reserved)" in text
+    assert "| 1000.0 | 1100.0 | 1600.0 | 1010.0 | 1060.0 | 1572.0 | +1.0 |" in text
