@@ -293,3 +293,13 @@ def needs_bf16(precision: Precision) -> bool:
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def fsdp2_mixed_precision(setup: TrainingSetup, engine: Engine | None = None) -> bool:
+    """Whether FSDP2 runs the setup's precision as MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=fp32):
+    fp32 shards (the master copy), low-precision compute with no autocast, fp32 gradient reduction. That is what
+    memfit's torch engine (`memfit._torch.engine.shard`) and its emitted FSDP2 code do for amp-* and bf16-master at
+    ZeRO-2/3, so an amp setup there is sized like bf16-master (same bytes: fp16 and bf16 are both 2 B). `engine`
+    overrides the setup's (a trace always runs FSDP2)."""
+    return ((engine or setup.engine) is Engine.TORCH and setup.sharding.stage >= 2
+            and (setup.precision.is_autocast or setup.precision.master_weights))

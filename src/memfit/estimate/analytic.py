@@ -11,12 +11,13 @@ total is the step's peak and its terms are the breakdown:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
-from ..setup import Checkpointing, Engine, Sharding, TrainingSetup
+from ..setup import Checkpointing, Engine, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
 from . import fsdp2
 from .notes import rule_of_thumb_notes
@@ -37,9 +38,10 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
-    full = full_static(spec, setup)
-    static = shard(spec, setup, full, layout=layout or setup.engine)
-    moments = _moments(spec, setup, static, full.step_temp_bytes, hardware.is_cpu)
+    sized, run_notes = _as_run(setup, layout or setup.engine)
+    full = full_static(spec, sized)
+    static = shard(spec, sized, full, layout=layout or setup.engine)
+    moments = _moments(spec, sized, static, full.step_temp_bytes, hardware.is_cpu)
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
@@ -47,8 +49,20 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     terms = [t for t in terms if t.num_bytes > 0] + runtime_overhead_terms(_total(terms), setup, hardware)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, setup)) + static.notes, model_name=spec.name,
+        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes,
+        model_name=spec.name,
         device_name=hardware.gpu.name)
+
+
+def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[str, ...]]:
+    """The setup whose bytes the engine really has: amp-* under torch's FSDP2 runs as a MixedPrecisionPolicy
+    (memfit.setup.fsdp2_mixed_precision), which is bf16-master's layout, not autocast's."""
+    if not setup.precision.is_autocast or not fsdp2_mixed_precision(setup, layout):
+        return setup, ()
+    return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
+        f"{setup.precision} under FSDP2 runs as MixedPrecisionPolicy(param_dtype={setup.precision.compute_dtype}, "
+        "reduce_dtype=fp32), as memfit's torch engine shards it: fp32 shards, low-precision compute, no autocast "
+        "cache; sized like bf16-master",)
 
 
 def _total(terms: list[Term]) -> int:

@@ -42,9 +42,11 @@ def sharder(setup: TrainingSetup, mesh, block_finder: Callable[[nn.Module], list
         notes = [f"{setup.sharding} traced as FSDP2 fully_shard over a fake process group of {setup.num_gpus} ranks; "
                  "numbers are per rank"]
         options: dict = {"mesh": mesh, "reshard_after_forward": setup.sharding is Sharding.ZERO3}
-        if setup.precision is Precision.BF16_MASTER:
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            notes.append("bf16-master under FSDP2: fp32 sharded parameters (the master copy), bf16 all-gathers")
+        if setup.precision.master_weights or setup.precision.is_autocast:
+            low = torch.float16 if setup.precision is Precision.AMP_FP16 else torch.bfloat16
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+            notes.append(f"{setup.precision} under FSDP2: fp32 sharded parameters (the master copy), {low} "
+                         "all-gathers and compute (no autocast), fp32 gradient reduction")
         if setup.engine.value == "deepspeed":
             notes.append("the setup's engine is DeepSpeed, whose layout differs (fp32 partition copy, pre-allocated "
                          "ZeRO-3 gradient partition); the trace runs torch's FSDP2: compare with --engine torch")

@@ -104,8 +104,11 @@ def _finish(model: nn.Module, batch, setup: TrainingSetup, *, loss_fn, shard: Sh
 
     micro_batches = [batch] * setup.grad_accum_steps  # one batch object reused: one alive at a time, as from a loader
 
+    loop_setup = _model_setup(setup) if setup.precision.is_autocast else setup  # FSDP2 casts, not autocast
+
     def run(phase_callback: PhaseCallback) -> None:
-        runner.training_step(model, optimizer, micro_batches, setup, loss_fn=loss_fn, phase_callback=phase_callback)
+        runner.training_step(model, optimizer, micro_batches, loop_setup, loss_fn=loss_fn,
+                             phase_callback=phase_callback)
 
     name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
     return StepSession(model=model, optimizer=optimizer, batch=batch, run=run, name=name, notes=notes)
@@ -123,8 +126,10 @@ def _make_optimizer(model: nn.Module, setup: TrainingSetup):
 
 
 def _model_setup(setup: TrainingSetup) -> TrainingSetup:
-    """bf16-master under ZeRO is FSDP2 mixed precision: fp32 (master) shards, bf16 all-gathers, a plain optimizer."""
-    if setup.precision is Precision.BF16_MASTER and setup.sharding.stage > 0:
+    """bf16-master and amp-* under ZeRO are FSDP2 mixed precision, as memfit's torch engine shards them
+    (memfit.setup.fsdp2_mixed_precision): fp32 (master) shards, bf16 / fp16 all-gathers, no autocast, a plain
+    optimizer. A trace runs FSDP2 for every ZeRO stage."""
+    if setup.sharding.stage > 0 and (setup.precision.master_weights or setup.precision.is_autocast):
         return setup.replace(precision=Precision.FP32)
     return setup
 
