@@ -33,6 +33,8 @@ CASES = {
     "llama zero3 torch offload": ("llama-3.2-1b", dict(X8, sharding="zero3", engine="torch", precision="bf16-master",
                                                        offload="optimizer+params")),
     "gpt2 ddp x8 torch": ("gpt2", dict(X8, engine="torch", precision="amp-bf16")),
+    "bert zero3 torch (tied MLM head in the root unit)": ("bert-base-uncased", dict(X8, sharding="zero3",
+                                                                                  engine="torch")),
     "gemma2 eager bf16 ckpt": ("gemma-2-2b", dict(attention="eager", checkpointing="full")),
     "phi3 bf16-master": ("phi-3-mini", dict(precision="bf16-master")),
     "mistral zero2 deepspeed offload": ("mistral-7b", dict(X8, sharding="zero2", engine="deepspeed",

@@ -2,8 +2,8 @@
 `apply_` (checkpointing a plain module), the sharded engines (FSDP2's units, checkpointing before sharding) and the
 tracer (its FSDP2 units and checkpointing of plain modules).
 
-Which blocks: on a transformers model, the modules of the classes it lists in `_no_split_modules` (its transformer
-layers: the unit accelerate's FSDP wrap policy and the tracer shard); otherwise the children of each nn.ModuleList or
+Which blocks: on a transformers model, the modules of the classes it lists in `_no_split_modules` that occur two or
+more times (its transformer layers: the unit accelerate's FSDP wrap policy and the tracer shard); otherwise the children of each nn.ModuleList or
 nn.Sequential that holds two or more non-leaf modules of one class (transformer layers, stages), outermost lists only.
 
 Checkpointing: the block's forward runs under torch.utils.checkpoint (non-reentrant) while training with grad
@@ -27,6 +27,12 @@ def named_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     listed = set(getattr(model, "_no_split_modules", None) or ())
     if listed:
         found = [(name, module) for name, module in model.named_modules() if type(module).__name__ in listed]
+        # only the classes that repeat: a model also lists one-off modules (BERT's BertEmbeddings), whose tied word
+        # embedding must stay in the root unit with the head that shares it
+        counts: dict[type, int] = {}
+        for _, module in found:
+            counts[type(module)] = counts.get(type(module), 0) + 1
+        found = [(name, module) for name, module in found if counts[type(module)] >= 2]
         if found:
             return found
     blocks: list[tuple[str, torch.nn.Module]] = []

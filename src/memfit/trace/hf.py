@@ -43,9 +43,8 @@ def _hub_config(repo_id: str) -> dict:
 
 
 def block_finder(model: nn.Module) -> list[nn.Module]:
-    """The transformer layers (the classes HF lists in `_no_split_modules`), the unit FSDP shards one at a time."""
-    from .session import repeated_blocks
+    """The units FSDP shards one at a time: memfit._torch.blocks.find_blocks, the one finder (HF's repeated
+    `_no_split_modules` classes, else repeated children of a ModuleList / Sequential)."""
+    from .._torch.blocks import find_blocks
 
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [module for module in model.modules() if type(module).__name__ in names]
-    return blocks or repeated_blocks(model)
+    return find_blocks(model)
