@@ -32,9 +32,9 @@ def named_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         counts: dict[type, int] = {}
         for _, module in found:
             counts[type(module)] = counts.get(type(module), 0) + 1
-        found = [(name, module) for name, module in found if counts[type(module)] >= 2]
-        if found:
-            return found
+        repeated = [(name, module) for name, module in found if counts[type(module)] >= 2]
+        if repeated or found:
+            return repeated or found  # a one-layer model's single layer is still its block
     blocks: list[tuple[str, torch.nn.Module]] = []
     inside: set[int] = set()
     for name, module in model.named_modules():
