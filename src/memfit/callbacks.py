@@ -9,12 +9,10 @@ MemfitCallback`). There is no Lightning callback: lightning is not a dependency 
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from .diagnose import DEFAULT_MARGIN, Diagnosis, diagnose
@@ -23,8 +21,10 @@ from .estimate.result import MemoryEstimate
 from .hardware import GPU, Hardware, get_gpu, make_hardware
 from .model_spec import ModelSpec
 from .plan import Plan, PlanStep
-from .setup import (Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup,
-                    FIELD_LABELS)
+from .readers._reader import ReadSetup, Reader as _Reader, _get, _positive, _value
+from .readers.hf import deepspeed_config as _deepspeed_config
+from .readers.hf import read_mixed_precision, read_sharding as _read_sharding, read_training_args
+from .setup import Attention, Checkpointing, TrainingSetup
 from .units import format_bytes
 
 logger = logging.getLogger("memfit")
@@ -44,37 +44,6 @@ class OutOfMemoryRiskWarning(UserWarning):
 # ---------------------------------------------------------------------------------------- reading the script's setup
 
 
-@dataclass(frozen=True)
-class ReadSetup:
-    """TrainingSetup fields read from the training script's objects, and what was read and what was not."""
-
-    fields: dict[str, Any]
-    mapped: tuple[str, ...]
-    """'per_device_train_batch_size=4 -> micro-batch 4', one per field read."""
-    ignored: tuple[str, ...]
-    """Settings that were seen but are not part of the estimate, and why."""
-
-
-_OPTIMIZERS = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_torch_fused": Optimizer.ADAMW_FUSED,
-               "adamw_bnb_8bit": Optimizer.ADAMW_8BIT, "adamw_8bit": Optimizer.ADAMW_8BIT,
-               "paged_adamw_8bit": Optimizer.ADAMW_8BIT, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD}
-"""HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
-
-_NOT_MODELLED = ("torch_compile", "use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
-                 "neftune_noise_alpha", "torch_empty_cache_steps")
-"""TrainingArguments that change memory in ways the estimate does not follow, listed when set."""
-
-
-def _get(args: Any, name: str, default: Any = None) -> Any:
-    if isinstance(args, Mapping):
-        return args.get(name, default)
-    return getattr(args, name, default)
-
-
-def _value(obj: Any) -> Any:
-    return getattr(obj, "value", obj)
-
-
 def _param_dtype(model: Any) -> str:
     """'bf16', 'fp16', 'fp32' or '' for the model's first floating parameter (no torch import)."""
     params = getattr(model, "parameters", None)
@@ -87,58 +56,14 @@ def _param_dtype(model: Any) -> str:
     return ""
 
 
-def _deepspeed_config(value: Any) -> dict | None:
-    if value is None or value == "" or value is False:
-        return None
-    if isinstance(value, Mapping):
-        return dict(value)
-    path = Path(str(value)).expanduser()
-    try:
-        return json.loads(path.read_text())
-    except OSError as error:
-        raise ConfigError(f"cannot read the DeepSpeed config '{value}': {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"the DeepSpeed config '{value}' is not JSON: {error}") from None
-
-
-def _fsdp_options(value: Any) -> list[str]:
-    if not value:
-        return []
-    items = value.split() if isinstance(value, str) else list(value)
-    return [str(_value(item)).lower() for item in items]
-
-
-class _Reader:
-    def __init__(self) -> None:
-        self.fields: dict[str, Any] = {}
-        self.mapped: list[str] = []
-        self.ignored: list[str] = []
-
-    def set(self, field: str, value: Any, source: str) -> None:
-        self.fields[field] = value
-        self.mapped.append(f"{source} -> {FIELD_LABELS[field]} {_value(value)}")
-
-    def result(self) -> ReadSetup:
-        return ReadSetup(dict(self.fields), tuple(self.mapped), tuple(self.ignored))
-
-
 def setup_from_training_args(args: Any, model: Any = None, *, num_gpus: int | None = None) -> ReadSetup:
     """The TrainingSetup fields an HF `TrainingArguments` (or a dict of its keyword arguments) sets, with the
-    model's own dtype, attention kernel and checkpointing switch. What cannot be mapped is listed in `ignored`."""
+    model's own dtype, attention kernel and checkpointing switch. What cannot be mapped is listed in `ignored`.
+    The mapping is memfit.readers' (the same one reads TrainingArguments files)."""
     read = _Reader()
-    if args is not None:
-        _read_batch(read, args)
     world = num_gpus or (_positive(_get(args, "world_size")) if args is not None else 0) or 1
     ds = _deepspeed_config(_get(args, "deepspeed")) if args is not None else None
-    _read_precision(read, args, model, ds)
-    if args is not None:
-        _read_optimizer(read, args)
-        _read_checkpointing(read, args)
-        _read_sharding(read, args, ds, world)
-        for name in _NOT_MODELLED:
-            value = _get(args, name)
-            if value:
-                read.ignored.append(f"{name}={value!r}: not modelled")
+    read_training_args(read, args, dtype=_param_dtype(model), ds=ds, world=world)
     if "checkpointing" not in read.fields:
         _read_model_checkpointing(read, model)
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -150,112 +75,12 @@ def setup_from_training_args(args: Any, model: Any = None, *, num_gpus: int | No
     return read.result()
 
 
-def _positive(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def _read_batch(read: _Reader, args: Any) -> None:
-    for name, field in (("per_device_train_batch_size", "micro_batch_size"),
-                        ("gradient_accumulation_steps", "grad_accum_steps")):
-        value = _get(args, name)
-        if _positive(value):
-            read.set(field, value, f"{name}={value}")
-
-
-def _read_precision(read: _Reader, args: Any, model: Any, ds: dict | None) -> None:
-    dtype = _param_dtype(model)
-    bf16 = bool(_get(args, "bf16")) if args is not None else False
-    fp16 = bool(_get(args, "fp16")) if args is not None else False
-    ds_bf16 = bool(ds and _value((ds.get("bf16") or {}).get("enabled")) in (True, "auto") and bf16)
-    if ds_bf16 and dtype != "bf16":
-        read.set("precision", Precision.BF16_MASTER, "bf16=True with DeepSpeed (fp32 master weights)")
-    elif bf16:
-        pure = dtype == "bf16"
-        read.set("precision", Precision.BF16 if pure else Precision.AMP_BF16,
-                 "bf16=True on bf16 weights" if pure else "bf16=True on fp32 weights (autocast)")
-    elif fp16:
-        read.set("precision", Precision.AMP_FP16, "fp16=True (autocast + GradScaler)")
-        if dtype == "fp16":
-            read.ignored.append("fp16 weights: sized as fp16 autocast over fp32 weights")
-    elif dtype == "bf16":
-        read.set("precision", Precision.BF16, "bf16 weights")
-    elif dtype == "fp32" and args is not None:
-        read.set("precision", Precision.FP32, "fp32 weights, neither bf16 nor fp16 set")
-
-
-def _read_optimizer(read: _Reader, args: Any) -> None:
-    optim = _get(args, "optim")
-    if optim is None:
-        return
-    name = str(_value(optim)).lower()
-    if name in _OPTIMIZERS:
-        read.set("optimizer", _OPTIMIZERS[name], f"optim={name!r}")
-    else:
-        read.ignored.append(f"optim={name!r}: not sized by memfit; sized as the default optimizer")
-
-
-def _read_checkpointing(read: _Reader, args: Any) -> None:
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if _get(args, name):
-            read.set("checkpointing", Checkpointing.FULL, f"{name}=True")
-            return
-
-
-def _read_sharding(read: _Reader, args: Any, ds: dict | None, world: int) -> None:
-    if ds is not None:
-        zero = ds.get("zero_optimization") or {}
-        stage = _value(zero.get("stage", 0))
-        if not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-            read.ignored.append(f"DeepSpeed zero_optimization.stage={stage!r}: not a stage 0-3")
-            stage = 0
-        opt_dev = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
-        par_dev = str((zero.get("offload_param") or {}).get("device", "none")).lower()
-        if stage and world < 2:
-            read.ignored.append(f"DeepSpeed ZeRO stage {stage} over {world} GPU shards nothing: sized unsharded "
-                                "(pass num_gpus= for the per-rank size of a multi-GPU run)")
-        elif stage:
-            read.set("sharding", Sharding(f"zero{stage}"), f"DeepSpeed zero_optimization.stage={stage}")
-            read.set("engine", Engine.DEEPSPEED, "deepspeed config")
-        if par_dev in ("cpu", "nvme") and stage == 3 and world >= 2:
-            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, f"DeepSpeed offload_param.device={par_dev!r}")
-        elif opt_dev in ("cpu", "nvme"):
-            read.set("offload", Offload.OPTIMIZER, f"DeepSpeed offload_optimizer.device={opt_dev!r}")
-            read.fields.setdefault("engine", Engine.DEEPSPEED)
-        read.ignored += [f"DeepSpeed '{key}': not read" for key in ds
-                         if key not in ("zero_optimization", "bf16", "fp16", "train_micro_batch_size_per_gpu",
-                                        "gradient_accumulation_steps", "train_batch_size")]
-        return
-    fsdp = _fsdp_options(_get(args, "fsdp"))
-    if not fsdp:
-        return
-    stage = 3 if "full_shard" in fsdp or "hybrid_shard" in fsdp else 2 if "shard_grad_op" in fsdp else 0
-    if not stage or world < 2:
-        read.ignored.append(f"fsdp={' '.join(fsdp)!r}: " + ("no sharding strategy memfit sizes" if not stage else
-                                                            f"over {world} GPU it shards nothing"))
-        return
-    read.set("sharding", Sharding(f"zero{stage}"), f"fsdp={' '.join(fsdp)!r}")
-    read.set("engine", Engine.TORCH, "fsdp (FSDP2)")
-    if "offload" in fsdp and stage == 3:
-        read.set("offload", Offload.OPTIMIZER_AND_PARAMS, "fsdp offload")
-
-
 def setup_from_accelerator(accelerator: Any, model: Any = None) -> ReadSetup:
     """The TrainingSetup fields an accelerate `Accelerator` sets: mixed precision, accumulation, processes,
     DeepSpeed ZeRO stage and offload, FSDP sharding."""
     read = _Reader()
     world = _positive(getattr(accelerator, "num_processes", 1)) or 1
-    mp = str(_value(getattr(accelerator, "mixed_precision", "no"))).lower()
-    dtype = _param_dtype(model)
-    if mp == "bf16":
-        read.set("precision", Precision.BF16 if dtype == "bf16" else Precision.AMP_BF16, "mixed_precision='bf16'")
-    elif mp == "fp16":
-        read.set("precision", Precision.AMP_FP16, "mixed_precision='fp16'")
-    elif mp == "no":
-        if dtype in ("bf16", "fp32"):
-            read.set("precision", Precision.BF16 if dtype == "bf16" else Precision.FP32,
-                     f"mixed_precision='no' on {dtype} weights")
-    else:
-        read.ignored.append(f"mixed_precision={mp!r}: not sized by memfit")
+    read_mixed_precision(read, getattr(accelerator, "mixed_precision", "no"), _param_dtype(model))
     accum = _positive(getattr(accelerator, "gradient_accumulation_steps", 1))
     if accum:
         read.set("grad_accum_steps", accum, f"gradient_accumulation_steps={accum}")

@@ -94,8 +94,9 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
             # q/k/v are views of one fused projection output; v (and, without rotary, q/k) keep it all alive.
             fused = q + 2 * kv
             rotated = 0 if spec.model_type == "gpt2" else q + kv  # rotary writes new q, k tensors
-            # Phi-3 makes the attention output contiguous before o_proj: one more q-sized copy
-            out_copies = 2 if spec.model_type == "phi3" else 1
+            # Phi-3 and GPT-NeoX make the attention output contiguous before the output projection: one more
+            # q-sized copy (read off saved_tensors_hooks on a real tiny GPTNeoXForCausalLM, transformers 5.24)
+            out_copies = 2 if spec.model_type in ("phi3", "gpt_neox") else 1
             return [Saved("attention", fused, "cmp"), Saved("attention", rotated, "cmp"),
                     Saved("attention", out_copies * q, "cmp"), Saved("attention", heads, "f32")]
         return [Saved("attention", q + k_v, "cmp"), Saved("attention", q, "cmp"), Saved("attention", heads, "f32")]

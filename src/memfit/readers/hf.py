@@ -1,0 +1,462 @@
+"""The one mapping from HF TrainingArguments (with its DeepSpeed config and FSDP options), DeepSpeed's ZeRO and
+accelerate's mixed precision to TrainingSetup fields. memfit.check reads the live objects with it
+(memfit.callbacks); memfit.readers reads the same settings from files with it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..setup import Checkpointing, Engine, Offload, Optimizer, Precision, Sharding
+from ._reader import NOT_SIZED, Reader, _get, _positive, _value
+
+OPTIMIZERS = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_torch_fused": Optimizer.ADAMW_FUSED,
+              "adamw_bnb_8bit": Optimizer.ADAMW_8BIT, "adamw_8bit": Optimizer.ADAMW_8BIT,
+              "paged_adamw_8bit": Optimizer.ADAMW_8BIT, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD}
+"""HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
+
+PAGED = ("paged: bitsandbytes keeps the 8-bit states in paged (unified) memory outside torch's caching allocator, "
+         f"which can spill to the CPU: {NOT_SIZED} (sized as on-GPU 8-bit states)")
+
+NOT_MODELLED = ("torch_compile", "use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
+                "neftune_noise_alpha", "torch_empty_cache_steps")
+"""TrainingArguments that change memory in ways the estimate does not follow, listed when set."""
+
+_DS_READ = ("zero_optimization", "bf16", "fp16", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+            "train_batch_size")
+
+_OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+def deepspeed_config(value: Any) -> dict | None:
+    """A DeepSpeed config given as a dict or a path (read relative to the current directory, as the HF Trainer
+    does)."""
+    if value is None or value == "" or value is False:
+        return None
+    if isinstance(value, Mapping):
+        return dict(value)
+    path = Path(str(value)).expanduser()
+    try:
+        return json.loads(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read the DeepSpeed config '{value}': {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"the DeepSpeed config '{value}' is not JSON: {error}") from None
+
+
+def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | None = None,
+                       world: int | None = 1) -> None:
+    """The TrainingSetup fields TrainingArguments (an object or its keyword arguments) set, with `ds` its DeepSpeed
+    config and `dtype` ('bf16', 'fp32', 'fp16' or '') the dtype the model's weights are loaded in. `world`: the
+    data-parallel size, or None when it is not known yet (sharding is then read as over several GPUs)."""
+    if args is not None:
+        read_batch(read, args)
+    read_precision(read, args, dtype, ds)
+    read_sharding(read, args, ds, world)
+    if args is not None:
+        read_optimizer(read, args)
+        read_checkpointing(read, args)
+        for name in NOT_MODELLED:
+            value = _get(args, name)
+            if value:
+                read.ignore(name, value, NOT_SIZED)
+
+
+def read_batch(read: Reader, args: Any) -> None:
+    for name, field in (("per_device_train_batch_size", "micro_batch_size"),
+                        ("gradient_accumulation_steps", "grad_accum_steps")):
+        value = _get(args, name)
+        if _positive(value):
+            read.set(field, value, name, value)
+        elif value is not None and read.strict:
+            read.unmappable(field, name, value, "not a positive whole number")
+
+
+def _ds_block(ds: Mapping, name: str) -> Mapping:
+    block = ds.get(name)
+    if block is None and name == "bf16":
+        block = ds.get("bfloat16")
+    return block if isinstance(block, Mapping) else {}
+
+
+def _ds_flag(ds: Mapping, name: str) -> Any:
+    """bf16 / fp16 `enabled`: True, False, 'auto' or None (no block)."""
+    block = _ds_block(ds, name)
+    if not block:
+        return None
+    value = _value(block.get("enabled", False))
+    return value if value in (True, False, "auto") else bool(value)
+
+
+def read_precision(read: Reader, args: Any, dtype: str, ds: dict | None, *, launcher: str | None = None) -> None:
+    """Precision from TrainingArguments' bf16 / fp16, the DeepSpeed config's bf16 / fp16 blocks (DeepSpeed keeps an
+    fp32 master copy of bf16 weights) and the weights' dtype. `launcher`: accelerate's mixed_precision, which fills
+    DeepSpeed's 'auto' when there are no TrainingArguments."""
+    bf16 = bool(_get(args, "bf16")) if args is not None else False
+    fp16 = bool(_get(args, "fp16")) if args is not None else False
+    if ds is not None:
+        file, prefix = read.deepspeed_at
+        with read.scope(file or read.file, prefix):
+            if _read_deepspeed_precision(read, ds, bf16 or launcher == "bf16", fp16 or launcher == "fp16",
+                                         filled_by="bf16" if args is not None else "mixed_precision",
+                                         standalone=args is None and launcher is None):
+                if args is not None:
+                    for name, on in (("bf16", bf16), ("fp16", fp16)):
+                        if _get(args, name) is not None:
+                            read.defer(name, on, "the DeepSpeed config's precision decides")
+                return
+        if args is None:
+            return
+    assumed = " (fp32 weights assumed: the file does not say the model's load dtype)" if read.assumed_dtype else ""
+    if bf16:
+        pure = dtype == "bf16"
+        read.set("precision", Precision.BF16 if pure else Precision.AMP_BF16, "bf16", True,
+                 "on bf16 weights" if pure else "on fp32 weights (autocast)" + assumed)
+    elif fp16:
+        read.set("precision", Precision.AMP_FP16, "fp16", True, "autocast + GradScaler")
+        if dtype == "fp16":
+            read.ignore("dtype", "fp16", "fp16 weights: sized as fp16 autocast over fp32 weights")
+    elif dtype == "bf16":
+        given = args is not None and _get(args, "bf16") is not None
+        read.set("precision", Precision.BF16, "bf16" if given else "model dtype", _get(args, "bf16") if given
+                 else "bf16", "bf16 weights")
+    elif dtype == "fp32" and args is not None:
+        read.set("precision", Precision.FP32, "bf16", bool(_get(args, "bf16")),
+                 "fp32 weights, neither bf16 nor fp16 set" + assumed)
+        if _get(args, "fp16") is not None:
+            read.consume("fp16")
+
+
+def _read_deepspeed_precision(read: Reader, ds: Mapping, want_bf16: bool, want_fp16: bool, *, filled_by: str,
+                              standalone: bool) -> bool:
+    """Set the precision from DeepSpeed's bf16 / fp16 blocks; False when they leave it to the other settings."""
+    bf16, fp16 = _ds_flag(ds, "bf16"), _ds_flag(ds, "fp16")
+    bf16_key = "bfloat16.enabled" if "bf16" not in ds and "bfloat16" in ds else "bf16.enabled"
+    if bf16 is True or (bf16 == "auto" and want_bf16):
+        block = _ds_block(ds, "bf16")
+        auto = f"'auto' = {filled_by}; " if bf16 == "auto" else ""
+        pure = block.get("bf16_master_weights_and_grads") is True and block.get("bf16_optimizer_states") is True
+        if pure:
+            read.set("precision", Precision.BF16, bf16_key, bf16,
+                     auto + "with bf16_master_weights_and_grads and bf16_optimizer_states: no fp32 copy")
+            for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+                read.consume(f"{bf16_key.split('.')[0]}.{name}")
+        else:
+            read.set("precision", Precision.BF16_MASTER, bf16_key, bf16,
+                     auto + "DeepSpeed bf16: bf16 weights and gradients, fp32 master copy")
+        return True
+    if fp16 is True or (fp16 == "auto" and want_fp16):
+        read.set("precision", Precision.AMP_FP16, "fp16.enabled", fp16,
+                 ("'auto' = fp16; " if fp16 == "auto" else "") + "DeepSpeed fp16: fp16 weights, fp32 master copy and "
+                 "loss scaling; sized as fp16 autocast, the same bytes per parameter")
+        return True
+    for key, flag in ((bf16_key, bf16), ("fp16.enabled", fp16)):
+        if flag is not None:
+            read.consume(key)
+    if not standalone:
+        return False
+    if "auto" in (bf16, fp16):
+        key, flag = (bf16_key, bf16) if bf16 == "auto" else ("fp16.enabled", fp16)
+        read.defer(key, flag, "'auto': the launcher fills it; the precision comes from the other file, the "
+                              "command line or memfit's default")
+    elif read.strict:
+        read.set("precision", Precision.FP32, bf16_key, bf16,
+                 "neither bf16 nor fp16 enabled: DeepSpeed trains in fp32")
+    return True
+
+
+def read_optimizer(read: Reader, args: Any) -> None:
+    optim = _get(args, "optim")
+    if optim is None:
+        return
+    name = str(_value(optim)).lower()
+    if read.ds_optimizer:
+        read.defer("optim", name, "the DeepSpeed config's optimizer block is used instead (the HF Trainer builds "
+                                  "DeepSpeed's)")
+        return
+    if name in OPTIMIZERS:
+        read.set("optimizer", OPTIMIZERS[name], "optim", name)
+        if name.startswith("paged_"):
+            read.ignore("optim", name, PAGED)
+    else:
+        read.unmappable("optimizer", "optim", name, f"memfit sizes {', '.join(OPTIMIZERS)} (--optimizer picks one)",
+                        fallback="sized as the default optimizer")
+
+
+def read_checkpointing(read: Reader, args: Any) -> None:
+    names = ("activation_checkpointing", "gradient_checkpointing")
+    for name in names:
+        value = _get(args, name)
+        if value:
+            read.set("checkpointing", Checkpointing.FULL, name, value)
+            return
+    if read.strict:
+        for name in names:
+            if _get(args, name) is not None:
+                read.set("checkpointing", Checkpointing.NONE, name, _get(args, name))
+
+
+def read_sharding(read: Reader, args: Any, ds: dict | None, world: int | None) -> None:
+    """ZeRO stage, offload and optimizer from a DeepSpeed config, or FSDP from `fsdp` / `fsdp_config`."""
+    if ds is not None:
+        file, prefix = read.deepspeed_at
+        with read.scope(file or read.file, prefix):
+            read_deepspeed_batch(read, ds, args, world)
+            zero = ds.get("zero_optimization") or {}
+            if not isinstance(zero, Mapping):
+                read.unmappable("sharding", "zero_optimization", zero, "not a mapping of ZeRO settings")
+                zero = {}
+            opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none")
+            par_dev = (zero.get("offload_param") or {}).get("device", "none")
+            read_zero(read, _value(zero.get("stage", 0)), opt_dev, par_dev, world,
+                      keys=("zero_optimization.stage", "zero_optimization.offload_optimizer.device",
+                            "zero_optimization.offload_param.device"), has_stage="stage" in zero)
+            read_deepspeed_optimizer(read, ds)
+            if not read.strict:
+                for key in ds:
+                    if key not in _DS_READ:
+                        read.ignore(key, ds[key], "not read", text=f"DeepSpeed '{key}': not read")
+        return
+    fsdp = _get(args, "fsdp") if args is not None else None
+    if fsdp:
+        read_fsdp(read, fsdp, _get(args, "fsdp_config"), world)
+    elif read.strict and world is not None and world >= 2:
+        read.set("engine", Engine.TORCH, "deepspeed", None,
+                 f"neither deepspeed nor fsdp: DDP over {world} GPUs (torch)")
+
+
+def read_deepspeed_batch(read: Reader, ds: Mapping, args: Any, world: int | None) -> None:
+    """train_micro_batch_size_per_gpu and gradient_accumulation_steps (ints, or 'auto' for the launcher), and the
+    GPU count train_batch_size = micro x accum x GPUs implies."""
+    for key, field, hf_name in (("train_micro_batch_size_per_gpu", "micro_batch_size", "per_device_train_batch_size"),
+                                ("gradient_accumulation_steps", "grad_accum_steps", "gradient_accumulation_steps")):
+        if key not in ds:
+            continue
+        value = _value(ds[key])
+        if value == "auto":
+            read.defer(key, value, f"'auto' = {hf_name}" if args is not None else
+                       "'auto': the launcher fills it; the value comes from the other file, the command line or "
+                       "memfit's default")
+        elif not _positive(value):
+            read.unmappable(field, key, value, "not a positive whole number or 'auto'")
+        elif field in read.fields and read.fields[field] != value and \
+                read.sources[field] != (read.file, read.prefix + key):
+            read.unmappable(field, key, value, f"does not match {hf_name}={read.fields[field]} (the HF Trainer "
+                                               "refuses the mismatch)")
+        else:
+            read.set(field, value, key, value)
+    total = _value(ds.get("train_batch_size"))
+    if total is None or not read.strict:
+        return
+    if total == "auto":
+        read.defer("train_batch_size", total, "'auto' = micro-batch x accumulation x GPUs, filled by the launcher")
+        return
+    micro, accum = read.fields.get("micro_batch_size"), read.fields.get("grad_accum_steps", 1)
+    if not _positive(total):
+        read.unmappable("num_gpus", "train_batch_size", total, "not a positive whole number or 'auto'")
+    elif not micro:
+        read.ignore("train_batch_size", total, "the GPU count follows from it only with the micro-batch known")
+    elif total % (micro * accum):
+        read.unmappable("num_gpus", "train_batch_size", total,
+                        f"not micro-batch {micro} x accumulation {accum} x a whole number of GPUs")
+    elif world is not None and total != micro * accum * world and "num_gpus" not in read.overridden:
+        read.unmappable("num_gpus", "train_batch_size", total,
+                        f"is not micro-batch {micro} x accumulation {accum} x {world} GPUs (the other settings)")
+    else:
+        read.set("num_gpus", total // (micro * accum), "train_batch_size", total,
+                 f"= micro-batch {micro} x accumulation {accum} x GPUs")
+
+
+def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int | None, *,
+              keys: tuple[str, str, str], has_stage: bool = True) -> None:
+    """ZeRO stage and offload devices (DeepSpeed's, or accelerate's deepspeed_config keys)."""
+    stage_key, opt_key, par_key = keys
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        read.unmappable("sharding", stage_key, stage, "DeepSpeed has ZeRO stages 0-3", fallback="sized as stage 0")
+        stage = 0
+    opt_dev, par_dev = str(_value(opt_dev)).lower(), str(_value(par_dev)).lower()
+    for key, device in ((opt_key, opt_dev), (par_key, par_dev)):
+        if device not in ("none", "cpu", "nvme") and read.strict:
+            read.unmappable("offload", key, device, "DeepSpeed offloads to none, cpu or nvme")
+    sharded = world is None or world >= 2
+    if stage and not sharded:
+        read.ignore(stage_key, stage, f"DeepSpeed ZeRO stage {stage} over {world} GPU shards nothing: sized "
+                                      "unsharded (give the GPU count, --gpus N / num_gpus=, for the per-rank size)")
+    elif stage:
+        read.set("sharding", Sharding(f"zero{stage}"), stage_key, stage)
+        read.set("engine", Engine.DEEPSPEED, stage_key, stage, "DeepSpeed ZeRO")
+    elif has_stage and read.strict:
+        read.set("sharding", Sharding.NONE, stage_key, stage)
+    nvme = " (nvme: sized like cpu, the GPU holds the same)"
+    opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
+    if par and stage == 3 and sharded:
+        read.set("offload", Offload.OPTIMIZER_AND_PARAMS, par_key, par_dev, nvme.strip() if par_dev == "nvme" else "")
+        read.set("engine", Engine.DEEPSPEED, par_key, par_dev, "DeepSpeed ZeRO-Infinity")
+        read.consume(opt_key)
+        return
+    if (opt or par) and stage == 0:
+        for key, device, on in ((opt_key, opt_dev, opt), (par_key, par_dev, par)):
+            if on:
+                read.ignore(key, device, "DeepSpeed offloads only under ZeRO (stage 1 or more): stage 0 keeps it on "
+                                         "the GPU")
+        return
+    if opt:
+        read.set("offload", Offload.OPTIMIZER, opt_key, opt_dev, "ZeRO-Offload" + (nvme if opt_dev == "nvme" else ""))
+        read.set("engine", Engine.DEEPSPEED, opt_key, opt_dev, "DeepSpeed ZeRO-Offload")
+    else:
+        read.consume(opt_key)
+    if par:
+        read.ignore(par_key, par_dev, "parameter offload needs ZeRO-3 over 2+ GPUs in memfit: sized "
+                                      + ("as optimizer offload" if opt else "without offload"))
+    else:
+        read.consume(par_key)
+
+
+def read_deepspeed_optimizer(read: Reader, ds: Mapping) -> None:
+    """DeepSpeed's optimizer block, which the HF Trainer and accelerate use instead of their own optimizer."""
+    block = ds.get("optimizer")
+    if not isinstance(block, Mapping):
+        return
+    kind = str(_value(block.get("type", ""))).lower()
+    params = block.get("params") or {}
+    if kind not in ("adam", "adamw"):
+        read.unmappable("optimizer", "optimizer.type", block.get("type"),
+                        "memfit sizes DeepSpeed's Adam and AdamW (or leave the block out and size another with "
+                        "--optimizer)")
+        return
+    if read.fields.get("offload", Offload.NONE) is not Offload.NONE:
+        read.defer("optimizer.type", block.get("type"), "DeepSpeedCPUAdam steps the offloaded states on the CPU: "
+                                                       "every AdamW variant is sized the same there")
+        return
+    if params.get("torch_adam"):
+        read.consume("optimizer.params.torch_adam")
+        if params.get("fused"):
+            value, key = Optimizer.ADAMW_FUSED, "optimizer.params.fused"
+        elif params.get("foreach") is False:
+            value, key = Optimizer.ADAMW, "optimizer.params.foreach"
+        else:
+            value, key = Optimizer.ADAMW_FOREACH, "optimizer.params.foreach" if "foreach" in params else "optimizer.type"
+        read.set("optimizer", value, key, params.get(key.rsplit(".", 1)[-1], block.get("type")),
+                 "torch.optim.AdamW built by DeepSpeed")
+        read.consume("optimizer.type")
+    else:
+        read.set("optimizer", Optimizer.ADAMW_FUSED, "optimizer.type", block.get("type"),
+                 "DeepSpeed's FusedAdam: multi-tensor kernel, no parameter-sized temporaries")
+    read.ds_optimizer = "optimizer" in read.fields
+
+
+def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *,
+              offload_keys: tuple[str, ...] = ("cpu_offload",), trainer: bool = True) -> None:
+    """FSDP from TrainingArguments' fsdp (True, or the legacy 'full_shard auto_wrap' string / list) and fsdp_config
+    (keys with or without the fsdp_ prefix). `offload_keys`: the fsdp_config keys that turn CPU offload on for this
+    reader (the HF Trainer reads cpu_offload; accelerate and axolotl offload_params)."""
+    items = [] if fsdp is True else (fsdp.split() if isinstance(fsdp, str) else [str(_value(i)) for i in fsdp])
+    items = [item.lower() for item in items]
+    shown = fsdp if fsdp is True or isinstance(fsdp, str) else " ".join(items)
+    cfg: dict[str, tuple[str, Any]] = {}
+    if isinstance(config, Mapping):
+        cfg = {(k[5:] if k.startswith("fsdp_") else k): (f"fsdp_config.{k}", v) for k, v in config.items()}
+    elif config and read.strict:
+        read.ignore("fsdp_config", config, f"an fsdp_config file is not read: {NOT_SIZED}")
+    read.consume("fsdp")
+    stage, key, raw = None, "fsdp", shown
+    if "full_shard" in items or "hybrid_shard" in items:
+        stage = 3
+    elif "shard_grad_op" in items or "hybrid_shard_zero2" in items:
+        stage = 2
+    elif "no_shard" in items:
+        stage = 0
+    for name in ("reshard_after_forward", "sharding_strategy"):
+        if name in cfg:
+            key, raw = cfg[name]
+            stage = _fsdp_stage(read, key, raw)
+            break
+    else:
+        if stage is None and items:
+            read.unmappable("sharding", "fsdp", shown, "no sharding strategy memfit sizes (full_shard, "
+                                                       "shard_grad_op)")
+            return
+    if stage is None:
+        if key != "fsdp":
+            return
+        stage = 3  # FSDP2 reshards after forward unless told otherwise
+    offload = ("fsdp", shown) if "offload" in items else None
+    for name in offload_keys:
+        if name in cfg and _value(cfg[name][1]) in (True, "true", "True"):
+            offload = cfg[name]
+        elif name in cfg:
+            read.consume(cfg[name][0])
+    if trainer and "offload_params" in cfg:
+        read.ignore(*cfg["offload_params"], "TrainingArguments reads fsdp_config cpu_offload, not offload_params: "
+                                            "the Trainer does not offload with it")
+    read_fsdp_plan(read, stage, key, raw, world, offload=offload, checkpointing=cfg.get("activation_checkpointing"),
+                   version=cfg.get("version"))
+
+
+def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
+    value = _value(raw)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if isinstance(value, bool):
+        return 3 if value else 2
+    text = str(value).lower().replace("shardingstrategy.", "")
+    stage = {"full_shard": 3, "hybrid_shard": 3, "1": 3, "4": 3, "shard_grad_op": 2, "hybrid_shard_zero2": 2,
+             "2": 2, "5": 2, "no_shard": 0, "3": 0}.get(text)
+    if stage is None:
+        read.unmappable("sharding", key, raw, "memfit sizes FULL_SHARD / SHARD_GRAD_OP / NO_SHARD (or true / "
+                                              "false for FSDP2)")
+    return stage
+
+
+def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | None, *,
+                   offload: tuple[str, Any] | None = None, checkpointing: tuple[str, Any] | None = None,
+                   version: tuple[str, Any] | None = None) -> None:
+    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2)."""
+    if version is not None and str(_value(version[1])) == "1":
+        read.ignore(version[0], version[1], f"FSDP1's flat parameters are {NOT_SIZED}: sized as FSDP2 (memfit's torch "
+                                            "engine)")
+    elif version is not None:
+        read.consume(version[0])
+    sharded = world is None or world >= 2
+    if stage == 0:
+        if sharded:
+            read.set("engine", Engine.TORCH, key, raw, "NO_SHARD: whole parameters on every GPU, as DDP")
+        else:
+            read.consume(key)
+    elif not sharded:
+        read.ignore(key, raw, f"FSDP over {world} GPU shards nothing: sized unsharded (give the GPU count, "
+                              "--gpus N / num_gpus=)", text=f"fsdp={raw!r}: over {world} GPU it shards nothing")
+    else:
+        read.set("sharding", Sharding(f"zero{stage}"), key, raw)
+        read.set("engine", Engine.TORCH, key, raw, "FSDP2")
+    if offload is not None:
+        if stage == 3 and sharded:
+            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], "FSDP CPU offload")
+        else:
+            read.ignore(offload[0], offload[1], f"FSDP CPU offload without full sharding over 2+ GPUs: {NOT_SIZED}")
+    if checkpointing is not None:
+        if _value(checkpointing[1]) in (True, "true", "True"):
+            read.set("checkpointing", Checkpointing.FULL, checkpointing[0], checkpointing[1], "FSDP's checkpointing")
+        elif read.strict:
+            read.consume(checkpointing[0])
+
+
+def read_mixed_precision(read: Reader, mp: Any, dtype: str, *, key: str = "mixed_precision") -> None:
+    """accelerate's mixed_precision over weights of `dtype` ('' when unknown)."""
+    mp = str(_value(mp)).lower()
+    assumed = " (fp32 weights assumed)" if read.assumed_dtype else ""
+    if mp == "bf16":
+        read.set("precision", Precision.BF16 if dtype == "bf16" else Precision.AMP_BF16, key, mp,
+                 "on bf16 weights" if dtype == "bf16" else "autocast over fp32 weights" + assumed)
+    elif mp == "fp16":
+        read.set("precision", Precision.AMP_FP16, key, mp, "autocast + GradScaler")
+    elif mp == "no":
+        if dtype in ("bf16", "fp32"):
+            read.set("precision", Precision.BF16 if dtype == "bf16" else Precision.FP32, key, mp,
+                     f"on {dtype} weights" + (assumed if dtype == "fp32" else ""))
+    else:
+        read.unmappable("precision", key, mp, "memfit sizes mixed_precision no, bf16 and fp16",
+                        fallback=NOT_SIZED)
