@@ -16,7 +16,6 @@ Which figure memfit trusts:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .diagnose import DEFAULT_MARGIN, diagnose
@@ -74,7 +73,6 @@ class CrossCheck:
     asked: MemoryEstimate
     """The formulas on the setup asked for, on its engine's own layout."""
     traced_as: TracedAs
-    capacity_bytes: int = 0
     margin: float = DEFAULT_MARGIN
     hardware: Hardware | None = None
 
@@ -149,9 +147,6 @@ class CrossCheck:
                 "traced_tensor_bytes": self.traced.tensor_bytes}
 
 
-Estimator = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]
-
-
 def cross_check(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, traced: MemoryEstimate, *,
                 margin: float = DEFAULT_MARGIN) -> CrossCheck:
     """Put `traced` (a trace of `setup` on `hardware`'s kernels) next to the formulas."""
@@ -159,4 +154,4 @@ def cross_check(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, trace
     like = estimate(spec, runs.setup, hardware, layout=Engine.TORCH)
     asked = estimate(spec, setup, hardware)
     return CrossCheck(traced=traced, like_for_like=like, asked=asked, traced_as=runs,
-                      capacity_bytes=hardware.gpu.memory_bytes, margin=margin, hardware=hardware)
+                      margin=margin, hardware=hardware)
