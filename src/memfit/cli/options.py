@@ -7,17 +7,22 @@ writing one parameter. Values are checked here, so a bad number is one line nami
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import io
+import json
 import math
-from dataclasses import dataclass
+import os
+import textwrap
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from ..diagnose import DEFAULT_MARGIN
-from ..errors import MemfitError
+from ..errors import ConfigError, MemfitError
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
 from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,
@@ -131,6 +136,20 @@ ModelArg = Annotated[str, typer.Argument(
     help="A catalog name (see `memfit models`), a path to a config.json or a folder holding one, "
          "or a Hugging Face hub id (org/name).")]
 
+OptionalModelArg = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", show_default=False, rich_help_panel=MODEL_PANEL,
+    help="A catalog name (see `memfit models`), a path to a config.json or a folder holding one, "
+         "or a Hugging Face hub id (org/name). Optional when --config names the model (axolotl base_model, "
+         "LLaMA-Factory model_name_or_path, torchtune model).")]
+"""What commands taking ModelArg get from with_setup_options: MODEL may come from --config."""
+
+ConfigOpt = Annotated[Optional[list[str]], _option(
+    "--config", panel=SETUP_PANEL, metavar="FILE",
+    help="Read the setup from the config you already have: HF TrainingArguments (JSON/YAML), DeepSpeed JSON, "
+         "accelerate YAML, axolotl, LLaMA-Factory or torchtune YAML (the format comes from the keys; the DeepSpeed "
+         "file a config names is read too). Repeat it or give a comma list to combine files. The fields it sets "
+         "count as given; options given here override them.")]
+
 GpuOpt = Annotated[Optional[GPU], _option(
     "--gpu", panel=HARDWARE_PANEL, parser=gpu, metavar="NAME|SIZE",
     help=f"GPU: a catalog name (see `memfit gpus`) or a memory size such as 24GiB. Default: {DEFAULT_GPU}.")]
@@ -209,6 +228,10 @@ class SetupOptions:
     engine: Engine | None = None
     keep: frozenset[str] | None = None
     """TrainingSetup fields pinned with --keep (planning commands only)."""
+    config: tuple[str, ...] | None = None
+    """--config files, as given."""
+    reading: Any = field(default=None, compare=False)
+    """The memfit.readers.ConfigReading of --config, once read (with_config)."""
 
     @property
     def margin_fraction(self) -> float:
@@ -222,7 +245,35 @@ class SetupOptions:
         """The TrainingSetup the options describe; defaults are a typical fine-tune, stated in `notes`."""
         from ..api import typical_setup
 
-        return typical_setup(spec, hardware, **self._setup_fields())
+        try:
+            return typical_setup(spec, hardware, **self._setup_fields())
+        except ConfigError as error:
+            if self.reading is None:
+                raise
+            files = ", ".join(f.path for f in self.reading.files)
+            raise ConfigError(f"{error} (with the setup read from {files}; an option overrides a field)") from None
+
+    def with_config(self) -> "SetupOptions":
+        """These options with the --config files' fields filled in where no option was given (so they count as
+        given), and `reading` set; unchanged without --config."""
+        paths = [part.strip() for item in (self.config or ()) for part in str(item).split(",") if part.strip()]
+        if not paths:
+            return self
+        from ..readers import read_config
+
+        given = {name: value for name, value in self._setup_fields().items() if value is not None}
+        overridden = {field: _OPTION_OF_FIELD[field] for field in given}
+        world = None
+        if self.gpus is not None or self.nodes is not None:
+            overridden["num_gpus"] = "--gpus" if self.gpus is not None else "--nodes"
+            world = (self.gpus or 1) * (self.nodes or 1)
+        reading = read_config(*paths, num_gpus=world, overridden=overridden)
+        fill: dict[str, Any] = {name: reading.overrides[field] for name, field in _FIELD_OF_OPTION.items()
+                                if getattr(self, name) is None and field in reading.overrides}
+        if world is None and "num_gpus" in reading.overrides:
+            per_node, nodes = reading.layout()
+            fill.update(gpus=per_node, nodes=nodes if nodes > 1 else None)
+        return replace(self, reading=reading, **fill)
 
     def _setup_fields(self) -> dict[str, Any]:
         return dict(micro_batch_size=self.batch, seq_len=self.seq, grad_accum_steps=self.accum,
@@ -238,7 +289,13 @@ class SetupOptions:
         return frozenset(given)
 
 
+_FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "grad_accum_steps",
+                    "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
+                    "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine"}
+_OPTION_OF_FIELD = {field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}
+
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
+    "config": ConfigOpt,
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
     "engine": EngineOpt,
@@ -257,7 +314,9 @@ def with_setup_options(command: Callable) -> Callable:
     if "opts" not in names:
         raise TypeError(f"{command.__name__} needs an `opts: SetupOptions` parameter")
     at = names.index("opts")
-    before = list(signature.parameters.values())[:at]
+    before = [p.replace(annotation=OptionalModelArg, default=None) if _is_model_argument(p) else p
+              for p in list(signature.parameters.values())[:at]]
+    positional_model = any(_is_model_argument(p) for p in list(signature.parameters.values())[:at])
     after = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in list(signature.parameters.values())[at + 1:]]
     options = {**_SHARED_OPTIONS, **(_PLANNING_OPTIONS if command.__name__ in _PLANNING_COMMANDS else {})}
     shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
@@ -265,12 +324,96 @@ def with_setup_options(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        opts = SetupOptions(**{name: kwargs.pop(name) for name in options})
-        return command(*args, opts=opts, **kwargs)
+        collected = {name: kwargs.pop(name) for name in options}
+        if collected.get("config") is not None:
+            collected["config"] = tuple(collected["config"]) or None
+        opts = SetupOptions(**collected).with_config()
+        reading = opts.reading
+        if "model" in kwargs and kwargs["model"] is None and reading is not None and reading.model:
+            kwargs["model"] = reading.model
+        if positional_model and kwargs.get("model") is None:
+            raise ConfigError("Missing argument 'MODEL': give a model (a catalog name, a config.json or a hub id), "
+                              "or a --config that names one")
+        if reading is None:
+            return command(*args, opts=opts, **kwargs)
+        return _run_with_reading(command, args, kwargs, opts)
 
     wrapper.__signature__ = signature.replace(parameters=before + shared + after)
     wrapper.__annotations__ = {p.name: p.annotation for p in wrapper.__signature__.parameters.values()}
     return wrapper
+
+
+def _is_model_argument(parameter: inspect.Parameter) -> bool:
+    return parameter.name == "model" and (parameter.annotation is ModelArg or parameter.annotation == "ModelArg")
+
+
+def _run_with_reading(command: Callable, args: tuple, kwargs: dict, opts: SetupOptions):
+    """Run the command, then say what --config read: in --json under "config" (the command's object, captured
+    from stdout), else a short section after the output (on stderr when stdout carries CSV or Markdown). A command
+    that fails prints nothing from the reading, so a mistake stays one error line."""
+    if kwargs.get("json_output"):
+        buffer = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buffer):
+                result = command(*args, opts=opts, **kwargs)
+        except typer.Exit:
+            _emit_json(buffer.getvalue(), opts.reading)
+            raise
+        _emit_json(buffer.getvalue(), opts.reading)
+        return result
+    machine = str(getattr(kwargs.get("format_"), "value", kwargs.get("format_") or "")) in ("csv", "markdown")
+    try:
+        result = command(*args, opts=opts, **kwargs)
+    except typer.Exit:
+        typer.echo("\n".join(config_section(opts.reading)), err=machine)
+        raise
+    typer.echo("\n".join(config_section(opts.reading)), err=machine)
+    return result
+
+
+def _emit_json(text: str, reading) -> None:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        typer.echo(text, nl=False)
+        return
+    full = reading.to_dict()
+    data["config"] = {key: full[key] for key in ("files", "model", "read", "ignored")}
+    typer.echo(json.dumps(data, indent=2))
+
+
+def config_section(reading, width: int | None = None) -> list[str]:
+    """What --config read and what it left out, for the end of a command's output."""
+    from ..readers import NOT_RELEVANT, NOT_SIZED
+
+    width = width or max(60, min(100, int(os.environ.get("COLUMNS", "80") or 80)))
+
+    def wrap(text: str, indent: str = "  ") -> list[str]:
+        return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "    ",
+                             break_on_hyphens=False)
+
+    files = "; ".join(f"{f.path} ({f.format}{', named by ' + f.via if f.via else ''})" for f in reading.files)
+    lines = ["", *textwrap.wrap(f"Read from --config: {files}", width=width)]
+    for entry in reading.read:
+        if entry.sets:
+            lines += wrap(entry.text)
+    deferred = [e.field for e in reading.read if not e.sets]
+    if deferred:
+        lines += wrap("read, set nothing themselves ('auto', or another field decides): " + ", ".join(deferred))
+    quiet = [e for e in reading.ignored if e.why.startswith((NOT_RELEVANT, "off"))]
+    loud: dict[str, list[str]] = {}
+    for entry in reading.ignored:
+        if entry not in quiet:
+            loud.setdefault(entry.why, []).append(entry.field)
+    if loud:
+        lines.append(f"Ignored ({NOT_SIZED}, or nothing to shard):")
+        for why, names in loud.items():
+            lines += wrap(f"{', '.join(dict.fromkeys(names))}: {why}")
+    if quiet:
+        lines += wrap("not memory-relevant or off: " + ", ".join(dict.fromkeys(e.field for e in quiet)), indent="")
+    return lines
 
 
 ReportOpt = Annotated[Optional[Path], _option(

@@ -150,21 +150,21 @@ class Reader:
             entry[2].append(note)
 
     def set(self, field: str, value: Any, key: str, raw: Any = _MISSING, note: str = "", *,
-            weak: bool = False) -> None:
-        """The config's `key` (= `raw`) sets `field` to `value`."""
+            weak: bool = False, text: str | None = None) -> None:
+        """The config's `key` (= `raw`) sets `field` to `value`. `text`: how `mapped` names the source."""
         if field in self.overridden:
             self._entry(key, raw, (), f"{label(field)} overridden by {self.overridden[field]}")
             return
         self.fields[field] = value
         self.sources[field] = (self.file, self.prefix + key)
         (self.weak.add if weak else self.weak.discard)(field)
-        source = key if raw is _MISSING else f"{key}={raw!r}"
-        self.mapped.append(f"{source}{f' ({note})' if note else ''} -> {label(field)} {_value(value)}")
+        source = text or (key if raw is _MISSING else f"{key}={raw!r}") + (f" ({note})" if note else "")
+        self.mapped.append(f"{source} -> {label(field)} {_value(value)}")
         self._entry(key, raw, ((field, value),), note)
 
-    def set_model(self, value: str, key: str) -> None:
+    def set_model(self, value: str, key: str, raw: Any = _MISSING, note: str = "") -> None:
         self.model = (value, self.file, self.prefix + key)
-        self._entry(key, value, (("model", value),))
+        self._entry(key, value if raw is _MISSING else raw, (("model", value),), note)
 
     def defer(self, key: str, raw: Any, note: str) -> None:
         """Read, but it sets nothing itself ('auto', or another field decides)."""

@@ -18,8 +18,8 @@ OPTIMIZERS = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_torch_fused": Optim
               "paged_adamw_8bit": Optimizer.ADAMW_8BIT, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD}
 """HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
 
-PAGED = ("paged: bitsandbytes keeps the 8-bit states in paged (unified) memory outside torch's caching allocator, "
-         f"which can spill to the CPU: {NOT_SIZED} (sized as on-GPU 8-bit states)")
+PAGED = (f"{NOT_SIZED}: paged optimizer states live in unified memory outside torch's caching allocator and can "
+         "spill to the CPU (sized as on-GPU 8-bit states)")
 
 NOT_MODELLED = ("torch_compile", "use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
                 "neftune_noise_alpha", "torch_empty_cache_steps")
@@ -59,7 +59,7 @@ def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | N
     if args is not None:
         read_optimizer(read, args)
         read_checkpointing(read, args)
-        for name in NOT_MODELLED:
+        for name in NOT_MODELLED if not read.strict else ():  # files: every field left over is listed
             value = _get(args, name)
             if value:
                 read.ignore(name, value, NOT_SIZED)
@@ -100,32 +100,33 @@ def read_precision(read: Reader, args: Any, dtype: str, ds: dict | None, *, laun
     if ds is not None:
         file, prefix = read.deepspeed_at
         with read.scope(file or read.file, prefix):
-            if _read_deepspeed_precision(read, ds, bf16 or launcher == "bf16", fp16 or launcher == "fp16",
-                                         filled_by="bf16" if args is not None else "mixed_precision",
-                                         standalone=args is None and launcher is None):
-                if args is not None:
-                    for name, on in (("bf16", bf16), ("fp16", fp16)):
-                        if _get(args, name) is not None:
-                            read.defer(name, on, "the DeepSpeed config's precision decides")
-                return
-        if args is None:
+            decided = _read_deepspeed_precision(read, ds, bf16 or launcher == "bf16", fp16 or launcher == "fp16",
+                                                filled_by="bf16" if args is not None else "mixed_precision",
+                                                standalone=args is None and launcher is None)
+        if decided and args is not None:
+            for name in ("bf16", "fp16"):
+                if _get(args, name) is not None:
+                    read.defer(name, _get(args, name), "the DeepSpeed config's precision decides")
+        if decided or args is None:
             return
-    assumed = " (fp32 weights assumed: the file does not say the model's load dtype)" if read.assumed_dtype else ""
+    assumed = "; the file does not say the model's load dtype: fp32 assumed" if read.assumed_dtype else ""
     if bf16:
         pure = dtype == "bf16"
         read.set("precision", Precision.BF16 if pure else Precision.AMP_BF16, "bf16", True,
-                 "on bf16 weights" if pure else "on fp32 weights (autocast)" + assumed)
+                 "on bf16 weights" if pure else "autocast over fp32 weights" + assumed,
+                 text="bf16=True on bf16 weights" if pure else "bf16=True on fp32 weights (autocast)")
     elif fp16:
-        read.set("precision", Precision.AMP_FP16, "fp16", True, "autocast + GradScaler")
+        read.set("precision", Precision.AMP_FP16, "fp16", True, "autocast + GradScaler",
+                 text="fp16=True (autocast + GradScaler)")
         if dtype == "fp16":
             read.ignore("dtype", "fp16", "fp16 weights: sized as fp16 autocast over fp32 weights")
     elif dtype == "bf16":
         given = args is not None and _get(args, "bf16") is not None
         read.set("precision", Precision.BF16, "bf16" if given else "model dtype", _get(args, "bf16") if given
-                 else "bf16", "bf16 weights")
+                 else "bf16", "bf16 weights", text="bf16 weights")
     elif dtype == "fp32" and args is not None:
         read.set("precision", Precision.FP32, "bf16", bool(_get(args, "bf16")),
-                 "fp32 weights, neither bf16 nor fp16 set" + assumed)
+                 "fp32 weights, neither bf16 nor fp16 set" + assumed, text="fp32 weights, neither bf16 nor fp16 set")
         if _get(args, "fp16") is not None:
             read.consume("fp16")
 
@@ -135,6 +136,9 @@ def _read_deepspeed_precision(read: Reader, ds: Mapping, want_bf16: bool, want_f
     """Set the precision from DeepSpeed's bf16 / fp16 blocks; False when they leave it to the other settings."""
     bf16, fp16 = _ds_flag(ds, "bf16"), _ds_flag(ds, "fp16")
     bf16_key = "bfloat16.enabled" if "bf16" not in ds and "bfloat16" in ds else "bf16.enabled"
+    for key, flag in ((bf16_key, bf16), ("fp16.enabled", fp16)):
+        if flag is not None:
+            read.consume(key)
     if bf16 is True or (bf16 == "auto" and want_bf16):
         block = _ds_block(ds, "bf16")
         auto = f"'auto' = {filled_by}; " if bf16 == "auto" else ""
@@ -153,9 +157,6 @@ def _read_deepspeed_precision(read: Reader, ds: Mapping, want_bf16: bool, want_f
                  ("'auto' = fp16; " if fp16 == "auto" else "") + "DeepSpeed fp16: fp16 weights, fp32 master copy and "
                  "loss scaling; sized as fp16 autocast, the same bytes per parameter")
         return True
-    for key, flag in ((bf16_key, bf16), ("fp16.enabled", fp16)):
-        if flag is not None:
-            read.consume(key)
     if not standalone:
         return False
     if "auto" in (bf16, fp16):
@@ -254,7 +255,11 @@ def read_deepspeed_batch(read: Reader, ds: Mapping, args: Any, world: int | None
     if total == "auto":
         read.defer("train_batch_size", total, "'auto' = micro-batch x accumulation x GPUs, filled by the launcher")
         return
-    micro, accum = read.fields.get("micro_batch_size"), read.fields.get("grad_accum_steps", 1)
+    # The files' own micro-batch and accumulation (an option overriding them does not change the world they imply)
+    micro = _positive(_value(ds.get("train_micro_batch_size_per_gpu"))) or _positive(
+        _get(args, "per_device_train_batch_size") if args is not None else None)
+    accum = _positive(_value(ds.get("gradient_accumulation_steps"))) or _positive(
+        _get(args, "gradient_accumulation_steps") if args is not None else None) or 1
     if not _positive(total):
         read.unmappable("num_gpus", "train_batch_size", total, "not a positive whole number or 'auto'")
     elif not micro:
@@ -262,6 +267,10 @@ def read_deepspeed_batch(read: Reader, ds: Mapping, args: Any, world: int | None
     elif total % (micro * accum):
         read.unmappable("num_gpus", "train_batch_size", total,
                         f"not micro-batch {micro} x accumulation {accum} x a whole number of GPUs")
+    elif "num_gpus" in read.fields and total != micro * accum * read.fields["num_gpus"]:
+        read.unmappable("num_gpus", "train_batch_size", total,
+                        f"is not micro-batch {micro} x accumulation {accum} x {read.fields['num_gpus']} GPUs "
+                        f"({read.sources['num_gpus'][1]} in {read.sources['num_gpus'][0]})")
     elif world is not None and total != micro * accum * world and "num_gpus" not in read.overridden:
         read.unmappable("num_gpus", "train_batch_size", total,
                         f"is not micro-batch {micro} x accumulation {accum} x {world} GPUs (the other settings)")
@@ -304,7 +313,7 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
                                          "the GPU")
         return
     if opt:
-        read.set("offload", Offload.OPTIMIZER, opt_key, opt_dev, "ZeRO-Offload" + (nvme if opt_dev == "nvme" else ""))
+        read.set("offload", Offload.OPTIMIZER, opt_key, opt_dev, nvme.strip() if opt_dev == "nvme" else "")
         read.set("engine", Engine.DEEPSPEED, opt_key, opt_dev, "DeepSpeed ZeRO-Offload")
     else:
         read.consume(opt_key)
@@ -338,7 +347,8 @@ def read_deepspeed_optimizer(read: Reader, ds: Mapping) -> None:
         elif params.get("foreach") is False:
             value, key = Optimizer.ADAMW, "optimizer.params.foreach"
         else:
-            value, key = Optimizer.ADAMW_FOREACH, "optimizer.params.foreach" if "foreach" in params else "optimizer.type"
+            value = Optimizer.ADAMW_FOREACH
+            key = "optimizer.params.foreach" if "foreach" in params else "optimizer.type"
         read.set("optimizer", value, key, params.get(key.rsplit(".", 1)[-1], block.get("type")),
                  "torch.optim.AdamW built by DeepSpeed")
         read.consume("optimizer.type")
@@ -348,21 +358,24 @@ def read_deepspeed_optimizer(read: Reader, ds: Mapping) -> None:
     read.ds_optimizer = "optimizer" in read.fields
 
 
-def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *,
-              offload_keys: tuple[str, ...] = ("cpu_offload",), trainer: bool = True) -> None:
+def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *, key: str = "fsdp", shown: Any = None,
+              offload_keys: tuple[str, ...] = ("cpu_offload",), trainer: bool = True,
+              version: tuple[str, Any] | None = None) -> None:
     """FSDP from TrainingArguments' fsdp (True, or the legacy 'full_shard auto_wrap' string / list) and fsdp_config
     (keys with or without the fsdp_ prefix). `offload_keys`: the fsdp_config keys that turn CPU offload on for this
     reader (the HF Trainer reads cpu_offload; accelerate and axolotl offload_params)."""
     items = [] if fsdp is True else (fsdp.split() if isinstance(fsdp, str) else [str(_value(i)) for i in fsdp])
     items = [item.lower() for item in items]
-    shown = fsdp if fsdp is True or isinstance(fsdp, str) else " ".join(items)
+    if shown is None:
+        shown = fsdp if fsdp is True or isinstance(fsdp, str) else " ".join(items)
     cfg: dict[str, tuple[str, Any]] = {}
     if isinstance(config, Mapping):
         cfg = {(k[5:] if k.startswith("fsdp_") else k): (f"fsdp_config.{k}", v) for k, v in config.items()}
     elif config and read.strict:
         read.ignore("fsdp_config", config, f"an fsdp_config file is not read: {NOT_SIZED}")
-    read.consume("fsdp")
-    stage, key, raw = None, "fsdp", shown
+    read.consume(key)
+    base_key = key
+    stage, raw = None, shown
     if "full_shard" in items or "hybrid_shard" in items:
         stage = 3
     elif "shard_grad_op" in items or "hybrid_shard_zero2" in items:
@@ -376,14 +389,14 @@ def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *,
             break
     else:
         if stage is None and items:
-            read.unmappable("sharding", "fsdp", shown, "no sharding strategy memfit sizes (full_shard, "
-                                                       "shard_grad_op)")
+            read.unmappable("sharding", key, shown, "no sharding strategy memfit sizes (full_shard, "
+                                                    "shard_grad_op)")
             return
     if stage is None:
-        if key != "fsdp":
+        if key != base_key:
             return
         stage = 3  # FSDP2 reshards after forward unless told otherwise
-    offload = ("fsdp", shown) if "offload" in items else None
+    offload = (base_key, shown) if "offload" in items else None
     for name in offload_keys:
         if name in cfg and _value(cfg[name][1]) in (True, "true", "True"):
             offload = cfg[name]
@@ -393,7 +406,7 @@ def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *,
         read.ignore(*cfg["offload_params"], "TrainingArguments reads fsdp_config cpu_offload, not offload_params: "
                                             "the Trainer does not offload with it")
     read_fsdp_plan(read, stage, key, raw, world, offload=offload, checkpointing=cfg.get("activation_checkpointing"),
-                   version=cfg.get("version"))
+                   version=version or cfg.get("version"))
 
 
 def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
@@ -447,7 +460,7 @@ def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | No
 def read_mixed_precision(read: Reader, mp: Any, dtype: str, *, key: str = "mixed_precision") -> None:
     """accelerate's mixed_precision over weights of `dtype` ('' when unknown)."""
     mp = str(_value(mp)).lower()
-    assumed = " (fp32 weights assumed)" if read.assumed_dtype else ""
+    assumed = "; fp32 weights assumed" if read.assumed_dtype else ""
     if mp == "bf16":
         read.set("precision", Precision.BF16 if dtype == "bf16" else Precision.AMP_BF16, key, mp,
                  "on bf16 weights" if dtype == "bf16" else "autocast over fp32 weights" + assumed)

@@ -1,0 +1,152 @@
+"""Loading a config file (JSON or YAML, refused in one line when it is not a text mapping) and telling its format
+from its keys."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, MissingDependencyError
+
+FORMATS = {
+    "training_args": "HF TrainingArguments",
+    "deepspeed": "DeepSpeed",
+    "accelerate": "accelerate config",
+    "axolotl": "axolotl",
+    "llamafactory": "LLaMA-Factory",
+    "torchtune": "torchtune recipe",
+    "from_pretrained": "from_pretrained kwargs",
+}
+"""Format key -> what it is called in messages."""
+
+_ACCELERATE = frozenset({"distributed_type", "compute_environment"})
+_DEEPSPEED = frozenset({"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
+                        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "gradient_clipping",
+                        "steps_per_print", "wall_clock_breakdown"})
+_LLAMAFACTORY = frozenset({"finetuning_type", "cutoff_len", "template", "dataset_dir", "quantization_bit",
+                           "lora_rank", "lora_target", "pure_bf16", "flash_attn", "stage",
+                           "disable_gradient_checkpointing"})
+_AXOLOTL = frozenset({"base_model", "base_model_config", "micro_batch_size", "sequence_len", "sample_packing",
+                      "lora_r", "lora_target_linear", "num_epochs", "pad_to_sequence_len", "flash_attention",
+                      "sdp_attention", "xformers_attention", "tokenizer_type", "adapter", "load_in_4bit"})
+_TRAINING_ARGS = frozenset({
+    "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "optim", "bf16", "fp16",
+    "learning_rate", "num_train_epochs", "max_steps", "gradient_checkpointing", "activation_checkpointing",
+    "deepspeed", "fsdp", "fsdp_config", "logging_steps", "save_steps", "eval_strategy", "save_strategy",
+    "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "report_to",
+    "torch_compile", "per_device_eval_batch_size", "dataloader_num_workers", "tf32", "optim_args"})
+_FROM_PRETRAINED = frozenset({"attn_implementation", "dtype", "torch_dtype"})
+_FROM_PRETRAINED_ALL = _FROM_PRETRAINED | {"use_cache", "low_cpu_mem_usage", "device_map", "trust_remote_code",
+                                           "revision", "quantization_config", "use_safetensors", "variant"}
+
+
+def yaml_module():
+    try:
+        import yaml
+    except ImportError:
+        raise MissingDependencyError("reading YAML configs needs PyYAML: pip install pyyaml") from None
+    return yaml
+
+
+def display_path(path: Path) -> str:
+    """How a file is named in the output: relative to the current directory when under it."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def load_mapping(path: Path, shown: str | None = None) -> dict:
+    """The file's top-level mapping; a ConfigError naming the file when it is not a readable JSON / YAML mapping."""
+    shown = shown or str(path)
+    if path.is_dir():
+        raise ConfigError(f"{shown} is a directory: give the config file itself")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no such file") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read {shown}: {error.strerror or error}") from None
+    if b"\x00" in raw:
+        raise ConfigError(f"{shown} is not a text config file (binary content)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{shown} is not a text config file (not UTF-8)") from None
+    if not text.strip():
+        raise ConfigError(f"{shown} is empty")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        if path.suffix.lower() == ".json" or text.lstrip()[:1] in "{[":
+            raise ConfigError(f"{shown} is not valid JSON: {error.msg} at line {error.lineno}") from None
+        yaml = yaml_module()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as yaml_error:
+            mark = getattr(yaml_error, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(yaml_error, "problem", None) or type(yaml_error).__name__
+            raise ConfigError(f"{shown} is neither JSON nor YAML: {problem}{where}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{shown} holds {type(data).__name__ if data is not None else 'nothing'} at the top, not "
+                          "a mapping of settings")
+    return dict(data)
+
+
+def detect_format(data: Mapping) -> str | None:
+    """The config format its keys say (FORMATS), or None. Content decides, never the file name: a torchtune recipe
+    has `_component_` entries, accelerate a distributed_type / compute_environment, DeepSpeed its batch / ZeRO keys or
+    bf16 / fp16 blocks, LLaMA-Factory and axolotl their own keys (checked before TrainingArguments, whose keys they
+    also carry), TrainingArguments its own field names, from_pretrained kwargs only loading keys."""
+    keys = {str(k) for k in data}
+    if "_component_" in keys or any(isinstance(v, Mapping) and "_component_" in v for v in data.values()):
+        return "torchtune"
+    if keys & _ACCELERATE:
+        return "accelerate"
+    if keys & _DEEPSPEED or isinstance(data.get("bf16"), Mapping) or isinstance(data.get("fp16"), Mapping):
+        return "deepspeed"
+    if keys & _LLAMAFACTORY:
+        return "llamafactory"
+    if keys & _AXOLOTL:
+        return "axolotl"
+    if keys & _TRAINING_ARGS:
+        return "training_args"
+    if keys & _FROM_PRETRAINED and keys <= _FROM_PRETRAINED_ALL:
+        return "from_pretrained"
+    return None
+
+
+def unknown_format(shown: str, data: Mapping) -> ConfigError:
+    keys = ", ".join(list(map(str, data))[:5]) or "none"
+    return ConfigError(f"{shown}: unknown config format (keys: {keys}): memfit reads "
+                       + ", ".join(FORMATS.values()))
+
+
+def resolve_reference(value: Any, base: Path, base_shown: str, key: str) -> Path:
+    """A file another config names (`deepspeed: ds.json`): next to that config first, then in the current
+    directory (where the HF Trainer and accelerate resolve it, and where `memfit plan --emit` names it)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{base_shown}: {key}={value!r}: not a file path or a mapping")
+    path = Path(value).expanduser()
+    candidates = [path] if path.is_absolute() else [base.parent / path, Path(path)]
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    raise ConfigError(f"{base_shown}: {key}={str(value)!r}: no such file (looked next to {base.name} and in the "
+                      "current directory)")
+
+
+def flatten(data: Mapping, prefix: str = "") -> list[tuple[str, Any]]:
+    """[(dotted key, leaf value)]; lists and empty mappings are leaves."""
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out += flatten(value, dotted + ".")
+        else:
+            out.append((dotted, value))
+    return out

@@ -1,0 +1,642 @@
+"""memfit.readers: the config files users already have (HF TrainingArguments, DeepSpeed, accelerate, axolotl,
+LLaMA-Factory, torchtune) read into a TrainingSetup, field by field; what memfit emits reads back as the setup it
+was written for; the engines' own parsers accept the example files; `--config` on the command line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from memfit import emit
+from memfit.api import as_spec
+from memfit.callbacks import setup_from_training_args
+from memfit.cli.app import app
+from memfit.emit.emitted import uses_deepspeed
+from memfit.errors import ConfigError, MissingDependencyError
+from memfit.estimate.analytic import estimate
+from memfit.hardware import make_hardware
+from memfit.readers import NOT_RELEVANT, NOT_SIZED, detect_format, read_config
+from memfit.setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
+SETUP_FIELDS = ("micro_batch_size", "grad_accum_steps", "precision", "optimizer", "checkpointing", "attention",
+                "sharding", "offload", "num_gpus", "engine")
+
+
+@dataclass(frozen=True)
+class Example:
+    """What one example file reads as. Fields of another file are 'file:field' (file without its suffix)."""
+
+    format: str
+    model: str | None
+    overrides: dict
+    read: str
+    not_sized: str
+    other: str
+    quiet: str
+
+
+EXAMPLES = {
+    "axolotl_lora_deepspeed.yaml": Example(
+        "axolotl", 'meta-llama/Llama-3.1-8B',
+        dict(micro_batch_size=2, grad_accum_steps=4, seq_len=4096, precision='bf16-master',
+             optimizer='adamw-fused', checkpointing='full', attention='sdpa'),
+        read=("base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing deepspeed "
+              "deepspeed_zero2:bf16.enabled bf16 fp16 deepspeed_zero2:train_micro_batch_size_per_gpu "
+              "deepspeed_zero2:gradient_accumulation_steps deepspeed_zero2:train_batch_size optimizer "
+              "gradient_checkpointing flash_attention deepspeed_zero2:zero_optimization.reduce_bucket_size"),
+        not_sized=("adapter lora_r lora_alpha lora_dropout lora_target_linear "
+                   "deepspeed_zero2:zero_optimization.allgather_bucket_size "
+                   "deepspeed_zero2:zero_optimization.overlap_comm "
+                   "deepspeed_zero2:zero_optimization.contiguous_gradients"),
+        other="deepspeed_zero2:zero_optimization.stage",
+        quiet=("model_type tokenizer_type load_in_8bit load_in_4bit datasets dataset_prepared_path val_set_size "
+               "output_dir pad_to_sequence_len num_epochs lr_scheduler learning_rate logging_steps warmup_steps "
+               "evals_per_epoch saves_per_epoch weight_decay special_tokens.pad_token "
+               "deepspeed_zero2:gradient_clipping deepspeed_zero2:wall_clock_breakdown")),
+    "axolotl_full.yaml": Example(
+        "axolotl", 'meta-llama/Llama-3.2-1B',
+        dict(micro_batch_size=4, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='adamw-8bit',
+             checkpointing='full', attention='sdpa'),
+        read=("base_model micro_batch_size batch_size sequence_len sample_packing bf16 optimizer "
+              "gradient_checkpointing flash_attention adapter"),
+        not_sized="optimizer torch_compile",
+        other="",
+        quiet=("datasets val_set_size output_dir pad_to_sequence_len num_epochs lr_scheduler learning_rate tf32 "
+               "gradient_checkpointing_kwargs.use_reentrant warmup_ratio weight_decay")),
+    "llamafactory_full.yaml": Example(
+        "llamafactory", 'Qwen/Qwen2.5-7B-Instruct',
+        dict(seq_len=2048, micro_batch_size=1, grad_accum_steps=2, precision='bf16-master',
+             checkpointing='full'),
+        read=("model_name_or_path stage finetuning_type cutoff_len deepspeed per_device_train_batch_size "
+              "gradient_accumulation_steps deepspeed_zero3:bf16.enabled bf16 "
+              "deepspeed_zero3:train_micro_batch_size_per_gpu deepspeed_zero3:gradient_accumulation_steps "
+              "deepspeed_zero3:train_batch_size disable_gradient_checkpointing "
+              "deepspeed_zero3:zero_optimization.reduce_bucket_size "
+              "deepspeed_zero3:zero_optimization.stage3_prefetch_bucket_size "
+              "deepspeed_zero3:zero_optimization.stage3_param_persistence_threshold"),
+        not_sized=("deepspeed_zero3:zero_optimization.contiguous_gradients "
+                   "deepspeed_zero3:zero_optimization.sub_group_size "
+                   "deepspeed_zero3:zero_optimization.stage3_max_live_parameters "
+                   "deepspeed_zero3:zero_optimization.stage3_max_reuse_distance"),
+        other="deepspeed_zero3:zero_optimization.stage",
+        quiet=("trust_remote_code do_train dataset template max_samples overwrite_cache preprocessing_num_workers "
+               "output_dir logging_steps save_steps plot_loss overwrite_output_dir report_to learning_rate "
+               "num_train_epochs lr_scheduler_type warmup_ratio ddp_timeout deepspeed_zero3:gradient_clipping "
+               "deepspeed_zero3:zero_allow_untested_optimizer deepspeed_zero3:fp16.loss_scale "
+               "deepspeed_zero3:fp16.loss_scale_window deepspeed_zero3:fp16.initial_scale_power "
+               "deepspeed_zero3:fp16.hysteresis deepspeed_zero3:fp16.min_loss_scale "
+               "deepspeed_zero3:zero_optimization.overlap_comm "
+               "deepspeed_zero3:zero_optimization.stage3_gather_16bit_weights_on_model_save")),
+    "llamafactory_lora.yaml": Example(
+        "llamafactory", 'meta-llama/Llama-3.1-8B-Instruct',
+        dict(seq_len=4096, micro_batch_size=2, grad_accum_steps=8, precision='amp-bf16',
+             optimizer='adamw-foreach', checkpointing='full', attention='sdpa'),
+        read=("model_name_or_path stage cutoff_len packing per_device_train_batch_size gradient_accumulation_steps "
+              "bf16 optim disable_gradient_checkpointing flash_attn"),
+        not_sized="finetuning_type lora_rank lora_target quantization_bit",
+        other="",
+        quiet=("do_train dataset template output_dir logging_steps save_steps learning_rate num_train_epochs "
+               "lr_scheduler_type warmup_ratio")),
+    "torchtune_full.yaml": Example(
+        "torchtune", 'llama-3.1-8b',
+        dict(micro_batch_size=2, grad_accum_steps=1, seq_len=2048, precision='bf16', optimizer='adamw-8bit',
+             checkpointing='full'),
+        read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
+              "optimizer._component_ enable_activation_checkpointing"),
+        not_sized="optimizer._component_ optimizer_in_bwd loss._component_",
+        other="",
+        quiet=("enable_activation_offloading compile output_dir tokenizer._component_ tokenizer.path "
+               "dataset._component_ seed shuffle checkpointer._component_ checkpointer.checkpoint_dir "
+               "checkpointer.checkpoint_files.filename_format checkpointer.checkpoint_files.max_filename "
+               "checkpointer.recipe_checkpoint checkpointer.output_dir checkpointer.model_type "
+               "resume_from_checkpoint epochs optimizer.lr max_steps_per_epoch clip_grad_norm device "
+               "metric_logger._component_ metric_logger.log_dir log_every_n_steps log_peak_memory_stats")),
+    "torchtune_lora.yaml": Example(
+        "torchtune", 'llama-3.2-1b',
+        dict(micro_batch_size=4, grad_accum_steps=8, seq_len=4096, precision='bf16', optimizer='adamw-fused',
+             checkpointing='none'),
+        read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
+              "optimizer.fused enable_activation_checkpointing"),
+        not_sized=("model._component_ enable_activation_offloading compile loss._component_ model.lora_attn_modules "
+                   "model.apply_lora_to_mlp model.lora_rank model.lora_alpha model.lora_dropout"),
+        other="",
+        quiet=("output_dir tokenizer._component_ tokenizer.path dataset._component_ seed shuffle epochs "
+               "max_steps_per_epoch optimizer.weight_decay optimizer.lr lr_scheduler._component_ "
+               "lr_scheduler.num_warmup_steps device")),
+    "training_args.json": Example(
+        "training_args", None,
+        dict(micro_batch_size=2, grad_accum_steps=8, precision='bf16-master', num_gpus=8, sharding='zero3',
+             engine='deepspeed', offload='optimizer+params', checkpointing='full'),
+        read=("deepspeed per_device_train_batch_size gradient_accumulation_steps "
+              "deepspeed_zero3_offload:bf16.enabled bf16 deepspeed_zero3_offload:train_micro_batch_size_per_gpu "
+              "deepspeed_zero3_offload:gradient_accumulation_steps deepspeed_zero3_offload:train_batch_size "
+              "deepspeed_zero3_offload:zero_optimization.stage "
+              "deepspeed_zero3_offload:zero_optimization.offload_param.device "
+              "deepspeed_zero3_offload:optimizer.type activation_checkpointing"),
+        not_sized=("deepspeed_zero3_offload:zero_optimization.reduce_bucket_size "
+                   "deepspeed_zero3_offload:zero_optimization.stage3_prefetch_bucket_size "
+                   "deepspeed_zero3_offload:zero_optimization.stage3_param_persistence_threshold "
+                   "deepspeed_zero3_offload:zero_optimization.overlap_comm "
+                   "deepspeed_zero3_offload:zero_optimization.contiguous_gradients"),
+        other="",
+        quiet=("output_dir learning_rate adam_beta2 weight_decay num_train_epochs lr_scheduler_type warmup_steps "
+               "logging_steps save_strategy save_steps report_to deepspeed_zero3_offload:gradient_clipping "
+               "deepspeed_zero3_offload:steps_per_print deepspeed_zero3_offload:optimizer.params.lr "
+               "deepspeed_zero3_offload:optimizer.params.betas deepspeed_zero3_offload:optimizer.params.eps "
+               "deepspeed_zero3_offload:optimizer.params.weight_decay "
+               "deepspeed_zero3_offload:zero_optimization.offload_optimizer.pin_memory "
+               "deepspeed_zero3_offload:zero_optimization.offload_param.pin_memory "
+               "deepspeed_zero3_offload:zero_optimization.stage3_gather_16bit_weights_on_model_save")),
+    "training_args.yaml": Example(
+        "training_args", None,
+        dict(micro_batch_size=4, grad_accum_steps=4, precision='bf16-master', optimizer='adamw-fused',
+             checkpointing='full'),
+        read=("deepspeed per_device_train_batch_size gradient_accumulation_steps deepspeed_zero2:bf16.enabled bf16 "
+              "deepspeed_zero2:train_micro_batch_size_per_gpu deepspeed_zero2:gradient_accumulation_steps "
+              "deepspeed_zero2:train_batch_size optim gradient_checkpointing "
+              "deepspeed_zero2:zero_optimization.reduce_bucket_size"),
+        not_sized=("deepspeed_zero2:zero_optimization.allgather_bucket_size "
+                   "deepspeed_zero2:zero_optimization.overlap_comm "
+                   "deepspeed_zero2:zero_optimization.contiguous_gradients"),
+        other="deepspeed_zero2:zero_optimization.stage",
+        quiet=("output_dir per_device_eval_batch_size learning_rate max_steps "
+               "gradient_checkpointing_kwargs.use_reentrant logging_steps report_to "
+               "deepspeed_zero2:gradient_clipping deepspeed_zero2:wall_clock_breakdown")),
+    "deepspeed_zero3_offload.json": Example(
+        "deepspeed", None,
+        dict(precision='bf16-master', micro_batch_size=2, grad_accum_steps=8, num_gpus=8, sharding='zero3',
+             engine='deepspeed', offload='optimizer+params'),
+        read=("bf16.enabled train_micro_batch_size_per_gpu gradient_accumulation_steps train_batch_size "
+              "zero_optimization.stage zero_optimization.offload_param.device optimizer.type"),
+        not_sized=("zero_optimization.reduce_bucket_size zero_optimization.stage3_prefetch_bucket_size "
+                   "zero_optimization.stage3_param_persistence_threshold zero_optimization.overlap_comm "
+                   "zero_optimization.contiguous_gradients"),
+        other="",
+        quiet=("gradient_clipping steps_per_print optimizer.params.lr optimizer.params.betas optimizer.params.eps "
+               "optimizer.params.weight_decay zero_optimization.offload_optimizer.pin_memory "
+               "zero_optimization.offload_param.pin_memory "
+               "zero_optimization.stage3_gather_16bit_weights_on_model_save")),
+    "accelerate_deepspeed.yaml": Example(
+        "accelerate", None,
+        dict(num_gpus=8, sharding='zero3', engine='deepspeed', offload='optimizer', grad_accum_steps=4,
+             precision='bf16-master'),
+        read=("num_processes distributed_type deepspeed_config.zero_stage deepspeed_config.offload_optimizer_device "
+              "deepspeed_config.gradient_accumulation_steps mixed_precision"),
+        not_sized="",
+        other="",
+        quiet=("compute_environment debug deepspeed_config.gradient_clipping deepspeed_config.zero3_init_flag "
+               "deepspeed_config.zero3_save_16bit_model downcast_bf16 machine_rank main_training_function "
+               "rdzv_backend same_network tpu_env tpu_use_cluster tpu_use_sudo")),
+    "accelerate_fsdp2.yaml": Example(
+        "accelerate", None,
+        dict(num_gpus=4, precision='amp-bf16', sharding='zero3', engine='torch', checkpointing='full'),
+        read=("num_processes mixed_precision distributed_type fsdp_config.fsdp_reshard_after_forward "
+              "fsdp_config.fsdp_activation_checkpointing"),
+        not_sized="fsdp_config.fsdp_auto_wrap_policy",
+        other="",
+        quiet=("compute_environment debug downcast_bf16 enable_cpu_affinity "
+               "fsdp_config.fsdp_cpu_ram_efficient_loading fsdp_config.fsdp_state_dict_type machine_rank "
+               "main_training_function rdzv_backend same_network tpu_env tpu_use_cluster tpu_use_sudo")),
+}
+
+
+def _short(entry, name: str) -> str:
+    return entry.field if entry.file == name else f"{Path(entry.file).stem}:{entry.field}"
+
+
+@pytest.fixture
+def in_configs(monkeypatch):
+    monkeypatch.chdir(CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_reads_as_documented(name, in_configs):
+    """The exact setup fields, model, fields read and fields ignored (by reason) of every example file."""
+    expected = EXAMPLES[name]
+    reading = read_config(name)
+    assert reading.files[0].path == name and reading.files[0].format == expected.format
+    assert detect_format(json.loads(Path(name).read_text()) if name.endswith(".json") else
+                         __import__("yaml").safe_load(Path(name).read_text())) == expected.format
+    assert reading.model == expected.model
+    assert {k: getattr(v, "value", v) for k, v in reading.overrides.items()} == expected.overrides
+    assert sorted(_short(e, name) for e in reading.read) == sorted(expected.read.split())
+    groups = {"not_sized": [], "other": [], "quiet": []}
+    for entry in reading.ignored:
+        group = ("not_sized" if entry.why.startswith(NOT_SIZED) else
+                 "quiet" if entry.why.startswith((NOT_RELEVANT, "off")) else "other")
+        groups[group].append(_short(entry, name))
+    for group, names in groups.items():
+        assert sorted(names) == sorted(getattr(expected, group).split()), group
+
+
+def test_what_memfit_cannot_size_yet_says_so(in_configs):
+    lora = read_config("axolotl_lora_deepspeed.yaml")
+    why = {e.field: e.why for e in lora.ignored}
+    assert why["adapter"].startswith("not sized by memfit yet: LoRA / QLoRA") and "upper bound" in why["adapter"]
+    assert "shards nothing" in why["zero_optimization.stage"]
+    tune = {e.field: e.why for e in read_config("torchtune_full.yaml").ignored}
+    assert tune["optimizer_in_bwd"].startswith(NOT_SIZED) and "paged" in tune["optimizer._component_"]
+    assert tune["compile"].startswith("off") and tune["enable_activation_offloading"].startswith("off")
+    lora_tune = {e.field: e.why for e in read_config("torchtune_lora.yaml").ignored}
+    assert lora_tune["compile"] == "not sized by memfit yet (torch.compile)"
+    assert lora_tune["enable_activation_offloading"].startswith(NOT_SIZED)
+    notes = {e.field: e.note for e in read_config("deepspeed_zero2.json").read}
+    assert notes["train_micro_batch_size_per_gpu"].startswith("'auto'") and "command line" in notes["bf16.enabled"]
+
+
+def test_examples_build_a_valid_setup(in_configs):
+    """Every reading is a setup memfit can estimate, on the GPU count the files (or the caller) give."""
+    for name, expected in EXAMPLES.items():
+        # torchtune's single-device recipes stay on one GPU (their bitsandbytes optimizer cannot step FSDP2)
+        given = None if "num_gpus" in expected.overrides else 1 if expected.format == "torchtune" else 8
+        reading = read_config(name, num_gpus=given)
+        world = reading.overrides.get("num_gpus", given)
+        hardware = make_hardware("H100", gpus_per_node=min(world, 8), num_nodes=max(1, world // 8))
+        spec = as_spec(reading.model or "llama-3.1-8b")
+        setup = reading.setup(spec, hardware)
+        assert estimate(spec, setup, hardware).total_bytes > 0, name
+
+
+def test_the_gpu_count_decides_what_zero_shards(in_configs, tmp_path):
+    full = read_config("llamafactory_full.yaml", num_gpus=8)
+    assert (full.overrides["sharding"], full.overrides["engine"]) == (Sharding.ZERO3, Engine.DEEPSPEED)
+    assert "num_gpus" not in full.overrides  # the caller's, not the file's
+    assert read_config("training_args.yaml", num_gpus=4).overrides["sharding"] is Sharding.ZERO2
+    one = read_config("training_args.yaml")
+    assert "sharding" not in one.overrides and any("shards nothing" in e.why for e in one.ignored)
+    tune = read_config("torchtune_full.yaml", num_gpus=2).overrides  # distributed recipes shard with FSDP2
+    assert (tune["sharding"], tune["engine"]) == (Sharding.ZERO3, Engine.TORCH)
+    assert read_config("deepspeed_zero3_offload.json", num_gpus=4).overrides["sharding"] is Sharding.ZERO3
+    launcher = tmp_path / "four.yaml"
+    launcher.write_text(f"distributed_type: DEEPSPEED\nnum_processes: 4\ndeepspeed_config:\n"
+                        f"  deepspeed_config_file: {CONFIGS / 'deepspeed_zero3_offload.json'}\n")
+    with pytest.raises(ConfigError, match=r"(micro-batch 2 x accumulation 8 x 4 GPUs|sets gpus)"):
+        read_config(launcher)
+
+
+def test_files_combine_and_conflicts_name_both(in_configs, tmp_path):
+    both = read_config("training_args.yaml", "deepspeed_zero2.json")
+    assert [(f.path, f.format, f.via) for f in both.files] == [
+        ("training_args.yaml", "training_args", ""),
+        ("deepspeed_zero2.json", "deepspeed", "training_args.yaml: deepspeed")]
+    assert both.overrides == read_config("training_args.yaml").overrides  # read once, through the reference
+    with pytest.raises(ConfigError) as error:
+        read_config("axolotl_full.yaml", "accelerate_fsdp2.yaml")
+    assert "axolotl_full.yaml: bf16 sets precision bf16 but accelerate_fsdp2.yaml: mixed_precision sets amp-bf16" \
+        in str(error.value) and "--precision" in str(error.value)
+    (tmp_path / "model_kwargs.json").write_text(json.dumps({"dtype": "bfloat16", "attn_implementation": "eager"}))
+    (tmp_path / "args.json").write_text(json.dumps({"per_device_train_batch_size": 4, "bf16": False}))
+    pure = read_config(tmp_path / "args.json", tmp_path / "model_kwargs.json")
+    assert (pure.overrides["precision"], pure.overrides["attention"]) == (Precision.BF16, "eager")
+    assert read_config(tmp_path / "args.json").overrides["precision"] is Precision.FP32  # fp32 weights assumed
+    assert "fp32 assumed" in {e.field: e.note for e in read_config(tmp_path / "args.json").read}["bf16"]
+
+
+def test_fields_given_elsewhere_are_overridden_and_never_raise(in_configs, tmp_path, monkeypatch):
+    reading = read_config("axolotl_full.yaml", overridden={"optimizer": "--optimizer"})
+    assert "optimizer" not in reading.overrides
+    assert {e.field: e.note for e in reading.read}["optimizer"] == "optimizer overridden by --optimizer"
+    monkeypatch.chdir(tmp_path)
+    Path("odd.yaml").write_text("base_model: gpt2\nmicro_batch_size: 2\noptimizer: lion_8bit\n")
+    with pytest.raises(ConfigError, match=r"^odd.yaml: optimizer='lion_8bit': memfit sizes adamw_torch"):
+        read_config("odd.yaml")
+    assert "optimizer" not in read_config("odd.yaml", overridden={"optimizer": "--optimizer"}).overrides
+
+
+def test_the_shared_mapping_reads_live_arguments_the_same(in_configs):
+    """memfit.check's TrainingArguments mapping is the one the files go through."""
+    kwargs = json.loads(Path("training_args.json").read_text())
+    kwargs["deepspeed"] = str(CONFIGS / kwargs["deepspeed"])
+    live = setup_from_training_args(kwargs, num_gpus=8).fields
+    from_file = read_config("training_args.json", num_gpus=8).overrides
+    assert {k: v for k, v in live.items() if k != "num_gpus"} == from_file
+
+
+BAD = {
+    "unknown.yaml": ("learning_rate_warmup: 3\nvocab: big\n", r"unknown.yaml: unknown config format \(keys: "),
+    "optimizer.yaml": ("base_model: gpt2\noptimizer: adamw_frobnicate\n",
+                       r"optimizer.yaml: optimizer='adamw_frobnicate': memfit sizes"),
+    "stage5.json": ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 5}}',
+                    r"stage5.json: zero_optimization.stage=5: DeepSpeed has ZeRO stages 0-3"),
+    "missing_ds.json": ('{"per_device_train_batch_size": 2, "deepspeed": "nowhere/ds.json"}',
+                        r"missing_ds.json: deepspeed='nowhere/ds.json': no such file"),
+    "garbage.bin": (bytes(range(256)) * 4, r"garbage.bin is not a text config file"),
+    "broken.json": ('{"per_device_train_batch_size": ', r"broken.json is not valid JSON"),
+    "list.yaml": ("- a\n- b\n", r"list.yaml holds list at the top, not a mapping"),
+    "empty.yaml": ("  \n", r"empty.yaml is empty"),
+    "fp16.yaml": ("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\ndtype: fp16\n",
+                  r"fp16.yaml: dtype='fp16': torchtune's recipes refuse fp16"),
+    "fp8.yaml": ("distributed_type: 'NO'\nmixed_precision: fp8\n", r"fp8.yaml: mixed_precision='fp8'"),
+    "mismatch.json": ('{"per_device_train_batch_size": 4, "deepspeed": {"train_micro_batch_size_per_gpu": 2}}',
+                      r"mismatch.json: deepspeed.train_micro_batch_size_per_gpu=2: does not match"),
+    "total.json": ('{"train_micro_batch_size_per_gpu": 3, "train_batch_size": 10}',
+                   r"total.json: train_batch_size=10: not micro-batch 3 x accumulation 1 x a whole number"),
+    "fsdp.json": ('{"fsdp": "auto_wrap"}', r"fsdp.json: fsdp='auto_wrap': no sharding strategy"),
+    "not_ds.json": ('{"per_device_train_batch_size": 2, "deepspeed": "unknown.yaml"}',
+                    r"not_ds.json: deepspeed='unknown.yaml': unknown.yaml is not a DeepSpeed config"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_is_one_line_config_error(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for other, (content, _) in BAD.items():
+        (tmp_path / other).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as error:
+        read_config(name)
+    message = str(error.value)
+    assert "\n" not in message and __import__("re").match(BAD[name][1], message), message
+
+
+def test_a_directory_and_no_file_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory: give the config file itself"):
+        read_config(tmp_path)
+    with pytest.raises(ConfigError, match="no such file"):
+        read_config(tmp_path / "nothing.yaml")
+    with pytest.raises(ConfigError, match="at least one"):
+        read_config()
+
+
+def test_yaml_needs_pyyaml_said_in_one_line(monkeypatch, in_configs):
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    with pytest.raises(MissingDependencyError, match=r"^reading YAML configs needs PyYAML: pip install pyyaml$"):
+        read_config("axolotl_full.yaml")
+    assert read_config("deepspeed_zero3_offload.json").overrides["sharding"] is Sharding.ZERO3  # JSON needs none
+
+
+def test_reading_imports_neither_torch_nor_transformers():
+    code = ("import sys; from memfit.readers import read_config; "
+            f"read_config({str(CONFIGS / 'axolotl_lora_deepspeed.yaml')!r}); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'deepspeed')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------------- what memfit emits reads back the same
+
+def _readback_expected(setup: TrainingSetup) -> TrainingSetup:
+    """The setup the emitted files describe, where they cannot say it as memfit planned it (each case is what the
+    emitter writes, and says in its README)."""
+    deepspeed = uses_deepspeed(setup)
+    out = setup
+    if setup.precision is Precision.AMP_BF16 and deepspeed:
+        out = out.replace(precision="bf16-master")  # DeepSpeed bf16 keeps bf16 weights + an fp32 master copy
+    if setup.precision is Precision.BF16_MASTER and not deepspeed:
+        out = out.replace(precision="amp-bf16")  # the Trainer has no bf16-weights + fp32 master mode
+    if setup.optimizer is Optimizer.ADAMW and (not deepspeed or setup.offload is not Offload.NONE):
+        out = out.replace(optimizer="adamw-foreach")  # no optim name for single-tensor AdamW; CPU Adam offloaded
+    if deepspeed and setup.sharding is Sharding.NONE and setup.offload is not Offload.NONE and setup.num_gpus > 1:
+        out = out.replace(sharding="zero1")  # DeepSpeed offloads only under ZeRO: stage 1 is written
+    if not deepspeed and setup.sharding is Sharding.NONE and setup.num_gpus > 1:
+        out = out.replace(engine="torch")  # no DeepSpeed file: the Trainer / accelerate run DDP
+    return out
+
+
+def _matrix():
+    cases = []
+    for precision, optimizer, (checkpointing, accum), (sharding, gpus), offload, engine in itertools.product(
+            list(Precision), ["adamw", "adamw-fused", "adamw-8bit"], [("none", 1), ("full", 4)],
+            [("none", 1), ("none", 4), ("zero1", 4), ("zero2", 4), ("zero3", 8)], list(Offload), list(Engine)):
+        try:
+            setup = TrainingSetup(micro_batch_size=2, grad_accum_steps=accum, precision=precision,
+                                  optimizer=optimizer, checkpointing=checkpointing,
+                                  attention="eager" if accum == 1 else "sdpa", sharding=sharding, offload=offload,
+                                  num_gpus=gpus, engine=engine)
+        except ConfigError:
+            continue
+        if setup.engine is Engine.TORCH and setup.sharding is Sharding.ZERO1:
+            continue  # torch's ZeRO-1 (ZeroRedundancyOptimizer) is code: memfit emits no config for it
+        cases.append(setup)
+    return cases
+
+
+MATRIX = _matrix()
+_FSDP_OFFLOAD = ("emitter: training_args.json writes fsdp_config offload_params, which TrainingArguments does not "
+                 "read (it reads cpu_offload), and accelerate_fsdp2.yaml is a MULTI_GPU (DDP) file for engine-torch "
+                 "plans, so no emitted file offloads")
+
+
+def _emitted(setup: TrainingSetup, directory: Path) -> Path:
+    emit.write_all(setup, make_hardware("H100", gpus_per_node=setup.num_gpus), directory)
+    return directory
+
+
+def _differences(setup: TrainingSetup, overrides: dict) -> dict:
+    got = TrainingSetup(**{**overrides, "seq_len": setup.seq_len})
+    expected = _readback_expected(setup)
+    idle_engine = setup.num_gpus == 1 and setup.offload is Offload.NONE  # one GPU, nothing offloaded: no engine
+    relevant = [f for f in SETUP_FIELDS if not (f == "engine" and idle_engine)]
+    return {f: (getattr(expected, f), getattr(got, f)) for f in relevant if getattr(expected, f) != getattr(got, f)}
+
+
+def test_emitted_files_read_back_as_the_setup(tmp_path):
+    """training_args.json (+ the deepspeed.json it names) + model_kwargs.json + accelerate.yaml, for a matrix of
+    precisions, optimizers, checkpointing, accumulation, ZeRO 0-3 on both engines, offload and GPU counts."""
+    checked, known = 0, 0
+    for i, setup in enumerate(MATRIX):
+        directory = _emitted(setup, tmp_path / str(i))
+        reading = read_config(directory / "training_args.json", directory / "model_kwargs.json",
+                              directory / "accelerate.yaml")
+        differences = _differences(setup, reading.overrides)
+        if setup.engine is Engine.TORCH and setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+            assert differences == {"offload": (Offload.OPTIMIZER_AND_PARAMS, Offload.NONE)}, _FSDP_OFFLOAD
+            known += 1
+            continue
+        assert differences == {}, (setup, differences)
+        if uses_deepspeed(setup):  # accelerate.yaml alone: its DeepSpeed file holds the rest of the step
+            alone = read_config(directory / "accelerate.yaml", directory / "model_kwargs.json").overrides
+            for name in ("micro_batch_size", "grad_accum_steps", "sharding", "offload", "num_gpus", "precision"):
+                assert alone.get(name, getattr(TrainingSetup(), name)) == getattr(_readback_expected(setup), name)
+        checked += 1
+    assert checked > 300 and known > 10
+
+
+def test_files_that_describe_it_differently_size_the_same(tmp_path):
+    """Where the files say it another way (adamw as adamw_torch, offload-only as ZeRO-1, bf16-master as autocast
+    under FSDP2), memfit's estimate of what was read equals the plan's, byte for byte."""
+    spec, compared = as_spec("llama-3.2-1b"), 0
+    for setup in MATRIX:
+        expected = _readback_expected(setup)
+        changed = {f for f in SETUP_FIELDS if getattr(expected, f) != getattr(setup, f)}
+        same_bytes = changed <= {"optimizer", "sharding"} or (
+            changed == {"precision"} and setup.engine is Engine.TORCH and setup.sharding.stage >= 2)
+        if not changed or not same_bytes or (setup.engine is Engine.TORCH and setup.offload is not Offload.NONE):
+            continue
+        hardware = make_hardware("H100", gpus_per_node=setup.num_gpus)
+        assert estimate(spec, expected, hardware).total_bytes == estimate(spec, setup, hardware).total_bytes, setup
+        compared += 1
+    assert compared > 20
+
+
+@pytest.mark.xfail(strict=True, reason=_FSDP_OFFLOAD)
+def test_emitted_fsdp2_files_carry_the_torch_plan(tmp_path):
+    setup = TrainingSetup(precision="bf16-master", sharding="zero3", offload="optimizer+params", num_gpus=8,
+                          engine="torch", checkpointing="full")
+    directory = _emitted(setup, tmp_path)
+    reading = read_config(directory / "accelerate_fsdp2.yaml")
+    assert (reading.overrides.get("sharding"), reading.overrides.get("offload")) == (
+        Sharding.ZERO3, Offload.OPTIMIZER_AND_PARAMS)
+
+
+# ------------------------------------------------------------------------------- the projects' own parsers agree
+
+def _engines(*names: str) -> None:
+    for name in names:
+        pytest.importorskip(name)
+
+
+@pytest.fixture
+def isolated_accelerate():
+    """TrainingArguments sets process-wide accelerate state and env vars; undo both so other tests see none."""
+    saved = dict(os.environ)
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("name", ["training_args.json", "training_args.yaml"])
+def test_hf_argument_parser_reads_the_training_arguments_examples(name, in_configs, isolated_accelerate,
+                                                                 monkeypatch):
+    _engines("torch", "transformers", "accelerate", "deepspeed", "yaml")
+    import transformers.training_args
+    from transformers import HfArgumentParser, TrainingArguments
+
+    # No GPU here: only TrainingArguments' "bf16 needs a GPU" check is skipped; the file is parsed as written.
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda *a, **k: True)
+    parser = HfArgumentParser(TrainingArguments)
+    (args,) = parser.parse_json_file(name) if name.endswith(".json") else parser.parse_yaml_file(name)
+    reading = read_config(name, num_gpus=8)
+    assert args.per_device_train_batch_size == reading.overrides["micro_batch_size"]
+    assert args.gradient_accumulation_steps == reading.overrides["grad_accum_steps"]
+    assert args.bf16 and args.hf_deepspeed_config.is_zero3() == (reading.overrides["sharding"] is Sharding.ZERO3)
+    # The DeepSpeed bridge agrees with every value but the total batch, which it computes for its world of one.
+    assert all("train_batch_size" in m for m in args.hf_deepspeed_config.mismatches)
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero2.json", "deepspeed_zero3.json", "deepspeed_zero3_offload.json"])
+def test_deepspeed_parses_the_deepspeed_examples(name, monkeypatch):
+    _engines("torch", "deepspeed")
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    monkeypatch.setattr(ds_comm, "get_rank", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(ds_comm, "get_world_size", lambda *args, **kwargs: 8)
+    data = json.loads((CONFIGS / name).read_text())
+
+    def without_auto(node):  # "auto" is the HF Trainer's / accelerate's to fill, as in tests/test_emit.py
+        return {k: without_auto(v) if isinstance(v, dict) else v for k, v in node.items() if v != "auto"}
+
+    config = without_auto(data)
+    config.setdefault("train_micro_batch_size_per_gpu", 1)
+    parsed = DeepSpeedConfig(config, mpu=None)
+    reading = read_config(CONFIGS / name, num_gpus=8)
+    assert parsed.zero_optimization_stage == reading.overrides["sharding"].stage
+    if name == "deepspeed_zero3_offload.json":
+        assert parsed.train_batch_size == 128 and read_config(CONFIGS / name).overrides["num_gpus"] == 8
+        assert reading.overrides["offload"] is Offload.OPTIMIZER_AND_PARAMS and parsed.bfloat16_config.enabled
+
+
+@pytest.mark.parametrize("name", ["accelerate_deepspeed.yaml", "accelerate_fsdp2.yaml"])
+def test_accelerate_loads_the_accelerate_examples(name):
+    _engines("torch", "accelerate", "yaml")
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(CONFIGS / name))
+    reading = read_config(CONFIGS / name)
+    assert config.num_processes == reading.overrides["num_gpus"]
+    assert config.distributed_type.value == {Engine.DEEPSPEED: "DEEPSPEED", Engine.TORCH: "FSDP"}[
+        reading.overrides["engine"]]
+
+
+# ---------------------------------------------------------------------------------------------- memfit --config
+
+def invoke(*args: str):
+    return CliRunner(env=NARROW).invoke(app, list(args))
+
+
+def test_cli_config_names_the_model_and_the_setup(in_configs):
+    result = invoke("estimate", "--config", "axolotl_full.yaml", "--gpu", "A100-80GB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["model"] == "llama-3.2-1b"
+    setup = data["setup"]
+    assert (setup["micro_batch_size"], setup["grad_accum_steps"], setup["seq_len"], setup["precision"],
+            setup["optimizer"], setup["checkpointing"]) == (4, 8, 2048, "bf16", "adamw-8bit", "full")
+    assert [f["path"] for f in data["config"]["files"]] == ["axolotl_full.yaml"]
+    read = {e["field"]: e for e in data["config"]["read"]}
+    assert read["micro_batch_size"]["sets"] == {"micro_batch_size": 4}
+    assert {e["field"] for e in data["config"]["ignored"]} >= {"torch_compile", "datasets"}
+
+
+def test_cli_options_override_the_config_and_count_as_given(in_configs):
+    data = json.loads(invoke("plan", "--config", "training_args.json", "llama-3.1-8b", "--gpu", "H100", "-b", "1",
+                             "--json").stdout)
+    assert data["initial_setup"]["micro_batch_size"] == 1  # -b wins over per_device_train_batch_size
+    assert data["initial_setup"]["num_gpus"] == 8 and data["world_size"] == 8  # from train_batch_size
+    assert data["initial_setup"]["sharding"] == "zero3" and data["initial_setup"]["offload"] == "optimizer+params"
+    assert set(data["explicit"]) >= {"micro_batch_size", "grad_accum_steps", "precision", "checkpointing",
+                                     "sharding", "offload", "engine", "num_gpus"}
+    notes = {(e["file"], e["field"]): e["note"] for e in data["config"]["read"]}
+    assert notes[("training_args.json", "per_device_train_batch_size")] == "micro-batch overridden by --batch"
+    four = json.loads(invoke("estimate", "--config", "training_args.json", "llama-3.1-8b", "--gpus", "4",
+                             "--json").stdout)
+    assert four["world_size"] == 4 and any(e["field"] == "train_batch_size" and "--gpus" in e["note"]
+                                           for e in four["config"]["read"])
+
+
+def test_cli_config_section_and_combined_files(in_configs):
+    result = invoke("fit", "--config", "training_args.yaml,deepspeed_zero2.json", "mistral-7b", "--max", "batch",
+                    "--gpus", "4")
+    assert result.exit_code in (0, 1), result.output
+    out = result.stdout
+    section = out[out.index("Read from --config:"):]
+    assert "deepspeed_zero2.json (deepspeed, named by training_args.yaml: deepspeed)" in " ".join(section.split())
+    assert "per_device_train_batch_size=4 -> micro-batch 4" in section
+    assert "zero_optimization.stage=2 -> sharding zero2" in section
+    assert "not memory-relevant or off:" in section
+    assert max(len(line) for line in section.splitlines()) <= 80
+    repeated = invoke("estimate", "--config", "training_args.yaml", "--config", "deepspeed_zero2.json", "mistral-7b",
+                      "--gpus", "4", "--json")
+    assert json.loads(repeated.stdout)["setup"]["sharding"] == "zero2"
+
+
+@pytest.mark.parametrize("args,says", [
+    (("estimate", "--config", "nowhere.yaml"), "nowhere.yaml: no such file"),
+    (("estimate", "--config", "."), "is a directory"),
+    (("plan", "--config", "training_args.json"), "Missing argument 'MODEL'"),
+    (("plan",), "Missing argument"),
+])
+def test_cli_bad_config_is_one_error_line(args, says, in_configs):
+    result = invoke(*args)
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
+
+
+def test_cli_unmappable_value_is_one_error_line(tmp_path):
+    bad = tmp_path / "recipe.yaml"
+    bad.write_text("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\n"
+                   "optimizer:\n  _component_: torch.optim.Lion\n")
+    result = invoke("estimate", "--config", str(bad), "--json")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "optimizer._component_='torch.optim.Lion'" in result.stderr and result.stderr.count("\n") == 1
+    fine = invoke("estimate", "--config", str(bad), "--optimizer", "adamw", "--json")  # the option overrides it
+    assert fine.exit_code == 0 and json.loads(fine.stdout)["model"] == "llama-3.2-1b"
+
+
+def test_every_setup_command_takes_config():
+    for command in ("plan", "estimate", "fit", "trace", "measure"):
+        assert "--config" in invoke(command, "--help").stdout, command
