@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from ..hardware import Hardware
 from ..setup import Checkpointing, Offload, Precision, Sharding, TrainingSetup
 from .deepspeed import deepspeed_owns_optimizer
-from .emitted import EmittedConfig, engine_work, uses_deepspeed
+from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 from .fsdp import fsdp2_unsupported
 
 BACKENDS = ("deepspeed", "fsdp")
@@ -29,7 +29,9 @@ def accelerate_file(setup: TrainingSetup, hardware: Hardware, *, backend: str = 
         raise ConfigError(f"accelerate cannot run this plan on FSDP2: {fsdp2_unsupported(setup)}")
     content, comments = _machines(setup, hardware)
     notes: list[str] = []
-    if not uses_deepspeed(setup):
+    if uses_fsdp(setup):
+        part = _fsdp_part(setup)  # engine torch: FSDP2 runs it whichever file is asked for
+    elif not uses_deepspeed(setup):
         part = _plain_part(setup)
     elif backend == "deepspeed":
         part = _deepspeed_part(setup, deepspeed_path, content["num_machines"])

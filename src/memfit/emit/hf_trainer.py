@@ -167,9 +167,10 @@ def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):
         zero3 = setup.sharding.stage == 3
         content = {"fsdp": True,
                    "fsdp_config": {"version": 2, "reshard_after_forward": zero3,
-                                   "offload_params": setup.offload.value == "optimizer+params"}}
+                                   "cpu_offload": setup.offload.value == "optimizer+params"}}
         comments = {"fsdp": f"{setup.sharding} through torch FSDP2 (engine torch)",
-                    "fsdp_config": "FSDP2; reshard_after_forward True = ZeRO-3, False = ZeRO-2"}
+                    "fsdp_config": "FSDP2; reshard_after_forward True = ZeRO-3, False = ZeRO-2; cpu_offload (the key "
+                                   "TrainingArguments reads) = parameters, gradients and the step on the CPU"}
         return content, comments, []
     if not uses_deepspeed(setup):
         return {}, {}, []
