@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from memfit import emit
+from memfit.emit.emitted import uses_fsdp
 from memfit.errors import ConfigError
 from memfit.hardware import make_hardware
 from memfit.setup import Attention, Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
@@ -293,8 +294,11 @@ def test_accelerate_yaml_loaded_and_launched_by_accelerate(setup, backend, tmp_p
     config = load_config_from_file(str(yaml_path))
     assert config.num_processes == setup.num_gpus
     assert config.num_machines == -(-setup.num_gpus // HARDWARE.gpus_per_node)
-    expected_type = ("NO" if setup.num_gpus == 1 else "MULTI_GPU") if not emit.uses_deepspeed(setup) else (
-        "DEEPSPEED" if backend == "deepspeed" else "FSDP")
+    if uses_fsdp(setup):
+        expected_type = "FSDP"  # engine torch: FSDP2 runs it whichever file was asked for
+    else:
+        expected_type = ("NO" if setup.num_gpus == 1 else "MULTI_GPU") if not emit.uses_deepspeed(setup) else (
+            "DEEPSPEED" if backend == "deepspeed" else "FSDP")
     assert config.distributed_type.value == expected_type
 
     args, env = _launch_environment(yaml_path)
