@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import os
+
 import pytest
 
 from tiny_configs import TINY_CONFIGS
@@ -95,3 +97,14 @@ def make_plain_lm():
 
     return make
 
+
+@pytest.fixture
+def isolated_accelerate():
+    """TrainingArguments sets process-wide accelerate state and env vars; undo both so other tests see none."""
+    saved = dict(os.environ)
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(saved)

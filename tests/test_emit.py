@@ -169,18 +169,6 @@ def test_deepspeed_hf_flavour_leaves_trainer_values_auto():
 # ---------------------------------------------------------------- HF Trainer
 
 
-@pytest.fixture
-def isolated_accelerate():
-    """TrainingArguments sets process-wide accelerate state and env vars; undo both so other tests see none."""
-    saved = dict(os.environ)
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("setup", REPRESENTATIVE, ids=_id)
 def test_training_arguments_accept_kwargs(setup, tmp_path, isolated_accelerate, deepspeed_world):
     _engines("transformers", "accelerate")

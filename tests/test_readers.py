@@ -487,18 +487,6 @@ def _engines(*names: str) -> None:
         pytest.importorskip(name)
 
 
-@pytest.fixture
-def isolated_accelerate():
-    """TrainingArguments sets process-wide accelerate state and env vars; undo both so other tests see none."""
-    saved = dict(os.environ)
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("name", ["training_args.json", "training_args.yaml"])
 def test_hf_argument_parser_reads_the_training_arguments_examples(name, in_configs, isolated_accelerate,
                                                                  monkeypatch):
