@@ -5,28 +5,16 @@ The full comparison (12 cases, a mid-size Llama) is `python bench/anchors.py`; t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench  # noqa: E402
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "anchors.py"
-
-
-def _load_anchors():
-    spec = importlib.util.spec_from_file_location("memfit_bench_anchors", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_every_adapter_answers_one_small_case():
-    anchors = _load_anchors()
+    anchors = load_bench("anchors")
     case = anchors.SMOKE_CASE
     measured, seconds = anchors.measure_case(case)
     assert measured > 0 and seconds > 0

@@ -4,24 +4,13 @@ report a traceback, malformed JSON and a wrong error output when a command produ
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-FUZZ = Path(__file__).resolve().parents[1] / "bench" / "fuzz.py"
-
-
-def _load_fuzz():
-    spec = importlib.util.spec_from_file_location("memfit_bench_fuzz", FUZZ)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench  # noqa: E402
 
 
-fuzz = _load_fuzz()
+fuzz = load_bench("fuzz")
 
 
 def test_seeded_fuzz_finds_no_traceback_bad_json_or_exit_code():

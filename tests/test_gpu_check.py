@@ -3,29 +3,17 @@ written, CPU peaks within 5% of memfit's CPU prediction, and a failing case reco
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench  # noqa: E402
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("memfit_bench_gpu_check", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gc_bench = _load()
+gc_bench = load_bench("gpu_check")
 
 
 def test_cpu_quick_run_writes_every_column_within_5_percent(tmp_path):

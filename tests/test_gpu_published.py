@@ -3,29 +3,17 @@ and the report covers every in-scope point exactly once."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from memfit.setup import Attention, Checkpointing, Engine, Optimizer, Precision, Sharding
-
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_published.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("memfit_bench_gpu_published", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench  # noqa: E402
 
 
-gp = _load()
+gp = load_bench("gpu_published")
 POINTS = gp.points_path(None)
 pytestmark = pytest.mark.skipif(not POINTS.is_file(),
                                 reason=f"published points not found at {gp.DEFAULT_POINTS} (relative to the repo root)")
