@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -12,10 +13,17 @@ class ParamTensor:
     name: str
     numel: int
     count: int = 1
+    nbytes: int = 0
+    """Bytes of one such tensor at rest when it is not stored in the training's parameter dtype (a LoRA adapter
+    kept in fp32, a frozen base weight in bf16 or 4-bit with its quantization state); 0: the training's dtype."""
 
     @property
     def total(self) -> int:
         return self.numel * self.count
+
+    def total_bytes(self, elem_bytes: int) -> int:
+        """Bytes of all `count` tensors, `elem_bytes` per element unless the tensor says otherwise."""
+        return (self.nbytes or self.numel * elem_bytes) * self.count
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,24 @@ class ModelSpec:
     """Where the numbers came from: 'catalog', a config.json path, 'hub:<id>', 'module'."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Family-specific details (e.g. gemma2 logit soft-capping, gpt_neox partial rotary) for the estimator."""
+    frozen: tuple[ParamTensor, ...] = ()
+    """Parameters that are not trained (a LoRA base): no gradients, no optimizer state; their `nbytes` at rest."""
+    graph: Any = field(default=None, compare=False, hash=False, repr=False)
+    """The typed model graph (memfit.graph.ModelGraph) when the architecture has a builder: what transforms such
+    as LoRA rewrite."""
 
     @property
     def num_params(self) -> int:
+        """Trainable parameter elements (what gradients and optimizer states are kept for)."""
         return sum(p.total for p in self.params)
+
+    @property
+    def num_frozen_params(self) -> int:
+        return sum(p.total for p in self.frozen)
+
+    @property
+    def frozen_bytes(self) -> int:
+        return sum(p.total_bytes(0) for p in self.frozen)
 
     @property
     def is_transformer(self) -> bool:

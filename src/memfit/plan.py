@@ -216,10 +216,6 @@ def _suggestions(ctx: Context, more_gpus: str) -> list[str]:
     larger = _larger_gpu(ctx)
     if larger:
         out.append(larger)
-    if static:
-        frozen = 2 * ctx.spec.num_params
-        out.append(f"LoRA: frozen bf16 weights ({format_bytes(frozen)}) with no gradients or optimizer states for "
-                   "them; memfit does not size LoRA adapters yet")
     return out
 
 

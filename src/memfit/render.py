@@ -39,7 +39,8 @@ def _params(num_params: int) -> str:
 def describe_setup(setup: TrainingSetup) -> str:
     return (f"micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, accum {setup.grad_accum_steps}, "
             f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
-            f"sharding {setup.sharding}, offload {setup.offload}")
+            f"sharding {setup.sharding}, offload {setup.offload}"
+            + (f", {setup.finetune}" if setup.finetune.adapters else ""))
 
 
 def _heading(console: Console, title: str) -> None:

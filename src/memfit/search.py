@@ -133,6 +133,8 @@ def describe_techniques(setup: TrainingSetup) -> str:
              f"micro-batch {setup.micro_batch_size} x accum {setup.grad_accum_steps}"]
     if setup.offload is not Offload.NONE:
         parts.append(f"offload {setup.offload}")
+    if setup.finetune.adapters:
+        parts.insert(0, str(setup.finetune))
     if setup.sharding is not Sharding.NONE:
         parts.append(f"{setup.sharding} on {setup.engine}")
     return ", ".join(parts)

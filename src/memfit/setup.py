@@ -6,32 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
+from .choice import Choice as _Choice
 from .errors import ConfigError
-
-
-class _Choice(str, Enum):
-    """A string enum whose value is what the user types on the command line."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, text: "str | _Choice") -> "_Choice":
-        if isinstance(text, cls):
-            return text
-        key = str(text).strip().lower().replace("_", "-")
-        for member in cls:
-            if key == member.value or key in member.aliases():
-                return member
-        choices = ", ".join(m.value for m in cls)
-        raise ConfigError(f"unknown {cls.label()} '{text}': choose one of {choices}")
-
-    def aliases(self) -> tuple[str, ...]:
-        return ()
-
-    @classmethod
-    def label(cls) -> str:
-        return cls.__name__.lower()
+from .finetune import Finetune
 
 
 class Precision(_Choice):
@@ -168,6 +145,8 @@ class TrainingSetup:
     """Data-parallel ranks that sharding spreads over (GPUs per node x nodes)."""
     engine: Engine = Engine.DEEPSPEED
     """The engine that runs data parallelism, sharding and offload when num_gpus > 1 or offload is on."""
+    finetune: Finetune = Finetune()
+    """What is trained: every weight, or LoRA / QLoRA adapters on a frozen base (memfit.finetune)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -176,6 +155,10 @@ class TrainingSetup:
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
                            ("engine", Engine)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
+        if isinstance(self.finetune, str):
+            object.__setattr__(self, "finetune", Finetune(method=self.finetune))
+        elif isinstance(self.finetune, dict):
+            object.__setattr__(self, "finetune", Finetune(**self.finetune))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus")
                     if not _positive_int(getattr(self, name))]
@@ -194,6 +177,22 @@ class TrainingSetup:
             problems.append("CPU offload runs DeepSpeed's CPU Adam; it does not combine with bitsandbytes 8-bit AdamW")
         if self.engine is Engine.TORCH:
             problems += self._torch_engine_problems()
+        if self.finetune.adapters:
+            problems += self._adapter_problems()
+        return problems
+
+    def _adapter_problems(self) -> list[str]:
+        """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
+        problems = []
+        if self.sharding is Sharding.ZERO3:
+            problems.append(f"{self.finetune.method} under zero3 / FSDP full sharding (frozen base shards, "
+                            "adapters gathered) is not sized yet: use zero2 or DDP, whose frozen base is "
+                            "replicated")
+        if self.offload is not Offload.NONE:
+            problems.append(f"{self.finetune.method} trains only the adapters: CPU offload of their optimizer "
+                            "is not sized yet")
+        if self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights:
+            problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
 
     def _torch_engine_problems(self) -> list[str]:
@@ -224,14 +223,15 @@ class TrainingSetup:
 
     def to_dict(self) -> dict:
         return {f.name: (getattr(self, f.name).value if isinstance(getattr(self, f.name), Enum)
-                         else list(getattr(self, f.name)) if f.name == "notes" else getattr(self, f.name))
+                         else list(getattr(self, f.name)) if f.name == "notes"
+                         else getattr(self, f.name).to_dict() if f.name == "finetune" else getattr(self, f.name))
                 for f in dataclasses.fields(self)}
 
 
 FIELD_LABELS: dict[str, str] = {
     "micro_batch_size": "micro-batch", "seq_len": "seq", "grad_accum_steps": "accum", "precision": "precision",
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
-    "offload": "offload", "num_gpus": "gpus", "engine": "engine"}
+    "offload": "offload", "num_gpus": "gpus", "engine": "engine", "finetune": "method"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -263,7 +263,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "precision": ("precision",), "optimizer": ("optimizer",), "engine": ("engine",), "sharding": ("sharding",),
     "zero": ("sharding",), "checkpointing": ("checkpointing",), "attention": ("attention",),
     "micro_batch": ("micro_batch_size",), "batch": ("micro_batch_size",), "accum": ("grad_accum_steps",),
-    "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",)}
+    "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "method": ("finetune",),
+    "finetune": ("finetune",), "lora": ("finetune",)}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

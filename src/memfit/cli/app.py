@@ -190,6 +190,8 @@ def _snippets(setup, render, *, emitted: Path | None) -> dict[str, str]:
     items = {"transformers.TrainingArguments (add output_dir, schedule):":
              render.python_call("TrainingArguments", hf_trainer_kwargs(setup, deepspeed_path=deepspeed_path)),
              "model loading:": render.python_call("AutoModelForCausalLM.from_pretrained", hf_model_kwargs(setup))}
+    if setup.finetune.adapters:
+        items.update(_adapter_snippets(setup, render))
     if uses_deepspeed(setup):
         try:
             items["deepspeed.json:"] = render.compact_json(deepspeed_config(setup, hf_auto=True))
@@ -198,6 +200,34 @@ def _snippets(setup, render, *, emitted: Path | None) -> dict[str, str]:
     if emitted is None:
         items["all engine files (accelerate, FSDP2, README):"] = "memfit plan ... --emit DIR"
     return items
+
+
+def _adapter_snippets(setup, render) -> dict[str, str]:
+    """LoRA / QLoRA: how to load the base (dtype, or BitsAndBytesConfig) and the LoraConfig, as memfit sized them."""
+    from ..emit import hf_model_kwargs
+    from ..emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs
+
+    bnb = bnb_config_kwargs(setup)
+    model = dict(hf_model_kwargs(setup))
+    loading = []
+    if bnb:
+        loading.append(render.python_call("bnb = BitsAndBytesConfig", bnb))
+        model["quantization_config"] = _Code("bnb")
+    else:
+        model["dtype"] = base_dtype(setup)
+    loading.append(render.python_call("model = AutoModelForCausalLM.from_pretrained", model))
+    if bnb:
+        loading.append("model = prepare_model_for_kbit_training(model)  # unquantized parameters -> fp32")
+    loading.append("model = get_peft_model(model, " + render.python_call("LoraConfig", lora_config_kwargs(setup))
+                   .replace("\n", "\n    ") + ")")
+    return {"model loading:": "\n".join(loading)}
+
+
+class _Code(str):
+    """A name printed as code, not as a string literal, inside python_call."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import typer
 
 from ..diagnose import DEFAULT_MARGIN
 from ..errors import ConfigError, MemfitError
+from ..finetune import BaseWeights, Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
 from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,
@@ -195,6 +196,33 @@ EngineOpt = Annotated[Optional[Engine], _choice_option(
     help=f"Who shards and offloads: {_choices(Engine)} (DDP / ZeroRedundancyOptimizer / FSDP2). Their memory "
          "layouts differ. Default: deepspeed.")]
 
+MethodOpt = Annotated[Optional[Method], _option(
+    "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
+    help=f"What is trained: {_choices(Method)} (LoRA: peft adapters on a frozen base; QLoRA: on a 4-bit "
+         "bitsandbytes base). Default: full.")]
+LoraRankOpt = Annotated[Optional[int], _option(
+    "--lora-rank", "-r", panel=SETUP_PANEL, parser=whole_number(65_536), metavar="R",
+    help=f"LoRA rank (peft r). Default: {Finetune.rank}.")]
+LoraAlphaOpt = Annotated[Optional[float], _option(
+    "--lora-alpha", panel=SETUP_PANEL, metavar="ALPHA", help=f"LoRA alpha. Default: {Finetune.alpha:g}.")]
+LoraDropoutOpt = Annotated[Optional[float], _option(
+    "--lora-dropout", panel=SETUP_PANEL, parser=fraction, metavar="P",
+    help=f"LoRA dropout (a new copy of each adapter input and its mask when > 0). Default: {Finetune.dropout:g}.")]
+LoraTargetsOpt = Annotated[Optional[str], _option(
+    "--lora-targets", panel=SETUP_PANEL, metavar="NAMES",
+    help="peft target_modules: a comma list of Linear names (q_proj,v_proj), or all-linear. Default: peft's "
+         "per-architecture default.")]
+ModulesToSaveOpt = Annotated[Optional[str], _option(
+    "--modules-to-save", panel=SETUP_PANEL, metavar="NAMES",
+    help="peft modules_to_save: modules trained in full beside the adapters (e.g. lm_head,embed_tokens).")]
+BaseOpt = Annotated[Optional[BaseWeights], _option(
+    "--base", panel=SETUP_PANEL, parser=choice(BaseWeights), metavar="STORAGE",
+    help=f"How the frozen base weights are stored: {_choices(BaseWeights)}. Default: the compute dtype for "
+         "LoRA, nf4 for QLoRA.")]
+DoubleQuantOpt = Annotated[Optional[bool], _option(
+    "--double-quant/--no-double-quant", panel=SETUP_PANEL,
+    help="QLoRA: quantize the 4-bit blocks' absmax too (bnb_4bit_use_double_quant). Default: on.")]
+
 KeepOpt = Annotated[Optional[frozenset], _option(
     "--keep", panel=SETUP_PANEL, parser=keep_fields, metavar="FIELDS",
     help="Pin these fields (comma list: " + ", ".join(n for n in KEEP_NAMES if n not in ("zero", "batch"))
@@ -226,6 +254,14 @@ class SetupOptions:
     zero: Sharding | None = None
     offload: Offload | None = None
     engine: Engine | None = None
+    method: Method | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: str | None = None
+    modules_to_save: str | None = None
+    base: BaseWeights | None = None
+    double_quant: bool | None = None
     keep: frozenset[str] | None = None
     """TrainingSetup fields pinned with --keep (planning commands only)."""
     config: tuple[str, ...] | None = None
@@ -278,7 +314,25 @@ class SetupOptions:
     def _setup_fields(self) -> dict[str, Any]:
         return dict(micro_batch_size=self.batch, seq_len=self.seq, grad_accum_steps=self.accum,
                     precision=self.precision, optimizer=self.optimizer, checkpointing=self.checkpointing,
-                    attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine)
+                    attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
+                    finetune=self.finetune())
+
+    def finetune(self) -> Finetune | None:
+        """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
+        options without --method mean LoRA (QLoRA when --base is quantized)."""
+        given = {name: value for name, value in (
+            ("rank", self.lora_rank), ("alpha", self.lora_alpha), ("dropout", self.lora_dropout),
+            ("targets", self.lora_targets), ("modules_to_save", self.modules_to_save), ("base", self.base),
+            ("double_quant", self.double_quant)) if value is not None}
+        if self.method is None and not given:
+            return None
+        method = self.method
+        if method is None:
+            method = Method.QLORA if given.get("base") is not None and given["base"].four_bit else Method.LORA
+        if method is Method.FULL and given:
+            raise ConfigError(f"{', '.join('--' + n.replace('_', '-') for n in given)} set LoRA details: "
+                              "add --method lora (or qlora)")
+        return Finetune(method=method, **given)
 
     @property
     def explicit(self) -> frozenset[str]:
@@ -292,13 +346,16 @@ class SetupOptions:
 _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "grad_accum_steps",
                     "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
                     "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine"}
-_OPTION_OF_FIELD = {field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}
+_OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
     "engine": EngineOpt,
+    "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
+    "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
+    "double_quant": DoubleQuantOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
 }
 _PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}

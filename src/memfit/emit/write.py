@@ -18,6 +18,7 @@ from .deepspeed import deepspeed_file
 from .emitted import EmittedConfig, describe, uses_deepspeed
 from .fsdp import fsdp2_file, fsdp2_unsupported
 from .hf_trainer import hf_model_file, hf_trainer_file
+from .peft import peft_file
 
 MANIFEST = ".memfit-emit.json"
 
@@ -42,6 +43,9 @@ def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *,
     deepspeed_path = config_path(directory, "deepspeed.json")
     files = [hf_trainer_file(setup, deepspeed_path=deepspeed_path), hf_model_file(setup)]
     skipped: dict[str, str] = {}
+    adapters = peft_file(setup)
+    if adapters is not None:
+        files.append(adapters)
     if uses_deepspeed(setup):
         try:
             files.append(deepspeed_file(setup))

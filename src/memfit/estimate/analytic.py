@@ -19,7 +19,7 @@ from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
-from . import fsdp2
+from . import fsdp2, lora
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
 from .static import ShardedStatic, full_static, shard
@@ -36,6 +36,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     if not spec.is_transformer:
         raise ConfigError(f"'{spec.name}' has no transformer shape memfit can size analytically: "
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
+    spec = lora.adapted_spec(spec, setup)
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
     sized, run_notes = _as_run(setup, layout or setup.engine)
@@ -73,9 +74,17 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     n = setup.num_gpus
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
-    terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
-                  f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
-                  "ZeRO paper sec. 3.1; exact P from the model's parameter tensors")]
+    if spec.frozen:
+        terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
+                      f"trainable P={spec.num_params:,} (LoRA adapters) x 4 B (fp32)",
+                      "peft get_peft_model(autocast_adapter_dtype=True): adapters upcast to fp32"),
+                 Term("parameters/frozen", Category.PARAMETERS, static.frozen_bytes,
+                      f"{spec.num_frozen_params:,} frozen base parameters as stored "
+                      f"({lora.base_label(spec, setup)})", lora.BASE_SOURCE)]
+    else:
+        terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
+                      f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
+                      "ZeRO paper sec. 3.1; exact P from the model's parameter tensors")]
     if static.param_working_set_bytes:
         what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
                 "unsharded root (embeddings, head) + the block being computed")
@@ -83,7 +92,8 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
                           "FSDP2 all-gather / DeepSpeed ZeRO-3 prefetch"))
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""
-        terms.append(Term("gradients", Category.GRADIENTS, grads, f"P x {p_bytes} B{g_note}", "ZeRO paper sec. 3.1"))
+        g_bytes = 4 if spec.frozen else p_bytes
+        terms.append(Term("gradients", Category.GRADIENTS, grads, f"P x {g_bytes} B{g_note}", "ZeRO paper sec. 3.1"))
     if static.comm_buffers_bytes:
         terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers_bytes,
                           "DDP gradient buckets (1 x gradients)" if setup.engine.value == "torch" else
@@ -146,6 +156,13 @@ def _loss_elem_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     if spec.model_type == "bert" and not setup.precision.is_autocast:
         return act.Dtypes.of(setup.precision).compute
     return 4
+
+
+def _head_grads(spec: ModelSpec, static: ShardedStatic) -> int:
+    """Gradient bytes of the LM head, the first weight whose gradient backward makes (none for a frozen head)."""
+    if spec.frozen:
+        return 0
+    return static.grads_bytes * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
 
 
 def _linear_weight_elems(spec: ModelSpec) -> int:
@@ -262,8 +279,7 @@ def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     if static.fsdp is not None:
         terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(static.fsdp, first=True)
     else:
-        head_grads = static.grads_bytes * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
-        terms = step.static_terms(max(early_grads, head_grads))
+        terms = step.static_terms(max(early_grads, _head_grads(spec, static)))
     terms += step.acts_except(*_HEAD_AND_LOSS)
     terms.append(step.layer_temporaries())
     if step.setup.checkpointing is Checkpointing.FULL:
@@ -331,9 +347,9 @@ def _embedding_gradient(step: _Step) -> list[Term]:
     if static.fsdp is not None:
         grads = static.fsdp.block_share(static.grads_bytes, spec.num_layers)
         return step.static_terms(grads, _gathered(static, 0)) + fsdp2.root_gradient_terms(static.fsdp) + embeddings
-    if not spec.tie_word_embeddings:
+    if not spec.tie_word_embeddings or spec.frozen:
         return []
-    head = static.grads_bytes * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
+    head = _head_grads(spec, static)
     return step.static_terms(static.grads_bytes - head) + embeddings + [Term(
         "gradients/tied_embedding", Category.GRADIENTS, 3 * head,
         "3 x V x h x grad dtype: the LM head's and the embedding's contributions and their sum",

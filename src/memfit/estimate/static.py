@@ -30,10 +30,22 @@ class StaticBytes:
     step_temp_bytes: int
     param_bytes_per_elem: int
     state_formula: str
+    frozen_bytes: int = 0
+    """Frozen parameters (a LoRA base, in its storage dtype or quantized): no gradients, no states."""
 
 
 def param_elem_bytes(precision: Precision) -> int:
     return 2 if precision.param_dtype == "bf16" else 4
+
+
+def trainable_bytes(spec: ModelSpec, elem_bytes: int) -> int:
+    """Bytes of the trainable tensors, `elem_bytes` each unless a tensor has its own storage (LoRA adapters are
+    fp32 whatever the training precision); gradients and AdamW's states have the parameter's dtype."""
+    return sum(p.total_bytes(elem_bytes) for p in spec.params)
+
+
+def _largest_bytes(spec: ModelSpec, elem_bytes: int) -> int:
+    return max((p.nbytes or p.numel * elem_bytes for p in spec.params), default=0)
 
 
 def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
@@ -44,7 +56,7 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, s
     opt = setup.optimizer
     if opt.is_adam and opt is not Optimizer.ADAMW_8BIT:
         step = 4 * n_tensors if setup.offload is Offload.NONE else 0  # one fp32 'step' scalar tensor per param
-        return 2 * s_bytes * spec.num_params + step, f"2 states x {s_bytes} B x P (exp_avg, exp_avg_sq)"
+        return 2 * trainable_bytes(spec, s_bytes) + step, f"2 states x {s_bytes} B x P (exp_avg, exp_avg_sq)"
     if opt is Optimizer.ADAMW_8BIT:
         total = 0
         for p in spec.params:
@@ -55,7 +67,7 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, s
         total += 2 * 4 * 256  # the two shared dynamic quantisation maps (qmap1, qmap2), fp32[256]
         return total, "2 x uint8 x P + fp32 absmax per 256 elements (fp32 states for tensors < 4096 elements)"
     if opt is Optimizer.SGD:
-        return s_bytes * spec.num_params, f"momentum buffer {s_bytes} B x P"
+        return trainable_bytes(spec, s_bytes), f"momentum buffer {s_bytes} B x P"
     if setup.sharding.stage >= 1 and setup.engine is Engine.DEEPSPEED:
         # DeepSpeed hands the optimizer flat 1-D partitions: nothing left to factor, the 2nd moment is full size
         # (measured: exp_avg_sq of 8836 elements for an 8836-parameter model)
@@ -74,7 +86,8 @@ def _adafactor_bytes(spec: ModelSpec, s_bytes: int) -> int:
             per = 2 * side
         else:
             per = p.numel
-        total += (per * s_bytes + 4) * p.count  # + the fp32 'RMS' scalar
+        elem = p.nbytes // p.numel if p.nbytes else s_bytes  # a LoRA adapter's state is fp32 like the adapter
+        total += (per * elem + 4) * p.count  # + the fp32 'RMS' scalar
     return total
 
 
@@ -83,15 +96,16 @@ def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[in
     if setup.offload is not Offload.NONE:
         return 0, "step runs on the CPU (DeepSpeed CPU Adam)"
     p_bytes = 4 if setup.precision.master_weights else param_elem_bytes(setup.precision)
-    largest = max((p.numel for p in spec.params), default=0)
+    largest = _largest_bytes(spec, p_bytes)
     opt = setup.optimizer
     if opt is Optimizer.ADAMW:
-        return 2 * largest * p_bytes, "exp_avg_sq.sqrt() / bias_correction: 2 x the largest tensor"
+        return 2 * largest, "exp_avg_sq.sqrt() / bias_correction: 2 x the largest tensor"
     if opt is Optimizer.ADAMW_FOREACH:
-        return spec.num_params * p_bytes, "_foreach_sqrt(exp_avg_sq): one parameter-sized temporary"
+        return trainable_bytes(spec, p_bytes), "_foreach_sqrt(exp_avg_sq): one parameter-sized temporary"
     if opt is Optimizer.ADAFACTOR:
-        extra = 2 if p_bytes == 2 else 0  # bf16 params are upcast: p.float() and grad.float()
-        return (3 + extra) * largest * 4, "grad**2, factored update and scale: ~3 fp32 copies of the largest tensor"
+        numel = max((p.numel for p in spec.params), default=0)
+        extra = 2 if largest == 2 * numel else 0  # bf16 params are upcast: p.float() and grad.float()
+        return (3 + extra) * numel * 4, "grad**2, factored update and scale: ~3 fp32 copies of the largest tensor"
     return 0, "in-place update"
 
 
@@ -100,9 +114,10 @@ def full_static(spec: ModelSpec, setup: TrainingSetup) -> StaticBytes:
     states, formula = optimizer_state_bytes(spec, setup)
     temp, _ = optimizer_step_temp_bytes(spec, setup)
     master = 4 * spec.num_params if setup.precision.master_weights else 0
-    return StaticBytes(params_bytes=p_bytes * spec.num_params, grads_bytes=p_bytes * spec.num_params,
-                       states_bytes=states, master_bytes=master, step_temp_bytes=temp, param_bytes_per_elem=p_bytes,
-                       state_formula=formula)
+    trained = trainable_bytes(spec, p_bytes)
+    return StaticBytes(params_bytes=trained, grads_bytes=trained, states_bytes=states, master_bytes=master,
+                       step_temp_bytes=temp, param_bytes_per_elem=p_bytes, state_formula=formula,
+                       frozen_bytes=spec.frozen_bytes)
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,8 @@ class ShardedStatic:
     """Gradient communication buffers the engine keeps for the whole step (DDP buckets, DeepSpeed's reduce bucket)."""
     grads_preallocated: bool = False
     """The gradient partition exists before backward (DeepSpeed ZeRO-3 allocates it at start-up)."""
+    frozen_bytes: int = 0
+    """Frozen parameters, replicated on every rank (LoRA is not sized under ZeRO-3)."""
     fsdp: Fsdp2Units | None = None
     """FSDP2's units (torch layout, ZeRO-2/3): what its backward keeps unsharded (memfit.estimate.fsdp2)."""
     master_grad_upcast: bool = False
@@ -135,7 +152,7 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     grads = full.grads_bytes // n if stage >= 2 else full.grads_bytes
     optimizer = (full.states_bytes + full.master_bytes) // n if stage >= 1 else full.states_bytes + full.master_bytes
     engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED else _torch_layout
-    out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0))
+    out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0, frozen_bytes=full.frozen_bytes))
     return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
 
 

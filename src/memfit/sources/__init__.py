@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ModelSourceError, suggest
 from ..model_spec import ModelSpec
+from .graphs import with_graph
 from .catalog import catalog_config, catalog_entry, catalog_names, catalog_spec, close_names, find_entry
 from .hf_config import from_config_file, from_hf_config, from_hub
 from .layouts import SUPPORTED_MODEL_TYPES
@@ -58,7 +59,7 @@ def _resolve_text(text: str, name: str | None) -> ModelSpec:
         return replace(spec, name=name) if name else spec
     path = _local_path(text)
     if path is not None:
-        return from_config_file(path, name=name)
+        return with_graph(from_config_file(path, name=name), lambda: hf_config_dict(str(path)))
     if _looks_like_path(text):
         raise ModelSourceError(f"no config.json at '{_shorten(text)}': check the path, or use a catalog name "
                                "(`memfit models` lists them)")
@@ -82,7 +83,7 @@ def resolve_model(ref: Any, *, name: str | None = None) -> ModelSpec:
     if isinstance(ref, ModelSpec):
         return replace(ref, name=name) if name else ref
     if isinstance(ref, os.PathLike):
-        return from_config_file(ref, name=name)
+        return with_graph(from_config_file(ref, name=name), lambda: hf_config_dict(str(ref)))
     if isinstance(ref, str):
         text = ref.strip()
         if not text:
@@ -90,7 +91,7 @@ def resolve_model(ref: Any, *, name: str | None = None) -> ModelSpec:
         return _resolve_text(text, name)
     if isinstance(ref, Mapping):
         label = name or ref.get("_name_or_path") or ref.get("model_type") or "model"
-        return from_hf_config(ref, name=str(label), source="config dict")
+        return with_graph(from_hf_config(ref, name=str(label), source="config dict"), ref)
     if is_module(ref):
         return from_module(ref, name=name)
     if is_hf_config(ref):

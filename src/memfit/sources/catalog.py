@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import suggest
 from ..model_spec import ModelSpec
+from .graphs import with_graph
 from .hf_config import from_hf_config
 
 
@@ -69,7 +70,7 @@ def catalog_spec(name: str) -> ModelSpec:
     """The ModelSpec of a catalog model; UnknownNameError listing close names when there is none."""
     entry = _entry_or_raise(name)
     spec = from_hf_config(entry["config"], name=entry["name"], source="catalog")
-    return replace(spec, extra={**spec.extra, "hub_id": entry["hub_id"]})
+    return with_graph(replace(spec, extra={**spec.extra, "hub_id": entry["hub_id"]}), entry["config"])
 
 
 def catalog_entry(name: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Techniques, one module each, registered by key. Importing the package registers them all."""
 
-from . import attention, checkpointing, micro_batch, offload, optimizer8bit, precision, zero  # noqa: F401
+from . import attention, checkpointing, lora, micro_batch, offload, optimizer8bit, precision, zero  # noqa: F401
 from .base import LADDERS, REGISTRY, Context, Proposal, Skip, Technique
 
 __all__ = ["LADDERS", "REGISTRY", "Context", "Proposal", "Skip", "Technique"]

@@ -117,10 +117,11 @@ def register(cls: type[Technique]) -> type[Technique]:
 
 # The seed's ladders, cheapest change first (shared/seed: "A Decision Framework").
 LADDERS: dict[Bottleneck, tuple[str, ...]] = {
-    Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "zero"),
+    Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "zero", "lora", "qlora"),
     Bottleneck.ACTIVATIONS: ("checkpointing", "micro_batch", "flash_attention"),
     Bottleneck.BOTH: ("mixed_precision", "checkpointing", "adam_8bit", "micro_batch", "flash_attention", "zero",
-                      "cpu_offload"),
+                      "cpu_offload", "lora", "qlora"),
 }
+"""LoRA and QLoRA come after the seed's rungs: they change what is trained, not only how (memfit.techniques.lora)."""
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]

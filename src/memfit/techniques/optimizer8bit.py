@@ -17,6 +17,10 @@ class Adam8bit(Technique):
             return Skip(f"the optimizer is {opt}, not Adam")
         if ctx.setup.offload is not Offload.NONE:
             return Skip("optimizer states are offloaded to the CPU already")
+        if ctx.setup.finetune.adapters:
+            states = sum(t.num_bytes for t in ctx.estimate.terms if t.name == "optimizer/states")
+            return Skip(f"{ctx.setup.finetune.method} keeps AdamW states for the adapters only "
+                        f"({states / 2**20:.0f} MiB): 8-bit states save next to nothing")
         return Proposal(with_engine_that_can(ctx.setup, optimizer=Optimizer.ADAMW_8BIT),
                         "TrainingArguments(optim=\"adamw_bnb_8bit\")  # bitsandbytes.optim.AdamW8bit",
                         "negligible step time; matches 32-bit Adam on LM fine-tuning (Dettmers et al. 2022)",

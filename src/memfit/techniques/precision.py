@@ -16,6 +16,10 @@ class MixedPrecision(Technique):
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         current = ctx.setup.precision
+        if ctx.setup.finetune.adapters and current is not Precision.FP32:
+            return Skip(f"{ctx.setup.finetune.method}: the frozen base is stored as "
+                        f"{ctx.setup.finetune.base_storage(current.compute_dtype)} already, and peft keeps the "
+                        "adapters in fp32 whatever the precision")
         wants_static = ctx.diagnosis.bottleneck in (Bottleneck.STATIC, Bottleneck.BOTH)
         if not ctx.hardware.gpu.bf16:
             if current is Precision.FP32:

@@ -1,0 +1,70 @@
+"""peft and bitsandbytes settings for a LoRA / QLoRA plan: the keyword arguments of `peft.LoraConfig` and of
+`transformers.BitsAndBytesConfig`, and the model-loading keywords that go with them (peft.json)."""
+
+from __future__ import annotations
+
+from ..finetune import ALL_LINEAR, BaseWeights
+from ..setup import TrainingSetup
+from .emitted import EmittedConfig
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def lora_config_kwargs(setup: TrainingSetup) -> dict:
+    """`peft.LoraConfig(**kwargs)` for the plan (task_type is yours: CAUSAL_LM for a causal LM)."""
+    ft = setup.finetune
+    targets: str | list[str] | None
+    if ft.targets == (ALL_LINEAR,):
+        targets = ALL_LINEAR
+    else:
+        targets = list(ft.targets) or None  # None: peft's default for the architecture, as memfit sized it
+    kwargs = {"r": ft.rank, "lora_alpha": ft.alpha, "lora_dropout": ft.dropout, "target_modules": targets,
+              "bias": "none"}
+    if ft.modules_to_save:
+        kwargs["modules_to_save"] = list(ft.modules_to_save)
+    if ft.dora:
+        kwargs["use_dora"] = True
+    return kwargs
+
+
+def bnb_config_kwargs(setup: TrainingSetup) -> dict | None:
+    """`transformers.BitsAndBytesConfig(**kwargs)` for a quantized base (None when the base is not quantized);
+    `bnb_4bit_compute_dtype` is a dtype name, which BitsAndBytesConfig accepts."""
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    if base is BaseWeights.INT8:
+        return {"load_in_8bit": True}
+    if not base.four_bit:
+        return None
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": base.value,
+            "bnb_4bit_use_double_quant": setup.finetune.double_quant,
+            "bnb_4bit_compute_dtype": _TORCH_DTYPES[setup.precision.compute_dtype]}
+
+
+def base_dtype(setup: TrainingSetup) -> str | None:
+    """The `dtype` to load an unquantized frozen base in (None when it is quantized)."""
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    return None if base.quantized else _TORCH_DTYPES[base.value]
+
+
+def peft_file(setup: TrainingSetup, *, filename: str = "peft.json") -> EmittedConfig | None:
+    """peft.json: {"lora_config": LoraConfig kwargs, "model_kwargs": from_pretrained kwargs for the base,
+    "prepare_model_for_kbit_training": bool}; None for a full fine-tune."""
+    if not setup.finetune.adapters:
+        return None
+    bnb = bnb_config_kwargs(setup)
+    model_kwargs: dict = {"quantization_config": bnb} if bnb else {"dtype": base_dtype(setup)}
+    content = {"lora_config": lora_config_kwargs(setup), "model_kwargs": model_kwargs,
+               "prepare_model_for_kbit_training": bnb is not None}
+    comments = {
+        "lora_config": "peft.LoraConfig(task_type='CAUSAL_LM', **lora_config); target_modules null = peft's "
+                       "default for the architecture, which memfit sized",
+        "model_kwargs": ("BitsAndBytesConfig(**quantization_config) passed to from_pretrained: the base is stored "
+                         "quantized" if bnb else "the frozen base in the compute dtype"),
+        "prepare_model_for_kbit_training": "peft.prepare_model_for_kbit_training(model) before get_peft_model: "
+                                           "it upcasts the unquantized parameters to fp32, as memfit sized",
+    }
+    notes = ("get_peft_model keeps the adapters in fp32 (autocast_adapter_dtype=True, its default), as sized.",)
+    return EmittedConfig(filename, content, comments, notes,
+                         summary="`LoraConfig(**d['lora_config'])`, `from_pretrained(name, **d['model_kwargs'])` "
+                                 "(quantization_config through BitsAndBytesConfig): the adapters and the base as "
+                                 "sized.")

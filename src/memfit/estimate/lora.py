@@ -1,0 +1,186 @@
+"""LoRA and QLoRA: what peft and bitsandbytes really keep, as a transform of the ModelSpec the estimator sizes.
+
+`adapted_spec(spec, setup)` rewrites the model graph with memfit.graph.with_lora (every targeted Linear becomes a
+frozen base plus trainable A and B) and returns a spec whose `params` are the trainable tensors (so gradients,
+optimizer states and their temporaries follow from the same formulas as a full fine-tune) and whose `frozen`
+tensors carry their storage bytes:
+
+- adapters: fp32 whatever the base (peft `get_peft_model(..., autocast_adapter_dtype=True)`, the default, upcasts
+  bf16/fp16 adapter weights: peft/tuners/tuners_utils.py `cast_adapter_dtype`);
+- frozen base in bf16 / fp16 / fp32: 2 / 2 / 4 B per element;
+- 4-bit base (bitsandbytes Linear4bit, QLoRA, Dettmers et al. 2023 arXiv:2305.14314 sec. 3): every Linear inside
+  the blocks packed two weights per byte, plus one absmax per 64-element block, fp32, or under double quantization
+  uint8 absmax with one fp32 second-level absmax per 256 of them, the 256-entry fp32 map and an fp32 offset
+  (bitsandbytes.functional.quantize_4bit / QuantState); the 16-entry code of the 4-bit type;
+- 8-bit base (LLM.int8, Dettmers et al. 2022 arXiv:2208.07339): int8 weights and one fp32 scale per output row
+  (bitsandbytes Int8Params.SCB);
+- what bitsandbytes leaves unquantized: the embedding, the LM head (transformers' `get_keys_to_not_convert`), norms
+  and biases; peft's `prepare_model_for_kbit_training` (called by TRL's SFTTrainer, axolotl and the QLoRA
+  reference script for a quantized base) upcasts those to fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ..errors import ConfigError
+from ..finetune import ALL_LINEAR, BaseWeights, Finetune
+from ..graph import Linear, LoraLinear, with_lora
+from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
+from ..graph.registry import walk
+from ..model_spec import ModelSpec, ParamTensor
+from ..setup import TrainingSetup
+
+BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
+BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
+BNB_NESTED_CODE = 256  # the dynamic map of the nested quantization, fp32[256]
+BNB_4BIT_CODE = 16  # the NF4 / FP4 code, fp32[16]
+ADAPTER_BYTES = 4  # peft keeps adapters in fp32 (autocast_adapter_dtype=True)
+
+PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft 0.21), for the model types
+    # memfit builds graphs for; a type missing here has no peft default (peft asks for target_modules)
+    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
+    "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "gemma": ("q_proj", "v_proj"),
+    "gemma2": ("q_proj", "v_proj"), "gemma3_text": ("q_proj", "v_proj"), "opt": ("q_proj", "v_proj"),
+    "gptj": ("q_proj", "v_proj"), "stablelm": ("q_proj", "v_proj"), "bart": ("q_proj", "v_proj"),
+    "phi": ("q_proj", "v_proj", "fc1", "fc2"), "gpt2": ("c_attn",), "gpt_neox": ("query_key_value",),
+    "falcon": ("query_key_value",), "bert": ("query", "value"), "t5": ("q", "v"),
+}
+
+_HEADS = (LMHead, MaskedLMHead, Seq2SeqLMHead, ClassificationHead)
+
+
+def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
+    """The spec as the optimizer sees it under `setup.finetune`: unchanged for a full fine-tune."""
+    ft = setup.finetune
+    if not ft.adapters:
+        return spec
+    if spec.graph is None:
+        raise ConfigError(f"sizing {ft.method} needs the architecture of '{spec.name}' as a graph: give a catalog "
+                          "name, a config.json or a config dict of a supported family (or a peft model)")
+    if is_adapted(spec.graph):
+        return spec
+    graph = spec.graph
+    targets = lora_targets(graph, ft)
+    adapted = with_lora(graph, ft.rank, targets, alpha=ft.alpha)
+    _check_rank(adapted, ft)
+    base = ft.base_storage(setup.precision.compute_dtype)
+    quantizable = _quantizable_weights(adapted)
+    save_names = _modules_to_save(adapted, ft.modules_to_save)
+    other_bytes = 4 if base.quantized else _dtype_bytes(base)  # prepare_model_for_kbit_training upcasts to fp32
+    trainable, frozen = [], []
+    for t in adapted.tensors():
+        if t.trainable:
+            trainable.append(ParamTensor(t.name, t.numel, t.count, ADAPTER_BYTES * t.numel))
+            continue
+        if t.name in quantizable and base.quantized:
+            rows = quantizable[t.name]
+            frozen.append(ParamTensor(t.name, t.numel, t.count, quantized_weight_bytes(t.numel, rows, base,
+                                                                                      ft.double_quant)))
+        else:
+            frozen.append(ParamTensor(t.name, t.numel, t.count, other_bytes * t.numel))
+        if any(t.name.startswith(prefix + ".") for prefix in save_names):
+            # peft's ModulesToSaveWrapper: the original stays (frozen) and a trainable copy is made, same dtype
+            trainable.append(ParamTensor(t.name.replace(".weight", ".modules_to_save.weight"), t.numel, t.count,
+                                         other_bytes * t.numel))
+    return replace(spec, params=tuple(trainable), frozen=tuple(frozen), graph=adapted)
+
+
+def is_adapted(graph) -> bool:
+    """Whether the graph already holds LoRA adapters (adapted_spec ran, or a peft model was read)."""
+    return any(isinstance(node, LoraLinear) for _, node in graph.linears())
+
+
+def lora_targets(graph, ft: Finetune) -> tuple[str, ...]:
+    """peft's target_modules: the names given, every projection but the head for 'all-linear', or peft's
+    default for the architecture."""
+    if ft.targets and ft.targets != (ALL_LINEAR,):
+        return ft.targets
+    if ft.targets == (ALL_LINEAR,):
+        return tuple(dict.fromkeys(path for path, _ in _block_linears(graph)))
+    default = PEFT_DEFAULT_TARGETS.get(graph.model_type)
+    if default is None:
+        names = sorted({path.rsplit(".", 1)[-1] for path, _ in graph.linears()})
+        raise ConfigError(f"peft has no default LoRA targets for '{graph.model_type}': give --lora-targets "
+                          f"(all-linear, or names from: {', '.join(names)})")
+    return default
+
+
+def _block_linears(graph) -> list[tuple[str, Linear]]:
+    """Every Linear that is not a head's output projection (peft 'all-linear' leaves the output layer out)."""
+    out = []
+    for path, node, parents in walk(graph):
+        if isinstance(node, Linear) and not any(isinstance(p, _HEADS) and field in ("proj", "decoder")
+                                                 for p, field in parents):
+            if not any(isinstance(p, LoraLinear) for p, _ in parents):
+                out.append((path, node))
+    return out
+
+
+def _check_rank(graph, ft: Finetune) -> None:
+    for path, node in graph.linears():
+        if isinstance(node, LoraLinear) and ft.rank > min(node.in_features, node.out_features):
+            raise ConfigError(f"LoRA rank {ft.rank} is above the smaller dimension of {path} "
+                              f"({node.in_features} x {node.out_features}): the update would not be low-rank")
+
+
+def _quantizable_weights(graph) -> dict[str, int]:
+    """Weight tensor name -> output rows, for the Linears bitsandbytes quantizes: every nn.Linear but the output
+    head (transformers' bnb integration skips `get_keys_to_not_convert`, the output embeddings)."""
+    out = {}
+    for path, node in _block_linears(graph):
+        out[f"{path}.weight"] = node.out_features
+    for path, node, parents in walk(graph):  # LoRA bases: <path>.base_layer
+        if isinstance(node, LoraLinear):
+            out[f"{path}.base_layer.weight"] = node.base.out_features
+    return out
+
+
+def _modules_to_save(graph, names: tuple[str, ...]) -> tuple[str, ...]:
+    if not names:
+        return ()
+    found = []
+    known = set()
+    for path, node, _ in walk(graph):
+        if path:
+            known.add(path.rsplit(".", 1)[-1])
+        if path and any(path == n or path.endswith("." + n) for n in names):
+            found.append(path)
+    missing = [n for n in names if not any(p == n or p.endswith("." + n) for p in found)]
+    if missing:
+        raise ConfigError(f"modules_to_save {missing} not found in the model; its modules include: "
+                          f"{', '.join(sorted(k for k in known if '*' not in k)[:20])}")
+    return tuple(found)
+
+
+def _dtype_bytes(base: BaseWeights) -> int:
+    return 4 if base is BaseWeights.FP32 else 2
+
+
+def quantized_weight_bytes(numel: int, out_rows: int, base: BaseWeights, double_quant: bool) -> int:
+    """Bytes bitsandbytes holds for one quantized weight of `numel` elements (`out_rows` output features)."""
+    if base is BaseWeights.INT8:
+        return numel + 4 * out_rows  # int8 weight + Int8Params.SCB (fp32 absmax per row)
+    blocks = math.ceil(numel / BNB_4BIT_BLOCK)
+    packed = math.ceil(numel / 2)
+    code = 4 * BNB_4BIT_CODE
+    if not double_quant:
+        return packed + 4 * blocks + code
+    nested = math.ceil(blocks / BNB_NESTED_BLOCK)
+    return packed + blocks + 4 * nested + 4 * BNB_NESTED_CODE + 4 + code
+
+
+BASE_SOURCE = ("bitsandbytes Linear4bit / Int8Params storage and QuantState; peft prepare_model_for_kbit_training "
+               "(non-quantized parameters upcast to fp32)")
+
+
+def base_label(spec: ModelSpec, setup: TrainingSetup) -> str:
+    """How the frozen base is stored, in words: 'bf16', 'nf4 + double quantization; the rest fp32'."""
+    ft = setup.finetune
+    base = ft.base_storage(setup.precision.compute_dtype)
+    if not base.quantized:
+        return str(base)
+    label = f"{base}{' + double quantization' if ft.double_quant and base.four_bit else ''}"
+    return f"{label} Linear weights; embeddings, head and norms fp32"

@@ -1,0 +1,139 @@
+"""What is trained: every weight (a full fine-tune), low-rank adapters on a frozen base (LoRA, peft) or adapters on a
+quantized frozen base (QLoRA: peft + bitsandbytes 4-bit). A frozen value inside TrainingSetup; the numbers it
+changes live in memfit.estimate.lora, the rung that proposes it in memfit.techniques.lora.
+
+Defaults are the libraries' own: peft LoraConfig (r=8, lora_alpha=8, lora_dropout=0.0, target_modules chosen per
+architecture by peft), bitsandbytes BitsAndBytesConfig as the QLoRA paper runs it (NF4, double quantization, bf16
+compute). The base weights are stored in the training's compute dtype (transformers 5 loads `dtype="auto"`, the
+checkpoint's bf16) unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .choice import Choice
+
+
+class Method(Choice):
+    FULL = "full"  # every weight trained
+    LORA = "lora"  # peft LoRA: frozen base in bf16/fp16/fp32, trainable A, B
+    QLORA = "qlora"  # peft LoRA on a bitsandbytes 4-bit (NF4) base
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"full": ("full-finetune", "fft", "none"), "lora": ("peft",), "qlora": ("q-lora",)}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "fine-tuning method"
+
+
+class BaseWeights(Choice):
+    """How the frozen base weights of a LoRA model are stored."""
+
+    AUTO = "auto"  # LoRA: the compute dtype (bf16 / fp16, fp32 under fp32); QLoRA: nf4
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    INT8 = "int8"  # bitsandbytes LLM.int8 (load_in_8bit)
+    NF4 = "nf4"  # bitsandbytes 4-bit NormalFloat (load_in_4bit, bnb_4bit_quant_type="nf4")
+    FP4 = "fp4"  # bitsandbytes 4-bit float
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"bf16": ("bfloat16",), "fp16": ("float16", "half"), "fp32": ("float32",),
+                "int8": ("8bit", "llm-int8"), "nf4": ("4bit",), "auto": ()}.get(self.value, ())
+
+    @classmethod
+    def label(cls) -> str:
+        return "base weight storage"
+
+    @property
+    def quantized(self) -> bool:
+        return self in (BaseWeights.INT8, BaseWeights.NF4, BaseWeights.FP4)
+
+    @property
+    def four_bit(self) -> bool:
+        return self in (BaseWeights.NF4, BaseWeights.FP4)
+
+
+ALL_LINEAR = "all-linear"
+"""peft's target_modules shortcut: every Linear except the output head."""
+
+
+@dataclass(frozen=True)
+class Finetune:
+    """What the optimizer trains. `targets` () means peft's default for the architecture; ('all-linear',) every
+    projection but the head. `modules_to_save`: modules trained in full beside the adapters (peft keeps a trainable
+    copy and the frozen original). `dora`: weight-decomposed LoRA (a magnitude vector per adapted output and the
+    weight norm it recomputes each forward)."""
+
+    method: Method = Method.FULL
+    rank: int = 8
+    alpha: float = 8.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ()
+    modules_to_save: tuple[str, ...] = ()
+    base: BaseWeights = BaseWeights.AUTO
+    double_quant: bool = True
+    dora: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Method.parse(self.method))
+        object.__setattr__(self, "base", BaseWeights.parse(self.base))
+        for name in ("targets", "modules_to_save"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = tuple(t.strip() for t in value.split(",") if t.strip())
+            object.__setattr__(self, name, tuple(value))
+        problems = self.problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.adapters:
+            if self.base is not BaseWeights.AUTO:
+                out.append(f"base weights '{self.base}' apply to LoRA/QLoRA; a full fine-tune trains (and stores) "
+                           "every weight in the training precision")
+            return out
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            out.append(f"LoRA rank must be a positive whole number, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or self.alpha <= 0:
+            out.append(f"LoRA alpha must be a positive number, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+            out.append(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if self.method is Method.QLORA and self.base in (BaseWeights.FP32, BaseWeights.BF16, BaseWeights.FP16):
+            out.append(f"QLoRA quantizes the base: base weights {self.base} is plain LoRA (use --method lora), "
+                       "or choose nf4 / fp4 / int8")
+        return out
+
+    @property
+    def adapters(self) -> bool:
+        """Whether LoRA adapters are trained on a frozen base."""
+        return self.method is not Method.FULL
+
+    def base_storage(self, compute_dtype: str) -> BaseWeights:
+        """The storage of the frozen base weights, `auto` resolved (`compute_dtype`: the training's)."""
+        if self.base is not BaseWeights.AUTO:
+            return self.base
+        if self.method is Method.QLORA:
+            return BaseWeights.NF4
+        return BaseWeights.parse(compute_dtype)
+
+    def replace(self, **changes) -> "Finetune":
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        if not self.adapters:
+            return "full"
+        text = f"{self.method} r={self.rank}"
+        if self.base.quantized:
+            text += f" {self.base}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"method": self.method.value, "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+                "targets": list(self.targets), "modules_to_save": list(self.modules_to_save),
+                "base": self.base.value, "double_quant": self.double_quant, "dora": self.dora}

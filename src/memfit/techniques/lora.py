@@ -1,0 +1,79 @@
+"""LoRA and QLoRA as rungs beyond the seed's ladder: when a full fine-tune's static memory cannot fit after mixed
+precision, 8-bit Adam and ZeRO, train low-rank adapters on a frozen base (LoRA), then on a 4-bit base (QLoRA).
+They change the method, not just the memory: the cost line says so."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..finetune import BaseWeights, Finetune, Method
+from ..setup import Offload, Sharding, TrainingSetup
+from .base import Context, Proposal, Skip, Technique, register
+
+LORA_COST = ("a different method: trains a rank-r update of the targeted projections instead of every weight "
+             "(close to full fine-tuning on instruction tuning, behind it on large domain shifts: Biderman et al. "
+             "2024, arXiv:2405.09673); backward skips the frozen weights' gradients")
+QLORA_COST = ("LoRA's trade-off, plus NF4 quantization error in the frozen base (on par with 16-bit LoRA in Dettmers "
+              "et al. 2023, arXiv:2305.14314) and a dequantization of every Linear weight in forward and again in "
+              "backward (slower steps than LoRA)")
+
+
+def _adapted(ctx: Context, finetune: Finetune) -> TrainingSetup | None:
+    """The current setup training `finetune`, with what memfit cannot size for adapters removed (ZeRO-3 and CPU
+    offload: the frozen base no longer needs them)."""
+    for changes in ({}, {"offload": Offload.NONE},
+                    {"offload": Offload.NONE,
+                     "sharding": Sharding.ZERO2 if ctx.setup.num_gpus > 1 else Sharding.NONE}):
+        try:
+            return ctx.setup.replace(finetune=finetune, **changes)
+        except ConfigError:
+            continue
+    return None
+
+
+def _lora_config(ft: Finetune, targets: str) -> str:
+    return (f"get_peft_model(model, LoraConfig(r={ft.rank}, lora_alpha={ft.alpha:g}, lora_dropout={ft.dropout:g}, "
+            f"target_modules={targets}))")
+
+
+@register
+class Lora(Technique):
+    key = "lora"
+    title = "LoRA (beyond the seed)"
+
+    def propose(self, ctx: Context) -> Proposal | Skip:
+        if ctx.setup.finetune.adapters:
+            return Skip(f"already {ctx.setup.finetune.method}")
+        if ctx.spec.graph is None:
+            return Skip("memfit has no graph of this architecture to place adapters on")
+        setup = _adapted(ctx, Finetune(method=Method.LORA))
+        if setup is None:
+            return Skip("no setup memfit can size trains LoRA adapters here")
+        return Proposal(setup, _lora_config(setup.finetune, "peft's default for the architecture"), LORA_COST,
+                        "the base weights are frozen: no gradients or optimizer states for them, only for "
+                        "the adapters (peft keeps those in fp32)")
+
+
+@register
+class Qlora(Technique):
+    key = "qlora"
+    title = "QLoRA (beyond the seed)"
+
+    def propose(self, ctx: Context) -> Proposal | Skip:
+        ft = ctx.setup.finetune
+        if ft.base_storage(ctx.setup.precision.compute_dtype).four_bit:
+            return Skip("the base is 4-bit already")
+        if ctx.spec.graph is None:
+            return Skip("memfit has no graph of this architecture to place adapters on")
+        if ctx.hardware.is_cpu:
+            return Skip("bitsandbytes' 4-bit base is sized for CUDA devices")
+        new = (ft if ft.adapters else Finetune()).replace(method=Method.QLORA, base=BaseWeights.NF4)
+        setup = _adapted(ctx, new)
+        if setup is None:
+            return Skip("no setup memfit can size trains QLoRA here")
+        return Proposal(setup, "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+                               "bnb_4bit_quant_type=\"nf4\", bnb_4bit_use_double_quant=True, "
+                               "bnb_4bit_compute_dtype=torch.bfloat16)); prepare_model_for_kbit_training(model); "
+                        + _lora_config(new, "peft's default"), QLORA_COST,
+                        "the frozen Linear weights are stored in 4 bits (0.5 B plus ~0.127 bits of block constants "
+                        "per weight); embeddings, head and norms stay unquantized (fp32 after "
+                        "prepare_model_for_kbit_training)")
