@@ -152,7 +152,11 @@ def test_seventy_b_needs_zero3_on_a_node():
     hw = make_hardware("H100", gpus_per_node=8)
     result = plan(spec, TrainingSetup(), hw)
     assert result.fits and result.final_setup.sharding.value == "zero3"
-    single = plan(spec, TrainingSetup(), make_hardware("H100"))
+    # on one GPU only QLoRA fits a 70B model (the QLoRA paper fine-tunes 65B on one 48 GB card)
+    qlora = plan(spec, TrainingSetup(), make_hardware("H100"))
+    assert qlora.fits and [s.technique for s in qlora.steps][-2:] == ["lora", "qlora"]
+    assert qlora.final_setup.finetune.base.value == "nf4"
+    single = plan(spec, TrainingSetup(), make_hardware("H100"), keep=frozenset({"finetune"}))
     assert not single.fits
     (more,) = [s for s in single.suggestions if s.startswith("more GPUs:")]
     assert more.startswith("more GPUs: it fits on 8 x H100-80GB (--gpus 8)")

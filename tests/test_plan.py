@@ -16,6 +16,7 @@ from memfit.diagnose import Bottleneck, diagnose
 from memfit.errors import ConfigError
 from memfit.estimate.analytic import estimate
 from memfit.hardware import get_gpu, make_hardware
+from memfit.techniques import REGISTRY
 from memfit.plan import optimize, plan
 from memfit.search import candidate_setups, gpus_to_fit
 from memfit.setup import FIELD_LABELS, TrainingSetup
@@ -73,9 +74,12 @@ def test_an_explicit_field_is_changed_only_with_its_reason():
     result = plan(spec, setup, hw, explicit=frozenset({"micro_batch_size", "seq_len"}))
     (step,) = [s for s in result.steps if s.technique == "micro_batch"]
     assert step.why.startswith("you asked for micro-batch 4; this rung changes it to 1 because ")
-    assert result.steps[-1] is step  # kept back until no rung that leaves it alone was left
-    for s in result.steps[:-1]:
+    seed = [s for s in result.steps if not REGISTRY[s.technique].beyond_seed]
+    assert seed[-1] is step  # kept back until no seed rung that leaves it alone was left
+    for s in seed[:-1]:
         assert "you asked for" not in s.why and s.setup.micro_batch_size == 4
+    # what comes after the seed's rungs changes the method (LoRA / QLoRA), and only then
+    assert all(REGISTRY[s.technique].beyond_seed for s in result.steps[result.steps.index(step) + 1:])
 
 
 def test_keep_pins_fields_and_the_skip_names_the_pin():
@@ -185,8 +189,8 @@ def test_cli_on_a_t4_pastes_fp16_and_refuses_bf16():
 def test_the_zero_rung_and_the_suggestion_give_one_gpu_count():
     spec, hw = resolve_model("mistral-7b"), make_hardware("24GiB")
     result = plan(spec, TrainingSetup(micro_batch_size=4, seq_len=4096), hw,
-                  explicit=frozenset({"micro_batch_size", "seq_len"}))
-    assert not result.fits
+                  explicit=frozenset({"micro_batch_size", "seq_len"}), keep=frozenset({"finetune"}))
+    assert not result.fits  # a full fine-tune (LoRA would fit: the method is pinned)
     (more,) = [s for s in result.suggestions if s.startswith("more GPUs:")]
     assert dict(result.skipped)["ZeRO sharding"].endswith("; " + more)
     found = gpus_to_fit(spec, result.final_setup, hw)
@@ -203,7 +207,8 @@ def test_the_zero_rung_and_the_suggestion_give_one_gpu_count():
 
 
 def test_keep_gpus_turns_the_gpu_count_off():
-    result = plan(resolve_model("llama-2-70b"), TrainingSetup(), make_hardware("H100"), keep=frozenset({"num_gpus"}))
+    result = plan(resolve_model("llama-2-70b"), TrainingSetup(), make_hardware("H100"),
+                  keep=frozenset({"num_gpus", "finetune"}))
     assert not result.fits
     assert "more GPUs: not considered, --keep gpus pins 1" in result.suggestions
 
@@ -240,9 +245,11 @@ def test_pinned_activation_rungs_are_suggested_with_their_size():
 
 
 def test_static_bound_plan_suggests_lora_and_gpus():
-    result = plan(resolve_model("llama-2-70b"), TrainingSetup(), make_hardware("H100"))
+    result = plan(resolve_model("llama-2-70b"), TrainingSetup(), make_hardware("H100"), keep=frozenset({"finetune"}))
     assert result.final_diagnosis.bottleneck is Bottleneck.STATIC
-    assert any(s.startswith("LoRA:") for s in result.suggestions)
+    assert dict(result.skipped)["LoRA (beyond the seed)"].endswith("--keep finetune pins")
+    (lora,) = [s for s in result.suggestions if s.startswith("LoRA / QLoRA:")]
+    assert "--keep finetune" in lora
     assert any(s.startswith("more GPUs: it fits on 8 x H100-80GB") for s in result.suggestions)
     assert not any(s.startswith("a shorter sequence") for s in result.suggestions)
 

@@ -20,6 +20,7 @@ from .setup import FIELD_LABELS, Checkpointing, TrainingSetup, setup_changes
 from .techniques import LADDERS, REGISTRY, Context, Proposal, Skip
 from .techniques.base import EstimateFn, keep_name, pin_reason
 from .throughput import relative_step_time
+from .errors import ConfigError
 from .units import format_bytes
 
 NOT_SIZED = ("not sized by memfit yet: sequence / context parallelism (each GPU holds a slice of every sequence) "
@@ -163,14 +164,19 @@ def _join(parts) -> str:
 
 def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tuple[str, Proposal] | None:
     """The first rung of the ladder that proposes a change no pin forbids; one that changes a field the user set is
-    kept back while a rung that leaves them alone is left."""
+    kept back while a rung that leaves them alone is left, and one beyond the seed (LoRA, QLoRA: another method)
+    until no seed rung is left."""
     own = LADDERS[ctx.diagnosis.bottleneck]
     ladder = own + tuple(k for k in LADDERS[Bottleneck.BOTH] if k not in own)
     deferred: tuple[str, Proposal] | None = None
+    beyond: tuple[str, Proposal] | None = None
     for key in ladder:
         if key in tried:
             continue
-        result = REGISTRY[key].propose(ctx)
+        try:
+            result = REGISTRY[key].propose(ctx)
+        except ConfigError as error:  # the rung's change does not combine with the setup as it now is
+            result = Skip(str(error))
         if isinstance(result, Proposal) and ctx.pinned_changes(result.setup):
             result = Skip(pin_reason(ctx.pinned_changes(result.setup)))
         if isinstance(result, Skip):
@@ -179,13 +185,17 @@ def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tu
         if ctx.explicit_changes(result.setup):
             deferred = deferred or (key, result)
             continue
+        if REGISTRY[key].beyond_seed:
+            beyond = beyond or (key, result)
+            continue
         tried.add(key)
         skipped.pop(key, None)
         return key, result
-    if deferred is not None:
-        tried.add(deferred[0])
-        skipped.pop(deferred[0], None)
-    return deferred
+    chosen = deferred or beyond
+    if chosen is not None:
+        tried.add(chosen[0])
+        skipped.pop(chosen[0], None)
+    return chosen
 
 
 def _more_gpus(ctx: Context) -> str:
@@ -216,6 +226,9 @@ def _suggestions(ctx: Context, more_gpus: str) -> list[str]:
     larger = _larger_gpu(ctx)
     if larger:
         out.append(larger)
+    if static and "finetune" in ctx.keep and not ctx.setup.finetune.adapters:
+        out.append("LoRA / QLoRA: frozen base weights with no gradients or optimizer states (rungs beyond the "
+                   "seed); not considered, --keep finetune pins the full fine-tune")
     return out
 
 

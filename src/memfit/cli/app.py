@@ -217,7 +217,7 @@ def _adapter_snippets(setup, render) -> dict[str, str]:
         model["dtype"] = base_dtype(setup)
     loading.append(render.python_call("model = AutoModelForCausalLM.from_pretrained", model))
     if bnb:
-        loading.append("model = prepare_model_for_kbit_training(model)  # unquantized parameters -> fp32")
+        loading.append("model = prepare_model_for_kbit_training(model)  # the rest -> fp32")
     loading.append("model = get_peft_model(model, " + render.python_call("LoraConfig", lora_config_kwargs(setup))
                    .replace("\n", "\n    ") + ")")
     return {"model loading:": "\n".join(loading)}

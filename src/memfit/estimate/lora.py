@@ -93,6 +93,12 @@ def is_adapted(graph) -> bool:
     return any(isinstance(node, LoraLinear) for _, node in graph.linears())
 
 
+def rung_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """What the LoRA rung targets: peft's default for the architecture (()), or every projection where peft has
+    none (it would ask for target_modules)."""
+    return () if spec.graph is not None and spec.graph.model_type in PEFT_DEFAULT_TARGETS else (ALL_LINEAR,)
+
+
 def lora_targets(graph, ft: Finetune) -> tuple[str, ...]:
     """peft's target_modules: the names given, every projection but the head for 'all-linear', or peft's
     default for the architecture."""

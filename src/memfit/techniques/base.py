@@ -93,6 +93,9 @@ def keep_name(field: str) -> str:
 class Technique:
     key: ClassVar[str]
     title: ClassVar[str]
+    beyond_seed: ClassVar[bool] = False
+    """A change of method rather than of how the same training runs (LoRA, QLoRA): proposed only when no rung of
+    the seed's ladder is left."""
 
     def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
         raise NotImplementedError
@@ -117,11 +120,12 @@ def register(cls: type[Technique]) -> type[Technique]:
 
 # The seed's ladders, cheapest change first (shared/seed: "A Decision Framework").
 LADDERS: dict[Bottleneck, tuple[str, ...]] = {
-    Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "zero", "lora", "qlora"),
+    Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "zero"),
     Bottleneck.ACTIVATIONS: ("checkpointing", "micro_batch", "flash_attention"),
     Bottleneck.BOTH: ("mixed_precision", "checkpointing", "adam_8bit", "micro_batch", "flash_attention", "zero",
                       "cpu_offload", "lora", "qlora"),
 }
-"""LoRA and QLoRA come after the seed's rungs: they change what is trained, not only how (memfit.techniques.lora)."""
+"""LoRA and QLoRA come after every seed rung (the combined ladder ends with them): they change what is trained, not
+only how (memfit.techniques.lora)."""
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]

@@ -5,6 +5,7 @@ They change the method, not just the memory: the cost line says so."""
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..estimate.lora import rung_targets
 from ..finetune import BaseWeights, Finetune, Method
 from ..setup import Offload, Sharding, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
@@ -17,17 +18,22 @@ QLORA_COST = ("LoRA's trade-off, plus NF4 quantization error in the frozen base 
               "backward (slower steps than LoRA)")
 
 
-def _adapted(ctx: Context, finetune: Finetune) -> TrainingSetup | None:
+def _adapted(ctx: Context, finetune: Finetune) -> TrainingSetup | Skip:
     """The current setup training `finetune`, with what memfit cannot size for adapters removed (ZeRO-3 and CPU
-    offload: the frozen base no longer needs them)."""
+    offload, which a frozen base needs less); a Skip when that would need more memory than now."""
     for changes in ({}, {"offload": Offload.NONE},
                     {"offload": Offload.NONE,
                      "sharding": Sharding.ZERO2 if ctx.setup.num_gpus > 1 else Sharding.NONE}):
         try:
-            return ctx.setup.replace(finetune=finetune, **changes)
+            setup = ctx.setup.replace(finetune=finetune, **changes)
         except ConfigError:
             continue
-    return None
+        if changes and ctx.size(setup).total_bytes >= ctx.estimate.total_bytes:
+            dropped = " and ".join(f"{name} {getattr(ctx.setup, name)}" for name, value in changes.items()
+                                   if getattr(ctx.setup, name) != value)
+            return Skip(f"memfit sizes {finetune.method} without {dropped} only, and that needs more than now")
+        return setup
+    return Skip(f"no setup memfit can size trains {finetune.method} here")
 
 
 def _lora_config(ft: Finetune, targets: str) -> str:
@@ -35,20 +41,27 @@ def _lora_config(ft: Finetune, targets: str) -> str:
             f"target_modules={targets}))")
 
 
+def _targets_text(ft: Finetune) -> str:
+    if not ft.targets:
+        return "None  # peft's default for the architecture"
+    return repr(ft.targets[0]) if len(ft.targets) == 1 else repr(list(ft.targets))
+
+
 @register
 class Lora(Technique):
     key = "lora"
     title = "LoRA (beyond the seed)"
+    beyond_seed = True
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.finetune.adapters:
             return Skip(f"already {ctx.setup.finetune.method}")
         if ctx.spec.graph is None:
             return Skip("memfit has no graph of this architecture to place adapters on")
-        setup = _adapted(ctx, Finetune(method=Method.LORA))
-        if setup is None:
-            return Skip("no setup memfit can size trains LoRA adapters here")
-        return Proposal(setup, _lora_config(setup.finetune, "peft's default for the architecture"), LORA_COST,
+        setup = _adapted(ctx, Finetune(method=Method.LORA, targets=rung_targets(ctx.spec)))
+        if isinstance(setup, Skip):
+            return setup
+        return Proposal(setup, _lora_config(setup.finetune, _targets_text(setup.finetune)), LORA_COST,
                         "the base weights are frozen: no gradients or optimizer states for them, only for "
                         "the adapters (peft keeps those in fp32)")
 
@@ -57,6 +70,7 @@ class Lora(Technique):
 class Qlora(Technique):
     key = "qlora"
     title = "QLoRA (beyond the seed)"
+    beyond_seed = True
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         ft = ctx.setup.finetune
@@ -66,14 +80,15 @@ class Qlora(Technique):
             return Skip("memfit has no graph of this architecture to place adapters on")
         if ctx.hardware.is_cpu:
             return Skip("bitsandbytes' 4-bit base is sized for CUDA devices")
-        new = (ft if ft.adapters else Finetune()).replace(method=Method.QLORA, base=BaseWeights.NF4)
+        new = (ft if ft.adapters else Finetune(targets=rung_targets(ctx.spec))).replace(method=Method.QLORA,
+                                                                                       base=BaseWeights.NF4)
         setup = _adapted(ctx, new)
-        if setup is None:
-            return Skip("no setup memfit can size trains QLoRA here")
+        if isinstance(setup, Skip):
+            return setup
         return Proposal(setup, "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
                                "bnb_4bit_quant_type=\"nf4\", bnb_4bit_use_double_quant=True, "
                                "bnb_4bit_compute_dtype=torch.bfloat16)); prepare_model_for_kbit_training(model); "
-                        + _lora_config(new, "peft's default"), QLORA_COST,
+                        + _lora_config(new, _targets_text(new)), QLORA_COST,
                         "the frozen Linear weights are stored in 4 bits (0.5 B plus ~0.127 bits of block constants "
                         "per weight); embeddings, head and norms stay unquantized (fp32 after "
                         "prepare_model_for_kbit_training)")
