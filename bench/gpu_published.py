@@ -8,12 +8,16 @@ Hardware, or reported as "not expressible: <feature>" (the roadmap), and each ex
 metric its source measured:
 
 - allocated / active (max_memory_allocated, torchtune's "peak memory active", PEFT's tracemalloc): memfit's
-  tensor bytes (`MemoryEstimate.tensor_bytes`);
-- reserved (max_memory_reserved): tensor bytes + the allocator reserve term, i.e. the total without the CUDA
-  context and the NCCL buffers, which live outside the caching allocator;
-- nvml (nvidia-smi "used", the whole device): the total (`MemoryEstimate.total_bytes`), CUDA context included.
+  allocated figure (`MemoryEstimate.allocated_bytes`: tensors + the caching allocator's rounding + cuBLAS
+  workspaces);
+- reserved (max_memory_reserved): memfit's reserved figure (`MemoryEstimate.reserved_bytes`: + the segments the
+  allocator replay holds unused at the peak);
+- nvml (nvidia-smi "used", the whole device): memfit's device-used figure (`MemoryEstimate.device_used_bytes`:
+  + CUDA context and NCCL buffers, outside the allocator).
 
-Nothing is fitted to the points: the hardware keeps memfit's default runtime-overhead constants.
+Nothing is fitted to the points: the device constants are memfit's (data/cuda_runtime.json). The one setting taken
+from a point is its software era: a source dated before PyTorch 1.13 (Nov 2022, which made CUDA lazy module
+loading the default) runs with `cuda_runtime="legacy"` (every kernel loaded into the context).
 """
 
 from __future__ import annotations
@@ -43,14 +47,19 @@ from memfit.units import GiB  # noqa: E402
 
 # Which memfit figure each measured metric is compared with (metric_group -> (figure key, description)).
 FIGURES = {
-    "allocated": ("tensor", "tensor bytes (MemoryEstimate.tensor_bytes: everything but runtime overhead)"),
-    "reserved": ("reserved", "tensor bytes + overhead/allocator_reserve (total without overhead/cuda_context and "
-                             "overhead/nccl, which torch's caching allocator does not hold)"),
-    "nvml": ("total", "total (MemoryEstimate.total_bytes: tensors + CUDA context + allocator reserve + NCCL)"),
+    "allocated": ("allocated", "allocated (MemoryEstimate.allocated_bytes: tensors + allocator rounding + cuBLAS "
+                               "workspaces)"),
+    "reserved": ("reserved", "reserved (MemoryEstimate.reserved_bytes: allocated + the segments the caching-allocator "
+                             "replay holds unused at the peak)"),
+    "nvml": ("device_used", "device used (MemoryEstimate.device_used_bytes: reserved + CUDA context + NCCL, outside "
+                            "the allocator)"),
 }
 OUTSIDE_ALLOCATOR = ("overhead/cuda_context", "overhead/nccl")
 _DEFAULT_HW = make_hardware("A100-80GB")
-_CONTEXT = _DEFAULT_HW.cuda_context_bytes
+_CONTEXT = _DEFAULT_HW.device.cuda_context_bytes
+_LEGACY = make_hardware("A100-80GB", cuda_runtime="legacy").device.cuda_context_bytes
+LAZY_LOADING_SINCE = "2022-11"
+"""PyTorch 1.13 (released 2022-10-28) sets CUDA_MODULE_LOADING=LAZY by default (pytorch/pytorch#86509)."""
 
 PRECISIONS = {"fp32": Precision.FP32, "amp_fp16": Precision.AMP_FP16, "amp_bf16": Precision.AMP_BF16,
               "pure_bf16": Precision.BF16, "bf16_master": Precision.BF16_MASTER}
@@ -152,8 +161,15 @@ def map_point(point: dict) -> Mapped:
     except MemfitError as error:
         m.missing.append((OTHER, str(error)))
         return m
-    m.hardware = _hardware(m, n.get("gpu") or {}, m.setup.num_gpus)
+    m.hardware = _hardware(m, n.get("gpu") or {}, m.setup.num_gpus, cuda_runtime(point))
     return m
+
+
+def cuda_runtime(point: dict) -> str:
+    """'legacy' (every kernel loaded into the context) for a source dated before lazy loading became PyTorch's
+    default, else 'lazy'."""
+    date = str(point.get("source_date") or "")[:7]
+    return "legacy" if date and date < LAZY_LOADING_SINCE else "lazy"
 
 
 def _map_model(m: Mapped, model: dict) -> None:
@@ -326,7 +342,7 @@ def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
     return out
 
 
-def _hardware(m: Mapped, gpu: dict, num_gpus: int) -> Hardware:
+def _hardware(m: Mapped, gpu: dict, num_gpus: int, runtime: str = "lazy") -> Hardware:
     key, mem = gpu.get("key") or "", gpu.get("mem_GiB")
     device: GPU | None = None
     try:
@@ -339,7 +355,9 @@ def _hardware(m: Mapped, gpu: dict, num_gpus: int) -> Hardware:
         m.assumed.append(f"{key}: not in memfit's GPU catalog, {mem} GiB as stated")
     per_node = min(num_gpus, 8)
     nodes = max(1, math.ceil(num_gpus / per_node))
-    return make_hardware(device, gpus_per_node=per_node, num_nodes=nodes)
+    if runtime != "lazy":
+        m.assumed.append(f"CUDA runtime '{runtime}' (source dated before PyTorch 1.13's lazy module loading)")
+    return make_hardware(device, gpus_per_node=per_node, num_nodes=nodes, cuda_runtime=runtime)
 
 
 # --------------------------------------------------------------------------------------------------- predicting
@@ -375,11 +393,11 @@ class Row:
 def figure_bytes(est, group: str) -> tuple[int, str]:
     """The memfit figure comparable with one measured metric group."""
     key, _ = FIGURES.get(group, FIGURES["allocated"])
-    if key == "tensor":
-        return est.tensor_bytes, key
+    if key == "allocated":
+        return est.allocated_bytes, key
     if key == "reserved":
-        return est.total_bytes - sum(t.num_bytes for t in est.terms if t.name in OUTSIDE_ALLOCATOR), key
-    return est.total_bytes, key
+        return est.reserved_bytes, key
+    return est.device_used_bytes, key
 
 
 def predict(mapped: Mapped) -> Row:
@@ -488,7 +506,7 @@ def context_anchors(points: list[dict]) -> list[dict]:
         n = p.get("normalized") or {}
         if "anchor:cuda_context" in (n.get("techniques") or []) and (n.get("measured") or {}).get("value_GiB"):
             found.append({"id": n["id"], "source": n.get("source"), "gpu": (n.get("gpu") or {}).get("key"),
-                          "GiB": n["measured"]["value_GiB"]})
+                          "GiB": n["measured"]["value_GiB"], "runtime": cuda_runtime(p)})
     return found
 
 
@@ -497,10 +515,11 @@ def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[R
     lines = ["# memfit vs published GPU measurements", "",
              f"Points: `{points_label}` (in scope: {stats['points']}; expressible in memfit: "
              f"{stats['expressible']}; not expressible: {stats['not_expressible']}). Generated by "
-             "`python bench/gpu_published.py`; nothing is fitted to the points (memfit's default overhead constants: "
-             f"CUDA context {_CONTEXT / GiB:.2f} GiB, allocator reserve {_DEFAULT_HW.allocator_reserve_fraction:.0%} "
-             f"of the tensor peak, NCCL {_DEFAULT_HW.nccl_bytes_per_communicator / GiB:.2f} GiB when more than one "
-             "GPU).", "",
+             "`python bench/gpu_published.py`; nothing is fitted to the points (memfit's device model: CUDA context "
+             f"{_CONTEXT / GiB:.2f} GiB with lazy loading, {_LEGACY / GiB:.2f} GiB before it; allocator rounding "
+             "and reserve from a replay of the step through the caching allocator's rules; cuBLAS workspaces; NCCL "
+             f"{_DEFAULT_HW.device.nccl_bytes_per_communicator / GiB:.2f} GiB per communicator over NVLink when more "
+             "than one GPU).", "",
              "Which memfit figure is compared with which measured metric:", ""]
     for group, (_, text) in FIGURES.items():
         metrics = sorted({r.metric for r in rows if r.group == group})
@@ -521,10 +540,11 @@ def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[R
     for a in anchors:
         nvml = [r for r in rows if r.mapped.expressible and r.group == "nvml"
                 and r.mapped.norm["source"] == a["source"]]
+        assumed = (_LEGACY if a.get("runtime") == "legacy" else _CONTEXT) / GiB
         lines.append(f"- {a['id']} ({a['source']}, {a['gpu']}, out of scope) measured the bare CUDA context at "
-                     f"{a['GiB']:.2f} GiB where memfit assumes {_CONTEXT / GiB:.2f} GiB: "
-                     f"{a['GiB'] - _CONTEXT / GiB:.2f} GiB of the gap of each of this source's {len(nvml)} nvml rows "
-                     "(shown, not applied)")
+                     f"{a['GiB']:.2f} GiB where memfit assumes {assumed:.2f} GiB ({a.get('runtime', 'lazy')} module "
+                     f"loading): {a['GiB'] - assumed:+.2f} GiB of the gap of each of this source's {len(nvml)} nvml "
+                     "rows (shown, not applied)")
     lines += ["", "## Expressible points", "",
               "| id | source | model | setup | metric | memfit figure | measured GiB | memfit GiB | error % |",
               "|---|---|---|---|---|---|---|---|---|"]

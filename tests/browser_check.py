@@ -1,10 +1,12 @@
 """Drive a headless Chromium over the DevTools protocol: open a file offline, wait for plotly to draw, and report
 what a person would see (element counts, screenshots) and what went wrong (console errors, exceptions, requests
-that left the file, dialogs). Used by test_report.py; Chromium comes from scripts/install_test_browser.sh."""
+that left the file, dialogs). `Chromium.tab()` keeps a served page open for a test to drive (test_serve.py).
+Used by test_report.py and test_serve.py; Chromium comes from scripts/install_test_browser.sh."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import queue
@@ -17,13 +19,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 INSTALL_HINT = "install it with `sudo bash scripts/install_test_browser.sh` (Debian's chromium package)"
+_NO_HOSTS = "--host-resolver-rules=MAP * ~NOTFOUND"
 _FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
           "--disable-background-networking", "--disable-component-update", "--disable-sync",
           "--disable-extensions", "--mute-audio", "--hide-scrollbars",
           # Nothing may leave the machine: any host name fails to resolve, so a CDN script could not load.
-          "--host-resolver-rules=MAP * ~NOTFOUND")
+          _NO_HOSTS)
 
 # Waits until every plotly graph on the page has drawn, then counts what it drew.
 _RENDERED_JS = """
@@ -105,13 +109,17 @@ class PageReport:
 class Chromium:
     """One headless browser process; `open()` loads a page in a fresh tab and returns a PageReport."""
 
-    def __init__(self, executable: str, *, timeout_s: float = 30.0):
+    def __init__(self, executable: str, *, timeout_s: float = 30.0, local_hosts: tuple[str, ...] = ()):
+        """`local_hosts`: addresses the browser may still reach (a test's own server on 127.0.0.1); every other
+        host name fails to resolve."""
         import websocket  # websocket-client, in the `test` extra
 
         self.timeout_s = timeout_s
+        flags = [_NO_HOSTS + "".join(f", EXCLUDE {host}" for host in local_hosts) if f == _NO_HOSTS else f
+                 for f in _FLAGS]
         self._profile = tempfile.TemporaryDirectory(prefix="memfit-chromium-", ignore_cleanup_errors=True)
         self._proc = subprocess.Popen(
-            [executable, *_FLAGS, f"--user-data-dir={self._profile.name}", "--remote-debugging-port=0",
+            [executable, *flags, f"--user-data-dir={self._profile.name}", "--remote-debugging-port=0",
              "--window-size=1280,900", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
@@ -225,7 +233,9 @@ class Chromium:
         return base64.b64decode(data)
 
     @staticmethod
-    def _collect(report: PageReport, events: list[dict], url: str) -> None:
+    def _collect(report: PageReport, events: list[dict], url: str, *, origin: str | None = None) -> None:
+        """Sort the page's events into the report. A request is external when it is not for `url` itself, or,
+        given `origin` (scheme://host:port of a served page), when it goes anywhere else than that origin."""
         for event in events:
             method, params = event["method"], event.get("params", {})
             if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert", "warning"):
@@ -238,12 +248,31 @@ class Chromium:
                 report.console_errors.append(params["entry"].get("text", ""))
             elif method == "Network.requestWillBeSent":
                 request_url = params.get("request", {}).get("url", "")
-                if request_url != url and not request_url.startswith(("data:", "blob:", "about:")):
+                local = (origin_of(request_url) == origin) if origin is not None else request_url == url
+                if not local and not request_url.startswith(("data:", "blob:", "about:")):
                     report.external_requests.append(request_url)
             elif method == "Network.loadingFailed":
                 report.failed_requests.append(params.get("errorText", ""))
             elif method == "Page.javascriptDialogOpening":
                 report.dialogs.append(params.get("message", ""))
+
+    @contextlib.contextmanager
+    def tab(self, url: str, *, width: int = 1280, height: int = 900):
+        """Open `url` (a page a test serves) in a fresh tab and keep it open while the block runs: yields a Tab to
+        evaluate scripts in and to read, at any moment, what went wrong so far."""
+        target = self._call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self._call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        try:
+            for domain in ("Page", "Runtime", "Log", "Network"):
+                self._call(f"{domain}.enable", session=session)
+            self._call("Emulation.setDeviceMetricsOverride",
+                       {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session)
+            start = len(self._events)
+            self._call("Page.navigate", {"url": url}, session)
+            self._wait_event("Page.loadEventFired", session, start)
+            yield Tab(self, session, url, start)
+        finally:
+            self._call("Target.closeTarget", {"targetId": target})
 
     def close(self) -> None:
         ws = getattr(self, "_ws", None)
@@ -271,3 +300,40 @@ class Chromium:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def origin_of(url: str) -> str:
+    """'http://127.0.0.1:8765' for 'http://127.0.0.1:8765/static/app.js'."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class Tab:
+    """A page kept open by `Chromium.tab()`: run scripts in it; `report()` says what went wrong since it opened."""
+
+    def __init__(self, browser: Chromium, session: str, url: str, start: int):
+        self._browser, self._session, self.url, self._start = browser, session, url, start
+
+    def evaluate(self, expression: str):
+        """The value of a JavaScript expression (a promise is awaited); a thrown error raises RuntimeError."""
+        return self._browser._evaluate(expression, self._session)
+
+    def plots(self) -> dict[str, dict]:
+        """Once every plotly graph has drawn and stopped changing: per div id, the counts `Chromium.open` gives."""
+        return self.evaluate(_RENDERED_JS % {"timeout_ms": int(self._browser.timeout_s * 1000)})
+
+    def report(self) -> PageReport:
+        """The page's text and plots now, and its console errors, exceptions, dialogs, failed requests and the
+        requests that left its origin since it opened (screenshots are not taken)."""
+        plots = self.plots()
+        text = self.evaluate("document.body.innerText")
+        img_count = self.evaluate("document.querySelectorAll('img').length")
+        report = PageReport(self.url, plots, text, {}, img_count=img_count)
+        events = [e for e in self._browser._events[self._start:] if e.get("sessionId") == self._session]
+        Chromium._collect(report, events, self.url, origin=origin_of(self.url))
+        return report
+
+    def requests(self) -> list[str]:
+        """Every URL the page has requested since it opened."""
+        return [e["params"]["request"]["url"] for e in self._browser._events[self._start:]
+                if e.get("sessionId") == self._session and e["method"] == "Network.requestWillBeSent"]

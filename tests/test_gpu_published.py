@@ -71,8 +71,10 @@ def test_expressible_points_map_their_precision_optimizer_and_metric(points):
     tune = gp.map_point(points["P013"])
     assert tune.expressible and tune.setup.precision is Precision.BF16 and tune.setup.seq_len == 4096
     row = gp.predict(tune)
-    assert (row.metric, row.figure) == ("active", "tensor") and row.predicted_gib > 0
-    assert gp.predict(bert).figure == "total"  # nvml: the whole device
+    assert (row.metric, row.figure) == ("active", "allocated") and row.predicted_gib > 0
+    assert gp.predict(bert).figure == "device_used"  # nvml: the whole device
+    assert bert.hardware.cuda_runtime == "legacy"  # a 2022-01 source: before PyTorch 1.13's lazy loading
+    assert tune.hardware.cuda_runtime == "lazy"
 
 
 def test_each_metric_gets_its_memfit_figure(points):
@@ -84,8 +86,9 @@ def test_each_metric_gets_its_memfit_figure(points):
     assert {"overhead/cuda_context", "overhead/nccl", "overhead/allocator_reserve"} <= names
     context_nccl = est.term("overhead/cuda_context").num_bytes + est.term("overhead/nccl").num_bytes
     assert gp.figure_bytes(est, "reserved") == (est.total_bytes - context_nccl, "reserved")
-    assert gp.figure_bytes(est, "allocated") == (est.tensor_bytes, "tensor")
-    assert gp.figure_bytes(est, "nvml") == (est.total_bytes, "total")
+    assert gp.figure_bytes(est, "allocated") == (est.allocated_bytes, "allocated")
+    assert est.tensor_bytes < est.allocated_bytes <= est.reserved_bytes
+    assert gp.figure_bytes(est, "nvml") == (est.total_bytes, "device_used")
 
 
 def test_runs_end_to_end_and_lists_every_in_scope_point_once(points, tmp_path):

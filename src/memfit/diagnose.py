@@ -35,6 +35,12 @@ class Diagnosis:
     activation_bytes: int
     """Activations + temporaries at the peak."""
     margin: float
+    allocated_bytes: int = 0
+    """Predicted torch.cuda.max_memory_allocated."""
+    reserved_bytes: int = 0
+    """Predicted torch.cuda.max_memory_reserved: what the caching allocator holds."""
+    outside_allocator_bytes: int = 0
+    """CUDA context and NCCL buffers. `required_bytes` = reserved + this: the figure a CUDA OOM is decided on."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -59,18 +65,26 @@ class Diagnosis:
         return {"bottleneck": self.bottleneck.value, "capacity_bytes": self.capacity_bytes,
                 "budget_bytes": self.budget_bytes, "required_bytes": self.required_bytes,
                 "headroom_bytes": self.headroom_bytes, "static_bytes": self.static_bytes,
-                "activation_bytes": self.activation_bytes, "margin": self.margin}
+                "activation_bytes": self.activation_bytes, "margin": self.margin,
+                "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
+                "outside_allocator_bytes": self.outside_allocator_bytes,
+                "required_is": "reserved + outside the allocator (device used)"}
 
 
 def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> Diagnosis:
-    """A component is a bottleneck when it alone takes more than half of the budget: then no change to the other
+    """The step fits when what it holds on the device stays within the budget: the caching allocator's reserved
+    segments + the memory outside it (CUDA context, NCCL), i.e. the predicted device-used figure; allocated alone
+    would miss the cache that makes a real step OOM.
+
+    A component is a bottleneck when it alone takes more than half of the budget: then no change to the other
     can make the step fit. Over budget, at least one of the two always does."""
     cats = estimate.by_category()
     static = estimate.static_bytes + cats[Category.OVERHEAD]
     activ = estimate.activation_bytes
     capacity = hardware.gpu.memory_bytes
     budget = int(capacity * (1 - margin))
-    required = estimate.total_bytes
+    reserved, outside = estimate.reserved_bytes, estimate.outside_allocator_bytes
+    required = reserved + outside
     if required <= budget:
         bottleneck = Bottleneck.FITS
     else:
@@ -78,4 +92,5 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
         bottleneck = (Bottleneck.BOTH if static_heavy and act_heavy else
                       Bottleneck.STATIC if static_heavy else Bottleneck.ACTIVATIONS)
     return Diagnosis(bottleneck=bottleneck, capacity_bytes=capacity, budget_bytes=budget, required_bytes=required,
-                     static_bytes=static, activation_bytes=activ, margin=margin)
+                     static_bytes=static, activation_bytes=activ, margin=margin,
+                     allocated_bytes=estimate.allocated_bytes, reserved_bytes=reserved, outside_allocator_bytes=outside)

@@ -31,6 +31,10 @@ def plan_json(plan, *, optimized=NOT_SEARCHED, verified=None, emitted: Sequence[
     - "emitted": the paths written by --emit, "emitted_setup" ('final' or 'optimized': which setup they hold) and,
       when the plan does not fit, "emitted_warning";
     - "reports": the --report / --png paths, when any were written.
+
+    Every estimate in it (`initial_estimate`, each step's, `final_estimate`) carries "device_memory": the three
+    device figures (allocated, reserved, device_used, each labelled with what measures it); the diagnoses say
+    which one the verdict uses (`device_memory_dict` gathers them).
     """
     data = plan.to_dict()
     if optimized is not NOT_SEARCHED:
@@ -78,3 +82,12 @@ def optimized_dict(choice) -> dict | None:
             "estimate": choice.estimate.to_dict()}
 
 
+
+
+def device_memory_dict(plan) -> dict:
+    """allocated <= reserved <= device_used for the setup as given and the final one; the verdict compares
+    reserved + outside the allocator (= device_used) with the budget."""
+    from .estimate.result import FIGURE_METRICS
+
+    return {"initial": plan.initial_estimate.device_figures(), "final": plan.final_estimate.device_figures(),
+            "metrics": dict(FIGURE_METRICS), "verdict_uses": "device_used (reserved + outside the allocator)"}

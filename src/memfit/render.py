@@ -103,10 +103,22 @@ def breakdown(console: Console, estimate: MemoryEstimate, *, verbose: bool = Fal
         table.add_row(name, str(term.category), gib(term.num_bytes), f"{share:.1%}")
     table.add_section()
     table.add_row(Text("total", style="bold"), "", Text(gib(total), style="bold"), "100.0%")
+    if any(t.category.value == "overhead" for t in estimate.terms):
+        table.add_section()
+        for label, metric, value in device_figure_rows(estimate):
+            table.add_row(Text(label), Text(metric, style="dim"), gib(value),
+                          f"{value / total:.1%}" if total else "-")
     console.print()
     console.print(table)
     if estimate.cpu_bytes:
         console.print(Text(f"CPU RAM for offloaded tensors: {gib(estimate.cpu_bytes)} GiB per node"))
+
+
+def device_figure_rows(estimate: MemoryEstimate) -> list[tuple[str, str, int]]:
+    """(label, what measures it, bytes) for the three device figures, smallest first."""
+    return [("allocated", "max_memory_allocated", estimate.allocated_bytes),
+            ("reserved", "max_memory_reserved", estimate.reserved_bytes),
+            ("device used", "nvidia-smi", estimate.device_used_bytes)]
 
 
 def peak_and_diagnosis(console: Console, estimate: MemoryEstimate, diagnosis: Diagnosis) -> None:
@@ -115,6 +127,10 @@ def peak_and_diagnosis(console: Console, estimate: MemoryEstimate, diagnosis: Di
         ("peak", f"during {estimate.peak_phase}" + (f" (tensor GiB by phase: {phases})" if phases else ""))]
     style = "green" if diagnosis.fits else "red"
     rows.append(("diagnosis", Text(diagnosis.summary(), style=style)))
+    if diagnosis.reserved_bytes:
+        rows.append(("", f"needs = reserved {gib(diagnosis.reserved_bytes)} GiB + outside the allocator "
+                         f"{gib(diagnosis.outside_allocator_bytes)} GiB (CUDA context, NCCL): what a CUDA OOM is "
+                         "decided on"))
     rows.append(("", f"static {gib(diagnosis.static_bytes)} GiB (params + grads + optimizer + runtime), "
                      f"activations {gib(diagnosis.activation_bytes)} GiB, headroom "
                      f"{gib(diagnosis.headroom_bytes)} GiB"))

@@ -238,3 +238,4 @@ def main() -> None:
 from . import steps  # noqa: E402,F401  (trace, measure)
 from . import launch  # noqa: E402,F401  (launch)
 from . import fit  # noqa: E402,F401  (fit)
+from . import serve  # noqa: E402,F401  (serve)

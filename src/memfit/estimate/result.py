@@ -43,10 +43,34 @@ class Term:
     num_bytes: int
     formula: str = ""
     source: str = ""
+    figure: str = ""
+    """Which device figure the term first counts in: 'allocated' (tensors, the allocator's rounding, kernel
+    workspaces), 'reserved' (segments cached beyond the allocated peak) or 'outside' (the allocator: CUDA context,
+    NCCL). Empty: 'allocated' for tensor categories, by name for overhead terms (see `device_figure`)."""
+
+    @property
+    def device_figure(self) -> str:
+        if self.figure:
+            return self.figure
+        if self.category is not Category.OVERHEAD:
+            return "allocated"
+        return _OVERHEAD_FIGURES.get(self.name, "outside")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "category": self.category.value, "bytes": self.num_bytes,
-                "formula": self.formula, "source": self.source}
+                "formula": self.formula, "source": self.source, "figure": self.device_figure}
+
+
+_OVERHEAD_FIGURES = {"overhead/allocator_reserve": "reserved", "overhead/allocator_rounding": "allocated",
+                     "overhead/cublas_workspace": "allocated"}
+"""Overhead terms without an explicit figure (a measured step's reserve: max_memory_reserved - allocated)."""
+
+DEVICE_FIGURES = ("allocated", "reserved", "device_used")
+FIGURE_METRICS = {
+    "allocated": "torch.cuda.max_memory_allocated: tensors + allocator rounding + kernel workspaces",
+    "reserved": "torch.cuda.max_memory_reserved: allocated + segments the caching allocator holds unused",
+    "device_used": "nvidia-smi / NVML used: reserved + CUDA context + NCCL buffers (outside the allocator)",
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +117,35 @@ class MemoryEstimate:
         """Everything but the runtime overhead: what torch.cuda.max_memory_allocated would report."""
         return sum(t.num_bytes for t in self.terms if t.category is not Category.OVERHEAD)
 
+    def _figure_bytes(self, figure: str) -> int:
+        return sum(t.num_bytes for t in self.terms if t.device_figure == figure)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Predicted torch.cuda.max_memory_allocated: tensor bytes + the allocator's rounding + workspaces."""
+        return self._figure_bytes("allocated")
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Predicted torch.cuda.max_memory_reserved: allocated + what the caching allocator holds beyond it."""
+        return self.allocated_bytes + self._figure_bytes("reserved")
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """CUDA context, NCCL buffers: device memory PyTorch's allocator statistics never see."""
+        return self._figure_bytes("outside")
+
+    @property
+    def device_used_bytes(self) -> int:
+        """Predicted nvidia-smi / NVML 'used' for this process: reserved + outside the allocator (= total_bytes).
+        What a CUDA OOM is decided on: reserved segments and the runtime's own memory share the device."""
+        return self.reserved_bytes + self.outside_allocator_bytes
+
+    def device_figures(self) -> dict[str, int]:
+        """The three labelled figures: allocated <= reserved <= device_used."""
+        return {"allocated": self.allocated_bytes, "reserved": self.reserved_bytes,
+                "device_used": self.device_used_bytes}
+
     def by_category(self) -> dict[Category, int]:
         totals = {c: 0 for c in Category}
         for term in self.terms:
@@ -121,6 +174,8 @@ class MemoryEstimate:
             "device": self.device_name,
             "total_bytes": self.total_bytes,
             "tensor_bytes": self.tensor_bytes,
+            "device_memory": {**self.device_figures(), "outside_allocator": self.outside_allocator_bytes,
+                       "metrics": dict(FIGURE_METRICS)},
             "peak_phase": self.peak_phase.value,
             "by_category": {c.value: v for c, v in self.by_category().items()},
             "terms": [t.to_dict() for t in self.terms],

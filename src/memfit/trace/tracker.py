@@ -59,7 +59,7 @@ _ROOT = "(model)"
 
 
 class _Storage:
-    __slots__ = ("key", "nbytes", "kind", "module", "alloc_index", "phase_serial", "ref")
+    __slots__ = ("key", "nbytes", "kind", "module", "alloc_index", "phase_serial", "ref", "sid")
 
 
 class StepTracker(TorchDispatchMode):
@@ -110,6 +110,10 @@ class StepTracker(TorchDispatchMode):
         """> 0 while DTensor derives output shapes by running an op on global-shape fake tensors: in a real run those
         are a private FakeTensorMode's (no memory); in a trace they would share ours and look like allocations."""
         self._orig_propagate = None
+        self.allocation_events: list[tuple[int, int]] = []
+        """Device allocations and frees in order, for memfit.estimate.allocator.replay: (serial, bytes) when a
+        storage is born (or re-grown by resize_), (serial, FREE) when it dies. Host-resident kinds are left out."""
+        self._serial = 0
 
     # ---- registration -------------------------------------------------------------------------------------
 
@@ -215,9 +219,22 @@ class StepTracker(TorchDispatchMode):
         record.alloc_index = self.events
         record.phase_serial = self._phase_serial
         record.ref = weakref.ref(storage, lambda _ref, record=record: self._free(record))
+        record.sid = 0
         self._records[key] = record
         if num_bytes:
+            self._stream_alloc(record)
             self._change(kind, num_bytes)
+
+    def _stream_alloc(self, record: _Storage) -> None:
+        if not self._on_host[record.kind]:
+            self._serial += 1
+            record.sid = self._serial
+            self.allocation_events.append((self._serial, record.nbytes))
+
+    def _stream_free(self, record: _Storage) -> None:
+        if record.sid:
+            self.allocation_events.append((record.sid, _FREE))
+            record.sid = 0
 
     def _free(self, record: _Storage) -> None:
         if self._records.get(record.key) is record:
@@ -227,6 +244,7 @@ class StepTracker(TorchDispatchMode):
         kind = record.kind
         if kind is _Kind.ACTIVATIONS and self.phase is Phase.FORWARD and record.phase_serial == self._phase_serial:
             self._retro(record, _Kind.TEMPORARIES)  # born and dead within one forward: a temporary
+        self._stream_free(record)
         self._change(kind, -record.nbytes)
 
     def _resized(self, record: _Storage, num_bytes: int) -> None:
@@ -235,6 +253,9 @@ class StepTracker(TorchDispatchMode):
             record.alloc_index = self.events  # re-allocated (FSDP2 all-gather outputs): born again
         record.nbytes = num_bytes
         if delta:
+            self._stream_free(record)  # the allocator sees a resize as a free and a new block
+            if num_bytes:
+                self._stream_alloc(record)
             self._change(record.kind, delta)
 
     def _change(self, kind: _Kind, delta: int) -> None:
@@ -452,6 +473,7 @@ _GUESS_EVENTS = {Phase.FORWARD: 2000, Phase.BACKWARD: 4000, Phase.OPTIMIZER: 200
 
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
+_FREE = -1  # memfit.estimate.allocator.FREE
 
 
 def _storage_of(tensor: torch.Tensor):

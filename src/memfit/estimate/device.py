@@ -1,0 +1,308 @@
+"""The device side of a step: what a CUDA GPU needs beyond the tensor terms, as three labelled figures.
+
+- allocated (`torch.cuda.max_memory_allocated`): the tensor terms + the caching allocator's rounding (each request
+  rounded to 512 B; a large-pool block is handed out whole when the rest would be 1 MiB or less) + the cuBLAS
+  workspaces PyTorch allocates through the allocator;
+- reserved (`torch.cuda.max_memory_reserved`): + the segments the allocator holds but no tensor uses at its peak
+  (fragmentation and cache), from a replay of the step's allocations through the allocator's rules
+  (memfit.estimate.allocator);
+- device used (nvidia-smi / NVML): + what lives outside the allocator: the CUDA context, NCCL's buffers.
+
+A trace gives the replay the step's real event stream (StepTracker.allocation_events). The formulas have none, so
+`formula_stream` builds a representative one from the estimate's terms and the model's tensor shapes: parameters
+tensor by tensor, each block's saved tensors allocated in forward and freed in reverse in backward while its
+gradients appear, the optimizer's states and temporaries; two steps, so the second runs on the first one's cache.
+Only the overheads (rounding, cache) are taken from the replay, and added to the formulas' exact tensor peak. Blocks
+repeat, so the replay runs on a few blocks and the overheads are extended linearly to the model's depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..hardware import Hardware
+from ..model_spec import ModelSpec
+from ..setup import Checkpointing, Optimizer, TrainingSetup
+from . import allocator as alloc
+from .result import Category, Term
+
+ROUNDING = "overhead/allocator_rounding"
+WORKSPACE = "overhead/cublas_workspace"
+RESERVE = "overhead/allocator_reserve"
+CONTEXT = "overhead/cuda_context"
+NCCL = "overhead/nccl"
+SAMPLE_BLOCKS = 4
+"""Blocks the formula stream replays; the overheads are scaled to the whole model by its tensor peak."""
+
+
+@dataclass(frozen=True)
+class DeviceReplay:
+    """What the allocator replay found, for notes and tests."""
+
+    rounding_bytes: int
+    reserve_bytes: int
+    stream: str
+    """'trace' (the step's real events) or 'formulas' (the representative stream)."""
+    config: str
+
+
+def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *,
+                           spec: ModelSpec | None = None, terms: Sequence[Term] = (),
+                           events: Sequence[tuple[object, int]] | None = None) -> list[Term]:
+    """The terms that turn a tensor peak into the three device figures (empty on a CPU device).
+
+    `events`: a traced step's allocation stream (StepTracker.allocation_events). Else `spec` and the peak's `terms`
+    build the formulas' representative stream. With neither, only the peak itself is replayed (one block: the
+    rounding of one request, no fragmentation) and the reserve term says so."""
+    if hardware.is_cpu:
+        return []
+    constants = hardware.device
+    workspaces = constants.cublas_workspaces * constants.cublas_workspace_bytes
+    replay = device_replay(tensor_peak, setup, hardware, spec=spec, terms=terms, events=events)
+    out = []
+    if workspaces:
+        out.append(Term(WORKSPACE, Category.OVERHEAD, workspaces,
+                        f"{constants.cublas_workspaces} x {constants.cublas_workspace_bytes / 2**20:.3g} MiB cuBLAS "
+                        "workspaces, allocated through the caching allocator (counted in max_memory_allocated)",
+                        constants.cublas_source, figure="allocated"))
+    if replay.rounding_bytes:
+        out.append(Term(ROUNDING, Category.OVERHEAD, replay.rounding_bytes,
+                        "block sizes beyond the requests at the allocated peak: 512 B rounding, large blocks handed "
+                        f"out whole when the rest is <= 1 MiB ({replay.stream} stream replayed)",
+                        alloc.SOURCE, figure="allocated"))
+    reserve_formula = (f"max_memory_reserved - max_memory_allocated of the {replay.stream} stream replayed through "
+                       f"the caching allocator ({replay.config}): segments cached but unused at the peak")
+    if replay.stream == "peak only":
+        reserve_formula += "; no event stream was given, so fragmentation is not modelled"
+    out.append(Term(RESERVE, Category.OVERHEAD, replay.reserve_bytes, reserve_formula, alloc.SOURCE,
+                    figure="reserved"))
+    if constants.cuda_context_bytes:
+        out.append(Term(CONTEXT, Category.OVERHEAD, constants.cuda_context_bytes,
+                        f"CUDA context, {hardware.cuda_runtime} module loading (outside PyTorch's allocator)",
+                        constants.cuda_context_source, figure="outside"))
+    if setup.num_gpus > 1 and constants.nccl_bytes_per_communicator:
+        count = hardware.nccl_communicators
+        out.append(Term(NCCL, Category.OVERHEAD, count * constants.nccl_bytes_per_communicator,
+                        f"{count} communicator(s) x {constants.nccl_formula}", constants.nccl_source,
+                        figure="outside"))
+    return out
+
+
+def device_replay(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *, spec: ModelSpec | None = None,
+                  terms: Sequence[Term] = (), events: Sequence[tuple[object, int]] | None = None) -> DeviceReplay:
+    constants = hardware.device
+    workspace = constants.cublas_workspace_bytes
+    workspaces = (workspace,) * constants.cublas_workspaces
+    config = hardware.allocator
+    if events is not None:
+        stream = [(("ws", i), size) for i, size in enumerate(workspaces)] + list(events)
+        result = alloc.replay(stream, config)
+        return DeviceReplay(max(0, result.peak_allocated - result.peak_requested),
+                            max(0, result.peak_reserved - result.peak_allocated), "trace", config.describe())
+    if spec is None or not terms or not spec.params:
+        result = alloc.replay([(i, s) for i, s in enumerate((*workspaces, tensor_peak)) if s], config)
+        return DeviceReplay(result.peak_allocated - result.peak_requested,
+                            result.peak_reserved - result.peak_allocated, "peak only", config.describe())
+    shape = _shape(spec, setup, terms, workspaces)
+    rounding, reserve = _extended(shape, config, spec.num_layers, tensor_peak)
+    return DeviceReplay(rounding, reserve, "formulas", config.describe())
+
+
+# ------------------------------------------------------------------------------------------ the formula stream
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Everything the representative stream is built from, hashable (replays are cached on it)."""
+
+    root_params: tuple[int, ...]
+    block_params: tuple[int, ...]
+    param_scale: float
+    grad_scale: float
+    state_tensors: int
+    state_scale: float
+    saved_per_block: tuple[int, ...]
+    block_temps: tuple[int, ...]
+    recompute: tuple[int, ...]
+    head_saved: tuple[int, ...]
+    """Freed by the loss's backward."""
+    root_saved: tuple[int, ...]
+    """Freed at the end of backward (embeddings)."""
+    loss_temps: tuple[int, ...]
+    gathered_root: int
+    gathered_block: int
+    step_temps: tuple[int, ...]
+    step_temp_per_param: bool
+    early_grads: bool
+    workspaces: tuple[int, ...]
+
+
+def _units(total: int, unit: int, cap: int = 16) -> list[int]:
+    """`total` bytes as tensors of `unit` bytes (at most `cap` of them) and one remainder."""
+    if total <= 0:
+        return []
+    if unit <= 0:
+        return [total]
+    count = min(total // unit, cap)
+    rest = total - count * unit
+    return [unit] * count + ([rest] if rest else [])
+
+
+def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspaces: tuple[int, ...]) -> _Shape:
+    by = {t.name: t.num_bytes for t in terms}
+    layers = max(spec.num_layers, 1)
+    tokens = setup.tokens_per_micro_step
+    compute = 4 if setup.precision.compute_dtype == "fp32" else 2
+    unit_h = tokens * spec.hidden_size * compute
+    unit_i = tokens * max(spec.intermediate_size, spec.hidden_size) * compute
+    block, root = [], []
+    for p in spec.params:
+        if p.count >= layers and p.count % layers == 0:
+            block += [p.numel] * (p.count // layers)
+        else:
+            root += [p.numel] * p.count
+    numel = max(spec.num_params, 1)
+    params = by.get("parameters", 0)
+    grads = by.get("gradients", 0)
+    states = by.get("optimizer/states", 0)
+    # FSDP2 / ZeRO-3 shard every tensor: the per-tensor sizes scale with the per-rank bytes
+    per_elem_state = states / numel
+    state_tensors = 0 if not states else max(1, round(per_elem_state / 4))
+    saved = 0
+    for name in ("activations/attention", "activations/mlp", "activations/norms/residual", "activations/checkpoints"):
+        saved += by.get(name, 0)
+    per_block = saved // layers
+    mlp = by.get("activations/mlp", 0) // layers
+    saved_tensors = _units(mlp, unit_i) + _units(per_block - mlp, unit_h)
+    copies = by.get("activations/autocast_weight_copies", 0)
+    if copies and block:  # autocast caches one low-precision copy per Linear weight, block by block
+        per_elem = copies / max(sum(root) + sum(block), 1)
+        saved_tensors += [int(n * per_elem) for n in block]
+        copies -= int(sum(block) * per_elem) * layers
+    temps = by.get("temporaries/layer_backward", 0)
+    block_temps = _units(min(temps, 2 * unit_h), unit_h) + _units(max(0, temps - 2 * unit_h), unit_i, cap=4)
+    recompute = _units(by.get("activations/recomputed_block", 0), unit_h) if (
+        setup.checkpointing is Checkpointing.FULL) else []
+    head = [by.get(n, 0) for n in ("activations/logits", "activations/loss", "activations/head",
+                                   "activations/logit_softcap") if by.get(n)] + ([copies] if copies > 0 else [])
+    root_saved = [by.get("activations/embeddings", 0)] if by.get("activations/embeddings") else []
+    loss_backward = by.get("temporaries/loss_backward", 0)  # the gradients of log-softmax and of the logits
+    loss_temps = [loss_backward // 2, loss_backward - loss_backward // 2] if loss_backward else []
+    loss_temps += [by["temporaries/logits_fp32"]] if by.get("temporaries/logits_fp32") else []
+    gathered = by.get("parameters/gathered", 0)
+    block_numel = sum(block)
+    gathered_block = 0
+    gathered_root = 0
+    if gathered and block_numel:
+        per_elem = gathered / max(sum(root) + block_numel, 1)
+        gathered_block = int(block_numel * per_elem)
+        gathered_root = max(0, gathered - gathered_block)
+    step = by.get("temporaries/optimizer_step", 0) + by.get("temporaries/master_gradients", 0)
+    per_param = setup.optimizer in (Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED) or bool(
+        by.get("temporaries/master_gradients"))
+    return _Shape(
+        root_params=tuple(root), block_params=tuple(block), param_scale=params / numel, grad_scale=grads / numel,
+        state_tensors=state_tensors, state_scale=per_elem_state / max(state_tensors, 1),
+        saved_per_block=tuple(saved_tensors), block_temps=tuple(block_temps), recompute=tuple(recompute),
+        head_saved=tuple(head), root_saved=tuple(root_saved), loss_temps=tuple(loss_temps),
+        gathered_root=gathered_root, gathered_block=gathered_block, step_temps=(step,) if step else (),
+        step_temp_per_param=per_param, early_grads=setup.grad_accum_steps > 1, workspaces=workspaces)
+
+
+def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[object, int]]:
+    """The representative event stream of `steps` training steps over `blocks` blocks."""
+    events: list[tuple[object, int]] = []
+    add = events.append
+    tensors = [("root", i, n) for i, n in enumerate(shape.root_params)]
+    tensors += [(b, i, n) for b in range(blocks) for i, n in enumerate(shape.block_params)]
+    for key in tensors:
+        add((("p",) + key[:2], int(key[2] * shape.param_scale)))
+    if shape.gathered_root:
+        add((("g", "root"), shape.gathered_root))
+    for step in range(steps):
+        if step == 0:
+            for i, size in enumerate(shape.workspaces):
+                add((("ws", i), size))
+        if shape.early_grads and step == 0:
+            for key in tensors:
+                add((("d",) + key[:2], int(key[2] * shape.grad_scale)))
+        for i, size in enumerate(shape.root_saved):
+            add((("re", i), size))
+        for b in range(blocks):  # forward
+            if shape.gathered_block:
+                add((("g", b), shape.gathered_block))
+            for i, size in enumerate(shape.saved_per_block):
+                add((("s", b, i), size))
+            if shape.gathered_block:
+                add((("g", b), alloc.FREE))
+        for i, size in enumerate(shape.head_saved):
+            add((("h", i), size))
+        for i, size in enumerate(shape.loss_temps):  # the loss's backward
+            add((("lt", i), size))
+        for i in range(len(shape.head_saved)):
+            add((("h", i), alloc.FREE))
+        for i in range(len(shape.loss_temps)):
+            add((("lt", i), alloc.FREE))
+        for b in reversed(range(blocks)):  # backward
+            if shape.gathered_block:
+                add((("g", b), shape.gathered_block))
+            for i, size in enumerate(shape.recompute):
+                add((("rc", i), size))
+            for i, size in enumerate(shape.block_temps):
+                add((("t", i), size))
+            if not shape.early_grads:
+                for i, n in enumerate(shape.block_params):
+                    add((("d", b, i), int(n * shape.grad_scale)))
+            for i in range(len(shape.saved_per_block)):
+                add((("s", b, i), alloc.FREE))
+            for i in range(len(shape.recompute)):
+                add((("rc", i), alloc.FREE))
+            for i in range(len(shape.block_temps)):
+                add((("t", i), alloc.FREE))
+            if shape.gathered_block:
+                add((("g", b), alloc.FREE))
+        if not shape.early_grads:
+            for i, n in enumerate(shape.root_params):
+                add((("d", "root", i), int(n * shape.grad_scale)))
+        for i in range(len(shape.root_saved)):
+            add((("re", i), alloc.FREE))
+        if step == 0:  # the first step creates the optimizer state
+            for key in tensors:
+                for j in range(shape.state_tensors):
+                    add((("o",) + key[:2] + (j,), int(key[2] * shape.state_scale)))
+        if shape.step_temps:
+            if shape.step_temp_per_param:  # foreach / master upcast: one temporary per parameter, freed together
+                total = sum(k[2] for k in tensors) or 1
+                for key in tensors:
+                    add((("st",) + key[:2], int(shape.step_temps[0] * key[2] / total)))
+                for key in tensors:
+                    add((("st",) + key[:2], alloc.FREE))
+            else:
+                add((("st",), shape.step_temps[0]))
+                add((("st",), alloc.FREE))
+        if not shape.early_grads:  # zero_grad(set_to_none=True)
+            for key in tensors:
+                add((("d",) + key[:2], alloc.FREE))
+    return events
+
+
+@lru_cache(maxsize=512)
+def _replayed(shape: _Shape, blocks: int, config: alloc.AllocatorConfig) -> tuple[int, int, int]:
+    result = alloc.replay(formula_stream(shape, blocks), config)
+    return (result.peak_requested, max(0, result.peak_allocated - result.peak_requested),
+            max(0, result.peak_reserved - result.peak_allocated))
+
+
+def _extended(shape: _Shape, config: alloc.AllocatorConfig, layers: int, tensor_peak: int) -> tuple[int, int]:
+    """Replay SAMPLE_BLOCKS blocks (all of them when the model has fewer) and scale the overheads by the tensor
+    peak: the sample's rounding and cache as fractions of its own peak, applied to the formulas' peak. (Blocks
+    repeat the same allocations, but how their blocks pack into segments does not grow linearly with depth, so a
+    fraction is steadier than an extrapolation.)"""
+    blocks = min(SAMPLE_BLOCKS, layers)
+    requested, rounding, reserve = _replayed(shape, blocks, config)
+    if blocks == layers or not requested:
+        return rounding, reserve
+    scale = tensor_peak / requested
+    return int(rounding * scale), int(reserve * scale)
