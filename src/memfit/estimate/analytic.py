@@ -20,6 +20,7 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
 from . import fsdp2, lora
+from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
 from .static import ShardedStatic, full_static, shard
@@ -47,7 +48,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
     phase, terms = moments[peak_name]
-    terms = [t for t in terms if t.num_bytes > 0] + runtime_overhead_terms(_total(terms), setup, hardware)
+    terms = [t for t in terms if t.num_bytes > 0]
+    terms += runtime_overhead_terms(_total(terms), setup, hardware, spec=spec, terms=terms)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes,
@@ -392,20 +394,3 @@ def _without_gathered(static: ShardedStatic) -> ShardedStatic:
     """No gathered parameters during the optimizer step: it updates the shards."""
     return replace(static, param_working_set_bytes=0)
 
-
-def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Hardware) -> list[Term]:
-    """What the device needs beyond tensors: CUDA context, allocator fragmentation, NCCL buffers."""
-    terms = []
-    if hardware.cuda_context_bytes:
-        terms.append(Term("overhead/cuda_context", Category.OVERHEAD, hardware.cuda_context_bytes,
-                          "CUDA context + cuBLAS workspace (outside PyTorch's allocator statistics)",
-                          "measured 0.3-0.6 GiB with CUDA lazy loading"))
-    if hardware.allocator_reserve_fraction:
-        terms.append(Term("overhead/allocator_reserve", Category.OVERHEAD,
-                          int(tensor_peak * hardware.allocator_reserve_fraction),
-                          f"{hardware.allocator_reserve_fraction:.0%} of the tensor peak: caching-allocator "
-                          "fragmentation (reserved - allocated)", "PyTorch CUDA caching allocator"))
-    if setup.num_gpus > 1 and hardware.nccl_bytes_per_communicator:
-        terms.append(Term("overhead/nccl", Category.OVERHEAD, hardware.nccl_bytes_per_communicator,
-                          "NCCL communicator buffers", "NCCL; invisible to torch.cuda.memory_allocated"))
-    return terms
