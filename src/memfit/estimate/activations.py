@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model_spec import ModelSpec
-from ..setup import Attention, Precision, TrainingSetup
+from ..setup import Attention, Checkpointing, Precision, TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class Saved:
     elems: float
     dtype: str  # f32 / res / cmp / lin
     readers: int = 1
+    role: str = ""
+    """Saved only for a weight's gradient, and so not when that weight is frozen: 'norm' (a norm's normalised
+    value, which its weight multiplies), or the projection whose input it is ('qkv', 'out', 'up', 'down', 'head')."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class Dtypes:
     on_cpu: bool = False
     """CPU kernels differ: dropout keeps a mask in the input's dtype (CUDA: bool), and SDPA with dropout falls
     back to the math path that materialises T x T (CUDA's flash / memory-efficient kernels do not)."""
+    mlp_in_residual: bool = False
+    """The MLP's matmul outputs come back in the residual dtype: a bitsandbytes-quantized frozen Linear returns
+    its input's dtype (Linear4bit.forward `.to(inp_dtype)`), fp32 once prepare_model_for_kbit_training made the
+    norms fp32, even under autocast."""
 
     @classmethod
     def of(cls, precision: Precision, on_cpu: bool = False) -> "Dtypes":
@@ -53,9 +60,9 @@ class Dtypes:
     def bytes_of(self, item: Saved) -> float:
         if item.dtype == "f32":
             return 4 * item.elems
-        if item.dtype == "res":
+        if item.dtype == "res" or (item.dtype == "cmp" and self.mlp_in_residual and item.group == "mlp"):
             return self.residual * item.elems
-        if item.dtype == "cmp":
+        if item.dtype in ("cmp", "c16"):  # c16: the compute dtype whatever the group (an autocast cast)
             return self.compute * item.elems
         if item.dtype == "u8":
             return item.elems
@@ -65,12 +72,28 @@ class Dtypes:
         return copies * size * item.elems
 
 
+def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtypes:
+    """The dtype classes of a step: the precision's, or with a LoRA base stored in 16 bits a 16-bit residual
+    stream (the embedding and norms are bf16 too), or with a quantized base an fp32 one (peft's
+    prepare_model_for_kbit_training upcasts the embedding and norms; the 4-bit Linears return their input's dtype)."""
+    d = Dtypes.of(setup.precision, on_cpu)
+    if not spec.frozen:
+        return d
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    if base.quantized:
+        return Dtypes(residual=4, compute=2 if d.autocast else 4, autocast=d.autocast, on_cpu=on_cpu,
+                      mlp_in_residual=True)
+    if base.value in ("bf16", "fp16"):
+        return Dtypes(residual=2, compute=2, autocast=d.autocast, on_cpu=on_cpu)
+    return d
+
+
 def _rmsnorm(spec: ModelSpec, d: Dtypes, count: int = 1) -> list[Saved]:
     # LlamaRMSNorm: x.to(fp32) (saved by pow and mul), rsqrt (B*T*1), normalised x cast back (saved by weight mul).
     # Gemma2RMSNorm keeps the normalised value in fp32: `_norm(x.float()) * (1 + w.float())`.
     normed = "f32" if spec.model_type == "gemma2" else "res"
     h = spec.hidden_size
-    return [Saved("norms", h, "f32"), Saved("norms", 1, "f32"), Saved("norms", h, normed)] * count
+    return [Saved("norms", h, "f32"), Saved("norms", 1, "f32"), Saved("norms", h, normed, role="norm")] * count
 
 
 def _layernorm(spec: ModelSpec, count: int = 1, input_saved: bool = True) -> list[Saved]:
@@ -96,9 +119,11 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
             rotated = 0 if spec.model_type == "gpt2" else q + kv  # rotary writes new q, k tensors
             # Phi-3 and GPT-NeoX make the attention output contiguous before the output projection: one more
             # q-sized copy (read off saved_tensors_hooks on a real tiny GPTNeoXForCausalLM, transformers 5.24)
-            out_copies = 2 if spec.model_type in ("phi3", "gpt_neox") else 1
-            return [Saved("attention", fused, "cmp"), Saved("attention", rotated, "cmp"),
-                    Saved("attention", out_copies * q, "cmp"), Saved("attention", heads, "f32")]
+            rows = [Saved("attention", fused, "cmp"), Saved("attention", rotated, "cmp"),
+                    Saved("attention", q, "cmp"), Saved("attention", heads, "f32")]
+            if spec.model_type in ("phi3", "gpt_neox"):
+                rows.append(Saved("attention", q, "cmp", role="out"))  # saved by the output projection only
+            return rows
         return [Saved("attention", q + k_v, "cmp"), Saved("attention", q, "cmp"), Saved("attention", heads, "f32")]
     # Eager (or CPU SDPA with dropout, which takes the math path): q and k (repeated to all heads) for QK^T, the
     # softmax output, v repeated, and the transposed output copy fed to o_proj. The probabilities that meet v are
@@ -167,21 +192,23 @@ def _llama_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes)
     sandwich = 2 if spec.extra.get("sandwich_norms") else 1  # gemma2 norms before and after attention and MLP
     rows = _rmsnorm(spec, d, 2 * sandwich)
     qkv_readers = 1 if spec.extra.get("fused_qkv") else 3
-    rows += [Saved("attention", h, "lin", qkv_readers)] + _attention_core(spec, setup, seq_len, d)
+    rows += [Saved("attention", h, "lin", qkv_readers, role="qkv")] + _attention_core(spec, setup, seq_len, d)
     up_readers = 1 if spec.extra.get("fused_gate_up") else 2
     if spec.gated_mlp:
         # gate out (saved by act), act out and up out (saved by mul), product (saved by down_proj)
-        rows += [Saved("mlp", h, "lin", up_readers), Saved("mlp", (3 + _act_saved(spec)) * inter, "cmp")]
+        rows += [Saved("mlp", h, "lin", up_readers, role="up"), Saved("mlp", (2 + _act_saved(spec)) * inter, "cmp"),
+                 Saved("mlp", inter, "cmp", role="down")]
     else:
-        rows += [Saved("mlp", h, "lin"), Saved("mlp", 2 * inter, "cmp")]
+        rows += [Saved("mlp", h, "lin", role="up"), Saved("mlp", inter, "cmp"), Saved("mlp", inter, "cmp", role="down")]
     return rows
 
 
 def _gpt2_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
     h, inter = spec.hidden_size, spec.intermediate_size
     rows = _layernorm(spec, 2)
-    rows += [Saved("attention", h, "lin")] + _attention_core(spec, setup, seq_len, d)
-    rows += [Saved("mlp", h, "lin"), Saved("mlp", (_act_saved(spec) + 1) * inter, "cmp")]
+    rows += [Saved("attention", h, "lin", role="qkv")] + _attention_core(spec, setup, seq_len, d)
+    rows += [Saved("mlp", h, "lin", role="up"), Saved("mlp", _act_saved(spec) * inter, "cmp"),
+             Saved("mlp", inter, "cmp", role="down")]
     return rows + _residual_dropouts(spec, d, 2)
 
 
@@ -201,16 +228,18 @@ def _neox_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) 
     h, inter = spec.hidden_size, spec.intermediate_size
     # Parallel residual: both LayerNorms read the same x, saved once.
     rows = _layernorm(spec, 2, input_saved=False) + [Saved("norms", h, "res")]
-    rows += [Saved("attention", h, "lin")] + _attention_core(spec, setup, seq_len, d)
-    rows += [Saved("mlp", h, "lin"), Saved("mlp", (_act_saved(spec) + 1) * inter, "cmp")]
+    rows += [Saved("attention", h, "lin", role="qkv")] + _attention_core(spec, setup, seq_len, d)
+    rows += [Saved("mlp", h, "lin", role="up"), Saved("mlp", _act_saved(spec) * inter, "cmp"),
+             Saved("mlp", inter, "cmp", role="down")]
     return rows
 
 
 def _bert_layer(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
     h, inter = spec.hidden_size, spec.intermediate_size
-    rows = [Saved("attention", h, "lin", 3)] + _attention_core(spec, setup, seq_len, d)
+    rows = [Saved("attention", h, "lin", 3, role="qkv")] + _attention_core(spec, setup, seq_len, d)
     rows += _layernorm(spec, 2)  # post-LN after attention and after the MLP (inputs are residual sums)
-    rows += [Saved("mlp", h, "lin"), Saved("mlp", 2 * inter, "cmp")]  # gelu input, output.dense input
+    # gelu input, output.dense input
+    rows += [Saved("mlp", h, "lin", role="up"), Saved("mlp", inter, "cmp"), Saved("mlp", inter, "cmp", role="down")]
     return rows + _residual_dropouts(spec, d, 2)
 
 
@@ -224,38 +253,50 @@ def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_le
                       on_cpu: bool = False) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward, by group (attention / mlp / norms)."""
     recipe = LAYER_RECIPES.get(spec.model_type, _llama_layer)
-    d = Dtypes.of(setup.precision, on_cpu)
+    d = dtypes(spec, setup, on_cpu)
+    items = recipe(spec, setup, seq_len, d)
+    if spec.frozen:
+        from .lora import adapted_layer
+        items = adapted_layer(spec, setup, items, d)
     out = {"attention": 0.0, "mlp": 0.0, "norms": 0.0}
-    for item in recipe(spec, setup, seq_len, d):
+    for item in items:
         out[item.group] += d.bytes_of(item) * tokens
     return {k: int(v) for k, v in out.items()}
 
 
 def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict[str, int]:
     """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform)."""
-    d = Dtypes.of(setup.precision)
+    d = dtypes(spec, setup)
     h = spec.hidden_size
     if spec.model_type == "bert":
-        rows = [Saved("norms", h, "lin"), Saved("norms", h, "cmp")] + _layernorm(spec) + [Saved("norms", h, "lin")]
+        rows = ([Saved("norms", h, "lin", role="head"), Saved("norms", h, "cmp")] + _layernorm(spec)
+                + [Saved("norms", h, "lin", role="head")])
     elif spec.norm == "layernorm":
-        rows = _layernorm(spec) + [Saved("norms", h, "lin")]
+        rows = _layernorm(spec) + [Saved("norms", h, "lin", role="head")]
     else:
-        rows = _rmsnorm(spec, d) + [Saved("norms", h, "lin")]
+        rows = _rmsnorm(spec, d) + [Saved("norms", h, "lin", role="head")]
+    if spec.frozen:  # a frozen final norm and LM head keep nothing for their weights
+        rows = [r for r in rows if not r.role]
     return {"head": int(sum(d.bytes_of(r) for r in rows) * tokens)}
 
 
 def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
                           on_cpu: bool = False) -> int:
     """Token ids kept by the embedding backward (int64), position tables shared by all layers."""
-    d = Dtypes.of(setup.precision, on_cpu)
-    ids = 8 * tokens
-    if spec.extra.get("embedding_dropout", 0.0) > 0:
+    d = dtypes(spec, setup, on_cpu)
+    ids = 0 if spec.frozen else 8 * tokens  # a frozen embedding needs no indices for a weight gradient
+    # Under LoRA the embedding output needs a gradient only when peft's enable_input_require_grads marks it (the
+    # Trainer does so with checkpointing); until then dropout keeps no mask and a LayerNorm no input.
+    needs_grad = not spec.frozen or setup.checkpointing is not Checkpointing.NONE
+    if spec.extra.get("embedding_dropout", 0.0) > 0 and needs_grad:
         ids += int(d.bytes_of(Saved("norms", spec.hidden_size, d.mask)) * tokens)
     if spec.model_type == "bert":
-        # token-type and position ids, and the embedding LayerNorm
-        ids += 8 * tokens + 8 * seq_len + int(sum(d.bytes_of(r) for r in _layernorm(spec)) * tokens)
+        # token-type and position ids (for the tables' gradients), and the embedding LayerNorm
+        ids += 0 if spec.frozen else 8 * tokens + 8 * seq_len
+        if needs_grad:
+            ids += int(sum(d.bytes_of(r) for r in _layernorm(spec)) * tokens)
     elif spec.model_type == "gpt2":
-        ids += 8 * seq_len
+        ids += 0 if spec.frozen else 8 * seq_len
     else:
         # rotary cos/sin tables (1 x T x head_dim, shared by every layer), fp32 unless the model is pure bf16
         rotary = spec.head_dim * spec.extra.get("rotary_pct", 1.0)

@@ -122,9 +122,13 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                           "L x B x T x h (each block's input)" + (" + the B x T x T eager mask" if mask else ""),
                           "torch.utils.checkpoint, non-reentrant"))
     else:
+        first = int(lora.first_layer_unsaved(spec, setup, d) * tokens)
         for group, label in (("attention", "attention"), ("mlp", "mlp"), ("norms", "norms/residual")):
-            terms.append(Term(f"activations/{label}", Category.ACTIVATIONS, layers * per_layer[group],
-                              f"L x saved {group} tensors per layer", ENGINE_SOURCE))
+            total = layers * per_layer[group] - (first if group == "norms" else 0)
+            terms.append(Term(f"activations/{label}", Category.ACTIVATIONS, total,
+                              f"L x saved {group} tensors per layer" + (
+                                  " (layer 0's first norm keeps nothing: no gradient flows into it)"
+                                  if first and group == "norms" else ""), ENGINE_SOURCE))
     head = act.head_saved_bytes(spec, setup, tokens)["head"]
     emb = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu) + 2 * 8 * tokens  # + input_ids and labels
     terms.append(Term("activations/embeddings", Category.ACTIVATIONS, emb,
@@ -146,6 +150,8 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                       "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not"))
     if setup.precision.is_autocast:
         copies = 2 * (_linear_weight_elems(spec) if not ckpt else spec.vocab_size * spec.hidden_size)
+        if spec.frozen:
+            copies = lora.autocast_copies(spec, setup, ckpt)
         terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, copies,
                           "2 B x Linear weights: bf16 casts cached by autocast, saved for backward",
                           "torch.autocast weight cast cache"))
@@ -156,7 +162,7 @@ def _loss_elem_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Causal LMs go through ForCausalLMLoss, which upcasts logits to fp32; BERT's MLM loss stays in the logits'
     dtype unless autocast (log_softmax runs in fp32 under autocast)."""
     if spec.model_type == "bert" and not setup.precision.is_autocast:
-        return act.Dtypes.of(setup.precision).compute
+        return act.dtypes(spec, setup).compute
     return 4
 
 
@@ -197,8 +203,11 @@ class _Step:
         return [t for t in self.acts if t.name not in names]
 
     def recomputed_block(self, what: str) -> Term:
-        return Term("activations/recomputed_block", Category.ACTIVATIONS, sum(self.per_layer.values()), what,
-                    "torch.utils.checkpoint")
+        casts = lora.recomputed_casts(self.spec, self.setup) if self.spec.frozen else 0
+        if casts:
+            what += "; its adapters' bf16 casts, made again by autocast in the recompute"
+        return Term("activations/recomputed_block", Category.ACTIVATIONS, sum(self.per_layer.values()) + casts,
+                    what, "torch.utils.checkpoint")
 
     def attention_backward_dominates(self) -> bool:
         """Whether a block's backward peaks in its (eager) attention rather than its MLP."""
@@ -218,8 +227,11 @@ class _Step:
         residual = self.tokens * 2 * spec.hidden_size * d.residual
         formula = "2 x B x T x h (residual grads) + the larger of B x T x I (MLP input grad) and the eager T x T "
         formula += "gradients beyond the freed MLP tensors"
-        return Term("temporaries/layer_backward", Category.TEMPORARIES, residual + max(mlp, attention_extra),
-                    formula, "autograd of one block")
+        dequantized = lora.dequantized_weight_bytes(spec, setup) if spec.frozen else 0
+        if dequantized:
+            formula += " + the largest quantized weight, dequantized (bitsandbytes MatMul4Bit / int8 backward)"
+        return Term("temporaries/layer_backward", Category.TEMPORARIES,
+                    residual + max(mlp, attention_extra) + dequantized, formula, "autograd of one block")
 
 
 # Saved by the head and the loss: gone once the head's backward has run.
@@ -228,7 +240,7 @@ _HEAD_AND_LOSS = ("activations/logits", "activations/loss", "activations/head", 
 
 def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int, on_cpu: bool) -> dict:
     per_layer = act.layer_saved_bytes(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
-    dtypes = act.Dtypes.of(setup.precision, on_cpu)
+    dtypes = act.dtypes(spec, setup, on_cpu)
     step = _Step(spec, setup, static, _activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
     # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
     early_grads = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0

@@ -190,3 +190,149 @@ def base_label(spec: ModelSpec, setup: TrainingSetup) -> str:
         return str(base)
     label = f"{base}{' + double quantization' if ft.double_quant and base.four_bit else ''}"
     return f"{label} Linear weights; embeddings, head and norms fp32"
+
+
+# --- activations ----------------------------------------------------------------------------------------------------
+# What peft's lora.Linear saves (peft/tuners/lora/layer.py Linear.forward: base_layer(x); x cast to the adapter
+# dtype; lora_B(lora_A(dropout(x))) * scaling), read off saved_tensors_hooks on real layers
+# (bench/results/lora_mechanisms.md): lora_A saves its input, lora_B the rank-r intermediate; the scaling, the add
+# and the casts save nothing. The input lora_A saves is x itself only when x is fp32 already and there is no
+# autocast and no dropout (then it is shared with any other saver of x); otherwise each adapted Linear keeps its
+# own copy: fp32 (peft casts a bf16 x to the adapter dtype) or bf16 (autocast casts it back), or the dropout output,
+# plus the dropout mask (CPU: a float mask of the fp32 input; CUDA: native_dropout's bool mask).
+
+_ROLE_OF = {("Attention", "qkv"): "qkv", ("Attention", "out"): "out", ("MLP", "up"): "up", ("MLP", "down"): "down"}
+_GROUP_OF_ROLE = {"qkv": "attention", "out": "attention", "up": "mlp", "down": "mlp"}
+
+
+def adapted_roles(spec: ModelSpec) -> dict[str, list[LoraLinear]]:
+    """The LoRA-adapted projections of one block, by role (the first stack's block stands for every layer)."""
+    roles: dict[str, list[LoraLinear]] = {}
+    if spec.graph is None or not spec.graph.stacks:
+        return roles
+    for _, node, parents in walk(spec.graph.stacks[0].block):
+        if isinstance(node, LoraLinear) and parents:
+            role = _ROLE_OF.get((type(parents[-1][0]).__name__, parents[-1][1]))
+            if role is not None:
+                roles.setdefault(role, []).append(node)
+    return roles
+
+
+def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list:
+    """One layer's saved tensors (activations.Saved rows) under LoRA: what only a frozen weight's gradient needed
+    is gone, and each adapter's own tensors are added."""
+    from .activations import Saved
+
+    ft = setup.finetune
+    roles = adapted_roles(spec)
+    shares_x = not d.autocast and d.compute == 4 and d.residual == 4 and ft.dropout == 0
+    kept = []
+    for item in items:
+        if not item.role:
+            kept.append(item)
+        elif item.role in roles and shares_x:  # lora_A saves the very tensor the base Linear would have
+            kept.append(replace(item, role="", readers=1))
+    for role, linears in roles.items():
+        group = _GROUP_OF_ROLE[role]
+        for node in linears:
+            if not shares_x:
+                # its own copy of x: bf16 under autocast, else fp32 (peft's cast, or the dropout output)
+                kept.append(Saved(group, node.in_features, "c16" if d.autocast else "f32"))
+            if ft.dropout > 0:
+                kept.append(Saved(group, node.in_features, _mask(d)))
+            kept.append(Saved(group, node.rank, "c16" if d.autocast else "f32"))  # lora_A's output, kept by lora_B
+    return kept
+
+
+def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
+    """Per-token bytes layer 0 does not save under LoRA when nothing before it needs a gradient (a frozen
+    embedding, and no peft `enable_input_require_grads`, which the Trainer calls only with checkpointing): its
+    first norm keeps no input for an input gradient nobody asks for."""
+    from .activations import Saved
+
+    if not spec.frozen or setup.checkpointing.value != "none":
+        return 0.0
+    h = spec.hidden_size
+    if spec.model_type == "bert":
+        rows = []  # post-norm: layer 0 starts with its projections (the embedding LayerNorm is counted there)
+    elif spec.norm == "layernorm":
+        rows = [Saved("norms", 1, "f32"), Saved("norms", 1, "f32"), Saved("norms", h, "res")]
+    else:
+        rows = [Saved("norms", h, "f32"), Saved("norms", 1, "f32")]
+    if setup.finetune.dropout > 0:  # the first adapters' dropout keeps no mask: their input needs no gradient
+        rows += [Saved("norms", node.in_features, _mask(d)) for node in adapted_roles(spec).get("qkv", [])]
+    return sum(d.bytes_of(r) for r in rows)
+
+
+def _mask(d) -> str:
+    """Dtype class of a LoRA dropout mask: on CPU the composite dropout's float mask of the (fp32) input; on CUDA
+    native_dropout's bool mask."""
+    return "f32" if d.on_cpu else "u8"
+
+
+def dequantized_weight_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """The transient a quantized frozen Linear makes in backward: bitsandbytes dequantizes the whole weight
+    (MatMul4Bit.backward: dequantize_4bit in the dtype it was quantized from, bf16 here; int8: CB * SCB / 127 in
+    the input's dtype), one weight at a time: the largest one sets it."""
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    if not base.quantized:
+        return 0
+    largest = max((p.numel for p in spec.frozen if p.nbytes < 2 * p.numel), default=0)
+    per = 2 if base.four_bit or setup.precision.is_autocast else 4
+    return per * largest
+
+
+def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) -> int:
+    """Bytes of bf16 weight copies autocast makes and backward keeps, under LoRA: the adapters' (cached, as a
+    trainable leaf's cast is), and a fresh copy per call of every frozen fp32 Linear the gradient flows through
+    (autocast caches only leaves that require grad) — the whole fp32 base, or with a quantized base only the
+    fp32 LM head prepare_model_for_kbit_training left; under checkpointing only the head's outlives its block."""
+    adapters = sum(p.total for p in spec.params)
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    head = sum(node.base.weight_numel if isinstance(node, LoraLinear) else node.weight_numel
+               for path, node in spec.graph.linears() if not _inside_stack(spec.graph, path)) if spec.graph else 0
+    if checkpointing:  # the blocks' casts are not saved (recomputed); the cache is gone once autocast exits
+        return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
+    if base.quantized:
+        return 2 * (adapters + head)
+    if base is not BaseWeights.FP32:
+        return 2 * adapters
+    frozen = sum(_frozen_linear_elems(spec.graph))
+    return 2 * (adapters + frozen)
+
+
+def _inside_stack(graph, path: str) -> bool:
+    return any(path.startswith(stack.name + ".") for stack in graph.stacks)
+
+
+def _frozen_linear_elems(graph):
+    """Weight elements of every frozen projection, per layer counted once per layer (LoRA bases included)."""
+    for stack in graph.stacks:
+        for _, node in stack_linears(stack):
+            yield stack.count * (node.base.weight_numel if isinstance(node, LoraLinear) else node.weight_numel)
+    for path, node in graph.linears():
+        if not _inside_stack(graph, path):
+            yield node.base.weight_numel if isinstance(node, LoraLinear) else node.weight_numel
+
+
+def stack_linears(stack):
+    from ..graph import linears_of
+
+    return linears_of(stack.block, f"{stack.name}.*")
+
+
+def recomputed_casts(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Under checkpointing and autocast the recomputed block casts its weights again and keeps the casts for its
+    backward: the adapters' (and an fp32 frozen base's) bf16 copies of one block."""
+    if not setup.precision.is_autocast or spec.graph is None or not spec.graph.stacks:
+        return 0
+    stack = spec.graph.stacks[0]
+    adapters = frozen = 0
+    for _, node in stack_linears(stack):
+        if isinstance(node, LoraLinear):
+            adapters += node.a.weight_numel + node.b.weight_numel
+            frozen += node.base.weight_numel
+        elif not node.trainable:
+            frozen += node.weight_numel
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    return 2 * (adapters + (frozen if base is BaseWeights.FP32 else 0))
