@@ -103,6 +103,10 @@ def apply_(model, plan_or_setup) -> AppliedChanges:
 def _precision(model, setup: TrainingSetup, is_hf: bool) -> Change:
     import torch
 
+    if setup.finetune.adapters:
+        from ._torch import lora as torch_lora
+
+        return torch_lora.base_precision_change(model, setup)
     target = torch.bfloat16 if setup.precision.param_dtype == "bf16" else torch.float32
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     how = {
@@ -200,4 +204,16 @@ def _engine(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
                                    "memfit emits; apply_ changes this one process only")
 
 
-_HANDLERS = (_precision, _attention, _checkpointing, _optimizer, _batching, _engine)
+def _finetune(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
+    """LoRA / QLoRA: the adapters injected in place (peft.inject_adapter_in_model, which freezes everything else),
+    kept in fp32 as get_peft_model does by default; for QLoRA the base's Linears quantized in place to
+    bitsandbytes 4-bit (or 8-bit) first, the rest upcast to fp32 (prepare_model_for_kbit_training)."""
+    ft = setup.finetune
+    if not ft.adapters:
+        return None
+    from ._torch import lora as torch_lora
+
+    return Change("finetune", *torch_lora.apply_adapters(model, setup))
+
+
+_HANDLERS = (_precision, _finetune, _attention, _checkpointing, _optimizer, _batching, _engine)

@@ -65,6 +65,7 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     graph = spec.graph
     targets = lora_targets(graph, ft)
     adapted = with_lora(graph, ft.rank, targets, alpha=ft.alpha)
+    _check_targets(graph, adapted, targets)
     _check_rank(adapted, ft)
     base = ft.base_storage(setup.precision.compute_dtype)
     quantizable = _quantizable_weights(adapted)
@@ -123,6 +124,17 @@ def _block_linears(graph) -> list[tuple[str, Linear]]:
             if not any(isinstance(p, LoraLinear) for p, _ in parents):
                 out.append((path, node))
     return out
+
+
+def _check_targets(graph, adapted, targets: tuple[str, ...]) -> None:
+    """Every target name must name a projection (peft ignores one that matches nothing when another matches; a
+    typo would then silently size fewer adapters)."""
+    paths = [path for path, node in adapted.linears() if isinstance(node, LoraLinear)]
+    missing = [t for t in targets if not any(p == t or p.endswith("." + t) for p in paths)]
+    if missing:
+        names = sorted({path.rsplit(".", 1)[-1] for path, _ in graph.linears()})
+        raise ConfigError(f"LoRA target(s) {', '.join(missing)} match no Linear in '{graph.name}'; its "
+                          f"projections are named: {', '.join(names)}")
 
 
 def _check_rank(graph, ft: Finetune) -> None:

@@ -1,0 +1,119 @@
+"""LoRA / QLoRA on a live model, in place (memfit.apply): the base stored as planned (bf16 / fp16 / fp32, or
+bitsandbytes 4-bit / 8-bit Linears), then peft adapters injected, kept in fp32. torch, peft and bitsandbytes are
+imported here only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..estimate.lora import PEFT_DEFAULT_TARGETS
+from ..finetune import ALL_LINEAR, BaseWeights
+from ..setup import TrainingSetup
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def base_precision_change(model: nn.Module, setup: TrainingSetup):
+    """The precision item under LoRA: the frozen base in its planned storage dtype (a quantized base is made by
+    apply_adapters); adapters are left to peft (fp32)."""
+    from ..apply import Change
+
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    how = "; wrap forward and loss in `applied.autocast()`" if setup.precision.is_autocast else ""
+    if base.quantized:
+        return Change("precision", False, f"the base is quantized to {base} by the finetune item{how}")
+    target = _DTYPES[base.value]
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point() and not _is_adapter(p, model)}
+    if dtypes <= {target}:
+        return Change("precision", False, f"base already {base}{how}")
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and "lora_" not in name:
+            param.data = param.data.to(target)
+    was = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    return Change("precision", True, f"cast the base {was} -> {base} (frozen, stored as planned){how}")
+
+
+def _is_adapter(param, model) -> bool:
+    return any(param is p for n, p in model.named_parameters() if "lora_" in n)
+
+
+def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
+    """(changed, detail) of turning `model` into the planned LoRA / QLoRA model in place."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        return False, "peft is not installed (pip install peft): the adapters were not added"
+    if any("lora_A" in name for name, _ in model.named_modules()):
+        return False, "the model already has LoRA adapters"
+    ft = setup.finetune
+    base = ft.base_storage(setup.precision.compute_dtype)
+    done = []
+    if base.quantized:
+        count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype])
+        done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}")
+        for param in model.parameters():  # peft prepare_model_for_kbit_training: the rest in fp32
+            if param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.to(torch.float32)
+    targets = _targets(model, ft)
+    config = LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets,
+                        modules_to_save=list(ft.modules_to_save) or None, use_dora=ft.dora, bias="none")
+    try:
+        inject_adapter_in_model(config, model)
+    except ValueError as error:
+        raise ConfigError(f"peft could not add LoRA adapters: {str(error).splitlines()[0]}") from None
+    for name, param in model.named_parameters():
+        if "lora_" in name and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)  # get_peft_model(autocast_adapter_dtype=True) does this
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    done.append(f"LoRA r={ft.rank} on {targets if isinstance(targets, str) else ', '.join(targets)} "
+                f"(peft.inject_adapter_in_model): {trainable:,} trainable of {total:,} parameters, adapters fp32")
+    if setup.checkpointing.value == "full" and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+        done.append("enable_input_require_grads (checkpointing with a frozen embedding)")
+    return True, "; ".join(done)
+
+
+def _targets(model: nn.Module, ft) -> list[str] | str:
+    if ft.targets == (ALL_LINEAR,):
+        return ALL_LINEAR
+    if ft.targets:
+        return list(ft.targets)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in PEFT_DEFAULT_TARGETS:
+        return list(PEFT_DEFAULT_TARGETS[model_type])
+    return ALL_LINEAR
+
+
+def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, compute_dtype: torch.dtype) -> int:
+    """Replace every nn.Linear but the output head by its bitsandbytes quantized form, in place (what
+    from_pretrained(quantization_config=BitsAndBytesConfig(...)) does at load time)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError("a quantized base needs bitsandbytes: pip install bitsandbytes") from None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child is head:
+                continue
+            device = child.weight.device
+            weight = child.weight.data.to(compute_dtype)
+            if base.four_bit:
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                        compute_dtype=compute_dtype, quant_type=base.value,
+                                        compress_statistics=double_quant, device="meta")
+                new.weight = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type=base.value,
+                                               compress_statistics=double_quant, blocksize=64)
+            else:
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                          has_fp16_weights=False, device="meta")
+                new.weight = bnb.nn.Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False)
+            if child.bias is not None:
+                new.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
+            setattr(parent, name, new.to(device))
+            count += 1
+    return count
