@@ -132,10 +132,11 @@ def test_lora_formulas_match_a_real_step_of_the_applied_plan(family, precision, 
 
 def _quant_state_bytes(model) -> int:
     """bitsandbytes' QuantState tensors are neither parameters nor buffers: memfit counts them in the frozen base."""
-    total = 0
-    for module in model.modules():
+    total, seen = 0, set()
+    for module in model.modules():  # a peft wrapper shows its base layer's weight too: count each state once
         state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if state is not None:
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
             tensors = [state.absmax, state.code]
             if state.nested:
                 tensors += [state.offset, state.state2.absmax, state.state2.code]
@@ -254,3 +255,44 @@ def test_nothing_matches_lists_the_model_s_projection_names():
     with pytest.raises(ConfigError, match="q_proj"):
         adapted_spec(resolve_model("llama-3.2-1b"),
                      TrainingSetup(finetune=Finetune(method="lora", targets=("attn",))))
+
+
+# --- a live peft model, read exactly ----------------------------------------------------------------------------
+
+def test_a_live_peft_model_is_read_exactly_and_sized_as_it_trains():
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memfit.api import typical_setup
+    from memfit.measure import measure
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_CONFIGS["llama"]), dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1,
+                                             target_modules=["q_proj", "v_proj", "down_proj"]))
+    spec = resolve_model(model)
+    assert spec.finetune == Finetune(method="lora", rank=8, alpha=16, dropout=0.1, base="bf16",
+                                     targets=("down_proj", "q_proj", "v_proj"))
+    assert spec.num_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert spec.frozen_bytes == sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    setup = typical_setup(spec, CPU, micro_batch_size=2, seq_len=64, optimizer="adamw")
+    assert setup.finetune == spec.finetune  # the setup trains what the model has
+    measured = measure(model, setup, steps=2).tensor_bytes
+    assert abs(estimate(spec, setup, CPU).tensor_bytes - measured) / measured < 0.01
+
+
+def test_a_live_qlora_model_counts_bitsandbytes_quant_state():
+    from lora_truth import LoraCase, build_lora_model
+
+    model = build_lora_model(LoraCase(family="llama", rank=8, base_dtype="nf4", double_quant=True,
+                                      precision="amp-bf16", targets="all-linear"))
+    spec = resolve_model(model)
+    assert spec.finetune.method.value == "qlora" and spec.finetune.base.value == "nf4" and spec.finetune.double_quant
+    real = _quant_state_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters()
+                                           if not p.requires_grad)
+    assert spec.frozen_bytes == real
+    # and the formulas, built from the config alone, agree with the live model's bytes
+    formula = adapted_spec(resolve_model(TINY_CONFIGS["llama"]), TrainingSetup(
+        precision="amp-bf16", finetune=Finetune(method="qlora", rank=8, targets=("all-linear",))))
+    assert formula.frozen_bytes == real and formula.num_params == spec.num_params

@@ -62,6 +62,8 @@ class ModelSpec:
     """Family-specific details (e.g. gemma2 logit soft-capping, gpt_neox partial rotary) for the estimator."""
     frozen: tuple[ParamTensor, ...] = ()
     """Parameters that are not trained (a LoRA base): no gradients, no optimizer state; their `nbytes` at rest."""
+    finetune: Any = field(default=None, compare=False, hash=False)
+    """The memfit.finetune.Finetune a live LoRA model was built with (read off its adapters), else None."""
     graph: Any = field(default=None, compare=False, hash=False, repr=False)
     """The typed model graph (memfit.graph.ModelGraph) when the architecture has a builder: what transforms such
     as LoRA rewrite."""

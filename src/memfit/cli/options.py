@@ -306,6 +306,8 @@ class SetupOptions:
         reading = read_config(*paths, num_gpus=world, overridden=overridden)
         fill: dict[str, Any] = {name: reading.overrides[field] for name, field in _FIELD_OF_OPTION.items()
                                 if getattr(self, name) is None and field in reading.overrides}
+        if "finetune" in reading.overrides and self.finetune() is None:
+            fill.update(_finetune_options(reading.overrides["finetune"]))
         if world is None and "num_gpus" in reading.overrides:
             per_node, nodes = reading.layout()
             fill.update(gpus=per_node, nodes=nodes if nodes > 1 else None)
@@ -341,6 +343,16 @@ class SetupOptions:
         if self.gpus is not None or self.nodes is not None:
             given.add("num_gpus")
         return frozenset(given)
+
+
+def _finetune_options(ft: Finetune) -> dict[str, Any]:
+    """The --method / --lora-* option values that give `ft` (a Finetune read from a config file)."""
+    out: dict[str, Any] = {"method": ft.method}
+    if ft.adapters:
+        out.update(lora_rank=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, base=ft.base,
+                   double_quant=ft.double_quant, lora_targets=",".join(ft.targets) or None,
+                   modules_to_save=",".join(ft.modules_to_save) or None)
+    return out
 
 
 _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "grad_accum_steps",

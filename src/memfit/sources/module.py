@@ -92,4 +92,106 @@ def from_module(model: Any, *, name: str | None = None) -> ModelSpec:
         spec = ModelSpec(name=label, model_type=str(config.model_type), params=(), source="module",
                          gated_mlp=False, hidden_act=str(getattr(config, "hidden_act", "") or ""), norm="",
                          extra={"layout_known": False}, **_numbers_without_layout(config))
+    if _has_lora(model):
+        return _peft_spec(model, spec, label)
     return replace(spec, params=params, extra={**spec.extra, **extra})
+
+
+def _has_lora(model: Any) -> bool:
+    return any(".lora_A." in name for name, _ in model.named_parameters())
+
+
+def _peft_spec(model: Any, spec: ModelSpec, label: str) -> ModelSpec:
+    """A LoRA model (peft's get_peft_model / inject_adapter_in_model, on a bf16/fp32 or bitsandbytes-quantized
+    base), read exactly: trainable and frozen tensors with their real bytes (a Params4bit's packed data and its
+    QuantState), and the Finetune it was built with (rank, alpha, dropout, targets, base storage), so the
+    activations follow the adapters it has."""
+    from ..errors import ConfigError
+    from ..estimate.lora import adapted_spec
+    from ..finetune import Finetune
+    from ..setup import TrainingSetup
+
+    from .graphs import with_graph
+
+    config = getattr(model, "config", None)
+    if config is not None and callable(getattr(config, "to_dict", None)):
+        spec = with_graph(spec, config.to_dict)
+    if spec.graph is None:
+        raise ModelSourceError(f"'{label}' has LoRA adapters but memfit has no graph of its architecture "
+                               f"({spec.model_type}): trace it instead (memfit.trace)")
+    finetune = _finetune_of(model)
+    try:
+        adapted = adapted_spec(spec, TrainingSetup(finetune=finetune))
+    except ConfigError as error:
+        raise ModelSourceError(f"cannot read the LoRA layout of '{label}': {error}") from None
+    trainable, frozen = _tensors_with_bytes(model)
+    return replace(adapted, params=trainable, frozen=frozen, finetune=finetune, source="module")
+
+
+def _finetune_of(model: Any):
+    """The Finetune of a live LoRA model, from its peft_config (or its lora modules) and its base layers."""
+    from ..finetune import Finetune
+
+    config = None
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict) and peft_config:
+        config = next(iter(peft_config.values()))
+    ranks, targets, dropout, alpha = set(), set(), 0.0, None
+    base = "auto"
+    double_quant = True
+    for name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if lora_a is None or not hasattr(lora_a, "items"):
+            continue
+        for adapter, layer in lora_a.items():
+            ranks.add(int(layer.out_features))
+            targets.add(name.rsplit(".", 1)[-1])
+            drops = getattr(module, "lora_dropout", None)
+            drop = drops[adapter] if drops is not None and adapter in drops else None
+            dropout = max(dropout, float(getattr(drop, "p", 0.0) or 0.0))
+            alphas = getattr(module, "lora_alpha", None)
+            alpha = alphas.get(adapter, alpha) if isinstance(alphas, dict) else alpha
+        layer = getattr(module, "base_layer", None)
+        weight = getattr(layer, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is not None:
+            base = str(getattr(state, "quant_type", "nf4"))
+            double_quant = bool(getattr(state, "nested", False))
+        elif type(weight).__name__ == "Int8Params":
+            base = "int8"
+        elif weight is not None and base == "auto":
+            base = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}.get(
+                str(weight.dtype), "auto")
+    if len(ranks) != 1:
+        raise ModelSourceError(f"memfit sizes one LoRA rank per model; this one has ranks {sorted(ranks)}")
+    rank = ranks.pop()
+    if config is not None:
+        alpha = getattr(config, "lora_alpha", alpha)
+    quantized = base in ("nf4", "fp4", "int8")
+    return Finetune(method="qlora" if quantized else "lora", rank=rank, alpha=float(alpha or rank),
+                    dropout=dropout, targets=tuple(sorted(targets)), base=base, double_quant=double_quant,
+                    modules_to_save=tuple(sorted(getattr(config, "modules_to_save", None) or ())),
+                    dora=bool(getattr(config, "use_dora", False)))
+
+
+def _tensors_with_bytes(model: Any) -> tuple[tuple[ParamTensor, ...], tuple[ParamTensor, ...]]:
+    """(trainable, frozen) tensors grouped by name pattern, each with its real bytes (a quantized weight with
+    its QuantState tensors)."""
+    groups: dict[tuple[bool, str, int, int], int] = {}
+    for name, param in model.named_parameters():
+        nbytes = int(param.numel()) * int(param.element_size())
+        state = getattr(param, "quant_state", None)
+        if state is not None:
+            parts = [state.absmax, state.code]
+            if getattr(state, "nested", False):
+                parts += [state.offset, state.state2.absmax, state.state2.code]
+            nbytes += sum(int(t.numel()) * int(t.element_size()) for t in parts if t is not None)
+        scb = getattr(param, "SCB", None)
+        if scb is not None:
+            nbytes += int(scb.numel()) * int(scb.element_size())
+        numel = int(param.numel()) * (2 if state is not None else 1)  # Params4bit packs two weights per byte
+        key = (bool(param.requires_grad), _LAYER_INDEX.sub("*", name), numel, nbytes)
+        groups[key] = groups.get(key, 0) + 1
+    trainable = tuple(ParamTensor(n, numel, count, nbytes) for (t, n, numel, nbytes), count in groups.items() if t)
+    frozen = tuple(ParamTensor(n, numel, count, nbytes) for (t, n, numel, nbytes), count in groups.items() if not t)
+    return trainable, frozen
