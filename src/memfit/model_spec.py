@@ -52,6 +52,9 @@ class ModelSpec:
     """Where the numbers came from: 'catalog', a config.json path, 'hub:<id>', 'module'."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Family-specific details (e.g. gemma2 logit soft-capping, gpt_neox partial rotary) for the estimator."""
+    derived: object | None = field(default=None, compare=False, hash=False, repr=False)
+    """A memfit.derive.DerivedModel where the family has no hand-written activation recipe: the estimator's
+    activation terms then come from a trace of a 1- and 2-block copy of the model."""
 
     @property
     def num_params(self) -> int:

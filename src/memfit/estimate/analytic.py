@@ -20,6 +20,7 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
 from . import fsdp2
+from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
 from .static import ShardedStatic, full_static, shard
@@ -46,12 +47,21 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
     phase, terms = moments[peak_name]
-    terms = [t for t in terms if t.num_bytes > 0] + runtime_overhead_terms(_total(terms), setup, hardware)
+    terms = [t for t in terms if t.num_bytes > 0]
+    terms += runtime_overhead_terms(_total(terms), setup, hardware, spec=spec, terms=terms)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes,
+        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
+        + _derived_notes(spec),
         model_name=spec.name,
         device_name=hardware.gpu.name)
+
+
+def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
+    if spec.derived is None:
+        return ()
+    from .. import derive
+    return derive.notes(spec)
 
 
 def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[str, ...]]:
@@ -183,6 +193,8 @@ class _Step:
 
     def attention_backward_dominates(self) -> bool:
         """Whether a block's backward peaks in its (eager) attention rather than its MLP."""
+        if self.spec.derived is not None:  # the derived temporaries are the block's whole backward peak
+            return False
         d, spec, setup = self.dtypes, self.spec, self.setup
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
         mlp = self.tokens * spec.intermediate_size * d.compute * act.activation_backward_factor(spec)
@@ -192,6 +204,11 @@ class _Step:
         """Gradients a block's backward allocates beyond what it frees as it goes: the residual-stream gradients,
         then the larger of the MLP's input gradients and (eager) the T x T gradients once the MLP's saved tensors
         are gone. Checked on measured CPU steps (bench/accuracy.py)."""
+        if self.spec.derived is not None:
+            from .. import derive
+            return Term("temporaries/layer_backward", Category.TEMPORARIES, derive.block_temporaries(
+                self.spec, self.setup, self.tokens, self.setup.seq_len, self.dtypes.on_cpu),
+                "peak of one block's backward beyond its saved tensors, fitted from traces", "memfit.derive")
         d, spec, setup = self.dtypes, self.spec, self.setup
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
         attention_extra = max(0, attention - self.per_layer["mlp"] - self.per_layer["norms"] // 2)
@@ -375,21 +392,3 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
 def _without_gathered(static: ShardedStatic) -> ShardedStatic:
     """No gathered parameters during the optimizer step: it updates the shards."""
     return replace(static, param_working_set_bytes=0)
-
-
-def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Hardware) -> list[Term]:
-    """What the device needs beyond tensors: CUDA context, allocator fragmentation, NCCL buffers."""
-    terms = []
-    if hardware.cuda_context_bytes:
-        terms.append(Term("overhead/cuda_context", Category.OVERHEAD, hardware.cuda_context_bytes,
-                          "CUDA context + cuBLAS workspace (outside PyTorch's allocator statistics)",
-                          "measured 0.3-0.6 GiB with CUDA lazy loading"))
-    if hardware.allocator_reserve_fraction:
-        terms.append(Term("overhead/allocator_reserve", Category.OVERHEAD,
-                          int(tensor_peak * hardware.allocator_reserve_fraction),
-                          f"{hardware.allocator_reserve_fraction:.0%} of the tensor peak: caching-allocator "
-                          "fragmentation (reserved - allocated)", "PyTorch CUDA caching allocator"))
-    if setup.num_gpus > 1 and hardware.nccl_bytes_per_communicator:
-        terms.append(Term("overhead/nccl", Category.OVERHEAD, hardware.nccl_bytes_per_communicator,
-                          "NCCL communicator buffers", "NCCL; invisible to torch.cuda.memory_allocated"))
-    return terms
