@@ -27,7 +27,7 @@ from .estimate import comm
 from .estimate.comm import Collective, CommVolume  # noqa: F401  (re-exported: what MultiNodePlan.comm holds)
 from .hardware import Hardware
 from .model_spec import ModelSpec
-from .setup import Engine, TrainingSetup
+from .setup import Engine, Offload, Sharding, TrainingSetup
 
 LAUNCHERS = ("torchrun", "deepspeed")
 ENV_SETUP = "MEMFIT_SETUP"
@@ -255,6 +255,13 @@ def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "
     return MultiNodePlan(setup, hardware, launcher, per_rank, commands, volume, files, tuple(notes) + volume.notes)
 
 
+def one_gpu_offload(setup: TrainingSetup) -> bool:
+    """A one-GPU setup that DeepSpeed runs as ZeRO-Offload / ZeRO-Infinity (memfit.setup allows ZeRO on one GPU only
+    with offload, and only on DeepSpeed)."""
+    return (setup.num_gpus == 1 and setup.engine is Engine.DEEPSPEED and setup.sharding is not Sharding.NONE
+            and setup.offload is not Offload.NONE)
+
+
 def _resolve_plan(plan_or_setup, hardware: Hardware | None, spec: ModelSpec | None):
     if isinstance(plan_or_setup, TrainingSetup):
         if spec is None or hardware is None:
@@ -271,9 +278,10 @@ def _resolve_plan(plan_or_setup, hardware: Hardware | None, spec: ModelSpec | No
 
 
 def launch_section(plan, *, script: str = "train.py") -> MultiNodePlan | None:
-    """The launch part of `memfit plan` for more than one rank (None for one GPU, or when no engine runs the plan's
-    final setup)."""
-    if plan.hardware.world_size < 2:
+    """The launch part of `memfit plan` for more than one rank, or for one GPU whose final setup runs DeepSpeed's
+    ZeRO with CPU offload (one process under a launcher: `deepspeed.initialize` joins a one-rank group). None
+    otherwise, or when no engine runs the plan's final setup."""
+    if plan.hardware.world_size < 2 and not one_gpu_offload(plan.final_setup):
         return None
     try:
         return launch_plan(plan, script=script)

@@ -67,6 +67,9 @@ class ModelSpec:
     graph: Any = field(default=None, compare=False, hash=False, repr=False)
     """The typed model graph (memfit.graph.ModelGraph) when the architecture has a builder: what transforms such
     as LoRA rewrite."""
+    derived: object | None = field(default=None, compare=False, hash=False, repr=False)
+    """A memfit.derive.DerivedModel where the family has no hand-written activation recipe: the estimator's
+    activation terms then come from a trace of a 1- and 2-block copy of the model."""
 
     @property
     def num_params(self) -> int:

@@ -170,7 +170,7 @@ class TrainingSetup:
     def _combination_problems(self) -> list[str]:
         problems = []
         if self.sharding is not Sharding.NONE and self.num_gpus < 2:
-            problems.append(f"{self.sharding} shards over GPUs and needs at least 2 (got num_gpus={self.num_gpus})")
+            problems += self._one_gpu_sharding_problems()
         if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.sharding is not Sharding.ZERO3:
             problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
         if self.offload is not Offload.NONE and self.optimizer is Optimizer.ADAMW_8BIT:
@@ -194,6 +194,18 @@ class TrainingSetup:
         if self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
+
+    def _one_gpu_sharding_problems(self) -> list[str]:
+        """ZeRO on one GPU: with nothing to shard over, a stage saves memory only by moving its partitions to the
+        host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param)."""
+        if self.offload is Offload.NONE:
+            return [f"{self.sharding} shards over GPUs and needs at least 2 (got num_gpus={self.num_gpus}): on one "
+                    "GPU it saves nothing unless it offloads to the CPU (--offload optimizer, or optimizer+params "
+                    "with zero3)"]
+        if self.engine is not Engine.DEEPSPEED:
+            return [f"{self.sharding} with CPU offload on one GPU runs on DeepSpeed (ZeRO-Offload): use engine "
+                    "deepspeed, or 2+ GPUs for torch's FSDP2"]
+        return []
 
     def _torch_engine_problems(self) -> list[str]:
         """What torch's own engines cannot express (checked against torch 2.13 FSDP2 / ZeroRedundancyOptimizer)."""

@@ -5,7 +5,8 @@ time/sample = (compute + exposed communication + offload) / effective batch, whe
   model FLOP utilisation that falls for small micro-batches (fewer tokens per matmul) and for eager attention;
 - ZeRO traffic (ZeRO paper sec. 7) over NVLink within a node or the network across nodes, half of it hidden
   behind compute;
-- offload: bf16 gradients down and parameters up over PCIe, and a CPU Adam step at ~1e9 params/s per rank.
+- offload: the engine's host<->device copies over PCIe (techniques.costs.offload_traffic_bytes) and a CPU Adam
+  step at ~1e9 params/s per rank (CPU_ADAM_PARAMS_PER_S).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 from .hardware import Hardware
 from .model_spec import ModelSpec
 from .setup import Attention, Checkpointing, Offload, Optimizer, Precision, TrainingSetup
-from .techniques.costs import offload_traffic_bytes, zero_traffic_bytes
+from .techniques.costs import CPU_ADAM_PARAMS_PER_S  # noqa: F401  (re-exported: the model's CPU Adam rate)
+from .techniques.costs import cpu_step_seconds, offload_traffic_bytes, zero_traffic_bytes
 
 NVLINK_BYTES_PER_S = 200e9
 NETWORK_BYTES_PER_S = 25e9
-CPU_ADAM_PARAMS_PER_S = 1e9
 BASE_MFU = 0.45
 
 
@@ -39,7 +40,7 @@ def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware
     offload = 0.0
     if setup.offload is not Offload.NONE:
         offload = (offload_traffic_bytes(spec, setup) / (hardware.gpu.host_link_gb_per_s * 1e9)
-                   + spec.num_params / setup.num_gpus / CPU_ADAM_PARAMS_PER_S)
+                   + cpu_step_seconds(spec, setup))
     if setup.optimizer is Optimizer.ADAMW_8BIT:
         compute *= 1.01
     return (compute + comm + offload) / (setup.micro_batch_size * setup.grad_accum_steps)

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError
-from ..setup import Engine
+from ..setup import Engine, Offload
 
 if TYPE_CHECKING:
     from .engine import Prepared
 
 
-def local_bytes(prepared: Prepared) -> dict[str, int]:
+def local_bytes(prepared: Prepared) -> dict:
     seen: set[int] = set()
     totals = dict.fromkeys(("parameters", "optimizer", "optimizer_scalars", "master_weights", "gradient_buffers"), 0)
 
@@ -47,7 +47,66 @@ def local_bytes(prepared: Prepared) -> dict[str, int]:
         base = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
         base = getattr(base, "inner", base)  # memfit's bf16 master-weights wrapper
     add("optimizer", _state_tensors(base, skip=_param_ids(base)))
+    if prepared.engine is Engine.DEEPSPEED and prepared.setup.offload is not Offload.NONE:
+        totals.update(offload_inventory(module, optimizer))
     return totals
+
+
+# Where DeepSpeed 0.19 puts each buffer of an offloaded step, by the device it asks for: "device" buffers are made on
+# get_accelerator().current_device_name(), "host" ones on the CPU (pinned when offload pin_memory is on).
+# stage_1_and_2.py DeepSpeedZeroOptimizer (ZeRO-1/2 + offload_optimizer):
+_ZERO12_BUFFERS = (
+    ("device", "bit16_params", "bit16_groups_flat"),  # __init__: the flat bf16/fp16 parameters stay on the device
+    ("device", "gpu_offload_grad_buffer", "temp_grad_buffer_for_gpu_offload"),  # __init__: largest param x dtype
+    ("host", "fp32_master", "single_partition_of_fp32_groups"),  # __init__: .to(self.device='cpu'), pinned
+    ("host", "fp32_grads", "single_partition_of_fp32_groups.grad"),  # initialize_optimizer_states, pinned
+    ("host", "bit16_param_copy", "param_buffer_of_bit16_for_cpu_offload_groups"),  # __init__, pinned
+    ("host", "cpu_offload_grad_buffer", "temp_grad_buffer_for_cpu_offload"),  # __init__: largest param, pinned
+    ("host", "accumulated_grads", "accumulated_grads_in_cpu"),  # async_accumulate_grad_in_cpu_via_gpu (accum > 1)
+)
+# stage3.py DeepSpeedZeroOptimizer_Stage3 (ZeRO-3 + offload_param + offload_optimizer):
+_ZERO3_BUFFERS = (
+    ("host", "bit16_param_partitions", "param_groups_fp16_flat_cpu_memory"),  # _create_param_groups_fp16_flat_...
+    ("host", "fp32_master", "fp32_partitioned_groups_flat"),  # _create_fp32_partitions on subgroup_to_device=cpu
+    ("host", "fp32_grads", "fp32_partitioned_groups_flat.grad"),  # initialize_optimizer_states, pinned
+    ("host", "grad_partitions", "grad_partitions_flat_buffer"),  # _setup_for_real_optimizer on self.device=cpu
+    ("device", "bit16_param_partitions", "lp_param_buffer"),  # only without offload_param
+)
+
+
+def offload_inventory(module, optimizer) -> dict[str, dict[str, int]]:
+    """The buffers of a DeepSpeed ZeRO-Offload / ZeRO-Infinity rank by where DeepSpeed places them ("device" or
+    "host"), each storage counted once: on a CPU-only run both are host memory, so this is how a test tells them
+    apart. Adds the optimizer states (host: DeepSpeedCPUAdam steps them there), the reduce buckets (device) and, at
+    ZeRO-3, the parameters DeepSpeed keeps whole on the device (those under stage3_param_persistence_threshold)."""
+    seen: set[int] = set()
+    out: dict[str, dict[str, int]] = {"offload_device": {}, "offload_host": {}}
+
+    def add(where: str, name: str, tensors) -> None:
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                bucket = out["offload_" + where]
+                bucket[name] = bucket.get(name, 0) + storage.nbytes()
+
+    table = _ZERO3_BUFFERS if hasattr(optimizer, "fp32_partitioned_groups_flat") else _ZERO12_BUFFERS
+    for where, name, attribute in table:
+        owner, _, field = attribute.partition(".")
+        value = getattr(optimizer, owner, None)
+        values = list(value.values()) if isinstance(value, Mapping) else (
+            value if isinstance(value, (list, tuple)) else [value])
+        add(where, name, [getattr(v, field, None) for v in values] if field else values)
+    for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
+        buffer = getattr(bucket, "buffer", None)
+        add("device", "reduce_buckets", buffer if isinstance(buffer, (list, tuple)) else [buffer])
+    base = getattr(optimizer, "optimizer", optimizer)
+    add("host", "optimizer_states", _state_tensors(base, skip=_param_ids(base)))
+    persistent = [p.data for p in module.parameters() if getattr(p, "ds_persist", False) and p.data.numel()]
+    add("device", "persistent_params", persistent)
+    return out
 
 
 def _local(tensor):

@@ -116,6 +116,13 @@ def _zero_part(setup: TrainingSetup, hf_auto: bool):
 
 
 def _stage_reason(setup: TrainingSetup, stage: int) -> str:
+    if setup.num_gpus == 1 and stage >= 2 and setup.offload is not Offload.NONE:
+        return {
+            2: ("ZeRO-2 on one GPU shards nothing; with offload_optimizer it streams each gradient bucket to the "
+                "host (fp32 master, gradients and Adam states in CPU RAM) instead of keeping every gradient"),
+            3: ("ZeRO-3 on one GPU shards nothing; with offload_param the parameters live in CPU RAM and each "
+                "module's are fetched to the GPU when it runs (ZeRO-Infinity on CPU)"),
+        }[stage]
     return {
         0: "no ZeRO: every rank holds whole parameters, gradients and optimizer states (data parallel only)",
         1: ("ZeRO-1: optimizer states sharded over the ranks" if setup.sharding is Sharding.ZERO1 else

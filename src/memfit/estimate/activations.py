@@ -252,7 +252,10 @@ LAYER_RECIPES = {
 def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
                       on_cpu: bool = False) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward, by group (attention / mlp / norms)."""
-    recipe = LAYER_RECIPES.get(spec.model_type, _llama_layer)
+    if spec.derived is not None:  # no recipe: memfit.derive's fit of a traced 1- and 2-block copy
+        from .. import derive
+        return derive.layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
+    recipe = LAYER_RECIPES[spec.model_type]
     d = dtypes(spec, setup, on_cpu)
     items = recipe(spec, setup, seq_len, d)
     if spec.frozen:
@@ -266,6 +269,9 @@ def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_le
 
 def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict[str, int]:
     """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform)."""
+    if spec.derived is not None:
+        from .. import derive
+        return derive.head_saved_bytes(spec, setup, tokens)
     d = dtypes(spec, setup)
     h = spec.hidden_size
     if spec.model_type == "bert":
@@ -283,6 +289,9 @@ def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict
 def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
                           on_cpu: bool = False) -> int:
     """Token ids kept by the embedding backward (int64), position tables shared by all layers."""
+    if spec.derived is not None:
+        from .. import derive
+        return derive.embedding_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
     d = dtypes(spec, setup, on_cpu)
     ids = 0 if spec.frozen else 8 * tokens  # a frozen embedding needs no indices for a weight gradient
     # Under LoRA the embedding output needs a gradient only when peft's enable_input_require_grads marks it (the

@@ -52,9 +52,17 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     terms += runtime_overhead_terms(_total(terms), setup, hardware, spec=spec, terms=terms)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes,
+        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
+        + _derived_notes(spec),
         model_name=spec.name,
         device_name=hardware.gpu.name)
+
+
+def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
+    if spec.derived is None:
+        return ()
+    from .. import derive
+    return derive.notes(spec)
 
 
 def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[str, ...]]:
@@ -211,6 +219,8 @@ class _Step:
 
     def attention_backward_dominates(self) -> bool:
         """Whether a block's backward peaks in its (eager) attention rather than its MLP."""
+        if self.spec.derived is not None:  # the derived temporaries are the block's whole backward peak
+            return False
         d, spec, setup = self.dtypes, self.spec, self.setup
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
         mlp = self.tokens * spec.intermediate_size * d.compute * act.activation_backward_factor(spec)
@@ -220,6 +230,11 @@ class _Step:
         """Gradients a block's backward allocates beyond what it frees as it goes: the residual-stream gradients,
         then the larger of the MLP's input gradients and (eager) the T x T gradients once the MLP's saved tensors
         are gone. Checked on measured CPU steps (bench/accuracy.py)."""
+        if self.spec.derived is not None:
+            from .. import derive
+            return Term("temporaries/layer_backward", Category.TEMPORARIES, derive.block_temporaries(
+                self.spec, self.setup, self.tokens, self.setup.seq_len, self.dtypes.on_cpu),
+                "peak of one block's backward beyond its saved tensors, fitted from traces", "memfit.derive")
         d, spec, setup = self.dtypes, self.spec, self.setup
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
         attention_extra = max(0, attention - self.per_layer["mlp"] - self.per_layer["norms"] // 2)
@@ -405,4 +420,3 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
 def _without_gathered(static: ShardedStatic) -> ShardedStatic:
     """No gathered parameters during the optimizer step: it updates the shards."""
     return replace(static, param_working_set_bytes=0)
-

@@ -217,11 +217,14 @@ def _root_plus_block(spec: ModelSpec) -> int:
 
 def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic, *,
                grads_follow: bool = False) -> ShardedStatic:
-    """`grads_follow`: FSDP2's CPUOffloadPolicy moves each reduced gradient shard to the host too."""
+    """`grads_follow`: FSDP2's CPUOffloadPolicy moves each reduced gradient shard to the host too (torch layout);
+    without it the DeepSpeed layout (`_deepspeed_offloaded`)."""
     if setup.offload is Offload.NONE:
         return s
+    if not grads_follow:
+        return _deepspeed_offloaded(spec, setup, full, s)
     n = setup.num_gpus if setup.sharding.stage >= 1 else 1
-    # ZeRO-Offload keeps fp32 master weights, fp32 gradients and the states in host RAM (per rank's shard)
+    # FSDP2 CPUOffloadPolicy: fp32 master shards, fp32 gradient shards and the states in host RAM
     fp32_master = 4 * spec.num_params if full.params_bytes != 4 * spec.num_params else 0
     cpu = (full.states_bytes + fp32_master + 4 * spec.num_params) // n
     params = s.params_bytes
@@ -229,6 +232,78 @@ def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: Shar
         cpu += params
         params = 0
     grads = s.grads_bytes
-    if grads_follow and setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+    if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         grads = 0
     return replace(s, optimizer_bytes=0, cpu_bytes=cpu, params_bytes=params, grads_bytes=grads)
+
+
+DS_PERSISTENCE_FACTOR = 10
+"""stage3_param_persistence_threshold = 10 x hidden elements: the HF Trainer's "auto" (memfit emits "auto")."""
+
+
+def deepspeed_reduce_bucket_elems(spec: ModelSpec) -> int:
+    """reduce_bucket_size = hidden^2 elements: the HF Trainer's "auto" value, which memfit emits (and its engine sets
+    from the model's hidden size); DeepSpeed's own default is 5e8."""
+    return min(spec.hidden_size**2, spec.num_params)
+
+
+def deepspeed_persistent_params(spec: ModelSpec) -> int:
+    """Parameters ZeRO-3 keeps whole on every device: those under stage3_param_persistence_threshold (norms)."""
+    threshold = DS_PERSISTENCE_FACTOR * spec.hidden_size
+    return sum(p.numel * p.count for p in spec.params if p.numel < threshold)
+
+
+def _deepspeed_offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
+    """DeepSpeed 0.19's ZeRO-Offload (offload_optimizer) and ZeRO-Infinity-on-CPU (+ offload_param), per rank, from
+    the buffers its optimizers allocate (measured on 1-rank CPU runs, tests/test_offload_one_gpu.py):
+
+    ZeRO-1/2 (runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__ and initialize_optimizer_states):
+    device: the flat 16-bit parameters, whole (bit16_groups_flat); the contiguous gradient bucket of
+    reduce_bucket_size elements (setup_buckets; cpu_offload forces contiguous_gradients); temp_grad_buffer_for_gpu_
+    offload (largest parameter x 16-bit); a gradient larger than the bucket bypasses it and lives whole until
+    reduced (reduce_independent_p_g_buckets_and_remove_grads); ZeRO-1 keeps every gradient until the boundary.
+    host (pinned): the fp32 master partition (single_partition_of_fp32_groups, even for fp32 weights), its fp32
+    gradient, the optimizer states (DeepSpeedCPUAdam), the 16-bit copy the step writes before the upload
+    (param_buffer_of_bit16_for_cpu_offload_groups), temp_grad_buffer_for_cpu_offload (largest parameter) and, with
+    accumulation, at ZeRO-2, accumulated_grads_in_cpu (16-bit, async_accumulate_grad_in_cpu_via_gpu; ZeRO-1 keeps
+    accumulating on the device and reduces at the boundary).
+
+    ZeRO-3 (runtime/zero/stage3.py, DeepSpeedZeroOptimizer_Stage3): device: the ipg bucket (_setup_for_real_optimizer),
+    the parameters under the persistence threshold (whole), the gathered working set, and the gradient being reduced;
+    with offload_param the 16-bit partitions live on the host (_create_param_groups_fp16_flat_cpu_memory), else on
+    the device. host: fp32 master partitions (_create_fp32_partitions), their fp32 gradients (initialize_optimizer_
+    states), grad_partitions_flat_buffer in the accumulation dtype (= the model's) and the states."""
+    n = setup.num_gpus if setup.sharding.stage >= 1 else 1
+    stage = max(setup.sharding.stage, 1)  # offload alone runs as ZeRO-1 (memfit.emit.deepspeed.zero_stage)
+    pb = full.param_bytes_per_elem
+    part = spec.num_params // n
+    largest = max((p.numel for p in spec.params), default=0)
+    bucket = deepspeed_reduce_bucket_elems(spec)
+    master = 2 if setup.precision is Precision.BF16 else 4  # bf16_master_weights_and_grads keeps them 16-bit
+    host = full.states_bytes // n + 2 * master * part  # states + master partition + its gradient
+    notes = [f"host: optimizer states + {master} B master + {master} B gradient per parameter of the rank's "
+             "partition, stepped by DeepSpeedCPUAdam"]
+    if stage <= 2:
+        host += pb * part + pb * largest
+        if setup.grad_accum_steps > 1 and stage == 2:  # ZeRO-1 accumulates on the device (measured)
+            host += pb * part
+        grads = s.grads_bytes if stage == 1 else (pb * largest if largest > bucket else 0)
+        comm = pb * bucket + pb * largest
+        notes.append(f"device: {pb} B parameters whole, the reduce bucket (hidden^2) and a largest-parameter staging "
+                     "buffer; gradients leave for the host bucket by bucket" if stage == 2 else
+                     "ZeRO-1 offload keeps every 16-bit gradient on the device until the step: ZeRO-2 does not")
+        return replace(s, optimizer_bytes=0, cpu_bytes=host, grads_bytes=grads, comm_buffers_bytes=comm,
+                       notes=tuple(notes))  # the device-side fp32 partition note no longer applies
+    host += pb * part  # grad_partitions_flat_buffer, on the host with offload_optimizer
+    params = s.params_bytes
+    persistent = pb * deepspeed_persistent_params(spec)
+    if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+        host += pb * part
+        params = persistent
+        notes.append("device: no parameter partitions (offload_param): each module's parameters are fetched from "
+                     "the host when it runs, and those under the persistence threshold stay")
+    notes.append("start-up also holds one fp32 buffer of the largest optimizer sub-group (sub_group_size, 1e9 "
+                 "elements by default) on the host for a moment (stage3.py initialize_optimizer_states)")
+    grads = pb * min(max(largest, bucket), spec.num_params)
+    return replace(s, optimizer_bytes=0, cpu_bytes=host, params_bytes=params, grads_bytes=grads,
+                   comm_buffers_bytes=pb * bucket, grads_preallocated=False, notes=tuple(notes))

@@ -34,6 +34,8 @@ def _positive(value: Any) -> int:
 
 
 def jsonable(value: Any) -> Any:
+    if hasattr(value, "to_dict") and not isinstance(value, type):
+        return jsonable(value.to_dict())
     if isinstance(value, Enum):
         return value.value
     if value is None or isinstance(value, (str, int, float, bool)):
@@ -45,8 +47,21 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+PART_LABELS = {"finetune.method": "method", "finetune.rank": "LoRA rank", "finetune.alpha": "LoRA alpha",
+               "finetune.dropout": "LoRA dropout", "finetune.targets": "LoRA targets",
+               "finetune.modules_to_save": "modules_to_save", "finetune.base": "base weights",
+               "finetune.double_quant": "double quantization", "finetune.dora": "DoRA"}
+"""How the parts of a composite setup field (the Finetune's) are named in `mapped` and ReadEntry.text."""
+
+
 def label(field: str) -> str:
-    return FIELD_LABELS.get(field, field)
+    return FIELD_LABELS.get(field) or PART_LABELS.get(field, field)
+
+
+def _shown(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "()"
+    return _value(value)
 
 
 def show(value: Any, limit: int = 60) -> str:
@@ -66,7 +81,7 @@ class ReadEntry:
 
     @property
     def text(self) -> str:
-        sets = ", ".join(f"{label(f)} {_value(v)}" for f, v in self.sets) or "nothing"
+        sets = ", ".join(f"{label(f)} {_shown(v)}" for f, v in self.sets) or "nothing"
         return f"{self.field}={show(self.value)} -> {sets}" + (f" ({self.note})" if self.note else "")
 
     def to_dict(self) -> dict:
@@ -161,6 +176,14 @@ class Reader:
         source = text or (key if raw is _MISSING else f"{key}={raw!r}") + (f" ({note})" if note else "")
         self.mapped.append(f"{source} -> {label(field)} {_value(value)}")
         self._entry(key, raw, ((field, value),), note)
+
+    def set_part(self, field: str, part: str, value: Any, key: str, raw: Any = _MISSING, note: str = "") -> None:
+        """The config's `key` (= `raw`) gives one part of the composite setup `field` (set whole by `set`): it
+        is recorded as read, with what it gave ('lora_r=16 -> LoRA rank 16')."""
+        if field in self.overridden:
+            self._entry(key, raw, (), f"{label(field)} overridden by {self.overridden[field]}")
+            return
+        self._entry(key, raw, ((f"{field}.{part}", value),), note)
 
     def set_model(self, value: str, key: str, raw: Any = _MISSING, note: str = "") -> None:
         self.model = (value, self.file, self.prefix + key)

@@ -1,4 +1,5 @@
-"""Hugging Face config.json -> ModelSpec, by arithmetic alone (no torch, no transformers at import or call time),
+"""Hugging Face config.json -> ModelSpec, by arithmetic alone for the families memfit has layouts for (no torch, no
+transformers at import or call time; any other architecture is derived by memfit.derive, which needs torch),
 plus the two readers around it: a config.json on disk and a hub id (the one place transformers is imported)."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -231,10 +232,23 @@ def _hidden_act(config: Mapping[str, Any], family: _Family) -> str:
 
 def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> ModelSpec:
     """A ModelSpec from a Hugging Face config dict: exact per-tensor parameter layout, architecture numbers and the
-    family details the activation estimator needs. Raises ModelSourceError (one line) for a malformed config."""
+    family details the activation estimator needs. Raises ModelSourceError (one line) for a malformed config.
+
+    A model_type without a parameter layout here is derived (memfit.derive: its tensors read off a shortened copy
+    built on fake tensors, needs torch); one with a layout but no activation recipe (qwen3, gemma) gets its
+    activations derived the same way, on first use."""
+    model_type = config.get("model_type") if isinstance(config, Mapping) else None
+    if isinstance(model_type, str) and model_type and model_type not in FAMILIES:
+        from ..derive import derived_spec
+
+        try:
+            return derived_spec(dict(config), name=name, source=source)
+        except ModelSourceError as error:
+            raise ModelSourceError(f"{error}; memfit's own layouts cover {', '.join(SUPPORTED_MODEL_TYPES)}, or "
+                                   "pass the built nn.Module (memfit reads its tensors)") from None
     arch = parse_arch(config, source)
     family = FAMILIES[arch.model_type]
-    return ModelSpec(
+    spec = ModelSpec(
         name=name,
         model_type=arch.model_type,
         params=param_layout(arch),
@@ -254,6 +268,13 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
         source=source,
         extra=_family_extra(arch, config),
     )
+    from ..estimate.activations import LAYER_RECIPES
+
+    if arch.model_type not in LAYER_RECIPES:  # a layout but no recipe: derive the activations, never borrow Llama's
+        from ..derive import DerivedModel
+
+        spec = replace(spec, derived=DerivedModel(dict(config), label=name))
+    return spec
 
 
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024

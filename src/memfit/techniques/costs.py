@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..estimate.comm import comm_volume, data_parallel_bytes, describe_runtime
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
-from ..setup import Offload, TrainingSetup
+from ..estimate.static import param_elem_bytes
+from ..setup import Engine, Offload, Precision, TrainingSetup
 from ..units import format_bytes
 
 
@@ -23,18 +24,69 @@ def zero_traffic(spec: ModelSpec, setup: TrainingSetup) -> str:
             f"({volume.psi_multiple:.3g} x Psi, {describe_runtime(setup)}{ratio})")
 
 
+CPU_ADAM_PARAMS_PER_S = 1e9
+"""DeepSpeedCPUAdam (AVX2/AVX512, all cores of a node's share) steps about 1e9 fp32 parameters per second."""
+
+
 def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
-    """Host<->device bytes per optimizer step per rank: bf16 gradients down, bf16 parameters up (ZeRO-Offload,
-    Ren et al. 2021); with parameter offload the parameters also cross twice more (forward and backward)."""
-    shard = setup.num_gpus if setup.sharding.stage >= 2 else 1
-    traffic = 2 * 2 * spec.num_params // shard
+    """Host<->device bytes per optimizer step per rank over PCIe, from what the engine copies:
+
+    DeepSpeed ZeRO-1 + offload_optimizer: the engine reduces only at the accumulation boundary
+    (engine.allreduce_gradients), so each gradient crosses once, cast to the master dtype, and the 16-bit partition
+    comes back after the step.
+    DeepSpeed ZeRO-2 + offload_optimizer (runtime/zero/stage_1_and_2.py): each gradient of the rank's partition
+    goes down once, cast to the master dtype on the device first (async_inplace_copy_grad_to_fp32_buffer_from_gpu:
+    4 B/param); with accumulation every micro-step also moves the 16-bit running sum down and, after the first, back
+    up (async_accumulate_grad_in_cpu_via_gpu); after the CPU step the 16-bit partition goes up once (step:
+    param_buffer_of_bit16_for_cpu_offload_groups -> bit16_partitions).
+    DeepSpeed ZeRO-3 (stage3.py partition_grads): each micro-step's 16-bit gradient partition goes down and comes
+    back up (micro-step 0: `.to(grad_partition.device)`; later ones: up, add, down), at the boundary the master-dtype
+    copy goes down (_offload_grad_partition_at_boundary); the 16-bit parameters go up after the step, or, with
+    offload_param, twice per micro-step (fetched for forward and again for backward) and never after the step.
+    torch FSDP2 CPUOffloadPolicy: 16-bit gradients down and 16-bit parameters up (ZeRO-Offload, Ren et al. 2021),
+    and with parameter offload the parameters twice more."""
+    if setup.offload is Offload.NONE:
+        return 0
+    n = setup.num_gpus if setup.sharding.stage >= 1 else 1
+    if setup.engine is Engine.TORCH:
+        shard = setup.num_gpus if setup.sharding.stage >= 2 else 1
+        traffic = 2 * 2 * spec.num_params // shard
+        if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
+            traffic += 2 * 2 * spec.num_params // setup.num_gpus
+        return traffic
+    part = spec.num_params // n
+    pb = param_elem_bytes(setup.precision)
+    master = 2 if setup.precision is Precision.BF16 else 4
+    accum = setup.grad_accum_steps
+    if setup.sharding.stage <= 1:
+        # ZeRO-1 (and offload alone): gradients accumulate on the device and cross once, at the boundary
+        return master * part + pb * part
+    if setup.sharding.stage == 2:
+        down = master * part + (pb * part * accum if accum > 1 else 0)
+        up = pb * part + pb * part * (accum - 1)
+        return down + up
+    down = pb * part * accum + master * part
+    up = pb * part * accum
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
-        traffic += 2 * 2 * spec.num_params // setup.num_gpus
-    return traffic
+        up += 2 * pb * part * accum
+    else:
+        up += pb * part
+    return down + up
+
+
+def cpu_step_seconds(spec: ModelSpec, setup: TrainingSetup) -> float:
+    """Seconds of the optimizer step on the CPU per rank (0 without offload)."""
+    if setup.offload is Offload.NONE:
+        return 0.0
+    n = setup.num_gpus if setup.sharding.stage >= 1 else 1
+    return spec.num_params / n / CPU_ADAM_PARAMS_PER_S
 
 
 def offload_traffic(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> str:
     traffic = offload_traffic_bytes(spec, setup)
     link = hardware.gpu.host_link_gb_per_s
     seconds = traffic / (link * 1e9)
-    return f"{format_bytes(traffic)} over PCIe per step (~{seconds:.2f} s at {link:g} GB/s) and a CPU optimizer step"
+    per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
+    step = cpu_step_seconds(spec, setup)
+    return (f"{format_bytes(traffic)} over PCIe per step{per} (~{seconds:.2f} s at {link:g} GB/s) and a CPU Adam "
+            f"step (~{step:.1f} s at {CPU_ADAM_PARAMS_PER_S:.0e} params/s)")

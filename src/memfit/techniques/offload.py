@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from ..setup import Offload, Optimizer, Precision, Sharding
+from ..errors import ConfigError
+from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 from ..units import format_bytes
 from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
 from .costs import offload_traffic
@@ -9,32 +10,81 @@ from .costs import offload_traffic
 @register
 class CpuOffload(Technique):
     """ZeRO-Offload: optimizer states (and fp32 master weights) in CPU RAM, the step on the CPU; with ZeRO-3 the
-    parameters may follow."""
+    parameters may follow. On one GPU the rung is DeepSpeed's: ZeRO-2 + offload_optimizer (16-bit parameters stay,
+    gradients leave bucket by bucket), then ZeRO-3 + offload_param + offload_optimizer (the parameters leave too)."""
 
     key = "cpu_offload"
     title = "CPU offload of optimizer states"
 
     def propose(self, ctx: Context) -> Proposal | Skip:
+        try:
+            return self._propose(ctx)
+        except ConfigError as error:  # a combination no engine runs: the rung is passed over, saying why
+            return Skip(str(error))
+
+    def _propose(self, ctx: Context) -> Proposal | Skip:
         setup = ctx.setup
         if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
             return Skip("optimizer states and parameters are offloaded already")
+        one_gpu = ctx.hardware.world_size == 1
         if setup.offload is Offload.OPTIMIZER:
-            if setup.sharding is not Sharding.ZERO3:
-                return Skip("offloading parameters too needs ZeRO-3 (more than one GPU)")
-            nxt = with_engine_that_can(setup, offload=Offload.OPTIMIZER_AND_PARAMS)
+            if setup.sharding is not Sharding.ZERO3 and not one_gpu:
+                return Skip("offloading parameters too needs ZeRO-3 (zero3 sharding)")
+            candidates = [_on_deepspeed(setup, sharding=Sharding.ZERO3, offload=Offload.OPTIMIZER_AND_PARAMS)
+                          if one_gpu else with_engine_that_can(setup, offload=Offload.OPTIMIZER_AND_PARAMS)]
         else:
             optimizer = Optimizer.ADAMW if setup.optimizer is Optimizer.ADAMW_8BIT else setup.optimizer
             precision = Precision.BF16_MASTER if setup.precision is Precision.BF16 else setup.precision
-            nxt = with_engine_that_can(setup, offload=Offload.OPTIMIZER, optimizer=optimizer, precision=precision)
-        host_need = ctx.size(nxt).cpu_bytes * ctx.hardware.gpus_per_node
-        if host_need > ctx.hardware.cpu_ram_bytes:
-            return Skip(f"offload needs {format_bytes(host_need)} of CPU RAM per node, more than the "
-                        f"{format_bytes(ctx.hardware.cpu_ram_bytes)} given (--cpu-ram)")
-        change = ("deepspeed offload_optimizer.device=cpu" if nxt.offload is Offload.OPTIMIZER
-                  else "deepspeed offload_param.device=cpu")
-        why = ("optimizer states are used once per step: keep them (and the fp32 master weights) in "
-               f"CPU RAM ({format_bytes(host_need)} per node) and step there")
-        if nxt.optimizer is not setup.optimizer or nxt.precision is not setup.precision:
-            why += ("; DeepSpeed's CPU Adam steps fp32 states against an fp32 master copy, so it takes neither "
-                    "8-bit states nor pure bf16 weights")
-        return Proposal(nxt, change, offload_traffic(ctx.spec, nxt, ctx.hardware), why)
+            if one_gpu:
+                # least change first: offload alone (DeepSpeed runs it as ZeRO-1: every gradient stays on the GPU
+                # until the step), then ZeRO-2 (gradients leave bucket by bucket), then ZeRO-3 (parameters too)
+                candidates = [_on_deepspeed(setup, offload=Offload.OPTIMIZER, optimizer=optimizer, precision=precision),
+                              _on_deepspeed(setup, sharding=Sharding.ZERO2, offload=Offload.OPTIMIZER,
+                                            optimizer=optimizer, precision=precision),
+                              _on_deepspeed(setup, sharding=Sharding.ZERO3, offload=Offload.OPTIMIZER_AND_PARAMS,
+                                            optimizer=optimizer, precision=precision)]
+            else:
+                candidates = [with_engine_that_can(setup, offload=Offload.OPTIMIZER, optimizer=optimizer,
+                                                   precision=precision)]
+        ram = ctx.hardware.cpu_ram_bytes
+        host = {id(c): ctx.size(c).cpu_bytes * ctx.hardware.gpus_per_node for c in candidates}
+        within = [c for c in candidates if host[id(c)] <= ram]
+        if not within:
+            least = min(host.values())
+            return Skip(f"host RAM is the limit: offload needs {format_bytes(least)} of CPU RAM per node, more than "
+                        f"the {format_bytes(ram)} given (--cpu-ram)")
+        chosen = ctx.pick(within)
+        if isinstance(chosen, Skip):
+            return chosen
+        return Proposal(chosen, _change(chosen), offload_traffic(ctx.spec, chosen, ctx.hardware),
+                        _why(setup, chosen, host[id(chosen)], one_gpu))
+
+
+def _on_deepspeed(setup: TrainingSetup, **changes) -> TrainingSetup:
+    """One GPU: only DeepSpeed runs ZeRO with offload on a single rank (memfit.setup)."""
+    return setup.replace(engine=Engine.DEEPSPEED, **changes)
+
+
+def _change(setup: TrainingSetup) -> str:
+    if setup.engine is Engine.TORCH:
+        return "FSDP2 fully_shard(offload_policy=CPUOffloadPolicy())"
+    stage = f"deepspeed zero_optimization.stage={setup.sharding.stage}, " if setup.sharding.stage else "deepspeed "
+    if setup.offload is Offload.OPTIMIZER:
+        return stage + "offload_optimizer.device=cpu"
+    return stage + "offload_optimizer.device=cpu, offload_param.device=cpu"
+
+
+def _why(before: TrainingSetup, after: TrainingSetup, host_need: int, one_gpu: bool) -> str:
+    ram = f"CPU RAM ({format_bytes(host_need)} per node)"
+    if after.offload is Offload.OPTIMIZER_AND_PARAMS:
+        why = (f"the 16-bit parameters leave the GPU too: each module's are fetched from {ram} when it runs "
+               "(ZeRO-Infinity on CPU), beside the fp32 master weights, gradients and optimizer states")
+    else:
+        why = (f"optimizer states are used once per step: keep them (and the fp32 master weights) in {ram} and "
+               "step there")
+        if one_gpu and after.sharding is Sharding.ZERO2:
+            why += "; ZeRO-2 on one GPU shards nothing but sends gradients to the host bucket by bucket"
+    if after.optimizer is not before.optimizer or after.precision is not before.precision:
+        why += ("; DeepSpeed's CPU Adam steps fp32 states against an fp32 master copy, so it takes neither "
+                "8-bit states nor pure bf16 weights")
+    return why

@@ -14,7 +14,7 @@ from ..estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoi
 from ..setup import Optimizer, TrainingSetup
 from . import distributed, hf
 from .kernels import Kernels, device_kernels, kernel_note
-from .session import LossFn, StepSession, build_hf_session, build_module_session, repeated_blocks
+from .session import LossFn, StepSession, build_hf_session, build_module_session, repeated_blocks, routed_experts
 from .timeline import TraceProgress
 from .tracker import KIND_TERMS, StepTracker, _Kind
 
@@ -49,7 +49,7 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
             session = build(setup, mesh)
         tracker = StepTracker(host_kinds=host, optimizer_on_host=optimizer_on_host, num_steps=steps,
                               progress=progress)
-        with device_kernels(kernels):
+        with device_kernels(kernels), routed_experts():
             run_traced(session, tracker, fake_mode, steps)
     session.notes.append(kernel_note(kernels))
     return to_estimate(tracker, session, setup, name or session.name)

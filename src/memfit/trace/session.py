@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._torch import step as runner
 from ..errors import ConfigError
@@ -45,10 +46,143 @@ class StepSession:
 
 def build_hf_session(config: dict, setup: TrainingSetup, *, loss_fn: LossFn | None = None,
                      shard: Sharder | None = None) -> StepSession:
-    """A transformers model from its config dict, with token batches of the setup's shape."""
-    model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
-    batch = runner.make_batch(config, setup, device="cpu")
-    return _finish(model, batch, setup, loss_fn=loss_fn, shard=shard, notes=[])
+    """A transformers model from its config dict, with token batches of the setup's shape (pixel batches of the
+    config's image size for image classifiers such as ViT)."""
+    notes: list[str] = []
+    model = build_hf_model(config, setup, notes)
+    batch = make_hf_batch(config, model, setup)
+    return _finish(model, batch, setup, loss_fn=loss_fn, shard=shard, notes=notes)
+
+
+def build_hf_model(config: dict, setup: TrainingSetup, notes: list[str] | None = None) -> nn.Module:
+    """The transformers model the step trains, built so that it also builds on fake tensors: weight initialisers
+    that read values (`trunc_normal_`'s `.any()` in ViT) get a stand-in value, and MoE experts run a path whose
+    shapes do not depend on the routing. `notes` gets a line for each of these that applied."""
+    notes = notes if notes is not None else []
+    with _values_free_init(notes):
+        if is_image_classifier(config):
+            model = _build_image_classifier(config, _model_setup(setup))
+        else:
+            model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
+    if _has_experts(model):
+        notes.append(MOE_NOTE)
+    return model
+
+
+def make_hf_batch(config: dict, model: nn.Module, setup: TrainingSetup):
+    if is_image_classifier(config):
+        return _pixel_batch(model, setup)
+    return runner.make_batch(config, setup, device="cpu")
+
+
+# ---- what fake tensors cannot do on their own ------------------------------------------------------------------
+
+MOE_NOTE = ("MoE: token routing has no values on fake tensors, so every token is sent to exactly top_k experts "
+            "(deterministic and balanced: tokens x top_k rows through the experts); the experts run transformers' "
+            "grouped_mm implementation (its default), and where torch's grouped_mm kernel takes bf16 only (CPU, "
+            "fp32 weights) through transformers' own grouped_mm fallback op, which keeps the same tensors")
+INIT_NOTE = ("weight initialisation read {n} tensor values (.item(), e.g. trunc_normal_), which fake tensors do not "
+             "have; 0 was used (values do not change memory)")
+
+
+class _ValuesFreeInit(TorchDispatchMode):
+    """While a model is built: a `.item()` on a fake tensor (an initialiser's rejection loop) returns 0 / False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.assumed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            from torch._subclasses.fake_tensor import DataDependentOutputException
+
+            try:
+                return func(*args, **(kwargs or {}))
+            except DataDependentOutputException:
+                self.assumed += 1
+                tensor = args[0]
+                return False if tensor.dtype is torch.bool else (0.0 if tensor.is_floating_point() else 0)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _values_free_init(notes: list[str]):
+    from torch._guards import active_fake_mode
+
+    if active_fake_mode() is None:
+        yield
+        return
+    mode = _ValuesFreeInit()
+    with mode:
+        yield
+    if mode.assumed:
+        notes.append(INIT_NOTE.format(n=mode.assumed))
+
+
+def _has_experts(model: nn.Module) -> bool:
+    return any(hasattr(m, "gate_up_proj") and hasattr(m, "num_experts") for m in model.modules())
+
+
+@contextlib.contextmanager
+def routed_experts() -> Any:
+    """MoE experts on fake tensors: transformers' grouped_mm path has routing-independent shapes (tokens are
+    sorted by expert, `histc` counts them), but torch's `grouped_mm` meta kernel accepts bf16 only; for other
+    dtypes the experts go through transformers' registered fallback op (same inputs saved, same outputs)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+
+    def can_use(input, weight, offs):  # noqa: A002 - transformers' own argument names
+        return weight.dtype is torch.bfloat16 and input.dtype is torch.bfloat16 and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+# ---- image classifiers (ViT and kin) ----------------------------------------------------------------------------
+
+def is_image_classifier(config: dict) -> bool:
+    """An HF config whose model builds as an image classifier and not as a causal or masked LM."""
+    model_type = config.get("model_type")
+    try:
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError:
+        return False
+    return (model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+            and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+
+def _build_image_classifier(config: dict, setup: TrainingSetup) -> nn.Module:
+    import transformers
+
+    hf_config = runner.hf_config_from_dict(config)
+    model = transformers.AutoModelForImageClassification.from_config(
+        hf_config, attn_implementation=str(setup.attention), dtype=runner.param_dtype(setup))
+    if setup.checkpointing is Checkpointing.FULL:
+        runner.enable_hf_checkpointing(model)
+    model.train()
+    return model
+
+
+def _pixel_batch(model: nn.Module, setup: TrainingSetup) -> dict:
+    """Images of the config's size, one class label each (micro_batch_size images; seq_len does not apply)."""
+    config = model.config
+    size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+    channels = getattr(config, "num_channels", 3)
+    dtype = runner.param_dtype(_model_setup(setup))
+    pixels = torch.randn(setup.micro_batch_size, channels, size, size, dtype=dtype)
+    labels = torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (setup.micro_batch_size,))
+    return {"pixel_values": pixels, "labels": labels}
 
 
 def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup, *,

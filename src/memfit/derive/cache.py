@@ -1,0 +1,154 @@
+"""Derived models on disk: one JSON file per (config, library versions, setup kind).
+
+Where: $MEMFIT_CACHE_DIR, else $XDG_CACHE_HOME/memfit/derived, else ~/.cache/memfit/derived. Files are written
+atomically (a temporary file in the same folder, then os.replace), so a reader never sees half a file; one that
+does not parse, or holds another key, is ignored and derived again. memfit also ships derived files for catalog
+models whose family has no recipe (memfit/data/derived, keyed by config and kind: they were derived under the
+versions they record).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .model import KindFit
+
+FORMAT = 1
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("MEMFIT_CACHE_DIR", "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "memfit" / "derived"
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Of the values that describe the architecture (names and paths do not change memory)."""
+    skip = {"_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "auto_map"}
+    text = json.dumps({k: v for k, v in config.items() if k not in skip}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    out = {"memfit": __version__}
+    for name in ("torch", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def cache_key(config: dict[str, Any], kind: str, versions: dict[str, str] | None = None) -> str:
+    versions = versions or library_versions()
+    text = json.dumps({"config": config_hash(config), "versions": versions, "kind": kind, "format": FORMAT},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def shipped_name(config: dict[str, Any], kind: str) -> str:
+    return f"{config_hash(config)}-{kind.replace('/', '_')}.json"
+
+
+def cache_path(config: dict[str, Any], kind: str) -> Path:
+    return cache_dir() / f"{cache_key(config, kind)}.json"
+
+
+def read_json(path: Path, key: str) -> dict[str, Any] | None:
+    """The file's payload when it parses and holds `key`; None otherwise (missing, corrupt, foreign)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != key or data.get("format") != FORMAT:
+        return None
+    return data
+
+
+def write_json(path: Path, data: dict[str, Any]) -> bool:
+    """Atomic write; False (and nothing left behind) when the folder is not writable."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(data, handle, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with _suppress():
+                os.unlink(tmp)
+            raise
+    except OSError:
+        return False
+    return True
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+def _shipped(config: dict[str, Any], kind: str) -> KindFit | None:
+    try:
+        text = resources.files("memfit").joinpath("data/derived").joinpath(shipped_name(config, kind)).read_text(
+            encoding="utf-8")
+        data = json.loads(text)
+        return KindFit.from_dict(data["fit"])
+    except (OSError, ValueError, KeyError, TypeError, FileNotFoundError):
+        return None
+
+
+_MEMORY: dict[str, KindFit] = {}
+
+
+def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tuple[KindFit, str]:
+    """(fit, where it is stored): from this process, the shipped data, the disk cache, or derived now."""
+    shipped = _shipped(config, kind)
+    if shipped is not None:
+        return shipped, "memfit/data/derived (shipped)"
+    path = cache_path(config, kind)
+    key = path.stem
+    if key in _MEMORY:
+        return _MEMORY[key], str(path)
+    data = read_json(path, key)
+    if data is not None:
+        try:
+            fit = KindFit.from_dict(data["fit"])
+            _MEMORY[key] = fit
+            return fit, str(path)
+        except (KeyError, TypeError, ValueError):
+            pass  # a corrupt entry: derive it again
+    from .progress import reporting
+    from .fit import derive_kind
+
+    started = time.perf_counter()
+    with reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress:
+        fit = derive_kind(config, kind, progress=progress)
+    _MEMORY[key] = fit
+    payload = {"key": key, "format": FORMAT, "kind": kind, "model_type": config.get("model_type"),
+               "config_hash": config_hash(config), "versions": library_versions(),
+               "derive_seconds": round(time.perf_counter() - started, 3), "fit": fit.to_dict()}
+    stored = write_json(path, payload)
+    return fit, str(path) if stored else "memory only (cache folder not writable)"
+
+
+def clear_memory() -> None:
+    """Forget what this process loaded (tests and benchmarks time the disk cache this way)."""
+    _MEMORY.clear()

@@ -1,0 +1,354 @@
+"""Derive a block memory model by tracing shortened copies of a transformers model on fake tensors.
+
+For one setup kind: build the model with 1 and with 2 blocks, run forward and backward (memfit's own step, without
+the optimizer) at a few small (micro-batch, sequence) shapes under memfit's StepTracker, and fit
+
+- per block: what forward leaves alive with 2 blocks minus with 1 (split by group from the allocating modules);
+- the embedding side: what the modules that run before the first block keep (ids, position tables, masks);
+- the head side: what the modules after the last block keep, except the LM head's logits and the loss, which the
+  estimator sizes from the vocabulary itself;
+- one block's backward temporaries: the live bytes at each moment of the last block's backward, beyond what the
+  estimator already counts then (every block's saved tensors, the embedding's, the LM head's gradient). Each moment
+  is linear in the shape; the peak is the largest of them, so the envelope of those lines is kept.
+
+The fit is checked on a held-out shape; a model whose memory is not linear in these terms is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+from ..errors import ModelSourceError
+from .model import GROUPS, KindFit, Linear, kind_setup
+
+FIT_SHAPES = ((2, 16), (3, 16), (2, 32), (3, 48))
+CHECK_SHAPE = (4, 40)
+"""Micro-batches of 2 or more: at 1 some reshapes are views where they are copies otherwise."""
+TOLERANCE = 2e-3
+"""Relative error allowed on the held-out shape (plus a few hundred bytes for scalars)."""
+
+_ATTENTION_WORDS = ("attn", "attention")
+_MLP_WORDS = ("mlp", "ffn", "feed_forward", "experts", "moe", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h",
+              "intermediate", "c_fc")
+
+Progress = Callable[[str, float], None]
+
+
+def short_config(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The config with `num_layers` blocks (per-layer lists such as `layer_types` cut to match)."""
+    from .._torch.step import hf_config_from_dict
+
+    hf = hf_config_from_dict(config)
+    if getattr(hf, "is_encoder_decoder", False):
+        raise ModelSourceError(f"model_type '{config.get('model_type')}' is an encoder-decoder: memfit.derive "
+                               "sizes one stack of repeated blocks (decoder-only and encoder-only models)")
+    out = copy.deepcopy(dict(config))
+    names = [k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in out]
+    key = hf.attribute_map.get("num_hidden_layers", "num_hidden_layers")
+    for name in set(names) | {key}:
+        out[name] = num_layers
+    for name, value in list(out.items()):
+        if isinstance(value, list) and name in ("layer_types", "layers_block_type", "block_types") and value:
+            out[name] = (value * num_layers)[:num_layers]
+    return out
+
+
+def num_layers_of(config: dict[str, Any]) -> int:
+    from .._torch.step import hf_config_from_dict
+
+    return int(getattr(hf_config_from_dict(config), "num_hidden_layers", 0) or 0)
+
+
+def build_short(config: dict[str, Any], num_layers: int, setup, fake_mode):
+    from ..trace.session import build_hf_model
+
+    notes: list[str] = []
+    with fake_mode:
+        model = build_hf_model(short_config(config, num_layers), setup, notes)
+    return model, notes
+
+
+def _blocks(model) -> list[tuple[str, Any]]:
+    from .._torch.blocks import named_blocks
+
+    return named_blocks(model)
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    if any(w in low for w in _ATTENTION_WORDS):
+        return "attention"
+    if any(w in low for w in _MLP_WORDS):
+        return "mlp"
+    return "norms"
+
+
+def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> dict[str, Any]:
+    """One forward + backward at `setup`'s shape: live bytes at forward end, saved bytes per allocating module, the
+    order modules first ran in, and the live (non-static) bytes through the last block's backward."""
+    import torch
+    from torch.nn.modules import module as nn_module
+
+    from .._torch import step as runner
+    from ..trace.kernels import device_kernels
+    from ..trace.session import make_hf_batch, routed_experts
+    from ..trace.tracker import StepTracker, _Kind
+
+    with fake_mode:
+        batch = make_hf_batch(config, model, setup)
+    blocks = _blocks(model)
+    if not blocks:
+        raise ModelSourceError(f"model_type '{config.get('model_type')}': no repeated blocks found to derive from")
+    tracker = StepTracker(num_steps=1)
+    marks: dict[str, int] = {}
+    order: list[str] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    last = blocks[-1][1]
+    first = blocks[0][1]
+    edges: dict[str, int] = {}
+
+    def first_call(module, _args):
+        name = names.get(id(module))
+        if name is not None and name not in seen:
+            seen.add(name)
+            order.append(name)
+
+    seen: set[str] = set()
+
+    def _hidden(args, kwargs):
+        return args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+    def first_in(_module, args, kwargs):
+        hidden = _hidden(args, kwargs)
+        if isinstance(hidden, torch.Tensor):
+            edges.setdefault("in", id(hidden.untyped_storage()))
+
+    def block_in(_module, args, kwargs):
+        hidden = _hidden(args, kwargs)
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda g: marks.setdefault("end", tracker.events) and None)
+
+    def block_out(_module, _args, _kwargs, output):
+        out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
+        if isinstance(out, torch.Tensor):
+            edges["out"] = id(out.untyped_storage())
+            if out.requires_grad:
+                out.register_hook(lambda g: marks.setdefault("start", tracker.events) and None)
+
+    def head_out(_module, _args, output):
+        if isinstance(output, torch.Tensor):
+            edges["logits"] = id(output.untyped_storage())
+
+    def forward_end(phase):
+        if str(phase) == "backward" and "in_bytes" not in edges:
+            for edge in ("in", "out", "logits"):
+                record = tracker._records.get(edges.get(edge, -1))
+                alive = record is not None and record.kind is _Kind.ACTIVATIONS
+                edges[f"{edge}_bytes"] = record.nbytes if alive else 0
+        tracker.mark(phase)
+
+    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lm_head_name = names.get(id(output_embeddings), "") if output_embeddings is not None else ""
+    handles = [nn_module.register_module_forward_pre_hook(first_call),
+               first.register_forward_pre_hook(first_in, with_kwargs=True),
+               last.register_forward_pre_hook(block_in, with_kwargs=True),
+               last.register_forward_hook(block_out, with_kwargs=True)]
+    if output_embeddings is not None:
+        handles.append(output_embeddings.register_forward_hook(head_out))
+    step_setup = setup.replace(grad_accum_steps=1)
+    try:
+        tracker.watch_module(model)
+        tracker.register_tree(batch, _Kind.INPUTS)
+        with device_kernels(kernels), routed_experts(), fake_mode, tracker:
+            runner.forward_backward(model, None, batch, step_setup, phase_callback=forward_end)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for param in model.parameters():
+            param.grad = None
+    static = (_Kind.PARAMETERS, _Kind.BUFFERS, _Kind.OPTIMIZER, _Kind.GATHERED)
+    history = tracker._history  # live bytes per kind after each event
+
+    def live(index: int) -> int:
+        row = history[index - 1] if index > 0 else (0,) * len(_Kind)
+        return sum(v for k, v in enumerate(row) if _Kind(k) not in static)
+
+    backward_at = next(e for e, _s, phase in tracker.marks if str(getattr(phase, "value", phase)) == "backward")
+    start, end = marks.get("start", backward_at), marks.get("end", tracker.events)
+    return {"forward_end": live(backward_at), "saved": dict(tracker.saved_by_module), "order": order,
+            "blocks": [n for n, _ in blocks], "in_bytes": edges.get("in_bytes", 0),
+            "out_bytes": edges.get("out_bytes", 0), "logits_bytes": edges.get("logits_bytes", 0),
+            "lm_head": lm_head_name, "window": [live(i) for i in range(max(start, 1), max(end, start) + 1)]}
+
+
+def _split(measure: dict[str, Any], block_index: int) -> dict[str, int]:
+    """Saved bytes by where they were allocated: 'embedding' (before the first block), block groups (under block
+    `block_index`), 'head' (after the last block, except the LM head and the loss), 'lm_head', 'root'."""
+    blocks = measure["blocks"]
+    order = measure["order"]
+    last_block = blocks[-1]
+    after_last = max((i for i, n in enumerate(order) if n == last_block or n.startswith(last_block + ".")),
+                     default=len(order))
+    target = blocks[block_index]
+    out = {"embedding": 0, "head": -measure["logits_bytes"], "root": 0, **{g: 0 for g in GROUPS}}
+    known = set(order)
+    for name, num_bytes in measure["saved"].items():
+        if name == "(model)" or name not in known:  # the loss (in the root's forward, or a loss module it makes)
+            out["root"] += num_bytes
+            continue
+        if name == target or name.startswith(target + "."):
+            out[_group(name[len(target):])] += num_bytes
+            continue
+        if any(name == b or name.startswith(b + ".") for b in blocks):
+            continue
+        position = order.index(name) if name in order else -1
+        out["head" if position > after_last else "embedding"] += num_bytes
+    return out
+
+
+def _solve(rows: list[list[int]], values: list[int]) -> Linear:
+    """Exact solution of the 4 x 4 system (basis tokens, tokens x seq, seq, 1)."""
+    n = len(rows)
+    m = [[Fraction(x) for x in row] + [Fraction(v)] for row, v in zip(rows, values)]
+    for col in range(n):
+        pivot = next(r for r in range(col, n) if m[r][col] != 0)
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[r][col] != 0:
+                factor = m[r][col] / m[col][col]
+                m[r] = [x - factor * y for x, y in zip(m[r], m[col])]
+    return Linear(*(float(m[i][n] / m[i][i]) for i in range(n)))
+
+
+def _basis(batch: int, seq: int) -> list[int]:
+    return [batch * seq, batch * seq * seq, seq, 1]
+
+
+def _envelope(lines: list[Linear]) -> tuple[Linear, ...]:
+    """The lines that are the largest somewhere on a grid of real shapes (and at the fit shapes)."""
+    grid = [(b, t) for b in (1, 2, 4, 8, 16, 64) for t in (16, 48, 128, 512, 2048, 8192, 32768, 131072)]
+    grid += list(FIT_SHAPES) + [CHECK_SHAPE]
+    keep: list[Linear] = []
+    for b, t in grid:
+        best = max(lines, key=lambda line: line(b * t, t))
+        if best not in keep:
+            keep.append(best)
+    return tuple(keep)
+
+
+def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None = None) -> KindFit:
+    """Trace the 1- and 2-block copies at FIT_SHAPES and CHECK_SHAPE under `kind`, fit and check."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .. import __version__ as memfit_version
+    from ..setup import TrainingSetup  # noqa: F401 - setups are built by kind_setup
+
+    base, kernels = kind_setup(kind)
+    shapes = list(FIT_SHAPES) + [CHECK_SHAPE]
+    runs: dict[int, list[dict[str, Any]]] = {}
+    total = 2 * len(shapes)
+    done = 0
+    for layers in (1, 2):
+        fake_mode = FakeTensorMode()
+        model, _notes = build_short(config, layers, base, fake_mode)
+        runs[layers] = []
+        for batch, seq in shapes:
+            if progress is not None:
+                progress(f"{layers}-block copy, batch {batch} x seq {seq}", done / total)
+            setup = base.replace(micro_batch_size=batch, seq_len=seq)
+            runs[layers].append(_measure(model, config, setup, kernels, fake_mode))
+            done += 1
+    if progress is not None:
+        progress("fitting", 1.0)
+    vocab, hidden = _vocab_hidden(config)
+    grad_bytes = 2 if base.precision.param_dtype == "bf16" else 4
+    per_shape = []
+    for i, (batch, seq) in enumerate(shapes):
+        one, two = runs[1][i], runs[2][i]
+        split = _split(two, 1)
+        split_one = _split(one, 0)
+        block_total = two["forward_end"] - one["forward_end"]
+        grouped = {"attention": split["attention"], "mlp": split["mlp"]}
+        grouped["norms"] = block_total - grouped["attention"] - grouped["mlp"]
+        tokens = batch * seq
+        reference = 2 * block_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens + vocab * hidden * grad_bytes
+        # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
+        # norm reads it), the last block's output is saved by the head's final norm: count them where they are saved
+        embedding_saved = split_one["embedding"] - one["in_bytes"]
+        head_saved = split_one["head"] + one["out_bytes"]
+        per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved,
+                          "window": [v - reference for v in two["window"]]})
+    fit_rows = [_basis(b, t) for b, t in FIT_SHAPES]
+    n_fit = len(FIT_SHAPES)
+
+    def fit(values: list[int]) -> Linear:
+        return _solve(fit_rows, values[:n_fit])
+
+    block = {g: fit([s["block"][g] for s in per_shape]) for g in GROUPS}
+    embedding = fit([s["embedding"] for s in per_shape])
+    head = fit([s["head"] for s in per_shape])
+    lengths = {len(s["window"]) for s in per_shape}
+    if len(lengths) == 1:
+        lines = [fit([s["window"][j] for s in per_shape]) for j in range(lengths.pop())]
+    else:  # the op sequence changed with the shape: fit the peak itself
+        lines = [fit([max(s["window"]) for s in per_shape])]
+    temporaries = _envelope(lines) if lines else (Linear(),)
+    check_b, check_t = CHECK_SHAPE
+    held = per_shape[-1]
+    checks = {f"block {g}": (block[g], held["block"][g]) for g in GROUPS}
+    checks.update({"embedding": (embedding, held["embedding"]), "head": (head, held["head"])})
+    worst = 0.0
+    for what, (line, measured) in checks.items():
+        predicted = line(check_b * check_t, check_t)
+        error = abs(predicted - measured)
+        scale = max(abs(measured), sum(abs(v) for v in held["block"].values()))
+        if error > TOLERANCE * scale + 512:
+            raise ModelSourceError(
+                f"model_type '{config.get('model_type')}': what a block keeps is not linear in batch and sequence "
+                f"({what}: fit {predicted:,} B vs traced {measured:,} B at batch {check_b} x seq {check_t}); "
+                "use `memfit trace` for this model")
+        worst = max(worst, error / max(scale, 1))
+    predicted_peak = max(t(check_b * check_t, check_t) for t in temporaries)
+    measured_peak = max(held["window"]) if held["window"] else 0
+    scale = sum(abs(v) for v in held["block"].values())
+    if abs(predicted_peak - measured_peak) > TOLERANCE * scale + 512:
+        raise ModelSourceError(
+            f"model_type '{config.get('model_type')}': a block's backward peak is not linear in batch and sequence "
+            f"(fit {predicted_peak:,} B vs traced {measured_peak:,} B); use `memfit trace` for this model")
+    worst = max(worst, abs(predicted_peak - measured_peak) / max(scale, 1))
+    return KindFit(kind=kind, block=block, head=head, embedding=embedding, temporaries=temporaries,
+                   fit_error=worst, shapes=tuple(shapes), versions=versions())
+
+
+def _vocab_hidden(config: dict[str, Any]) -> tuple[int, int]:
+    from .._torch.step import hf_config_from_dict
+
+    hf = hf_config_from_dict(config)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return int(getattr(text, "vocab_size", 0) or 0), int(getattr(text, "hidden_size", 0) or 0)
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "memfit": __version__}
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    import logging
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

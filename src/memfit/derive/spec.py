@@ -1,0 +1,133 @@
+"""A ModelSpec for an architecture memfit has no recipe for: parameter tensors read off the 1- and 2-block copies
+(built on fake tensors), scaled to the real depth; architecture numbers from the transformers config."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..errors import ModelSourceError
+from ..model_spec import ModelSpec, ParamTensor
+from .cache import cache_path, read_json, write_json
+from .model import DerivedModel
+
+PARAMS_KIND = "params"
+
+
+def _hf_config(config: dict[str, Any], source: str):
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' has no recipe in memfit; deriving "
+                               "one traces the model and needs torch and transformers (pip install "
+                               "'memfit[torch]')") from None
+    from .._torch.step import hf_config_from_dict
+    from ..errors import ConfigError
+
+    try:
+        return hf_config_from_dict(config)
+    except (ConfigError, TypeError, KeyError) as error:
+        raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' "
+                               f"offline ({_first_line(error)})") from None
+
+
+def _first_line(error: BaseException, limit: int = 160) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"\s+", " ", text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[list[ParamTensor], dict[str, Any]]:
+    """Root and per-block parameter tensors, from the shortened copies (tied weights once), and facts about them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..setup import TrainingSetup
+    from .fit import _blocks, build_short
+
+    found = {}
+    for layers in (1, 2):
+        try:
+            model, _ = build_short(config, layers, TrainingSetup(), FakeTensorMode())
+        except ModelSourceError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure to build means: cannot derive this architecture
+            raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' "
+                                   f"offline from this config ({_first_line(error)})") from None
+        blocks = [name for name, _ in _blocks(model)]
+        if not blocks:
+            raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' has no repeated blocks to "
+                                   "derive a memory model from; use `memfit trace`")
+        params = [(n, int(p.numel())) for n, p in model.named_parameters()]
+        inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        tied = (inputs is not None and outputs is not None and getattr(outputs, "weight", None) is not None
+                and outputs.weight is getattr(inputs, "weight", None))
+        found[layers] = (blocks, params, tied, type(model).__name__, model)
+    blocks, params, tied, class_name, model = found[2]
+    prefix = blocks[0].rpartition(".")[0]
+    rows: dict[tuple[str, int], int] = {}
+    for name, numel in params:
+        block = next((b for b in blocks if name.startswith(b + ".")), None)
+        if block is None:
+            rows[(name, numel)] = 1
+        else:
+            key = (f"{prefix}.*.{name[len(block) + 1:]}", numel)
+            rows[key] = num_layers
+    one = sum(n for _, n in found[1][1])
+    two = sum(n for _, n in params)
+    total = sum(n * c for (_, n), c in rows.items())
+    expected = one + (two - one) * (num_layers - 1)
+    if total != expected:
+        raise ModelSourceError(f"{source}: the blocks of model_type '{config.get('model_type')}' are not all alike "
+                               "(parameters do not scale with depth); use `memfit trace`")
+    facts = {"tied": tied, "class": class_name, "block_prefix": prefix,
+             "is_decoder": class_name.endswith("ForCausalLM")}
+    return [ParamTensor(name, numel, count) for (name, numel), count in rows.items()], facts
+
+
+def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tuple | None = None,
+                 base: ModelSpec | None = None) -> ModelSpec:
+    """The spec of any transformers architecture: exact parameter tensors, derived activations (lazily, per kind)."""
+    hf = _hf_config(config, source)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    if num_layers <= 0:
+        raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' config has no number of layers")
+    derived = DerivedModel(config, label=name)
+    if base is not None:
+        from dataclasses import replace
+
+        return replace(base, derived=derived)
+    path = cache_path(config, PARAMS_KIND)
+    data = read_json(path, path.stem)
+    if data is not None and isinstance(data.get("params"), list):
+        rows = [ParamTensor(str(n), int(k), int(c)) for n, k, c in data["params"]]
+        facts = data.get("facts", {})
+    else:
+        from .fit import quiet_transformers
+
+        with quiet_transformers():
+            rows, facts = _param_rows(config, num_layers, source)
+        write_json(path, {"key": path.stem, "format": 1, "kind": PARAMS_KIND, "model_type": config.get("model_type"),
+                          "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv = int(getattr(text, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0))
+    inter = 0
+    for key in ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            inter = value
+            break
+    act = next((getattr(text, k) for k in ("hidden_act", "hidden_activation", "activation_function")
+                if isinstance(getattr(text, k, None), str)), "")
+    return ModelSpec(
+        name=name, model_type=str(config.get("model_type")), params=tuple(rows), hidden_size=hidden,
+        num_layers=num_layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        intermediate_size=inter or 4 * hidden, vocab_size=int(getattr(text, "vocab_size", 0) or 0),
+        max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
+        is_decoder=bool(facts.get("is_decoder", True)), gated_mlp=False, hidden_act=act, norm="",
+        tie_word_embeddings=bool(facts.get("tied", False)), source=source,
+        extra={"derived_from": facts.get("class", ""), "layout_known": False}, derived=derived)

@@ -1,0 +1,157 @@
+"""memfit.derive: per-block memory models derived from traces of 1- and 2-block copies, for any architecture.
+
+Everything runs on CPU fake tensors with tiny configs; the derivation cache lives in a temporary folder."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_configs import TINY_GPT2, TINY_LLAMA  # noqa: E402
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memfit.derive import DerivedModel, setup_kind  # noqa: E402
+from memfit.derive import cache as derive_cache  # noqa: E402
+from memfit.errors import ModelSourceError  # noqa: E402
+from memfit.estimate import activations as act  # noqa: E402
+from memfit.estimate.analytic import estimate  # noqa: E402
+from memfit.hardware import cpu_device, make_hardware  # noqa: E402
+from memfit.setup import Checkpointing, Precision, TrainingSetup  # noqa: E402
+from memfit.sources import resolve_model  # noqa: E402
+from memfit.trace import trace  # noqa: E402
+
+CPU = make_hardware(cpu_device(64 * 1024**3))
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=512, max_position_embeddings=1024)
+NO_RECIPE = {
+    "qwen3": dict(_BASE, model_type="qwen3", head_dim=16),
+    "gemma3_text": dict(_BASE, model_type="gemma3_text", head_dim=16, sliding_window=4096),
+    "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+                vocab_size=512, max_position_embeddings=1024, word_embed_proj_dim=64),
+    "stablelm": dict(_BASE, model_type="stablelm"),
+    "mixtral": dict(_BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+}
+SHAPE = dict(micro_batch_size=4, seq_len=96)  # not one of the fit shapes (memfit.derive.fit.FIT_SHAPES)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "derived"))
+
+
+def _derived(config: dict):
+    spec = resolve_model(dict(config))
+    if spec.derived is None:  # a family with a recipe: force the derived path to compare the two
+        spec = dataclasses.replace(spec, derived=DerivedModel(dict(config)))
+    return spec
+
+
+def _error(predicted: int, traced: int) -> float:
+    return abs(predicted - traced) / traced
+
+
+@pytest.mark.parametrize("config", [dict(TINY_LLAMA, num_hidden_layers=3), dict(TINY_GPT2, n_layer=3)],
+                         ids=["llama", "gpt2"])
+def test_recipe_families_derive_what_the_recipe_says(config):
+    recipe = resolve_model(dict(config))
+    derived = _derived(config)
+    setup = TrainingSetup(precision=Precision.FP32, **SHAPE)
+    tokens = setup.tokens_per_micro_step
+    by_recipe = sum(act.layer_saved_bytes(recipe, setup, tokens, setup.seq_len, True).values())
+    by_trace = sum(act.layer_saved_bytes(derived, setup, tokens, setup.seq_len, True).values())
+    assert _error(by_trace, by_recipe) < 0.005
+    if config["model_type"] == "llama":
+        assert by_trace == by_recipe
+    traced = trace(dict(config), setup, kernels="cpu").tensor_bytes
+    from_derived = estimate(derived, setup, CPU).tensor_bytes
+    from_recipe = estimate(recipe, setup, CPU).tensor_bytes
+    assert _error(from_derived, traced) < 0.01
+    assert _error(from_derived, from_recipe) < 0.01
+
+
+@pytest.mark.parametrize("family", list(NO_RECIPE))
+def test_families_without_recipes_match_the_full_trace(family):
+    config = NO_RECIPE[family]
+    spec = resolve_model(dict(config))
+    assert spec.derived is not None and spec.num_layers == 3
+    for precision in (Precision.FP32, Precision.BF16):
+        for checkpointing in (Checkpointing.NONE, Checkpointing.FULL):
+            setup = TrainingSetup(precision=precision, checkpointing=checkpointing, **SHAPE)
+            predicted = estimate(spec, setup, CPU)
+            traced = trace(dict(config), setup, kernels="cpu")
+            assert _error(predicted.tensor_bytes, traced.tensor_bytes) < 0.01, (precision, checkpointing)
+    assert any("memfit.derive" in note and "cached at" in note for note in predicted.notes)
+
+
+def test_parameters_are_exact_at_full_depth():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.trace.session import build_hf_model
+
+    config = NO_RECIPE["opt"]
+    spec = resolve_model(dict(config))
+    with FakeTensorMode():
+        model = build_hf_model(dict(config), TrainingSetup())
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_cache_is_hit_and_a_corrupt_file_is_rebuilt(monkeypatch):
+    from memfit.derive import fit as derive_fit
+
+    config = dict(NO_RECIPE["qwen3"], hidden_size=32, head_dim=8)
+    setup = TrainingSetup(precision=Precision.FP32)
+    first = DerivedModel(config).fit(setup, True)
+    path = derive_cache.cache_path(config, setup_kind(setup, True))
+    assert json.loads(path.read_text())["fit"] == first.to_dict()
+    derive_cache.clear_memory()
+    with monkeypatch.context() as patched:
+        patched.setattr(derive_fit, "derive_kind", lambda *a, **k: pytest.fail("cache missed"))
+        assert DerivedModel(config).fit(setup, True) == first
+    derive_cache.clear_memory()
+    path.write_text("{ not json")
+    assert DerivedModel(config).fit(setup, True) == first
+    assert json.loads(path.read_text())["fit"] == first.to_dict()
+
+
+def test_cache_key_covers_config_versions_and_kind():
+    config = NO_RECIPE["qwen3"]
+    key = derive_cache.cache_key(config, "fp32/sdpa/cuda")
+    assert key != derive_cache.cache_key(dict(config, hidden_size=128), "fp32/sdpa/cuda")
+    assert key != derive_cache.cache_key(config, "bf16/sdpa/cuda")
+    assert key != derive_cache.cache_key(config, "fp32/sdpa/cuda", {"torch": "0", "transformers": "0", "memfit": "0"})
+    ckpt = TrainingSetup(checkpointing=Checkpointing.FULL, micro_batch_size=8, seq_len=4096)
+    assert setup_kind(ckpt) == setup_kind(TrainingSetup())  # extrapolated, not keyed
+
+
+def test_moe_traces_on_fake_tensors_with_stated_routing():
+    config = dict(NO_RECIPE["mixtral"], num_hidden_layers=1)
+    for precision in (Precision.FP32, Precision.BF16):
+        traced = trace(config, TrainingSetup(precision=precision, micro_batch_size=2, seq_len=16), steps=1)
+        assert traced.tensor_bytes > 0
+        assert any("top_k experts" in note and "grouped_mm" in note for note in traced.notes)
+
+
+def test_vit_builds_and_traces():
+    config = dict(model_type="vit", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  image_size=32, patch_size=8, num_labels=10)
+    traced = trace(config, TrainingSetup(micro_batch_size=2, seq_len=16), steps=1)
+    assert traced.tensor_bytes > 0
+    assert any("initialisation read" in note for note in traced.notes)
+
+
+def test_a_config_transformers_cannot_build_is_one_line_and_exit_2(tmp_path):
+    with pytest.raises(ModelSourceError, match="cannot build"):
+        resolve_model({"model_type": "no_such_architecture", "hidden_size": 64})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "no_such_architecture", "hidden_size": 64}))
+    done = subprocess.run([str(Path(sys.executable).parent / "memfit"), "plan", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), done.stderr
