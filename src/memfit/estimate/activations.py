@@ -130,9 +130,12 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
     # the softmax cast back to the compute dtype, or with dropout its mask and the dropped probabilities.
     if setup.attention is Attention.SDPA:
         # CPU math fallback: computes in fp32 whatever the input dtype (q, k, v, output; softmax, mask, dropped)
-        return [Saved("attention", 4 * q, "f32"), Saved("attention", 3 * heads * seq_len, "f32")]
+        return [Saved("attention", 3 * q, "f32"), Saved("attention", q, "f32", role="out"),
+                Saved("attention", 3 * heads * seq_len, "f32")]
     softmax = eager_softmax_dtype(spec, setup, d.on_cpu)
-    rows = [Saved("attention", 4 * q, "cmp"), Saved("attention", heads * seq_len, softmax)]
+    # (the output copy is the output projection's input, saved for its weight gradient only)
+    rows = [Saved("attention", 3 * q, "cmp"), Saved("attention", q, "cmp", role="out"),
+            Saved("attention", heads * seq_len, softmax)]
     if spec.extra.get("attn_logit_softcapping"):
         rows.append(Saved("attention", heads * seq_len, "cmp"))  # Gemma 2: tanh(scores / cap) keeps its output
     if dropout:

@@ -129,6 +129,11 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                           layers * tokens * spec.hidden_size * d.residual + mask,
                           "L x B x T x h (each block's input)" + (" + the B x T x T eager mask" if mask else ""),
                           "torch.utils.checkpoint, non-reentrant"))
+        int8 = lora.int8_checkpointed_inputs(spec, setup, tokens, seq, d) if spec.frozen else 0
+        if int8:
+            terms.append(Term("activations/int8_inputs", Category.ACTIVATIONS, int8,
+                              "every int8 Linear's input, kept as ctx.A by bitsandbytes' CPU int8 matmul",
+                              "bitsandbytes MatMul8bitFp (CPU)"))
     else:
         first = int(lora.first_layer_unsaved(spec, setup, d) * tokens)
         for group, label in (("attention", "attention"), ("mlp", "mlp"), ("norms", "norms/residual")):
@@ -260,7 +265,7 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
     # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
     early_grads = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
     forward = step.static_terms(early_grads) + step.acts
-    return {
+    moments = {
         "forward end": (Phase.FORWARD, forward),
         "loss forward": (Phase.FORWARD, _loss_forward(step, forward)),
         "loss backward": (Phase.BACKWARD, _loss_backward(step, forward)),
@@ -271,6 +276,9 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         "root reduce-scatter": (Phase.BACKWARD, _root_reduce(step)),
         "optimizer step": (Phase.OPTIMIZER, _optimizer_step(step, step_temp)),
     }
+    if spec.frozen and setup.checkpointing is Checkpointing.FULL and static.fsdp is None:
+        moments.update(lora.checkpointed_moments(step, moments))
+    return moments
 
 
 def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:

@@ -244,6 +244,8 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
             kept.append(item)
         elif item.role in roles and shares_x:  # lora_A saves the very tensor the base Linear would have
             kept.append(replace(item, role="", readers=1))
+        elif item.role in _GROUP_OF_ROLE and int8_keeps_inputs(setup, d):
+            kept.append(replace(item, role="int8", readers=1))
     for role, linears in roles.items():
         group = _GROUP_OF_ROLE[role]
         for node in linears:
@@ -303,6 +305,8 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     head = sum(node.base.weight_numel if isinstance(node, LoraLinear) else node.weight_numel
                for path, node in spec.graph.linears() if not _inside_stack(spec.graph, path)) if spec.graph else 0
+    if spec.tie_word_embeddings:  # a tied head multiplies by the (fp32 after preparation) embedding matrix
+        head += spec.vocab_size * spec.hidden_size
     if checkpointing:  # the blocks' casts are not saved (recomputed); the cache is gone once autocast exits
         return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if base.quantized:
@@ -348,3 +352,118 @@ def recomputed_casts(spec: ModelSpec, setup: TrainingSetup) -> int:
             frozen += node.weight_numel
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     return 2 * (adapters + (frozen if base is BaseWeights.FP32 else 0))
+
+
+# --- checkpointed LoRA steps: what a block's recompute and its frozen MLP's backward hold ---------------------------
+# Measured on allocation timelines of real checkpointed peft steps (profiler memory events, module-labelled):
+# - torch.utils.checkpoint (non-reentrant, preserve_rng_state=True) keeps the CPU generator state per layer until
+#   that layer's backward (torch.get_rng_state(): the mt19937 state, 5,056 bytes) and takes one more in each
+#   recompute; it lives on the device only when the device is the CPU.
+# - the recompute stops early (_StopRecomputationError once the last saved tensor is packed), so the Python locals
+#   of the decoder layer, its MLP and peft's lora.Linear.forward are still alive at that moment: the residual sum,
+#   the MLP input, down_proj's input, base_layer(x), peft's fp32 cast of x, the dropout output;
+# - a frozen gated MLP's backward holds the product's gradient and both factors' (3 x B x T x I) with the
+#   residual gradient, all of the block's saved tensors still alive;
+# - with an fp32 residual stream the first RMSNorm's x.to(float32) is x itself: the checkpoint, not a new tensor;
+# - peft's enable_input_require_grads makes the embedding output a leaf that autograd keeps to the end of backward.
+
+CPU_RNG_STATE_BYTES = 5056
+"""torch.get_rng_state() on the CPU generator: the mt19937 state as a uint8 tensor."""
+
+
+def checkpointed_moments(step, moments: dict) -> dict:
+    """The backward moments of a checkpointed LoRA step of a gated-MLP decoder (the Llama family's recipe):
+    the last block's recompute (R) and frozen-MLP backward (B), and the same for block 0 once every other
+    block's adapters have their gradients; the loss backward with the RNG states. Other families keep the
+    generic moments (bench/lora_accuracy.py lists how close they are)."""
+    from .activations import LAYER_RECIPES, _llama_layer
+    from .result import Category, Phase, Term
+
+    spec, setup, d = step.spec, step.setup, step.dtypes
+    if LAYER_RECIPES.get(spec.model_type) is not _llama_layer or not spec.gated_mlp:
+        return {}
+    ft = setup.finetune
+    n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
+    res, cmp = d.residual, d.compute
+    mlp = res if d.mlp_in_residual else cmp
+    base = ft.base_storage(setup.precision.compute_dtype)
+    shares_x = not d.autocast and cmp == 4 and res == 4 and ft.dropout == 0
+    roles = adapted_roles(spec)
+    down = roles.get("down", [None])[0]
+    rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
+
+    def term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES) -> Term:
+        return Term(name, category, int(num_bytes), formula, "torch.utils.checkpoint recompute, peft lora.Linear")
+
+    def without_layer_temps(name: str) -> list[Term]:
+        return [t for t in moments[name][1] if t.name != "temporaries/layer_backward"]
+
+    first_norm = n * h * res if res == 4 else 0
+    # R: the recompute's own peak, inside down_proj's adapter (or at the frozen down_proj)
+    locals_ = n * h * res if res == 2 else 0  # the post-attention residual sum (an fp32 one the norm saves)
+    if down is not None:
+        if not shares_x:
+            locals_ += n * h * res + n * inter * mlp  # the MLP input, down_proj's input
+        locals_ += n * h * mlp  # base_layer(x)
+        locals_ += n * inter * 4 if mlp != 4 else 0  # peft's fp32 cast of x
+        locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast else 0  # the dropout output (its cast is saved)
+        locals_ -= 2 * down.rank * h if d.autocast else 0  # lora_B's cast, not made yet
+        incoming = n * h * res + n * h * cmp  # the residual gradient and lora_B's output gradient
+    else:
+        locals_ += n * h * res  # the MLP input (frozen gate/up keep nothing)
+        locals_ += 0 if base.four_bit else n * inter * mlp  # the product (a 4-bit down_proj packs nothing)
+        incoming = n * h * res
+    recompute = [term("temporaries/recompute_locals", locals_, "the layer's forward locals still alive when the "
+                      "recompute stops at its last saved tensor"),
+                 term("temporaries/incoming_gradient", incoming, "the gradient flowing into the block")]
+    # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
+    freed = 0
+    if down is not None:
+        freed = n * down.rank * (2 if d.autocast else 4) + (n * inter * 4 if ft.dropout > 0 and d.on_cpu else 0)
+        freed += 0 if shares_x else n * inter * (2 if d.autocast else 4)
+    mlp_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 3 * n * inter * mlp - freed,
+                         "B x T x h residual gradient + 3 x B x T x I: the gradients of act * up and of both "
+                         "factors, in the MLP's dtype")]
+
+    def with_rng(terms: list[Term], states: int) -> list[Term]:
+        if not states:
+            return terms
+        return terms + [term("activations/rng_states", states * rng, f"{states} x {rng} B: torch.get_rng_state() "
+                             "kept per checkpointed layer (CPU device)", Category.ACTIVATIONS)]
+
+    def minus_first_norm(terms: list[Term]) -> list[Term]:
+        if not first_norm:
+            return terms
+        return [replace(t, num_bytes=t.num_bytes - first_norm) if t.name == "activations/recomputed_block" else t
+                for t in terms]
+
+    last = minus_first_norm(without_layer_temps("first block backward"))
+    first = minus_first_norm(without_layer_temps("end of backward"))
+    leaf = [term("activations/embedding_leaf", n * h * res, "the embedding output, a leaf autograd keeps to the "
+                 "end (peft enable_input_require_grads)", Category.ACTIVATIONS)]
+    return {
+        "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
+        "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),
+        "first block MLP backward": (Phase.BACKWARD, with_rng(last + mlp_backward, layers)),
+        "end of backward": (Phase.BACKWARD, with_rng(first + leaf + recompute, 2)),
+        "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + leaf + mlp_backward, 1)),
+    }
+
+
+def int8_keeps_inputs(setup: TrainingSetup, d) -> bool:
+    """bitsandbytes' CPU int8 matmul (MatMul8bitFp, used in training on CPU) keeps its input as `ctx.A`, outside
+    save_for_backward, even for a frozen weight: every int8 Linear's input stays alive (checkpointing cannot drop
+    it). Measured on CPU without autocast; the autocast and CUDA LLM.int8 paths are not modelled."""
+    return (d.on_cpu and not d.autocast
+            and setup.finetune.base_storage(setup.precision.compute_dtype) is BaseWeights.INT8)
+
+
+def int8_checkpointed_inputs(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int, d) -> int:
+    """Under checkpointing, the int8 inputs (int8_keeps_inputs) of every layer, which the recompute cannot free."""
+    from .activations import LAYER_RECIPES, _llama_layer
+
+    if not int8_keeps_inputs(setup, d):
+        return 0
+    recipe = LAYER_RECIPES.get(spec.model_type, _llama_layer)
+    rows = [replace(r, readers=1) for r in recipe(spec, setup, seq_len, d) if r.role in _GROUP_OF_ROLE]
+    return int(spec.num_layers * tokens * sum(d.bytes_of(r) for r in rows))

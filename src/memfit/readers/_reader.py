@@ -143,6 +143,9 @@ class Reader:
         """(file, key prefix) of the DeepSpeed config being read with TrainingArguments / accelerate."""
         self.ds_optimizer = False
         """The DeepSpeed config's optimizer block set the optimizer (TrainingArguments' optim is then unused)."""
+        self.base_hint: tuple | None = None
+        """(method, {finetune part: value}) of a from_pretrained quantization_config, for the adapters another file
+        gives (read_config applies it)."""
         self._entries: dict[tuple[str, str], list] = {}
 
     @contextmanager

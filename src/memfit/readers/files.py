@@ -19,6 +19,7 @@ FORMATS = {
     "llamafactory": "LLaMA-Factory",
     "torchtune": "torchtune recipe",
     "from_pretrained": "from_pretrained kwargs",
+    "peft": "peft LoraConfig (adapter_config.json / peft.json)",
 }
 """Format key -> what it is called in messages."""
 
@@ -38,7 +39,7 @@ _TRAINING_ARGS = frozenset({
     "deepspeed", "fsdp", "fsdp_config", "logging_steps", "save_steps", "eval_strategy", "save_strategy",
     "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "report_to",
     "torch_compile", "per_device_eval_batch_size", "dataloader_num_workers", "tf32", "optim_args"})
-_FROM_PRETRAINED = frozenset({"attn_implementation", "dtype", "torch_dtype"})
+_FROM_PRETRAINED = frozenset({"attn_implementation", "dtype", "torch_dtype", "quantization_config"})
 _FROM_PRETRAINED_ALL = _FROM_PRETRAINED | {"use_cache", "low_cpu_mem_usage", "device_map", "trust_remote_code",
                                            "revision", "quantization_config", "use_safetensors", "variant"}
 
@@ -100,11 +101,14 @@ def load_mapping(path: Path, shown: str | None = None) -> dict:
 def detect_format(data: Mapping) -> str | None:
     """The config format its keys say (FORMATS), or None. Content decides, never the file name: a torchtune recipe
     has `_component_` entries, accelerate a distributed_type / compute_environment, DeepSpeed its batch / ZeRO keys or
-    bf16 / fp16 blocks, LLaMA-Factory and axolotl their own keys (checked before TrainingArguments, whose keys they
+    bf16 / fp16 blocks, a peft LoraConfig its peft_type (memfit's peft.json a lora_config), LLaMA-Factory and
+    axolotl their own keys (checked before TrainingArguments, whose keys they
     also carry), TrainingArguments its own field names, from_pretrained kwargs only loading keys."""
     keys = {str(k) for k in data}
     if "_component_" in keys or any(isinstance(v, Mapping) and "_component_" in v for v in data.values()):
         return "torchtune"
+    if "peft_type" in keys or isinstance(data.get("lora_config"), Mapping):
+        return "peft"
     if keys & _ACCELERATE:
         return "accelerate"
     if keys & _DEEPSPEED or isinstance(data.get("bf16"), Mapping) or isinstance(data.get("fp16"), Mapping):

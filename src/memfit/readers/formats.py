@@ -14,9 +14,8 @@ from ._reader import NOT_RELEVANT, NOT_SIZED, OFF, Reader, _positive, _value
 from .files import detect_format, display_path, flatten, load_mapping, resolve_reference
 from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fsdp_plan, read_mixed_precision,
                  read_precision, read_sharding, read_training_args, read_zero)
+from . import lora
 
-LORA = (f"{NOT_SIZED}: LoRA / QLoRA adapters and frozen or quantized base weights (the estimate is a full fine-tune "
-        "of every parameter, an upper bound)")
 ADAPTER = f"{NOT_SIZED} (LoRA / QLoRA adapter setting)"
 QUANTIZED = f"{NOT_SIZED} (quantized base weights)"
 EVAL = f"{NOT_RELEVANT} (evaluation, not the training step)"
@@ -316,8 +315,8 @@ def _accelerate_deepspeed(read: Reader, data: dict, ctx: Context, mp: Any, dtype
 # ---------------------------------------------------------------------------------------------------- axolotl
 
 AXOLOTL_TABLE = {
-    "lora_": ADAPTER, "peft_": ADAPTER, "relora_": ADAPTER, "lora_model_dir": ADAPTER,
-    "load_in_4bit": QUANTIZED, "load_in_8bit": QUANTIZED, "gptq": QUANTIZED, "bnb_": QUANTIZED,
+    **lora.AXOLOTL_TABLE, "lora_": ADAPTER, "peft_": ADAPTER, "relora_": ADAPTER, "relora": ADAPTER,
+    "load_in_4bit": QUANTIZED, "load_in_8bit": QUANTIZED, "gptq": QUANTIZED, "bnb_4bit_": QUANTIZED,
     "torch_compile": COMPILE, "torch_compile_backend": COMPILE, "liger_": NOT_SIZED, "plugins": NOT_SIZED,
     "unsloth_": NOT_SIZED, "chunked_cross_entropy": NOT_SIZED, "cut_cross_entropy": NOT_SIZED,
     "s2_attention": NOT_SIZED, "activation_offloading": f"{NOT_SIZED} (activation offloading)",
@@ -357,11 +356,7 @@ def map_axolotl(read: Reader, data: dict, ctx: Context) -> None:
     _hf_optimizer(read, data, "optimizer")
     _axolotl_checkpointing(read, data)
     _axolotl_attention(read, data)
-    adapter = data.get("adapter")
-    if adapter:
-        read.ignore("adapter", adapter, LORA)
-    elif "adapter" in data:
-        read.defer("adapter", adapter, "full fine-tune: what memfit sizes")
+    lora.axolotl_finetune(read, data)
     finish(read, data, AXOLOTL_TABLE)
     _finish_deepspeed(read, ds, file, prefix)
 
@@ -455,9 +450,8 @@ def _axolotl_attention(read: Reader, data: Mapping) -> None:
 
 LLAMAFACTORY_TABLE = {
     **TRAINING_ARGS_TABLE,
-    "lora_": ADAPTER, "additional_target": ADAPTER, "use_dora": ADAPTER, "use_rslora": ADAPTER, "pissa_": ADAPTER,
-    "loraplus_": ADAPTER, "create_new_adapter": ADAPTER, "adapter_name_or_path": ADAPTER, "freeze_": ADAPTER,
-    "oft_": ADAPTER,
+    **lora.LLAMAFACTORY_TABLE, "lora_": ADAPTER, "additional_target": ADAPTER, "use_dora": ADAPTER,
+    "freeze_": f"{NOT_RELEVANT} (finetuning_type freeze only)", "oft_": f"{NOT_RELEVANT} (finetuning_type oft only)",
     "quantization_": QUANTIZED, "double_quantization": QUANTIZED,
     "use_unsloth": NOT_SIZED, "use_unsloth_gc": NOT_SIZED, "enable_liger_kernel": NOT_SIZED,
     "use_badam": NOT_SIZED, "badam_": NOT_SIZED, "use_galore": NOT_SIZED, "galore_": NOT_SIZED,
@@ -477,11 +471,7 @@ def map_llamafactory(read: Reader, data: dict, ctx: Context) -> None:
     else:
         read.ignore("stage", stage, f"{NOT_SIZED}: the {stage} stage's extra models / forward passes (sized as one "
                                     "SFT step)")
-    kind = data.get("finetuning_type")
-    if kind == "full":
-        read.defer("finetuning_type", kind, "full fine-tune: what memfit sizes")
-    else:
-        read.ignore("finetuning_type", kind, LORA + ("" if kind else "; absent: LLaMA-Factory's default is lora"))
+    lora.llamafactory_finetune(read, data)
     _whole(read, "seq_len", data, "cutoff_len")
     for key in ("packing", "neat_packing"):
         _packing(read, data, key, "cutoff_len")
@@ -565,8 +555,7 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
             read.set_model(name, "model._component_", component, "the catalog model of that architecture")
         else:
             read.ignore("model._component_", component, "not a model in memfit's catalog: give MODEL")
-        if component.rsplit(".", 1)[-1].startswith(("lora_", "qlora_", "dora_")):
-            read.ignore("model._component_", component, LORA)
+        lora.torchtune_finetune(read, model, component)
     _whole(read, "micro_batch_size", data, "batch_size")
     _whole(read, "grad_accum_steps", data, "gradient_accumulation_steps")
     tokenizer = data.get("tokenizer") if isinstance(data.get("tokenizer"), Mapping) else {}
@@ -660,7 +649,8 @@ def _torchtune_sharding(read: Reader, data: Mapping, world: int | None) -> None:
 # ------------------------------------------------------------------------------------------- from_pretrained kwargs
 
 FROM_PRETRAINED_TABLE = {"use_cache": f"{NOT_RELEVANT} (training keeps no K/V cache)",
-                         "quantization_config": QUANTIZED, "device_map": LOADING, "low_cpu_mem_usage": LOADING}
+                         "quantization_config.": f"{NOT_RELEVANT} (quantization details that keep the layout)",
+                         "device_map": LOADING, "low_cpu_mem_usage": LOADING}
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "torch.bfloat16": "bf16", "float32": "fp32", "fp32": "fp32",
            "torch.float32": "fp32", "float16": "fp16", "fp16": "fp16", "torch.float16": "fp16"}
 
@@ -697,13 +687,23 @@ def map_from_pretrained(read: Reader, data: dict, ctx: Context) -> None:
             read.set("attention", Attention.SDPA, "attn_implementation", attn)
         else:
             read.unmappable("attention", "attn_implementation", attn, "memfit sizes eager, sdpa and flash_attention_2")
+    if data.get("quantization_config") is not None:
+        read.base_hint = lora.quantized_base(read, data["quantization_config"], "quantization_config")
     finish(read, data, FROM_PRETRAINED_TABLE)
+
+
+# ------------------------------------------------------------------------------------------- peft LoraConfig
+
+def map_peft(read: Reader, data: dict, ctx: Context) -> None:
+    """peft's adapter_config.json, or the peft.json memfit writes."""
+    lora.peft_finetune(read, data)
+    finish(read, data, {**lora.PEFT_TABLE, **{"lora_config." + k: v for k, v in lora.PEFT_TABLE.items()}})
 
 
 MAPPERS: dict[str, Callable[[Reader, dict, Context], None]] = {
     "training_args": map_training_args, "deepspeed": map_deepspeed, "accelerate": map_accelerate,
     "axolotl": map_axolotl, "llamafactory": map_llamafactory, "torchtune": map_torchtune,
-    "from_pretrained": map_from_pretrained,
+    "from_pretrained": map_from_pretrained, "peft": map_peft,
 }
 
 __all__ = ["ConfigFile", "Context", "MAPPERS", "load_dtype", "read_deepspeed_optimizer", "torchtune_model"]

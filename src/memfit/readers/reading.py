@@ -13,14 +13,15 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..setup import FIELD_LABELS
-from ._reader import IgnoredEntry, ReadEntry, Reader, _value, label
+from ._reader import IgnoredEntry, ReadEntry, Reader, _value, jsonable, label
 from .files import FORMATS, detect_format, display_path, load_mapping, unknown_format
 from .formats import MAPPERS, ConfigFile, Context, load_dtype
+from .lora import same_as_auto, with_base
 
 OPTION_OF_FIELD = {"micro_batch_size": "--batch", "seq_len": "--seq", "grad_accum_steps": "--accum",
                    "precision": "--precision", "optimizer": "--optimizer", "checkpointing": "--checkpointing",
                    "attention": "--attention", "sharding": "--zero", "offload": "--offload", "engine": "--engine",
-                   "num_gpus": "--gpus"}
+                   "num_gpus": "--gpus", "finetune": "--method"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class ConfigReading:
 
     def to_dict(self) -> dict:
         return {"files": [f.to_dict() for f in self.files], "model": self.model,
-                "overrides": {k: _value(v) for k, v in self.overrides.items()},
+                "overrides": {k: jsonable(v) for k, v in self.overrides.items()},
                 "read": [e.to_dict() for e in self.read], "ignored": [e.to_dict() for e in self.ignored]}
 
 
@@ -124,6 +125,7 @@ def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
         world = hints.get("num_gpus", 1)
     readers, records, _ = run(world, referenced)
     overrides, model, nodes = _merge(readers)
+    _finetune(readers, overrides, overridden)
     if num_gpus is not None:
         overrides.pop("num_gpus", None)
     seen: set[tuple[str, str]] = set()
@@ -142,6 +144,37 @@ def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
                 ignored.append(entry)
     unique = list({f.path: f for f in records}.values())
     return ConfigReading(tuple(unique), overrides, model, tuple(read_entries), tuple(ignored), nodes)
+
+
+def _finetune(readers: list[Reader], overrides: dict[str, Any], overridden: Mapping[str, str]) -> None:
+    """The adapters on the quantized base a from_pretrained kwargs file gives, and a LoRA base stored in the
+    precision's compute dtype said as 'auto' (what memfit's options give for it)."""
+    hints = [r for r in readers if r.base_hint is not None]
+    ft = overrides.get("finetune")
+    if hints and "finetune" not in overridden:
+        read = hints[0]
+        method, values = read.base_hint
+        if ft is None or not ft.adapters:
+            what = ("no file gives LoRA adapters" if ft is None else
+                    f"{read_source(readers, 'finetune')} is a full fine-tune")
+            raise ConfigError(f"{read.file}: quantization_config: a quantized base trains only through LoRA "
+                              f"adapters, but {what}: give the adapter config (adapter_config.json) or --method")
+        quantized = with_base(ft, method, values)
+        if ft.base.quantized and ft.base_storage("bf16") != quantized.base_storage("bf16"):
+            raise ConfigError(f"{read_source(readers, 'finetune')} stores the base {ft.base} but {read.file}: "
+                              f"quantization_config {quantized.base_storage('bf16')}: make the files agree")
+        overrides["finetune"] = quantized
+    ft = overrides.get("finetune")
+    if ft is not None and "precision" in overrides:
+        overrides["finetune"] = same_as_auto(ft, overrides["precision"].compute_dtype)
+
+
+def read_source(readers: list[Reader], name: str) -> str:
+    for read in readers:
+        if name in read.sources:
+            file, key = read.sources[name]
+            return f"{file}: {key}"
+    return "no file"
 
 
 def _merge(readers: list[Reader]) -> tuple[dict[str, Any], str | None, int | None]:
