@@ -16,8 +16,9 @@ Measured, per case:
 - nvml: device memory used (pynvml, else `nvidia-smi --query-gpu=memory.used`, else null), read right after the
   steps, while the caching allocator still holds its peak; `nvml_process` subtracts the reading taken before this
   process created its CUDA context (other processes, the driver). Null on CPU.
-Predicted, per case: memfit's tensor bytes (vs allocated), tensor + allocator reserve (the total without the CUDA
-context; vs reserved) and the total (vs nvml_process).
+Predicted, per case: memfit's three device figures (memfit.estimate.device): allocated (tensor bytes with the
+caching allocator's rounding and the kernels' workspaces; vs allocated), reserved (the allocator simulator's segments;
+vs reserved) and device used (reserved + CUDA context + NCCL; vs nvml_process).
 
 Results: DIR/gpu_check.md and DIR/gpu_check.json (DIR/gpu_check_cpu.* on the CPU, so a CPU run never overwrites
 GPU results). A case that fails is recorded with its error and the run goes on.
@@ -49,7 +50,6 @@ from memfit.setup import TrainingSetup  # noqa: E402
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB, MiB  # noqa: E402
 
-OUTSIDE_ALLOCATOR = ("overhead/cuda_context", "overhead/nccl")
 
 # Model configs (plain HF config dicts, random weights). "tiny": CPU-sized, the same shape as tests/tiny_configs.py;
 # "small": ~100-125M parameters, big enough that a step's peak sits well above the allocator's block granularity.
@@ -224,10 +224,9 @@ def run_case(case: Case, *, device: str, size: str, hardware, nvml: Nvml | None,
         spec = resolve_model(config)
         row["params"] = spec.num_params
         predicted = estimate(spec, setup, hardware)
-        row["memfit_tensor_bytes"] = predicted.tensor_bytes
-        row["memfit_total_bytes"] = predicted.total_bytes
-        row["memfit_reserved_bytes"] = predicted.total_bytes - sum(
-            t.num_bytes for t in predicted.terms if t.name in OUTSIDE_ALLOCATOR)
+        row["memfit_tensor_bytes"] = predicted.allocated_bytes  # tensors + the allocator's rounding, workspaces
+        row["memfit_total_bytes"] = predicted.device_used_bytes
+        row["memfit_reserved_bytes"] = predicted.reserved_bytes
         row["memfit_peak_phase"] = predicted.peak_phase.value
         if device == "cpu":
             check_host_ram(spec, setup)
@@ -323,7 +322,8 @@ def run_cases(cases: list[Case], *, device: str, size: str, steps: int = 2, prog
         if progress:
             progress(index, len(cases), row)
     info = dict(ctx["info"], size=size, steps=steps, memfit_cuda_context_bytes=ctx["hardware"].cuda_context_bytes,
-                memfit_allocator_reserve_fraction=ctx["hardware"].allocator_reserve_fraction)
+                memfit_cuda_runtime=str(getattr(ctx["hardware"], "cuda_runtime", "")),
+                memfit_expandable_segments=bool(getattr(ctx["hardware"], "expandable_segments", False)))
     return rows, info
 
 

@@ -22,6 +22,7 @@ from memfit.cli.app import app
 from memfit.emit.emitted import uses_deepspeed
 from memfit.errors import ConfigError, MissingDependencyError
 from memfit.estimate.analytic import estimate
+from memfit.finetune import ALL_LINEAR, Finetune
 from memfit.hardware import make_hardware
 from memfit.readers import NOT_RELEVANT, NOT_SIZED, detect_format, read_config
 from memfit.setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
@@ -30,6 +31,7 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
 SETUP_FIELDS = ("micro_batch_size", "grad_accum_steps", "precision", "optimizer", "checkpointing", "attention",
                 "sharding", "offload", "num_gpus", "engine")
+ATTENTION_AND_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,18 @@ EXAMPLES = {
     "axolotl_lora_deepspeed.yaml": Example(
         "axolotl", 'meta-llama/Llama-3.1-8B',
         dict(micro_batch_size=2, grad_accum_steps=4, seq_len=4096, precision='bf16-master',
-             optimizer='adamw-fused', checkpointing='full', attention='sdpa'),
+             optimizer='adamw-fused', checkpointing='full', attention='sdpa',
+             finetune=Finetune("lora", rank=32, alpha=16, dropout=0.05, targets=(ALL_LINEAR,))),
         read=("base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing deepspeed "
               "deepspeed_zero2:bf16.enabled bf16 fp16 deepspeed_zero2:train_micro_batch_size_per_gpu "
               "deepspeed_zero2:gradient_accumulation_steps deepspeed_zero2:train_batch_size optimizer "
-              "gradient_checkpointing flash_attention deepspeed_zero2:zero_optimization.reduce_bucket_size"),
-        not_sized=("adapter lora_r lora_alpha lora_dropout lora_target_linear "
-                   "deepspeed_zero2:zero_optimization.allgather_bucket_size "
+              "gradient_checkpointing flash_attention deepspeed_zero2:zero_optimization.reduce_bucket_size "
+              "load_in_4bit load_in_8bit adapter lora_r lora_alpha lora_dropout lora_target_linear"),
+        not_sized=("deepspeed_zero2:zero_optimization.allgather_bucket_size "
                    "deepspeed_zero2:zero_optimization.overlap_comm "
                    "deepspeed_zero2:zero_optimization.contiguous_gradients"),
         other="deepspeed_zero2:zero_optimization.stage",
-        quiet=("model_type tokenizer_type load_in_8bit load_in_4bit datasets dataset_prepared_path val_set_size "
+        quiet=("model_type tokenizer_type datasets dataset_prepared_path val_set_size "
                "output_dir pad_to_sequence_len num_epochs lr_scheduler learning_rate logging_steps warmup_steps "
                "evals_per_epoch saves_per_epoch weight_decay special_tokens.pad_token "
                "deepspeed_zero2:gradient_clipping deepspeed_zero2:wall_clock_breakdown")),
@@ -100,10 +103,12 @@ EXAMPLES = {
     "llamafactory_lora.yaml": Example(
         "llamafactory", 'meta-llama/Llama-3.1-8B-Instruct',
         dict(seq_len=4096, micro_batch_size=2, grad_accum_steps=8, precision='amp-bf16',
-             optimizer='adamw-foreach', checkpointing='full', attention='sdpa'),
+             optimizer='adamw-foreach', checkpointing='full', attention='sdpa',
+             finetune=Finetune("qlora", rank=8, alpha=16, targets=(ALL_LINEAR,))),  # quantization_bit 4: QLoRA
         read=("model_name_or_path stage cutoff_len packing per_device_train_batch_size gradient_accumulation_steps "
-              "bf16 optim disable_gradient_checkpointing flash_attn"),
-        not_sized="finetuning_type lora_rank lora_target quantization_bit",
+              "bf16 optim disable_gradient_checkpointing flash_attn finetuning_type lora_rank lora_target "
+              "quantization_bit"),
+        not_sized="",
         other="",
         quiet=("do_train dataset template output_dir logging_steps save_steps learning_rate num_train_epochs "
                "lr_scheduler_type warmup_ratio")),
@@ -124,15 +129,69 @@ EXAMPLES = {
     "torchtune_lora.yaml": Example(
         "torchtune", 'llama-3.2-1b',
         dict(micro_batch_size=4, grad_accum_steps=8, seq_len=4096, precision='bf16', optimizer='adamw-fused',
-             checkpointing='none'),
+             checkpointing='none', finetune=Finetune("lora", rank=64, alpha=128, targets=(
+                 "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
         read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
-              "optimizer.fused enable_activation_checkpointing"),
-        not_sized=("model._component_ enable_activation_offloading compile loss._component_ model.lora_attn_modules "
-                   "model.apply_lora_to_mlp model.lora_rank model.lora_alpha model.lora_dropout"),
+              "optimizer.fused enable_activation_checkpointing model.lora_attn_modules model.apply_lora_to_mlp "
+              "model.lora_rank model.lora_alpha model.lora_dropout"),
+        not_sized="enable_activation_offloading compile loss._component_",
         other="",
         quiet=("output_dir tokenizer._component_ tokenizer.path dataset._component_ seed shuffle epochs "
                "max_steps_per_epoch optimizer.weight_decay optimizer.lr lr_scheduler._component_ "
                "lr_scheduler.num_warmup_steps device")),
+    "axolotl_qlora.yaml": Example(
+        "axolotl", 'meta-llama/Llama-3.1-8B',
+        dict(micro_batch_size=1, grad_accum_steps=4, seq_len=2048, precision='bf16', optimizer='adamw-8bit',
+             checkpointing='full', attention='sdpa',
+             finetune=Finetune("qlora", rank=16, alpha=32, dropout=0.05, targets=("q_proj", "k_proj", "v_proj",
+                                                                                   "o_proj"))),
+        read=("base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing bf16 optimizer "
+              "gradient_checkpointing flash_attention load_in_4bit load_in_8bit adapter "
+              "bnb_config_kwargs.bnb_4bit_quant_type bnb_config_kwargs.bnb_4bit_use_double_quant lora_r lora_alpha "
+              "lora_dropout lora_target_modules peft_use_dora"),
+        not_sized="",
+        other="",
+        quiet=("model_type tokenizer_type datasets dataset_prepared_path val_set_size output_dir lora_model_dir "
+               "pad_to_sequence_len lora_modules_to_save num_epochs lr_scheduler learning_rate tf32 logging_steps "
+               "warmup_steps evals_per_epoch saves_per_epoch weight_decay special_tokens.pad_token")),
+    "llamafactory_lora_sft.yaml": Example(
+        "llamafactory", 'Qwen/Qwen2.5-7B-Instruct',
+        dict(seq_len=2048, micro_batch_size=1, grad_accum_steps=8, precision='amp-bf16', checkpointing='full',
+             finetune=Finetune("lora", rank=16, alpha=32, dropout=0.05, targets=("q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj"),
+                               modules_to_save=("embed_tokens",))),
+        read=("model_name_or_path stage finetuning_type lora_rank lora_alpha lora_dropout lora_target "
+              "additional_target use_dora cutoff_len per_device_train_batch_size gradient_accumulation_steps bf16 "
+              "disable_gradient_checkpointing"),
+        not_sized="",
+        other="",
+        quiet=("trust_remote_code do_train dataset template max_samples overwrite_cache preprocessing_num_workers "
+               "output_dir logging_steps save_steps plot_loss overwrite_output_dir report_to learning_rate "
+               "num_train_epochs lr_scheduler_type warmup_ratio ddp_timeout")),
+    "torchtune_qlora.yaml": Example(
+        "torchtune", 'llama-3.1-8b',
+        dict(micro_batch_size=2, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='adamw-fused',
+             checkpointing='full', finetune=Finetune("qlora", rank=8, alpha=16, targets=ATTENTION_AND_MLP)),
+        read=("model._component_ model.apply_lora_to_mlp model.apply_lora_to_output model.lora_attn_modules "
+              "model.lora_rank model.lora_alpha model.lora_dropout batch_size gradient_accumulation_steps "
+              "tokenizer.max_seq_len dataset.packed dtype optimizer.fused enable_activation_checkpointing"),
+        not_sized="loss._component_",
+        other="",
+        quiet=("enable_activation_offloading compile output_dir tokenizer._component_ tokenizer.path "
+               "checkpointer._component_ checkpointer.checkpoint_dir checkpointer.checkpoint_files.filename_format "
+               "checkpointer.checkpoint_files.max_filename checkpointer.recipe_checkpoint checkpointer.output_dir "
+               "checkpointer.model_type resume_from_checkpoint save_adapter_weights_only dataset._component_ seed "
+               "shuffle optimizer.weight_decay optimizer.lr lr_scheduler._component_ lr_scheduler.num_warmup_steps "
+               "epochs max_steps_per_epoch device")),
+    "adapter_config.json": Example(
+        "peft", 'meta-llama/Llama-3.2-1B',
+        dict(finetune=Finetune("lora", rank=16, alpha=32, dropout=0.05, targets=tuple(sorted(ATTENTION_AND_MLP)))),
+        read="base_model_name_or_path bias peft_type r lora_alpha lora_dropout target_modules use_dora",
+        not_sized="",
+        other="",
+        quiet=("alpha_pattern auto_mapping exclude_modules fan_in_fan_out inference_mode init_lora_weights "
+               "layer_replication layers_pattern layers_to_transform loftq_config lora_bias megatron_config "
+               "megatron_core revision task_type trainable_token_indices use_rslora")),
     "training_args.json": Example(
         "training_args", None,
         dict(micro_batch_size=2, grad_accum_steps=8, precision='bf16-master', num_gpus=8, sharding='zero3',
@@ -242,7 +301,6 @@ def test_example_reads_as_documented(name, in_configs):
 def test_what_memfit_cannot_size_yet_says_so(in_configs):
     lora = read_config("axolotl_lora_deepspeed.yaml")
     why = {e.field: e.why for e in lora.ignored}
-    assert why["adapter"].startswith("not sized by memfit yet: LoRA / QLoRA") and "upper bound" in why["adapter"]
     assert "shards nothing" in why["zero_optimization.stage"]
     tune = {e.field: e.why for e in read_config("torchtune_full.yaml").ignored}
     assert tune["optimizer_in_bwd"].startswith(NOT_SIZED) and "paged" in tune["optimizer._component_"]
@@ -620,3 +678,142 @@ def test_cli_unmappable_value_is_one_error_line(tmp_path):
 def test_every_setup_command_takes_config():
     for command in ("plan", "estimate", "fit", "trace", "measure"):
         assert "--config" in invoke(command, "--help").stdout, command
+
+
+# --------------------------------------------------------------------------------------------- LoRA / QLoRA
+
+LORA_EXAMPLES = {"axolotl_qlora.yaml": "qlora", "axolotl_lora_deepspeed.yaml": "lora",
+                 "llamafactory_lora_sft.yaml": "lora", "llamafactory_lora.yaml": "qlora",
+                 "torchtune_qlora.yaml": "qlora", "torchtune_lora.yaml": "lora", "adapter_config.json": "lora"}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_EXAMPLES))
+def test_cli_plan_takes_the_lora_method_from_the_config(name, in_configs):
+    result = invoke("plan", "--config", name, "--gpu", "H100", "--json")
+    assert result.exit_code in (0, 1), result.output
+    data = json.loads(result.stdout)
+    assert data["initial_setup"]["finetune"]["method"] == LORA_EXAMPLES[name]
+    assert data["initial_setup"]["finetune"] == EXAMPLES[name].overrides["finetune"].to_dict()
+    read = {e["field"]: e for e in data["config"]["read"] if e["file"] == name}
+    assert any("finetune" in e["sets"] for e in read.values())
+
+
+def test_lora_reads_say_where_each_part_and_default_came_from(in_configs):
+    tune = {e.field: e for e in read_config("torchtune_qlora.yaml").read}
+    assert "block_size 64, scaler_block_size 256" in tune["model._component_"].note
+    assert "bitsandbytes" in tune["model._component_"].note
+    assert tune["model.lora_attn_modules"].text.endswith("(output_proj is o_proj)")
+    factory = {e.field: e for e in read_config("llamafactory_lora.yaml").read}
+    assert "alpha 16.0 (LLaMA-Factory's default: lora_rank * 2)" in factory["finetuning_type"].note
+    assert "double_quant True (LLaMA-Factory's default double_quantization true)" in factory["finetuning_type"].note
+    assert factory["quantization_bit"].sets == (("finetune.base", "nf4"),)
+    axolotl = {e.field: e.text for e in read_config("axolotl_qlora.yaml").read}
+    assert axolotl["lora_r"] == "lora_r=16 -> LoRA rank 16"
+    assert axolotl["adapter"] == "adapter='qlora' -> method qlora r=16"
+
+
+def test_adapter_config_combines_with_training_arguments_and_a_quantized_base(in_configs, tmp_path):
+    both = read_config("training_args.yaml", "adapter_config.json", num_gpus=4)
+    assert both.overrides["finetune"] == EXAMPLES["adapter_config.json"].overrides["finetune"]
+    assert both.overrides["precision"] is Precision.BF16_MASTER and both.model == "meta-llama/Llama-3.2-1B"
+    kwargs = tmp_path / "model_kwargs.json"
+    kwargs.write_text(json.dumps({"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                                          "bnb_4bit_use_double_quant": True}}))
+    quantized = read_config("adapter_config.json", kwargs).overrides["finetune"]
+    assert quantized == EXAMPLES["adapter_config.json"].overrides["finetune"].replace(method="qlora")
+    eight = tmp_path / "eight.json"
+    eight.write_text(json.dumps({"dtype": "bfloat16", "quantization_config": {"load_in_8bit": True}}))
+    assert read_config("adapter_config.json", eight).overrides["finetune"].base.value == "int8"
+    with pytest.raises(ConfigError, match="a quantized base trains only through LoRA adapters"):
+        read_config(kwargs)
+    with pytest.raises(ConfigError, match=r"sets method lora r=32 but .*adapter_config.json: peft_type sets"):
+        read_config("axolotl_lora_deepspeed.yaml", "adapter_config.json")
+
+
+LORA_BAD = {
+    "freeze.yaml": ("model_name_or_path: gpt2\nfinetuning_type: freeze\n",
+                    "finetuning_type='freeze': freeze (partial-parameter) fine-tuning is not sized"),
+    "hqq.yaml": ("model_name_or_path: gpt2\nfinetuning_type: lora\nquantization_bit: 4\nquantization_method: hqq\n",
+                 "quantization_method='hqq': memfit sizes bitsandbytes"),
+    "bits.yaml": ("model_name_or_path: gpt2\nfinetuning_type: lora\nquantization_bit: 2\n", "quantization_bit=2"),
+    "full_quant.yaml": ("model_name_or_path: gpt2\nfinetuning_type: full\nquantization_bit: 4\n",
+                        "quantization_bit=4: LLaMA-Factory quantizes the base only for finetuning_type lora"),
+    "ax_head.yaml": ("base_model: gpt2\nadapter: lora\nlora_r: 8\nlora_alpha: 16\nlora_target_modules: [c_attn, "
+                     "lm_head]\n", "lora_target_modules=['c_attn', 'lm_head']: LoRA on the output head"),
+    "ax_qlora.yaml": ("base_model: gpt2\nadapter: qlora\nlora_r: 8\nlora_alpha: 16\nlora_target_linear: true\n",
+                      "adapter='qlora': adapter qlora needs load_in_4bit: true"),
+    "ax_rank.yaml": ("base_model: gpt2\nadapter: lora\nlora_r: 0\nlora_alpha: 16\nlora_target_linear: true\n",
+                     "lora_r=0: LoRA rank must be a positive whole number"),
+    "ax_targets.yaml": ("base_model: gpt2\nadapter: lora\nlora_r: 8\nlora_alpha: 16\n",
+                        "adapter='lora': neither lora_target_modules nor lora_target_linear is set"),
+    "ax_full4bit.yaml": ("base_model: gpt2\nload_in_4bit: true\n", "load_in_4bit=True: a quantized base trains only"),
+    "ax_gptq.yaml": ("base_model: gpt2\nadapter: lora\ngptq: true\nlora_r: 8\nlora_alpha: 8\n"
+                     "lora_target_linear: true\n", "gptq=True: a GPTQ-quantized base is not sized"),
+    "tt_head.yaml": ("model:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  lora_attn_modules: "
+                     "[q_proj]\n  apply_lora_to_output: true\n", "model.apply_lora_to_output=True: LoRA on the "
+                                                                 "output head (lm_head) is not sized"),
+    "tt_attn.yaml": ("model:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  lora_attn_modules: "
+                     "[qkv]\n", "model.lora_attn_modules=['qkv']: qkv: torchtune's attention modules are"),
+    "peft_rank.json": ('{"peft_type": "LORA", "r": 8, "rank_pattern": {"q_proj": 64}}',
+                       "rank_pattern={'q_proj': 64}: per-module ranks are not sized"),
+    "peft_ia3.json": ('{"peft_type": "IA3", "target_modules": ["k_proj"]}', "peft_type='IA3': memfit sizes peft's "
+                                                                            "LORA adapters"),
+    "peft_regex.json": ('{"peft_type": "LORA", "target_modules": ".*q_proj"}',
+                        "target_modules='.*q_proj': a string target is a regular expression"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_BAD))
+def test_unmappable_lora_values_are_one_line(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    content, says = LORA_BAD[name]
+    Path(name).write_text(content)
+    with pytest.raises(ConfigError) as error:
+        read_config(name)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{name}: ") and says in message, message
+    result = invoke("plan", "--config", name, "gpt2", "--gpu", "H100", "--json")
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr.count("\n") == 1 and says in result.stderr
+    if name.startswith(("freeze", "ax_head", "tt_head")):  # --method takes the field over: no error
+        assert invoke("plan", "--config", name, "gpt2", "--gpu", "H100", "--method", "full",
+                      "--json").exit_code in (0, 1)
+
+
+def _lora_matrix():
+    cases = []
+    finetunes = [Finetune("lora", rank=16, alpha=32, dropout=0.05, targets=("q_proj", "v_proj")),
+                 Finetune("lora", targets=(ALL_LINEAR,), modules_to_save=("lm_head",), dora=True),
+                 Finetune("lora", rank=4, base="fp32"), Finetune("lora", rank=8, base="int8"),
+                 Finetune("qlora", rank=64, alpha=16, targets=(ALL_LINEAR,)),
+                 Finetune("qlora", base="fp4", double_quant=False, targets=("q_proj", "k_proj", "v_proj"))]
+    for ft, precision, (sharding, gpus) in itertools.product(
+            finetunes, ["amp-bf16", "bf16", "fp32", "amp-fp16"], [("none", 1), ("none", 2), ("zero2", 4)]):
+        try:
+            cases.append(TrainingSetup(micro_batch_size=2, precision=precision, sharding=sharding, num_gpus=gpus,
+                                       engine="deepspeed" if sharding != "none" else "torch", finetune=ft))
+        except ConfigError:
+            continue
+    return cases
+
+
+def test_emitted_peft_settings_read_back_as_the_finetune(tmp_path):
+    """peft.json (lora_config + model_kwargs) beside the Trainer files reads back as the Finetune planned; a LoRA
+    base stored in the compute dtype reads as 'auto', which is what it means."""
+    checked = 0
+    for i, setup in enumerate(_lora_matrix()):
+        directory = _emitted(setup, tmp_path / str(i))
+        reading = read_config(directory / "training_args.json", directory / "model_kwargs.json",
+                              directory / "accelerate.yaml", directory / "peft.json")
+        expected = setup.finetune
+        if expected.base.value == setup.precision.compute_dtype or (
+                expected.method.value == "qlora" and expected.base.value == "nf4"):
+            expected = expected.replace(base="auto")
+        assert reading.overrides["finetune"] == expected, setup
+        assert read_config(directory / "peft.json").overrides["finetune"].replace(base="auto") == \
+            expected.replace(base="auto")
+        if not (uses_deepspeed(setup) and setup.finetune.base_storage(setup.precision.compute_dtype).quantized):
+            # (DeepSpeed bf16 reads back as bf16-master, which a quantized base refuses: the emitter's to settle)
+            assert _differences(setup, {k: v for k, v in reading.overrides.items() if k != "finetune"}) == {}, setup
+        checked += 1
+    assert checked > 30

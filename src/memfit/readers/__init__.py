@@ -1,5 +1,6 @@
 """Read the config you already have: HF TrainingArguments (JSON / YAML), DeepSpeed JSON, accelerate YAML, axolotl,
-LLaMA-Factory and torchtune recipe files -> the TrainingSetup fields they set, the model they name, and what was read
+LLaMA-Factory and torchtune recipe files, peft adapter_config.json (and memfit's peft.json) -> the TrainingSetup
+fields they set (their LoRA / QLoRA settings as `finetune`), the model they name, and what was read
 and what was left out (and why). Torch-free; PyYAML is imported only for YAML files.
 
     reading = memfit.readers.read_config("axolotl.yaml")

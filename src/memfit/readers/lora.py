@@ -497,7 +497,7 @@ def _peft(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
         if "target_modules" in config:
             read.defer(prefix + "target_modules", None, "peft's default targets for the architecture")
     else:
-        if isinstance(targets, (list, tuple)):
+        if isinstance(targets, (list, tuple)) and not emitted:
             targets = sorted(targets)  # peft saves a set: its order says nothing
         parts.targets(parts.names(targets, prefix + "target_modules"), prefix + "target_modules",
                       config["target_modules"])

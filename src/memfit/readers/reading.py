@@ -87,7 +87,7 @@ def _load(ref: str | os.PathLike) -> _File:
 def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
                 overridden: Mapping[str, str] | None = None) -> ConfigReading:
     """Read TrainingArguments (JSON / YAML), DeepSpeed JSON, accelerate YAML, axolotl, LLaMA-Factory and torchtune
-    recipe files, alone or together; the format comes from each file's keys. `num_gpus`: the data-parallel size when
+    recipe files and peft LoraConfigs (adapter_config.json, memfit's peft.json), alone or together; the format comes from each file's keys. `num_gpus`: the data-parallel size when
     the caller knows it (otherwise the files' own: accelerate num_processes, DeepSpeed train_batch_size; else 1).
     `overridden`: setup fields the caller sets itself ({'optimizer': '--optimizer'}): the files' values for them are
     recorded as overridden and never raise. A file that cannot be read, has no known format or holds a value memfit
