@@ -298,3 +298,29 @@ def test_a_live_qlora_model_counts_bitsandbytes_quant_state():
     formula = adapted_spec(resolve_model(TINY_CONFIGS["llama"]), TrainingSetup(
         precision="amp-bf16", finetune=Finetune(method="qlora", rank=8, targets=("all-linear",))))
     assert formula.frozen_bytes == real and formula.num_params == spec.num_params
+
+
+# --- the trace: peft applied for real on fake tensors ------------------------------------------------------------
+
+@pytest.mark.parametrize("family,precision,finetune,checkpointing,tolerance", [
+    ("llama", "amp-bf16", Finetune(method="lora", rank=8, dropout=0.1), "none", 0.001),
+    # checkpointing on CPU: the real step also keeps torch.get_rng_state() per layer (5,056 B each), a real tensor
+    # a fake-tensor trace does not see (on CUDA it is host memory)
+    ("qwen2", "fp32", Finetune(method="lora", rank=4, targets=("all-linear",)), "full", 0.008),
+    # 4-bit on fake tensors: memfit._torch.fake_quant.FakeLinear4bit (bitsandbytes' storage and transients)
+    ("llama", "amp-bf16", Finetune(method="qlora", rank=8, targets=("all-linear",)), "full", 0.01),
+])
+def test_a_lora_trace_equals_the_real_step(family, precision, finetune, checkpointing, tolerance):
+    import torch
+
+    from memfit._torch.step import build_hf_model
+    from memfit.measure import measure
+    from memfit.trace import trace
+
+    setup = TrainingSetup(micro_batch_size=2, seq_len=64, precision=precision, optimizer="adamw",
+                          checkpointing=checkpointing, finetune=finetune)
+    traced = trace(TINY_CONFIGS[family], setup, kernels="cpu").tensor_bytes
+    torch.manual_seed(0)
+    model = build_hf_model(TINY_CONFIGS[family], setup)  # the same builder: peft (and bitsandbytes) for real
+    measured = measure(model, setup, steps=2).tensor_bytes + _quant_state_bytes(model)
+    assert abs(traced - measured) / measured <= tolerance, (traced, measured)

@@ -40,7 +40,9 @@ def _is_adapter(param, model) -> bool:
 
 
 def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
-    """(changed, detail) of turning `model` into the planned LoRA / QLoRA model in place."""
+    """(changed, detail) of turning `model` into the planned LoRA / QLoRA model in place. A real model is
+    quantized first, so that peft wraps bitsandbytes' layers with its own bnb LoRA layers; a fake one (a trace)
+    gets its adapters on the plain Linears, then the bases become FakeLinear4bit (bitsandbytes needs values)."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
@@ -49,23 +51,32 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
         return False, "the model already has LoRA adapters"
     ft = setup.finetune
     base = ft.base_storage(setup.precision.compute_dtype)
-    done = []
-    if base.quantized:
-        count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype])
-        done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}")
-        for param in model.parameters():  # peft prepare_model_for_kbit_training: the rest in fp32
-            if param.dtype in (torch.float16, torch.bfloat16):
-                param.data = param.data.to(torch.float32)
+    fake = any(_is_fake(p) for p in model.parameters())
     targets = _targets(model, ft)
+    done = []
+
+    def quantize() -> None:
+        count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype])
+        done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}"
+                    + (" (FakeLinear4bit: bitsandbytes' storage and transients on fake tensors)" if fake else ""))
+        for param in model.parameters():  # peft prepare_model_for_kbit_training: the rest in fp32
+            if param.dtype in (torch.float16, torch.bfloat16) and "lora_" not in _name_of(model, param):
+                param.data = param.data.to(torch.float32)
+
+    if base.quantized and not fake:
+        quantize()
     config = LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets,
                         modules_to_save=list(ft.modules_to_save) or None, use_dora=ft.dora, bias="none")
     try:
-        inject_adapter_in_model(config, model)
+        with _adapters_stay_where_made(model):
+            inject_adapter_in_model(config, model)
     except ValueError as error:
         raise ConfigError(f"peft could not add LoRA adapters: {str(error).splitlines()[0]}") from None
     for name, param in model.named_parameters():
         if "lora_" in name and param.dtype != torch.float32:
             param.data = param.data.to(torch.float32)  # get_peft_model(autocast_adapter_dtype=True) does this
+    if base.quantized and fake:
+        quantize()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     done.append(f"LoRA r={ft.rank} on {targets if isinstance(targets, str) else ', '.join(targets)} "
@@ -76,15 +87,28 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
     return True, "; ".join(done)
 
 
+def _name_of(model: nn.Module, param) -> str:
+    return next((name for name, p in model.named_parameters() if p is param), "")
+
+
 def _targets(model: nn.Module, ft) -> list[str] | str:
     if ft.targets == (ALL_LINEAR,):
-        return ALL_LINEAR
+        return _all_linear(model)
     if ft.targets:
         return list(ft.targets)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in PEFT_DEFAULT_TARGETS:
         return list(PEFT_DEFAULT_TARGETS[model_type])
-    return ALL_LINEAR
+    return _all_linear(model)
+
+
+def _all_linear(model: nn.Module) -> list[str]:
+    """peft's 'all-linear', resolved here (peft resolves it only on models it can inspect for quantization): every
+    Linear (GPT-2's Conv1D too) but the output head, by module name."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if module is not head and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")}
+    return sorted(names)
 
 
 def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, compute_dtype: torch.dtype) -> int:
@@ -95,12 +119,24 @@ def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, co
     except ImportError:
         raise ConfigError("a quantized base needs bitsandbytes: pip install bitsandbytes") from None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    adapters = {id(m) for name, m in model.named_modules() if ".lora_" in f".{name}" or name.startswith("lora_")}
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child is head:
+            if type(child) is not nn.Linear or child is head or id(child) in adapters:
                 continue
             device = child.weight.device
+            if _is_fake(child.weight):
+                if not base.four_bit:
+                    raise ConfigError("memfit trace emulates bitsandbytes 4-bit on fake tensors, not int8: size "
+                                      "an int8 base with the formulas or `memfit measure`")
+                from .fake_quant import FakeLinear4bit
+
+                setattr(parent, name, FakeLinear4bit(child.in_features, child.out_features,
+                                                     bias=child.bias is not None, compute_dtype=compute_dtype,
+                                                     double_quant=double_quant, device=device))
+                count += 1
+                continue
             weight = child.weight.data.to(compute_dtype)
             if base.four_bit:
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
@@ -117,3 +153,43 @@ def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, co
             setattr(parent, name, new.to(device))
             count += 1
     return count
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor) or isinstance(getattr(tensor, "data", None), FakeTensor)
+
+
+def base_dtype(setup: TrainingSetup) -> torch.dtype:
+    """The dtype a LoRA model's base is built in: its storage dtype, or the compute dtype it is quantized from."""
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    return _DTYPES[setup.precision.compute_dtype if base.quantized else base.value]
+
+
+class _adapters_stay_where_made:
+    """On fake tensors (memfit.trace): peft moves each new adapter to its base layer's device and float dtype with
+    Module.to, which swaps parameter objects on fake tensors and fails; the adapters are made on the base's (fake)
+    CPU device already and stay in fp32, as get_peft_model's autocast_adapter_dtype keeps them anyway."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.fake = any(_is_fake(p) for p in model.parameters())
+
+    def __enter__(self):
+        if self.fake:
+            self.original = nn.Module.to
+            original = self.original
+
+            def to(module, *args, **kwargs):
+                params = list(module.parameters())
+                if params and all(_is_fake(p) for p in params):
+                    return module
+                return original(module, *args, **kwargs)
+
+            nn.Module.to = to
+        return self
+
+    def __exit__(self, *exc):
+        if self.fake:
+            nn.Module.to = self.original
+        return False

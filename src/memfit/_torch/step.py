@@ -79,15 +79,21 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
 
     Causal LM (masked LM for encoder-only types such as bert), attention implementation from `setup.attention`,
     `use_cache=False` (a cache keeps every layer's K/V alive), pure bf16 parameters for bf16 / bf16-master (the fp32
-    master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, train mode.
+    master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, LoRA / QLoRA
+    adapters on a base stored as planned (memfit._torch.lora), train mode.
     """
     transformers = _import("transformers")
     hf_config = hf_config_from_dict(config)
     hf_config.use_cache = False
     auto = (transformers.AutoModelForMaskedLM if hf_config.model_type in MASKED_LM_TYPES
             else transformers.AutoModelForCausalLM)
+    dtype = param_dtype(setup)
+    if setup.finetune.adapters:
+        from .lora import base_dtype
+
+        dtype = base_dtype(setup)
     try:
-        model = auto.from_config(hf_config, attn_implementation=str(setup.attention), dtype=param_dtype(setup))
+        model = auto.from_config(hf_config, attn_implementation=str(setup.attention), dtype=dtype)
     except ValueError as error:  # e.g. "Gemma2ForCausalLM does not support an attention implementation through ..."
         if "attention" not in str(error).lower():
             raise
@@ -97,6 +103,10 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
         model.to(device)
     if setup.checkpointing is Checkpointing.FULL:
         enable_hf_checkpointing(model)
+    if setup.finetune.adapters:  # LoRA / QLoRA as planned: the one place measure and trace get them from
+        from .lora import apply_adapters
+
+        apply_adapters(model, setup)
     model.train()
     return model
 
