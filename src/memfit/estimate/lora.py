@@ -381,7 +381,13 @@ def checkpointed_moments(step, moments: dict) -> dict:
 
     spec, setup, d = step.spec, step.setup, step.dtypes
     if LAYER_RECIPES.get(spec.model_type) is not _llama_layer or not spec.gated_mlp:
-        return {}
+        # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
+        # makes is a tensor of its own, kept to the end of backward (the rest of their recompute is not modelled)
+        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
+                    "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
+                    "torch autograd AccumulateGrad")
+        return {name: (phase, list(terms) + [leaf]) for name, (phase, terms) in moments.items()
+                if phase is Phase.BACKWARD and terms}
     ft = setup.finetune
     n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
     res, cmp = d.residual, d.compute
