@@ -783,7 +783,7 @@ def test_unmappable_lora_values_are_one_line(name, tmp_path, monkeypatch):
 def _lora_matrix():
     cases = []
     finetunes = [Finetune("lora", rank=16, alpha=32, dropout=0.05, targets=("q_proj", "v_proj")),
-                 Finetune("lora", targets=(ALL_LINEAR,), modules_to_save=("lm_head",), dora=True),
+                 Finetune("lora", targets=(ALL_LINEAR,), modules_to_save=("lm_head",)),
                  Finetune("lora", rank=4, base="fp32"), Finetune("lora", rank=8, base="int8"),
                  Finetune("qlora", rank=64, alpha=16, targets=(ALL_LINEAR,)),
                  Finetune("qlora", base="fp4", double_quant=False, targets=("q_proj", "k_proj", "v_proj"))]
@@ -817,3 +817,11 @@ def test_emitted_peft_settings_read_back_as_the_finetune(tmp_path):
             assert _differences(setup, {k: v for k, v in reading.overrides.items() if k != "finetune"}) == {}, setup
         checked += 1
     assert checked > 30
+
+
+def test_dora_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                "use_dora": True, "base_model_name_or_path": "meta-llama/Llama-3.2-1B"}))
+    result = invoke("plan", "--config", str(path))
+    assert result.exit_code == 2 and "DoRA" in result.output and "Traceback" not in result.output

@@ -67,7 +67,7 @@ class Finetune:
     """What the optimizer trains. `targets` () means peft's default for the architecture; ('all-linear',) every
     projection but the head. `modules_to_save`: modules trained in full beside the adapters (peft keeps a trainable
     copy and the frozen original). `dora`: weight-decomposed LoRA (a magnitude vector per adapted output and the
-    weight norm it recomputes each forward)."""
+    weight norm it recomputes each forward): refused until it is measured."""
 
     method: Method = Method.FULL
     rank: int = 8
@@ -104,6 +104,10 @@ class Finetune:
             out.append(f"LoRA alpha must be a positive number, got {self.alpha!r}")
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
             out.append(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if self.dora:
+            out.append("DoRA (use_dora) is not sized yet: its magnitude vectors are small, but it recomputes the "
+                       "norm of every adapted weight (W + BA) in each forward, a weight-sized transient per layer "
+                       "that memfit has not measured; size it as LoRA with --method lora and add that")
         if self.method is Method.QLORA and self.base in (BaseWeights.FP32, BaseWeights.BF16, BaseWeights.FP16):
             out.append(f"QLoRA quantizes the base: base weights {self.base} is plain LoRA (use --method lora), "
                        "or choose nf4 / fp4 / int8")
