@@ -235,7 +235,7 @@ def test_sweep_cells_equal_direct_estimates():
     setup = TrainingSetup(grad_accum_steps=2)
     result = solve.sweep(LLAMA8, setup, hw, seqs=[1024, 2048], batches=[1, 2, 4])
     assert [m.key for m in result.methods] == list(solve.DEFAULT_METHODS)
-    assert len(result.cells) == 2 * 3 * 3
+    assert len(result.cells) == 2 * 3 * len(solve.DEFAULT_METHODS)
     for cell in result.cells:
         method = solve.METHODS[cell.method]
         direct = estimate(LLAMA8, setup.replace(seq_len=cell.seq_len, micro_batch_size=cell.micro_batch_size,
@@ -253,7 +253,7 @@ def test_sweep_cells_equal_direct_estimates():
     assert any("LoRA / QLoRA" in note for note in result.notes)
 
 
-def test_sweep_methods_are_pluggable_and_lora_waits():
+def test_sweep_methods_are_pluggable():
     calls = []
 
     def halve_vocab(spec, setup):
@@ -266,8 +266,8 @@ def test_sweep_methods_are_pluggable_and_lora_waits():
     direct = estimate(dataclasses.replace(LLAMA8, vocab_size=LLAMA8.vocab_size // 2),
                       TrainingSetup(seq_len=512, micro_batch_size=1, precision="bf16"), hw)
     assert calls == [512] and result.cells[0].total_bytes == direct.total_bytes
-    with pytest.raises(ConfigError, match="LoRA"):
-        solve.get_methods("full-bf16-adamw,qlora")
+    with pytest.raises(ConfigError, match="unknown method 'dora'"):
+        solve.get_methods("full-bf16-adamw,dora")
     t4 = solve.sweep(LLAMA8, TrainingSetup(precision="amp-fp16"), make_hardware("T4"), seqs=[512], batches=[1],
                      methods="setup,full-bf16-adamw")
     assert t4.cells[0].total_bytes is not None and t4.cells[1].total_bytes is None and "bf16" in t4.cells[1].note
@@ -343,10 +343,25 @@ def test_cli_sweep_nothing_fits_is_one_line_and_writes_nothing(tmp_path):
     ("fit", "llama-3.1-8b", "--max", "gpu", "--step", "2"),
     ("fit", "llama-3.1-8b", "--max", "batch", "--csv", "x.csv"),
     ("fit", "llama-3.1-8b", "--sweep", "--seqs", "0,1"),
-    ("fit", "llama-3.1-8b", "--sweep", "--methods", "lora"),
+    ("fit", "llama-3.1-8b", "--sweep", "--methods", "dora"),
 ])
 def test_cli_mistakes_are_one_line_exit_2(args):
     result = invoke(*args)
     assert result.exit_code == 2 and result.stdout == "", result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+
+
+def test_sweep_has_lora_and_qlora_columns_sized_as_plans_size_them():
+    hw = make_hardware("RTX-4090")
+    result = solve.sweep(LLAMA8, TrainingSetup(), hw, seqs=[1024, 4096], batches=[1, 4])
+    keys = [m.key for m in result.methods]
+    assert keys == ["full-bf16-adamw", "full-bf16-adamw8bit-ckpt", "lora-ckpt", "qlora-ckpt"]
+    for cell in result.cells:
+        method = solve.METHODS[cell.method]
+        direct = estimate(LLAMA8, TrainingSetup(seq_len=cell.seq_len, micro_batch_size=cell.micro_batch_size)
+                          .replace(**method.fields), hw)
+        assert cell.total_bytes == direct.total_bytes
+    by = {(c.seq_len, c.micro_batch_size, c.method): c for c in result.cells}
+    assert by[(1024, 1, "qlora-ckpt")].fits and not by[(1024, 1, "full-bf16-adamw")].fits
+    assert by[(1024, 1, "qlora-ckpt")].total_bytes < by[(1024, 1, "lora-ckpt")].total_bytes

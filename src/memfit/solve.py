@@ -20,6 +20,8 @@ from typing import Any
 
 from .diagnose import DEFAULT_MARGIN, Diagnosis, diagnose
 from .errors import ConfigError
+from .finetune import ALL_LINEAR, Finetune
+from .finetune import Method as FinetuneMethod
 from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
 from .hardware import GPU, Hardware, check_precision, gpu_catalog
@@ -37,8 +39,9 @@ MAX_SEQ = 16 * 1024 * 1024
 DEFAULT_SEQ_STEP = 64
 GPU_ORDER = ("by memory, smallest first: the GPU catalog (data/gpus.json) has no prices, so the smallest-memory GPU "
              "that fits stands in for the cheapest")
-LORA_NOT_SIZED = ("LoRA / QLoRA columns come when memfit sizes them (adapters, frozen and 4-bit base weights are "
-                  "not modelled yet); today every method is a full fine-tune")
+METHODS_NOTE = ("LoRA / QLoRA columns: peft adapters in fp32 on a frozen bf16 base (LoRA) or a bitsandbytes NF4 base "
+                "with double quantization (QLoRA), embeddings, head and norms unquantized and in fp32 as "
+                "prepare_model_for_kbit_training leaves them")
 
 
 # ----------------------------------------------------------------------------------------------------- one candidate
@@ -481,9 +484,8 @@ def cheapest_gpu(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, m
 
 @dataclass(frozen=True, eq=False)
 class Method:
-    """One column of the sweep: how the model is trained. Today every method is a full fine-tune that sets
-    precision, optimizer and checkpointing; `transform` lets a method also change the model (LoRA: trainable
-    parameters) when memfit sizes one."""
+    """One column of the sweep: how the model is trained (precision, optimizer, checkpointing and the fine-tuning
+    method, LoRA / QLoRA included); `transform` lets a method also change the model."""
 
     key: str
     title: str
@@ -522,8 +524,26 @@ for _method in (
 ):
     register_method(_method)
 
-DEFAULT_METHODS = ("full-bf16-adamw", "full-bf16-adamw8bit", "full-bf16-adamw8bit-ckpt")
-NOT_YET_SIZED = {"lora": "LoRA", "qlora": "QLoRA"}
+for _method in (
+        Method("lora", "LoRA r=16 all-linear, bf16 base, autocast",
+               {"precision": Precision.AMP_BF16, "optimizer": Optimizer.ADAMW_FOREACH,
+                "checkpointing": Checkpointing.NONE,
+                "finetune": Finetune(method=FinetuneMethod.LORA, rank=16, alpha=32, targets=(ALL_LINEAR,))}),
+        Method("lora-ckpt", "LoRA r=16 all-linear + checkpointing",
+               {"precision": Precision.AMP_BF16, "optimizer": Optimizer.ADAMW_FOREACH,
+                "checkpointing": Checkpointing.FULL,
+                "finetune": Finetune(method=FinetuneMethod.LORA, rank=16, alpha=32, targets=(ALL_LINEAR,))}),
+        Method("qlora-ckpt", "QLoRA NF4 r=16 all-linear + checkpointing",
+               {"precision": Precision.AMP_BF16, "optimizer": Optimizer.ADAMW_FOREACH,
+                "checkpointing": Checkpointing.FULL,
+                "finetune": Finetune(method=FinetuneMethod.QLORA, rank=16, alpha=32, targets=(ALL_LINEAR,))}),
+):
+    register_method(_method)
+
+DEFAULT_METHODS = ("full-bf16-adamw", "full-bf16-adamw8bit-ckpt", "lora-ckpt", "qlora-ckpt")
+"""A full fine-tune, the cheapest full one, LoRA and QLoRA: the columns users ask for (r=16, alpha 32, all-linear:
+the common recipe, e.g. the QLoRA paper's targets)."""
+
 
 
 def get_methods(keys: Sequence[str] | str | None) -> tuple[Method, ...]:
@@ -535,8 +555,6 @@ def get_methods(keys: Sequence[str] | str | None) -> tuple[Method, ...]:
     out = []
     for key in keys:
         name = key.strip().lower()
-        if name in NOT_YET_SIZED:
-            raise ConfigError(f"method '{key}': {LORA_NOT_SIZED}; choose from {', '.join(METHODS)}")
         if name not in METHODS:
             raise ConfigError(f"unknown method '{key}': choose from {', '.join(METHODS)}")
         out.append(METHODS[name])
@@ -675,7 +693,7 @@ def sweep(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, seqs: It
                 cells.append(SweepCell(seq, batch, method.key, est.total_bytes, budget, fits))
     set_by_methods = {name for m in chosen for name in m.fields}
     held = _held_fixed(setup, hardware, margin, "seq_len", "micro_batch_size", *set_by_methods)
-    notes = [LORA_NOT_SIZED]
+    notes = [METHODS_NOTE] if any(m.fields.get("finetune") for m in chosen) else []
     context = spec.max_position_embeddings
     if context and max(seqs) > context:
         notes.append(f"sequences above the model's context ({context:,}) are sized as given")

@@ -102,8 +102,8 @@ BatchesOpt = Annotated[Optional[tuple], typer.Option(
 MethodsOpt = Annotated[Optional[str], typer.Option(
     "--methods", metavar="KEY,KEY,...", rich_help_panel=FIT_PANEL, show_default=False,
     help="With --sweep: the method columns (full-amp-adamw, full-bf16-adamw, full-bf16-adamw8bit, "
-         "full-bf16-adamw-ckpt, full-bf16-adamw8bit-ckpt, setup = the options as given). Default: full-bf16-adamw,"
-         "full-bf16-adamw8bit,full-bf16-adamw8bit-ckpt. LoRA / QLoRA come when memfit sizes them.")]
+         "full-bf16-adamw-ckpt, full-bf16-adamw8bit-ckpt, lora, lora-ckpt, qlora-ckpt, setup = the options as "
+         "given). Default: full-bf16-adamw,full-bf16-adamw8bit-ckpt,lora-ckpt,qlora-ckpt.")]
 CsvOpt = Annotated[Optional[Path], typer.Option(
     "--csv", metavar="FILE", rich_help_panel=OUTPUT_PANEL, show_default=False, dir_okay=False,
     help="With --sweep: also write the table as CSV (one row per cell).")]
