@@ -222,3 +222,66 @@ def test_callback_without_a_gpu_on_cpu_skips_with_a_note(tiny_model, torch_cpu, 
     trainer.train()
     first = memfit_entries(trainer.state)[0]
     assert first["memfit/prediction"] == "skipped" and "gpu=" in first["memfit/note"]
+
+
+# ------------------------------------------------------------------------------------------- Lightning
+
+
+def _lightning_module(model, torch_cpu):
+    lightning = pytest.importorskip("lightning")
+
+    class Wrapper(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch_cpu.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    return Wrapper()
+
+
+def _token_loader(torch_cpu, batch=2, seq=64, n=4):
+    tokens = torch_cpu.randint(0, TINY_LLAMA["vocab_size"], (n * batch, seq))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    return torch_cpu.utils.data.DataLoader(data, batch_size=batch)
+
+
+def test_lightning_run_predicts_from_trainer_module_and_batch(tiny_model, torch_cpu, tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from memfit.callbacks import MemfitLightningCallback
+
+    callback = MemfitLightningCallback(gpu="A100-80GB")
+    trainer = lightning.Trainer(max_steps=2, accelerator="cpu", devices=1, precision="bf16-mixed",
+                                accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                                callbacks=[callback])
+    trainer.fit(_lightning_module(tiny_model, torch_cpu), _token_loader(torch_cpu))
+    result = callback.result
+    assert result is not None
+    s = result.setup
+    # read from the Trainer (precision, accumulation) and the first batch's shape (micro-batch x sequence)
+    assert (s.micro_batch_size, s.seq_len, s.grad_accum_steps) == (2, 64, 2)
+    assert s.precision is Precision.AMP_BF16  # bf16-mixed over fp32 weights: autocast
+    expected = check(tiny_model, None, gpu="A100-80GB", seq_len=64, batch_size=2, grad_accum_steps=2,
+                     precision="amp-bf16")
+    assert result.estimate.total_bytes == expected.estimate.total_bytes and result.fits
+    assert callback.measured is not None and callback.measured["memfit/predicted_peak_bytes"] == \
+        expected.estimate.total_bytes
+
+
+def test_lightning_raise_mode_stops_before_the_first_step(tiny_model, torch_cpu, tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from memfit.callbacks import MemfitLightningCallback
+
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    trainer = lightning.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                                callbacks=[MemfitLightningCallback(raise_on_oom_risk=True, gpu="1MiB")])
+    with pytest.raises(OutOfMemoryRisk, match="first change"):
+        trainer.fit(_lightning_module(tiny_model, torch_cpu), _token_loader(torch_cpu))
+    assert trainer.global_step == 0
+    assert all(torch_cpu.equal(a, b) for a, b in zip(before, tiny_model.parameters()))

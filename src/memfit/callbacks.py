@@ -4,7 +4,8 @@ Trainer at `on_train_begin`, then logs the measured peak next to the prediction.
 
 Importing this module imports neither torch nor transformers: torch is read only when a CUDA device is looked up,
 and `MemfitCallback` subclasses transformers' TrainerCallback when it is first used (`from memfit.callbacks import
-MemfitCallback`). There is no Lightning callback: lightning is not a dependency of memfit.
+MemfitCallback`); `MemfitLightningCallback` subclasses lightning's Callback the same way (lightning is not a
+dependency of memfit: `pip install lightning` to use it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .units import format_bytes
 logger = logging.getLogger("memfit")
 
 __all__ = ["CheckResult", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "check", "check_accelerator", "cuda_gpu",
-           "setup_from_training_args"]
+           "setup_from_lightning", "setup_from_training_args"]
 
 
 class OutOfMemoryRisk(MemfitError):
@@ -359,7 +360,149 @@ def _callback_class() -> type:
     return MemfitCallback
 
 
+# ---------------------------------------------------------------------------------------- the Lightning callback
+
+_LIGHTNING_PRECISION = {"32": "no", "32-true": "no", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "no",
+                        "16-true": "no", "64-true": None, "transformer-engine": None}
+"""Lightning's `Trainer(precision=...)` in accelerate's words (memfit.readers.hf.read_mixed_precision); '*-true'
+keeps the weights' own dtype, which the model says."""
+
+
+def setup_from_lightning(trainer: Any, model: Any = None) -> ReadSetup:
+    """The TrainingSetup fields a lightning Trainer sets: precision, accumulation, devices x nodes, the DeepSpeed /
+    FSDP strategy."""
+    read = _Reader()
+    precision = str(getattr(trainer, "precision", "32-true"))
+    mapped = _LIGHTNING_PRECISION.get(precision, "")
+    if mapped is None or mapped == "":
+        read.unmappable("precision", "Trainer.precision", precision,
+                        "memfit sizes 32-true, bf16-mixed, 16-mixed and bf16-true", fallback="not sized")
+    else:
+        read_mixed_precision(read, mapped, _param_dtype(model), key="Trainer.precision")
+    accum = _positive(getattr(trainer, "accumulate_grad_batches", 1))
+    if accum:
+        read.set("grad_accum_steps", accum, f"accumulate_grad_batches={accum}")
+    world = (_positive(getattr(trainer, "num_devices", 1)) or 1) * (_positive(getattr(trainer, "num_nodes", 1)) or 1)
+    strategy = type(getattr(trainer, "strategy", None)).__name__
+    if strategy == "DeepSpeedStrategy":
+        config = dict(getattr(trainer.strategy, "config", None) or {})
+        _read_sharding(read, None, config, world)
+    elif strategy in ("FSDPStrategy", "ModelParallelStrategy"):
+        _read_sharding(read, {"fsdp": "full_shard"}, None, world)
+    if world > 1:
+        read.set("num_gpus", world, f"num_devices x num_nodes = {world}")
+    _read_model_checkpointing(read, model)
+    return read.result()
+
+
+def _inner_model(pl_module: Any) -> Any:
+    """The model a LightningModule trains: its `model` attribute when that is a module (the common wrapper of an
+    HF model), else the LightningModule itself."""
+    inner = getattr(pl_module, "model", None)
+    return inner if callable(getattr(inner, "named_parameters", None)) else pl_module
+
+
+def _batch_shape(batch: Any) -> tuple[int, int] | None:
+    """(micro-batch, sequence) of a token batch: a dict with input_ids, or a tensor / tuple whose first is [B, T]."""
+    tensor = batch.get("input_ids") if isinstance(batch, Mapping) else (
+        batch[0] if isinstance(batch, (list, tuple)) and batch else batch)
+    shape = getattr(tensor, "shape", None)
+    if shape is not None and len(shape) >= 2:
+        return int(shape[0]), int(shape[1])
+    return None
+
+
+_LIGHTNING_CLASS: type | None = None
+
+
+def _lightning_class() -> type:
+    global _LIGHTNING_CLASS
+    if _LIGHTNING_CLASS is not None:
+        return _LIGHTNING_CLASS
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning import Callback
+        except ImportError:
+            from .errors import MissingDependencyError
+
+            raise MissingDependencyError("MemfitLightningCallback needs lightning: pip install lightning") from None
+
+    class MemfitLightningCallback(Callback):
+        """Before the first optimizer step, predicts the step's peak from the LightningModule's model, the
+        Trainer (precision, accumulation, devices, strategy) and the first batch's shape, for the CUDA device the
+        Trainer runs on (or `gpu=`, which a CPU run needs); warns, or raises OutOfMemoryRisk
+        (`raise_on_oom_risk=True`), naming the plan's first change. After `measure_at_step` steps it logs the
+        measured CUDA peak next to the prediction. Results: `self.result` (a CheckResult), `self.measured`, and
+        the values logged through `pl_module.log` (keys 'memfit/...')."""
+
+        def __init__(self, raise_on_oom_risk: bool = False, gpu: str | GPU | Hardware | None = None, *,
+                     seq_len: int | None = None, batch_size: int | None = None, margin: float = DEFAULT_MARGIN,
+                     measure_at_step: int = 1, **setup: Any) -> None:
+            super().__init__()
+            self.raise_on_oom_risk, self.gpu, self.margin, self.setup = raise_on_oom_risk, gpu, margin, setup
+            self.seq_len, self.batch_size, self.measure_at_step = seq_len, batch_size, measure_at_step
+            self.result: CheckResult | None = None
+            self.measured: dict[str, Any] | None = None
+            self._predicted = False
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self._predicted:
+                return
+            self._predicted = True
+            device = getattr(pl_module, "device", None)
+            gpu = self.gpu if self.gpu is not None else cuda_gpu(device)
+            if gpu is None:
+                logger.info("memfit: no CUDA device and no gpu= given: prediction skipped "
+                            "(MemfitLightningCallback(gpu='A100-80GB'))")
+                return
+            model = _inner_model(pl_module)
+            shape = _batch_shape(batch) or (None, None)
+            batch_size, seq_len = self.batch_size or shape[0], self.seq_len or shape[1]
+            read = setup_from_lightning(trainer, model)
+            given = {**read.fields, **{k: v for k, v in self.setup.items() if v is not None}}
+            world = given.pop("num_gpus", 1)
+            result = check(model, None, gpu=gpu, seq_len=seq_len, batch_size=batch_size, margin=self.margin,
+                           num_gpus=world if world > 1 else None, **given)
+            self.result = result
+            if result.fits:
+                logger.info("%s", result.headline())
+                return
+            message = f"{result.headline()}; {result.advice()}"
+            if self.raise_on_oom_risk:
+                raise OutOfMemoryRisk(message)
+            logger.warning("%s", message)
+            warnings.warn(message, OutOfMemoryRiskWarning, stacklevel=2)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.measured is not None or trainer.global_step < self.measure_at_step:
+                return
+            entry: dict[str, Any] = {"step": trainer.global_step}
+            if self.result is not None:
+                entry["memfit/predicted_peak_bytes"] = self.result.estimate.total_bytes
+                entry["memfit/predicted_tensor_bytes"] = self.result.estimate.tensor_bytes
+            device = getattr(pl_module, "device", None)
+            if cuda_gpu(device) is not None:
+                import torch
+
+                entry["memfit/measured_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+                entry["memfit/measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+            else:
+                entry["memfit/measured"] = "skipped: no CUDA device (memfit.measure sizes a CPU step)"
+            self.measured = entry
+            for key, value in entry.items():
+                if key.startswith("memfit/") and isinstance(value, (int, float)):
+                    pl_module.log(key, float(value), on_step=True, logger=True)
+            logger.info("memfit: %s", entry)
+
+    _LIGHTNING_CLASS = MemfitLightningCallback
+    return MemfitLightningCallback
+
+
 def __getattr__(name: str) -> Any:
     if name == "MemfitCallback":
         return _callback_class()
+    if name == "MemfitLightningCallback":
+        return _lightning_class()
     raise AttributeError(f"module 'memfit.callbacks' has no attribute {name!r}")
