@@ -38,6 +38,7 @@ DEFAULT_POINTS = "../shared/gpu-published/points.jsonl"
 DEFAULT_OUT = "bench/results/gpu_published.md"
 
 from memfit.errors import MemfitError  # noqa: E402
+from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
 from memfit.setup import (Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,  # noqa: E402
@@ -149,7 +150,7 @@ def map_point(point: dict) -> Mapped:
     fields.update(_map_checkpointing(m, n.get("checkpointing")))
     fields.update(_map_attention(m, n.get("attention")))
     _map_loss(m, n.get("loss"))
-    _map_flags(m, n)
+    fields.update(_map_flags(m, n))
     parallel = _map_parallel(m, n.get("parallel") or {}, n.get("offload") or {})
     fields.update(parallel)
     if m.spec is None or "seq_len" not in fields:
@@ -233,16 +234,18 @@ def _map_optimizer(m: Mapped, opt: dict) -> dict:
     name, impl = (opt.get("name") or ""), str(opt.get("impl") or "")
     if opt.get("in_backward"):
         m.missing.append((OPT_IN_BWD, ""))
-    if opt.get("paged"):
-        m.missing.append((PAGED, "bitsandbytes Paged* keeps its state in unified memory that "
-                                 "max_memory_allocated does not count"))
     if name in ("adamw_8bit", "adam_8bit"):
+        if opt.get("paged") or "paged" in impl.lower():
+            # bitsandbytes PagedAdamW8bit: memfit puts its large states outside the allocator (unified memory)
+            return {"optimizer": Optimizer.PAGED_ADAMW_8BIT}
         return {"optimizer": Optimizer.ADAMW_8BIT}
     if name == "adafactor":
         return {"optimizer": Optimizer.ADAFACTOR}
     if name in ("adamw", "adam"):
         if "bnb" in impl:
-            m.missing.append((PAGED if "paged" in impl else OTHER, f"optimizer impl {impl}"))
+            if "paged" in impl.lower() or opt.get("paged"):
+                return {"optimizer": Optimizer.PAGED_ADAMW}
+            m.missing.append((OTHER, f"optimizer impl {impl}"))
         if opt.get("fused"):
             return {"optimizer": Optimizer.ADAMW_FUSED}
         if "transformers" in impl or "for-loop" in impl:
@@ -294,14 +297,58 @@ def _map_loss(m: Mapped, loss) -> None:
         m.missing.append((OTHER, f"loss {loss}"))
 
 
-def _map_flags(m: Mapped, n: dict) -> None:
+_LORA_TARGETS = {"q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",), "o": ("o_proj",),
+                 "mlp": ("gate_proj", "up_proj", "down_proj"), "lm_head": ("lm_head",), "qkv": ("query_key_value",)}
+"""The points' target shorthands -> the HF module names memfit's LoRA graph uses (torchtune's q_proj / v_proj /
+output_proj and apply_lora_to_mlp / apply_lora_to_output, peft's target_modules)."""
+_T5_TARGETS = {"q": ("q",), "v": ("v",), "k": ("k",), "o": ("o",)}
+_BASES = {"torchao_nf4": BaseWeights.NF4, "bnb_nf4": BaseWeights.NF4}
+
+
+def _map_lora(m: Mapped, lora: dict) -> dict:
+    """The point's LoRA / QLoRA setup as a memfit Finetune: method, rank, alpha, dropout, targets and base as the
+    source states them (unstated: peft's defaults, said in `assumed`)."""
+    if lora.get("r") is None:
+        m.missing.append((LORA, "rank and targets not stated"))
+        return {}
+    quant = lora.get("base_quant")
+    if quant and quant not in _BASES:
+        m.missing.append((QLORA, f"base {quant}"))
+        return {}
+    if quant == "torchao_nf4":
+        m.approx.append("torchao NF4 base sized as bitsandbytes NF4 with double quantization (both 64-element "
+                        "blocks, 0.5 B + a quantized scale per weight)")
+    table = _T5_TARGETS if m.spec is not None and m.spec.model_type == "t5" else _LORA_TARGETS
+    targets: list[str] = []
+    for short in lora.get("targets") or ():
+        if short not in table:
+            m.missing.append((LORA, f"target {short}"))
+            return {}
+        targets += table[short]
+    if not targets:
+        m.assumed.append("peft's default LoRA targets (not stated)")
+    if lora.get("dropout") is None:
+        m.assumed.append("no LoRA dropout (not stated)")
+    try:
+        ft = Finetune(method=Method.QLORA if quant else Method.LORA, rank=int(lora["r"]),
+                      alpha=float(lora.get("alpha") or lora["r"]), dropout=float(lora.get("dropout") or 0.0),
+                      targets=tuple(targets), base=_BASES.get(quant, BaseWeights.AUTO))
+    except MemfitError as error:
+        m.missing.append((LORA, str(error)))
+        return {}
+    return {"finetune": ft}
+
+
+def _map_flags(m: Mapped, n: dict) -> dict:
+    out = {}
     lora = n.get("lora")
     if lora:
-        m.missing.append((QLORA if lora.get("base_quant") else LORA, f"r={lora.get('r')}"))
+        out.update(_map_lora(m, lora))
     if n.get("compile"):
         m.missing.append((COMPILE, ""))
     if n.get("float8"):
         m.missing.append((FP8, ""))
+    return out
 
 
 def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
@@ -510,8 +557,38 @@ def context_anchors(points: list[dict]) -> list[dict]:
     return found
 
 
+def lora_points(points: list[dict]) -> list[dict]:
+    """Every point that trains LoRA / QLoRA adapters and measured a step's peak (in scope or not)."""
+    return [p for p in points if (p.get("normalized") or {}).get("lora")
+            and ((p["normalized"].get("measured") or {}).get("metric_group") in FIGURES)]
+
+
+def _lora_section(rows: list[Row]) -> list[str]:
+    done = [r for r in rows if r.mapped.expressible and r.err_pct is not None]
+    errors = [abs(r.err_pct) for r in done]
+    lines = ["", "## LoRA / QLoRA points (in scope or not)", "",
+             f"{len(rows)} points train adapters on a measured step; {len(done)} are expressible with memfit's "
+             "Finetune (method, rank, alpha, dropout, targets, base as the source states them)"
+             + (f": median |error| {statistics.median(errors):.1f}%, 90th percentile {percentile(errors, 90):.1f}%"
+                if errors else "") + ". Out-of-scope rows are of lower confidence (see points.jsonl); they are not in "
+             "the summary above.", "",
+             "| id | in scope | model | setup | LoRA | metric | measured GiB | memfit GiB | error % | not expressible: |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ft = r.mapped.setup.finetune if r.mapped.setup else None
+        lora = (f"{ft} {'+'.join(ft.targets) or 'default'}" if ft and ft.adapters else "-")
+        model = r.mapped.spec.name if r.mapped.spec else (r.mapped.norm.get("model") or {}).get("key") or "-"
+        memfit = _fmt(r.predicted_gib) if r.mapped.expressible else f"({_fmt(r.nearest_gib)})"
+        lines.append(f"| {r.mapped.pid}{'~' if r.mapped.approx else ''} | "
+                     f"{'yes' if r.mapped.norm.get('in_scope') else 'no'} | {model} | "
+                     f"{setup_summary(r.mapped.setup)} | {lora} | {r.metric} | {_fmt(r.measured_gib)} | {memfit} | "
+                     f"{_fmt(r.err_pct, '+.1f')} | {r.mapped.reason() or '-'} |")
+    lines += ["", "memfit GiB in parentheses: the nearest expressible setup, the blockers ignored."]
+    return lines
+
+
 def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[Row] = (),
-           anchors: list[dict] = ()) -> str:
+           anchors: list[dict] = (), lora_rows: list[Row] = ()) -> str:
     lines = ["# memfit vs published GPU measurements", "",
              f"Points: `{points_label}` (in scope: {stats['points']}; expressible in memfit: "
              f"{stats['expressible']}; not expressible: {stats['not_expressible']}). Generated by "
@@ -582,8 +659,10 @@ def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[R
         lines.append(f"| {r.mapped.pid} | {r.mapped.norm['source']} | {model} | {r.metric} | "
                      f"{_fmt(r.measured_gib, '.2f', 'OOM')} | {_fmt(r.nearest_gib)} | {r.mapped.reason()} |")
     lines += ["", "Paged optimizers (bitsandbytes Paged*) keep their state in CUDA unified memory: the torch "
-              "allocator does not count it, so an allocated/active figure excludes it and memfit, which counts the "
-              "state on the device, cannot be compared until it models paging."]
+              "allocator does not count it, so memfit puts those states in its own term outside the allocator "
+              "(optimizer/paged_states): in device used, not in allocated / reserved."]
+    if lora_rows:
+        lines += _lora_section(list(lora_rows))
     if extra_oom:
         lines += ["", "## OOM rows outside the in-scope set (information only)", "",
                   "| id | source | model | predicted OOM | not expressible: |", "|---|---|---|---|---|"]
@@ -604,12 +683,12 @@ def row_json(r: Row) -> dict:
             "is_oom": r.is_oom, "predicted_oom": r.predicted_oom}
 
 
-def run(points_file: Path) -> tuple[list[Row], dict, list[Row], list[dict]]:
+def run(points_file: Path) -> tuple[list[Row], dict, list[Row], list[dict], list[Row]]:
     points = load_points(points_file)
     rows = evaluate(in_scope(points))
     extra = evaluate([p for p in points if not p["normalized"].get("in_scope")
                       and (p["normalized"].get("measured") or {}).get("is_oom")])
-    return rows, summary(rows), extra, context_anchors(points)
+    return rows, summary(rows), extra, context_anchors(points), evaluate(lora_points(points))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -624,9 +703,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no points file at {args.points} (resolved against the repository root)", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    rows, stats, extra, anchors = run(path)
+    rows, stats, extra, anchors, lora_rows = run(path)
     label = args.points if not Path(args.points).is_absolute() else path.name
-    text = render(rows, stats, points_label=label, extra_oom=extra, anchors=anchors)
+    text = render(rows, stats, points_label=label, extra_oom=extra, anchors=anchors, lora_rows=lora_rows)
     out = Path(args.out)
     out = out if out.is_absolute() else REPO / out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -635,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         target = Path(args.json)
         target = target if target.is_absolute() else REPO / target
         target.write_text(json.dumps({"summary": stats, "rows": [row_json(r) for r in rows], "anchors": anchors,
-                                      "oom_outside_scope": [row_json(r) for r in extra]}, indent=1),
+                                      "oom_outside_scope": [row_json(r) for r in extra],
+                                      "lora": [row_json(r) for r in lora_rows]}, indent=1),
                           encoding="utf-8")
     print(text)
     shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out

@@ -57,6 +57,8 @@ def _representative() -> list[TrainingSetup]:
             if not (emit.uses_deepspeed(setup) and _deepspeed_refuses(setup)):
                 setups.append(setup)
                 break
+    covered = {s.optimizer for s in setups}
+    setups += [TrainingSetup(micro_batch_size=2, seq_len=128, optimizer=o) for o in Optimizer if o not in covered]
     return setups
 
 

@@ -25,6 +25,13 @@ OPTIMIZER_CLASSES = {
     Optimizer.ADAMW_FOREACH: "torch.optim.AdamW(foreach=True)",
     Optimizer.ADAMW_FUSED: "torch.optim.AdamW(fused=True)",
     Optimizer.ADAMW_8BIT: "bitsandbytes.optim.AdamW8bit",
+    Optimizer.PAGED_ADAMW_8BIT: "bitsandbytes.optim.PagedAdamW8bit",
+    Optimizer.PAGED_ADAMW: "bitsandbytes.optim.PagedAdamW (32-bit)",
+    Optimizer.ADAMW_AO_8BIT: "torchao.optim.AdamW8bit",
+    Optimizer.ADAMW_4BIT: "torchao.optim.AdamW4bit",
+    Optimizer.ADAMW_FP8: "torchao.optim.AdamWFp8",
+    Optimizer.LION_8BIT: "bitsandbytes.optim.Lion8bit",
+    Optimizer.LION: "bitsandbytes.optim.Lion (32-bit)",
     Optimizer.SGD: "torch.optim.SGD(momentum=0.9)",
     Optimizer.ADAFACTOR: "transformers.optimization.Adafactor (HF defaults: relative step, no lr)",
 }
@@ -179,11 +186,12 @@ def _optimizer(model, setup: TrainingSetup, is_hf: bool) -> Change:
     detail = f"build it with applied.make_optimizer(model): {OPTIMIZER_CLASSES[setup.optimizer]}"
     if setup.precision.master_weights:
         detail += " on an fp32 master copy of the bf16 parameters"
-    if setup.optimizer is Optimizer.ADAMW_8BIT:
+    if setup.optimizer.library in ("bitsandbytes", "torchao"):
         import importlib.util
 
-        if importlib.util.find_spec("bitsandbytes") is None:
-            detail += " -- bitsandbytes is not installed: pip install bitsandbytes"
+        library = setup.optimizer.library
+        if importlib.util.find_spec(library) is None:
+            detail += f" -- {library} is not installed: pip install {library}"
     return Change("optimizer", False, detail)
 
 

@@ -52,19 +52,59 @@ class Optimizer(_Choice):
     ADAMW_FOREACH = "adamw-foreach"  # torch default on CUDA: multi-tensor, parameter-sized temporaries
     ADAMW_FUSED = "adamw-fused"  # fused=True: one kernel, no parameter-sized temporaries
     ADAMW_8BIT = "adamw-8bit"  # bitsandbytes AdamW8bit: block-wise uint8 states
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"  # bitsandbytes PagedAdamW8bit: the uint8 states in CUDA unified memory
+    PAGED_ADAMW = "paged-adamw"  # bitsandbytes PagedAdamW (32-bit): fp32 states in CUDA unified memory
+    ADAMW_AO_8BIT = "adamw-ao-8bit"  # torchao AdamW8bit: block-wise uint8 states (256-element blocks)
+    ADAMW_4BIT = "adamw-4bit"  # torchao AdamW4bit: block-wise 4-bit states (128-element blocks)
+    ADAMW_FP8 = "adamw-fp8"  # torchao AdamWFp8: float8_e4m3 states (256-element blocks)
+    LION_8BIT = "lion-8bit"  # bitsandbytes Lion8bit: one block-wise uint8 state (momentum)
+    LION = "lion"  # bitsandbytes Lion (32-bit): one fp32 state
     SGD = "sgd"  # SGD with momentum: one state
     ADAFACTOR = "adafactor"  # factored second moment, no first moment (HF/transformers defaults)
 
     def aliases(self) -> tuple[str, ...]:
         return {
             "adamw": ("adam", "adamw-torch", "adamw-single"),
-            "adamw-8bit": ("adam8bit", "adamw8bit", "8bit", "bnb", "adamw-bnb-8bit", "paged-adamw-8bit"),
+            "adamw-8bit": ("adam8bit", "adamw8bit", "8bit", "bnb", "adamw-bnb-8bit"),
+            "paged-adamw-8bit": ("paged-adamw8bit", "pagedadamw8bit", "paged-8bit"),
+            "paged-adamw": ("paged-adamw-32bit", "pagedadamw", "pagedadamw32bit", "paged"),
+            "adamw-ao-8bit": ("adamw-torch-8bit", "torchao-8bit", "ao-8bit"),
+            "adamw-4bit": ("adamw-torch-4bit", "torchao-4bit", "4bit", "adamw4bit"),
+            "adamw-fp8": ("torchao-fp8", "adamwfp8", "fp8"),
+            "lion-8bit": ("lion8bit", "lion-bnb-8bit"),
+            "lion": ("lion-32bit", "lion32bit"),
             "sgd": ("sgd-momentum",),
         }.get(self.value, ())
 
     @property
     def is_adam(self) -> bool:
-        return self.value.startswith("adamw")
+        """Adam-family (two moments per parameter), whoever implements it."""
+        return "adamw" in self.value
+
+    @property
+    def library(self) -> str:
+        """Who implements it: 'torch', 'bitsandbytes', 'torchao' or 'transformers'."""
+        if self in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED, Optimizer.SGD):
+            return "torch"
+        if self in (Optimizer.ADAMW_AO_8BIT, Optimizer.ADAMW_4BIT, Optimizer.ADAMW_FP8):
+            return "torchao"
+        return "transformers" if self is Optimizer.ADAFACTOR else "bitsandbytes"
+
+    @property
+    def torch_adam(self) -> bool:
+        """torch.optim.AdamW in one of its three kernels (what DeepSpeed and FSDP2 build themselves)."""
+        return self in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED)
+
+    @property
+    def is_paged(self) -> bool:
+        """bitsandbytes paged: large states in CUDA unified memory (cudaMallocManaged), outside torch's allocator."""
+        return self in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW)
+
+    @property
+    def state_bits(self) -> int:
+        """Bits per element of the large states (32: full precision, in the parameter's or fp32 dtype)."""
+        return {Optimizer.ADAMW_8BIT: 8, Optimizer.PAGED_ADAMW_8BIT: 8, Optimizer.ADAMW_AO_8BIT: 8,
+                Optimizer.ADAMW_4BIT: 4, Optimizer.ADAMW_FP8: 8, Optimizer.LION_8BIT: 8}.get(self, 32)
 
 
 class Checkpointing(_Choice):
@@ -173,8 +213,9 @@ class TrainingSetup:
             problems += self._one_gpu_sharding_problems()
         if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.sharding is not Sharding.ZERO3:
             problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
-        if self.offload is not Offload.NONE and self.optimizer is Optimizer.ADAMW_8BIT:
-            problems.append("CPU offload runs DeepSpeed's CPU Adam; it does not combine with bitsandbytes 8-bit AdamW")
+        if self.offload is not Offload.NONE and self.optimizer.library in ("bitsandbytes", "torchao"):
+            problems.append(f"CPU offload runs DeepSpeed's CPU Adam; it does not combine with {self.optimizer} "
+                            f"({self.optimizer.library})")
         if self.engine is Engine.TORCH:
             problems += self._torch_engine_problems()
         if self.finetune.adapters:
@@ -213,7 +254,7 @@ class TrainingSetup:
         if self.offload is Offload.OPTIMIZER:
             problems.append("FSDP2 offloads parameters with the optimizer step, never the optimizer alone: use "
                             "offload optimizer+params with zero3, or engine deepspeed (ZeRO-Offload)")
-        if self.sharding.stage >= 2 and self.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR):
+        if self.sharding.stage >= 2 and self.optimizer.library in ("bitsandbytes", "transformers"):
             problems.append(f"{self.optimizer} cannot step FSDP2's sharded (DTensor) parameters: use engine deepspeed")
         if self.sharding is Sharding.ZERO1 and (self.optimizer.value not in _ZERO1_TORCH_OPTIMIZERS
                                                  or self.precision.master_weights):

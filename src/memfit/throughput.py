@@ -41,6 +41,6 @@ def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware
     if setup.offload is not Offload.NONE:
         offload = (offload_traffic_bytes(spec, setup) / (hardware.gpu.host_link_gb_per_s * 1e9)
                    + cpu_step_seconds(spec, setup))
-    if setup.optimizer is Optimizer.ADAMW_8BIT:
+    if setup.optimizer.state_bits < 32:
         compute *= 1.01
     return (compute + comm + offload) / (setup.micro_batch_size * setup.grad_accum_steps)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -175,9 +176,20 @@ def _base_optimizer(params, *, setup: TrainingSetup, lr: float | None, notes: li
         except (RuntimeError, ValueError) as error:
             notes.append(f"fused AdamW is not available here ({error}); measured the single-tensor AdamW instead")
             return torch.optim.AdamW(params, lr=lr, foreach=False)
-    if kind is Optimizer.ADAMW_8BIT:
+    if kind.library == "bitsandbytes":
         bnb = _import("bitsandbytes", extra="engines")
-        return bnb.optim.AdamW8bit(params, lr=lr)
+        if kind.is_paged and not _on_cuda(params):
+            # bitsandbytes 0.50 get_state_buffer: paged buffers need CUDA; on CPU it warns and uses zeros_like
+            notes.append(f"{kind}: bitsandbytes pages states only on CUDA; measured its unpaged equivalent "
+                         "(same state tensors, in ordinary memory)")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+            return _BNB_CLASSES[kind](bnb.optim)(params, lr=lr)
+    if kind.library == "torchao":
+        _import("torchao", extra="lowbit")
+        import torchao.optim
+
+        return _TORCHAO_CLASSES[kind](torchao.optim)(params, lr=lr)
     if kind is Optimizer.SGD:
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if kind is Optimizer.ADAFACTOR:
@@ -186,6 +198,20 @@ def _base_optimizer(params, *, setup: TrainingSetup, lr: float | None, notes: li
         # HF's defaults: a relative step size, so no learning rate is given.
         return Adafactor(params, scale_parameter=True, relative_step=True, warmup_init=False, lr=None)
     raise ConfigError(f"no optimizer factory for '{kind}'")
+
+
+_BNB_CLASSES = {
+    Optimizer.ADAMW_8BIT: lambda m: m.AdamW8bit, Optimizer.PAGED_ADAMW_8BIT: lambda m: m.PagedAdamW8bit,
+    Optimizer.PAGED_ADAMW: lambda m: m.PagedAdamW32bit, Optimizer.LION_8BIT: lambda m: m.Lion8bit,
+    Optimizer.LION: lambda m: m.Lion32bit,
+}
+_TORCHAO_CLASSES = {Optimizer.ADAMW_AO_8BIT: lambda m: m.AdamW8bit, Optimizer.ADAMW_4BIT: lambda m: m.AdamW4bit,
+                    Optimizer.ADAMW_FP8: lambda m: m.AdamWFp8}
+"""The classes, looked up on the imported module (bitsandbytes.optim, torchao.optim) with their default blocks."""
+
+
+def _on_cuda(params) -> bool:
+    return any(p.device.type == "cuda" for p in params)
 
 
 # --------------------------------------------------------------------------------------------------- the batch

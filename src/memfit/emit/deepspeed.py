@@ -172,7 +172,7 @@ def _fp16_reason(precision: Precision) -> str:
 
 def deepspeed_owns_optimizer(setup: TrainingSetup) -> bool:
     """DeepSpeed builds the optimizer itself for the torch AdamW variants (and must, for CPU Adam under offload)."""
-    return setup.optimizer.is_adam and setup.optimizer is not Optimizer.ADAMW_8BIT
+    return setup.optimizer.torch_adam
 
 
 _TORCH_ADAM_PARAMS = {

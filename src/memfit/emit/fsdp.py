@@ -20,6 +20,9 @@ def fsdp2_unsupported(setup: TrainingSetup) -> str | None:
     if setup.offload is Offload.OPTIMIZER:
         return ("FSDP2 offloads parameters, gradients and the optimizer step together (CPUOffloadPolicy), never the "
                 "optimizer alone; use deepspeed.json (ZeRO-Offload)")
+    if setup.optimizer.library == "bitsandbytes" and setup.optimizer is not Optimizer.ADAMW_8BIT:
+        return (f"bitsandbytes' {setup.optimizer} kernels have no DTensor sharding rule, so they cannot step FSDP2 "
+                "parameters; use deepspeed.json (ZeRO hands it plain tensors)")
     return _UNSHARDABLE_OPTIMIZERS.get(setup.optimizer)
 
 
@@ -68,7 +71,7 @@ the meta device and call model.to_empty(...) after sharding), call shard_model(m
 """
 
 import torch
-from torch import nn
+{"import torchao.optim" + chr(10) if setup.optimizer.library == "torchao" else ""}from torch import nn
 from torch.distributed.fsdp import {", ".join(names)}'''
 
 
@@ -179,6 +182,12 @@ _OPTIMIZERS = {
                             "fused AdamW: one kernel, no parameter-sized temporaries"),
     Optimizer.SGD: ("torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
                     "SGD with momentum: one state per parameter"),
+    Optimizer.ADAMW_AO_8BIT: ("torchao.optim.AdamW8bit(model.parameters(), lr=lr)",
+                              "torchao 8-bit AdamW: quantises each rank's local shard (DTensor-aware)"),
+    Optimizer.ADAMW_4BIT: ("torchao.optim.AdamW4bit(model.parameters(), lr=lr)",
+                           "torchao 4-bit AdamW: quantises each rank's local shard (DTensor-aware)"),
+    Optimizer.ADAMW_FP8: ("torchao.optim.AdamWFp8(model.parameters(), lr=lr)",
+                          "torchao fp8 AdamW: quantises each rank's local shard (DTensor-aware)"),
 }
 
 

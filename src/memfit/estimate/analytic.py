@@ -23,7 +23,9 @@ from . import fsdp2, lora
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
-from .static import ShardedStatic, full_static, shard
+from .static import ShardedStatic, full_static, paged_state_bytes, shard
+
+PAGED_STATES = "optimizer/paged_states"
 
 ENGINE_SOURCE = "transformers 5.x modelling code, checked with saved_tensors_hooks on real tiny models"
 
@@ -49,7 +51,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
     phase, terms = moments[peak_name]
     terms = [t for t in terms if t.num_bytes > 0]
-    terms += runtime_overhead_terms(_total(terms), setup, hardware, spec=spec, terms=terms)
+    in_allocator = [t for t in terms if t.device_figure == "allocated"]
+    terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
@@ -80,7 +83,8 @@ def _total(terms: list[Term]) -> int:
     return sum(t.num_bytes for t in terms)
 
 
-def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, grads: int) -> list[Term]:
+def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, grads: int,
+                  on_cpu: bool = False) -> list[Term]:
     n = setup.num_gpus
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
@@ -111,9 +115,18 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
                           "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2, measured on 2 gloo ranks"))
     if static.optimizer_bytes:
         o_note = f" / {n} ranks" if setup.sharding.stage >= 1 else ""
-        terms.append(Term("optimizer/states", Category.OPTIMIZER, static.optimizer_bytes,
+        shards = n if setup.sharding.stage >= 1 else 1
+        paged = 0 if on_cpu else min(static.optimizer_bytes, paged_state_bytes(spec, setup) // shards)
+        terms.append(Term("optimizer/states", Category.OPTIMIZER, static.optimizer_bytes - paged,
                           f"{setup.optimizer}{' + fp32 master weights' if setup.precision.master_weights else ''}"
-                          f"{o_note}", "torch.optim / bitsandbytes / transformers Adafactor state layout"))
+                          f"{o_note}{' (the part in the caching allocator)' if paged else ''}",
+                          "torch.optim / bitsandbytes / torchao / transformers Adafactor state layout"))
+        if paged:
+            terms.append(Term(PAGED_STATES, Category.OPTIMIZER, paged,
+                              f"{setup.optimizer} states of tensors >= 1e5 elements{o_note}: CUDA unified memory "
+                              "(cudaMallocManaged), outside torch's allocator; device memory while resident, "
+                              "evicted to host RAM under memory pressure (slower steps, no OOM)",
+                              "bitsandbytes Optimizer8bit.get_state_buffer / functional.get_paged", figure="outside"))
     return terms
 
 
@@ -210,7 +223,7 @@ class _Step:
         return self.setup.tokens_per_micro_step
 
     def static_terms(self, grads: int, static: ShardedStatic | None = None) -> list[Term]:
-        return _static_terms(self.spec, self.setup, static or self.static, grads)
+        return _static_terms(self.spec, self.setup, static or self.static, grads, self.dtypes.on_cpu)
 
     def acts_except(self, *names: str) -> list[Term]:
         return [t for t in self.acts if t.name not in names]

@@ -12,6 +12,13 @@ MASTER_16B = ("bf16 with fp32 master weights costs 2 + 2 + 12 = 16 B/param, the 
               "(ZeRO paper sec. 3.1): no static saving without sharding.")
 EIGHT_BIT = ("8-bit AdamW keeps ~2.03 B/param of state (uint8 x 2 + fp32 absmax per 256), a quarter of fp32 "
              "Adam's 8 B/param, not a half; tensors under 4096 elements keep fp32 state.")
+PAGED = ("paged optimizer (bitsandbytes Paged*): the states of tensors >= 1e5 elements live in CUDA unified memory "
+         "(cudaMallocManaged), outside torch's allocator: not in max_memory_allocated / reserved, but on the device "
+         "(nvidia-smi) while resident; under memory pressure the driver evicts them to host RAM instead of an OOM, "
+         "and each step pages them back (slower). On a CPU device bitsandbytes falls back to ordinary tensors.")
+TORCHAO = ("torchao low-bit AdamW: block-wise quantised moments (8-bit and fp8: 256-element blocks, 4-bit: 128), each "
+           "with an fp32 scale per block; tensors under 4096 elements or not a multiple of the block keep full "
+           "states. Its step is torch.compile'd (a first-step compile).")
 FOREACH = ("foreach AdamW (torch's CUDA default) allocates one parameter-sized temporary in the step "
            "(_foreach_sqrt); fused=True or foreach=False avoid it.")
 CKPT = ("full checkpointing keeps each block's input (B x T x h) instead of its saved tensors; the saving is the "
@@ -27,8 +34,12 @@ def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
         notes.append(AMP_KEEPS_FP32)
     if setup.precision is Precision.BF16_MASTER:
         notes.append(MASTER_16B)
-    if setup.optimizer is Optimizer.ADAMW_8BIT:
+    if setup.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
         notes.append(EIGHT_BIT)
+    if setup.optimizer.is_paged:
+        notes.append(PAGED)
+    if setup.optimizer.library == "torchao":
+        notes.append(TORCHAO)
     if setup.optimizer is Optimizer.ADAMW_FOREACH:
         notes.append(FOREACH)
     if setup.checkpointing is Checkpointing.FULL:

@@ -46,7 +46,7 @@ class Term:
     figure: str = ""
     """Which device figure the term first counts in: 'allocated' (tensors, the allocator's rounding, kernel
     workspaces), 'reserved' (segments cached beyond the allocated peak) or 'outside' (the allocator: CUDA context,
-    NCCL). Empty: 'allocated' for tensor categories, by name for overhead terms (see `device_figure`)."""
+    NCCL, a paged optimizer's unified-memory states). Empty: 'allocated' for tensor categories, by name for overhead terms (see `device_figure`)."""
 
     @property
     def device_figure(self) -> str:
@@ -114,8 +114,10 @@ class MemoryEstimate:
 
     @property
     def tensor_bytes(self) -> int:
-        """Everything but the runtime overhead: what torch.cuda.max_memory_allocated would report."""
-        return sum(t.num_bytes for t in self.terms if t.category is not Category.OVERHEAD)
+        """Everything but the runtime overhead: what torch.cuda.max_memory_allocated would report (tensors outside
+        the allocator, a paged optimizer's unified-memory states, are not in it)."""
+        return sum(t.num_bytes for t in self.terms if t.category is not Category.OVERHEAD
+                   and t.device_figure == "allocated")
 
     def _figure_bytes(self, figure: str) -> int:
         return sum(t.num_bytes for t in self.terms if t.device_figure == figure)
@@ -132,7 +134,8 @@ class MemoryEstimate:
 
     @property
     def outside_allocator_bytes(self) -> int:
-        """CUDA context, NCCL buffers: device memory PyTorch's allocator statistics never see."""
+        """CUDA context, NCCL buffers, paged optimizer states: device memory PyTorch's allocator statistics never
+        see."""
         return self._figure_bytes("outside")
 
     @property

@@ -3,7 +3,9 @@
 Sources: ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054) section 3.1 counts mixed-precision Adam at 2 + 2 + 12 bytes
 per parameter and gives the per-rank split of each stage; torch.optim.adamw (_single_tensor_adamw /
 _multi_tensor_adamw) for the step temporaries; bitsandbytes Optimizer8bit (block-wise quantisation, 256-element
-blocks, fp32 state below min_8bit_size=4096 elements) for 8-bit AdamW; transformers.optimization.Adafactor.
+blocks, fp32 state below min_8bit_size=4096 elements) for 8-bit AdamW and Lion, Optimizer8bit.get_state_buffer for
+the paged variants (states of tensors >= 1e5 elements in CUDA unified memory); torchao.optim (_AdamBase._new_buffer,
+OptimState8bit / OptimState4bit / OptimStateFp8.zeros) for its low-bit AdamW; transformers.optimization.Adafactor.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from .fsdp2 import Fsdp2Units
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation: one fp32 absmax per 256 elements
+BNB_PAGED_MIN_NUMEL = 100_000  # bitsandbytes get_state_buffer: smaller states stay ordinary (allocator) tensors
+AO_MIN_QUANT_SIZE = 4096  # torchao _new_buffer: smaller tensors (or numel % block != 0) keep a plain state
+AO_BLOCKS = {Optimizer.ADAMW_AO_8BIT: 256, Optimizer.ADAMW_4BIT: 128, Optimizer.ADAMW_FP8: 256}
+"""torchao 0.18 AdamW8bit / AdamW4bit / AdamWFp8 default block_size: one fp32 scale per block."""
+AO_QMAP_ENTRIES = {Optimizer.ADAMW_AO_8BIT: 256, Optimizer.ADAMW_4BIT: 16, Optimizer.ADAMW_FP8: 0}
+"""torchao keeps one fp32 lookup table per quantised state tensor (8-bit: 256 codes, 4-bit: 16; fp8 has none)."""
 
 
 @dataclass(frozen=True)
@@ -54,18 +62,13 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, s
     s_bytes = 4 if setup.precision.master_weights or setup.offload is not Offload.NONE else p_bytes
     n_tensors = sum(p.count for p in spec.params)
     opt = setup.optimizer
-    if opt.is_adam and opt is not Optimizer.ADAMW_8BIT:
+    if opt.torch_adam:
         step = 4 * n_tensors if setup.offload is Offload.NONE else 0  # one fp32 'step' scalar tensor per param
         return 2 * trainable_bytes(spec, s_bytes) + step, f"2 states x {s_bytes} B x P (exp_avg, exp_avg_sq)"
-    if opt is Optimizer.ADAMW_8BIT:
-        total = 0
-        for p in spec.params:
-            if p.numel < BNB_MIN_8BIT_SIZE:
-                total += 2 * 4 * p.numel * p.count
-            else:
-                total += (2 * p.numel + 2 * 4 * math.ceil(p.numel / BNB_BLOCK)) * p.count
-        total += 2 * 4 * 256  # the two shared dynamic quantisation maps (qmap1, qmap2), fp32[256]
-        return total, "2 x uint8 x P + fp32 absmax per 256 elements (fp32 states for tensors < 4096 elements)"
+    if opt.library == "bitsandbytes":
+        return _bnb_state_bytes(spec, opt), _BNB_FORMULAS[opt]
+    if opt.library == "torchao":
+        return _torchao_state_bytes(spec, opt, s_bytes), _torchao_formula(opt)
     if opt is Optimizer.SGD:
         return trainable_bytes(spec, s_bytes), f"momentum buffer {s_bytes} B x P"
     if setup.sharding.stage >= 1 and setup.engine is Engine.DEEPSPEED:
@@ -73,6 +76,73 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, s
         # (measured: exp_avg_sq of 8836 elements for an 8836-parameter model)
         return s_bytes * spec.num_params + 4 * n_tensors, "full 2nd moment: ZeRO's flat partitions cannot be factored"
     return _adafactor_bytes(spec, s_bytes), "factored 2nd moment: rows + cols per matrix, full for vectors"
+
+
+_BNB_FORMULAS = {
+    Optimizer.ADAMW_8BIT: "2 x uint8 x P + fp32 absmax per 256 elements (fp32 states for tensors < 4096 elements)",
+    Optimizer.PAGED_ADAMW_8BIT: "2 x uint8 x P + fp32 absmax per 256 elements (fp32 states for tensors < 4096 "
+                                "elements); the uint8 states of tensors >= 1e5 elements in CUDA unified memory",
+    Optimizer.PAGED_ADAMW: "2 x fp32 x P (bitsandbytes 32-bit states are fp32 whatever the parameter dtype); "
+                           "those of tensors >= 1e5 elements in CUDA unified memory",
+    Optimizer.LION_8BIT: "1 x uint8 x P + fp32 absmax per 256 elements (fp32 state for tensors < 4096 elements)",
+    Optimizer.LION: "1 x fp32 x P (momentum; bitsandbytes 32-bit states are fp32 whatever the parameter dtype)",
+}
+
+
+def _bnb_layout(opt: Optimizer) -> tuple[int, bool]:
+    """(states per parameter, 8-bit) of a bitsandbytes optimizer (Optimizer2State / Optimizer1State.init_state)."""
+    return (1 if opt in (Optimizer.LION, Optimizer.LION_8BIT) else 2), opt.state_bits == 8
+
+
+def _bnb_state_bytes(spec: ModelSpec, opt: Optimizer, *, paged_only: bool = False) -> int:
+    """bitsandbytes' state tensors (init_state): fp32 state1 (/state2) when 32-bit or below min_8bit_size, else
+    uint8 states + one fp32 absmax per 256-element block each, and the fp32[256] quantisation maps the 8-bit states
+    share (qmap1, qmap2; Lion only qmap1). `paged_only`: just the states get_state_buffer pages (>= 1e5 elements)."""
+    states, eight = _bnb_layout(opt)
+    total = 0
+    for p in spec.params:
+        small = p.numel < BNB_MIN_8BIT_SIZE or not eight
+        buffer = p.numel * (4 if small else 1)
+        if paged_only:
+            total += states * buffer * p.count if opt.is_paged and p.numel >= BNB_PAGED_MIN_NUMEL else 0
+            continue
+        absmax = 0 if small else 4 * math.ceil(p.numel / BNB_BLOCK)
+        total += states * (buffer + absmax) * p.count
+    if eight and not paged_only and any(p.numel >= BNB_MIN_8BIT_SIZE for p in spec.params):
+        total += states * 4 * 256
+    return total
+
+
+def paged_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """The part of the optimizer states a paged optimizer keeps in CUDA unified memory (cudaMallocManaged through
+    bitsandbytes' get_paged): invisible to torch's allocator statistics; 0 for every other optimizer."""
+    if not setup.optimizer.is_paged:
+        return 0
+    return _bnb_state_bytes(spec, setup.optimizer, paged_only=True)
+
+
+def _torchao_state_bytes(spec: ModelSpec, opt: Optimizer, s_bytes: int) -> int:
+    """torchao _AdamBase._new_buffer: a tensor of >= 4096 elements whose size divides by the block gets a quantised
+    state (codes + an fp32 scale per block + its own fp32 qmap); any other keeps zeros_like(p). Plus the fp32 'step'
+    scalar per parameter."""
+    block, qmap = AO_BLOCKS[opt], 4 * AO_QMAP_ENTRIES[opt]
+    total = 0
+    for p in spec.params:
+        if p.numel >= AO_MIN_QUANT_SIZE and p.numel % block == 0:
+            codes = p.numel // 2 if opt is Optimizer.ADAMW_4BIT else p.numel
+            per_state = codes + 4 * (p.numel // block) + qmap
+        else:
+            per_state = p.nbytes if p.nbytes else p.numel * s_bytes
+        total += (2 * per_state + 4) * p.count
+    return total
+
+
+def _torchao_formula(opt: Optimizer) -> str:
+    codes = {Optimizer.ADAMW_4BIT: "4-bit codes (P / 2 B)", Optimizer.ADAMW_FP8: "float8_e4m3 x P"}.get(
+        opt, "uint8 x P")
+    return (f"2 states x ({codes} + fp32 scale per {AO_BLOCKS[opt]} elements"
+            f"{f' + fp32[{AO_QMAP_ENTRIES[opt]}] qmap' if AO_QMAP_ENTRIES[opt] else ''}); tensors < 4096 elements "
+            "or not a multiple of the block keep full states (torchao)")
 
 
 def _adafactor_bytes(spec: ModelSpec, s_bytes: int) -> int:
@@ -102,6 +172,10 @@ def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[in
         return 2 * largest, "exp_avg_sq.sqrt() / bias_correction: 2 x the largest tensor"
     if opt is Optimizer.ADAMW_FOREACH:
         return trainable_bytes(spec, p_bytes), "_foreach_sqrt(exp_avg_sq): one parameter-sized temporary"
+    if opt.library == "torchao":
+        numel = max((p.numel for p in spec.params), default=0)
+        return 2 * numel * 4, ("single_param_adam (torch.compile): the two moments of the largest tensor dequantised "
+                               "to fp32 before re-quantising")
     if opt is Optimizer.ADAFACTOR:
         numel = max((p.numel for p in spec.params), default=0)
         extra = 2 if largest == 2 * numel else 0  # bf16 params are upcast: p.float() and grad.float()

@@ -405,9 +405,7 @@ def _hf_optimizer(read: Reader, data: Mapping, key: str) -> None:
     if read.ds_optimizer:
         read.defer(key, name, "the DeepSpeed config's optimizer block is used instead")
     elif text in OPTIMIZERS:
-        read.set("optimizer", OPTIMIZERS[text], key, name)
-        if text.startswith("paged_"):
-            read.ignore(key, name, PAGED)
+        read.set("optimizer", OPTIMIZERS[text], key, name, PAGED if text.startswith("paged_") else "")
     else:
         read.unmappable("optimizer", key, name, f"memfit sizes {', '.join(OPTIMIZERS)} (--optimizer picks one)")
 
@@ -521,11 +519,18 @@ _TORCHTUNE_OPTIMIZERS = {
     "torch.optim.adafactor": (Optimizer.ADAFACTOR, ""),
     "bitsandbytes.optim.adamw8bit": (Optimizer.ADAMW_8BIT, ""),
     "bitsandbytes.optim.adam8bit": (Optimizer.ADAMW_8BIT, ""),
-    "bitsandbytes.optim.pagedadamw8bit": (Optimizer.ADAMW_8BIT, PAGED),
-    "bitsandbytes.optim.pagedadam8bit": (Optimizer.ADAMW_8BIT, PAGED),
-    "torchao.optim.adamw8bit": (Optimizer.ADAMW_8BIT, "torchao's block-wise 8-bit states, sized as bitsandbytes'"),
-    "torchao.prototype.low_bit_optim.adamw8bit": (Optimizer.ADAMW_8BIT,
-                                                  "torchao's block-wise 8-bit states, sized as bitsandbytes'"),
+    "bitsandbytes.optim.pagedadamw8bit": (Optimizer.PAGED_ADAMW_8BIT, PAGED),
+    "bitsandbytes.optim.pagedadam8bit": (Optimizer.PAGED_ADAMW_8BIT, PAGED),
+    "bitsandbytes.optim.pagedadamw": (Optimizer.PAGED_ADAMW, PAGED),
+    "bitsandbytes.optim.pagedadamw32bit": (Optimizer.PAGED_ADAMW, PAGED),
+    "bitsandbytes.optim.lion8bit": (Optimizer.LION_8BIT, ""),
+    "bitsandbytes.optim.lion": (Optimizer.LION, ""),
+    "bitsandbytes.optim.lion32bit": (Optimizer.LION, ""),
+    "torchao.optim.adamw8bit": (Optimizer.ADAMW_AO_8BIT, ""),
+    "torchao.optim.adamw4bit": (Optimizer.ADAMW_4BIT, ""),
+    "torchao.optim.adamwfp8": (Optimizer.ADAMW_FP8, ""),
+    "torchao.prototype.low_bit_optim.adamw8bit": (Optimizer.ADAMW_AO_8BIT, ""),
+    "torchao.prototype.low_bit_optim.adamw4bit": (Optimizer.ADAMW_4BIT, ""),
 }
 
 
@@ -621,16 +626,14 @@ def _torchtune_optimizer(read: Reader, data: Mapping) -> None:
                      "foreach by default on CUDA")
     elif name in _TORCHTUNE_OPTIMIZERS:
         value, note = _TORCHTUNE_OPTIMIZERS[name]
-        read.set("optimizer", value, "optimizer._component_", component, "" if note == PAGED else note)
-        if note == PAGED:
-            read.ignore("optimizer._component_", component, PAGED)
+        read.set("optimizer", value, "optimizer._component_", component, note)
         if value is Optimizer.SGD and not optimizer.get("momentum"):
             read.ignore("optimizer.momentum", optimizer.get("momentum", 0),
                         "without momentum SGD keeps no state: sized with one momentum buffer (an upper bound)")
     else:
         read.unmappable("optimizer", "optimizer._component_", component,
-                        "memfit sizes torch.optim.AdamW / Adam / SGD / Adafactor, bitsandbytes' 8-bit AdamW and "
-                        "torchao's AdamW8bit")
+                        "memfit sizes torch.optim.AdamW / Adam / SGD / Adafactor, bitsandbytes' (Paged)AdamW8bit, "
+                        "PagedAdamW and Lion, torchao's AdamW8bit / AdamW4bit / AdamWFp8")
 
 
 def _torchtune_sharding(read: Reader, data: Mapping, world: int | None) -> None:

@@ -15,11 +15,14 @@ from ._reader import NOT_SIZED, Reader, _get, _positive, _value
 
 OPTIMIZERS = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_torch_fused": Optimizer.ADAMW_FUSED,
               "adamw_bnb_8bit": Optimizer.ADAMW_8BIT, "adamw_8bit": Optimizer.ADAMW_8BIT,
-              "paged_adamw_8bit": Optimizer.ADAMW_8BIT, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD}
+              "paged_adamw_8bit": Optimizer.PAGED_ADAMW_8BIT, "paged_adamw_32bit": Optimizer.PAGED_ADAMW,
+              "adamw_torch_8bit": Optimizer.ADAMW_AO_8BIT, "adamw_torch_4bit": Optimizer.ADAMW_4BIT,
+              "lion_8bit": Optimizer.LION_8BIT, "lion_32bit": Optimizer.LION,
+              "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD}
 """HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
 
-PAGED = (f"{NOT_SIZED}: paged optimizer states live in unified memory outside torch's caching allocator and can "
-         "spill to the CPU (sized as on-GPU 8-bit states)")
+PAGED = ("paged: the states of tensors >= 1e5 elements in CUDA unified memory, outside torch's caching allocator "
+         "(sized as device memory outside the allocator)")
 
 NOT_MODELLED = ("torch_compile", "use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
                 "neftune_noise_alpha", "torch_empty_cache_steps")
@@ -180,8 +183,6 @@ def read_optimizer(read: Reader, args: Any) -> None:
         return
     if name in OPTIMIZERS:
         read.set("optimizer", OPTIMIZERS[name], "optim", name)
-        if name.startswith("paged_"):
-            read.ignore("optim", name, PAGED)
     else:
         read.unmappable("optimizer", "optim", name, f"memfit sizes {', '.join(OPTIMIZERS)} (--optimizer picks one)",
                         fallback="sized as the default optimizer")

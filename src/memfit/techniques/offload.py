@@ -33,7 +33,8 @@ class CpuOffload(Technique):
             candidates = [_on_deepspeed(setup, sharding=Sharding.ZERO3, offload=Offload.OPTIMIZER_AND_PARAMS)
                           if one_gpu else with_engine_that_can(setup, offload=Offload.OPTIMIZER_AND_PARAMS)]
         else:
-            optimizer = Optimizer.ADAMW if setup.optimizer is Optimizer.ADAMW_8BIT else setup.optimizer
+            # DeepSpeed's CPU Adam steps the offloaded states: bitsandbytes / torchao optimizers become AdamW
+            optimizer = setup.optimizer if setup.optimizer.library in ("torch", "transformers") else Optimizer.ADAMW
             precision = Precision.BF16_MASTER if setup.precision is Precision.BF16 else setup.precision
             if one_gpu:
                 # least change first: offload alone (DeepSpeed runs it as ZeRO-1: every gradient stays on the GPU

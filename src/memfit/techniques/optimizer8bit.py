@@ -1,7 +1,19 @@
+"""The low-bit optimizer rung: bitsandbytes 8-bit AdamW, then torchao 4-bit AdamW when 8-bit is not enough.
+
+Paged optimizers (bitsandbytes PagedAdamW8bit, QLoRA's recipe) are not proposed: their states are still device memory
+while resident (memfit counts them outside the allocator) and only leave the device when the driver evicts them under
+pressure, which costs a host round trip of the states every step. For LoRA / QLoRA the adapters' states are a few
+hundred MiB at most, so paging them cannot make a step fit that does not; the rung says so.
+"""
+
 from __future__ import annotations
 
 from ..setup import Offload, Optimizer
 from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
+
+FOUR_BIT_CAVEAT = ("4-bit states (torchao AdamW4bit, Li et al. 2023, arXiv:2309.01507) matched 32-bit AdamW on the "
+                   "paper's fine-tuning and pre-training runs, but are newer and less tried than 8-bit; the step is "
+                   "torch.compile'd (first-step compile); watch the loss curve")
 
 
 @register
@@ -11,17 +23,31 @@ class Adam8bit(Technique):
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         opt = ctx.setup.optimizer
-        if opt is Optimizer.ADAMW_8BIT:
-            return Skip("already 8-bit AdamW")
+        if opt.state_bits < 32:
+            return Skip(f"already low-bit states ({opt})")
         if not opt.is_adam:
             return Skip(f"the optimizer is {opt}, not Adam")
         if ctx.setup.offload is not Offload.NONE:
             return Skip("optimizer states are offloaded to the CPU already")
         if ctx.setup.finetune.adapters:
-            states = sum(t.num_bytes for t in ctx.estimate.terms if t.name == "optimizer/states")
+            states = sum(t.num_bytes for t in ctx.estimate.terms if t.name.startswith("optimizer/"))
             return Skip(f"{ctx.setup.finetune.method} keeps AdamW states for the adapters only "
-                        f"({states / 2**20:.0f} MiB): 8-bit states save next to nothing")
-        return Proposal(with_engine_that_can(ctx.setup, optimizer=Optimizer.ADAMW_8BIT),
-                        "TrainingArguments(optim=\"adamw_bnb_8bit\")  # bitsandbytes.optim.AdamW8bit",
+                        f"({states / 2**20:.0f} MiB): 8-bit or paged states (QLoRA's paged_adamw_8bit, "
+                        "--optimizer paged-adamw-8bit) save next to nothing")
+        eight = with_engine_that_can(ctx.setup, optimizer=Optimizer.ADAMW_8BIT)
+        four = with_engine_that_can(ctx.setup, optimizer=Optimizer.ADAMW_4BIT)
+        chosen = ctx.pick([eight])
+        if isinstance(chosen, Skip):
+            return chosen
+        # 4-bit only where it makes the step fit and 8-bit does not: else the least change (the rungs after this
+        # one go on from 8-bit)
+        if not ctx.fits(chosen) and ctx.fits(four) and not ctx.pinned_changes(four):
+            chosen = four
+        if chosen.optimizer is Optimizer.ADAMW_4BIT:
+            return Proposal(chosen, "TrainingArguments(optim=\"adamw_torch_4bit\")  # torchao.optim.AdamW4bit",
+                            FOUR_BIT_CAVEAT,
+                            "8-bit states are not enough: block-wise 4-bit states, ~1.06 B/param instead of 8 B/param "
+                            "(an eighth)")
+        return Proposal(chosen, "TrainingArguments(optim=\"adamw_bnb_8bit\")  # bitsandbytes.optim.AdamW8bit",
                         "negligible step time; matches 32-bit Adam on LM fine-tuning (Dettmers et al. 2022)",
                         "block-wise 8-bit states: ~2 B/param instead of 8 B/param (a quarter, not a half)")

@@ -42,7 +42,7 @@ class MixedPrecision(Technique):
                             "TrainingArguments(bf16=True)  # torch.autocast(bf16)",
                             "none in compute (faster tensor cores); weights stay fp32",
                             "bf16 activations are half the size (+2 B/param of cached bf16 weight copies)")
-        if current is Precision.BF16 and ctx.setup.optimizer is Optimizer.ADAMW_8BIT:
+        if current is Precision.BF16 and ctx.setup.optimizer.state_bits < 32:
             return Skip("already pure bf16")
         return Skip(f"already {current}")
 

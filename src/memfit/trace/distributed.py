@@ -99,7 +99,7 @@ class ShardLocalOptimizer:
 
 def needs_local_step(setup: TrainingSetup) -> bool:
     """Whether the setup's optimizer must step local shards under FSDP2 (see ShardLocalOptimizer)."""
-    return setup.sharding.stage > 0 and setup.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR)
+    return setup.sharding.stage > 0 and setup.optimizer.library in ("bitsandbytes", "transformers")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

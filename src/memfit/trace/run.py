@@ -44,7 +44,7 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
     host, optimizer_on_host = distributed.host_kinds(setup)
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(distributed.fake_process_group(setup.num_gpus)) if setup.sharding.stage else None
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=setup.optimizer is Optimizer.ADAMW_8BIT)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=setup.optimizer.library == "bitsandbytes")
         with fake_mode:
             session = build(setup, mesh)
         tracker = StepTracker(host_kinds=host, optimizer_on_host=optimizer_on_host, num_steps=steps,

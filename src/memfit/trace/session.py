@@ -270,7 +270,7 @@ def _model_setup(setup: TrainingSetup) -> TrainingSetup:
 
 def _real_constructor(setup: TrainingSetup):
     """bitsandbytes' constructor reads tensor values (.tolist()), which fake tensors lack (FACTS.md)."""
-    if setup.optimizer is not Optimizer.ADAMW_8BIT:
+    if setup.optimizer.library != "bitsandbytes":
         return contextlib.nullcontext()
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
