@@ -137,6 +137,10 @@ class _Shape:
     step_temp_per_param: bool
     early_grads: bool
     workspaces: tuple[int, ...]
+    frozen_root: tuple[int, ...] = ()
+    """Frozen parameters (a LoRA base) outside the blocks, in bytes: allocated once, no gradients or states."""
+    frozen_block: tuple[int, ...] = ()
+    """One block's frozen parameters, in bytes."""
 
 
 def _units(total: int, unit: int, cap: int = 16) -> list[int]:
@@ -163,6 +167,13 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
             block += [p.numel] * (p.count // layers)
         else:
             root += [p.numel] * p.count
+    frozen_block, frozen_root = [], []
+    for p in spec.frozen:
+        size = p.total_bytes(compute) // max(p.count, 1)
+        if p.count >= layers and p.count % layers == 0:
+            frozen_block += [size] * (p.count // layers)
+        else:
+            frozen_root += [size] * p.count
     numel = max(spec.num_params, 1)
     params = by.get("parameters", 0)
     grads = by.get("gradients", 0)
@@ -208,7 +219,8 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
         saved_per_block=tuple(saved_tensors), block_temps=tuple(block_temps), recompute=tuple(recompute),
         head_saved=tuple(head), root_saved=tuple(root_saved), loss_temps=tuple(loss_temps),
         gathered_root=gathered_root, gathered_block=gathered_block, step_temps=(step,) if step else (),
-        step_temp_per_param=per_param, early_grads=setup.grad_accum_steps > 1, workspaces=workspaces)
+        step_temp_per_param=per_param, early_grads=setup.grad_accum_steps > 1, workspaces=workspaces,
+        frozen_root=tuple(frozen_root), frozen_block=tuple(frozen_block))
 
 
 def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[object, int]]:
@@ -219,6 +231,11 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
     tensors += [(b, i, n) for b in range(blocks) for i, n in enumerate(shape.block_params)]
     for key in tensors:
         add((("p",) + key[:2], int(key[2] * shape.param_scale)))
+    for i, size in enumerate(shape.frozen_root):
+        add((("f", "root", i), size))
+    for b in range(blocks):
+        for i, size in enumerate(shape.frozen_block):
+            add((("f", b, i), size))
     if shape.gathered_root:
         add((("g", "root"), shape.gathered_root))
     for step in range(steps):
