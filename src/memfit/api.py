@@ -10,7 +10,7 @@ from .estimate.result import MemoryEstimate
 from .hardware import Hardware, check_precision, make_hardware
 from .model_spec import ModelSpec
 from .plan import Plan, plan
-from .setup import Precision, TrainingSetup, needs_bf16, parse_keep
+from .setup import Engine, Precision, TrainingSetup, needs_bf16, parse_keep
 
 ModelRef = Any
 """A catalog name, a config.json path, a hub id, an HF config dict/PretrainedConfig, an nn.Module or a ModelSpec."""
@@ -50,6 +50,9 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
         defaults = defaults.replace(precision=Precision.AMP_FP16)
         notes.append(f"precision amp-fp16: {hardware.gpu.name} has no bf16, so fp16 autocast with loss scaling "
                      f"replaces the usual {TrainingSetup.precision}")
+    if given.get("tp", 1) > 1 and "engine" not in given:
+        given["engine"] = Engine.TORCH
+        notes.append(f"engine torch: tensor parallelism (tp={given['tp']}) runs on torch DTensor, not DeepSpeed")
     max_positions = spec.max_position_embeddings
     if "seq_len" not in given and 0 < max_positions < defaults.seq_len:
         notes.append(f"seq {max_positions}: the default {defaults.seq_len} clamped to the model's "

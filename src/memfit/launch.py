@@ -252,7 +252,25 @@ def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "
         commands = torchrun_commands(hardware, script, script_args, env=env, master_addr=master_addr,
                                      master_port=master_port)
     volume = comm.comm_volume(spec, setup, hardware)
+    notes += tensor_parallel_notes(setup, hardware)
     return MultiNodePlan(setup, hardware, launcher, per_rank, commands, volume, files, tuple(notes) + volume.notes)
+
+
+def tensor_parallel_notes(setup: TrainingSetup, hardware: Hardware) -> list[str]:
+    """How a tensor-parallel setup is launched: the same torchrun commands, a 2D device mesh in the script."""
+    if setup.tp < 2:
+        return []
+    sp = "on" if setup.sequence_parallel else "off"
+    notes = [f"2D mesh in the script: init_device_mesh('cuda', ({setup.dp_size}, {setup.tp}), mesh_dim_names=('dp', "
+             f"'tp')); parallelize_module on mesh['tp'] (ColwiseParallel q/k/v and gate/up, RowwiseParallel o and "
+             f"down, sequence parallel {sp}), then fully_shard on mesh['dp'] (memfit._torch.tensor_parallel)",
+             f"torchtitan: [parallelism] tensor_parallel_degree = {setup.tp}, data_parallel_shard_degree = "
+             f"{setup.dp_size if setup.sharding.stage >= 2 else 1} in its TOML (it always pairs TP with sequence "
+             "parallelism and loss_parallel)"]
+    if setup.tp > hardware.gpus_per_node:
+        notes.append(f"tp {setup.tp} spans more than one node ({hardware.gpus_per_node} GPUs each): its per-layer "
+                     "collectives cross the network; keep tp within a node")
+    return notes
 
 
 def one_gpu_offload(setup: TrainingSetup) -> bool:

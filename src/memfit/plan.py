@@ -223,6 +223,9 @@ def _suggestions(ctx: Context, more_gpus: str) -> list[str]:
         out += _activation_suggestions(ctx)
     if static or NO_GPU_COUNT not in more_gpus:
         out.append(more_gpus)
+    tensor_parallel = _tensor_parallel_suggestion(ctx) if static else None
+    if tensor_parallel:
+        out.append(tensor_parallel)
     larger = _larger_gpu(ctx)
     if larger:
         out.append(larger)
@@ -230,6 +233,38 @@ def _suggestions(ctx: Context, more_gpus: str) -> list[str]:
         out.append("LoRA / QLoRA: frozen base weights with no gradients or optimizer states (rungs beyond the "
                    "seed); not considered, --keep finetune pins the full fine-tune")
     return out
+
+
+def _tensor_parallel_suggestion(ctx: Context) -> str | None:
+    """Tensor parallelism inside the node (with sequence parallelism, and ZeRO-3 over the nodes when there are
+    several), offered only beyond the ladder: it is no seed rung because it changes the parallel layout of the whole
+    job (its model code, its mesh, its launch) and puts per-layer activation collectives on the critical path of
+    every forward and backward, which only a node's NVLink-class links carry well. None unless the node's GPUs
+    make it fit."""
+    from .estimate.comm import comm_volume
+    from .errors import ConfigError
+
+    setup, hw = ctx.setup, ctx.hardware
+    if setup.tp > 1 or hw.gpus_per_node < 2 or ctx.spec.graph is None or {"tp", "engine"} & set(ctx.keep):
+        return None
+    tp = 1
+    while tp * 2 <= hw.gpus_per_node:
+        tp *= 2
+    for degree in (d for d in (tp, tp // 2, tp // 4) if d >= 2):
+        try:
+            dp = hw.world_size // degree
+            cand = setup.replace(tp=degree, sequence_parallel=True, engine="torch", offload="none",
+                                 sharding="zero3" if dp >= 2 else "none")
+            if not ctx.fits_on(cand, hw):
+                continue
+            volume = comm_volume(ctx.spec, cand, hw).tensor_parallel_bytes
+        except ConfigError:
+            continue
+        return (f"tensor parallelism: --tp {degree} --sequence-parallel --engine torch"
+                f"{' --zero zero3' if dp >= 2 else ''} fits (TP inside each node, {dp} data-parallel ranks); it "
+                f"sends {volume / 2**30:.2f} GiB per rank per step over the node's links (all-gathers and "
+                "reduce-scatters of B x T x h per layer, on the critical path), so it is offered, not walked")
+    return None
 
 
 def _larger_gpu(ctx: Context) -> str | None:

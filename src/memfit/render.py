@@ -40,6 +40,7 @@ def describe_setup(setup: TrainingSetup) -> str:
     return (f"micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, accum {setup.grad_accum_steps}, "
             f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
             f"sharding {setup.sharding}, offload {setup.offload}"
+            + (f", tp {setup.tp}{' + sequence parallel' if setup.sequence_parallel else ''}" if setup.tp > 1 else "")
             + (f", {setup.finetune}" if setup.finetune.adapters else ""))
 
 
@@ -323,6 +324,11 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
         _bullets(console, section.notes)
     _heading(console, "Communication per step")
     lines = [f"per rank: {format_bytes(comm.per_rank_bytes)} ({comm.psi_multiple:g} x Psi, ZeRO paper sec. 7)"]
+    if comm.tp > 1:
+        lines = [f"per rank: {format_bytes(comm.per_rank_bytes)}: data parallel "
+                 f"{format_bytes(comm.data_parallel_bytes)} ({comm.psi_multiple:g} x Psi of one TP rank's "
+                 f"parameters, ZeRO paper sec. 7) + tensor parallel {format_bytes(comm.tensor_parallel_bytes)} "
+                 f"inside each group of {comm.tp} (activations, per layer)"]
     lines += [f"{c.name}: {format_bytes(c.num_bytes)}, {c.what}" for c in comm.collectives]
     if hardware.num_nodes > 1:
         lines.append(f"over each node's network link: {format_bytes(comm.inter_node_bytes_per_node)} "

@@ -182,9 +182,17 @@ class TrainingSetup:
     sharding: Sharding = Sharding.NONE
     offload: Offload = Offload.NONE
     num_gpus: int = 1
-    """Data-parallel ranks that sharding spreads over (GPUs per node x nodes)."""
+    """GPUs in the job, the world size (GPUs per node x nodes): `tp` GPUs form one tensor-parallel group, and the
+    num_gpus / tp groups are the data-parallel ranks that sharding spreads over (`dp_size`; = num_gpus without TP)."""
     engine: Engine = Engine.DEEPSPEED
     """The engine that runs data parallelism, sharding and offload when num_gpus > 1 or offload is on."""
+    tp: int = 1
+    """Tensor-parallel degree (torch DTensor, as torchtitan applies it; Megatron-style column/row splits): each
+    group of `tp` GPUs holds 1/tp of every projection, the token embedding and the LM head (memfit.tensor_parallel)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and the residual stream split along the sequence between the tensor-parallel ranks
+    (Megatron SP, Korthikanti et al. 2022; torchtitan's SequenceParallel), all-gather / reduce-scatter instead of
+    all-reduce."""
     finetune: Finetune = Finetune()
     """What is trained: every weight, or LoRA / QLoRA adapters on a frozen base (memfit.finetune)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -200,8 +208,10 @@ class TrainingSetup:
         elif isinstance(self.finetune, dict):
             object.__setattr__(self, "finetune", Finetune(**self.finetune))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
-                    for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus")
+                    for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp")
                     if not _positive_int(getattr(self, name))]
+        if not isinstance(self.sequence_parallel, bool):
+            problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if not problems:
             problems += self._combination_problems()
         if problems:
@@ -209,7 +219,11 @@ class TrainingSetup:
 
     def _combination_problems(self) -> list[str]:
         problems = []
-        if self.sharding is not Sharding.NONE and self.num_gpus < 2:
+        if self.tp > 1 or self.sequence_parallel:
+            problems += self._tensor_parallel_problems()
+            if problems:
+                return problems
+        if self.sharding is not Sharding.NONE and self.dp_size < 2:
             problems += self._one_gpu_sharding_problems()
         if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.sharding is not Sharding.ZERO3:
             problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
@@ -236,9 +250,33 @@ class TrainingSetup:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
 
+    def _tensor_parallel_problems(self) -> list[str]:
+        """What memfit's tensor parallelism covers: torch DTensor TP on the torch engine, with FSDP2 (zero2/zero3)
+        or DDP over the data-parallel groups."""
+        if self.tp == 1:
+            return ["sequence parallelism splits the sequence between tensor-parallel ranks: it needs tp > 1"]
+        if self.num_gpus % self.tp:
+            return [f"tensor parallel degree {self.tp} must divide the GPU count ({self.num_gpus})"]
+        problems = []
+        if self.engine is not Engine.TORCH:
+            problems.append("tensor parallelism runs on engine torch (DTensor, as torchtitan does): DeepSpeed "
+                            "trains with TP only through Megatron-DeepSpeed or its AutoTP, which memfit does not "
+                            "size; use --engine torch")
+        if self.sharding is Sharding.ZERO1:
+            problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) cannot step tensor-parallel (DTensor) "
+                            "parameters: use zero2 or zero3 (FSDP2 over the data-parallel groups) or none")
+        if self.offload is not Offload.NONE:
+            problems.append("CPU offload with tensor parallelism is not sized yet")
+        if self.finetune.adapters:
+            problems.append(f"{self.finetune.method} with tensor parallelism is not sized yet")
+        return problems
+
     def _one_gpu_sharding_problems(self) -> list[str]:
         """ZeRO on one GPU: with nothing to shard over, a stage saves memory only by moving its partitions to the
         host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param)."""
+        if self.tp > 1:
+            return [f"{self.sharding} shards over the data-parallel ranks, num_gpus / tp = {self.dp_size}: it needs "
+                    f"at least 2 (give --gpus {2 * self.tp} or more)"]
         if self.offload is Offload.NONE:
             return [f"{self.sharding} shards over GPUs and needs at least 2 (got num_gpus={self.num_gpus}): on one "
                     "GPU it saves nothing unless it offloads to the CPU (--offload optimizer, or optimizer+params "
@@ -270,9 +308,16 @@ class TrainingSetup:
         return self.micro_batch_size * self.seq_len
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the tensor-parallel groups (num_gpus without TP). Every rank of a group sees the same
+        micro-batch; ZeRO and FSDP shard over these."""
+        return max(1, self.num_gpus // self.tp) if _positive_int(self.tp) else self.num_gpus
+
+    @property
     def effective_batch_size(self) -> int:
-        """Sequences per optimizer step across all ranks."""
-        return self.micro_batch_size * self.grad_accum_steps * self.num_gpus
+        """Sequences per optimizer step across all ranks (the data-parallel ones: a tensor-parallel group shares
+        its micro-batch)."""
+        return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     def to_dict(self) -> dict:
         return {f.name: (getattr(self, f.name).value if isinstance(getattr(self, f.name), Enum)
@@ -284,7 +329,8 @@ class TrainingSetup:
 FIELD_LABELS: dict[str, str] = {
     "micro_batch_size": "micro-batch", "seq_len": "seq", "grad_accum_steps": "accum", "precision": "precision",
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
-    "offload": "offload", "num_gpus": "gpus", "engine": "engine", "finetune": "method"}
+    "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
+    "finetune": "method"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -316,7 +362,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "precision": ("precision",), "optimizer": ("optimizer",), "engine": ("engine",), "sharding": ("sharding",),
     "zero": ("sharding",), "checkpointing": ("checkpointing",), "attention": ("attention",),
     "micro_batch": ("micro_batch_size",), "batch": ("micro_batch_size",), "accum": ("grad_accum_steps",),
-    "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "method": ("finetune",),
+    "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "tp": ("tp", "sequence_parallel"),
+    "method": ("finetune",),
     "finetune": ("finetune",), "lora": ("finetune",)}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 

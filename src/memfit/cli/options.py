@@ -196,6 +196,16 @@ EngineOpt = Annotated[Optional[Engine], _choice_option(
     help=f"Who shards and offloads: {_choices(Engine)} (DDP / ZeroRedundancyOptimizer / FSDP2). Their memory "
          "layouts differ. Default: deepspeed.")]
 
+TpOpt = Annotated[Optional[int], _option(
+    "--tp", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
+    help="Tensor-parallel degree (torch DTensor, as torchtitan applies it): each group of N GPUs splits every "
+         "projection, the embedding and the LM head; the data-parallel ranks are GPUs / N. Needs --engine torch "
+         "(the default with --tp > 1). Default: 1.")]
+SequenceParallelOpt = Annotated[Optional[bool], _option(
+    "--sequence-parallel/--no-sequence-parallel", panel=SETUP_PANEL,
+    help="With --tp: split norms and the residual stream along the sequence (Megatron SP; torchtitan's "
+         "SequenceParallel). Default: off.")]
+
 MethodOpt = Annotated[Optional[Method], _option(
     "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
     help=f"What is trained: {_choices(Method)} (LoRA: peft adapters on a frozen base; QLoRA: on a 4-bit "
@@ -254,6 +264,8 @@ class SetupOptions:
     zero: Sharding | None = None
     offload: Offload | None = None
     engine: Engine | None = None
+    tp: int | None = None
+    sequence_parallel: bool | None = None
     method: Method | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -317,7 +329,7 @@ class SetupOptions:
         return dict(micro_batch_size=self.batch, seq_len=self.seq, grad_accum_steps=self.accum,
                     precision=self.precision, optimizer=self.optimizer, checkpointing=self.checkpointing,
                     attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
-                    finetune=self.finetune())
+                    tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune())
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -357,14 +369,15 @@ def _finetune_options(ft: Finetune) -> dict[str, Any]:
 
 _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "grad_accum_steps",
                     "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
-                    "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine"}
+                    "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
+                    "tp": "tp", "sequence_parallel": "sequence_parallel"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
-    "engine": EngineOpt,
+    "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
     "double_quant": DoubleQuantOpt,

@@ -267,7 +267,14 @@ def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_le
     out = {"attention": 0.0, "mlp": 0.0, "norms": 0.0}
     for item in items:
         out[item.group] += d.bytes_of(item) * tokens
+    # sequence parallelism: norms, residual dropouts (and the stream) are sequence-sharded between the TP ranks; the
+    # projections' inputs ('lin' rows) are the all-gathered full tensors torch's PrepareModuleInput makes
+    out["norms"] /= _sequence_share(setup)
     return {k: int(v) for k, v in out.items()}
+
+
+def _sequence_share(setup: TrainingSetup) -> int:
+    return setup.tp if setup.sequence_parallel else 1
 
 
 def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict[str, int]:
@@ -286,7 +293,8 @@ def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict
         rows = _rmsnorm(spec, d) + [Saved("norms", h, "lin", role="head")]
     if spec.frozen:  # a frozen final norm and LM head keep nothing for their weights
         rows = [r for r in rows if not r.role]
-    return {"head": int(sum(d.bytes_of(r) for r in rows) * tokens)}
+    share = _sequence_share(setup)  # SP: the final norm is sequence-sharded, the head's input gathered whole
+    return {"head": int(sum(d.bytes_of(r) / (1 if r.role == "head" else share) for r in rows) * tokens)}
 
 
 def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,

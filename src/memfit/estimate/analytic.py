@@ -19,7 +19,7 @@ from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
-from . import fsdp2, lora
+from . import fsdp2, lora, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -40,6 +40,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         raise ConfigError(f"'{spec.name}' has no transformer shape memfit can size analytically: "
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
     spec = lora.adapted_spec(spec, setup)
+    spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
     sized, run_notes = _as_run(setup, layout or setup.engine)
@@ -85,7 +86,7 @@ def _total(terms: list[Term]) -> int:
 
 def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, grads: int,
                   on_cpu: bool = False) -> list[Term]:
-    n = setup.num_gpus
+    n = setup.dp_size
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
@@ -257,7 +258,10 @@ class _Step:
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
         attention_extra = max(0, attention - self.per_layer["mlp"] - self.per_layer["norms"] // 2)
         mlp = self.tokens * spec.intermediate_size * d.compute * act.activation_backward_factor(spec)
-        residual = self.tokens * 2 * spec.hidden_size * d.residual
+        residual = self.tokens * 2 * spec.hidden_size * d.residual // tensor_parallel.sequence_share(setup)
+        if setup.sequence_parallel:
+            # the gradient of a gathered layer input, whole, until its reduce-scatter back to the sequence shard
+            residual += self.tokens * spec.hidden_size * d.compute
         formula = "2 x B x T x h (residual grads) + the larger of B x T x I (MLP input grad) and the eager T x T "
         formula += "gradients beyond the freed MLP tensors"
         dequantized = lora.dequantized_weight_bytes(spec, setup) if spec.frozen else 0
@@ -315,6 +319,15 @@ def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
     """Log-softmax backward: its output and two B x T x V gradients. The Trainer keeps only the loss, so the logits
     are gone by then (a loop that holds `outputs` through backward adds B x T x V x dtype here)."""
     loss_bytes = _loss_elem_bytes(step.spec, step.setup)
+    if step.setup.tp > 1:
+        # torch.distributed.tensor.parallel.loss_parallel fuses nll and log-softmax backward as
+        # (zeros_like(x) with -1 at the targets + exp(x)) * grad: three vocab-sharded tensors at once
+        loss_tmp = Term("temporaries/loss_backward", Category.TEMPORARIES,
+                        3 * step.spec.vocab_size * step.tokens * loss_bytes,
+                        f"3 x B x T x V/tp x {loss_bytes} B: loss_parallel's one-hot gradient, exp(log-softmax), "
+                        "their sum times the loss gradient", "torch.distributed.tensor.parallel.loss "
+                        "_nll_loss_and_log_softmax_backward (torch 2.13), measured on 2 gloo ranks")
+        return [t for t in forward if t.name != "activations/logits"] + [loss_tmp]
     loss_tmp = Term("temporaries/loss_backward", Category.TEMPORARIES,
                     2 * step.spec.vocab_size * step.tokens * loss_bytes,
                     f"2 x B x T x V x {loss_bytes} B: gradients of log-softmax and of the logits",
@@ -432,7 +445,7 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
                           "P x 2 B more: each bf16 gradient upcast to fp32 for the master copy's step (the bf16 one "
                           "released as it goes)", "memfit._torch.master.MasterWeightsOptimizer"))
     if step_temp:
-        shards = step.setup.num_gpus if step.setup.sharding.stage >= 1 else 1
+        shards = step.setup.dp_size if step.setup.sharding.stage >= 1 else 1
         terms.append(Term("temporaries/optimizer_step", Category.TEMPORARIES, step_temp // shards,
                           f"{step.setup.optimizer} step temporaries", "torch.optim.adamw / transformers Adafactor"))
     return terms

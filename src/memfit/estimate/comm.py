@@ -37,6 +37,19 @@ ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-step
   memfit counts the last half of that distance as kept: backward re-gathers Psi - min(Psi, 5e8 elements), an
   approximation (a tiny model keeps everything: 2 Psi in all; Llama-2-70B re-gathers all but 0.7%). The first step
   gathers everything twice, before DeepSpeed has recorded the parameter order; these are the later steps.
+- Tensor parallelism (engine torch, DTensor as torchtitan applies it; memfit.estimate.tensor_parallel): inside
+  each tensor-parallel group, per micro-step, in the compute dtype, on buffers of B x T x h (one micro-batch's layer
+  input). Without sequence parallelism every row-parallel output (attention, MLP) is all-reduced in forward, and in
+  backward every column-parallel projection's input gradient is: DTensor reduces each ColwiseParallel module's
+  input gradient on its own, so unfused q/k/v and gate/up projections make 3 + 2 all-reduces per layer where
+  Megatron-LM's fused QKV and fused h-to-4h make 2 (Shoeybi et al. 2019 sec. 3: 2 all-reduces forward, 2 backward).
+  The vocabulary-parallel embedding all-reduces its output, and the LM head its input gradient. With sequence
+  parallelism each all-reduce becomes a reduce-scatter (forward of a row-parallel output) and an all-gather (the
+  input of each attention / MLP, gathered once for all its projections), mirrored in backward: 4 all-gathers and 4
+  reduce-scatters of B x T x h per layer (Korthikanti et al. 2022 sec. 4.2.2), plus one of each for the embedding
+  and the LM head. Counted on 2 gloo ranks (tests/test_tensor_parallel.py). Data-parallel collectives then cover
+  one tensor-parallel rank's parameters over the num_gpus / tp data-parallel ranks; loss_parallel's B x T
+  statistics are not counted.
 - Scalars (gradient norms, overflow checks) are not counted. Parameter offload adds host<->device copies
   (techniques.costs.offload_traffic_bytes), not network traffic.
 """
@@ -90,7 +103,11 @@ def deepspeed_stage(setup: TrainingSetup) -> int:
 
 
 def describe_runtime(setup: TrainingSetup) -> str:
-    runtime = runtime_of(setup.engine, setup.sharding, setup.num_gpus)
+    runtime = runtime_of(setup.engine, setup.sharding, setup.dp_size)
+    if setup.tp > 1:
+        sp = " + sequence parallel" if setup.sequence_parallel else ""
+        return (f"torch DTensor tensor parallel (tp={setup.tp}{sp}) x {runtime.value} on {setup.dp_size} "
+                "data-parallel groups")
     if runtime is Runtime.DEEPSPEED:
         return f"DeepSpeed ZeRO stage {deepspeed_stage(setup)}"
     return runtime.value
@@ -109,6 +126,8 @@ class Collective:
     dtype_bytes: int
     calls_per_step: int = 1
     """Calls per optimizer step: the micro-steps, for what an engine does in every backward."""
+    group: str = "data"
+    """Which ranks take part: 'data' (the data-parallel ranks) or 'tensor' (one tensor-parallel group)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -126,7 +145,8 @@ class Collective:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "what": self.what, "elements": self.num_elements, "dtype_bytes": self.dtype_bytes,
-                "calls_per_step": self.calls_per_step, "payload_bytes": self.payload_bytes, "bytes": self.num_bytes}
+                "calls_per_step": self.calls_per_step, "payload_bytes": self.payload_bytes, "bytes": self.num_bytes,
+                "group": self.group}
 
 
 @dataclass(frozen=True)
@@ -140,20 +160,39 @@ class CommVolume:
     gpus_per_node: int = 1
     runtime: Runtime = Runtime.DDP
     notes: tuple[str, ...] = ()
+    tp: int = 1
+    """Tensor-parallel degree: world_size / tp data-parallel ranks; the 'tensor' collectives run inside a group."""
+
+    @property
+    def dp_size(self) -> int:
+        return max(1, self.world_size // self.tp)
 
     @property
     def per_rank_bytes(self) -> int:
         return sum(c.num_bytes for c in self.collectives)
 
     @property
+    def data_parallel_bytes(self) -> int:
+        return sum(c.num_bytes for c in self.collectives if c.group == "data")
+
+    @property
+    def tensor_parallel_bytes(self) -> int:
+        """What each rank sends inside its tensor-parallel group per step (activations: B x T x h buffers)."""
+        return sum(c.num_bytes for c in self.collectives if c.group == "tensor")
+
+    @property
     def ring_bytes_per_rank(self) -> int:
-        """What a ring actually sends per rank: (N-1)/N of `per_rank_bytes`."""
-        return self.per_rank_bytes * (self.world_size - 1) // self.world_size if self.world_size > 1 else 0
+        """What a ring actually sends per rank: (N-1)/N of `per_rank_bytes`, N the ranks of each collective's group."""
+        dp, tp = self.dp_size, self.tp
+        data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
+        return data + (self.tensor_parallel_bytes * (tp - 1) // tp if tp > 1 else 0)
 
     @property
     def psi_multiple(self) -> float:
-        """Elements moved over P: 2 for the paper's DP and ZeRO-1/2, 3 for ZeRO-3 (see the docstring for engines)."""
-        return sum(c.volume_elements for c in self.collectives) / self.num_params if self.num_params else 0.0
+        """Elements moved over P: 2 for the paper's DP and ZeRO-1/2, 3 for ZeRO-3 (see the docstring for engines);
+        data-parallel collectives only, P one tensor-parallel rank's parameters."""
+        data = sum(c.volume_elements for c in self.collectives if c.group == "data")
+        return data / self.num_params if self.num_params else 0.0
 
     def payload_bytes(self) -> dict[str, int]:
         """Payload bytes per collective name, comparable with memfit._torch.comm_count.CollectiveCounter."""
@@ -166,8 +205,14 @@ class CommVolume:
     def inter_node_bytes_per_node(self) -> int:
         """Bytes per step crossing each node's network link. A ring over all ranks, ordered by node, sends on every
         link what each rank sends, (N-1)/N of Psi per collective; one link out of each node crosses the network,
-        so each node's link carries one rank's volume and the node-local links (NVLink) carry the rest."""
-        return self.ring_bytes_per_rank if self.num_nodes > 1 else 0
+        so each node's link carries one rank's volume and the node-local links (NVLink) carry the rest. Tensor
+        parallelism stays inside a node when tp divides the GPUs per node (else its traffic crosses too)."""
+        if self.num_nodes < 2:
+            return 0
+        dp = self.dp_size
+        data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
+        crossing_tp = self.tp > self.gpus_per_node
+        return data + (self.tensor_parallel_bytes * (self.tp - 1) // self.tp if crossing_tp else 0)
 
     @property
     def inter_node_peer_fraction(self) -> float:
@@ -183,6 +228,8 @@ class CommVolume:
                 "collectives": [c.to_dict() for c in self.collectives],
                 "inter_node_bytes_per_node": self.inter_node_bytes_per_node,
                 "inter_node_peer_fraction": self.inter_node_peer_fraction, "world_size": self.world_size,
+                "tp": self.tp, "data_parallel_bytes": self.data_parallel_bytes,
+                "tensor_parallel_bytes": self.tensor_parallel_bytes,
                 "num_nodes": self.num_nodes, "notes": list(self.notes)}
 
 
@@ -192,20 +239,50 @@ class CommVolume:
 def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None = None) -> CommVolume:
     """Bytes each of `setup.num_gpus` ranks sends per optimizer step on the setup's engine. `hardware` only splits
     the ranks into nodes (default: one node)."""
-    runtime = runtime_of(setup.engine, setup.sharding, setup.num_gpus)
-    collectives = () if setup.num_gpus < 2 else _COLLECTIVES[runtime](spec.num_params, setup)
+    from .tensor_parallel import rank_spec
+
+    spec = rank_spec(spec, setup)  # data parallelism moves one tensor-parallel rank's parameters
+    runtime = runtime_of(setup.engine, setup.sharding, setup.dp_size)
+    collectives = [] if setup.dp_size < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
+    collectives += tensor_parallel_collectives(spec, setup)
     notes = _notes(runtime, setup)
     nodes, per_node = ((hardware.num_nodes, hardware.gpus_per_node) if hardware is not None
                        else (1, setup.num_gpus))
-    return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes)
+    return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes,
+                      tp=setup.tp)
+
+
+def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[Collective]:
+    """What one tensor-parallel rank sends per optimizer step inside its group (see the module docstring)."""
+    if setup.tp < 2:
+        return []
+    from .activations import dtypes
+
+    elements, dtype = setup.tokens_per_micro_step * spec.hidden_size, dtypes(spec, setup).compute
+    layers, micro = spec.num_layers, setup.grad_accum_steps
+    if setup.sequence_parallel:
+        per_step = (2 * layers + 1) * micro * 2  # forward and backward
+        return [Collective(ALL_GATHER, "layer inputs (attention, MLP, LM head) gathered from the sequence shards, "
+                           "and in backward the gradients of the row-parallel outputs", elements, dtype, per_step,
+                           group="tensor"),
+                Collective(REDUCE_SCATTER, "row-parallel outputs and the embedding to the sequence shards, and in "
+                           "backward the gathered inputs' gradients", elements, dtype, per_step, group="tensor")]
+    fused_qkv = bool(spec.extra.get("fused_qkv")) or spec.model_type in ("gpt2", "gpt_neox")
+    column_inputs = (1 if fused_qkv else 3) + (2 if spec.gated_mlp and not spec.extra.get("fused_gate_up") else 1)
+    return [Collective(ALL_REDUCE, "row-parallel outputs (attention, MLP) and the vocabulary-parallel embedding, "
+                       "in forward", elements, dtype, (2 * layers + 1) * micro, group="tensor"),
+            Collective(ALL_REDUCE, f"each column-parallel input gradient ({column_inputs} per layer) and the LM "
+                       "head's, in backward", elements, dtype, (column_inputs * layers + 1) * micro, group="tensor")]
 
 
 def data_parallel_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     """What plain data parallelism on the setup's engine sends per rank per step (DDP's all-reduce, or DeepSpeed
     ZeRO-0's), the baseline a ZeRO stage is compared with."""
-    if setup.num_gpus < 2:
+    if setup.dp_size < 2:
         return 0
-    params = spec.num_params
+    from .tensor_parallel import rank_spec
+
+    params = rank_spec(spec, setup).num_params
     if setup.engine is Engine.DEEPSPEED:
         return _deepspeed(params, setup, stage=0)[0].num_bytes
     return _ddp(params, setup)[0].num_bytes

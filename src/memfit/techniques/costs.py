@@ -47,12 +47,12 @@ def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     and with parameter offload the parameters twice more."""
     if setup.offload is Offload.NONE:
         return 0
-    n = setup.num_gpus if setup.sharding.stage >= 1 else 1
+    n = setup.dp_size if setup.sharding.stage >= 1 else 1
     if setup.engine is Engine.TORCH:
-        shard = setup.num_gpus if setup.sharding.stage >= 2 else 1
+        shard = setup.dp_size if setup.sharding.stage >= 2 else 1
         traffic = 2 * 2 * spec.num_params // shard
         if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
-            traffic += 2 * 2 * spec.num_params // setup.num_gpus
+            traffic += 2 * 2 * spec.num_params // setup.dp_size
         return traffic
     part = spec.num_params // n
     pb = param_elem_bytes(setup.precision)
@@ -78,7 +78,7 @@ def cpu_step_seconds(spec: ModelSpec, setup: TrainingSetup) -> float:
     """Seconds of the optimizer step on the CPU per rank (0 without offload)."""
     if setup.offload is Offload.NONE:
         return 0.0
-    n = setup.num_gpus if setup.sharding.stage >= 1 else 1
+    n = setup.dp_size if setup.sharding.stage >= 1 else 1
     return spec.num_params / n / CPU_ADAM_PARAMS_PER_S
 
 
