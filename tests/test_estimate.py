@@ -190,3 +190,19 @@ def test_adafactor_is_not_factored_under_deepspeed_zero():
                                            num_gpus=8)).states_bytes
     assert plain < 0.1 * 4 * spec.num_params  # factored: rows + columns per matrix
     assert zero >= 4 * spec.num_params  # flat partitions: one fp32 value per parameter
+
+
+def test_amp_under_deepspeed_is_sized_as_the_engine_runs_it():
+    """memfit emits amp-bf16 on DeepSpeed as bf16.enabled, which DeepSpeed runs as bf16 weights + fp32 master in the
+    optimizer, with no autocast: the estimate is bf16-master's, and says so."""
+    spec, hw = resolve_model("llama-3.1-8b"), make_hardware("H100", gpus_per_node=8)
+    amp = estimate(spec, TrainingSetup(micro_batch_size=1, seq_len=1024, precision="amp-bf16", sharding="zero2",
+                                       num_gpus=8), hw)
+    master = estimate(spec, TrainingSetup(micro_batch_size=1, seq_len=1024, precision="bf16-master",
+                                          sharding="zero2", num_gpus=8), hw)
+    assert amp.tensor_bytes == master.tensor_bytes
+    assert not any(t.name == "activations/autocast_weight_copies" for t in amp.terms)
+    assert any("under DeepSpeed runs as its bf16 mode" in n for n in amp.notes)
+    torch_engine = estimate(spec, TrainingSetup(micro_batch_size=1, seq_len=1024, precision="amp-bf16",
+                                                num_gpus=8, engine="torch"), hw)  # DDP keeps autocast
+    assert any(t.name == "activations/autocast_weight_copies" for t in torch_engine.terms)

@@ -72,7 +72,16 @@ def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
 def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[str, ...]]:
     """The setup whose bytes the engine really has: amp-* under torch's FSDP2 runs as a MixedPrecisionPolicy
     (memfit.setup.fsdp2_mixed_precision), which is bf16-master's layout, not autocast's."""
-    if not setup.precision.is_autocast or not fsdp2_mixed_precision(setup, layout):
+    if not setup.precision.is_autocast:
+        return setup, ()
+    deepspeed = layout is Engine.DEEPSPEED and (setup.sharding is not Sharding.NONE or setup.offload.value != "none")
+    if deepspeed and not setup.finetune.adapters:
+        return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
+            f"{setup.precision} under DeepSpeed runs as its {setup.precision.compute_dtype} mode (the config memfit "
+            f"emits: {setup.precision.compute_dtype}.enabled): the engine casts the model to "
+            f"{setup.precision.compute_dtype} and keeps fp32 master weights in the optimizer, with no autocast "
+            "cache; sized like bf16-master",)
+    if not fsdp2_mixed_precision(setup, layout):
         return setup, ()
     return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
         f"{setup.precision} under FSDP2 runs as MixedPrecisionPolicy(param_dtype={setup.precision.compute_dtype}, "
