@@ -266,6 +266,8 @@ def _map_checkpointing(m: Mapped, ckpt) -> dict:
         return {"checkpointing": Checkpointing.NONE}
     if ckpt == "full":
         return {"checkpointing": Checkpointing.FULL}
+    if str(ckpt) in ("selective_op", "selective-op"):  # torchtitan's op-level SAC policy
+        return {"checkpointing": Checkpointing.SELECTIVE_OP}
     if str(ckpt).startswith("selective"):
         m.missing.append((SELECTIVE, f"{ckpt}; nearest: full"))
         return {"checkpointing": Checkpointing.FULL}
@@ -486,6 +488,8 @@ def setup_summary(setup: TrainingSetup | None) -> str:
     parts += [str(setup.precision), str(setup.optimizer)]
     if setup.checkpointing is Checkpointing.FULL:
         parts.append("ckpt")
+    elif setup.checkpointing is not Checkpointing.NONE:
+        parts.append(f"ckpt {setup.checkpointing}")
     parts.append(str(setup.attention))
     if setup.num_gpus > 1:
         parts.append(f"{setup.sharding} x{setup.num_gpus} {setup.engine}")

@@ -366,8 +366,8 @@ def test_fields_given_elsewhere_are_overridden_and_never_raise(in_configs, tmp_p
     assert "optimizer" not in reading.overrides
     assert {e.field: e.note for e in reading.read}["optimizer"] == "optimizer overridden by --optimizer"
     monkeypatch.chdir(tmp_path)
-    Path("odd.yaml").write_text("base_model: gpt2\nmicro_batch_size: 2\noptimizer: lion_8bit\n")
-    with pytest.raises(ConfigError, match=r"^odd.yaml: optimizer='lion_8bit': memfit sizes adamw_torch"):
+    Path("odd.yaml").write_text("base_model: gpt2\nmicro_batch_size: 2\noptimizer: galore_adamw\n")
+    with pytest.raises(ConfigError, match=r"^odd.yaml: optimizer=.galore_adamw.: memfit sizes adamw_torch"):
         read_config("odd.yaml")
     assert "optimizer" not in read_config("odd.yaml", overridden={"optimizer": "--optimizer"}).overrides
 
@@ -613,7 +613,7 @@ def test_cli_config_names_the_model_and_the_setup(in_configs):
     assert data["model"] == "llama-3.2-1b"
     setup = data["setup"]
     assert (setup["micro_batch_size"], setup["grad_accum_steps"], setup["seq_len"], setup["precision"],
-            setup["optimizer"], setup["checkpointing"]) == (4, 8, 2048, "bf16", "adamw-8bit", "full")
+            setup["optimizer"], setup["checkpointing"]) == (4, 8, 2048, "bf16", "paged-adamw-8bit", "full")
     assert [f["path"] for f in data["config"]["files"]] == ["axolotl_full.yaml"]
     read = {e["field"]: e for e in data["config"]["read"]}
     assert read["micro_batch_size"]["sets"] == {"micro_batch_size": 4}

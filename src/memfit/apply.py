@@ -151,6 +151,9 @@ def _attention(model, setup: TrainingSetup, is_hf: bool) -> Change:
 def _checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:
     from ._torch import blocks, step as torch_step
 
+    mode = setup.checkpointing
+    if mode not in (Checkpointing.NONE, Checkpointing.FULL):
+        return _selective_checkpointing(model, setup, is_hf)
     want_on = setup.checkpointing is Checkpointing.FULL
     if is_hf:
         if not getattr(model, "supports_gradient_checkpointing", False):
@@ -225,3 +228,26 @@ def _finetune(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
 
 
 _HANDLERS = (_precision, _finetune, _attention, _checkpointing, _optimizer, _batching, _engine)
+
+
+def _selective_checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:
+    """selective-op / every-N / attention through memfit's block wrapper (HF's switch is full only)."""
+    from ._torch import blocks, step as torch_step
+
+    found = blocks.named_blocks(model)
+    if not found:
+        return Change("checkpointing", False, "not applicable: no repeated blocks found (an nn.ModuleList or "
+                                              "nn.Sequential of 2+ modules of one class)")
+    block_list = [block for _, block in found]
+    mode = str(setup.checkpointing)
+    before = [(blocks.checkpoint_mode(b), blocks.is_core_checkpointed(b)) for b in block_list]
+    hf_was_on = is_hf and torch_step.hf_checkpointing_is_on(model)
+    done = torch_step.apply_selective_checkpointing(model, setup)
+    after = [(blocks.checkpoint_mode(b), blocks.is_core_checkpointed(b)) for b in block_list]
+    if not done:
+        return Change("checkpointing", False, f"not applicable: checkpointing {mode} found no eager attention core "
+                                              "to wrap (transformers' eager_attention_forward)")
+    if before == after and not hf_was_on:
+        return Change("checkpointing", False, f"already {mode} ({done})")
+    where = ", ".join(f"'{name}'" for name in blocks.block_containers([name for name, _ in found]))
+    return Change("checkpointing", True, f"checkpointing {mode}: {done} of {where}")

@@ -406,7 +406,7 @@ def _same_live(a: TrainingSetup, b: TrainingSetup) -> bool:
 def _uses_more_memory(current: TrainingSetup, proposal: TrainingSetup) -> str | None:
     if proposal.micro_batch_size > current.micro_batch_size:
         return f"a larger micro-batch ({current.micro_batch_size} -> {proposal.micro_batch_size})"
-    if current.checkpointing is Checkpointing.FULL and proposal.checkpointing is Checkpointing.NONE:
+    if current.checkpointing.is_on and proposal.checkpointing is Checkpointing.NONE:
         return "it turns checkpointing off"
     if current.attention is Attention.SDPA and proposal.attention is Attention.EAGER:
         return "eager attention materialises the T x T scores"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -108,15 +109,71 @@ class Optimizer(_Choice):
 
 
 class Checkpointing(_Choice):
+    """Which activations a step recomputes in backward instead of keeping (memfit._torch.blocks runs each)."""
+
     NONE = "none"
     FULL = "full"  # recompute every transformer block in backward (HF gradient_checkpointing)
+    SELECTIVE_OP = "selective-op"  # torchtitan's op-level SAC: keep matmul and SDPA outputs, recompute the rest
+    EVERY_2 = "every-2"  # torchtitan's selective_ac_option "2": every 2nd block fully checkpointed (any every-N)
+    ATTENTION = "attention"  # Megatron's selective recompute: only the (eager) attention core is recomputed
 
     def aliases(self) -> tuple[str, ...]:
-        return {"none": ("off", "no", "false"), "full": ("on", "yes", "true")}[self.value]
+        return {"none": ("off", "no", "false"), "full": ("on", "yes", "true", "every-1"),
+                "selective-op": ("op", "sac", "selective", "selective-ac"),
+                "attention": ("core-attention", "attention-core", "megatron-selective")}.get(self.value, ())
 
     @classmethod
     def label(cls) -> str:
         return "gradient checkpointing mode"
+
+    @classmethod
+    def parse(cls, text: "str | Checkpointing") -> "Checkpointing":
+        if isinstance(text, cls):
+            return text
+        key = str(text).strip().lower().replace("_", "-")
+        every = re.fullmatch(r"every-?(\d+)", key)
+        if every is None:
+            try:
+                return super().parse(text)
+            except ConfigError:
+                raise ConfigError(f"unknown {cls.label()} '{text}': choose one of none, full, selective-op, "
+                                  "every-N (every-2, every-3, ...), attention") from None
+        n = int(every.group(1))
+        if n < 1:
+            raise ConfigError(f"checkpointing every-{n}: N must be a positive whole number (every-2 checkpoints "
+                              "every 2nd block)")
+        return cls.FULL if n == 1 else cls(f"every-{n}")
+
+    @classmethod
+    def _missing_(cls, value):
+        """every-N for any N >= 2 (every-2 is the named member): made once per N, then found like a member."""
+        match = re.fullmatch(r"every-(\d+)", str(value))
+        if match is None or int(match.group(1)) < 2:
+            return None
+        member = str.__new__(cls, value)
+        member._name_, member._value_ = f"EVERY_{int(match.group(1))}", value
+        return cls._value2member_map_.setdefault(value, member)
+
+    @property
+    def every(self) -> int | None:
+        """N of every-N (the checkpointed blocks are the N-th, 2N-th, ...: torchtitan's layer count), else None."""
+        return int(self.value.split("-")[1]) if self.value.startswith("every-") else None
+
+    @property
+    def is_on(self) -> bool:
+        return self is not Checkpointing.NONE
+
+    def checkpointed(self, index: int) -> bool:
+        """Whether block `index` (0-based) runs under torch.utils.checkpoint: every block for full and
+        selective-op, the ((index + 1) % N == 0) ones for every-N, none for none and attention (which wraps only
+        the attention core inside each block)."""
+        if self in (Checkpointing.FULL, Checkpointing.SELECTIVE_OP):
+            return True
+        n = self.every
+        return n is not None and (index + 1) % n == 0
+
+    def checkpointed_blocks(self, num_layers: int) -> int:
+        return sum(self.checkpointed(i) for i in range(num_layers))
 
 
 class Attention(_Choice):
@@ -246,6 +303,9 @@ class TrainingSetup:
         if self.offload is not Offload.NONE:
             problems.append(f"{self.finetune.method} trains only the adapters: CPU offload of their optimizer "
                             "is not sized yet")
+        if self.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
+            problems.append(f"checkpointing {self.checkpointing} with {self.finetune.method} is not sized yet: use "
+                            "full or none")
         if self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems

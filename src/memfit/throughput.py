@@ -25,7 +25,9 @@ BASE_MFU = 0.45
 def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> float:
     """Modelled seconds per training sample (per rank); only ratios between setups are meaningful."""
     tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps
-    flops_per_token = (8 if setup.checkpointing is Checkpointing.FULL else 6) * spec.num_params
+    from .techniques.costs import recompute_fraction
+
+    flops_per_token = 6 * spec.num_params * (1 + recompute_fraction(spec, setup))
     mfu = BASE_MFU * min(1.0, (setup.micro_batch_size * setup.seq_len / 4096) ** 0.25)
     if setup.attention is Attention.EAGER:
         mfu *= 0.85

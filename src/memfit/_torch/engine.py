@@ -245,6 +245,10 @@ def _prepare_precision_and_checkpointing(model: nn.Module, setup: TrainingSetup,
             torch_step.enable_hf_checkpointing(model)
         else:
             block_tools.checkpoint_blocks(model, None if blocks is None else list(blocks))
+    elif setup.checkpointing.is_on and setup.checkpointing is not Checkpointing.FULL:
+        if torch_step.hf_checkpointing_is_on(model):
+            torch_step.disable_hf_checkpointing(model)
+        block_tools.apply_checkpointing(model, str(setup.checkpointing), None if blocks is None else list(blocks))
 
 
 def _fsdp_optimizer_setup(setup: TrainingSetup) -> TrainingSetup:
@@ -331,6 +335,8 @@ def _prepare_deepspeed(model: nn.Module, setup: TrainingSetup, *, lr: float | No
     _skip_inference_shm_op(deepspeed)
     if setup.checkpointing is Checkpointing.FULL and torch_step.is_hf_model(model):
         torch_step.enable_hf_checkpointing(model)
+    elif setup.checkpointing.is_on and setup.checkpointing is not Checkpointing.FULL:
+        torch_step.apply_selective_checkpointing(model, setup)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     config = deepspeed_runtime_config(setup, lr=lr, max_grad_norm=max_grad_norm, ranks=ranks,
                                       hidden_size=hidden if isinstance(hidden, int) else None)

@@ -104,12 +104,23 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
         model.to(device)
     if setup.checkpointing is Checkpointing.FULL:
         enable_hf_checkpointing(model)
+    elif setup.checkpointing.is_on:
+        apply_selective_checkpointing(model, setup)
     if setup.finetune.adapters:  # LoRA / QLoRA as planned: the one place measure and trace get them from
         from .lora import apply_adapters
 
         apply_adapters(model, setup)
     model.train()
     return model
+
+
+def apply_selective_checkpointing(model, setup: TrainingSetup) -> str:
+    """selective-op, every-N and attention on any model: memfit's block wrapper (HF's switch is full only)."""
+    from . import blocks
+
+    if is_hf_model(model) and hf_checkpointing_is_on(model):
+        disable_hf_checkpointing(model)
+    return blocks.apply_checkpointing(model, str(setup.checkpointing))
 
 
 def enable_hf_checkpointing(model) -> None:

@@ -124,7 +124,7 @@ def _fsdp_part(setup: TrainingSetup) -> tuple[dict, dict[str, str]]:
         "fsdp_offload_params": setup.offload is Offload.OPTIMIZER_AND_PARAMS,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        "fsdp_activation_checkpointing": setup.checkpointing is not Checkpointing.NONE,
+        "fsdp_activation_checkpointing": setup.checkpointing is Checkpointing.FULL,  # accelerate's is full only
     }
     comments = {
         "distributed_type": f"{setup.sharding} as FSDP2 (fully_shard)",

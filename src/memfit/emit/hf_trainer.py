@@ -174,6 +174,8 @@ def _optimizer_part(setup: TrainingSetup, **_):
 def _checkpointing_part(setup: TrainingSetup, *, legacy_names: bool, **_):
     if setup.checkpointing is Checkpointing.NONE:
         return {}, {}, []
+    if setup.checkpointing is not Checkpointing.FULL:
+        return {}, {}, [selective_checkpointing_note(setup)]
     name = "gradient_checkpointing" if legacy_names else "activation_checkpointing"
     other = ("activation_checkpointing on transformers 5.x" if legacy_names else
              "gradient_checkpointing on transformers 4.x")
@@ -182,6 +184,22 @@ def _checkpointing_part(setup: TrainingSetup, *, legacy_names: bool, **_):
                       f"(named for the installed transformers; {other})",
                 f"{name}_kwargs": "non-reentrant torch.utils.checkpoint: works with frozen inputs and kwargs"}
     return content, comments, []
+
+
+def selective_checkpointing_note(setup: TrainingSetup) -> str:
+    """TrainingArguments cannot hold selective checkpointing: what to do instead (and torchtitan's spelling)."""
+    mode = setup.checkpointing
+    titan = {Checkpointing.SELECTIVE_OP: 'mode = "selective", selective_ac_option = "op"'}.get(
+        mode, f'mode = "selective", selective_ac_option = "{mode.every}"' if mode.every else None)
+    text = (f"checkpointing {mode}: TrainingArguments cannot express it (transformers' gradient_checkpointing / "
+            "activation_checkpointing recompute whole blocks only), so training_args.json leaves checkpointing off; "
+            "call memfit.apply_(model, setup) on the model before Trainer(...), or use the FSDP2 code memfit emits "
+            "(fsdp2_shard.py, enable_checkpointing)")
+    if titan:
+        text += f"; torchtitan TOML: [activation_checkpoint] {titan}"
+    elif mode is Checkpointing.ATTENTION:
+        text += "; Megatron-LM: --recompute-granularity selective (core attention)"
+    return text + "."
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):

@@ -109,6 +109,8 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
     h, kv, heads = spec.hidden_size, spec.kv_dim, spec.num_attention_heads
     q = heads * spec.head_dim or h  # the query/output width (Gemma 2: 8 x 256 = 2048 beside a 2304 hidden size)
     dropout = spec.extra.get("attention_dropout", 0.0) > 0
+    if core_recomputed(setup):
+        return _checkpointed_core(spec, q, kv)
     if setup.attention is Attention.SDPA and not (dropout and d.on_cpu):
         # Flash / memory-efficient SDPA saves q, k, v (k, v at kv-head width: GQA is passed through), the output
         # and the fp32 log-sum-exp per head and token; never the T x T matrix.
@@ -143,6 +145,80 @@ def _attention_core(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtyp
     elif d.compute == 2 and softmax == "f32":
         rows.append(Saved("attention", heads * seq_len, "cmp"))
     return rows
+
+
+def core_recomputed(setup: TrainingSetup) -> bool:
+    """Megatron's selective recompute on an eager attention: the core (QK^T, softmax, dropout, x V) runs under
+    checkpoint, so its T x T tensors are rebuilt in backward. SDPA's kernels keep no T x T: there it changes
+    nothing and memfit leaves the attention as it is."""
+    return setup.checkpointing is Checkpointing.ATTENTION and setup.attention is Attention.EAGER
+
+
+def _checkpointed_core(spec: ModelSpec, q: int, kv: int) -> list[Saved]:
+    """What a layer keeps of a checkpointed eager core: its inputs q, k, v (the checkpoint holds them; k and v at
+    kv-head width, repeat_kv is inside the core) and its output, which the output projection saves. A fused
+    projection's q/k/v are views that keep the whole q + 2 kv output alive; rotary on a fused output (Phi-3,
+    GPT-NeoX) writes new q, k beside it. Korthikanti et al. 2022 sec. 4.2: the 5·a·s/h term (softmax, dropout mask,
+    dropout output) is what goes; the 2 x 2sbh of Q, K and the V input stay."""
+    fused = spec.extra.get("fused_qkv") or spec.model_type in ("gpt2", "gpt_neox")
+    rotary = spec.model_type not in ("gpt2", "bert")
+    if fused:
+        rows = [Saved("attention", q + 2 * kv, "cmp")]
+        if rotary:
+            rows.append(Saved("attention", q + kv, "res"))
+    elif rotary:
+        # rotary multiplies by the fp32 cos/sin tables: under autocast q and k come out fp32 (the residual dtype)
+        rows = [Saved("attention", q + kv, "res"), Saved("attention", kv, "cmp")]
+    else:
+        rows = [Saved("attention", q + 2 * kv, "cmp")]
+    return rows + [Saved("attention", q, "cmp", role="out")]
+
+
+def rebuilt_core_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int, on_cpu: bool = False) -> int:
+    """Bytes one layer's recomputed eager core rebuilds in its backward: its saved tensors without checkpointing,
+    less what the checkpointed core keeps."""
+    if not core_recomputed(setup):
+        return 0
+    plain = layer_saved_bytes(spec, setup.replace(checkpointing=Checkpointing.NONE), tokens, seq_len, on_cpu)
+    kept = layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
+    return plain["attention"] - kept["attention"]
+
+
+def _matmul_widths(spec: ModelSpec) -> list[tuple[str, int]]:
+    """(group, output width) of each matmul of one layer, in the order the forward runs them."""
+    h, kv, inter = spec.hidden_size, spec.kv_dim, spec.intermediate_size
+    q = spec.num_attention_heads * spec.head_dim or h
+    if spec.model_type in ("gpt2", "gpt_neox"):
+        return [("attention", q + 2 * kv), ("attention", h), ("mlp", inter), ("mlp", h)]
+    if spec.model_type == "bert":
+        return [("attention", q), ("attention", kv), ("attention", kv), ("attention", h), ("mlp", inter), ("mlp", h)]
+    attention = [("attention", q + 2 * kv)] if spec.extra.get("fused_qkv") else [
+        ("attention", q), ("attention", kv), ("attention", kv)]
+    if spec.gated_mlp:
+        mlp = [("mlp", 2 * inter)] if spec.extra.get("fused_gate_up") else [("mlp", inter), ("mlp", inter)]
+    else:
+        mlp = [("mlp", inter)]
+    return attention + [("attention", h)] + mlp + [("mlp", h)]
+
+
+def selective_kept(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:
+    """What the selective-op policy keeps of one layer (memfit._torch.blocks.selective_op_context, torchtitan's op
+    SAC): the 1st, 3rd, ... matmul outputs in the compute dtype, and the SDPA kernel's output and fp32 log-sum-exp.
+    Eager attention's bmm / softmax are not on the list: recomputed. CPU SDPA with dropout takes the math path,
+    whose ops are recomputed too."""
+    rows = [Saved(group, width, "cmp") for i, (group, width) in enumerate(_matmul_widths(spec)) if i % 2 == 0]
+    dropout = spec.extra.get("attention_dropout", 0.0) > 0
+    if setup.attention is Attention.SDPA and not (dropout and d.on_cpu):
+        q = spec.num_attention_heads * spec.head_dim or spec.hidden_size
+        rows += [Saved("attention", q, "cmp"), Saved("attention", spec.num_attention_heads, "f32")]
+    return rows
+
+
+def selective_kept_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
+                         on_cpu: bool = False) -> int:
+    """Bytes one layer keeps between its forward and backward under selective-op (beyond its input)."""
+    d = dtypes(spec, setup, on_cpu)
+    return int(sum(d.bytes_of(r) for r in selective_kept(spec, setup, seq_len, d)) * tokens)
 
 
 def eager_softmax_dtype(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> str:
@@ -181,6 +257,11 @@ def checkpointed_mask_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, 
     if setup.attention is not Attention.EAGER or not spec.is_decoder:
         return 0
     return int(Dtypes.of(setup.precision).residual * tokens * seq_len)
+
+
+def mask_kept(setup: TrainingSetup, num_layers: int) -> bool:
+    """Whether some checkpoint holds the eager mask through backward (a checkpointed block's or core's input)."""
+    return setup.checkpointing.checkpointed_blocks(num_layers) > 0 or core_recomputed(setup)
 
 
 def _residual_dropouts(spec: ModelSpec, d: Dtypes, count: int) -> list[Saved]:

@@ -28,6 +28,8 @@ from .static import ShardedStatic, full_static, paged_state_bytes, shard
 PAGED_STATES = "optimizer/paged_states"
 
 ENGINE_SOURCE = "transformers 5.x modelling code, checked with saved_tensors_hooks on real tiny models"
+SAC_SOURCE = ("torchtitan op-level SAC policy (torch.utils.checkpoint.create_selective_checkpoint_contexts); "
+              "measured on real CPU steps")
 
 
 def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
@@ -144,27 +146,41 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
     """Terms alive at the end of forward (and so at the start of backward)."""
     tokens, seq, on_cpu = setup.tokens_per_micro_step, setup.seq_len, d.on_cpu
     layers = spec.num_layers
-    ckpt = setup.checkpointing is Checkpointing.FULL
+    mode = setup.checkpointing
+    ckpt = mode is Checkpointing.FULL
+    wrapped = mode.checkpointed_blocks(layers)  # blocks under torch.utils.checkpoint
     terms = []
-    if ckpt:
+    if wrapped or act.core_recomputed(setup):
         mask = act.checkpointed_mask_bytes(spec, setup, tokens, seq)
-        terms.append(Term("activations/checkpoints", Category.ACTIVATIONS,
-                          layers * tokens * spec.hidden_size * d.residual + mask,
-                          "L x B x T x h (each block's input)" + (" + the B x T x T eager mask" if mask else ""),
-                          "torch.utils.checkpoint, non-reentrant"))
-        int8 = lora.int8_checkpointed_inputs(spec, setup, tokens, seq, d) if spec.frozen else 0
+        inputs = wrapped * tokens * spec.hidden_size * d.residual
+        if inputs or mask:
+            what = (f"{'L' if wrapped == layers else wrapped} x B x T x h (each checkpointed block's input)"
+                    if inputs else "")
+            what += (" + " if what else "") + "the B x T x T eager mask" if mask else ""
+            terms.append(Term("activations/checkpoints", Category.ACTIVATIONS, inputs + mask, what,
+                              "torch.utils.checkpoint, non-reentrant"))
+        int8 = lora.int8_checkpointed_inputs(spec, setup, tokens, seq, d) if spec.frozen and ckpt else 0
         if int8:
             terms.append(Term("activations/int8_inputs", Category.ACTIVATIONS, int8,
                               "every int8 Linear's input, kept as ctx.A by bitsandbytes' CPU int8 matmul",
                               "bitsandbytes MatMul8bitFp (CPU)"))
-    else:
+    if mode is Checkpointing.SELECTIVE_OP:
+        kept = act.selective_kept_bytes(spec, setup, tokens, seq, on_cpu)
+        terms.append(Term("activations/selective_kept", Category.ACTIVATIONS, layers * kept,
+                          "L x (the 1st, 3rd, ... matmul outputs of a block + the SDPA output and log-sum-exp)",
+                          SAC_SOURCE))
+    elif wrapped < layers:
         first = int(lora.first_layer_unsaved(spec, setup, d) * tokens)
+        plain = layers - wrapped
+        count = "L" if plain == layers else f"{plain} of L"
         for group, label in (("attention", "attention"), ("mlp", "mlp"), ("norms", "norms/residual")):
-            total = layers * per_layer[group] - (first if group == "norms" else 0)
-            terms.append(Term(f"activations/{label}", Category.ACTIVATIONS, total,
-                              f"L x saved {group} tensors per layer" + (
-                                  " (layer 0's first norm keeps nothing: no gradient flows into it)"
-                                  if first and group == "norms" else ""), ENGINE_SOURCE))
+            total = plain * per_layer[group] - (first if group == "norms" else 0)
+            formula = f"{count} x saved {group} tensors per layer" + (
+                " (layer 0's first norm keeps nothing: no gradient flows into it)" if first and group == "norms"
+                else "")
+            if group == "attention" and act.core_recomputed(setup):
+                formula += " (the checkpointed eager core keeps its q, k, v inputs and output, no T x T)"
+            terms.append(Term(f"activations/{label}", Category.ACTIVATIONS, total, formula, ENGINE_SOURCE))
     head = act.head_saved_bytes(spec, setup, tokens)["head"]
     emb = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu) + 2 * 8 * tokens  # + input_ids and labels
     terms.append(Term("activations/embeddings", Category.ACTIVATIONS, emb,
@@ -185,7 +201,8 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                       f"B x T x V x {loss_bytes} B log-softmax + shifted labels",
                       "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not"))
     if setup.precision.is_autocast:
-        copies = 2 * (_linear_weight_elems(spec) if not ckpt else spec.vocab_size * spec.hidden_size)
+        head_weight = spec.vocab_size * spec.hidden_size
+        copies = 2 * (head_weight + (_linear_weight_elems(spec) - head_weight) * (layers - wrapped) // layers)
         if spec.frozen:
             copies = lora.autocast_copies(spec, setup, ckpt)
         terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, copies,
@@ -238,23 +255,31 @@ class _Step:
     def acts_except(self, *names: str) -> list[Term]:
         return [t for t in self.acts if t.name not in names]
 
-    def recomputed_block(self, what: str) -> Term:
+    def recomputed_block(self, what: str, kept_counted: bool = True) -> Term:
+        """One block rebuilt in its backward. Under selective-op the block's kept outputs are handed back to the
+        recompute, not made again: beside a `selective_kept` term that still counts them, they are subtracted."""
         casts = lora.recomputed_casts(self.spec, self.setup) if self.spec.frozen else 0
         if casts:
             what += "; its adapters' bf16 casts, made again by autocast in the recompute"
-        return Term("activations/recomputed_block", Category.ACTIVATIONS, sum(self.per_layer.values()) + casts,
-                    what, "torch.utils.checkpoint")
+        rebuilt = sum(self.per_layer.values()) + casts
+        if self.setup.checkpointing is Checkpointing.SELECTIVE_OP and kept_counted:
+            rebuilt -= act.selective_kept_bytes(self.spec, self.setup, self.tokens, self.setup.seq_len,
+                                                self.dtypes.on_cpu)
+            what += ", less its kept matmul / SDPA outputs (counted in activations/selective_kept, reused)"
+        return Term("activations/recomputed_block", Category.ACTIVATIONS, rebuilt, what, "torch.utils.checkpoint")
 
-    def attention_backward_dominates(self) -> bool:
+    def attention_backward_dominates(self, rebuilt_core: bool = False) -> bool:
         """Whether a block's backward peaks in its (eager) attention rather than its MLP."""
         if self.spec.derived is not None:  # the derived temporaries are the block's whole backward peak
             return False
         d, spec, setup = self.dtypes, self.spec, self.setup
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
+        if rebuilt_core:
+            attention += act.rebuilt_core_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
         mlp = self.tokens * spec.intermediate_size * d.compute * act.activation_backward_factor(spec)
         return attention - self.per_layer["mlp"] - self.per_layer["norms"] // 2 > mlp
 
-    def layer_temporaries(self) -> Term:
+    def layer_temporaries(self, rebuilt_core: bool = False) -> Term:
         """Gradients a block's backward allocates beyond what it frees as it goes: the residual-stream gradients,
         then the larger of the MLP's input gradients and (eager) the T x T gradients once the MLP's saved tensors
         are gone. Checked on measured CPU steps (bench/accuracy.py)."""
@@ -265,7 +290,8 @@ class _Step:
                 "peak of one block's backward beyond its saved tensors, fitted from traces", "memfit.derive")
         d, spec, setup = self.dtypes, self.spec, self.setup
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
-        attention_extra = max(0, attention - self.per_layer["mlp"] - self.per_layer["norms"] // 2)
+        core = act.rebuilt_core_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu) if rebuilt_core else 0
+        attention_extra = max(0, attention + core - self.per_layer["mlp"] - self.per_layer["norms"] // 2)
         mlp = self.tokens * spec.intermediate_size * d.compute * act.activation_backward_factor(spec)
         residual = self.tokens * 2 * spec.hidden_size * d.residual // tensor_parallel.sequence_share(setup)
         if setup.sequence_parallel:
@@ -273,6 +299,8 @@ class _Step:
             residual += self.tokens * spec.hidden_size * d.compute
         formula = "2 x B x T x h (residual grads) + the larger of B x T x I (MLP input grad) and the eager T x T "
         formula += "gradients beyond the freed MLP tensors"
+        if core:
+            formula += " (with the checkpointed eager core's T x T tensors rebuilt beside them)"
         dequantized = lora.dequantized_weight_bytes(spec, setup) if spec.frozen else 0
         if dequantized:
             formula += " + the largest quantized weight, dequantized (bitsandbytes MatMul4Bit / int8 backward)"
@@ -317,7 +345,7 @@ def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
     terms = list(forward) + [Term("temporaries/logits_fp32", Category.TEMPORARIES, spec.vocab_size * step.tokens * 4,
                                   "B x T x V x 4 B: the logits upcast for the loss, until log-softmax has run",
                                   "transformers loss_utils.ForCausalLMLoss (logits.float())")]
-    if setup.precision.is_autocast and setup.checkpointing is Checkpointing.FULL:
+    if setup.precision.is_autocast and setup.checkpointing.checkpointed_blocks(spec.num_layers):
         cached = 2 * _linear_weight_elems(spec)
         terms = [replace(t, num_bytes=cached, formula="2 B x Linear weights: autocast's cast cache, until it exits")
                  if t.name == "activations/autocast_weight_copies" else t for t in terms]
@@ -351,10 +379,13 @@ def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     if static.fsdp is not None:
         terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(static.fsdp, first=True)
     else:
-        terms = step.static_terms(max(early_grads, _head_grads(spec, static)))
+        grads = _head_grads(spec, static)
+        if act.core_recomputed(step.setup) and step.attention_backward_dominates(rebuilt_core=True):
+            grads += static.grads_bytes * _block_mlp_params(spec) // max(spec.num_params, 1)  # its MLP's are made
+        terms = step.static_terms(max(early_grads, grads))
     terms += step.acts_except(*_HEAD_AND_LOSS)
-    terms.append(step.layer_temporaries())
-    if step.setup.checkpointing is Checkpointing.FULL:
+    terms.append(step.layer_temporaries(rebuilt_core=True))
+    if step.setup.checkpointing.checkpointed(spec.num_layers - 1):
         terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
     return terms
 
@@ -366,15 +397,23 @@ def _second_block_backward(step: _Step, early_grads: int) -> list[Term]:
     if units is None or step.spec.num_layers < 2:
         return []
     terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(units, first=False)
-    ckpt = step.setup.checkpointing is Checkpointing.FULL
+    mode, layers = step.setup.checkpointing, step.spec.num_layers
+    last_wrapped = mode.checkpointed(layers - 1)  # the block whose backward ran first: its share is gone
+    wrapped = mode.checkpointed_blocks(layers)
     for term in step.acts_except(*_HEAD_AND_LOSS):
-        if ckpt and term.name == "activations/checkpoints":
-            term = replace(term, num_bytes=term.num_bytes * (step.spec.num_layers - 1) // step.spec.num_layers)
-        elif not ckpt and term.name in ("activations/attention", "activations/mlp", "activations/norms/residual"):
-            term = replace(term, num_bytes=term.num_bytes * (step.spec.num_layers - 1) // step.spec.num_layers)
+        if last_wrapped and term.name in ("activations/checkpoints", "activations/selective_kept"):
+            mask = act.checkpointed_mask_bytes(step.spec, step.setup, step.tokens, step.setup.seq_len)
+            if term.name == "activations/checkpoints":
+                term = replace(term, num_bytes=mask + (term.num_bytes - mask) * (wrapped - 1) // wrapped)
+            else:
+                term = replace(term, num_bytes=term.num_bytes * (layers - 1) // layers)
+        elif not last_wrapped and term.name in ("activations/attention", "activations/mlp",
+                                                "activations/norms/residual"):
+            plain = layers - wrapped
+            term = replace(term, num_bytes=term.num_bytes * (plain - 1) // plain)
         terms.append(term)
-    terms.append(step.layer_temporaries())
-    if ckpt:
+    terms.append(step.layer_temporaries(rebuilt_core=True))
+    if mode.checkpointed(layers - 2):
         terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
     return terms
 
@@ -383,21 +422,20 @@ def _end_of_backward(step: _Step) -> list[Term]:
     """All gradients exist; with checkpointing, block 0 is rebuilt before its own and the embedding's gradients."""
     spec, static = step.spec, step.static
     embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
-    if step.setup.checkpointing is not Checkpointing.FULL and static.fsdp is None:
+    block0_wrapped = step.setup.checkpointing.checkpointed(0)
+    if not block0_wrapped and static.fsdp is None:
         return step.static_terms(static.grads_bytes) + embeddings
     per_layer = spec.params_matching(".*.") // max(spec.num_layers, 1)
     pending = per_layer + spec.params_matching("embed_tokens", "wte", "word_embeddings", "embed_in")
     temporaries = step.layer_temporaries()
-    if step.setup.checkpointing is Checkpointing.FULL:
-        rebuilt = step.recomputed_block("block 0 rebuilt during backward")
+    if block0_wrapped:
+        rebuilt = step.recomputed_block("block 0 rebuilt during backward", kept_counted=False)
     else:
         rebuilt = replace(step.recomputed_block(""), name="activations/block0",
                           formula="block 0's saved tensors, the last still alive")
     if step.attention_backward_dominates():
         # the peak is in block 0's attention backward: its MLP's gradients exist and its MLP tensors are freed
-        mlp_params = spec.params_matching(".mlp.", ".intermediate.", ".output.dense", "dense_h_to_4h",
-                                          "dense_4h_to_h") // max(spec.num_layers, 1)
-        pending -= min(mlp_params, per_layer)
+        pending -= min(_block_mlp_params(spec), per_layer)
         freed = step.per_layer["mlp"] + step.per_layer["norms"] // 2
         rebuilt = replace(rebuilt, num_bytes=rebuilt.num_bytes - freed,
                           formula="block 0's attention tensors, rebuilt, once its MLP's backward has run")
@@ -409,6 +447,12 @@ def _end_of_backward(step: _Step) -> list[Term]:
                 + [temporaries, rebuilt])
     grads = static.grads_bytes - static.grads_bytes * pending // max(spec.num_params, 1)
     return step.static_terms(grads) + embeddings + [temporaries, rebuilt]
+
+
+def _block_mlp_params(spec: ModelSpec) -> int:
+    """One block's MLP parameters (their gradients exist once the block's backward reaches its attention)."""
+    return spec.params_matching(".mlp.", ".intermediate.", ".output.dense", "dense_h_to_4h",
+                                "dense_4h_to_h") // max(spec.num_layers, 1)
 
 
 def _embedding_gradient(step: _Step) -> list[Term]:

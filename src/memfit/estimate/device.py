@@ -195,7 +195,7 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
     temps = by.get("temporaries/layer_backward", 0)
     block_temps = _units(min(temps, 2 * unit_h), unit_h) + _units(max(0, temps - 2 * unit_h), unit_i, cap=4)
     recompute = _units(by.get("activations/recomputed_block", 0), unit_h) if (
-        setup.checkpointing is Checkpointing.FULL) else []
+        setup.checkpointing.is_on) else []
     head = [by.get(n, 0) for n in ("activations/logits", "activations/loss", "activations/head",
                                    "activations/logit_softcap") if by.get(n)] + ([copies] if copies > 0 else [])
     root_saved = [by.get("activations/embeddings", 0)] if by.get("activations/embeddings") else []

@@ -44,6 +44,13 @@ def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
         notes.append(FOREACH)
     if setup.checkpointing is Checkpointing.FULL:
         notes.append(CKPT)
+    elif setup.checkpointing is Checkpointing.ATTENTION and setup.attention is not Attention.EAGER:
+        notes.append("checkpointing attention recomputes the eager attention core only (Megatron selective "
+                     "recompute, the 5·a·s/h term of Korthikanti et al. 2022); SDPA / flash kernels keep no T x T, "
+                     "so under sdpa it saves nothing and is sized as none.")
+    elif setup.checkpointing is Checkpointing.SELECTIVE_OP:
+        notes.append("selective-op keeps each block's input, its 1st, 3rd, ... matmul outputs and the SDPA output "
+                     "(torchtitan's op-level SAC policy); the rest of the block is recomputed in backward.")
     if spec.vocab_size >= 8 * spec.hidden_size:
         notes.append(LOGITS)
     if spec.model_type == "gemma2" and setup.attention is Attention.SDPA:

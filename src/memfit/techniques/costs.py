@@ -90,3 +90,30 @@ def offload_traffic(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -
     step = cpu_step_seconds(spec, setup)
     return (f"{format_bytes(traffic)} over PCIe per step{per} (~{seconds:.2f} s at {link:g} GB/s) and a CPU Adam "
             f"step (~{step:.1f} s at {CPU_ADAM_PARAMS_PER_S:.0e} params/s)")
+
+
+def recompute_fraction(spec: ModelSpec, setup: TrainingSetup) -> float:
+    """Extra compute of the setup's checkpointing, as a share of a step without it (forward + backward = 3 forwards
+    of matmul FLOPs, 2 x P per token each). full: one more forward, 1/3; every-N: 1/(3N); selective-op: the
+    recomputed (2nd, 4th, ...) matmuls of every block (memfit.estimate.activations' matmul list) plus 1% for the
+    memory-bound elementwise ops it rebuilds; attention: the eager core's QK^T and x V, 4 x T x q FLOPs per token
+    per layer."""
+    from ..estimate.activations import _matmul_widths
+    from ..setup import Checkpointing
+
+    mode = setup.checkpointing
+    if mode is Checkpointing.NONE:
+        return 0.0
+    if mode is Checkpointing.FULL:
+        return 1 / 3
+    if mode.every:
+        return 1 / (3 * mode.every)
+    layers = max(spec.num_layers, 1)
+    q = spec.num_attention_heads * spec.head_dim or spec.hidden_size
+    core = 4 * setup.seq_len * q * layers
+    forward = 2 * spec.num_params + core
+    if mode is Checkpointing.ATTENTION:
+        return core / forward / 3
+    widths = _matmul_widths(spec) if spec.is_transformer else []
+    recomputed = sum(2 * spec.hidden_size * w for i, (_, w) in enumerate(widths) if i % 2 == 1) * layers
+    return min(1 / 3, recomputed / max(forward, 1) / 3 + 0.01)

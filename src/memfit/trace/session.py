@@ -170,6 +170,8 @@ def _build_image_classifier(config: dict, setup: TrainingSetup) -> nn.Module:
         hf_config, attn_implementation=str(setup.attention), dtype=runner.param_dtype(setup))
     if setup.checkpointing is Checkpointing.FULL:
         runner.enable_hf_checkpointing(model)
+    elif setup.checkpointing.is_on:
+        runner.apply_selective_checkpointing(model, setup)
     model.train()
     return model
 
@@ -200,6 +202,12 @@ def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup,
         wrapped = checkpoint_repeated_blocks(model)
         notes.append(f"gradient checkpointing: torch.utils.checkpoint around {wrapped} repeated blocks" if wrapped
                      else "no repeated blocks to checkpoint were found: gradient checkpointing not applied")
+    elif setup.checkpointing.is_on:
+        from .._torch.blocks import apply_checkpointing
+
+        done = apply_checkpointing(model, str(setup.checkpointing))
+        notes.append(f"checkpointing {setup.checkpointing}: {done}" if done else
+                     f"checkpointing {setup.checkpointing}: nothing to wrap was found, not applied")
     if setup.attention is not TrainingSetup().attention:
         notes.append("the attention setting does not apply to a plain module: it runs its own attention code")
     batch = _cast_floats(input_builder(setup), dtype)
