@@ -252,6 +252,12 @@ class TrainingSetup:
     all-reduce."""
     finetune: Finetune = Finetune()
     """What is trained: every weight, or LoRA / QLoRA adapters on a frozen base (memfit.finetune)."""
+    expert_parallel: int = 1
+    """MoE models: ranks the routed experts are split over (an EP group inside the num_gpus data-parallel ranks);
+    each rank holds num_experts / expert_parallel experts and exchanges tokens by all-to-all (memfit.estimate.moe)."""
+    capacity_factor: float = 0.0
+    """MoE models: 0 = dropless routing (transformers' experts); c >= 1 caps each expert at c x tokens x top_k /
+    num_experts rows (an implementation that drops tokens), which bounds the worst-case load memfit shows."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -270,9 +276,28 @@ class TrainingSetup:
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if not problems:
+            problems += self._moe_problems()
+        if not problems:
             problems += self._combination_problems()
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        """Expert parallelism and the capacity factor (whether ep divides the model's experts is checked where the
+        model is known: memfit.estimate.moe)."""
+        problems = []
+        if not _positive_int(self.expert_parallel):
+            problems.append(f"expert_parallel must be a positive whole number, got {self.expert_parallel!r}")
+        elif self.num_gpus % self.expert_parallel:
+            problems.append(f"expert_parallel {self.expert_parallel} does not divide num_gpus {self.num_gpus}: the "
+                            "EP group is a slice of the data-parallel ranks")
+        c = self.capacity_factor
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or c != c or c < 0 or c == float("inf"):
+            problems.append(f"capacity_factor must be 0 (dropless) or a number >= 1, got {c!r}")
+        elif 0 < c < 1:
+            problems.append(f"capacity_factor {c} is below 1: it drops tokens even under balanced routing; give 0 "
+                            "for dropless routing (transformers' experts) or a factor >= 1")
+        return problems
 
     def _combination_problems(self) -> list[str]:
         problems = []
@@ -390,7 +415,7 @@ FIELD_LABELS: dict[str, str] = {
     "micro_batch_size": "micro-batch", "seq_len": "seq", "grad_accum_steps": "accum", "precision": "precision",
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
-    "finetune": "method"}
+    "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -423,8 +448,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "zero": ("sharding",), "checkpointing": ("checkpointing",), "attention": ("attention",),
     "micro_batch": ("micro_batch_size",), "batch": ("micro_batch_size",), "accum": ("grad_accum_steps",),
     "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "tp": ("tp", "sequence_parallel"),
-    "method": ("finetune",),
-    "finetune": ("finetune",), "lora": ("finetune",)}
+    "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
+    "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",)}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

@@ -175,6 +175,25 @@ SeqOpt = Annotated[Optional[int], _option(
 AccumOpt = Annotated[Optional[int], _option(
     "--accum", panel=SETUP_PANEL, parser=whole_number(MAX_ACCUM), metavar="N",
     help=f"Gradient accumulation steps. Default: {TrainingSetup.grad_accum_steps}.")]
+def capacity(value: str | float) -> float:
+    """0 (dropless) or a finite number >= 1."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise typer.BadParameter(f"'{value}' is not a number: give 0 (dropless) or a factor such as 1.25") from None
+    if not math.isfinite(number) or number < 0 or 0 < number < 1:
+        raise typer.BadParameter(f"{value} must be 0 (dropless routing) or a capacity factor >= 1")
+    return number
+
+
+EpOpt = Annotated[Optional[int], _option(
+    "--ep", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * 64), metavar="N",
+    help="MoE models: expert-parallel degree, ranks the experts are split over (divides the GPUs and the experts). "
+         "Default: 1.")]
+CapacityOpt = Annotated[Optional[float], _option(
+    "--capacity-factor", panel=SETUP_PANEL, parser=capacity, metavar="C",
+    help="MoE models: 0 = dropless routing (transformers' experts); C >= 1 caps an expert at C x tokens x top_k / "
+         "experts rows, which bounds the worst-case routing range shown. Default: 0.")]
 PrecisionOpt = Annotated[Optional[Precision], _choice_option(
     "--precision", Precision, help=f"{_choices(Precision)}. Default: {TrainingSetup.precision}.")]
 OptimizerOpt = Annotated[Optional[Optimizer], _choice_option(
@@ -274,6 +293,8 @@ class SetupOptions:
     modules_to_save: str | None = None
     base: BaseWeights | None = None
     double_quant: bool | None = None
+    ep: int | None = None
+    capacity_factor: float | None = None
     keep: frozenset[str] | None = None
     """TrainingSetup fields pinned with --keep (planning commands only)."""
     config: tuple[str, ...] | None = None
@@ -329,7 +350,8 @@ class SetupOptions:
         return dict(micro_batch_size=self.batch, seq_len=self.seq, grad_accum_steps=self.accum,
                     precision=self.precision, optimizer=self.optimizer, checkpointing=self.checkpointing,
                     attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
-                    tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune())
+                    tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
+                    expert_parallel=self.ep, capacity_factor=self.capacity_factor)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -370,7 +392,8 @@ def _finetune_options(ft: Finetune) -> dict[str, Any]:
 _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "grad_accum_steps",
                     "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
                     "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
-                    "tp": "tp", "sequence_parallel": "sequence_parallel"}
+                    "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
+                    "capacity_factor": "capacity_factor"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
@@ -380,7 +403,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
-    "double_quant": DoubleQuantOpt,
+    "double_quant": DoubleQuantOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
 }
 _PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}

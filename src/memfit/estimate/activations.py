@@ -66,6 +66,8 @@ class Dtypes:
             return self.compute * item.elems
         if item.dtype == "u8":
             return item.elems
+        if item.dtype == "i64":  # index tensors (top-k indices, MoE token permutations)
+            return 8 * item.elems
         # 'lin': one shared copy in the residual dtype, or one bf16 copy per reading Linear under autocast
         copies = item.readers if self.autocast else 1
         size = self.compute if self.autocast else self.residual
@@ -336,6 +338,9 @@ LAYER_RECIPES = {
 def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
                       on_cpu: bool = False) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward, by group (attention / mlp / norms)."""
+    from . import moe
+    if moe.applies(spec, setup):  # a graph with Experts: the MoE recipe (memfit.estimate.moe), not the derived model
+        return moe.layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
     if spec.derived is not None:  # no recipe: memfit.derive's fit of a traced 1- and 2-block copy
         from .. import derive
         return derive.layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
@@ -360,6 +365,8 @@ def _sequence_share(setup: TrainingSetup) -> int:
 
 def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict[str, int]:
     """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform)."""
+    from . import moe
+    spec = moe.as_recipe(spec, setup)
     if spec.derived is not None:
         from .. import derive
         return derive.head_saved_bytes(spec, setup, tokens)
@@ -381,6 +388,8 @@ def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict
 def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int,
                           on_cpu: bool = False) -> int:
     """Token ids kept by the embedding backward (int64), position tables shared by all layers."""
+    from . import moe
+    spec = moe.as_recipe(spec, setup)
     if spec.derived is not None:
         from .. import derive
         return derive.embedding_saved_bytes(spec, setup, tokens, seq_len, on_cpu)

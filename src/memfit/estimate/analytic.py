@@ -19,7 +19,7 @@ from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
-from . import fsdp2, lora, tensor_parallel
+from . import fsdp2, lora, moe, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -42,6 +42,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         raise ConfigError(f"'{spec.name}' has no transformer shape memfit can size analytically: "
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
     spec = lora.adapted_spec(spec, setup)
+    moe.check(spec, setup)
+    spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
@@ -59,9 +61,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
-        + _derived_notes(spec),
+        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu),
         model_name=spec.name,
-        device_name=hardware.gpu.name)
+        device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
 
 
 def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
@@ -200,6 +202,7 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
     terms.append(Term("activations/loss", Category.ACTIVATIONS, vocab * loss_bytes + 8 * tokens,
                       f"B x T x V x {loss_bytes} B log-softmax + shifted labels",
                       "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not"))
+    terms += moe.terms(spec, setup, d)
     if setup.precision.is_autocast:
         head_weight = spec.vocab_size * spec.hidden_size
         copies = 2 * (head_weight + (_linear_weight_elems(spec) - head_weight) * (layers - wrapped) // layers)
@@ -229,6 +232,7 @@ def _head_grads(spec: ModelSpec, static: ShardedStatic) -> int:
 def _linear_weight_elems(spec: ModelSpec) -> int:
     skip = ("embed", "wte", "wpe", "norm", "ln_", "ln_f", "bias", "LayerNorm", "position", "token_type")
     total = sum(p.total for p in spec.params if not any(s in p.name for s in skip))
+    total -= moe.expert_weight_elems(spec)  # grouped_mm is no autocast op: no cached casts of stacked experts
     if spec.tie_word_embeddings:
         total += spec.vocab_size * spec.hidden_size  # the tied LM head casts the embedding matrix
     return total
@@ -289,6 +293,13 @@ class _Step:
                 self.spec, self.setup, self.tokens, self.setup.seq_len, self.dtypes.on_cpu),
                 "peak of one block's backward beyond its saved tensors, fitted from traces", "memfit.derive")
         d, spec, setup = self.dtypes, self.spec, self.setup
+        if moe.applies(spec, setup):
+            a2a = moe.all_to_all_bytes(spec, setup, d)
+            return Term("temporaries/layer_backward", Category.TEMPORARIES,
+                        moe.block_temporaries(spec, setup, self.tokens, d) + a2a,
+                        "3 x B x T x h + T x k x 2h (rows' gradients net of the freed) + E/ep x h x I (down "
+                        "weight gradient), balanced routing" + (" + EP all-to-all dispatch/combine buffers "
+                                                                 "(2 x T x k x h)" if a2a else ""), moe.SOURCE)
         attention = act.attention_backward_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu)
         core = act.rebuilt_core_bytes(spec, setup, self.tokens, setup.seq_len, d.on_cpu) if rebuilt_core else 0
         attention_extra = max(0, attention + core - self.per_layer["mlp"] - self.per_layer["norms"] // 2)

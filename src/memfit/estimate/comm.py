@@ -239,13 +239,16 @@ class CommVolume:
 def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None = None) -> CommVolume:
     """Bytes each of `setup.num_gpus` ranks sends per optimizer step on the setup's engine. `hardware` only splits
     the ranks into nodes (default: one node)."""
+    from . import moe
     from .tensor_parallel import rank_spec
 
     spec = rank_spec(spec, setup)  # data parallelism moves one tensor-parallel rank's parameters
+    spec = moe.ep_local_spec(spec, setup)  # EP: each rank reduces its own experts' gradients (E / ep of them)
     runtime = runtime_of(setup.engine, setup.sharding, setup.dp_size)
     collectives = [] if setup.dp_size < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
     collectives += tensor_parallel_collectives(spec, setup)
-    notes = _notes(runtime, setup)
+    collectives += list(_expert_parallel(spec, setup))
+    notes = _notes(runtime, setup) + _expert_parallel_notes(spec, setup)
     nodes, per_node = ((hardware.num_nodes, hardware.gpus_per_node) if hardware is not None
                        else (1, setup.num_gpus))
     return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes,
@@ -273,6 +276,39 @@ def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[C
                        "in forward", elements, dtype, (2 * layers + 1) * micro, group="tensor"),
             Collective(ALL_REDUCE, f"each column-parallel input gradient ({column_inputs} per layer) and the LM "
                        "head's, in backward", elements, dtype, (column_inputs * layers + 1) * micro, group="tensor")]
+
+
+ALL_TO_ALL = "all-to-all"
+
+
+def _expert_parallel(spec: ModelSpec, setup: TrainingSetup) -> list[Collective]:
+    """Expert parallelism: per MoE layer and micro-step, the tokens' rows go out to the ranks holding their experts
+    and come back (dispatch, combine: T x k x h each, balanced routing), and backward sends their gradients the same
+    two ways (GShard sec. 2.2 / Megatron-Core MoE token dispatcher)."""
+    from . import moe
+
+    route = moe.routing(spec, setup)
+    if route is None or route.ep <= 1:
+        return []
+    layers = moe.moe_layers(spec)
+    h = moe.experts_nodes(spec)[0].expert.hidden
+    size = 4 if setup.precision.compute_dtype == "fp32" else 2
+    calls = 4 * layers * setup.grad_accum_steps
+    return [Collective(ALL_TO_ALL, f"MoE token dispatch + combine, forward and backward, over EP groups of "
+                       f"{route.ep} ({layers} MoE layers)", route.balanced_rows * h, size, calls)]
+
+
+def _expert_parallel_notes(spec: ModelSpec, setup: TrainingSetup) -> tuple[str, ...]:
+    from . import moe
+
+    route = moe.routing(spec, setup)
+    if route is None or route.ep <= 1:
+        return ()
+    e = moe.experts_nodes(spec)[0]
+    return (f"expert parallelism: {setup.num_gpus // route.ep} EP group(s) of {route.ep} ranks, "
+            f"{e.num_experts // route.ep} of {e.num_experts} experts per rank; the all-to-all volume assumes "
+            f"balanced routing ({route.balanced_rows:,} rows per rank per layer), up to {route.worst_rows:,} "
+            f"({route.name})",)
 
 
 def data_parallel_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:

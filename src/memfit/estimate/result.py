@@ -107,6 +107,8 @@ class MemoryEstimate:
     """(module name, activation bytes it saved for backward), largest first; from traces."""
     model_name: str = ""
     device_name: str = ""
+    moe: dict | None = None
+    """MoE models: the routing assumption and the named best / worst figures (memfit.estimate.moe.routing_range)."""
 
     @property
     def total_bytes(self) -> int:
@@ -189,4 +191,5 @@ class MemoryEstimate:
             "top_modules": [{"module": m, "bytes": b} for m, b in self.top_modules],
             "timeline": [{"index": p.index, "phase": p.phase.value, "label": p.label,
                           "by_category": {c.value: v for c, v in p.by_category.items()}} for p in self.timeline],
+            **({"moe": self.moe} if self.moe is not None else {}),
         }

@@ -16,19 +16,24 @@ _MOE = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False)
 
 
 def _experts(c: Cfg, hidden: int, inter: int, experts_key: str, *, shared: MLP | None = None,
-             shared_gate: Linear | None = None) -> Experts:
+             shared_gate: Linear | None = None, normalize: bool | None = None, scores_dtype: str = "cmp") -> Experts:
+    """`normalize`: None reads norm_topk_prob; `scores_dtype`: 'cmp' where the router casts the top-k weights back
+    to the logits' dtype (Qwen2-MoE, OLMoE), 'f32' where it keeps them fp32 (Mixtral)."""
     experts = c.int(experts_key)
     expert = gated_mlp(hidden, inter, c.text("hidden_act", "silu"), fused="gate_up_proj", names=("down_proj",),
                        name="")
+    impl = c.raw("experts_implementation", None) or c.raw("_experts_implementation", None) or "grouped_mm"
     return Experts(experts, c.int("num_experts_per_tok"), expert, Linear("gate", hidden, experts),
-                   shared_experts=shared, shared_gate=shared_gate)
+                   shared_experts=shared, shared_gate=shared_gate,
+                   normalize_topk=c.flag("norm_topk_prob", False) if normalize is None else normalize,
+                   scores_dtype=scores_dtype, implementation=str(impl), aux_loss=c.flag("output_router_logits"))
 
 
 @builder("mixtral", defaults={**_MOE, "num_experts_per_tok": 2, "num_local_experts": 8})
 def mixtral(c: Cfg, name: str) -> ModelGraph:
     hidden, _, heads, kv_heads, head_dim, inter, _ = decoder_dims(c)
     att = attention(hidden, heads, kv_heads, head_dim, rotary_fraction=c.rotary_fraction(), window=window(c))
-    moe = _experts(c, hidden, inter, "num_local_experts")
+    moe = _experts(c, hidden, inter, "num_local_experts", normalize=True, scores_dtype="f32")
     return llama_like(c, name, attn=lambda i: att, mlp=lambda i: moe)
 
 

@@ -43,7 +43,13 @@ class Experts(Node):
     `shared_experts`: an MLP every token goes through (DeepSeek merges its n shared experts into one wider MLP);
     `shared_gate`: Qwen2-MoE's sigmoid gate on it. `stacked`: transformers 5 keeps each projection of all experts
     as one 3-D parameter (<path>.experts.gate_up_proj, E x 2I x H); otherwise a ModuleList
-    (<path>.experts.*.<proj>.weight)."""
+    (<path>.experts.*.<proj>.weight).
+
+    What the router keeps (read off transformers 5.24's TopKRouter classes): `normalize_topk` divides the top-k
+    probabilities by their sum (Mixtral always; Qwen2-MoE / OLMoE per norm_topk_prob); `scores_dtype` is 'f32' when
+    the routing weights stay fp32 (Mixtral) or 'cmp' when they are cast back to the logits' dtype. `implementation`:
+    transformers' experts implementation ('grouped_mm', its default, or 'eager', the per-expert loop); `aux_loss`:
+    output_router_logits (the load-balancing loss is computed, its inputs kept for backward)."""
 
     num_experts: int
     top_k: int
@@ -52,6 +58,10 @@ class Experts(Node):
     shared_experts: MLP | None = None
     shared_gate: Linear | LoraLinear | None = None
     stacked: bool = True
+    normalize_topk: bool = True
+    scores_dtype: str = "f32"
+    implementation: str = "grouped_mm"
+    aux_loss: bool = False
     name: str = field(default="mlp", kw_only=True)
 
 
