@@ -139,3 +139,25 @@ def test_old_alias_no_longer_folds_paged_into_unpaged():
     assert Optimizer.parse("adamw-torch-4bit") is Optimizer.ADAMW_4BIT
     with pytest.raises(Exception):
         TrainingSetup(optimizer="adamw-4bit", offload="optimizer", sharding="zero2", num_gpus=2)
+
+
+def test_paged_states_do_not_decide_the_out_of_memory_verdict():
+    """Paged states sit on the device while there is room and are evicted to host RAM when a device allocation needs
+    it (that is what paging is for): device used shows them, the verdict does not count them."""
+    from memfit.diagnose import diagnose
+    from memfit.estimate.analytic import estimate
+    from memfit.hardware import make_hardware
+    from memfit.setup import TrainingSetup
+    from memfit.sources import resolve_model
+
+    spec, hw = resolve_model("llama-3.2-1b"), make_hardware("L4")
+    setup = TrainingSetup(micro_batch_size=4, seq_len=2048, precision="bf16", checkpointing="full")
+    paged = estimate(spec, setup.replace(optimizer="paged-adamw-8bit"), hw)
+    plain = estimate(spec, setup.replace(optimizer="adamw-8bit"), hw)
+    states = sum(t.num_bytes for t in paged.terms if t.name == "optimizer/paged_states")
+    assert states > 2 * 2**30 and paged.device_used_bytes > paged.reserved_bytes + states - 1
+    verdict = diagnose(paged, hw)
+    assert verdict.evictable_bytes == states
+    assert verdict.required_bytes == paged.reserved_bytes + paged.outside_allocator_bytes - states
+    assert verdict.required_bytes < diagnose(plain, hw).required_bytes
+    assert "paged to host RAM" in verdict.summary()

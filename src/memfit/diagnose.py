@@ -40,7 +40,12 @@ class Diagnosis:
     reserved_bytes: int = 0
     """Predicted torch.cuda.max_memory_reserved: what the caching allocator holds."""
     outside_allocator_bytes: int = 0
-    """CUDA context and NCCL buffers. `required_bytes` = reserved + this: the figure a CUDA OOM is decided on."""
+    """CUDA context and NCCL buffers (and paged optimizer states). `required_bytes` = reserved + this, less what
+    the driver can evict: the figure a CUDA OOM is decided on."""
+    evictable_bytes: int = 0
+    """Paged optimizer states (CUDA unified memory): on the device while resident, but evicted to host RAM when a
+    device allocation needs the room (bitsandbytes paged optimizers; QLoRA, Dettmers et al. 2023 sec. 3), so
+    they slow a step down instead of making it OOM. Not in `required_bytes`."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -53,13 +58,16 @@ class Diagnosis:
 
     def summary(self) -> str:
         need, budget = format_bytes(self.required_bytes), format_bytes(self.budget_bytes)
+        paged = (f"; {format_bytes(self.evictable_bytes)} of paged optimizer states come on top while they fit and "
+                 "are paged to host RAM when they do not") if self.evictable_bytes else ""
         if self.fits:
-            return f"fits: needs {need} of {budget} usable ({format_bytes(self.headroom_bytes)} headroom)"
+            return (f"fits: needs {need} of {budget} usable ({format_bytes(self.headroom_bytes)} headroom)"
+                    + paged)
         over = format_bytes(-self.headroom_bytes)
         what = {Bottleneck.STATIC: "static memory (parameters + gradients + optimizer states)",
                 Bottleneck.ACTIVATIONS: "activation memory",
                 Bottleneck.BOTH: "both static and activation memory"}[self.bottleneck]
-        return f"does not fit: needs {need} of {budget} usable (over by {over}); the bottleneck is {what}"
+        return f"does not fit: needs {need} of {budget} usable (over by {over}); the bottleneck is {what}" + paged
 
     def to_dict(self) -> dict:
         return {"bottleneck": self.bottleneck.value, "capacity_bytes": self.capacity_bytes,
@@ -67,8 +75,12 @@ class Diagnosis:
                 "headroom_bytes": self.headroom_bytes, "static_bytes": self.static_bytes,
                 "activation_bytes": self.activation_bytes, "margin": self.margin,
                 "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
-                "outside_allocator_bytes": self.outside_allocator_bytes,
-                "required_is": "reserved + outside the allocator (device used)"}
+                "outside_allocator_bytes": self.outside_allocator_bytes, "evictable_bytes": self.evictable_bytes,
+                "required_is": "reserved + outside the allocator (device used), less evictable paged states"}
+
+
+PAGED_STATES = "optimizer/paged_states"
+"""The term of paged optimizer states (memfit.estimate.analytic), evictable by the driver."""
 
 
 def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> Diagnosis:
@@ -84,7 +96,8 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
     capacity = hardware.gpu.memory_bytes
     budget = int(capacity * (1 - margin))
     reserved, outside = estimate.reserved_bytes, estimate.outside_allocator_bytes
-    required = reserved + outside
+    evictable = sum(t.num_bytes for t in estimate.terms if t.name == PAGED_STATES)
+    required = reserved + outside - evictable
     if required <= budget:
         bottleneck = Bottleneck.FITS
     else:
@@ -93,4 +106,5 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
                       Bottleneck.STATIC if static_heavy else Bottleneck.ACTIVATIONS)
     return Diagnosis(bottleneck=bottleneck, capacity_bytes=capacity, budget_bytes=budget, required_bytes=required,
                      static_bytes=static, activation_bytes=activ, margin=margin,
-                     allocated_bytes=estimate.allocated_bytes, reserved_bytes=reserved, outside_allocator_bytes=outside)
+                     allocated_bytes=estimate.allocated_bytes, reserved_bytes=reserved, outside_allocator_bytes=outside,
+                     evictable_bytes=evictable)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
+from ..diagnose import PAGED_STATES
 from ..errors import ConfigError
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
@@ -24,8 +25,6 @@ from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
 from .static import ShardedStatic, full_static, paged_state_bytes, shard
-
-PAGED_STATES = "optimizer/paged_states"
 
 ENGINE_SOURCE = "transformers 5.x modelling code, checked with saved_tensors_hooks on real tiny models"
 SAC_SOURCE = ("torchtitan op-level SAC policy (torch.utils.checkpoint.create_selective_checkpoint_contexts); "
