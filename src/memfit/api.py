@@ -50,6 +50,11 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
         defaults = defaults.replace(precision=Precision.AMP_FP16)
         notes.append(f"precision amp-fp16: {hardware.gpu.name} has no bf16, so fp16 autocast with loss scaling "
                      f"replaces the usual {TrainingSetup.precision}")
+    if "attention" not in given and spec.extra.get("supports_sdpa") is False:
+        from .setup import Attention
+
+        defaults = defaults.replace(attention=Attention.EAGER)
+        notes.append(f"attention eager: transformers has no sdpa attention for {spec.model_type}")
     max_positions = spec.max_position_embeddings
     if "seq_len" not in given and 0 < max_positions < defaults.seq_len:
         notes.append(f"seq {max_positions}: the default {defaults.seq_len} clamped to the model's "
@@ -61,7 +66,8 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
                for name, label in _ASSUMED_LABELS if name not in given]
     if assumed:
         notes.insert(0, "assumed: " + ", ".join(assumed) + " (a typical fine-tune; set them with options)")
-    return TrainingSetup(**{"num_gpus": hardware.world_size, "precision": defaults.precision, **given,
+    return TrainingSetup(**{"num_gpus": hardware.world_size, "precision": defaults.precision,
+                            "attention": defaults.attention, **given,
                             "seq_len": seq}, notes=tuple(notes))
 
 
