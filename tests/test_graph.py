@@ -170,13 +170,23 @@ def test_every_builder_has_a_tiny_config():
 # --- the catalog ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", catalog_names())
+GRAPHLESS_CATALOG_TYPES = {"qwen3_moe", "deepseek_v3", "gpt_oss"}
+"""Catalog families without a graph builder yet: sized through memfit.derive; LoRA on them says it needs a graph."""
+GRAPH_CATALOG = [n for n in catalog_names() if catalog_config(n)["model_type"] not in GRAPHLESS_CATALOG_TYPES]
+
+
+def test_every_other_catalog_family_has_a_graph_builder():
+    types = {catalog_config(n)["model_type"] for n in catalog_names()}
+    assert types - set(graph_model_types()) == GRAPHLESS_CATALOG_TYPES
+
+
+@pytest.mark.parametrize("name", GRAPH_CATALOG)
 def test_catalog_model_matches_transformers_exactly(name):
     config = catalog_config(name)
     assert_graph_matches(graph_from_config(config, name=name), build_on_meta(config))
 
 
-@pytest.mark.parametrize("name", catalog_names())
+@pytest.mark.parametrize("name", GRAPH_CATALOG)
 def test_catalog_graph_tensors_equal_model_spec_params(name):
     """param_tensors() holds what ModelSpec.params holds, so the current estimator can be fed from a graph."""
     spec = resolve_model(name)

@@ -53,6 +53,11 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
     if given.get("tp", 1) > 1 and "engine" not in given:
         given["engine"] = Engine.TORCH
         notes.append(f"engine torch: tensor parallelism (tp={given['tp']}) runs on torch DTensor, not DeepSpeed")
+    if "attention" not in given and spec.extra.get("supports_sdpa") is False:
+        from .setup import Attention
+
+        defaults = defaults.replace(attention=Attention.EAGER)
+        notes.append(f"attention eager: transformers has no sdpa attention for {spec.model_type}")
     max_positions = spec.max_position_embeddings
     if "seq_len" not in given and 0 < max_positions < defaults.seq_len:
         notes.append(f"seq {max_positions}: the default {defaults.seq_len} clamped to the model's "
@@ -64,7 +69,8 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
                for name, label in _ASSUMED_LABELS if name not in given]
     if assumed:
         notes.insert(0, "assumed: " + ", ".join(assumed) + " (a typical fine-tune; set them with options)")
-    return TrainingSetup(**{"num_gpus": hardware.world_size, "precision": defaults.precision, **given,
+    return TrainingSetup(**{"num_gpus": hardware.world_size, "precision": defaults.precision,
+                            "attention": defaults.attention, **given,
                             "seq_len": seq}, notes=tuple(notes))
 
 

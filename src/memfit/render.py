@@ -346,13 +346,14 @@ def models_table(console: Console, entries: Sequence[Mapping]) -> None:
         table.add_column(header.replace("\n", " ") if wide else header, justify="right", no_wrap=True)
     if wide:
         table.add_column("hub id", overflow="fold")
-    for e in entries:
+    for i, e in enumerate(entries):
         hub = Text(e["hub_id"], style="dim")
         name = Text(e["name"]) if wide else Text.assemble(e["name"], "\n", hub)
         numbers = [f"{e['num_params'] / 1e9:.2f}", str(e["num_layers"]), str(e["hidden_size"]),
                    f"{e['num_attention_heads']}/{e['num_kv_heads']}", str(e["vocab_size"]),
                    str(e["max_position_embeddings"])]
-        table.add_row(name, *numbers, *([hub] if wide else []))
+        last_of_family = i + 1 < len(entries) and entries[i + 1].get("family") != e.get("family")
+        table.add_row(name, *numbers, *([hub] if wide else []), end_section=last_of_family)
     console.print(table)
 
 

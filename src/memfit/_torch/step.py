@@ -19,6 +19,7 @@ What HF does with attention masks (transformers 5.24, checked on CPU for llama, 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import sys
 import warnings
@@ -64,7 +65,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 def hf_config_from_dict(config: Mapping):
     transformers = _import("transformers")
-    values = dict(config)
+    values = copy.deepcopy(dict(config))  # transformers edits nested values (rope_scaling) in place
     model_type = values.pop("model_type", None)
     if not model_type:
         raise ConfigError("the config dict has no 'model_type': add e.g. \"model_type\": \"llama\"")

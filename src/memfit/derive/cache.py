@@ -105,13 +105,22 @@ class _suppress:
         return exc[0] is not None and issubclass(exc[0], OSError)
 
 
-def _shipped(config: dict[str, Any], kind: str) -> KindFit | None:
+def shipped_data(config: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    """The payload memfit ships for this config and kind (memfit/data/derived), or None."""
     try:
         text = resources.files("memfit").joinpath("data/derived").joinpath(shipped_name(config, kind)).read_text(
             encoding="utf-8")
         data = json.loads(text)
-        return KindFit.from_dict(data["fit"])
-    except (OSError, ValueError, KeyError, TypeError, FileNotFoundError):
+    except (OSError, ValueError, TypeError, FileNotFoundError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _shipped(config: dict[str, Any], kind: str) -> KindFit | None:
+    data = shipped_data(config, kind)
+    try:
+        return KindFit.from_dict(data["fit"]) if data is not None else None
+    except (ValueError, KeyError, TypeError):
         return None
 
 

@@ -38,8 +38,22 @@ _MLP_WORDS = ("mlp", "ffn", "feed_forward", "experts", "moe", "fc1", "fc2", "den
 Progress = Callable[[str, float], None]
 
 
-def short_config(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """The config with `num_layers` blocks (per-layer lists such as `layer_types` cut to match)."""
+DENSE_PREFIX_KEY = "first_k_dense_replace"
+"""DeepSeek-style MoE: the first k blocks have a dense MLP, the rest routed experts."""
+
+
+def dense_prefix(config: dict[str, Any], num_layers: int) -> int:
+    """How many leading blocks are dense in a model whose config says `first_k_dense_replace` (0 otherwise)."""
+    value = config.get(DENSE_PREFIX_KEY)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return 0
+    return min(value, num_layers)
+
+
+def short_config(config: dict[str, Any], num_layers: int, *, dense: bool = False) -> dict[str, Any]:
+    """The config with `num_layers` blocks (per-layer lists such as `layer_types` cut to match). A config with a
+    dense prefix (`first_k_dense_replace`) gets copies of its repeated, routed-expert block (`dense=False`) or of
+    its dense block (`dense=True`): a 1- or 2-block copy would otherwise hold only dense blocks."""
     from .._torch.step import hf_config_from_dict
 
     hf = hf_config_from_dict(config)
@@ -54,6 +68,8 @@ def short_config(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     for name, value in list(out.items()):
         if isinstance(value, list) and name in ("layer_types", "layers_block_type", "block_types") and value:
             out[name] = (value * num_layers)[:num_layers]
+    if dense_prefix(config, int(getattr(hf, "num_hidden_layers", 0) or 0)):
+        out[DENSE_PREFIX_KEY] = num_layers if dense else 0
     return out
 
 
@@ -63,12 +79,12 @@ def num_layers_of(config: dict[str, Any]) -> int:
     return int(getattr(hf_config_from_dict(config), "num_hidden_layers", 0) or 0)
 
 
-def build_short(config: dict[str, Any], num_layers: int, setup, fake_mode):
+def build_short(config: dict[str, Any], num_layers: int, setup, fake_mode, *, dense: bool = False):
     from ..trace.session import build_hf_model
 
     notes: list[str] = []
     with fake_mode:
-        model = build_hf_model(short_config(config, num_layers), setup, notes)
+        model = build_hf_model(short_config(config, num_layers, dense=dense), setup, notes)
     return model, notes
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ModelSourceError
 from ..model_spec import ModelSpec, ParamTensor
-from .cache import cache_path, read_json, write_json
+from .cache import cache_path, read_json, shipped_data, write_json
 from .model import DerivedModel
 
 PARAMS_KIND = "params"
@@ -42,13 +42,16 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
     """Root and per-block parameter tensors, from the shortened copies (tied weights once), and facts about them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..setup import TrainingSetup
-    from .fit import _blocks, build_short
+    from ..setup import Attention, TrainingSetup
+    from .fit import _blocks, build_short, dense_prefix
 
+    # eager attention: the attention implementation changes no parameter, and some models (gpt_oss) refuse sdpa
+    build_setup = TrainingSetup(attention=Attention.EAGER)
+    dense = dense_prefix(config, num_layers)
     found = {}
     for layers in (1, 2):
         try:
-            model, _ = build_short(config, layers, TrainingSetup(), FakeTensorMode())
+            model, _ = build_short(config, layers, build_setup, FakeTensorMode())
         except ModelSourceError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure to build means: cannot derive this architecture
@@ -66,6 +69,7 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
         found[layers] = (blocks, params, tied, type(model).__name__, model)
     blocks, params, tied, class_name, model = found[2]
     prefix = blocks[0].rpartition(".")[0]
+    repeated = num_layers - dense
     rows: dict[tuple[str, int], int] = {}
     for name, numel in params:
         block = next((b for b in blocks if name.startswith(b + ".")), None)
@@ -73,16 +77,28 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
             rows[(name, numel)] = 1
         else:
             key = (f"{prefix}.*.{name[len(block) + 1:]}", numel)
-            rows[key] = num_layers
+            rows[key] = repeated
     one = sum(n for _, n in found[1][1])
     two = sum(n for _, n in params)
     total = sum(n * c for (_, n), c in rows.items())
-    expected = one + (two - one) * (num_layers - 1)
+    expected = one + (two - one) * (repeated - 1)
     if total != expected:
         raise ModelSourceError(f"{source}: the blocks of model_type '{config.get('model_type')}' are not all alike "
                                "(parameters do not scale with depth); use `memfit trace`")
+    if dense:  # the leading dense blocks (first_k_dense_replace), from a 1-block copy of the dense block
+        try:
+            dense_model, _ = build_short(config, 1, build_setup, FakeTensorMode(), dense=True)
+        except Exception as error:  # noqa: BLE001 - as above
+            raise ModelSourceError(f"{source}: transformers cannot build the dense block of model_type "
+                                   f"'{config.get('model_type')}' offline ({_first_line(error)})") from None
+        (dense_block, _), = _blocks(dense_model)
+        for name, p in dense_model.named_parameters():
+            if name.startswith(dense_block + "."):
+                key = (f"{prefix}.*.{name[len(dense_block) + 1:]}", int(p.numel()))
+                rows[key] = rows.get(key, 0) + dense
     facts = {"tied": tied, "class": class_name, "block_prefix": prefix,
-             "is_decoder": class_name.endswith("ForCausalLM")}
+             "is_decoder": class_name.endswith("ForCausalLM"),
+             "supports_sdpa": bool(getattr(type(model), "_supports_sdpa", True))}
     return [ParamTensor(name, numel, count) for (name, numel), count in rows.items()], facts
 
 
@@ -100,7 +116,7 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
 
         return replace(base, derived=derived)
     path = cache_path(config, PARAMS_KIND)
-    data = read_json(path, path.stem)
+    data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)  # shipped for catalog models
     if data is not None and isinstance(data.get("params"), list):
         rows = [ParamTensor(str(n), int(k), int(c)) for n, k, c in data["params"]]
         facts = data.get("facts", {})
@@ -113,7 +129,9 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
                           "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    kv = int(getattr(text, "num_key_value_heads", 0) or heads)
+    kv = int(getattr(text, "num_key_value_heads", 0) or getattr(text, "num_kv_heads", 0) or heads)
+    if getattr(text, "multi_query", False) is True and not getattr(text, "new_decoder_architecture", False):
+        kv = 1  # Falcon-7B style multi-query attention: one K/V head whatever num_kv_heads says
     head_dim = int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0))
     inter = 0
     for key in ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"):
@@ -130,4 +148,5 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
         is_decoder=bool(facts.get("is_decoder", True)), gated_mlp=False, hidden_act=act, norm="",
         tie_word_embeddings=bool(facts.get("tied", False)), source=source,
-        extra={"derived_from": facts.get("class", ""), "layout_known": False}, derived=derived)
+        extra={"derived_from": facts.get("class", ""), "layout_known": False,
+               **({"supports_sdpa": False} if facts.get("supports_sdpa") is False else {})}, derived=derived)

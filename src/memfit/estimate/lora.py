@@ -116,9 +116,14 @@ def lora_targets(graph, ft: Finetune) -> tuple[str, ...]:
 
 
 def _block_linears(graph) -> list[tuple[str, Linear]]:
-    """Every Linear that is not a head's output projection (peft 'all-linear' leaves the output layer out)."""
+    """Every Linear that is not a head's output projection (peft 'all-linear' leaves the output layer out) nor a
+    stacked expert weight (a 3-D parameter, not an nn.Linear: peft cannot adapt it, and with_lora skips it)."""
+    from ..graph.transforms import _in_stacked_experts
+
     out = []
     for path, node, parents in walk(graph):
+        if _in_stacked_experts(parents):
+            continue
         if isinstance(node, Linear) and not any(isinstance(p, _HEADS) and field in ("proj", "decoder")
                                                  for p, field in parents):
             if not any(isinstance(p, LoraLinear) for p, _ in parents):

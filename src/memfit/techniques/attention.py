@@ -12,6 +12,8 @@ class FlashAttention(Technique):
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.attention is Attention.SDPA:
             return Skip("already a kernel that never materialises T x T (sdpa)")
+        if ctx.spec.extra.get("supports_sdpa") is False:  # e.g. gpt_oss (attention sinks): eager only
+            return Skip(f"transformers has no sdpa attention for {ctx.spec.model_type} (eager only)")
         return Proposal(ctx.setup.replace(attention=Attention.SDPA),
                         "AutoModelForCausalLM.from_pretrained(..., attn_implementation=\"sdpa\")",
                         "none: usually faster than eager attention",

@@ -1,0 +1,102 @@
+"""Regenerate src/memfit/data/derived: the derivations memfit ships for catalog models without a recipe, so that
+`memfit plan NAME` and `memfit models` need no trace on a fresh machine.
+
+For each catalog entry whose spec is derived (memfit.derive), this writes one file per setup kind that
+`memfit plan` uses by default (autocast bf16 and pure bf16, CUDA kernels) plus one for its parameter tensors, named
+`<config hash>-<kind>.json` as memfit.derive.cache looks them up. A family transformers cannot build with sdpa
+(gpt_oss) gets its eager kinds instead, since that is what it trains with.
+
+    python scripts/ship_derived.py            # derive what is missing
+    python scripts/ship_derived.py --force    # derive everything again (after a change to memfit.derive)
+    python scripts/ship_derived.py NAME ...   # only these catalog entries
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "src" / "memfit" / "data" / "derived"
+KINDS = ("amp-bf16/sdpa/cuda", "bf16/sdpa/cuda")
+
+
+def _write(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8")
+
+
+def _kinds(config: dict) -> tuple[str, ...]:
+    from memfit._torch.step import hf_config_from_dict
+    import transformers
+
+    hf = hf_config_from_dict(config)
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(hf), None)
+    if model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
+        return tuple(kind.replace("/sdpa/", "/eager/") for kind in KINDS)
+    return KINDS
+
+
+def ship(name: str, force: bool) -> list[str]:
+    from memfit.derive.cache import config_hash, library_versions, shipped_name
+    from memfit.derive.fit import derive_kind, quiet_transformers
+    from memfit.derive.spec import PARAMS_KIND, _param_rows
+    from memfit.sources import catalog_config, resolve_model
+
+    config = catalog_config(name)
+    spec = resolve_model(name)
+    if spec.derived is None:
+        return []
+    written = []
+    base = {"model_type": config.get("model_type"), "config_hash": config_hash(config),
+            "versions": library_versions(), "catalog_name": name}
+    from memfit.sources.hf_config import FAMILIES
+
+    params_path = OUT / shipped_name(config, PARAMS_KIND)
+    if config["model_type"] not in FAMILIES and (force or not params_path.exists()):
+        with quiet_transformers():
+            rows, facts = _param_rows(config, spec.num_layers, name)
+        _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,
+                             "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
+        written.append(params_path.name)
+    for kind in _kinds(config):
+        path = OUT / shipped_name(config, kind)
+        if path.exists() and not force:
+            continue
+        started = time.perf_counter()
+        fit = derive_kind(config, kind)
+        _write(path, {**base, "kind": kind, "derive_seconds": round(time.perf_counter() - started, 3),
+                      "fit": fit.to_dict()})
+        written.append(path.name)
+    return written
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="catalog names (default: every catalog entry)")
+    parser.add_argument("--force", action="store_true", help="derive again even where a file exists")
+    args = parser.parse_args()
+    os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-ship-")  # never the user's cache
+    from memfit.sources import catalog_names
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name in args.names or catalog_names():
+        try:
+            written = ship(name, args.force)
+        except Exception as error:  # noqa: BLE001 - report every entry that cannot be derived, then go on
+            failed += 1
+            print(f"{name}: FAILED {type(error).__name__}: {str(error).splitlines()[0][:300]}", flush=True)
+            continue
+        if written:
+            print(f"{name}: {', '.join(written)}", flush=True)
+    total = sum(p.stat().st_size for p in OUT.glob("*.json"))
+    print(f"{len(list(OUT.glob('*.json')))} files, {total:,} bytes in {OUT.name}/")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
