@@ -40,7 +40,9 @@ def describe_setup(setup: TrainingSetup) -> str:
     return (f"micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, accum {setup.grad_accum_steps}, "
             f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
             f"sharding {setup.sharding}, offload {setup.offload}"
-            + (f", {setup.finetune}" if setup.finetune.adapters else ""))
+            + (f", {setup.finetune}" if setup.finetune.adapters else "")
+            + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
+            + (", optimizer in backward" if setup.optimizer_in_backward else ""))
 
 
 def _heading(console: Console, title: str) -> None:

@@ -26,7 +26,7 @@ from ..errors import ConfigError, MemfitError
 from ..finetune import BaseWeights, Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Sharding,
                      TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 
@@ -196,6 +196,15 @@ EngineOpt = Annotated[Optional[Engine], _choice_option(
     help=f"Who shards and offloads: {_choices(Engine)} (DDP / ZeroRedundancyOptimizer / FSDP2). Their memory "
          "layouts differ. Default: deepspeed.")]
 
+LossOpt = Annotated[Optional[Loss], _choice_option(
+    "--loss", Loss,
+    help=f"{_choices(Loss)}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
+         "CEWithChunkedOutputLoss) or fused with the LM head (Liger; needs liger-kernel). Default: standard.")]
+InBackwardOpt = Annotated[Optional[bool], _option(
+    "--optimizer-in-backward/--no-optimizer-in-backward", panel=SETUP_PANEL,
+    help="Step each parameter in backward and free its gradient (torchtune optimizer_in_bwd): no gradient "
+         "accumulation or clipping, one GPU. Default: off.")]
+
 MethodOpt = Annotated[Optional[Method], _option(
     "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
     help=f"What is trained: {_choices(Method)} (LoRA: peft adapters on a frozen base; QLoRA: on a 4-bit "
@@ -254,6 +263,8 @@ class SetupOptions:
     zero: Sharding | None = None
     offload: Offload | None = None
     engine: Engine | None = None
+    loss: Loss | None = None
+    optimizer_in_backward: bool | None = None
     method: Method | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -317,7 +328,7 @@ class SetupOptions:
         return dict(micro_batch_size=self.batch, seq_len=self.seq, grad_accum_steps=self.accum,
                     precision=self.precision, optimizer=self.optimizer, checkpointing=self.checkpointing,
                     attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
-                    finetune=self.finetune())
+                    loss=self.loss, optimizer_in_backward=self.optimizer_in_backward, finetune=self.finetune())
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -357,14 +368,15 @@ def _finetune_options(ft: Finetune) -> dict[str, Any]:
 
 _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "grad_accum_steps",
                     "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
-                    "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine"}
+                    "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
+                    "loss": "loss", "optimizer_in_backward": "optimizer_in_backward"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
-    "engine": EngineOpt,
+    "engine": EngineOpt, "loss": LossOpt, "optimizer_in_backward": InBackwardOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
     "double_quant": DoubleQuantOpt,

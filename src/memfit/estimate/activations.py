@@ -270,8 +270,9 @@ def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_le
     return {k: int(v) for k, v in out.items()}
 
 
-def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict[str, int]:
-    """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform)."""
+def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, *, head_input: bool = True) -> dict[str, int]:
+    """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform).
+    `head_input=False`: a fused loss keeps no LM-head input (it saves the input's gradient instead)."""
     if spec.derived is not None:
         from .. import derive
         return derive.head_saved_bytes(spec, setup, tokens)
@@ -286,6 +287,8 @@ def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict
         rows = _rmsnorm(spec, d) + [Saved("norms", h, "lin", role="head")]
     if spec.frozen:  # a frozen final norm and LM head keep nothing for their weights
         rows = [r for r in rows if not r.role]
+    if not head_input:
+        rows = [r for r in rows if r.role != "head"]
     return {"head": int(sum(d.bytes_of(r) for r in rows) * tokens)}
 
 
