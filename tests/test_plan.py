@@ -220,7 +220,7 @@ def test_keep_gpus_turns_the_gpu_count_off():
 
 def test_activation_bound_plan_suggests_what_cuts_activations():
     spec, hw = resolve_model("llama-3.1-8b"), make_hardware("H100")
-    result = plan(spec, TrainingSetup(micro_batch_size=1, seq_len=131072), hw)
+    result = plan(spec, TrainingSetup(micro_batch_size=1, seq_len=131072), hw, keep=frozenset({"loss"}))
     assert result.final_diagnosis.bottleneck is Bottleneck.ACTIVATIONS
     assert not any("LoRA" in s for s in result.suggestions)
     (seq_line,) = [s for s in result.suggestions if s.startswith("a shorter sequence:")]
@@ -232,7 +232,10 @@ def test_activation_bound_plan_suggests_what_cuts_activations():
 
     assert seq % 64 == 0 and fits(seq) and not fits(seq + 64)
     assert any(s.startswith("not sized by memfit yet:") and "sequence / context parallelism" in s
-               and "cross-entropy" in s for s in result.suggestions)
+               for s in result.suggestions)
+    assert any(s.startswith("a fused cross-entropy") for s in result.suggestions)
+    # with the loss free to change, the fused loss rung makes the same step fit
+    assert plan(spec, TrainingSetup(micro_batch_size=1, seq_len=131072), hw).final_setup.loss.value != "standard"
 
 
 def test_pinned_activation_rungs_are_suggested_with_their_size():

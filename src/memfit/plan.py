@@ -23,9 +23,9 @@ from .throughput import relative_step_time
 from .errors import ConfigError
 from .units import format_bytes
 
-NOT_SIZED = ("not sized by memfit yet: sequence / context parallelism (each GPU holds a slice of every sequence) "
-             "and a chunked or fused cross-entropy (never holds the whole B x T x V log-softmax and logit "
-             "gradients{loss})")
+NOT_SIZED = "not sized by memfit yet: sequence / context parallelism (each GPU holds a slice of every sequence)"
+FUSED_LOSS_HINT = ("a fused cross-entropy (--loss fused, Liger; pinned here) never holds the whole B x T x V "
+                   "logits, log-softmax and their gradients{loss}")
 NO_GPU_COUNT = "it does not fit even on"
 
 
@@ -317,8 +317,10 @@ def _activation_suggestions(ctx: Context) -> list[str]:
         smaller = setup.replace(micro_batch_size=1, grad_accum_steps=setup.grad_accum_steps * setup.micro_batch_size)
         out.append(f"micro-batch 1 x accum {smaller.grad_accum_steps}: {_sized(ctx, smaller)}"
                    + _pinned_note(ctx, "micro_batch_size", "grad_accum_steps"))
-    loss = sum(t.num_bytes for t in ctx.estimate.terms if "loss" in t.name)
-    out.append(NOT_SIZED.format(loss=f": {format_bytes(loss)} here" if loss else ""))
+    out.append(NOT_SIZED)
+    if ctx.setup.loss.value == "standard":
+        loss = sum(t.num_bytes for t in ctx.estimate.terms if "loss" in t.name or "logits" in t.name)
+        out.append(FUSED_LOSS_HINT.format(loss=f": {format_bytes(loss)} here" if loss else ""))
     return out
 
 

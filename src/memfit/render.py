@@ -41,7 +41,9 @@ def describe_setup(setup: TrainingSetup) -> str:
             f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
             f"sharding {setup.sharding}, offload {setup.offload}"
             + (f", tp {setup.tp}{' + sequence parallel' if setup.sequence_parallel else ''}" if setup.tp > 1 else "")
-            + (f", {setup.finetune}" if setup.finetune.adapters else ""))
+            + (f", {setup.finetune}" if setup.finetune.adapters else "")
+            + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
+            + (", optimizer in backward" if setup.optimizer_in_backward else ""))
 
 
 def _heading(console: Console, title: str) -> None:

@@ -185,6 +185,28 @@ class Attention(_Choice):
                 "eager": ("math", "naive")}[self.value]
 
 
+class Loss(_Choice):
+    """How the LM head's output becomes the loss: the largest activation of a large-vocabulary model."""
+
+    STANDARD = "standard"  # transformers ForCausalLMLoss: the whole B x T x V logits, upcast to fp32
+    CHUNKED = "chunked"  # torchtune CEWithChunkedOutputLoss: head output per sequence chunk, each upcast on its own
+    FUSED = "fused"  # Liger fused linear cross-entropy: head + loss + their gradients chunk by chunk in forward
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"standard": ("hf", "default", "full", "none"),
+                "chunked": ("chunk", "chunked-output", "ce-chunked", "torchtune"),
+                "fused": ("liger", "fused-linear", "flce", "fused-linear-cross-entropy", "cce",
+                          "cut-cross-entropy")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "loss"
+
+
+LOSS_CHUNKS = 8
+"""torchtune CEWithChunkedOutputLoss(num_output_chunks=8): the sequence is cut into 8 chunks."""
+
+
 class Sharding(_Choice):
     NONE = "none"
     ZERO1 = "zero1"  # optimizer states sharded
@@ -258,13 +280,17 @@ class TrainingSetup:
     capacity_factor: float = 0.0
     """MoE models: 0 = dropless routing (transformers' experts); c >= 1 caps each expert at c x tokens x top_k /
     num_experts rows (an implementation that drops tokens), which bounds the worst-case load memfit shows."""
+    loss: Loss = Loss.STANDARD
+    """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
+    optimizer_in_backward: bool = False
+    """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
     def __post_init__(self) -> None:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
-                           ("engine", Engine)):
+                           ("engine", Engine), ("loss", Loss)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
@@ -277,6 +303,8 @@ class TrainingSetup:
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if not problems:
             problems += self._moe_problems()
+        if not isinstance(self.optimizer_in_backward, bool):
+            problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
         if not problems:
             problems += self._combination_problems()
         if problems:
@@ -316,6 +344,28 @@ class TrainingSetup:
             problems += self._torch_engine_problems()
         if self.finetune.adapters:
             problems += self._adapter_problems()
+        if self.optimizer_in_backward:
+            problems += self._in_backward_problems()
+        return problems
+
+    def _in_backward_problems(self) -> list[str]:
+        """Where stepping each parameter inside backward (torchtune optimizer_in_bwd) cannot run, or is not sized."""
+        problems = []
+        if self.grad_accum_steps > 1:
+            problems.append("optimizer in backward steps each parameter as its gradient arrives, so nothing can "
+                            "accumulate over micro-steps (torchtune refuses it too): use accum 1")
+        if self.num_gpus > 1 or self.sharding is not Sharding.NONE or self.offload is not Offload.NONE:
+            problems.append("optimizer in backward is sized on one GPU without sharding or offload (torchtune's "
+                            "single-device recipe); DeepSpeed owns its own step")
+        if self.precision is Precision.AMP_FP16:
+            problems.append("optimizer in backward cannot run amp-fp16: the GradScaler must see every gradient "
+                            "before any step; use amp-bf16")
+        if self.precision.master_weights:
+            problems.append("optimizer in backward with an fp32 master copy (bf16-master) is not sized yet: use "
+                            "amp-bf16 or bf16")
+        if self.finetune.adapters:
+            problems.append(f"optimizer in backward with {self.finetune.method} is not sized yet (the adapters' "
+                            "gradients are small anyway)")
         return problems
 
     def _adapter_problems(self) -> list[str]:
@@ -331,6 +381,8 @@ class TrainingSetup:
         if self.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
             problems.append(f"checkpointing {self.checkpointing} with {self.finetune.method} is not sized yet: use "
                             "full or none")
+        if self.loss is not Loss.STANDARD:
+            problems.append(f"a {self.loss} loss with {self.finetune.method} is not sized yet: use loss standard")
         if self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
@@ -386,6 +438,23 @@ class TrainingSetup:
         return problems
 
     def replace(self, **changes) -> "TrainingSetup":
+        """A copy with `changes`. Where they cannot combine with the optimizer step in backward or a non-standard
+        loss that they do not name (accumulation, ZeRO, LoRA...), those are turned back as well, so the change a
+        technique asks for still happens; setup_changes then names the turned-back fields too."""
+        try:
+            return dataclasses.replace(self, **changes)
+        except ConfigError:
+            fallbacks = [name for name, off in (("optimizer_in_backward", False), ("loss", Loss.STANDARD))
+                         if name not in changes and getattr(self, name) != off]
+            if not fallbacks:
+                raise
+        undone: dict = {}
+        for name in fallbacks:
+            undone[name] = False if name == "optimizer_in_backward" else Loss.STANDARD
+            try:
+                return dataclasses.replace(self, **changes, **undone)
+            except ConfigError:
+                continue
         return dataclasses.replace(self, **changes)
 
     @property
@@ -415,7 +484,8 @@ FIELD_LABELS: dict[str, str] = {
     "micro_batch_size": "micro-batch", "seq_len": "seq", "grad_accum_steps": "accum", "precision": "precision",
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
-    "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor"}
+    "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
+    "optimizer_in_backward": "optimizer in backward"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -449,7 +519,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "micro_batch": ("micro_batch_size",), "batch": ("micro_batch_size",), "accum": ("grad_accum_steps",),
     "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "tp": ("tp", "sequence_parallel"),
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
-    "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",)}
+    "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
+    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",)}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

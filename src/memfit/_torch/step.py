@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, MissingDependencyError
-from ..setup import Checkpointing, Optimizer, Precision, TrainingSetup
+from ..setup import LOSS_CHUNKS, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
 
 PhaseCallback = Callable[[str], None]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -165,7 +165,9 @@ def make_optimizer(model: torch.nn.Module, setup: TrainingSetup, *, lr: float | 
         raise ConfigError("the model has no trainable parameters (requires_grad=False everywhere): nothing to train")
     notes: list[str] = []
     build = functools.partial(_base_optimizer, setup=setup, lr=lr, notes=notes)
-    if setup.precision.master_weights:
+    if setup.optimizer_in_backward:
+        optimizer = InBackwardOptimizer(params, build)
+    elif setup.precision.master_weights:
         from .master import MasterWeightsOptimizer
 
         optimizer = MasterWeightsOptimizer(params, build)
@@ -224,6 +226,44 @@ _TORCHAO_CLASSES = {Optimizer.ADAMW_AO_8BIT: lambda m: m.AdamW8bit, Optimizer.AD
 
 def _on_cuda(params) -> bool:
     return any(p.device.type == "cuda" for p in params)
+
+
+class InBackwardOptimizer(torch.optim.Optimizer):
+    """The optimizer step inside backward, as torchtune's optimizer_in_bwd does it: one optimizer per parameter,
+    stepped by that parameter's `register_post_accumulate_grad_hook` as soon as its gradient is complete, after which
+    the gradient is released (`zero_grad(set_to_none=True)`). So at most one parameter's gradient exists at a time
+    and `step()` has nothing left to do. `param_groups` are the inner optimizers' groups and `state` their states
+    (filled as each first steps), so measure and trace find them; `remove()` takes the hooks off."""
+
+    def __init__(self, params, make_one: Callable[[list], torch.optim.Optimizer]) -> None:
+        params = list(params)
+        self.inner = {param: make_one([param]) for param in params}
+        first = next(iter(self.inner.values()))
+        super().__init__(params, dict(first.defaults))
+        self.param_groups = [group for inner in self.inner.values() for group in inner.param_groups]
+        self.state = {}
+        self._handles = [param.register_post_accumulate_grad_hook(self._step_one) for param in params]
+
+    def _step_one(self, param: torch.nn.Parameter) -> None:
+        inner = self.inner[param]
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        if param in inner.state:
+            self.state[param] = inner.state[param]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Nothing to do: every parameter stepped in backward."""
+        return None if closure is None else closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.inner:
+            param.grad = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 # --------------------------------------------------------------------------------------------------- the batch
@@ -311,7 +351,7 @@ def forward_backward(model: torch.nn.Module, optimizer, batches, setup: Training
     device_type = model_device(model).type
     autocast = autocast_factory(setup, device_type) if hooks.autocast else contextlib.nullcontext
     scaler = None if hooks.engine_backward else _grad_scaler(optimizer, setup, device_type)
-    compute_loss = loss_fn or default_loss
+    compute_loss = loss_fn or setup_loss(setup)
     total = 0.0
     for index, batch in enumerate(micro_batches):
         notify("forward")
@@ -341,6 +381,11 @@ def optimizer_step(model: torch.nn.Module, optimizer, setup: TrainingSetup, *,
     with torch.profiler.record_function("memfit::optimizer"):
         if hooks.engine_backward is not None:
             return  # the engine stepped at the accumulation boundary
+        if setup.optimizer_in_backward:
+            if hooks.max_grad_norm:
+                raise ConfigError("gradient clipping needs every gradient before any step: it does not combine "
+                                  "with optimizer in backward (torchtune refuses it too)")
+            return  # every parameter stepped, and its gradient was freed, inside backward
         scaler = _grad_scaler(optimizer, setup, model_device(model).type)
         target = _scaled_step(optimizer, hooks.step) if scaler is not None else None
         if not resume:
@@ -356,6 +401,126 @@ def optimizer_step(model: torch.nn.Module, optimizer, setup: TrainingSetup, *,
         else:
             (hooks.step or optimizer.step)()
         optimizer.zero_grad(set_to_none=True)
+
+
+def setup_loss(setup: TrainingSetup) -> LossFn:
+    """The loss the setup names: the model's own (`.loss`), torchtune's chunked one or the fused one."""
+    if setup.loss is Loss.CHUNKED:
+        return chunked_loss
+    if setup.loss is Loss.FUSED:
+        return fused_loss
+    return default_loss
+
+
+IGNORE_INDEX = -100
+
+
+def chunked_loss(model: torch.nn.Module, batch, num_chunks: int = LOSS_CHUNKS) -> torch.Tensor:
+    """torchtune's CEWithChunkedOutputLoss on an HF causal LM: the decoder's hidden states cut into `num_chunks`
+    pieces along the sequence, the LM head applied to each (all chunks' logits exist until the loss returns, as
+    torchtune's model returns them as a list), each chunk upcast to fp32 and cross-entropy'd (reduction sum) on its
+    own, the sum divided by the number of labelled tokens. Labels shifted as transformers' ForCausalLMLoss does."""
+    hidden, head, labels = _decoder_output(model, batch, "chunked")
+    logits = [head(part) for part in hidden.tensor_split(num_chunks, dim=1)]
+    del hidden
+    shifted = _shifted_labels(labels)
+    total = None
+    for part, part_labels in zip(logits, shifted.tensor_split(num_chunks, dim=1)):
+        chunk_loss = torch.nn.functional.cross_entropy(part.float().flatten(0, 1), part_labels.reshape(-1),
+                                                       ignore_index=IGNORE_INDEX, reduction="sum")
+        total = chunk_loss if total is None else total + chunk_loss
+    return total / (shifted != IGNORE_INDEX).sum()
+
+
+def fused_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """A pure-torch reference of the memory behaviour of Liger's fused linear cross-entropy
+    (LigerFusedLinearCrossEntropyFunction), which needs Triton and so never runs on a CPU: the LM head, the loss and
+    both their gradients computed chunk by chunk in forward, so the B x T x V logits never exist; only the gradient
+    of the hidden states and of the head weight are kept for backward."""
+    hidden, head, labels = _decoder_output(model, batch, "fused")
+    if getattr(head, "bias", None) is not None:
+        raise ConfigError("the fused loss reference covers an LM head without bias")
+    shifted = _shifted_labels(labels).reshape(-1)
+    return FusedLinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, shifted)
+
+
+def fused_chunk_rows(tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Liger's chunk rule (ops/fused_linear_cross_entropy.py): inc_factor = ceil(V / H), chunk_size =
+    next_power_of_2(ceil(BT / inc_factor)), at most BT: a chunk's logits hold about BT x H elements."""
+    inc = -(-vocab_size // hidden_size)
+    rows = 1 << max(0, (-(-tokens // inc) - 1).bit_length())
+    return min(rows, tokens)
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """loss = mean cross-entropy of (hidden @ weight.T) against labels, with the gradients made in forward chunk by
+    chunk in place in each chunk's logits (Liger's scheme); backward only hands them out (scaled when the incoming
+    gradient is not 1)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels):
+        rows, hidden_size = hidden.shape
+        chunk = fused_chunk_rows(rows, hidden_size, weight.shape[0])
+        valid = labels != IGNORE_INDEX
+        count = valid.sum().clamp(min=1)
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            part = hidden[start:end]
+            logits = torch.nn.functional.linear(part, weight)  # chunk x V, compute dtype (autocast's cached cast)
+            target = labels[start:end].clamp(min=0).unsqueeze(1)
+            keep = valid[start:end].unsqueeze(1)
+            picked = logits.gather(1, target).float()
+            top = logits.amax(dim=1, keepdim=True)
+            logits.sub_(top).exp_()  # in place, as Liger's kernel overwrites the logits with their gradient
+            norm = logits.sum(dim=1, keepdim=True, dtype=torch.float32)
+            loss += ((norm.log() + top.float() - picked) * keep).sum()
+            logits.div_(norm)
+            logits.scatter_add_(1, target, -keep.to(logits.dtype))
+            logits.mul_(keep / count)
+            if logits.dtype == grad_hidden.dtype == weight.dtype:
+                torch.mm(logits, weight, out=grad_hidden[start:end])
+            else:  # autocast: a chunk x h product in the compute dtype, copied into the fp32 gradient
+                grad_hidden[start:end] = torch.matmul(logits, weight)
+            if grad_weight is not None:
+                if logits.dtype == grad_weight.dtype == part.dtype:
+                    grad_weight.addmm_(logits.t(), part)
+                else:  # autocast: a chunk-sized fp32 copy of the gradient, not a weight-sized product
+                    grad_weight.addmm_(logits.t().to(grad_weight.dtype), part.to(grad_weight.dtype))
+            del logits
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden.mul_(grad_output)  # in place, as Liger's element_mul_kernel (a no-op scale when it is 1)
+        if grad_weight is not None:
+            grad_weight.mul_(grad_output)
+        return grad_hidden, grad_weight, None
+
+
+def _decoder_output(model, batch, what: str):
+    """The decoder's last hidden states (after the final norm), the LM head and the labels of an HF causal LM."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    prefix = getattr(model, "base_model_prefix", "")
+    decoder = getattr(model, prefix, None) if prefix else None
+    config = getattr(model, "config", None)
+    if (head is None or decoder is None or not isinstance(batch, Mapping) or batch.get("labels") is None
+            or getattr(config, "model_type", "") in MASKED_LM_TYPES):
+        raise ConfigError(f"the {what} loss runs on a Hugging Face causal LM with labels in the batch")
+    if getattr(config, "final_logit_softcapping", None):
+        raise ConfigError(f"the {what} loss does not apply final_logit_softcapping: use loss standard")
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    hidden = decoder(**inputs).last_hidden_state
+    return hidden, head, batch["labels"]
+
+
+def _shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' ForCausalLMLoss: pad with the ignore index on the right, drop the first position."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
 
 
 def default_loss(model: torch.nn.Module, batch) -> torch.Tensor:

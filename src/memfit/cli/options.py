@@ -26,7 +26,7 @@ from ..errors import ConfigError, MemfitError
 from ..finetune import BaseWeights, Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Sharding,
                      TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 
@@ -224,6 +224,14 @@ SequenceParallelOpt = Annotated[Optional[bool], _option(
     "--sequence-parallel/--no-sequence-parallel", panel=SETUP_PANEL,
     help="With --tp: split norms and the residual stream along the sequence (Megatron SP; torchtitan's "
          "SequenceParallel). Default: off.")]
+LossOpt = Annotated[Optional[Loss], _choice_option(
+    "--loss", Loss,
+    help=f"{_choices(Loss)}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
+         "CEWithChunkedOutputLoss) or fused with the LM head (Liger; needs liger-kernel). Default: standard.")]
+InBackwardOpt = Annotated[Optional[bool], _option(
+    "--optimizer-in-backward/--no-optimizer-in-backward", panel=SETUP_PANEL,
+    help="Step each parameter in backward and free its gradient (torchtune optimizer_in_bwd): no gradient "
+         "accumulation or clipping, one GPU. Default: off.")]
 
 MethodOpt = Annotated[Optional[Method], _option(
     "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
@@ -285,6 +293,8 @@ class SetupOptions:
     engine: Engine | None = None
     tp: int | None = None
     sequence_parallel: bool | None = None
+    loss: Loss | None = None
+    optimizer_in_backward: bool | None = None
     method: Method | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -351,7 +361,8 @@ class SetupOptions:
                     precision=self.precision, optimizer=self.optimizer, checkpointing=self.checkpointing,
                     attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
-                    expert_parallel=self.ep, capacity_factor=self.capacity_factor)
+                    expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
+                    optimizer_in_backward=self.optimizer_in_backward)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -393,14 +404,15 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
                     "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
                     "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
-                    "capacity_factor": "capacity_factor"}
+                    "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
-    "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt,
+    "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "loss": LossOpt,
+    "optimizer_in_backward": InBackwardOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
     "double_quant": DoubleQuantOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,

@@ -101,7 +101,9 @@ def describe(setup: TrainingSetup) -> str:
     parts = [f"micro batch {setup.micro_batch_size} x seq {setup.seq_len}", f"grad accum {setup.grad_accum_steps}",
              f"{setup.num_gpus} GPU(s)", str(setup.precision), str(setup.optimizer),
              f"checkpointing {setup.checkpointing}", f"attention {setup.attention}", f"sharding {setup.sharding}",
-             f"offload {setup.offload}"] + ([str(setup.finetune)] if setup.finetune.adapters else [])
+             f"offload {setup.offload}"] + ([str(setup.finetune)] if setup.finetune.adapters else []) + (
+                 [f"loss {setup.loss}"] if setup.loss.value != "standard" else []) + (
+                 ["optimizer in backward"] if setup.optimizer_in_backward else [])
     return ", ".join(parts)
 
 

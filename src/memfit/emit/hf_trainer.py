@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
+from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
@@ -101,7 +101,7 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                 "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
-    for part in (_precision_part, _optimizer_part, _checkpointing_part, _engine_part):
+    for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
                                                        legacy_names=legacy_names)
         content.update(part_content)
@@ -200,6 +200,24 @@ def selective_checkpointing_note(setup: TrainingSetup) -> str:
     elif mode is Checkpointing.ATTENTION:
         text += "; Megatron-LM: --recompute-granularity selective (core attention)"
     return text + "."
+
+
+def _loss_part(setup: TrainingSetup, **_):
+    """The fused loss is Liger's (TrainingArguments.use_liger_kernel patches the model's forward with its fused
+    linear cross-entropy); the chunked loss and the optimizer step in backward are torchtune's, said in notes."""
+    content, comments, notes = {}, {}, []
+    if setup.loss is Loss.FUSED:
+        content["use_liger_kernel"] = True
+        comments["use_liger_kernel"] = ("Liger kernels incl. the fused linear cross-entropy: no B x T x V logits "
+                                        "(pip install liger-kernel; CUDA + Triton)")
+    elif setup.loss is Loss.CHUNKED:
+        notes.append("The chunked loss is torchtune's: `loss: _component_: torchtune.modules.loss."
+                     "CEWithChunkedOutputLoss` (num_output_chunks 8; newer torchtune: LinearCrossEntropyLoss). The HF "
+                     "Trainer has no chunked loss; `use_liger_kernel=True` (fused) saves more.")
+    if setup.optimizer_in_backward:
+        notes.append("The optimizer step in backward is torchtune's `optimizer_in_bwd: True` (with "
+                     "gradient_accumulation_steps 1 and clip_grad_norm null); TrainingArguments has no such option.")
+    return content, comments, notes
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):

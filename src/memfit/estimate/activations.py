@@ -363,8 +363,9 @@ def _sequence_share(setup: TrainingSetup) -> int:
     return setup.tp if setup.sequence_parallel else 1
 
 
-def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict[str, int]:
-    """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform)."""
+def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, *, head_input: bool = True) -> dict[str, int]:
+    """Bytes saved after the last layer and before the logits: final norm, LM-head input (and BERT's MLM transform).
+    `head_input=False`: a fused loss keeps no LM-head input (it saves the input's gradient instead)."""
     from . import moe
     spec = moe.as_recipe(spec, setup)
     if spec.derived is not None:
@@ -381,6 +382,8 @@ def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int) -> dict
         rows = _rmsnorm(spec, d) + [Saved("norms", h, "lin", role="head")]
     if spec.frozen:  # a frozen final norm and LM head keep nothing for their weights
         rows = [r for r in rows if not r.role]
+    if not head_input:
+        rows = [r for r in rows if r.role != "head"]
     share = _sequence_share(setup)  # SP: the final norm is sequence-sharded, the head's input gathered whole
     return {"head": int(sum(d.bytes_of(r) / (1 if r.role == "head" else share) for r in rows) * tokens)}
 

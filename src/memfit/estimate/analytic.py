@@ -18,7 +18,8 @@ from ..diagnose import PAGED_STATES
 from ..errors import ConfigError
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
-from ..setup import Checkpointing, Engine, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
+from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
+                     fsdp2_mixed_precision)
 from . import activations as act
 from . import fsdp2, lora, moe, tensor_parallel
 from .device import runtime_overhead_terms
@@ -40,6 +41,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     if not spec.is_transformer:
         raise ConfigError(f"'{spec.name}' has no transformer shape memfit can size analytically: "
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
+    if setup.loss is not Loss.STANDARD and (not spec.is_decoder or spec.extra.get("final_logit_softcapping")):
+        raise ConfigError(f"a {setup.loss} loss is sized for causal LMs without final logit softcapping; "
+                          f"'{spec.name}' needs loss standard")
     spec = lora.adapted_spec(spec, setup)
     moe.check(spec, setup)
     spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
@@ -182,24 +186,40 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
             if group == "attention" and act.core_recomputed(setup):
                 formula += " (the checkpointed eager core keeps its q, k, v inputs and output, no T x T)"
             terms.append(Term(f"activations/{label}", Category.ACTIVATIONS, total, formula, ENGINE_SOURCE))
-    head = act.head_saved_bytes(spec, setup, tokens)["head"]
+    fused = setup.loss is Loss.FUSED
+    head = act.head_saved_bytes(spec, setup, tokens, head_input=not fused)["head"]
     emb = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu) + 2 * 8 * tokens  # + input_ids and labels
     terms.append(Term("activations/embeddings", Category.ACTIVATIONS, emb,
                       "token ids, labels, position tables", ENGINE_SOURCE))
     terms.append(Term("activations/head", Category.ACTIVATIONS, head,
-                      "final norm and LM-head input (BERT: MLM transform)", ENGINE_SOURCE))
+                      "final norm" + ("" if fused else " and LM-head input (BERT: MLM transform)"), ENGINE_SOURCE))
     vocab = spec.vocab_size * tokens
+    if fused:
+        terms += _fused_loss_terms(spec, setup, d)
+        if setup.precision.is_autocast:
+            copies = 2 * (_linear_weight_elems(spec) if not ckpt else spec.vocab_size * spec.hidden_size)
+            copies -= 2 * spec.vocab_size * spec.hidden_size  # the head's cast is only cached, never saved
+            terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, copies,
+                              "2 B x Linear weights but the LM head's: bf16 casts cached by autocast, saved for "
+                              "backward", "torch.autocast weight cast cache"))
+        return terms
     logits = vocab * d.compute
     if spec.extra.get("final_logit_softcapping"):
         terms.append(Term("activations/logit_softcap", Category.ACTIVATIONS, logits,
                           f"B x T x V x {d.compute} B: tanh(logits / cap), kept for backward",
                           "transformers Gemma2ForCausalLM final_logit_softcapping"))
+    chunked = setup.loss is Loss.CHUNKED
     terms.append(Term("activations/logits", Category.ACTIVATIONS, logits,
-                      f"B x T x V x {d.compute} B, until the loss is computed",
+                      f"B x T x V x {d.compute} B, until the loss is computed" + (
+                          f" (all {LOSS_CHUNKS} chunks: the model returns them as a list)" if chunked else ""),
+                      CHUNKED_SOURCE if chunked else
                       "HF CausalLMOutput; freed before backward when only the loss is kept (HF Trainer)"))
     loss_bytes = _loss_elem_bytes(spec, setup)
     terms.append(Term("activations/loss", Category.ACTIVATIONS, vocab * loss_bytes + 8 * tokens,
-                      f"B x T x V x {loss_bytes} B log-softmax + shifted labels",
+                      f"B x T x V x {loss_bytes} B log-softmax" + (" (every chunk's, saved by its own "
+                                                                   "cross-entropy)" if chunked else "")
+                      + " + shifted labels",
+                      CHUNKED_SOURCE if chunked else
                       "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not"))
     terms += moe.terms(spec, setup, d)
     if setup.precision.is_autocast:
@@ -211,6 +231,32 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                           "2 B x Linear weights: bf16 casts cached by autocast, saved for backward",
                           "torch.autocast weight cast cache"))
     return terms
+
+
+CHUNKED_SOURCE = ("torchtune CEWithChunkedOutputLoss (num_output_chunks=8: head per sequence chunk, "
+                  "F.cross_entropy(chunk.float(), reduction='sum') per chunk); memfit._torch.step.chunked_loss")
+FUSED_SOURCE = ("Liger LigerFusedLinearCrossEntropyFunction (ops/fused_linear_cross_entropy.py: gradients made in "
+                "forward, chunk_size = next_power_of_2(ceil(BT / ceil(V / H)))); measured on memfit's pure-torch "
+                "reference, memfit._torch.step.FusedLinearCrossEntropy")
+
+
+def _fused_loss_terms(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes) -> list[Term]:
+    """What the fused loss keeps from forward to backward: the gradient of the hidden states (their dtype) and of
+    the head weight (its dtype), made in forward chunk by chunk; no logits, no log-softmax, no labels."""
+    tokens, h = setup.tokens_per_micro_step, spec.hidden_size
+    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    return [Term("activations/loss", Category.ACTIVATIONS, tokens * h * d.residual,
+                 f"B x T x h x {d.residual} B: the hidden states' gradient, made in forward", FUSED_SOURCE),
+            Term("gradients/fused_head", Category.GRADIENTS, spec.vocab_size * h * p_bytes,
+                 f"V x h x {p_bytes} B: the LM head's gradient, made in forward (it becomes .grad in backward)",
+                 FUSED_SOURCE)]
+
+
+def _fused_chunk_rows(spec: ModelSpec, tokens: int) -> int:
+    """Liger's chunk rule: ceil(V / H) chunks' worth of tokens, rounded up to a power of two, at most B x T."""
+    inc = -(-spec.vocab_size // spec.hidden_size)
+    rows = 1 << max(0, (-(-tokens // inc) - 1).bit_length())
+    return min(rows, tokens)
 
 
 def _loss_elem_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
@@ -319,7 +365,8 @@ class _Step:
 
 
 # Saved by the head and the loss: gone once the head's backward has run.
-_HEAD_AND_LOSS = ("activations/logits", "activations/loss", "activations/head", "activations/logit_softcap")
+_HEAD_AND_LOSS = ("activations/logits", "activations/loss", "activations/head", "activations/logit_softcap",
+                  "gradients/fused_head")
 
 
 def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int, on_cpu: bool) -> dict:
@@ -328,6 +375,8 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
     step = _Step(spec, setup, static, _activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
     # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
     early_grads = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
+    if setup.optimizer_in_backward:
+        early_grads = 0
     forward = step.static_terms(early_grads) + step.acts
     moments = {
         "forward end": (Phase.FORWARD, forward),
@@ -340,20 +389,39 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         "root reduce-scatter": (Phase.BACKWARD, _root_reduce(step)),
         "optimizer step": (Phase.OPTIMIZER, _optimizer_step(step, step_temp)),
     }
+    if setup.loss is Loss.FUSED:
+        moments["final norm backward"] = (Phase.BACKWARD, _final_norm_backward(step, early_grads))
+    if setup.optimizer_in_backward:
+        moments.update(_in_backward_moments(step))
     if spec.frozen and setup.checkpointing is Checkpointing.FULL and static.fsdp is None:
         moments.update(lora.checkpointed_moments(step, moments))
     return moments
 
 
+def _chunk_tokens(setup: TrainingSetup) -> list[int]:
+    """Tokens of each of the chunked loss's chunks, in the order backward meets them (the last chunk first):
+    torch.tensor_split along the sequence gives the first T mod K chunks one position more."""
+    quotient, remainder = divmod(setup.seq_len, LOSS_CHUNKS)
+    sizes = [setup.micro_batch_size * (quotient + (i < remainder)) for i in range(LOSS_CHUNKS)]
+    return [n for n in reversed(sizes) if n]
+
+
 def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
     """Inside the loss, still under autocast: ForCausalLMLoss upcasts the logits (`logits.float()`, a new fp32 tensor
     beside the log-softmax it feeds), and autocast's cache still holds every Linear weight's cast: under checkpointing
-    these are not saved for backward, but live until the autocast region (forward and loss) exits."""
+    these are not saved for backward, but live until the autocast region (forward and loss) exits. The chunked loss
+    upcasts one chunk at a time (the last, once every other chunk's log-softmax is saved); the fused loss holds one
+    chunk of logits (and, under autocast, the reference's fp32 copy of it for the head-weight gradient)."""
     spec, setup = step.spec, step.setup
+    if setup.loss is Loss.FUSED:
+        return _fused_loss_forward(step, forward)
     if not spec.is_decoder or step.dtypes.compute == 4:
         return []
-    terms = list(forward) + [Term("temporaries/logits_fp32", Category.TEMPORARIES, spec.vocab_size * step.tokens * 4,
-                                  "B x T x V x 4 B: the logits upcast for the loss, until log-softmax has run",
+    upcast = spec.vocab_size * (max(_chunk_tokens(setup)) if setup.loss is Loss.CHUNKED else step.tokens) * 4
+    what = "one chunk of the logits" if setup.loss is Loss.CHUNKED else "B x T x V x 4 B: the logits"
+    terms = list(forward) + [Term("temporaries/logits_fp32", Category.TEMPORARIES, upcast,
+                                  f"{what} upcast for the loss, until log-softmax has run",
+                                  CHUNKED_SOURCE if setup.loss is Loss.CHUNKED else
                                   "transformers loss_utils.ForCausalLMLoss (logits.float())")]
     if setup.precision.is_autocast and setup.checkpointing.checkpointed_blocks(spec.num_layers):
         cached = 2 * _linear_weight_elems(spec)
@@ -362,9 +430,30 @@ def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
     return terms
 
 
+def _fused_loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
+    spec, setup, d = step.spec, step.setup, step.dtypes
+    rows = _fused_chunk_rows(spec, step.tokens)
+    extra = 4 if setup.precision.is_autocast else 0
+    terms = list(forward) + [Term(
+        "temporaries/loss_chunk", Category.TEMPORARIES, rows * spec.vocab_size * (d.compute + extra),
+        f"{rows} tokens x V x {d.compute} B: one chunk's logits, overwritten by their gradient"
+        + (" + its fp32 copy for the head-weight gradient (the reference; Liger's CUDA addmm(out_dtype=fp32) "
+           "makes none)" if extra else ""), FUSED_SOURCE)]
+    if setup.precision.is_autocast:  # autocast's cache holds every Linear weight's cast, the head's too
+        cached = 2 * _linear_weight_elems(spec)
+        terms = [replace(t, num_bytes=cached, formula="2 B x Linear weights: autocast's cast cache, until it exits")
+                 if t.name == "activations/autocast_weight_copies" else t for t in terms]
+    return terms
+
+
 def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
     """Log-softmax backward: its output and two B x T x V gradients. The Trainer keeps only the loss, so the logits
-    are gone by then (a loop that holds `outputs` through backward adds B x T x V x dtype here)."""
+    are gone by then (a loop that holds `outputs` through backward adds B x T x V x dtype here). The fused loss
+    makes nothing here (its gradients exist already); the chunked one runs chunk by chunk (`_chunked_backward`)."""
+    if step.setup.loss is Loss.FUSED:
+        return []
+    if step.setup.loss is Loss.CHUNKED:
+        return _chunked_loss_backward(step, forward)
     loss_bytes = _loss_elem_bytes(step.spec, step.setup)
     if step.setup.tp > 1:
         # torch.distributed.tensor.parallel.loss_parallel fuses nll and log-softmax backward as
@@ -382,6 +471,51 @@ def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
     return [t for t in forward if t.name != "activations/logits"] + [loss_tmp]
 
 
+def _chunked_loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
+    """The chunked loss's backward, one chunk at a time from the last: its log-softmax backward (two chunk x V fp32
+    gradients beside every log-softmax output not yet consumed), then its LM-head matmul backward (the logits'
+    gradient in the compute dtype, a V x h weight gradient added into autograd's buffer for the head weight, and a
+    chunk x h input gradient that waits, with the others, for tensor_split's backward). The worst of these."""
+    spec, setup, d = step.spec, step.setup, step.dtypes
+    vocab, h = spec.vocab_size, spec.hidden_size
+    head_grad = vocab * h * (d.compute if setup.precision.param_dtype == "fp32" else 2)
+    if not setup.precision.is_autocast and setup.precision.param_dtype == "fp32":
+        head_grad = vocab * h * 4
+    base = [t for t in forward if t.name not in ("activations/logits", "activations/loss")]
+    saved_total = next(t for t in forward if t.name == "activations/loss")
+    labels = 8 * step.tokens
+    best: tuple[int, list[Term]] | None = None
+    done = 0
+    for index, n in enumerate(_chunk_tokens(setup)):
+        buffered = head_grad if index else 0
+        hidden = done * h * d.residual
+        saved = saved_total.num_bytes - labels - 4 * vocab * done
+        candidates = [
+            (saved, 2 * 4 * vocab * n, "2 x chunk x V x 4 B: gradients of log-softmax and of the chunk's logits",
+             buffered, hidden),
+            (saved - 4 * vocab * n, vocab * n * d.compute + n * h * d.compute,
+             f"chunk x V x {d.compute} B logits gradient + chunk x h input gradient", buffered + head_grad, hidden)]
+        if d.compute != 4:
+            candidates.append((saved - 4 * vocab * n, vocab * n * (4 + d.compute),
+                               f"chunk x V x 4 B gradient and its {d.compute} B cast", buffered, hidden))
+        for saved_now, temp, what, grads, hidden_now in candidates:
+            terms = base + [
+                replace(saved_total, num_bytes=saved_now + labels,
+                        formula="the log-softmax outputs of the chunks whose backward has not run + labels"),
+                Term("temporaries/loss_backward", Category.TEMPORARIES, temp, what, CHUNKED_SOURCE),
+                Term("temporaries/head_gradient", Category.TEMPORARIES, grads,
+                     "V x h gradient of the head weight, summed over the chunks in autograd's input buffer "
+                     "(while one more is added)", "autograd InputBuffer accumulation"),
+                Term("temporaries/hidden_gradients", Category.TEMPORARIES, hidden_now,
+                     "the finished chunks' B x chunk x h input gradients, until tensor_split's backward",
+                     "autograd InputBuffer of SplitBackward")]
+            total = _total(terms)
+            if best is None or total > best[0]:
+                best = (total, terms)
+        done += n
+    return best[1] if best else []
+
+
 def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     """The last block's backward: every block's activations, the head's gradients, one block's temporaries (and,
     with checkpointing, that block rebuilt). Under FSDP2 the head's and the block's gradients are unsharded."""
@@ -389,7 +523,10 @@ def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     if static.fsdp is not None:
         terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(static.fsdp, first=True)
     else:
-        grads = _head_grads(spec, static)
+        head = _head_grads(spec, static)
+        if step.setup.optimizer_in_backward and not spec.tie_word_embeddings:
+            head = 0  # stepped and freed right after the head's backward
+        grads = head + _down_projection_grads(step)
         if act.core_recomputed(step.setup) and step.attention_backward_dominates(rebuilt_core=True):
             grads += static.grads_bytes * _block_mlp_params(spec) // max(spec.num_params, 1)  # its MLP's are made
         terms = step.static_terms(max(early_grads, grads))
@@ -398,6 +535,44 @@ def _first_block_backward(step: _Step, early_grads: int) -> list[Term]:
     if step.setup.checkpointing.checkpointed(spec.num_layers - 1):
         terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
     return terms
+
+
+def _final_norm_backward(step: _Step, early_grads: int) -> list[Term]:
+    """Fused loss: with no logits gradient before it, the peak moves to the final norm's backward, every block's
+    activations still alive: the norm's saved tensors, the head's gradient (unless stepped in backward) and the
+    B x T x h gradients of RMSNorm's chain (the incoming one, of weight * x, of x * rsqrt, of the fp32 input and
+    their sum: 5, measured on the tiny llama / qwen2; LayerNorm's fused backward: 3)."""
+    spec, static = step.spec, step.static
+    head = 0 if step.setup.optimizer_in_backward and not spec.tie_word_embeddings else _head_grads(spec, static)
+    count = 5 if spec.norm != "layernorm" else 3
+    acts = [replace(t, num_bytes=t.num_bytes - step.tokens * spec.hidden_size * step.dtypes.residual,
+                    formula="final norm's saved tensors, once `weight * x` has run its backward")
+            if t.name == "activations/head" else t
+            for t in step.acts_except("activations/logits", "activations/loss", "gradients/fused_head")]
+    return (step.static_terms(max(early_grads, head)) + acts
+            + [Term("temporaries/norm_backward", Category.TEMPORARIES, count * step.tokens * spec.hidden_size * 4,
+                    f"{count} x B x T x h x 4 B: the final norm's backward chain", "autograd of the final norm")])
+
+
+_BLOCK_ORDER_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def _measured_block_order(spec: ModelSpec) -> bool:
+    """Whether the late-backward details (block 0's checkpoint, its down projection's gradient, the recompute's
+    casts, a tied head's buffered gradient) were checked on measured steps of this family: the Llama recipe's
+    (tests/test_loss_and_inbwd.py). GPT-2 and BERT keep the earlier, coarser end-of-backward moment."""
+    return spec.model_type in _BLOCK_ORDER_FAMILIES and spec.derived is None
+
+
+def _down_projection_grads(step: _Step) -> int:
+    """The block's MLP output projection's weight gradient (I x h), made by the first matmul backward of the block,
+    before its MLP input gradients peak; stepped and freed at once under optimizer in backward. Checked on measured
+    CPU steps with checkpointing, where the block moments are the peak."""
+    spec = step.spec
+    if spec.frozen or spec.derived is not None or step.setup.optimizer_in_backward or not _measured_block_order(spec):
+        return 0
+    grad_bytes = 2 if step.setup.precision.param_dtype == "bf16" else 4
+    return spec.intermediate_size * spec.hidden_size * grad_bytes
 
 
 def _second_block_backward(step: _Step, early_grads: int) -> list[Term]:
@@ -434,7 +609,7 @@ def _end_of_backward(step: _Step) -> list[Term]:
     embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
     block0_wrapped = step.setup.checkpointing.checkpointed(0)
     if not block0_wrapped and static.fsdp is None:
-        return step.static_terms(static.grads_bytes) + embeddings
+        return step.static_terms(0 if step.setup.optimizer_in_backward else static.grads_bytes) + embeddings
     per_layer = spec.params_matching(".*.") // max(spec.num_layers, 1)
     pending = per_layer + spec.params_matching("embed_tokens", "wte", "word_embeddings", "embed_in")
     temporaries = step.layer_temporaries()
@@ -455,7 +630,24 @@ def _end_of_backward(step: _Step) -> list[Term]:
         return (step.static_terms(grads, _gathered(static, 1)) + fsdp2.block_backward_terms(static.fsdp, first=False)
                 + embeddings
                 + [temporaries, rebuilt])
+    detailed = _measured_block_order(spec) and not spec.frozen
+    if detailed and step.setup.checkpointing is Checkpointing.FULL and step.setup.precision.is_autocast:
+        # the recompute casts block 0's Linear weights to bf16 again and keeps them for its backward: that rebuilt
+        # block, before its first gradient, is the moment (measured on the tiny llama, amp-bf16)
+        casts = 2 * max(_linear_weight_elems(spec) - spec.vocab_size * spec.hidden_size, 0) // max(spec.num_layers, 1)
+        rebuilt = replace(rebuilt, num_bytes=rebuilt.num_bytes + casts,
+                          formula=rebuilt.formula + "; its Linear weights' bf16 casts, made again in the recompute")
+    elif not step.attention_backward_dominates() and _down_projection_grads(step):
+        pending -= spec.intermediate_size * spec.hidden_size  # block 0's down projection has its gradient
+    if detailed and step.setup.checkpointing is Checkpointing.FULL:  # block 0's input, kept until its backward
+        embeddings += [replace(t, name="activations/checkpoint0", num_bytes=t.num_bytes // max(spec.num_layers, 1),
+                               formula="block 0's input, held by its checkpoint until its backward ends")
+                       for t in step.acts if t.name == "activations/checkpoints"]
     grads = static.grads_bytes - static.grads_bytes * pending // max(spec.num_params, 1)
+    if detailed and spec.tie_word_embeddings and step.setup.checkpointing is Checkpointing.FULL:
+        grads += _head_grads(spec, static)  # the tied head's share waits in autograd's buffer for the embedding's
+    if step.setup.optimizer_in_backward:
+        grads = _head_grads(spec, static) if spec.tie_word_embeddings else 0  # a tied head's waits in the buffer
     return step.static_terms(grads) + embeddings + [temporaries, rebuilt]
 
 
@@ -498,6 +690,57 @@ def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:
     if units is None:
         return static
     return replace(static, param_working_set_bytes=(units.root_params + blocks * units.block_params) * units.compute_bytes)
+
+
+def _param_step_temp(spec: ModelSpec, setup: TrainingSetup, numel: int) -> int:
+    """Transient bytes of one parameter's own optimizer step (optimizer in backward: one optimizer per parameter)."""
+    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    if setup.optimizer is Optimizer.ADAMW:
+        return 2 * numel * p_bytes  # exp_avg_sq.sqrt() and its division by the bias correction
+    if setup.optimizer is Optimizer.ADAMW_FOREACH:
+        return numel * p_bytes  # _foreach_sqrt over a one-tensor list
+    if setup.optimizer is Optimizer.ADAFACTOR:
+        return (3 + (2 if p_bytes == 2 else 0)) * numel * 4
+    return 0
+
+
+IN_BACKWARD_SOURCE = ("torchtune optimizer_in_bwd: one optimizer per parameter, stepped by "
+                      "register_post_accumulate_grad_hook, then zero_grad(set_to_none=True); "
+                      "memfit._torch.step.InBackwardOptimizer")
+
+
+def _in_backward_moments(step: _Step) -> dict:
+    """Optimizer in backward: no gradient outlives its parameter's step, and there is no optimizer step moment.
+    Each parameter's gradient and its step's temporaries appear once, inside backward: the LM head's right after
+    its matmul backward (every block's activations still alive), the embedding's at the very end. A tied head's
+    gradient waits in autograd's buffer for the embedding's and steps with it at the end."""
+    spec, setup, static = step.spec, step.setup, step.static
+    vh = spec.vocab_size * spec.hidden_size
+    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    d = step.dtypes
+    one = lambda name, numel, what: [  # noqa: E731
+        Term("gradients/in_backward", Category.GRADIENTS, numel * p_bytes, f"{what}: its gradient", IN_BACKWARD_SOURCE),
+        Term("temporaries/optimizer_step", Category.TEMPORARIES, _param_step_temp(spec, setup, numel),
+             f"{setup.optimizer} step of {what} alone", IN_BACKWARD_SOURCE)]
+    embeddings = [t for t in step.acts if t.name == "activations/embeddings"]
+    moments: dict = {"optimizer step": (Phase.OPTIMIZER, [])}
+    hidden_grad = Term("temporaries/hidden_gradient", Category.TEMPORARIES, step.tokens * spec.hidden_size * d.residual,
+                       "B x T x h: the gradient flowing into the final norm", "autograd")
+    if spec.tie_word_embeddings:
+        moments["embedding gradient"] = (Phase.BACKWARD, step.static_terms(0) + embeddings + [Term(
+            "gradients/tied_embedding", Category.GRADIENTS, 3 * vh * p_bytes,
+            "3 x V x h: the LM head's and the embedding's contributions and their sum", "autograd InputBuffer")])
+        moments["embedding step"] = (Phase.BACKWARD, step.static_terms(0) + embeddings
+                                     + one("embedding", vh, "the tied embedding / LM head"))
+    else:
+        # the fused loss hands out the head's gradient before the final norm's backward: its saved tensors remain
+        kept = (step.acts_except("activations/logits", "activations/loss", "gradients/fused_head")
+                if setup.loss is Loss.FUSED else step.acts_except(*_HEAD_AND_LOSS))
+        moments["head step"] = (Phase.BACKWARD, step.static_terms(0) + kept + [hidden_grad]
+                                + one("head", vh, "the LM head"))
+        moments["embedding step"] = (Phase.BACKWARD, step.static_terms(0) + embeddings
+                                     + one("embedding", vh, "the embedding"))
+    return moments
 
 
 def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
