@@ -33,11 +33,11 @@ def test_torchtitan_fsdp_point_maps_to_zero3_over_its_world_size(points):
         assert (setup.micro_batch_size, setup.seq_len, setup.attention) == (2, 8192, Attention.SDPA)
         assert m.hardware.world_size == world and m.hardware.gpus_per_node == 8
         assert m.spec.name == "llama-3.1-8b"
-        # selective op checkpointing is what keeps it from being compared (nearest setup: full)
-        assert m.features == [gp.SELECTIVE] and not m.expressible
-        assert setup.checkpointing is Checkpointing.FULL
+        # torchtitan's selective op-level checkpointing: sized as such now, so the point is compared
+        assert m.features == [] and m.expressible
+        assert setup.checkpointing is Checkpointing.SELECTIVE_OP
     compiled = gp.map_point(points["P087"])
-    assert set(compiled.features) == {gp.SELECTIVE, gp.COMPILE, gp.FP8}
+    assert set(compiled.features) == {gp.COMPILE, gp.FP8}
 
 
 def test_lora_qlora_and_paged_rows_map_to_memfit(points):

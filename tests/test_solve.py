@@ -365,3 +365,24 @@ def test_sweep_has_lora_and_qlora_columns_sized_as_plans_size_them():
     by = {(c.seq_len, c.micro_batch_size, c.method): c for c in result.cells}
     assert by[(1024, 1, "qlora-ckpt")].fits and not by[(1024, 1, "full-bf16-adamw")].fits
     assert by[(1024, 1, "qlora-ckpt")].total_bytes < by[(1024, 1, "lora-ckpt")].total_bytes
+
+
+def test_sweep_html_is_one_offline_page_with_a_heat_map_per_method(tmp_path):
+    pytest.importorskip("plotly")
+    out = tmp_path / "sweep.html"
+    result = invoke("fit", "llama-3.1-8b", "--gpu", "RTX-4090", "--sweep", "--seqs", "1024,4096", "--batches",
+                    "1,4", "--html", str(out))
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert "<script src" not in page and "<link" not in page  # plotly.js inlined: opens offline
+    assert all(f'"name":"{key}"' in page for key in solve.DEFAULT_METHODS)  # one heat map trace per method
+    sweep = solve.sweep(LLAMA8, TrainingSetup(), make_hardware("RTX-4090"), seqs=[1024, 4096], batches=[1, 4])
+    from memfit.report.figures import sweep_figure
+
+    figure = sweep_figure(sweep)
+    for trace, method in zip(figure.data, sweep.methods):  # each cell's text is its GiB, "no" when it does not fit
+        for row, seq in zip(trace.text, sweep.seqs):
+            for text, batch in zip(row, sweep.batches):
+                cell = sweep.cell(seq, batch, method.key)
+                assert text == f"{cell.total_bytes / 2**30:.1f}" + ("" if cell.fits else " no")
+    assert invoke("fit", "llama-3.1-8b", "--max", "batch", "--html", str(out)).exit_code == 2

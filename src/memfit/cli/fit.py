@@ -110,6 +110,9 @@ CsvOpt = Annotated[Optional[Path], typer.Option(
 MarkdownOpt = Annotated[Optional[Path], typer.Option(
     "--markdown", metavar="FILE", rich_help_panel=OUTPUT_PANEL, show_default=False, dir_okay=False,
     help="With --sweep: also write the table as Markdown.")]
+HtmlOpt = Annotated[Optional[Path], typer.Option(
+    "--html", metavar="FILE", rich_help_panel=OUTPUT_PANEL, show_default=False, dir_okay=False,
+    help="With --sweep: also write the table as an offline HTML page with a heat map per method.")]
 FormatOpt = Annotated[Optional[Format], typer.Option(
     "--format", parser=_parse_choice(Format), metavar="table|csv|markdown", rich_help_panel=OUTPUT_PANEL,
     show_default=False, help="With --sweep: what stdout gets. Default: table.")]
@@ -131,7 +134,7 @@ _IGNORED = {Quantity.BATCH: (("batch", "--batch"),), Quantity.SEQ: (("seq", "--s
 @with_setup_options
 def fit_command(model: ModelArg, opts: SetupOptions, max_: MaxOpt = None, sweep: SweepOpt = False,
                 ladder: LadderOpt = False, step: StepOpt = None, seqs: SeqsOpt = None, batches: BatchesOpt = None,
-                methods: MethodsOpt = None, csv: CsvOpt = None, markdown: MarkdownOpt = None,
+                methods: MethodsOpt = None, csv: CsvOpt = None, markdown: MarkdownOpt = None, html: HtmlOpt = None,
                 format_: FormatOpt = None, json_output: JsonOpt = False) -> None:
     """Solve for the most that fits, or size a sequence x micro-batch x method table.
 
@@ -139,20 +142,22 @@ def fit_command(model: ModelArg, opts: SetupOptions, max_: MaxOpt = None, sweep:
     candidate does not (both shown). Exit code 0: an answer fits; 1: nothing fits (the answer says what was
     closest); 2: a mistake in the command, or a --sweep in which no cell fits.
     """
-    _check_options(max_, sweep, ladder, step, seqs, batches, methods, csv, markdown, format_, json_output)
+    _check_options(max_, sweep, ladder, step, seqs, batches, methods, csv, markdown, format_, json_output, html)
     if sweep:
-        _sweep(model, opts, seqs, batches, methods, csv, markdown, format_ or Format.TABLE, json_output)
+        _sweep(model, opts, seqs, batches, methods, csv, markdown, format_ or Format.TABLE, json_output, html)
         return
     _solve(model, opts, max_, ladder, step, json_output)
 
 
-def _check_options(max_, sweep, ladder, step, seqs, batches, methods, csv, markdown, format_, json_output) -> None:
+def _check_options(max_, sweep, ladder, step, seqs, batches, methods, csv, markdown, format_, json_output,
+                   html=None) -> None:
     if sweep and max_ is not None:
         raise ConfigError("give either --max or --sweep, not both")
     if not sweep and max_ is None:
         raise ConfigError("say what to solve for: --max batch|seq|gpus|gpu, or --sweep for the table")
     sweep_only = [name for name, value in (("--seqs", seqs), ("--batches", batches), ("--methods", methods),
-                                           ("--csv", csv), ("--markdown", markdown), ("--format", format_))
+                                           ("--csv", csv), ("--markdown", markdown), ("--format", format_),
+                                           ("--html", html))
                   if value is not None]
     if not sweep and sweep_only:
         raise ConfigError(f"{', '.join(sweep_only)} go with --sweep")
@@ -271,7 +276,7 @@ def _points(quantity: Quantity, result) -> list:
 
 
 def _sweep(model: str, opts: SetupOptions, seqs, batches, methods, csv_path: Path | None,
-           markdown_path: Path | None, fmt: Format, json_output: bool) -> None:
+           markdown_path: Path | None, fmt: Format, json_output: bool, html_path: Path | None = None) -> None:
     from .. import solve
 
     chosen = solve.get_methods(methods)
@@ -292,6 +297,10 @@ def _sweep(model: str, opts: SetupOptions, seqs, batches, methods, csv_path: Pat
         raise ConfigError(f"no point of the sweep fits on {hardware.gpu.name}{closest}; nothing written")
     _write(csv_path, result.to_csv(), "--csv")
     _write(markdown_path, result.to_markdown(), "--markdown")
+    if html_path is not None:
+        from ..report.html import render_sweep_html
+
+        _write(html_path, render_sweep_html(result, model=spec.name), "--html")
     swept = {"micro-batch", "seq"} | {_LABELS.get(name, name) for m in chosen for name in m.fields}
     notes += _assumed_without(setup.notes, swept)
     if json_output:
@@ -301,7 +310,7 @@ def _sweep(model: str, opts: SetupOptions, seqs, batches, methods, csv_path: Pat
     elif fmt is Format.MARKDOWN:
         typer.echo(result.to_markdown(), nl=False)
     else:
-        _print_sweep(spec, result, notes, [str(p) for p in (csv_path, markdown_path) if p is not None])
+        _print_sweep(spec, result, notes, [str(p) for p in (csv_path, markdown_path, html_path) if p is not None])
 
 
 def _write(path: Path | None, text: str, option: str) -> None:

@@ -255,3 +255,42 @@ def modules_figure(trace: MemoryEstimate):
                                 height=max(260, 80 + 26 * len(modules)), xaxis_title=unit,
                                 yaxis=dict(autorange="reversed", automargin=True)))
     return fig
+
+
+def sweep_figure(sweep):
+    """One heat map per method of a memfit.solve.Sweep: micro-batch across, sequence length down, each cell the
+    GiB per GPU (its text) coloured by the share of the usable budget it needs (green fits, red does not); a cell
+    the method cannot run is blank with its reason on hover."""
+    go = _plotly()
+    from plotly.subplots import make_subplots
+
+    methods = list(sweep.methods)
+    fig = make_subplots(rows=1, cols=len(methods), shared_yaxes=True, horizontal_spacing=0.03,
+                        subplot_titles=[html.escape(m.title) for m in methods])
+    for col, method in enumerate(methods, 1):
+        z, text, hover = [], [], []
+        for seq in sweep.seqs:
+            z_row, t_row, h_row = [], [], []
+            for batch in sweep.batches:
+                cell = sweep.cell(seq, batch, method.key)
+                if cell.total_bytes is None:
+                    z_row.append(None)
+                    t_row.append("n/a")
+                    h_row.append(html.escape(cell.note))
+                    continue
+                z_row.append(cell.total_bytes / sweep.budget_bytes)
+                t_row.append(f"{cell.total_bytes / GiB:.1f}" + ("" if cell.fits else " no"))
+                h_row.append(f"seq {seq}, micro-batch {batch}: {cell.total_bytes / GiB:.2f} GiB "
+                             f"({'fits' if cell.fits else 'does not fit'})")
+            z.append(z_row)
+            text.append(t_row)
+            hover.append(h_row)
+        fig.add_trace(go.Heatmap(
+            z=z, x=[str(b) for b in sweep.batches], y=[str(s) for s in sweep.seqs], text=text,
+            texttemplate="%{text}", hovertext=hover, hoverinfo="text", zmin=0, zmax=2, zmid=1,
+            colorscale=[[0.0, "#1a9850"], [0.45, "#d9ef8b"], [0.5, "#fee08b"], [1.0, "#d73027"]],
+            showscale=col == len(methods), colorbar=dict(title="x budget"), name=method.key), row=1, col=col)
+        fig.update_xaxes(title_text="micro-batch", type="category", row=1, col=col)
+    fig.update_yaxes(title_text="sequence length", type="category", row=1, col=1)
+    fig.update_layout(**_layout(sweep.title(), height=140 + 60 * len(sweep.seqs)))
+    return fig

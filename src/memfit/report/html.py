@@ -60,6 +60,24 @@ def write_html(obj: Plan | MemoryEstimate, path: str | Path, *, trace: MemoryEst
     return path
 
 
+def render_sweep_html(sweep, *, model: str) -> str:
+    """A memfit.solve.Sweep as one offline HTML page: the heat maps, then the same table as Markdown gives."""
+    from plotly.offline import get_plotlyjs
+
+    from .figures import sweep_figure
+
+    title = f"memfit fit --sweep: {model}"
+    rows = [[str(seq), str(batch)] + [("n/a" if c.gib is None else f"{c.gib:.2f} {'fits' if c.fits else 'no'}")
+                                      for c in cells] for seq, batch, cells in sweep.rows()]
+    table = _table(["seq", "micro-batch"] + [m.title for m in sweep.methods], rows)
+    notes = "".join(f'<p class="note">{escape(n)}</p>' for n in sweep.notes)
+    body = [f"<h1>{escape(title)}</h1>", _chart(sweep_figure(sweep), "sweep"), table, notes]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{escape(title)}</title><style>{_CSS}</style>"
+            f"<script type=\"text/javascript\">{get_plotlyjs()}</script></head>\n<body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
 # ---- sections -----------------------------------------------------------------------------------------------------
 
 def _chart(fig, div_id: str) -> str:
