@@ -131,9 +131,11 @@ def peak_and_diagnosis(console: Console, estimate: MemoryEstimate, diagnosis: Di
     style = "green" if diagnosis.fits else "red"
     rows.append(("diagnosis", Text(diagnosis.summary(), style=style)))
     if diagnosis.reserved_bytes:
+        paged = (f" - evictable paged optimizer states {gib(diagnosis.evictable_bytes)} GiB"
+                 if diagnosis.evictable_bytes else "")
         rows.append(("", f"needs = reserved {gib(diagnosis.reserved_bytes)} GiB + outside the allocator "
-                         f"{gib(diagnosis.outside_allocator_bytes)} GiB (CUDA context, NCCL): what a CUDA OOM is "
-                         "decided on"))
+                         f"{gib(diagnosis.outside_allocator_bytes)} GiB (CUDA context, NCCL){paged}: what a CUDA OOM "
+                         "is decided on"))
     rows.append(("", f"static {gib(diagnosis.static_bytes)} GiB (params + grads + optimizer + runtime), "
                      f"activations {gib(diagnosis.activation_bytes)} GiB, headroom "
                      f"{gib(diagnosis.headroom_bytes)} GiB"))
