@@ -194,20 +194,29 @@ class Chromium:
                 self._on_event(reply)
         raise TimeoutError(f"no {method} within {self.timeout_s} s")
 
+    def _new_target(self) -> tuple[str, str]:
+        """A blank tab and the session attached to it."""
+        target = self._call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        return target, self._call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+
+    def _navigate(self, session: str, url: str, width: int, height: int) -> int:
+        """Enable the domains the checks read, size the viewport, load `url`; the index of its first event."""
+        for domain in ("Page", "Runtime", "Log", "Network"):
+            self._call(f"{domain}.enable", session=session)
+        self._call("Emulation.setDeviceMetricsOverride",
+                   {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session)
+        start = len(self._events)
+        self._call("Page.navigate", {"url": url}, session)
+        self._wait_event("Page.loadEventFired", session, start)
+        return start
+
     # ---- a page --------------------------------------------------------------------------------------------------
 
     def open(self, path: str | Path, *, width: int = 1280, height: int = 900) -> PageReport:
         url = Path(path).resolve().as_uri()
-        target = self._call("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = self._call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        target, session = self._new_target()
         try:
-            for domain in ("Page", "Runtime", "Log", "Network"):
-                self._call(f"{domain}.enable", session=session)
-            self._call("Emulation.setDeviceMetricsOverride",
-                       {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session)
-            start = len(self._events)
-            self._call("Page.navigate", {"url": url}, session)
-            self._wait_event("Page.loadEventFired", session, start)
+            start = self._navigate(session, url, width, height)
             plots = self._evaluate(_RENDERED_JS % {"timeout_ms": int(self.timeout_s * 1000)}, session)
             text = self._evaluate("document.body.innerText", session)
             img_count = self._evaluate("document.querySelectorAll('img').length", session)
@@ -260,16 +269,9 @@ class Chromium:
     def tab(self, url: str, *, width: int = 1280, height: int = 900):
         """Open `url` (a page a test serves) in a fresh tab and keep it open while the block runs: yields a Tab to
         evaluate scripts in and to read, at any moment, what went wrong so far."""
-        target = self._call("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = self._call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        target, session = self._new_target()
         try:
-            for domain in ("Page", "Runtime", "Log", "Network"):
-                self._call(f"{domain}.enable", session=session)
-            self._call("Emulation.setDeviceMetricsOverride",
-                       {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session)
-            start = len(self._events)
-            self._call("Page.navigate", {"url": url}, session)
-            self._wait_event("Page.loadEventFired", session, start)
+            start = self._navigate(session, url, width, height)
             yield Tab(self, session, url, start)
         finally:
             self._call("Target.closeTarget", {"targetId": target})

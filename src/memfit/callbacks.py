@@ -273,6 +273,20 @@ def check_accelerator(model: Any, accelerator: Any, **kwargs: Any) -> CheckResul
 # ------------------------------------------------------------------------------------------- the HF Trainer callback
 
 
+def measured_entry(step: int, result: CheckResult | None, device: Any) -> dict[str, Any]:
+    """What a callback logs after a few steps: the prediction and, on a CUDA device, the measured peaks."""
+    entry: dict[str, Any] = {"step": step}
+    if result is not None:
+        entry["memfit/predicted_peak_bytes"] = result.estimate.total_bytes
+        entry["memfit/predicted_tensor_bytes"] = result.estimate.tensor_bytes
+    if cuda_gpu(device) is not None:
+        import torch
+
+        entry["memfit/measured_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        entry["memfit/measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+    return entry
+
+
 _CALLBACK_CLASS: type | None = None
 
 
@@ -330,16 +344,9 @@ def _callback_class() -> type:
         def on_step_end(self, args, state, control, **kwargs):
             if self.measured is not None or state.global_step < self.measure_at_step:
                 return control
-            entry: dict[str, Any] = {"step": state.global_step}
-            if self.result is not None:
-                entry["memfit/predicted_peak_bytes"] = self.result.estimate.total_bytes
-                entry["memfit/predicted_tensor_bytes"] = self.result.estimate.tensor_bytes
             device = getattr(args, "device", None)
-            if cuda_gpu(device) is not None:
-                import torch
-
-                entry["memfit/measured_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-                entry["memfit/measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+            entry = measured_entry(state.global_step, self.result, device)
+            if "memfit/measured_allocated_bytes" in entry:
                 if self.result is not None:
                     entry["memfit/allocated_vs_predicted_tensor"] = (
                         entry["memfit/measured_allocated_bytes"] / max(1, self.result.estimate.tensor_bytes))
@@ -478,17 +485,8 @@ def _lightning_class() -> type:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if self.measured is not None or trainer.global_step < self.measure_at_step:
                 return
-            entry: dict[str, Any] = {"step": trainer.global_step}
-            if self.result is not None:
-                entry["memfit/predicted_peak_bytes"] = self.result.estimate.total_bytes
-                entry["memfit/predicted_tensor_bytes"] = self.result.estimate.tensor_bytes
-            device = getattr(pl_module, "device", None)
-            if cuda_gpu(device) is not None:
-                import torch
-
-                entry["memfit/measured_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-                entry["memfit/measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-            else:
+            entry = measured_entry(trainer.global_step, self.result, getattr(pl_module, "device", None))
+            if "memfit/measured_allocated_bytes" not in entry:
                 entry["memfit/measured"] = "skipped: no CUDA device (memfit.measure sizes a CPU step)"
             self.measured = entry
             for key, value in entry.items():
