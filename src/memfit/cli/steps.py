@@ -118,7 +118,8 @@ def measure_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, de
         if device is None:
             check_host_ram(spec, setup)
         hardware = make_hardware(cpu_device(host_ram()))
-    measured = measure(_model_config(model), setup, steps=steps, device=where)
+    measured = _with_status(f"building {spec.name} and running {steps} real training steps on {where}",
+                            not json_output, lambda: measure(_model_config(model), setup, steps=steps, device=where))
     predicted = estimate(spec, setup, hardware)
     diagnosis = diagnose(measured, hardware, margin=opts.margin_fraction)
     if json_output:
@@ -129,3 +130,13 @@ def measure_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, de
     from .. import render
 
     render.measure_report(console(), spec, setup, hardware, measured, predicted, diagnosis)
+
+
+def _with_status(what: str, show: bool, run):
+    """`run()`, with a spinner on stderr saying `what` while it works (real steps take seconds to minutes)."""
+    if not show:
+        return run()
+    from rich.console import Console
+
+    with Console(stderr=True).status(what):
+        return run()
