@@ -28,9 +28,23 @@ LOGITS = ("HF upcasts logits to fp32 for the loss; with a large vocabulary log-s
           "touch them.")
 
 
+LORA_ACTIVATIONS = ("LoRA freezes weights, not activations: a frozen layer still keeps everything its input gradient "
+                    "needs; only what a weight gradient alone needs goes, and each adapted projection keeps its own "
+                    "copy of its input (peft casts it to the fp32 adapters' dtype, autocast back to bf16), its rank-r "
+                    "intermediate and, with LoRA dropout, a mask.")
+QLORA_BITS = ("QLoRA is not 4 bits per weight: the embeddings, LM head and norms stay unquantized and "
+              "prepare_model_for_kbit_training upcasts them to fp32; each 64-weight block adds its constants "
+              "(~0.13 bits/weight with double quantization); and the fp32 norms make the residual stream fp32, so "
+              "checkpoints and MLP activations are twice LoRA's on a bf16 base.")
+
+
 def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     notes = []
-    if setup.precision.is_autocast:
+    if setup.finetune.adapters:
+        notes.append(LORA_ACTIVATIONS)
+        if setup.finetune.base_storage(setup.precision.compute_dtype).four_bit:
+            notes.append(QLORA_BITS)
+    elif setup.precision.is_autocast:
         notes.append(AMP_KEEPS_FP32)
     if setup.precision is Precision.BF16_MASTER:
         notes.append(MASTER_16B)
