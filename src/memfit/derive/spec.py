@@ -105,16 +105,16 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
 def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tuple | None = None,
                  base: ModelSpec | None = None) -> ModelSpec:
     """The spec of any transformers architecture: exact parameter tensors, derived activations (lazily, per kind)."""
+    if base is not None:  # a family with a parameter layout: only its activations are derived (lazily)
+        from dataclasses import replace
+
+        return replace(base, derived=DerivedModel(config, label=name))
     hf = _hf_config(config, source)
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     if num_layers <= 0:
         raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' config has no number of layers")
     derived = DerivedModel(config, label=name)
-    if base is not None:
-        from dataclasses import replace
-
-        return replace(base, derived=derived)
     path = cache_path(config, PARAMS_KIND)
     data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)  # shipped for catalog models
     if data is not None and isinstance(data.get("params"), list):
