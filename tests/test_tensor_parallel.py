@@ -79,8 +79,8 @@ def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
     # gloo runs each collective on its own worker thread, and the profiler behind PeakMeter sees only the calling
     # thread's frees (memfit._torch.rank_memory._LiveBlocks): a B x T x h all-reduce buffer (SP: a gathered layer
     # input and its sequence shard) that gloo's thread released can stay counted on one rank, a different rank from
-    # run to run; the other rank is within 0.2%.
-    unseen_free = MICRO * SEQ * TINY_LLAMA["hidden_size"] * 4 * ((1 + 1 / RANKS) if sp else 1)
+    # run to run; the other rank is within 0.2%. Under a loaded machine two such buffers can be caught at once.
+    unseen_free = 2 * MICRO * SEQ * TINY_LLAMA["hidden_size"] * 4 * ((1 + 1 / RANKS) if sp else 1)
     errors = []
     for rank in ranks:
         error = rank["peak_bytes"] / predicted.tensor_bytes - 1
