@@ -339,3 +339,23 @@ class Tab:
         """Every URL the page has requested since it opened."""
         return [e["params"]["request"]["url"] for e in self._browser._events[self._start:]
                 if e.get("sessionId") == self._session and e["method"] == "Network.requestWillBeSent"]
+
+
+def browser_for(what: str, **kwargs):
+    """A Chromium for a module's tests (a generator for a pytest fixture): skipped without Chromium or
+    websocket-client, failed instead on CI (or with MEMFIT_REQUIRE_BROWSER) where both must be there."""
+    import os
+
+    import pytest
+
+    required = bool(os.environ.get("CI") or os.environ.get("MEMFIT_REQUIRE_BROWSER"))
+    give_up = pytest.fail if required else pytest.skip
+    executable = find_chromium()
+    if executable is None:
+        give_up(f"{what} need(s) Chromium at /usr/bin/chromium: {INSTALL_HINT}")
+    try:
+        import websocket  # noqa: F401
+    except ImportError:
+        give_up(f"{what} need(s) websocket-client: pip install -e '.[test]'")
+    with Chromium(executable, **kwargs) as chromium:
+        yield chromium

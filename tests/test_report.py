@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import io
-import os
 import subprocess
 import sys
 
@@ -24,7 +23,7 @@ from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
 from memfit.units import MiB
 
-from browser_check import INSTALL_HINT, Chromium, find_chromium
+from browser_check import browser_for
 
 UNIT = 64 * MiB
 HOSTILE_MODULE = "</script><img src=x onerror=alert('module')>"
@@ -169,17 +168,7 @@ def test_png_of_a_trace_at_another_dpi(tmp_path):
 
 @pytest.fixture(scope="module")
 def browser():
-    required = bool(os.environ.get("CI") or os.environ.get("MEMFIT_REQUIRE_BROWSER"))
-    give_up = pytest.fail if required else pytest.skip
-    executable = find_chromium()
-    if executable is None:
-        give_up(f"the report's browser tests need Chromium at /usr/bin/chromium: {INSTALL_HINT}")
-    try:
-        import websocket  # noqa: F401
-    except ImportError:
-        give_up("the report's browser tests need websocket-client: pip install -e '.[test]'")
-    with Chromium(executable) as chromium:
-        yield chromium
+    yield from browser_for("the report's browser tests")
 
 
 def open_report(browser, tmp_path, obj, **kwargs):

@@ -30,7 +30,7 @@ from memfit.serve import core, web  # noqa: E402
 from memfit.setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding  # noqa: E402
 from memfit.sources import catalog_names  # noqa: E402
 
-from browser_check import INSTALL_HINT, Chromium, find_chromium, origin_of  # noqa: E402
+from browser_check import browser_for, origin_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -218,17 +218,7 @@ def test_a_taken_port_is_one_line_and_exit_2():
 
 @pytest.fixture(scope="module")
 def browser():
-    required = bool(os.environ.get("CI") or os.environ.get("MEMFIT_REQUIRE_BROWSER"))
-    give_up = pytest.fail if required else pytest.skip
-    executable = find_chromium()
-    if executable is None:
-        give_up(f"the page's browser test needs Chromium at /usr/bin/chromium: {INSTALL_HINT}")
-    try:
-        import websocket  # noqa: F401
-    except ImportError:
-        give_up("the page's browser test needs websocket-client: pip install -e '.[test]'")
-    with Chromium(executable, local_hosts=("127.0.0.1",)) as chromium:
-        yield chromium
+    yield from browser_for("the page's browser test", local_hosts=("127.0.0.1",))
 
 
 # Sets an input as a person would (value, then the input event) and waits for the page's answer to land.
