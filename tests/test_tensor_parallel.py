@@ -77,22 +77,21 @@ def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
     states = predicted.term("optimizer/states").num_bytes
     scalars = 4 * sum(p.count for p in SPEC.params)  # AdamW's 0-d 'step' tensors, left out of the worker's count
     # gloo runs each collective on its own worker thread, and the profiler behind PeakMeter sees only the calling
-    # thread's frees (memfit._torch.rank_memory._LiveBlocks): a B x T x h all-reduce buffer (SP: a gathered layer
-    # input and its sequence shard) that gloo's thread released can stay counted on one rank, a different rank from
-    # run to run; the other rank is within 0.2%. Under a loaded machine two such buffers can be caught at once.
-    unseen_free = 2 * MICRO * SEQ * TINY_LLAMA["hidden_size"] * 4 * ((1 + 1 / RANKS) if sp else 1)
-    errors = []
+    # thread's frees: a B x T x h buffer that gloo's thread released last stays counted, on a rank and in a number
+    # that change from run to run. The worker names what is really alive at the end, so the meter knows those blocks
+    # and their bytes inside the peak: the true peak lies in [peak - unseen, peak], and the formulas must be within
+    # 2% of that interval on every rank.
     for rank in ranks:
-        error = rank["peak_bytes"] / predicted.tensor_bytes - 1
-        print(f"sp={sp} rank {rank['rank']}: measured {rank['peak_bytes']:,} B, predicted "
-              f"{predicted.tensor_bytes:,} B ({error:+.2%})")
-        errors.append(abs(error))
-        assert -PEAK_TOLERANCE <= error <= PEAK_TOLERANCE + unseen_free / predicted.tensor_bytes, (
-            rank["peak_bytes"], predicted.tensor_bytes)
+        high, unseen = rank["peak_bytes"], rank["unseen_at_peak_bytes"]
+        low = high - unseen
+        print(f"sp={sp} rank {rank['rank']}: measured {low:,}..{high:,} B, predicted {predicted.tensor_bytes:,} B "
+              f"({low / predicted.tensor_bytes - 1:+.2%}..{high / predicted.tensor_bytes - 1:+.2%})")
+        assert low <= predicted.tensor_bytes * (1 + PEAK_TOLERANCE), (low, predicted.tensor_bytes)
+        assert high >= predicted.tensor_bytes * (1 - PEAK_TOLERANCE), (high, predicted.tensor_bytes)
+        assert unseen <= 2 * MICRO * SEQ * TINY_LLAMA["hidden_size"] * 4 * (1 + 1 / RANKS)  # a few such buffers
         assert rank["optimizer_bytes"] == states - scalars
         # the collectives DTensor issued in each step are the communication model's, byte for byte
         assert rank["comm_payload_bytes"] == [comm_volume(SPEC, setup).payload_bytes()] * STEPS
-    assert min(errors) <= PEAK_TOLERANCE
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 

@@ -50,7 +50,10 @@ def main(config_path: str, out: str, sequence_parallel: str, steps: str, micro: 
         states = sum((v.to_local() if hasattr(v, "to_local") else v).untyped_storage().nbytes()
                      for state in optimizer.state.values() for v in state.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0)
-    result = {"rank": rank, "world_size": ranks, "local_numel": numel, "param_bytes": 4 * sum(numel.values()),
+    alive = [*model.parameters(), *model.buffers(),
+             *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+    meter.account_unseen_frees(alive)
+    result = {"rank": rank, "unseen_at_peak_bytes": meter.unseen_at_peak_bytes, "world_size": ranks, "local_numel": numel, "param_bytes": 4 * sum(numel.values()),
               "optimizer_bytes": states, "peak_bytes": meter.peak_bytes, "end_bytes": meter.end_bytes,
               "losses": losses, "comm_payload_bytes": comm}
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,7 +137,8 @@ class PeakMeter:
     CUDA: the caching allocator's max_memory_allocated. CPU: torch.profiler's allocation events (FACTS.md: exact to
     the byte). Enter the meter before building the model: the CPU count is every byte allocated since then and not
     freed, so DeepSpeed's internal flat buffers are counted without knowing where it keeps them. Only the calling
-    thread's allocations are seen (the profiler is per thread); gloo's worker threads are not.
+    thread's events are seen (the profiler is per thread; torch 2.13's profile_all_threads drops memory events): a
+    buffer that a gloo worker thread frees stays counted, so `account_unseen_frees` bounds what that adds.
     """
 
     WINDOW = "memfit::window"
@@ -145,7 +146,10 @@ class PeakMeter:
     def __init__(self) -> None:
         self.peak_bytes = 0
         self.end_bytes = 0
+        self.unseen_at_peak_bytes = 0
         self._profiler = None
+        self._events: list[tuple[int, int, int, int]] = []
+        self._window: tuple[int, int] | None = None
 
     def __enter__(self) -> "PeakMeter":
         if not torch.cuda.is_available():
@@ -172,12 +176,23 @@ class PeakMeter:
             return
         self._profiler.__exit__(*exc)
         if exc[0] is None:
-            self.peak_bytes, self.end_bytes = _profiled_window_peak(self._profiler, self.WINDOW)
+            self._events, self._window = _allocation_events(self._profiler, self.WINDOW)
+            self.peak_bytes, self.end_bytes, _ = _replay(self._events, self._window)
+
+    def account_unseen_frees(self, live: Iterable[torch.Tensor]) -> int:
+        """CPU: name the tensors really alive at the end (parameters, optimizer states...); every other block still
+        counted at the end was freed where the profiler could not see (a gloo worker thread), at an unknown time.
+        Sets and returns `unseen_at_peak_bytes`, those blocks' bytes inside `peak_bytes`: the true peak lies in
+        [peak_bytes - unseen_at_peak_bytes, peak_bytes]."""
+        if self._window is None:
+            return 0
+        real = {storage.data_ptr() for storage in (_local(t).untyped_storage() for t in live if t is not None)}
+        self.peak_bytes, self.end_bytes, self.unseen_at_peak_bytes = _replay(self._events, self._window, real)
+        return self.unseen_at_peak_bytes
 
 
-def _profiled_window_peak(prof, window: str) -> tuple[int, int]:
-    """(peak, at the end) of live bytes inside the last `window` range: allocations since profiling began, minus
-    their frees (frees of storages allocated before profiling are ignored: their bytes were never counted)."""
+def _allocation_events(prof, window: str) -> tuple[list[tuple[int, int, int, int]], tuple[int, int]]:
+    """The CPU allocation events (time, order, address, +-bytes) in time order and the last `window` range."""
     from torch._C._profiler import _EventType
 
     from .measure_cpu import _walk
@@ -191,22 +206,44 @@ def _profiled_window_peak(prof, window: str) -> tuple[int, int]:
             windows.append((event.start_time_ns, event.end_time_ns))
     if not windows:
         raise ConfigError("PeakMeter: no window() was opened inside the meter")
-    start, end = windows[-1]
     allocations.sort()
+    return allocations, windows[-1]
+
+
+def _replay(allocations, window: tuple[int, int], real_at_end: set[int] | None = None) -> tuple[int, int, int]:
+    """(peak, at the end, unseen-freed bytes inside the peak) of live bytes inside `window`: allocations since
+    profiling began, minus their frees (frees of storages allocated before profiling are ignored: their bytes were
+    never counted). A block overwritten by a later allocation was freed unseen; with `real_at_end`, the addresses
+    really alive at the end, so was a block allocated inside the window, still counted at the end and not among them.
+    Those blocks' bytes counted at the peak are the third figure."""
+    start, end = window
+    ghosts: set[object] = set()
+    if real_at_end is not None:
+        live = _LiveBlocks()
+        for time_ns, order, ptr, size_bytes in allocations:
+            if time_ns > end:
+                break
+            if size_bytes > 0:
+                ghosts.update(key for key, _ in live.allocate(ptr, size_bytes, key=(time_ns, order)))
+            else:
+                live.free(ptr)
+        ghosts.update(key for ptr, key in live.keys.items() if key[0] >= start and ptr not in real_at_end)
     live = _LiveBlocks()
     peak = None
-    for time_ns, _, ptr, size_bytes in allocations:
+    ghost_bytes = ghost_at_peak = 0
+    for time_ns, order, ptr, size_bytes in allocations:
         if time_ns > end:
             break
         if time_ns >= start and peak is None:
             peak = live.total_bytes  # live when the window opened
         if size_bytes > 0:
-            live.allocate(ptr, size_bytes)
+            ghost_bytes -= sum(size for _, size in live.allocate(ptr, size_bytes, key=(time_ns, order)))
+            ghost_bytes += size_bytes if (time_ns, order) in ghosts else 0
         else:
             live.free(ptr)
-        if peak is not None:
-            peak = max(peak, live.total_bytes)
-    return (live.total_bytes if peak is None else peak), live.total_bytes
+        if peak is not None and live.total_bytes > peak:
+            peak, ghost_at_peak = live.total_bytes, ghost_bytes
+    return (live.total_bytes if peak is None else peak), live.total_bytes, ghost_at_peak
 
 
 class _LiveBlocks:
@@ -218,21 +255,30 @@ class _LiveBlocks:
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.bytes_by_start: dict[int, int] = {}
+        self.keys: dict[int, object] = {}  # address -> the allocation event that made the block
         self.total_bytes = 0
 
-    def allocate(self, ptr: int, size_bytes: int) -> None:
+    def allocate(self, ptr: int, size_bytes: int, key: object = None) -> list[tuple[object, int]]:
+        """Count a new block; returns (key, bytes) of the blocks it overlaps, dropped as freed unseen."""
+        dropped_blocks = []
         index = bisect.bisect_left(self.starts, ptr)
         if index > 0 and self.starts[index - 1] + self.bytes_by_start[self.starts[index - 1]] > ptr:
             index -= 1
         while index < len(self.starts) and self.starts[index] < ptr + size_bytes:
-            self.total_bytes -= self.bytes_by_start.pop(self.starts.pop(index))
+            dropped = self.starts.pop(index)
+            dropped_bytes = self.bytes_by_start.pop(dropped)
+            self.total_bytes -= dropped_bytes
+            dropped_blocks.append((self.keys.pop(dropped, None), dropped_bytes))
         self.starts.insert(index, ptr)
         self.bytes_by_start[ptr] = size_bytes
+        self.keys[ptr] = key
         self.total_bytes += size_bytes
+        return dropped_blocks
 
     def free(self, ptr: int) -> None:
         size_bytes = self.bytes_by_start.pop(ptr, None)
         if size_bytes is None:
             return  # allocated before profiling (never counted) or already dropped
         del self.starts[bisect.bisect_left(self.starts, ptr)]
+        self.keys.pop(ptr, None)
         self.total_bytes -= size_bytes
