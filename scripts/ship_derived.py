@@ -43,7 +43,7 @@ def _kinds(config: dict) -> tuple[str, ...]:
 def ship(name: str, force: bool) -> list[str]:
     from memfit.derive.cache import config_hash, library_versions, shipped_name
     from memfit.derive.fit import derive_kind, quiet_transformers
-    from memfit.derive.spec import PARAMS_KIND, _param_rows
+    from memfit.derive.spec import PARAMS_KIND, _param_rows, arch_numbers
     from memfit.sources import catalog_config, resolve_model
 
     config = catalog_config(name)
@@ -60,7 +60,8 @@ def ship(name: str, force: bool) -> list[str]:
         with quiet_transformers():
             rows, facts = _param_rows(config, spec.num_layers, name)
         _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,
-                             "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
+                             "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts,
+                             "arch": arch_numbers(config, name)})
         written.append(params_path.name)
     for kind in _kinds(config):
         path = OUT / shipped_name(config, kind)

@@ -475,3 +475,19 @@ def test_importing_and_resolving_from_the_catalog_imports_neither_torch_nor_tran
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_catalog_model_plans_without_torch():
+    """Derived catalog models (Mixtral, DeepSeek, Gemma 3...) read their architecture numbers and parameters from
+    the shipped derivation, so sizing one imports neither torch nor transformers (a CLI plan stays well under 1.5 s)."""
+    code = ("import sys\nfrom memfit.sources import resolve_model\nfrom memfit.sources.catalog import catalog_names\n"
+            "from memfit.estimate.analytic import estimate\nfrom memfit.hardware import make_hardware\n"
+            "from memfit.setup import TrainingSetup\n"
+            "for name in catalog_names():\n"
+            "    spec = resolve_model(name)\n"
+            "    attention = 'eager' if spec.extra.get('supports_sdpa') is False else 'sdpa'  # gpt-oss: eager only\n"
+            "    estimate(spec, TrainingSetup(micro_batch_size=1, seq_len=1024, attention=attention),\n"
+            "             make_hardware('H100'))\n"
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

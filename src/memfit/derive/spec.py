@@ -102,6 +102,29 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
     return [ParamTensor(name, numel, count) for (name, numel), count in rows.items()], facts
 
 
+def arch_numbers(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The architecture numbers of a config as transformers' config class reads them (attribute maps, text
+    sub-configs, defaults): stored beside the derived parameters, so a cached or shipped model needs no transformers."""
+    hf = _hf_config(config, source)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    if num_layers <= 0:
+        raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' config has no number of layers")
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv = int(getattr(text, "num_key_value_heads", 0) or getattr(text, "num_kv_heads", 0) or heads)
+    if getattr(text, "multi_query", False) is True and not getattr(text, "new_decoder_architecture", False):
+        kv = 1  # Falcon-7B style multi-query attention: one K/V head whatever num_kv_heads says
+    inter = next((value for key in ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size")
+                  if isinstance(value := getattr(text, key, None), int) and value > 0), 0)
+    act = next((getattr(text, k) for k in ("hidden_act", "hidden_activation", "activation_function")
+                if isinstance(getattr(text, k, None), str)), "")
+    return {"num_layers": num_layers, "hidden_size": hidden, "num_attention_heads": heads, "num_kv_heads": kv,
+            "head_dim": int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0)),
+            "intermediate_size": inter, "hidden_act": act, "vocab_size": int(getattr(text, "vocab_size", 0) or 0),
+            "max_position_embeddings": int(getattr(text, "max_position_embeddings", 0) or 0)}
+
+
 def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tuple | None = None,
                  base: ModelSpec | None = None) -> ModelSpec:
     """The spec of any transformers architecture: exact parameter tensors, derived activations (lazily, per kind)."""
@@ -109,43 +132,30 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
         from dataclasses import replace
 
         return replace(base, derived=DerivedModel(config, label=name))
-    hf = _hf_config(config, source)
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-    num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
-    if num_layers <= 0:
-        raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' config has no number of layers")
     derived = DerivedModel(config, label=name)
     path = cache_path(config, PARAMS_KIND)
     data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)  # shipped for catalog models
     if data is not None and isinstance(data.get("params"), list):
         rows = [ParamTensor(str(n), int(k), int(c)) for n, k, c in data["params"]]
         facts = data.get("facts", {})
+        # stored with the parameters, so a cached or shipped model plans without importing transformers (or torch)
+        arch = data["arch"] if isinstance(data.get("arch"), dict) else arch_numbers(config, source)
     else:
+        arch = arch_numbers(config, source)
         from .fit import quiet_transformers
 
         with quiet_transformers():
-            rows, facts = _param_rows(config, num_layers, source)
+            rows, facts = _param_rows(config, arch["num_layers"], source)
         write_json(path, {"key": path.stem, "format": 1, "kind": PARAMS_KIND, "model_type": config.get("model_type"),
-                          "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
-    hidden = int(getattr(text, "hidden_size", 0) or 0)
-    heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    kv = int(getattr(text, "num_key_value_heads", 0) or getattr(text, "num_kv_heads", 0) or heads)
-    if getattr(text, "multi_query", False) is True and not getattr(text, "new_decoder_architecture", False):
-        kv = 1  # Falcon-7B style multi-query attention: one K/V head whatever num_kv_heads says
-    head_dim = int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0))
-    inter = 0
-    for key in ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"):
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            inter = value
-            break
-    act = next((getattr(text, k) for k in ("hidden_act", "hidden_activation", "activation_function")
-                if isinstance(getattr(text, k, None), str)), "")
+                          "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts, "arch": arch})
+    hidden, heads, kv, head_dim, inter, act = (arch[k] for k in ("hidden_size", "num_attention_heads", "num_kv_heads",
+                                                                  "head_dim", "intermediate_size", "hidden_act"))
+    num_layers = arch["num_layers"]
     return ModelSpec(
         name=name, model_type=str(config.get("model_type")), params=tuple(rows), hidden_size=hidden,
         num_layers=num_layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        intermediate_size=inter or 4 * hidden, vocab_size=int(getattr(text, "vocab_size", 0) or 0),
-        max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
+        intermediate_size=inter or 4 * hidden, vocab_size=arch["vocab_size"],
+        max_position_embeddings=arch["max_position_embeddings"],
         is_decoder=bool(facts.get("is_decoder", True)), gated_mlp=False, hidden_act=act, norm="",
         tie_word_embeddings=bool(facts.get("tied", False)), source=source,
         extra={"derived_from": facts.get("class", ""), "layout_known": False,
