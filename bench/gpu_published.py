@@ -41,7 +41,7 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
-from memfit.setup import (Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding,  # noqa: E402
+from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Sharding,  # noqa: E402
                           TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB  # noqa: E402
@@ -149,13 +149,13 @@ def map_point(point: dict) -> Mapped:
     fields.update(_map_optimizer(m, n.get("optimizer") or {}))
     fields.update(_map_checkpointing(m, n.get("checkpointing")))
     fields.update(_map_attention(m, n.get("attention")))
-    _map_loss(m, n.get("loss"))
+    fields.update(_map_loss(m, n.get("loss")))
     fields.update(_map_flags(m, n))
     parallel = _map_parallel(m, n.get("parallel") or {}, n.get("offload") or {})
     fields.update(parallel)
     if m.spec is None or "seq_len" not in fields:
         return m
-    if any(f in (TP, PP) for f, _ in m.missing):
+    if any(f == PP for f, _ in m.missing):
         return m  # no nearest setup: every weight is split across ranks
     try:
         m.setup = TrainingSetup(**fields)
@@ -232,8 +232,11 @@ def _map_precision(m: Mapped, precision: dict, parallel: dict) -> dict:
 
 def _map_optimizer(m: Mapped, opt: dict) -> dict:
     name, impl = (opt.get("name") or ""), str(opt.get("impl") or "")
-    if opt.get("in_backward"):
-        m.missing.append((OPT_IN_BWD, ""))
+    in_backward = {"optimizer_in_backward": True} if opt.get("in_backward") else {}
+    return {**_map_optimizer_kind(m, name, impl, opt), **in_backward}
+
+
+def _map_optimizer_kind(m: Mapped, name: str, impl: str, opt: dict) -> dict:
     if name in ("adamw_8bit", "adam_8bit"):
         if opt.get("paged") or "paged" in impl.lower():
             # bitsandbytes PagedAdamW8bit: memfit puts its large states outside the allocator (unified memory)
@@ -287,16 +290,17 @@ def _map_attention(m: Mapped, attention) -> dict:
     return {}
 
 
-def _map_loss(m: Mapped, loss) -> None:
+def _map_loss(m: Mapped, loss) -> dict:
     if loss in (None, "full_logits_ce"):
-        return
-    if loss == "chunked_ce":
-        m.missing.append((CHUNKED, ""))
-    elif loss == "classification_head":
+        return {}
+    if loss == "chunked_ce":  # torchtune CEWithChunkedOutputLoss
+        return {"loss": Loss.CHUNKED}
+    if loss == "classification_head":
         m.approx.append("the source trains a 2-label classification head; memfit sizes BERT's MLM head over the "
                         "vocabulary")
     else:
         m.missing.append((OTHER, f"loss {loss}"))
+    return {}
 
 
 _LORA_TARGETS = {"q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",), "o": ("o_proj",),
@@ -359,7 +363,7 @@ def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
     replicate = int(par.get("dp_replicate") or 1)
     world = int(par.get("world_size") or 1)
     stage = int(par.get("zero_stage") or 0)
-    for degree, feature in ((tp, TP), (pp, PP), (cp, CP)):
+    for degree, feature in ((pp, PP), (cp, CP)):
         if degree > 1:
             m.missing.append((feature, f"x{degree}"))
     if replicate > 1 and stage:
@@ -368,7 +372,9 @@ def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
         m.missing.append((ACT_OFFLOAD, ""))
     # the ranks one parameter is sharded over (CP ranks shard with FSDP in torchtitan): the nearest memfit setup
     shard = int(par.get("param_shard_degree") or world)
-    out = {"num_gpus": max(1, shard if stage else world)}
+    out = {"num_gpus": max(1, shard * tp if stage else world)}
+    if tp > 1:  # torch DTensor TP as torchtitan applies it; sequence parallel is torchtitan's default with TP
+        out.update(tp=tp, sequence_parallel=bool(par.get("sequence_parallel", True)))
     if engine == "deepspeed":
         out["engine"] = Engine.DEEPSPEED
     elif engine in ("fsdp2", "fsdp", "ddp", "torch"):
@@ -383,11 +389,10 @@ def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
     elif off.get("optimizer"):
         offload = Offload.OPTIMIZER
     out["offload"] = offload
-    if out["num_gpus"] < 2 and stage:
-        # memfit shards over two or more ranks only; nearest: no sharding, the optimizer offloaded if it was
+    if out["num_gpus"] < 2 and stage and engine != "deepspeed":
+        # one-process ZeRO is DeepSpeed's (ZeRO-Offload / -Infinity); FSDP on one rank shards nothing
         m.missing.append((ZERO_ONE_PROCESS, f"{engine} zero{stage} on {world} process"))
         out["sharding"] = Sharding.NONE
-        out["offload"] = Offload.OPTIMIZER if offload is not Offload.NONE else Offload.NONE
     return out
 
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 
-def main(config_path: str, out: str, sequence_parallel: str, steps: str, micro: str, seq: str) -> int:
+def main(config_path: str, out: str, sequence_parallel: str, steps: str, micro: str, seq: str,
+         checkpointing: str = "none") -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -26,7 +27,8 @@ def main(config_path: str, out: str, sequence_parallel: str, steps: str, micro: 
     config = json.loads(Path(config_path).read_text())
     rank, ranks = init_process_group()
     mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",))
-    setup = TrainingSetup(micro_batch_size=int(micro), seq_len=int(seq), precision="fp32", optimizer="adamw")
+    setup = TrainingSetup(micro_batch_size=int(micro), seq_len=int(seq), precision="fp32", optimizer="adamw",
+                          checkpointing=checkpointing)
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1234)
     batches = [torch.randint(0, config["vocab_size"], (setup.micro_batch_size, setup.seq_len), generator=generator)

@@ -157,7 +157,10 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
     terms = []
     if wrapped or act.core_recomputed(setup):
         mask = act.checkpointed_mask_bytes(spec, setup, tokens, seq)
-        inputs = wrapped * tokens * spec.hidden_size * d.residual
+        # sequence parallelism: a block's input is the residual stream, sharded over the sequence between the TP
+        # ranks (torchtitan's SequenceParallel norms leave it Shard(1)); checkpoint keeps that local shard
+        share = setup.tp if setup.sequence_parallel else 1
+        inputs = wrapped * tokens * spec.hidden_size * d.residual // share
         if inputs or mask:
             what = (f"{'L' if wrapped == layers else wrapped} x B x T x h (each checkpointed block's input)"
                     if inputs else "")

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
-from ..setup import Engine, Offload, Precision, Sharding, TrainingSetup
+from ..setup import Checkpointing, Engine, Offload, Precision, Sharding, TrainingSetup
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = "all-reduce", "reduce-scatter", "all-gather", "broadcast"
 DEEPSPEED_MAX_REUSE_DISTANCE = 10**9
@@ -263,19 +263,37 @@ def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[C
 
     elements, dtype = setup.tokens_per_micro_step * spec.hidden_size, dtypes(spec, setup).compute
     layers, micro = spec.num_layers, setup.grad_accum_steps
+    recomputed = _recomputed_blocks(setup, layers)
     if setup.sequence_parallel:
         per_step = (2 * layers + 1) * micro * 2  # forward and backward
         return [Collective(ALL_GATHER, "layer inputs (attention, MLP, LM head) gathered from the sequence shards, "
-                           "and in backward the gradients of the row-parallel outputs", elements, dtype, per_step,
-                           group="tensor"),
+                           "and in backward the gradients of the row-parallel outputs" + _RECOMPUTE_AG, elements,
+                           dtype, per_step + 2 * recomputed * micro, group="tensor"),
                 Collective(REDUCE_SCATTER, "row-parallel outputs and the embedding to the sequence shards, and in "
-                           "backward the gathered inputs' gradients", elements, dtype, per_step, group="tensor")]
+                           "backward the gathered inputs' gradients" + _RECOMPUTE_RS, elements, dtype,
+                           per_step + recomputed * micro, group="tensor")]
     fused_qkv = bool(spec.extra.get("fused_qkv")) or spec.model_type in ("gpt2", "gpt_neox")
     column_inputs = (1 if fused_qkv else 3) + (2 if spec.gated_mlp and not spec.extra.get("fused_gate_up") else 1)
     return [Collective(ALL_REDUCE, "row-parallel outputs (attention, MLP) and the vocabulary-parallel embedding, "
-                       "in forward", elements, dtype, (2 * layers + 1) * micro, group="tensor"),
+                       "in forward" + _RECOMPUTE_AR, elements, dtype, (2 * layers + 1 + recomputed) * micro,
+                       group="tensor"),
             Collective(ALL_REDUCE, f"each column-parallel input gradient ({column_inputs} per layer) and the LM "
                        "head's, in backward", elements, dtype, (column_inputs * layers + 1) * micro, group="tensor")]
+
+
+def _recomputed_blocks(setup: TrainingSetup, layers: int) -> int:
+    """Blocks whose forward checkpointing re-runs in backward, collectives included (full / every-N). Non-reentrant
+    checkpoint stops the recompute once the last saved tensor is back (torch.utils.checkpoint early stop, on by
+    default), so a block's final collective (the MLP output's all-reduce / reduce-scatter) is not re-issued.
+    Selective op-level checkpointing is left out: which collectives it re-issues depends on its policy's save list."""
+    if setup.checkpointing is Checkpointing.SELECTIVE_OP:
+        return 0
+    return setup.checkpointing.checkpointed_blocks(layers)
+
+
+_RECOMPUTE_AG = "; with checkpointing, each recomputed block's two input gathers again"
+_RECOMPUTE_RS = "; with checkpointing, each recomputed block's attention output again"
+_RECOMPUTE_AR = "; with checkpointing, each recomputed block's attention output again"
 
 
 ALL_TO_ALL = "all-to-all"
