@@ -381,8 +381,9 @@ class TrainingSetup:
         if self.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
             problems.append(f"checkpointing {self.checkpointing} with {self.finetune.method} is not sized yet: use "
                             "full or none")
-        if self.loss is not Loss.STANDARD:
-            problems.append(f"a {self.loss} loss with {self.finetune.method} is not sized yet: use loss standard")
+        if self.loss is Loss.FUSED:
+            problems.append(f"a fused loss with {self.finetune.method} is not sized yet (the frozen head's casts "
+                            "under the fused kernel are not measured): use loss chunked or standard")
         if self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems

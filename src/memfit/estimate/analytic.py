@@ -159,8 +159,7 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
         mask = act.checkpointed_mask_bytes(spec, setup, tokens, seq)
         # sequence parallelism: a block's input is the residual stream, sharded over the sequence between the TP
         # ranks (torchtitan's SequenceParallel norms leave it Shard(1)); checkpoint keeps that local shard
-        share = setup.tp if setup.sequence_parallel else 1
-        inputs = wrapped * tokens * spec.hidden_size * d.residual // share
+        inputs = wrapped * tokens * spec.hidden_size * d.residual // tensor_parallel.sequence_share(setup)
         if inputs or mask:
             what = (f"{'L' if wrapped == layers else wrapped} x B x T x h (each checkpointed block's input)"
                     if inputs else "")
@@ -281,8 +280,10 @@ def _linear_weight_elems(spec: ModelSpec) -> int:
     skip = ("embed", "wte", "wpe", "norm", "ln_", "ln_f", "bias", "LayerNorm", "position", "token_type")
     total = sum(p.total for p in spec.params if not any(s in p.name for s in skip))
     total -= moe.expert_weight_elems(spec)  # grouped_mm is no autocast op: no cached casts of stacked experts
-    if spec.tie_word_embeddings:
-        total += spec.vocab_size * spec.hidden_size  # the tied LM head casts the embedding matrix
+    if spec.tie_word_embeddings and not spec.frozen:
+        # the tied LM head casts the embedding matrix; a frozen one is no autocast-cached leaf (cached_cast needs
+        # requires_grad), so under LoRA only the adapters' casts are cached
+        total += spec.vocab_size * spec.hidden_size
     return total
 
 
