@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import fsdp2, lora, moe, tensor_parallel
+from . import fsdp2, lora, moe, offload_activations, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -63,10 +63,25 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
+        cpu_bytes=static.cpu_bytes + _activation_host(spec, sized, hardware.is_cpu).host_bytes,
+        notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
+        + offload_activations.host_term_notes(_activation_host(spec, sized, hardware.is_cpu))
         + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
+
+
+def _activation_host(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> offload_activations.OffloadSizes:
+    """What activation offloading moves to the host (nothing without it): memfit.estimate.offload_activations."""
+    if not offload_activations.applies(setup):
+        return offload_activations.OffloadSizes(0, 0, 0, 0, 0)
+    return offload_activations.sizes(spec, setup, forward_activation_terms(spec, setup, on_cpu))
+
+
+def forward_activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> list[Term]:
+    """The activation terms alive at the end of forward (before any offloading)."""
+    per_layer = act.layer_saved_bytes(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
+    return _activation_terms(spec, setup, per_layer, act.dtypes(spec, setup, on_cpu))
 
 
 def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
@@ -395,6 +410,8 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         moments.update(_in_backward_moments(step))
     if spec.frozen and setup.checkpointing is Checkpointing.FULL and static.fsdp is None:
         moments.update(lora.checkpointed_moments(step, moments))
+    if offload_activations.applies(setup):
+        moments = offload_activations.on_device(moments, spec, setup, step.acts)
     return moments
 
 
