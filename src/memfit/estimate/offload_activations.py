@@ -178,7 +178,7 @@ def _moment(terms: list[Term], phase: Phase, offload: OffloadSizes, spec: ModelS
         out.append(Term("activations/offload_stash", Category.ACTIVATIONS, offload.stash_bytes,
                         "the final norm's saved tensors: torchtune's forward stash (the last 5 packs) keeps them on "
                         "the device until their backward", SOURCE))
-    if names & set(STACK_TERMS):
+    if names & set(STACK_TERMS) and "activations/head" not in names and phase is Phase.BACKWARD:
         out.append(Term("activations/offload_in_flight", Category.ACTIVATIONS, offload.in_flight_bytes,
                         "one block's saved tensors, brought back from the host for its backward (each unpacked "
                         "tensor is freed after the next autograd node)", SOURCE))
