@@ -5,7 +5,7 @@ input to move: a few MiB of traffic instead of every saved tensor; offloading al
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..setup import Checkpointing, TrainingSetup
+from ..setup import Checkpointing, Loss, TrainingSetup
 from ..units import format_bytes
 from .base import Context, Proposal, Skip, Technique, register
 from .costs import activation_offload_cost
@@ -27,6 +27,8 @@ class ActivationOffload(Technique):
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.activation_offload:
             return Skip("already offloading activations")
+        if ctx.setup.loss is Loss.FUSED:  # setup.replace would turn the fused loss back: keep it instead
+            return Skip("not sized with the fused loss, which already keeps no logits")
         modes = [ctx.setup.checkpointing]
         if not ctx.setup.checkpointing.is_on:
             modes.append(Checkpointing.FULL)  # torchtune's pairing: offload the checkpoints only
