@@ -45,7 +45,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, min_offload_bytes: int = MIN_OFFLOAD_BYTES, pin_memory: bool = True,
                  parameters=()) -> None:
         self.counts = OffloadCounts()
-        self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self.parameter_storages = {_storage_key(p) for p in parameters}
         """Only for counting: torchtune's rule skips nn.Parameter objects, not views of them."""
         self.paused = False
         self.min_offload_bytes = min_offload_bytes
@@ -56,7 +56,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         nbytes = tensor.numel() * tensor.element_size()
         if isinstance(tensor, torch.nn.Parameter):
             return tensor
-        key = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
+        key = _storage_key(tensor)
         is_weight = key in self.parameter_storages
         if self.paused or nbytes < self.min_offload_bytes:
             if not is_weight:
@@ -79,6 +79,15 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return packed
         device, host = packed
         return host.to(device, non_blocking=True)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The storage's address (fake and meta tensors have none: their object's id, counted per tensor)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
+        return id(tensor)
+    return tensor.untyped_storage().data_ptr()
 
 
 def lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
