@@ -138,6 +138,8 @@ def test_setups_it_does_not_size_say_so():
                 dict(activation_offload="yes")):
         with pytest.raises(ConfigError):
             setup_of(**bad)
+    with pytest.raises(ConfigError, match="per-layer recipes"):
+        estimate(resolve_model(TINY_CONFIGS["bert"]), setup_of(), CPU)
 
 
 def test_the_ladder_offloads_with_checkpointing_when_the_rest_is_pinned():

@@ -46,6 +46,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
                           f"'{spec.name}' needs loss standard")
     spec = lora.adapted_spec(spec, setup)
     moe.check(spec, setup)
+    offload_activations.check(spec, setup)
     spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
@@ -61,11 +62,12 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     terms = [t for t in terms if t.num_bytes > 0]
     in_allocator = [t for t in terms if t.device_figure == "allocated"]
     terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator)
+    offloaded = _activation_host(spec, sized, hardware.is_cpu)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu_bytes + _activation_host(spec, sized, hardware.is_cpu).host_bytes,
+        cpu_bytes=static.cpu_bytes + offloaded.host_bytes,
         notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
-        + offload_activations.host_term_notes(_activation_host(spec, sized, hardware.is_cpu))
+        + offload_activations.host_term_notes(offloaded)
         + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))

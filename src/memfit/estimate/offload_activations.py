@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..errors import ConfigError
 from ..model_spec import ModelSpec
 from ..setup import TrainingSetup
 from . import activations as act
@@ -60,11 +61,6 @@ class OffloadSizes:
     """Of host_bytes, the Linear weights the packs copy (pure fp32 / bf16): no device saving, traffic both ways."""
     repacked_exact: bool = True
     """Whether the repeated packs of this family were counted (otherwise host_bytes counts each tensor once)."""
-
-    @property
-    def pcie_bytes(self) -> int:
-        """Host<->device bytes of one micro-step: every pack goes down in forward and comes back up in backward."""
-        return 2 * self.host_bytes
 
 
 def sizes(spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> OffloadSizes:
@@ -146,6 +142,20 @@ def _repacked_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plain_
 
 def applies(setup: TrainingSetup) -> bool:
     return bool(getattr(setup, "activation_offload", False))
+
+
+SIZED_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gemma2", "phi3", "gpt_neox")
+"""Decoder families with per-layer recipes (memfit.estimate.activations); the first four were counted pack by pack."""
+
+
+def check(spec: ModelSpec, setup: TrainingSetup) -> None:
+    """Activation offloading is sized where the saved tensors are known tensor by tensor: one-line ConfigError."""
+    if not applies(setup):
+        return
+    if spec.model_type not in SIZED_FAMILIES or spec.derived is not None or moe.applies(spec):
+        raise ConfigError(f"activation offloading is sized for the decoder families memfit has per-layer recipes for "
+                          f"({', '.join(SIZED_FAMILIES)}); '{spec.name}' ({spec.model_type}) is not one: drop "
+                          "--activation-offload")
 
 
 def on_device(moments: dict, spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> dict:
