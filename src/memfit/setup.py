@@ -317,7 +317,7 @@ class TrainingSetup:
             raise ConfigError("; ".join(problems))
 
     def _activation_offload_problems(self) -> list[str]:
-        """What memfit sizes of activation offloading: full training on one or more GPUs (each rank offloads its own)."""
+        """What memfit sizes of activation offloading: full training, on one GPU or each data-parallel rank."""
         if not isinstance(self.activation_offload, bool):
             return [f"activation_offload must be true or false, got {self.activation_offload!r}"]
         if self.activation_offload and self.finetune.adapters:
