@@ -116,6 +116,22 @@ def test_the_one_loop_runs_with_offload_and_changes_no_numbers():
     assert losses[0] == losses[1]
 
 
+def test_on_a_cpu_device_nothing_moves_and_the_measured_step_agrees():
+    """torchtune refuses a CPU device; memfit's loop runs the hooks there but nothing can move: the estimate for a CPU
+    device is the no-offload one, and the measured step (the one loop, with the hooks) has the same peak."""
+    from memfit.measure import measure
+
+    setup = setup_of(checkpointing="full")
+    spec = resolve_model(TINY_CONFIGS["llama"])
+    with_hooks = estimate(spec, setup, CPU)
+    assert with_hooks.total_bytes == estimate(spec, setup.replace(activation_offload=False), CPU).total_bytes
+    assert with_hooks.cpu_bytes == 0
+    measured = measure(TINY_CONFIGS["llama"], setup, steps=2)
+    plain = measure(TINY_CONFIGS["llama"], setup.replace(activation_offload=False), steps=2)
+    assert measured.tensor_bytes == plain.tensor_bytes
+    assert abs(with_hooks.tensor_bytes - measured.tensor_bytes) / measured.tensor_bytes < 0.01
+
+
 def test_the_estimate_moves_the_stack_to_the_host():
     spec = resolve_model("llama-3.1-8b")
     hw = make_hardware("h100")

@@ -74,8 +74,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
 
 
 def _activation_host(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> offload_activations.OffloadSizes:
-    """What activation offloading moves to the host (nothing without it): memfit.estimate.offload_activations."""
-    if not offload_activations.applies(setup):
+    """What activation offloading moves to the host (nothing without it, nor on a CPU device, where the saved tensors
+    are in host memory already): memfit.estimate.offload_activations."""
+    if not offload_activations.applies(setup) or on_cpu:
         return offload_activations.OffloadSizes(0, 0, 0, 0, 0)
     return offload_activations.sizes(spec, setup, forward_activation_terms(spec, setup, on_cpu))
 
@@ -412,7 +413,7 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         moments.update(_in_backward_moments(step))
     if spec.frozen and setup.checkpointing is Checkpointing.FULL and static.fsdp is None:
         moments.update(lora.checkpointed_moments(step, moments))
-    if offload_activations.applies(setup):
+    if offload_activations.applies(setup) and not on_cpu:  # on a CPU device there is nowhere to move them
         moments = offload_activations.on_device(moments, spec, setup, step.acts)
     return moments
 
