@@ -227,7 +227,21 @@ def _finetune(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
     return Change("finetune", *torch_lora.apply_adapters(model, setup))
 
 
-_HANDLERS = (_precision, _finetune, _attention, _checkpointing, _optimizer, _batching, _engine)
+def _activation_offload(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
+    """torchtune's OffloadActivations hooks around every forward of the model (memfit._torch.offload_activations):
+    for loops that call model(**batch), as the HF Trainer does. memfit's own loop wraps its forward itself."""
+    if not setup.activation_offload:
+        return None
+    from ._torch import offload_activations
+
+    if getattr(model, "_memfit_activation_offload", None) is not None:
+        return Change("activation offload", False, "already installed")
+    offload_activations.install(model)
+    return Change("activation offload", True, "saved tensors of >= 1 KiB (parameters aside) go to pinned host RAM in "
+                                              "forward and come back in backward; the LM head's and the loss's stay")
+
+
+_HANDLERS = (_precision, _finetune, _attention, _checkpointing, _optimizer, _batching, _engine, _activation_offload)
 
 
 def _selective_checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:

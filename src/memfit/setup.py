@@ -284,6 +284,11 @@ class TrainingSetup:
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
     optimizer_in_backward: bool = False
     """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
+    # -- activation offloading (memfit.estimate.offload_activations) --
+    activation_offload: bool = False
+    """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
+    enable_activation_offloading / OffloadActivations, TRL and axolotl activation_offloading); the LM head's and the
+    loss's stay on the device."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -305,10 +310,28 @@ class TrainingSetup:
             problems += self._moe_problems()
         if not isinstance(self.optimizer_in_backward, bool):
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
+        problems += self._activation_offload_problems()
         if not problems:
             problems += self._combination_problems()
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _activation_offload_problems(self) -> list[str]:
+        """What memfit sizes of activation offloading: full training, on one GPU or each data-parallel rank."""
+        if not isinstance(self.activation_offload, bool):
+            return [f"activation_offload must be true or false, got {self.activation_offload!r}"]
+        if self.activation_offload and self.finetune.adapters:
+            return [f"activation offloading with {self.finetune.method} is not sized yet: use method full or no "
+                    "activation offloading"]
+        if self.activation_offload and _positive_int(self.tp) and self.tp > 1:
+            return ["activation offloading with tensor parallelism is not sized yet"]
+        if self.activation_offload and str(self.checkpointing) in ("selective-op", "attention"):
+            return [f"activation offloading with checkpointing {self.checkpointing} is not sized yet (the kept "
+                    "outputs live in the checkpoint's own store, which the offload hooks never see): use full, "
+                    "every-N or none"]
+        if self.activation_offload and str(self.loss) == "fused":
+            return ["activation offloading with the fused loss is not sized yet: use loss standard or chunked"]
+        return []
 
     def _moe_problems(self) -> list[str]:
         """Expert parallelism and the capacity factor (whether ep divides the model's experts is checked where the
@@ -486,7 +509,7 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward"}
+    "optimizer_in_backward": "optimizer in backward", "activation_offload": "activation offload"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -521,7 +544,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "tp": ("tp", "sequence_parallel"),
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
-    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",)}
+    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
+    "activation_offload": ("activation_offload",)}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

@@ -101,7 +101,8 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                 "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
-    for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _engine_part):
+    for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _activation_offload_part,
+                 _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
                                                        legacy_names=legacy_names)
         content.update(part_content)
@@ -218,6 +219,17 @@ def _loss_part(setup: TrainingSetup, **_):
         notes.append("The optimizer step in backward is torchtune's `optimizer_in_bwd: True` (with "
                      "gradient_accumulation_steps 1 and clip_grad_norm null); TrainingArguments has no such option.")
     return content, comments, notes
+
+
+def _activation_offload_part(setup: TrainingSetup, **_):
+    """TrainingArguments has no activation offloading; TRL's SFTConfig, axolotl and torchtune run torchtune's
+    OffloadActivations hooks, and memfit.apply_ installs the same hooks on a live model."""
+    if not setup.activation_offload:
+        return {}, {}, []
+    return {}, {}, ["Activation offloading: TRL `SFTConfig(activation_offloading=True)`, axolotl "
+                    "`activation_offloading: true`, torchtune `enable_activation_offloading: True`; with a plain "
+                    "Trainer, `memfit.apply_(model, setup)` installs the same saved-tensor hooks. It needs CUDA and "
+                    "pinned host RAM."]
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):

@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import fsdp2, lora, moe, tensor_parallel
+from . import fsdp2, lora, moe, offload_activations, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -46,6 +46,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
                           f"'{spec.name}' needs loss standard")
     spec = lora.adapted_spec(spec, setup)
     moe.check(spec, setup)
+    offload_activations.check(spec, setup)
     spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
@@ -61,12 +62,29 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     terms = [t for t in terms if t.num_bytes > 0]
     in_allocator = [t for t in terms if t.device_figure == "allocated"]
     terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator)
+    offloaded = _activation_host(spec, sized, hardware.is_cpu)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
-        cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
+        cpu_bytes=static.cpu_bytes + offloaded.host_bytes,
+        notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
+        + offload_activations.host_term_notes(offloaded)
         + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
+
+
+def _activation_host(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> offload_activations.OffloadSizes:
+    """What activation offloading moves to the host (nothing without it, nor on a CPU device, where the saved tensors
+    are in host memory already): memfit.estimate.offload_activations."""
+    if not offload_activations.applies(setup) or on_cpu:
+        return offload_activations.OffloadSizes(0, 0, 0, 0, 0)
+    return offload_activations.sizes(spec, setup, forward_activation_terms(spec, setup, on_cpu))
+
+
+def forward_activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> list[Term]:
+    """The activation terms alive at the end of forward (before any offloading)."""
+    per_layer = act.layer_saved_bytes(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
+    return _activation_terms(spec, setup, per_layer, act.dtypes(spec, setup, on_cpu))
 
 
 def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
@@ -399,6 +417,8 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         moments.update(_in_backward_moments(step))
     if spec.frozen and setup.checkpointing is Checkpointing.FULL and static.fsdp is None:
         moments.update(lora.checkpointed_moments(step, moments))
+    if offload_activations.applies(setup) and not on_cpu:  # on a CPU device there is nowhere to move them
+        moments = offload_activations.on_device(moments, spec, setup, step.acts)
     return moments
 
 

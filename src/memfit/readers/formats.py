@@ -319,7 +319,7 @@ AXOLOTL_TABLE = {
     "load_in_4bit": QUANTIZED, "load_in_8bit": QUANTIZED, "gptq": QUANTIZED, "bnb_4bit_": QUANTIZED,
     "torch_compile": COMPILE, "torch_compile_backend": COMPILE, "liger_": NOT_SIZED, "plugins": NOT_SIZED,
     "unsloth_": NOT_SIZED, "chunked_cross_entropy": NOT_SIZED, "cut_cross_entropy": NOT_SIZED,
-    "s2_attention": NOT_SIZED, "activation_offloading": f"{NOT_SIZED} (activation offloading)",
+    "s2_attention": NOT_SIZED,
     "eval_batch_size": EVAL, "eval_sample_packing": EVAL,
     "pad_to_sequence_len": f"{NOT_RELEVANT} (memfit sizes every sequence at sequence_len)",
     "gradient_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
@@ -426,8 +426,21 @@ def _axolotl_checkpointing(read: Reader, data: Mapping) -> None:
     else:
         read.unmappable("checkpointing", "gradient_checkpointing", value, "memfit sizes true, false, unsloth and "
                                                                           "offload")
-    if _truthy(data.get("activation_offloading")):
-        read.ignore("activation_offloading", data["activation_offloading"], f"{NOT_SIZED} (activation offloading)")
+    _activation_offloading(read, data, "activation_offloading", "axolotl: torchtune's OffloadActivations hooks")
+
+
+def _activation_offloading(read: Reader, data: Mapping, key: str, note: str) -> None:
+    """axolotl `activation_offloading` / torchtune `enable_activation_offloading` -> activation_offload (full
+    training: with LoRA adapters memfit does not size it yet)."""
+    if key not in data:
+        return
+    finetune = read.fields.get("finetune")
+    if not _truthy(data[key]):
+        read.ignore(key, data[key], OFF)
+    elif finetune is not None and finetune.adapters:
+        read.ignore(key, data[key], f"{NOT_SIZED} (activation offloading with {finetune.method})")
+    else:
+        read.set("activation_offload", True, key, data[key], note)
 
 
 def _axolotl_attention(read: Reader, data: Mapping) -> None:
@@ -578,8 +591,8 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
         if key in data:
             on = _truthy(data[key])
             read.set("checkpointing", Checkpointing.FULL if on else Checkpointing.NONE, key, data[key])
-    for key, why in (("enable_activation_offloading", f"{NOT_SIZED} (activation offloading to the CPU)"),
-                     ("optimizer_in_bwd", f"{NOT_SIZED}: the step runs inside backward and frees each gradient "
+    _activation_offloading(read, data, "enable_activation_offloading", "torchtune OffloadActivations")
+    for key, why in (("optimizer_in_bwd", f"{NOT_SIZED}: the step runs inside backward and frees each gradient "
                                           "early (memfit sizes whole gradients, an upper bound)"),
                      ("compile", COMPILE)):
         if key in data:

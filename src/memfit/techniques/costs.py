@@ -82,10 +82,16 @@ def cpu_step_seconds(spec: ModelSpec, setup: TrainingSetup) -> float:
     return spec.num_params / n / CPU_ADAM_PARAMS_PER_S
 
 
+def host_link_seconds(num_bytes: int, hardware: Hardware) -> float:
+    """Seconds to move `num_bytes` between host and device at the GPU's effective host link rate (data/gpus.json
+    host_link_gb_per_s): the one transfer model of every offload."""
+    return num_bytes / (hardware.gpu.host_link_gb_per_s * 1e9)
+
+
 def offload_traffic(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> str:
     traffic = offload_traffic_bytes(spec, setup)
     link = hardware.gpu.host_link_gb_per_s
-    seconds = traffic / (link * 1e9)
+    seconds = host_link_seconds(traffic, hardware)
     per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
     step = cpu_step_seconds(spec, setup)
     return (f"{format_bytes(traffic)} over PCIe per step{per} (~{seconds:.2f} s at {link:g} GB/s) and a CPU Adam "
@@ -117,3 +123,18 @@ def recompute_fraction(spec: ModelSpec, setup: TrainingSetup) -> float:
     widths = _matmul_widths(spec) if spec.is_transformer else []
     recomputed = sum(2 * spec.hidden_size * w for i, (_, w) in enumerate(widths) if i % 2 == 1) * layers
     return min(1 / 3, recomputed / max(forward, 1) / 3 + 0.01)
+
+
+def activation_offload_traffic_bytes(host_bytes_per_micro_step: int, setup: TrainingSetup) -> int:
+    """Activation offloading moves every pack down in forward and back up in backward, each micro-step
+    (memfit.estimate.offload_activations)."""
+    return 2 * host_bytes_per_micro_step * setup.grad_accum_steps
+
+
+def activation_offload_cost(host_bytes_per_micro_step: int, setup: TrainingSetup, hardware: Hardware) -> str:
+    traffic = activation_offload_traffic_bytes(host_bytes_per_micro_step, setup)
+    seconds = host_link_seconds(traffic, hardware)
+    per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
+    return (f"{format_bytes(traffic)} over PCIe per step{per} (~{seconds:.2f} s at "
+            f"{hardware.gpu.host_link_gb_per_s:g} GB/s), overlapped with compute on torchtune's second stream as "
+            f"far as the link keeps up; {format_bytes(host_bytes_per_micro_step)} of pinned host RAM per GPU")
