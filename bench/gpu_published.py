@@ -368,8 +368,6 @@ def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
             m.missing.append((feature, f"x{degree}"))
     if replicate > 1 and stage:
         m.missing.append((HSDP, f"replicate x{replicate}"))
-    if off.get("activations"):
-        m.missing.append((ACT_OFFLOAD, ""))
     # the ranks one parameter is sharded over (CP ranks shard with FSDP in torchtitan): the nearest memfit setup
     shard = int(par.get("param_shard_degree") or world)
     out = {"num_gpus": max(1, shard * tp if stage else world)}
@@ -389,6 +387,8 @@ def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
     elif off.get("optimizer"):
         offload = Offload.OPTIMIZER
     out["offload"] = offload
+    if off.get("activations"):  # torchtune OffloadActivations
+        out["activation_offload"] = True
     if out["num_gpus"] < 2 and stage and engine != "deepspeed":
         # one-process ZeRO is DeepSpeed's (ZeRO-Offload / -Infinity); FSDP on one rank shards nothing
         m.missing.append((ZERO_ONE_PROCESS, f"{engine} zero{stage} on {world} process"))
