@@ -67,7 +67,9 @@ class Finetune:
     """What the optimizer trains. `targets` () means peft's default for the architecture; ('all-linear',) every
     projection but the head. `modules_to_save`: modules trained in full beside the adapters (peft keeps a trainable
     copy and the frozen original). `dora`: weight-decomposed LoRA (a magnitude vector per adapted output and the
-    weight norm it recomputes each forward): refused until it is measured."""
+    weight norm it recomputes each forward): refused until it is measured. `rslora`: rank-stabilized LoRA
+    (Kalajdzievski 2023, arXiv:2312.03732; peft `use_rslora`) scales the update by alpha / sqrt(r) instead of
+    alpha / r: a different float, the same tensors, so the same memory."""
 
     method: Method = Method.FULL
     rank: int = 8
@@ -78,6 +80,7 @@ class Finetune:
     base: BaseWeights = BaseWeights.AUTO
     double_quant: bool = True
     dora: bool = False
+    rslora: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -94,6 +97,8 @@ class Finetune:
     def problems(self) -> list[str]:
         out = []
         if not self.adapters:
+            if self.rslora or self.dora:
+                out.append(f"{'DoRA' if self.dora else 'rsLoRA'} shapes LoRA adapters: add --method lora (or qlora)")
             if self.base is not BaseWeights.AUTO:
                 out.append(f"base weights '{self.base}' apply to LoRA/QLoRA; a full fine-tune trains (and stores) "
                            "every weight in the training precision")
@@ -140,4 +145,5 @@ class Finetune:
     def to_dict(self) -> dict:
         return {"method": self.method.value, "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "targets": list(self.targets), "modules_to_save": list(self.modules_to_save),
-                "base": self.base.value, "double_quant": self.double_quant, "dora": self.dora}
+                "base": self.base.value, "double_quant": self.double_quant, "dora": self.dora,
+                "rslora": self.rslora}

@@ -66,7 +66,8 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
     if base.quantized and not fake:
         quantize()
     config = LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets,
-                        modules_to_save=list(ft.modules_to_save) or None, use_dora=ft.dora, bias="none")
+                        modules_to_save=list(ft.modules_to_save) or None, use_dora=ft.dora, use_rslora=ft.rslora,
+                        bias="none")
     try:
         with _adapters_stay_where_made(model):
             inject_adapter_in_model(config, model)

@@ -24,6 +24,8 @@ def lora_config_kwargs(setup: TrainingSetup) -> dict:
         kwargs["modules_to_save"] = list(ft.modules_to_save)
     if ft.dora:
         kwargs["use_dora"] = True
+    if ft.rslora:
+        kwargs["use_rslora"] = True  # alpha / sqrt(r): the scale only, sized like LoRA
     return kwargs
 
 
