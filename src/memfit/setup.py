@@ -371,10 +371,10 @@ class TrainingSetup:
     def _adapter_problems(self) -> list[str]:
         """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
         problems = []
-        if self.sharding is Sharding.ZERO3:
-            problems.append(f"{self.finetune.method} under zero3 / FSDP full sharding (frozen base shards, "
-                            "adapters gathered) is not sized yet: use zero2 or DDP, whose frozen base is "
-                            "replicated")
+        if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED:
+            problems.append(f"{self.finetune.method} under DeepSpeed ZeRO-3 is not sized yet: use --engine torch "
+                            "(FSDP2 shards the frozen base and the adapters, memfit.estimate.lora_sharded), or "
+                            "zero2, whose frozen base is replicated")
         if self.offload is not Offload.NONE:
             problems.append(f"{self.finetune.method} trains only the adapters: CPU offload of their optimizer "
                             "is not sized yet")

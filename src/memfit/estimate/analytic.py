@@ -689,7 +689,7 @@ def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:
     units = static.fsdp
     if units is None:
         return static
-    return replace(static, param_working_set_bytes=(units.root_params + blocks * units.block_params) * units.compute_bytes)
+    return replace(static, param_working_set_bytes=units.gathered_bytes(blocks))
 
 
 def _param_step_temp(spec: ModelSpec, setup: TrainingSetup, numel: int) -> int:

@@ -30,7 +30,7 @@ from ..graph import Linear, LoraLinear, with_lora
 from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
-from ..setup import TrainingSetup
+from ..setup import TrainingSetup, fsdp2_mixed_precision
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
 BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
@@ -242,7 +242,10 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
 
     ft = setup.finetune
     roles = adapted_roles(spec)
-    shares_x = not d.autocast and d.compute == 4 and d.residual == 4 and ft.dropout == 0
+    # FSDP2's MixedPrecisionPolicy casts the gathered adapters to the compute dtype: peft's cast of x is then a no-op
+    in_compute = fsdp2_mixed_precision(setup)
+    shares_x = ft.dropout == 0 and (in_compute or (not d.autocast and d.compute == 4 and d.residual == 4))
+    low = "c16" if d.autocast or in_compute else "f32"
     kept = []
     for item in items:
         if not item.role:
@@ -255,11 +258,12 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
         group = _GROUP_OF_ROLE[role]
         for node in linears:
             if not shares_x:
-                # its own copy of x: bf16 under autocast, else fp32 (peft's cast, or the dropout output)
-                kept.append(Saved(group, node.in_features, "c16" if d.autocast else "f32"))
+                # its own copy of x: bf16 under autocast (or FSDP2's bf16 adapters), else fp32 (peft's cast, or
+                # the dropout output)
+                kept.append(Saved(group, node.in_features, low))
             if ft.dropout > 0:
                 kept.append(Saved(group, node.in_features, _mask(d)))
-            kept.append(Saved(group, node.rank, "c16" if d.autocast else "f32"))  # lora_A's output, kept by lora_B
+            kept.append(Saved(group, node.rank, low))  # lora_A's output, kept by lora_B
     return kept
 
 
