@@ -127,13 +127,13 @@ def test_fsdp_qlora_shard_is_bitsandbytes_bf16_storage_split_over_the_ranks(doub
 
 
 def test_emitted_configs_say_what_was_sized():
-    from memfit.emit.accelerate import accelerate_config
+    from memfit.emit.accelerate import accelerate_file
     from memfit.emit.peft import bnb_config_kwargs
 
     qlora = _setup("zero3", "amp-bf16", finetune=dict(LORA, method="qlora"))
     assert bnb_config_kwargs(qlora)["bnb_4bit_quant_storage"] == "bfloat16"
     assert "bnb_4bit_quant_storage" not in bnb_config_kwargs(qlora.replace(sharding="none", num_gpus=1))
-    fsdp = accelerate_config(qlora, HARDWARE, backend="fsdp")["fsdp_config"]
+    fsdp = accelerate_file(qlora, HARDWARE, backend="fsdp").content["fsdp_config"]
     assert fsdp["fsdp_version"] == 2 and "fsdp_use_orig_params" not in fsdp  # obsolete in FSDP2 (accelerate)
     from transformers import BitsAndBytesConfig
 
