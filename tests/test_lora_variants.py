@@ -1,11 +1,19 @@
-"""LoRA variants that peft switches on with one flag: rsLoRA (use_rslora: the scale alpha / sqrt(r), no memory),
-through the option, the emitter, the readers and a real peft layer."""
+"""LoRA variants that peft switches on with one flag: rsLoRA (use_rslora: the scale alpha / sqrt(r), no memory) and
+DoRA (use_dora: magnitude vectors, two more saved tensors per adapted Linear, the weight norm's forward transient),
+through the option, the emitter, the readers, one real peft DoRA layer and real peft CPU steps."""
 
 from __future__ import annotations
 
-import pytest
+import contextlib
 
-from tiny_configs import TINY_LLAMA
+import pytest
+from typer.testing import CliRunner
+
+from lora_truth import LoraCase, alloc_trace, measure_lora_case, training_setup
+from tiny_configs import TINY_CONFIGS, TINY_LLAMA
+
+from memfit.cli.app import app
+from memfit.estimate.dora import linear_transient_bytes
 
 from memfit.emit.peft import lora_config_kwargs
 from memfit.errors import ConfigError
@@ -13,6 +21,7 @@ from memfit.estimate.analytic import estimate
 from memfit.finetune import Finetune
 from memfit.hardware import cpu_device, make_hardware
 from memfit.readers import read_config
+from memfit.estimate.lora import adapted_spec
 from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
 
@@ -61,3 +70,89 @@ def test_readers_take_use_rslora(tmp_path, monkeypatch, name, text):
 def test_rslora_without_adapters_is_one_clear_error():
     with pytest.raises(ConfigError, match="add --method lora"):
         Finetune(rslora=True)
+
+
+# --- DoRA ------------------------------------------------------------------------------------------------------
+
+def _dora_linear(n_in: int, n_out: int, rank: int, dtype):
+    import peft
+    import torch
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(One(), peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["proj"],
+                                                        use_dora=True))
+    return model.train()
+
+
+@pytest.mark.parametrize("n_in, n_out, base, autocast", [(512, 256, "fp32", False), (256, 512, "fp32", False),
+                                                          (512, 256, "bf16", True), (512, 256, "fp32", True)])
+def test_dora_weight_norm_transient_is_what_one_real_peft_layer_allocates(n_in, n_out, base, autocast):
+    """One DoraLinearLayer forward on 2 tokens: its peak above the start is the weight-norm transient (the
+    identity through the adapters, W + s BA): the formula within 1% (the tokens' own tensors are the rest; under
+    autocast the base weight's bf16 cast, cached by autocast, stays to the end and is not part of the transient)."""
+    torch = pytest.importorskip("torch")
+    dtype = torch.float32 if base == "fp32" else torch.bfloat16
+    model = _dora_linear(n_in, n_out, 8, dtype)
+    x = torch.randn(1, 2, n_in, dtype=dtype, requires_grad=True)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            return model(x)
+
+    trace = alloc_trace(forward)
+    measured = trace["peak"] - (trace["end"] if autocast and base == "fp32" else 0)
+    predicted = linear_transient_bytes(n_in, n_out, 8, autocast=autocast, base_bytes=4 if base == "fp32" else 2)
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
+DORA_CASES = [LoraCase(family="llama", rank=64, alpha=128, targets="all-linear", dora=True),
+              LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", base_dtype="bf16",
+                       precision="amp-bf16", dora=True),
+              LoraCase(family="gpt2", rank=16, alpha=32, targets="all-linear", dropout=0.1, dora=True)]
+
+
+@pytest.mark.parametrize("case", DORA_CASES, ids=lambda c: c.label)
+def test_dora_formulas_match_real_peft_cpu_steps(case):
+    """Real peft DoRA models (tests/lora_truth.py, the HF Trainer recipe), two measured CPU steps: the magnitude
+    vectors exactly, the peak within 2% (bench/results/lora_accuracy.md has the DoRA rows), and well above what
+    plain LoRA would keep (the two B x T x out tensors per adapted Linear are what the formula adds)."""
+    pytest.importorskip("peft")
+    row = measure_lora_case(case)
+    setup = training_setup(case).replace(finetune=Finetune(
+        method="lora", rank=case.rank, alpha=case.alpha, dropout=case.dropout, targets=("all-linear",),
+        base=case.base_dtype, dora=True))
+    spec = TINY_CONFIGS[case.family]
+    predicted = estimate(resolve_model(spec), setup, CPU)
+    measured = row["peak_bytes_with_quant_state"]
+    assert row["trainable_bytes"] == predicted.term("parameters").num_bytes
+    magnitudes = [p for p in adapted_spec(resolve_model(spec), setup).params if "magnitude" in p.name]
+    assert sum(4 * p.total for p in magnitudes) == row["trainable_bytes"] - estimate(
+        resolve_model(spec), setup.replace(finetune=setup.finetune.replace(dora=False)), CPU).term(
+        "parameters").num_bytes
+    assert abs(predicted.tensor_bytes - measured) / measured < 0.02, (predicted.tensor_bytes, measured)
+    plain = estimate(resolve_model(spec), setup.replace(finetune=setup.finetune.replace(dora=False)), CPU)
+    assert measured - plain.tensor_bytes > 0.05 * measured
+
+
+def test_dora_is_an_option_an_emitted_flag_and_refused_where_not_measured():
+    peft = pytest.importorskip("peft")
+    setup = _lora(dora=True)
+    assert lora_config_kwargs(setup)["use_dora"] is True
+    assert peft.LoraConfig(**lora_config_kwargs(setup)).use_dora
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["estimate", "llama-3.1-8b", "--method", "lora",
+                                                            "--dora", "--gpu", "H100"])
+    assert result.exit_code == 0 and "DoRA" in result.output, result.output
+    with pytest.raises(ConfigError, match="DoRA on a quantized base"):
+        Finetune(method="qlora", dora=True)
+    with pytest.raises(ConfigError, match="DoRA is sized without checkpointing"):
+        setup.replace(checkpointing="full")
+    bad = CliRunner().invoke(app, ["estimate", "llama-3.1-8b", "--method", "qlora", "--dora"])
+    assert bad.exit_code == 2 and "DoRA" in bad.output

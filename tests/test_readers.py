@@ -820,9 +820,10 @@ def test_emitted_peft_settings_read_back_as_the_finetune(tmp_path):
     assert checked > 30
 
 
-def test_dora_is_refused_in_one_line(tmp_path):
+def test_peft_dora_is_read_and_sized(tmp_path):
     path = tmp_path / "adapter_config.json"
     path.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
                                 "use_dora": True, "base_model_name_or_path": "meta-llama/Llama-3.2-1B"}))
-    result = invoke("plan", "--config", str(path))
-    assert result.exit_code == 2 and "DoRA" in result.output and "Traceback" not in result.output
+    assert read_config(str(path)).overrides["finetune"].dora is True
+    result = invoke("plan", "--config", str(path), "--gpu", "H100")
+    assert result.exit_code == 0 and "DoRA" in result.output, result.output

@@ -383,6 +383,9 @@ class TrainingSetup:
                             "full or none")
         if self.loss is not Loss.STANDARD:
             problems.append(f"a {self.loss} loss with {self.finetune.method} is not sized yet: use loss standard")
+        if self.finetune.dora and (self.checkpointing is not Checkpointing.NONE or self.sharding.stage >= 2):
+            problems.append("DoRA is sized without checkpointing and without FSDP / ZeRO-2+ sharding (measured "
+                            "there): use --checkpointing none and --zero none or zero1")
         if (self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights
                 and not fsdp2_mixed_precision(self)):  # FSDP2: the fp32 shards are the adapters' own
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")

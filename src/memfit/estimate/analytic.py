@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import fsdp2, lora, moe, tensor_parallel
+from . import dora, fsdp2, lora, moe, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -395,6 +395,8 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         moments.update(_in_backward_moments(step))
     if spec.frozen and setup.checkpointing is Checkpointing.FULL and static.fsdp is None:
         moments.update(lora.checkpointed_moments(step, moments))
+    if spec.frozen and setup.finetune.dora:
+        moments["DoRA weight norm"] = (Phase.FORWARD, dora.forward_moment(step, forward))
     return moments
 
 

@@ -31,6 +31,7 @@ from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2Se
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, fsdp2_mixed_precision
+from . import dora
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
 BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
@@ -86,6 +87,8 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
             # peft's ModulesToSaveWrapper: the original stays (frozen) and a trainable copy is made, same dtype
             trainable.append(ParamTensor(t.name.replace(".weight", ".modules_to_save.weight"), t.numel, t.count,
                                          other_bytes * t.numel))
+    if ft.dora:  # one trainable magnitude vector per adapted Linear (memfit.estimate.dora)
+        trainable += dora.magnitude_tensors(trainable, ft.rank)
     return replace(spec, params=tuple(trainable), frozen=tuple(frozen), graph=adapted)
 
 
@@ -264,6 +267,8 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
             if ft.dropout > 0:
                 kept.append(Saved(group, node.in_features, _mask(d)))
             kept.append(Saved(group, node.rank, low))  # lora_A's output, kept by lora_B
+    if ft.dora:
+        kept += dora.saved_rows(roles, _GROUP_OF_ROLE, low)
     return kept
 
 

@@ -17,6 +17,8 @@ from ._reader import _MISSING, NOT_RELEVANT, NOT_SIZED, Reader, _positive
 
 FIELD = "finetune"
 HEAD = "lm_head"
+TORCHTUNE_DORA = ("torchtune's DoRALinear is not sized (its weight norm and saved tensors are its own): memfit "
+                  "sizes peft's DoRA (use_dora in a peft LoraConfig)")
 RSLORA_NOTE = "rank-stabilized scaling alpha / sqrt(r): the same tensors, the same memory"
 HEAD_REFUSED = ("LoRA on the output head (lm_head) is not sized by memfit (its adapters and the head's frozen copy "
                 "are not modelled): leave the head out of the targets")
@@ -447,6 +449,9 @@ def _torchtune(read: Reader, model: Mapping, component: str, parts: LoraParts) -
             check(model[key], f"model.{key}")
         else:
             parts.default(part, default, "torchtune's LoRA builders' default")
+    if name.startswith("dora_") or _on(model.get("use_dora")):
+        parts.refuse("model.use_dora" if "use_dora" in model else "model._component_",
+                     model.get("use_dora", component), TORCHTUNE_DORA)
     if "use_dora" in model:
         parts.flag("dora", model["use_dora"], "model.use_dora")
     return parts.finish(method, "model._component_", component,
