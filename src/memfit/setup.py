@@ -372,7 +372,7 @@ class TrainingSetup:
         """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
         problems = []
         if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED:
-            problems.append(f"{self.finetune.method} under DeepSpeed ZeRO-3 is not sized yet: use --engine torch "
+            problems.append(f"{self.finetune.method} under DeepSpeed zero3 is not sized yet: use --engine torch "
                             "(FSDP2 shards the frozen base and the adapters, memfit.estimate.lora_sharded), or "
                             "zero2, whose frozen base is replicated")
         if self.offload is not Offload.NONE:
@@ -386,8 +386,12 @@ class TrainingSetup:
         if self.finetune.dora and (self.checkpointing is not Checkpointing.NONE or self.sharding.stage >= 2):
             problems.append("DoRA is sized without checkpointing and without FSDP / ZeRO-2+ sharding (measured "
                             "there): use --checkpointing none and --zero none or zero1")
-        if (self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights
-                and not fsdp2_mixed_precision(self)):  # FSDP2: the fp32 shards are the adapters' own
+        quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
+        if quantized and fsdp2_mixed_precision(self):
+            problems.append(f"{self.finetune.method} under FSDP2 mixed precision is not sized yet (its bf16 "
+                            "all-gathered norms make the residual stream bf16, which the activation formulas do not "
+                            "model for a quantized base): use --precision fp32, or zero1 / DDP")
+        elif quantized and self.precision.master_weights:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
 
