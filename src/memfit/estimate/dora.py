@@ -16,7 +16,7 @@ beyond LoRA, read off peft/tuners/lora/dora.py (DoraLinearLayer) and variants.py
 
 from __future__ import annotations
 
-from ..graph import LoraLinear
+from ..graph import LoraLinear, linears_of
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup
 
@@ -66,6 +66,20 @@ def weight_norm_transient_bytes(spec: ModelSpec, setup: TrainingSetup, autocast:
     return max((linear_transient_bytes(node.in_features, node.out_features, node.rank, autocast=autocast,
                                        base_bytes=base_bytes)
                 for _, node in spec.graph.linears() if isinstance(node, LoraLinear)), default=0)
+
+
+def autocast_copies(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """With dropout DoRA computes the base output again, `F.linear(dropout(x), weight.to(x.dtype))`: under autocast
+    that matmul casts the (non-leaf or frozen) weight to bf16 afresh and keeps the cast for x's gradient, 2 B per
+    adapted base weight (DoraLinearVariant.forward: base_result = None when dropout is not an Identity)."""
+    ft = setup.finetune
+    if not ft.dora or ft.dropout == 0 or not setup.precision.is_autocast or spec.graph is None:
+        return 0
+    total = 0
+    for stack in spec.graph.stacks:
+        total += stack.count * sum(node.base.weight_numel for _, node in linears_of(stack.block, stack.name)
+                                   if isinstance(node, LoraLinear))
+    return 2 * total
 
 
 def forward_moment(step, forward: list) -> list:

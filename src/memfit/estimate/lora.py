@@ -315,7 +315,8 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
     trainable leaf's cast is), and a fresh copy per call of every frozen fp32 Linear the gradient flows through
     (autocast caches only leaves that require grad) — the whole fp32 base, or with a quantized base only the
     fp32 LM head prepare_model_for_kbit_training left; under checkpointing only the head's outlives its block."""
-    adapters = sum(p.total for p in spec.params)
+    adapters = sum(p.total for p in spec.params if dora.MAGNITUDE not in p.name)  # no matmul takes a magnitude
+    extra = dora.autocast_copies(spec, setup)
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     head = sum(node.base.weight_numel if isinstance(node, LoraLinear) else node.weight_numel
                for path, node in spec.graph.linears() if not _inside_stack(spec.graph, path)) if spec.graph else 0
@@ -324,11 +325,11 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
     if checkpointing:  # the blocks' casts are not saved (recomputed); the cache is gone once autocast exits
         return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if base.quantized:
-        return 2 * (adapters + head)
+        return 2 * (adapters + head) + extra
     if base is not BaseWeights.FP32:
-        return 2 * adapters
+        return 2 * adapters + extra
     frozen = sum(_frozen_linear_elems(spec.graph))
-    return 2 * (adapters + frozen)
+    return 2 * (adapters + frozen) + extra
 
 
 def _inside_stack(graph, path: str) -> bool:
