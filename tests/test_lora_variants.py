@@ -156,3 +156,19 @@ def test_dora_is_an_option_an_emitted_flag_and_refused_where_not_measured():
         setup.replace(checkpointing="full")
     bad = CliRunner().invoke(app, ["estimate", "llama-3.1-8b", "--method", "qlora", "--dora"])
     assert bad.exit_code == 2 and "DoRA" in bad.output
+
+
+def test_the_measured_dora_matrix():
+    """bench/results/lora_measured.json's DoRA rows (bench/lora_measure.py: llama / qwen2 / gpt2, r8 / r64,
+    attention / all-linear, dropout 0 / 0.1, fp32 / amp-bf16 / bf16): every one within 2%."""
+    import json
+    from pathlib import Path
+
+    from bench_scripts import load_bench
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "lora_measured.json"
+    cases = [c for c in json.loads(results.read_text()) if c.get("dora")]
+    rows = [r for r in load_bench("lora_accuracy").rows(cases) if r[2] is not None]
+    errors = [abs(p - m) / m for _, m, p, _ in rows]
+    assert len(errors) >= 35
+    assert max(errors) < 0.02, max(zip(errors, [r[0] for r in rows]))
