@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import dora, fsdp2, lora, moe, tensor_parallel
+from . import dora, fsdp2, lora, lora_sharded, moe, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -90,9 +90,11 @@ def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[
             "cache; sized like bf16-master",)
     if not fsdp2_mixed_precision(setup, layout):
         return setup, ()
+    shards = ("the adapters' fp32 shards (the frozen base keeps its storage dtype)" if setup.finetune.adapters
+              else "fp32 shards")
     return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
         f"{setup.precision} under FSDP2 runs as MixedPrecisionPolicy(param_dtype={setup.precision.compute_dtype}, "
-        "reduce_dtype=fp32), as memfit's torch engine shards it: fp32 shards, low-precision compute, no autocast "
+        f"reduce_dtype=fp32), as memfit's torch engine shards it: {shards}, low-precision compute, no autocast "
         "cache; sized like bf16-master",)
 
 
@@ -111,7 +113,8 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
                       "peft get_peft_model(autocast_adapter_dtype=True): adapters upcast to fp32"),
                  Term("parameters/frozen", Category.PARAMETERS, static.frozen_bytes,
                       f"{spec.num_frozen_params:,} frozen base parameters as stored "
-                      f"({lora.base_label(spec, setup)})", lora.BASE_SOURCE)]
+                      f"({lora.base_label(spec, setup)})" + (f", FSDP2 shards / {n} ranks" if static.fsdp else ""),
+                      lora.BASE_SOURCE + ("; " + lora_sharded.SOURCE if static.fsdp else ""))]
     else:
         terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
                       f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
