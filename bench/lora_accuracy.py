@@ -37,7 +37,8 @@ def setup_of(case: dict) -> TrainingSetup:
     quantized = case["base_dtype"] in ("nf4", "fp4", "int8")
     finetune = Finetune(method="qlora" if quantized else "lora", rank=case["rank"], alpha=case["alpha"],
                         dropout=case["dropout"], targets=targets, base=case["base_dtype"],
-                        double_quant=case["double_quant"], modules_to_save=tuple(case["modules_to_save"]))
+                        double_quant=case["double_quant"], modules_to_save=tuple(case["modules_to_save"]),
+                        dora=case.get("dora", False))
     return TrainingSetup(micro_batch_size=case["batch"], seq_len=case["seq"], precision=case["precision"],
                          optimizer=case["optimizer"], checkpointing="full" if case["checkpointing"] else "none",
                          attention=case["attention"], finetune=finetune)

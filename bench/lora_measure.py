@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python bench/lora_measure.py            # the full matrix (~200 cases, a few minutes, 1 core)
     OMP_NUM_THREADS=1 python bench/lora_measure.py --quick    # 12 cases, printed (add --write to write them)
     OMP_NUM_THREADS=1 python bench/lora_measure.py --mechanisms   # one lora.Linear: saved bytes, measured vs formula
+    OMP_NUM_THREADS=1 python bench/lora_measure.py --filter dora --merge   # re-measure some rows into the files
 
 Writes bench/results/lora_measured.json (one object per case: the LoraCase fields, then what was measured) and
 bench/results/lora_measured.md (a table). Each case is built by tests/lora_truth.py (the HF Trainer + peft recipe)
@@ -83,6 +84,14 @@ def extra_rows() -> list[LoraCase]:
     rows.append(LoraCase(family="llama", rank=16, alpha=32, base_dtype="bf16", precision="amp-bf16",
                          modules_to_save=("lm_head",)))
     # longer sequence and bigger batch (scaling of the activation terms)
+    # DoRA (peft use_dora): magnitude vectors, two more saved tensors per adapted Linear, the weight norm
+    for family, rank, targets, dropout, (base, precision) in itertools.product(
+            ("llama", "qwen2", "gpt2"), (8, 64), ("attention", "all-linear"), (0.0, 0.1),
+            (("fp32", "fp32"), ("bf16", "amp-bf16"))):
+        rows.append(LoraCase(family=family, rank=rank, alpha=2 * rank, targets=targets, dropout=dropout,
+                             base_dtype=base, precision=precision, dora=True))
+    rows.append(LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", base_dtype="bf16", precision="bf16",
+                         dora=True))
     for batch, seq in ((1, 128), (4, 32), (2, 256)):
         rows.append(LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", batch=batch, seq=seq))
         rows.append(LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", batch=batch, seq=seq,
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="measure but write no files")
     parser.add_argument("--write", action="store_true", help="with --quick or --filter: write the files anyway")
     parser.add_argument("--filter", default="", help="only cases whose label contains this text")
+    parser.add_argument("--merge", action="store_true", help="write the measured rows into the existing files, "
+                                                              "replacing rows of the same label")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.mechanisms:
@@ -239,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     cases = quick_matrix() if args.quick else full_matrix()
     if args.filter:
         cases = [c for c in cases if args.filter in c.label]
+    if args.merge:
+        rows = run(cases, out=None)
+        fresh = {r["label"]: r for r in rows}
+        stored = json.loads((RESULTS / "lora_measured.json").read_text())
+        merged = [fresh.pop(r["label"], r) for r in stored] + list(fresh.values())
+        (RESULTS / "lora_measured.json").write_text(json.dumps(merged, indent=1) + "\n")
+        (RESULTS / "lora_measured.md").write_text(markdown(merged))
+        return 1 if any("error" in r for r in rows) else 0
     partial = (args.quick or args.filter) and not args.write
     rows = run(cases, out=None if args.no_write or partial else RESULTS)
     return 1 if any("error" in r for r in rows) else 0

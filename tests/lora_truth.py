@@ -95,6 +95,8 @@ class LoraCase:
     """memfit optimizer name: 'adamw' (single-tensor), 'adamw-foreach', 'adamw-8bit', 'sgd', ..."""
     attention: str = "sdpa"
     seed: int = 0
+    dora: bool = False
+    """peft use_dora: a magnitude vector per adapted Linear and the weight norm recomputed each forward"""
 
     def __post_init__(self) -> None:
         if self.family not in TINY_CONFIGS:
@@ -123,6 +125,8 @@ class LoraCase:
             parts.append(f"irg={int(self.input_require_grads)}")
         if self.modules_to_save:
             parts.append("save=" + "+".join(self.modules_to_save))
+        if self.dora:
+            parts.append("dora")
         return "/".join(parts)
 
     def to_dict(self) -> dict:
@@ -219,7 +223,8 @@ def lora_config(case: LoraCase):
         "all-linear" if case.targets == "all-linear" else list(case.targets))
     task = None if case.family in MASKED_LM else "CAUSAL_LM"
     return peft.LoraConfig(r=case.rank, lora_alpha=case.alpha, lora_dropout=case.dropout, target_modules=targets,
-                           modules_to_save=list(case.modules_to_save) or None, task_type=task, bias="none")
+                           modules_to_save=list(case.modules_to_save) or None, task_type=task, bias="none",
+                           use_dora=case.dora)
 
 
 def build_lora_model(case: LoraCase):

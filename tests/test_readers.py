@@ -186,12 +186,12 @@ EXAMPLES = {
     "adapter_config.json": Example(
         "peft", 'meta-llama/Llama-3.2-1B',
         dict(finetune=Finetune("lora", rank=16, alpha=32, dropout=0.05, targets=tuple(sorted(ATTENTION_AND_MLP)))),
-        read="base_model_name_or_path bias peft_type r lora_alpha lora_dropout target_modules use_dora",
+        read="base_model_name_or_path bias peft_type r lora_alpha lora_dropout target_modules use_dora use_rslora",
         not_sized="",
         other="",
         quiet=("alpha_pattern auto_mapping exclude_modules fan_in_fan_out inference_mode init_lora_weights "
                "layer_replication layers_pattern layers_to_transform loftq_config lora_bias megatron_config "
-               "megatron_core revision task_type trainable_token_indices use_rslora")),
+               "megatron_core revision task_type trainable_token_indices")),
     "training_args.json": Example(
         "training_args", None,
         dict(micro_batch_size=2, grad_accum_steps=8, precision='bf16-master', num_gpus=8, sharding='zero3',
@@ -820,9 +820,10 @@ def test_emitted_peft_settings_read_back_as_the_finetune(tmp_path):
     assert checked > 30
 
 
-def test_dora_is_refused_in_one_line(tmp_path):
+def test_peft_dora_is_read_and_sized(tmp_path):
     path = tmp_path / "adapter_config.json"
     path.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
                                 "use_dora": True, "base_model_name_or_path": "meta-llama/Llama-3.2-1B"}))
-    result = invoke("plan", "--config", str(path))
-    assert result.exit_code == 2 and "DoRA" in result.output and "Traceback" not in result.output
+    assert read_config(str(path)).overrides["finetune"].dora is True
+    result = invoke("plan", "--config", str(path), "--gpu", "H100")
+    assert result.exit_code == 0 and "DoRA" in result.output, result.output

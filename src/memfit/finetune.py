@@ -67,7 +67,9 @@ class Finetune:
     """What the optimizer trains. `targets` () means peft's default for the architecture; ('all-linear',) every
     projection but the head. `modules_to_save`: modules trained in full beside the adapters (peft keeps a trainable
     copy and the frozen original). `dora`: weight-decomposed LoRA (a magnitude vector per adapted output and the
-    weight norm it recomputes each forward): refused until it is measured."""
+    weight norm it recomputes each forward: memfit.estimate.dora). `rslora`: rank-stabilized LoRA
+    (Kalajdzievski 2023, arXiv:2312.03732; peft `use_rslora`) scales the update by alpha / sqrt(r) instead of
+    alpha / r: a different float, the same tensors, so the same memory."""
 
     method: Method = Method.FULL
     rank: int = 8
@@ -78,6 +80,7 @@ class Finetune:
     base: BaseWeights = BaseWeights.AUTO
     double_quant: bool = True
     dora: bool = False
+    rslora: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -94,6 +97,8 @@ class Finetune:
     def problems(self) -> list[str]:
         out = []
         if not self.adapters:
+            if self.rslora or self.dora:
+                out.append(f"{'DoRA' if self.dora else 'rsLoRA'} shapes LoRA adapters: add --method lora (or qlora)")
             if self.base is not BaseWeights.AUTO:
                 out.append(f"base weights '{self.base}' apply to LoRA/QLoRA; a full fine-tune trains (and stores) "
                            "every weight in the training precision")
@@ -104,10 +109,9 @@ class Finetune:
             out.append(f"LoRA alpha must be a positive number, got {self.alpha!r}")
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
             out.append(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dora:
-            out.append("DoRA (use_dora) is not sized yet: its magnitude vectors are small, but it recomputes the "
-                       "norm of every adapted weight (W + BA) in each forward, a weight-sized transient per layer "
-                       "that memfit has not measured; size it as LoRA with --method lora and add that")
+        if self.dora and self.method is Method.QLORA or self.dora and self.base.quantized:
+            out.append("DoRA on a quantized base is not sized yet (peft dequantizes each weight for its norm): "
+                       "use --method lora with a bf16 / fp32 base, or plain QLoRA")
         if self.method is Method.QLORA and self.base in (BaseWeights.FP32, BaseWeights.BF16, BaseWeights.FP16):
             out.append(f"QLoRA quantizes the base: base weights {self.base} is plain LoRA (use --method lora), "
                        "or choose nf4 / fp4 / int8")
@@ -135,9 +139,10 @@ class Finetune:
         text = f"{self.method} r={self.rank}"
         if self.base.quantized:
             text += f" {self.base}"
-        return text
+        return text + (" DoRA" if self.dora else "")
 
     def to_dict(self) -> dict:
         return {"method": self.method.value, "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "targets": list(self.targets), "modules_to_save": list(self.modules_to_save),
-                "base": self.base.value, "double_quant": self.double_quant, "dora": self.dora}
+                "base": self.base.value, "double_quant": self.double_quant, "dora": self.dora,
+                "rslora": self.rslora}

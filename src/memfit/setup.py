@@ -394,10 +394,10 @@ class TrainingSetup:
     def _adapter_problems(self) -> list[str]:
         """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
         problems = []
-        if self.sharding is Sharding.ZERO3:
-            problems.append(f"{self.finetune.method} under zero3 / FSDP full sharding (frozen base shards, "
-                            "adapters gathered) is not sized yet: use zero2 or DDP, whose frozen base is "
-                            "replicated")
+        if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED:
+            problems.append(f"{self.finetune.method} under DeepSpeed zero3 is not sized yet: use --engine torch "
+                            "(FSDP2 shards the frozen base and the adapters, memfit.estimate.lora_sharded), or "
+                            "zero2, whose frozen base is replicated")
         if self.offload is not Offload.NONE:
             problems.append(f"{self.finetune.method} trains only the adapters: CPU offload of their optimizer "
                             "is not sized yet")
@@ -407,7 +407,15 @@ class TrainingSetup:
         if self.loss is Loss.FUSED:
             problems.append(f"a fused loss with {self.finetune.method} is not sized yet (the frozen head's casts "
                             "under the fused kernel are not measured): use loss chunked or standard")
-        if self.finetune.base_storage(self.precision.compute_dtype).quantized and self.precision.master_weights:
+        if self.finetune.dora and (self.checkpointing is not Checkpointing.NONE or self.sharding.stage >= 2):
+            problems.append("DoRA is sized without checkpointing and without FSDP / ZeRO-2+ sharding (measured "
+                            "there): use --checkpointing none and --zero none or zero1")
+        quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
+        if quantized and fsdp2_mixed_precision(self):
+            problems.append(f"{self.finetune.method} under FSDP2 mixed precision is not sized yet (its bf16 "
+                            "all-gathered norms make the residual stream bf16, which the activation formulas do not "
+                            "model for a quantized base): use --precision fp32, or zero1 / DDP")
+        elif quantized and self.precision.master_weights:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
 

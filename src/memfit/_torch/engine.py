@@ -202,8 +202,13 @@ def shard(model: nn.Module, setup: TrainingSetup, *, blocks: Sequence[nn.Module]
     if setup.precision in (Precision.AMP_BF16, Precision.AMP_FP16, Precision.BF16_MASTER):
         # fp32 sharded parameters (the master copy), compute in the low dtype, gradients reduced in fp32. A model
         # built in bf16 for bf16-master (memfit's single-process layout) is widened first.
-        if any(p.dtype != torch.float32 for p in model.parameters()):
-            model.to(torch.float32)
+        if all(p.requires_grad for p in model.parameters()):
+            if any(p.dtype != torch.float32 for p in model.parameters()):
+                model.to(torch.float32)
+        else:  # a frozen base keeps its storage dtype: only trainable tensors upcast (accelerate fsdp2_prepare_model)
+            for param in model.parameters():
+                if param.requires_grad and param.dtype != torch.float32:
+                    param.data = param.data.to(torch.float32)
         low = torch.float16 if setup.precision is Precision.AMP_FP16 else torch.bfloat16
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:

@@ -56,17 +56,23 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
     done = []
 
     def quantize() -> None:
-        count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype])
+        from ..emit.peft import fsdp2_shards
+
+        storage = torch.bfloat16 if fsdp2_shards(setup) else torch.uint8  # what memfit emits for FSDP-QLoRA
+        count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype], storage)
         done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}"
                     + (" (FakeLinear4bit: bitsandbytes' storage and transients on fake tensors)" if fake else ""))
         for param in model.parameters():  # peft prepare_model_for_kbit_training: the rest in fp32
+            if type(param).__name__ == "Params4bit":
+                continue  # a bf16 quant_storage holds packed bytes, which peft leaves alone too
             if param.dtype in (torch.float16, torch.bfloat16) and "lora_" not in _name_of(model, param):
                 param.data = param.data.to(torch.float32)
 
     if base.quantized and not fake:
         quantize()
     config = LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets,
-                        modules_to_save=list(ft.modules_to_save) or None, use_dora=ft.dora, bias="none")
+                        modules_to_save=list(ft.modules_to_save) or None, use_dora=ft.dora, use_rslora=ft.rslora,
+                        bias="none")
     try:
         with _adapters_stay_where_made(model):
             inject_adapter_in_model(config, model)
@@ -111,9 +117,11 @@ def _all_linear(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, compute_dtype: torch.dtype) -> int:
+def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, compute_dtype: torch.dtype,
+                     quant_storage: torch.dtype = torch.uint8) -> int:
     """Replace every nn.Linear but the output head by its bitsandbytes quantized form, in place (what
-    from_pretrained(quantization_config=BitsAndBytesConfig(...)) does at load time)."""
+    from_pretrained(quantization_config=BitsAndBytesConfig(...)) does at load time). `quant_storage`: the packed
+    4-bit weight's dtype (bf16 for FSDP-QLoRA, bnb_4bit_quant_storage)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -141,9 +149,13 @@ def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, co
             if base.four_bit:
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                         compute_dtype=compute_dtype, quant_type=base.value,
-                                        compress_statistics=double_quant, device="meta")
+                                        compress_statistics=double_quant, quant_storage=quant_storage,
+                                        device="meta")
                 new.weight = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type=base.value,
-                                               compress_statistics=double_quant, blocksize=64)
+                                               compress_statistics=double_quant, blocksize=64,
+                                               quant_storage=quant_storage, module=new)
+                # module=: the layer keeps the QuantState too, which bitsandbytes restores from when FSDP2 swaps
+                # in a plain all-gathered tensor (fix_4bit_weight_quant_state_from_module)
             else:
                 new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
                                           has_fp16_weights=False, device="meta")

@@ -265,6 +265,15 @@ DoubleQuantOpt = Annotated[Optional[bool], _option(
     "--double-quant/--no-double-quant", panel=SETUP_PANEL,
     help="QLoRA: quantize the 4-bit blocks' absmax too (bnb_4bit_use_double_quant). Default: on.")]
 
+RsloraOpt = Annotated[Optional[bool], _option(
+    "--rslora/--no-rslora", panel=SETUP_PANEL,
+    help="peft use_rslora: scale the update by alpha / sqrt(r). Changes no memory. Default: off.")]
+
+DoraOpt = Annotated[Optional[bool], _option(
+    "--dora/--no-dora", panel=SETUP_PANEL,
+    help="peft use_dora: weight-decomposed LoRA (a magnitude vector per adapted Linear, the weight norm "
+         "recomputed each forward). Default: off.")]
+
 KeepOpt = Annotated[Optional[frozenset], _option(
     "--keep", panel=SETUP_PANEL, parser=keep_fields, metavar="FIELDS",
     help="Pin these fields (comma list: " + ", ".join(n for n in KEEP_NAMES if n not in ("zero", "batch"))
@@ -309,6 +318,8 @@ class SetupOptions:
     modules_to_save: str | None = None
     base: BaseWeights | None = None
     double_quant: bool | None = None
+    rslora: bool | None = None
+    dora: bool | None = None
     ep: int | None = None
     capacity_factor: float | None = None
     keep: frozenset[str] | None = None
@@ -376,7 +387,7 @@ class SetupOptions:
         given = {name: value for name, value in (
             ("rank", self.lora_rank), ("alpha", self.lora_alpha), ("dropout", self.lora_dropout),
             ("targets", self.lora_targets), ("modules_to_save", self.modules_to_save), ("base", self.base),
-            ("double_quant", self.double_quant)) if value is not None}
+            ("double_quant", self.double_quant), ("rslora", self.rslora), ("dora", self.dora)) if value is not None}
         if self.method is None and not given:
             return None
         method = self.method
@@ -401,7 +412,7 @@ def _finetune_options(ft: Finetune) -> dict[str, Any]:
     out: dict[str, Any] = {"method": ft.method}
     if ft.adapters:
         out.update(lora_rank=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, base=ft.base,
-                   double_quant=ft.double_quant, lora_targets=",".join(ft.targets) or None,
+                   double_quant=ft.double_quant, rslora=ft.rslora, dora=ft.dora, lora_targets=",".join(ft.targets) or None,
                    modules_to_save=",".join(ft.modules_to_save) or None)
     return out
 
@@ -422,7 +433,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "optimizer_in_backward": InBackwardOpt, "activation_offload": ActivationOffloadOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
-    "double_quant": DoubleQuantOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,
+    "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
 }
 _PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}

@@ -143,4 +143,9 @@ def _fsdp_part(setup: TrainingSetup) -> tuple[dict, dict[str, str]]:
             "recompute each block in backward; set here rather than in TrainingArguments, which would add a "
             "redundant all-gather" if fsdp["fsdp_activation_checkpointing"] else "no checkpointing in the plan"),
     }
+    if setup.finetune.adapters:
+        # no fsdp_use_orig_params: FSDP2 always keeps the original parameters (accelerate warns it is obsolete),
+        # which a frozen base beside trainable adapters needs
+        comments["fsdp_config.fsdp_version"] += ("; it shards the frozen base with its block and reduce-scatters "
+                                                 "only the adapters' gradients, as sized")
     return {"distributed_type": "FSDP", "mixed_precision": mixed, "fsdp_config": fsdp}, comments

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..finetune import ALL_LINEAR, BaseWeights
-from ..setup import TrainingSetup
+from ..setup import Engine, TrainingSetup
 from .emitted import EmittedConfig
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -24,6 +24,8 @@ def lora_config_kwargs(setup: TrainingSetup) -> dict:
         kwargs["modules_to_save"] = list(ft.modules_to_save)
     if ft.dora:
         kwargs["use_dora"] = True
+    if ft.rslora:
+        kwargs["use_rslora"] = True  # alpha / sqrt(r): the scale only, sized like LoRA
     return kwargs
 
 
@@ -35,9 +37,19 @@ def bnb_config_kwargs(setup: TrainingSetup) -> dict | None:
         return {"load_in_8bit": True}
     if not base.four_bit:
         return None
-    return {"load_in_4bit": True, "bnb_4bit_quant_type": base.value,
-            "bnb_4bit_use_double_quant": setup.finetune.double_quant,
-            "bnb_4bit_compute_dtype": _TORCH_DTYPES[setup.precision.compute_dtype]}
+    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": base.value,
+              "bnb_4bit_use_double_quant": setup.finetune.double_quant,
+              "bnb_4bit_compute_dtype": _TORCH_DTYPES[setup.precision.compute_dtype]}
+    if fsdp2_shards(setup):
+        # FSDP-QLoRA: a bf16-typed packed weight is a float parameter FSDP2 can shard (accelerate leaves uint8
+        # Params4bit out of fully_shard, replicated); memfit sized the bf16 shards (estimate.lora_sharded)
+        kwargs["bnb_4bit_quant_storage"] = "bfloat16"
+    return kwargs
+
+
+def fsdp2_shards(setup: TrainingSetup) -> bool:
+    """Whether FSDP2 shards the parameters (engine torch, zero2 / zero3, more than one data-parallel rank)."""
+    return setup.engine is Engine.TORCH and setup.sharding.stage >= 2 and setup.dp_size > 1
 
 
 def base_dtype(setup: TrainingSetup) -> str | None:

@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import fsdp2, lora, moe, offload_activations, tensor_parallel
+from . import dora, fsdp2, lora, lora_sharded, moe, offload_activations, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -108,9 +108,11 @@ def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[
             "cache; sized like bf16-master",)
     if not fsdp2_mixed_precision(setup, layout):
         return setup, ()
+    shards = ("the adapters' fp32 shards (the frozen base keeps its storage dtype)" if setup.finetune.adapters
+              else "fp32 shards")
     return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
         f"{setup.precision} under FSDP2 runs as MixedPrecisionPolicy(param_dtype={setup.precision.compute_dtype}, "
-        "reduce_dtype=fp32), as memfit's torch engine shards it: fp32 shards, low-precision compute, no autocast "
+        f"reduce_dtype=fp32), as memfit's torch engine shards it: {shards}, low-precision compute, no autocast "
         "cache; sized like bf16-master",)
 
 
@@ -129,7 +131,8 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
                       "peft get_peft_model(autocast_adapter_dtype=True): adapters upcast to fp32"),
                  Term("parameters/frozen", Category.PARAMETERS, static.frozen_bytes,
                       f"{spec.num_frozen_params:,} frozen base parameters as stored "
-                      f"({lora.base_label(spec, setup)})", lora.BASE_SOURCE)]
+                      f"({lora.base_label(spec, setup)})" + (f", FSDP2 shards / {n} ranks" if static.fsdp else ""),
+                      lora.BASE_SOURCE + ("; " + lora_sharded.SOURCE if static.fsdp else ""))]
     else:
         terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
                       f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
@@ -417,6 +420,8 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         moments.update(_in_backward_moments(step))
     if spec.frozen and setup.checkpointing is Checkpointing.FULL and static.fsdp is None:
         moments.update(lora.checkpointed_moments(step, moments))
+    if spec.frozen and setup.finetune.dora:
+        moments["DoRA weight norm"] = (Phase.FORWARD, dora.forward_moment(step, forward))
     if offload_activations.applies(setup) and not on_cpu:  # on a CPU device there is nowhere to move them
         moments = offload_activations.on_device(moments, spec, setup, step.acts)
     return moments
@@ -713,7 +718,7 @@ def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:
     units = static.fsdp
     if units is None:
         return static
-    return replace(static, param_working_set_bytes=(units.root_params + blocks * units.block_params) * units.compute_bytes)
+    return replace(static, param_working_set_bytes=units.gathered_bytes(blocks))
 
 
 def _param_step_temp(spec: ModelSpec, setup: TrainingSetup, numel: int) -> int:

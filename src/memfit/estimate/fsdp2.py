@@ -36,6 +36,10 @@ class Fsdp2Units:
     reduce_bytes: int
     reshard_after_forward: bool
     tied: bool
+    gathered_block_bytes: int | None = None
+    """One block's all-gather output when it is not `block_params` x compute dtype: a LoRA block gathers its frozen
+    base too (memfit.estimate.lora_sharded)."""
+    gathered_root_bytes: int | None = None
 
     @property
     def last_prefetching_block(self) -> int:
@@ -45,7 +49,14 @@ class Fsdp2Units:
 
     @property
     def block_bytes(self) -> int:
+        """One block's unsharded gradients (compute dtype)."""
         return self.block_params * self.compute_bytes
+
+    def gathered_bytes(self, blocks: int) -> int:
+        """The unsharded root and `blocks` blocks, as FSDP2's all-gathers made them."""
+        block = self.block_bytes if self.gathered_block_bytes is None else self.gathered_block_bytes
+        root = self.root_params * self.compute_bytes if self.gathered_root_bytes is None else self.gathered_root_bytes
+        return root + blocks * block
 
     def block_share(self, grads_sharded: int, blocks: int) -> int:
         """Per-rank sharded gradient bytes of `blocks` blocks, out of `grads_sharded` for the whole model."""
@@ -66,7 +77,7 @@ def block_backward_terms(units: Fsdp2Units, *, first: bool) -> list[Term]:
                           units.block_params * units.reduce_bytes,
                           "the previous block's reduce-scatter input (reduce dtype), held to the next one", SOURCE))
     if units.reshard_after_forward and units.num_blocks > 1:
-        terms.append(Term("parameters/prefetched", Category.PARAMETERS, units.block_bytes,
+        terms.append(Term("parameters/prefetched", Category.PARAMETERS, units.gathered_bytes(1) - units.gathered_bytes(0),
                           "the next block's all-gather output (backward prefetch)", SOURCE))
     return terms
 

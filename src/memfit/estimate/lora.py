@@ -30,7 +30,8 @@ from ..graph import Linear, LoraLinear, with_lora
 from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
-from ..setup import TrainingSetup
+from ..setup import TrainingSetup, fsdp2_mixed_precision
+from . import dora
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
 BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
@@ -86,6 +87,8 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
             # peft's ModulesToSaveWrapper: the original stays (frozen) and a trainable copy is made, same dtype
             trainable.append(ParamTensor(t.name.replace(".weight", ".modules_to_save.weight"), t.numel, t.count,
                                          other_bytes * t.numel))
+    if ft.dora:  # one trainable magnitude vector per adapted Linear (memfit.estimate.dora)
+        trainable += dora.magnitude_tensors(trainable, ft.rank)
     return replace(spec, params=tuple(trainable), frozen=tuple(frozen), graph=adapted)
 
 
@@ -242,7 +245,10 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
 
     ft = setup.finetune
     roles = adapted_roles(spec)
-    shares_x = not d.autocast and d.compute == 4 and d.residual == 4 and ft.dropout == 0
+    # FSDP2's MixedPrecisionPolicy casts the gathered adapters to the compute dtype: peft's cast of x is then a no-op
+    in_compute = fsdp2_mixed_precision(setup)
+    shares_x = ft.dropout == 0 and (in_compute or (not d.autocast and d.compute == 4 and d.residual == 4))
+    low = "c16" if d.autocast or in_compute else "f32"
     kept = []
     for item in items:
         if not item.role:
@@ -255,11 +261,14 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
         group = _GROUP_OF_ROLE[role]
         for node in linears:
             if not shares_x:
-                # its own copy of x: bf16 under autocast, else fp32 (peft's cast, or the dropout output)
-                kept.append(Saved(group, node.in_features, "c16" if d.autocast else "f32"))
+                # its own copy of x: bf16 under autocast (or FSDP2's bf16 adapters), else fp32 (peft's cast, or
+                # the dropout output)
+                kept.append(Saved(group, node.in_features, low))
             if ft.dropout > 0:
                 kept.append(Saved(group, node.in_features, _mask(d)))
-            kept.append(Saved(group, node.rank, "c16" if d.autocast else "f32"))  # lora_A's output, kept by lora_B
+            kept.append(Saved(group, node.rank, low))  # lora_A's output, kept by lora_B
+    if ft.dora:
+        kept += dora.saved_rows(roles, _GROUP_OF_ROLE, low)
     return kept
 
 
@@ -306,7 +315,8 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
     trainable leaf's cast is), and a fresh copy per call of every frozen fp32 Linear the gradient flows through
     (autocast caches only leaves that require grad) — the whole fp32 base, or with a quantized base only the
     fp32 LM head prepare_model_for_kbit_training left; under checkpointing only the head's outlives its block."""
-    adapters = sum(p.total for p in spec.params)
+    adapters = sum(p.total for p in spec.params if dora.MAGNITUDE not in p.name)  # no matmul takes a magnitude
+    extra = dora.autocast_copies(spec, setup)
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     head = sum(node.base.weight_numel if isinstance(node, LoraLinear) else node.weight_numel
                for path, node in spec.graph.linears() if not _inside_stack(spec.graph, path)) if spec.graph else 0
@@ -315,11 +325,11 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
     if checkpointing:  # the blocks' casts are not saved (recomputed); the cache is gone once autocast exits
         return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if base.quantized:
-        return 2 * (adapters + head)
+        return 2 * (adapters + head) + extra
     if base is not BaseWeights.FP32:
-        return 2 * adapters
+        return 2 * adapters + extra
     frozen = sum(_frozen_linear_elems(spec.graph))
-    return 2 * (adapters + frozen)
+    return 2 * (adapters + frozen) + extra
 
 
 def _inside_stack(graph, path: str) -> bool:

@@ -209,7 +209,7 @@ class ShardedStatic:
     grads_preallocated: bool = False
     """The gradient partition exists before backward (DeepSpeed ZeRO-3 allocates it at start-up)."""
     frozen_bytes: int = 0
-    """Frozen parameters, replicated on every rank (LoRA is not sized under ZeRO-3)."""
+    """Frozen parameters on this rank: whole (DDP, DeepSpeed ZeRO-1/2) or FSDP2's shards (lora_sharded)."""
     fsdp: Fsdp2Units | None = None
     """FSDP2's units (torch layout, ZeRO-2/3): what its backward keeps unsharded (memfit.estimate.fsdp2)."""
     master_grad_upcast: bool = False
@@ -274,11 +274,17 @@ def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: S
     else:
         working = compute_bytes * _root_plus_block(spec)
     per_layer = sum(p.numel for p in spec.params if ".*." in p.name)
+    reduce_bytes = 4 if setup.precision.master_weights else compute_bytes
     units = Fsdp2Units(block_params=per_layer, root_params=spec.num_params - per_layer * spec.num_layers,
                        head_params=spec.vocab_size * spec.hidden_size, num_blocks=spec.num_layers,
-                       compute_bytes=compute_bytes, reduce_bytes=4 if setup.precision.master_weights else compute_bytes,
+                       compute_bytes=compute_bytes, reduce_bytes=reduce_bytes,
                        reshard_after_forward=stage == 3, tied=spec.tie_word_embeddings)
-    return replace(s, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, param_working_set_bytes=working, fsdp=units)
+    s = replace(s, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, param_working_set_bytes=working, fsdp=units)
+    if spec.frozen:  # a frozen base: sharded and gathered with its block, never reduced
+        from .lora_sharded import fsdp2_layout
+
+        s = fsdp2_layout(spec, setup, s, compute_bytes, reduce_bytes)
+    return s
 
 
 def _root_plus_block(spec: ModelSpec) -> int:

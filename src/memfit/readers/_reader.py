@@ -50,7 +50,8 @@ def jsonable(value: Any) -> Any:
 PART_LABELS = {"finetune.method": "method", "finetune.rank": "LoRA rank", "finetune.alpha": "LoRA alpha",
                "finetune.dropout": "LoRA dropout", "finetune.targets": "LoRA targets",
                "finetune.modules_to_save": "modules_to_save", "finetune.base": "base weights",
-               "finetune.double_quant": "double quantization", "finetune.dora": "DoRA"}
+               "finetune.double_quant": "double quantization", "finetune.dora": "DoRA",
+               "finetune.rslora": "rsLoRA"}
 """How the parts of a composite setup field (the Finetune's) are named in `mapped` and ReadEntry.text."""
 
 

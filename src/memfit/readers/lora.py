@@ -17,6 +17,9 @@ from ._reader import _MISSING, NOT_RELEVANT, NOT_SIZED, Reader, _positive
 
 FIELD = "finetune"
 HEAD = "lm_head"
+TORCHTUNE_DORA = ("torchtune's DoRALinear is not sized (its weight norm and saved tensors are its own): memfit "
+                  "sizes peft's DoRA (use_dora in a peft LoraConfig)")
+RSLORA_NOTE = "rank-stabilized scaling alpha / sqrt(r): the same tensors, the same memory"
 HEAD_REFUSED = ("LoRA on the output head (lm_head) is not sized by memfit (its adapters and the head's frozen copy "
                 "are not modelled): leave the head out of the targets")
 _DTYPES = {"bfloat16": BaseWeights.BF16, "bf16": BaseWeights.BF16, "torch.bfloat16": BaseWeights.BF16,
@@ -147,7 +150,6 @@ AXOLOTL_TABLE = {
     "lora_mlp_kernel": f"{NOT_SIZED} (axolotl's fused LoRA kernels save activations; sized without them)",
     "lora_qkv_kernel": f"{NOT_SIZED} (axolotl's fused LoRA kernels save activations; sized without them)",
     "lora_o_kernel": f"{NOT_SIZED} (axolotl's fused LoRA kernels save activations; sized without them)",
-    "peft_use_rslora": f"{NOT_RELEVANT} (the adapters' scaling)",
     "peft_init_lora_weights": f"{NOT_RELEVANT} (initialisation)",
     "peft_layers_to_transform": f"{NOT_SIZED} (adapters sized on every layer, an upper bound)",
     "peft_layers_pattern": NOT_RELEVANT, "peft_autocast_adapter_dtype": NOT_SIZED,
@@ -249,6 +251,8 @@ def _axolotl(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
                   "trained in full beside the adapters")
     if "peft_use_dora" in data:
         parts.flag("dora", data["peft_use_dora"], "peft_use_dora")
+    if "peft_use_rslora" in data:
+        parts.flag("rslora", data["peft_use_rslora"], "peft_use_rslora", RSLORA_NOTE)
     return parts.finish(method, "adapter", adapter)
 
 
@@ -276,7 +280,7 @@ def _axolotl_bnb(data: Mapping, parts: LoraParts, four_key: str) -> None:
 # --------------------------------------------------------------------------------------------- LLaMA-Factory
 
 LLAMAFACTORY_TABLE = {
-    "use_rslora": f"{NOT_RELEVANT} (the adapters' scaling)", "loraplus_": f"{NOT_RELEVANT} (learning rates)",
+    "loraplus_": f"{NOT_RELEVANT} (learning rates)",
     "pissa_": f"{NOT_RELEVANT} (initialisation)", "create_new_adapter": NOT_RELEVANT,
     "adapter_name_or_path": f"{NOT_RELEVANT} (starts from a saved adapter: the same adapters)",
     "quantization_device_map": f"{NOT_RELEVANT} (model loading, not the step)",
@@ -341,6 +345,8 @@ def _llamafactory(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | N
                   extra, "trained in full beside the adapters")
     if "use_dora" in data:
         parts.flag("dora", data["use_dora"], "use_dora")
+    if "use_rslora" in data:
+        parts.flag("rslora", data["use_rslora"], "use_rslora", RSLORA_NOTE)
     note = "absent: LLaMA-Factory's default is lora" if kind is None else ""
     return parts.finish(method, "finetuning_type", kind, note)
 
@@ -443,6 +449,9 @@ def _torchtune(read: Reader, model: Mapping, component: str, parts: LoraParts) -
             check(model[key], f"model.{key}")
         else:
             parts.default(part, default, "torchtune's LoRA builders' default")
+    if name.startswith("dora_") or _on(model.get("use_dora")):
+        parts.refuse("model.use_dora" if "use_dora" in model else "model._component_",
+                     model.get("use_dora", component), TORCHTUNE_DORA)
     if "use_dora" in model:
         parts.flag("dora", model["use_dora"], "model.use_dora")
     return parts.finish(method, "model._component_", component,
@@ -509,6 +518,8 @@ def _peft(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
         read.consume(prefix + "modules_to_save")
     if "use_dora" in config:
         parts.flag("dora", config["use_dora"], prefix + "use_dora")
+    if "use_rslora" in config:
+        parts.flag("rslora", config["use_rslora"], prefix + "use_rslora", RSLORA_NOTE)
     if str(config.get("bias", "none")).lower() == "none" and "bias" in config:
         read.defer(prefix + "bias", config["bias"], "no trainable biases")
     method = _peft_model_kwargs(read, data, parts) if emitted else Method.LORA

@@ -171,7 +171,8 @@ def _finetune_of(model: Any):
     return Finetune(method="qlora" if quantized else "lora", rank=rank, alpha=float(alpha or rank),
                     dropout=dropout, targets=tuple(sorted(targets)), base=base, double_quant=double_quant,
                     modules_to_save=tuple(sorted(getattr(config, "modules_to_save", None) or ())),
-                    dora=bool(getattr(config, "use_dora", False)))
+                    dora=bool(getattr(config, "use_dora", False)),
+                    rslora=bool(getattr(config, "use_rslora", False)))
 
 
 def _tensors_with_bytes(model: Any) -> tuple[tuple[ParamTensor, ...], tuple[ParamTensor, ...]]:

@@ -19,8 +19,8 @@ QLORA_COST = ("LoRA's trade-off, plus NF4 quantization error in the frozen base 
 
 
 def _adapted(ctx: Context, finetune: Finetune) -> TrainingSetup | Skip:
-    """The current setup training `finetune`, with what memfit cannot size for adapters removed (ZeRO-3 and CPU
-    offload, which a frozen base needs less); a Skip when that would need more memory than now."""
+    """The current setup training `finetune`, with what memfit cannot size for adapters removed (DeepSpeed ZeRO-3
+    and CPU offload, which a frozen base needs less); a Skip when that would need more memory than now."""
     for changes in ({}, {"offload": Offload.NONE},
                     {"offload": Offload.NONE,
                      "sharding": Sharding.ZERO2 if ctx.setup.num_gpus > 1 else Sharding.NONE}):

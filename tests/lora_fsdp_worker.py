@@ -1,0 +1,73 @@
+"""One rank of a 2-rank FSDP2 LoRA job on gloo (run by tests/test_lora_sharded.py under torchrun): for each setup
+given, the tiny Llama with peft LoRA / QLoRA adapters (memfit._torch.step.build_hf_model), sharded by memfit's
+engine (`fully_shard` per block, then the root), AdamW, a few real steps under memfit's PeakMeter. Writes
+OUT/<name>/rank<R>.json: each parameter's local elements and bytes (frozen / trainable), the QuantState bytes, the
+optimizer's state bytes, the peak, the losses."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main(config_path: str, out: str, setups_json: str, steps: str) -> int:
+    from memfit import TrainingSetup
+    from memfit._torch.engine import init_process_group
+
+    config = json.loads(Path(config_path).read_text())
+    rank, ranks = init_process_group()
+    for name, fields in json.loads(setups_json).items():
+        result = run(config, TrainingSetup(**fields), int(steps))
+        (Path(out) / name).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": ranks, **result}))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def run(config: dict, setup, steps: int) -> dict:
+    from memfit._torch.engine import prepare
+    from memfit._torch.rank_memory import PeakMeter
+    from memfit._torch.step import build_hf_model
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1234)
+    batches = [{"input_ids": ids, "labels": ids} for ids in
+               (torch.randint(0, config["vocab_size"], (setup.micro_batch_size, setup.seq_len), generator=generator)
+                for _ in range(steps))]
+    with PeakMeter() as meter:
+        model = build_hf_model(config, setup)
+        prepared = prepare(model, setup)
+        losses = []
+        with meter.window():
+            for batch in batches:
+                losses.append(prepared.train_step(batch))
+        local = {}
+        for name, param in prepared.module.named_parameters():
+            shard = param.to_local() if hasattr(param, "to_local") else param
+            local[name] = {"numel": shard.numel(), "bytes": shard.untyped_storage().nbytes(),
+                           "trainable": param.requires_grad}
+        quant = quant_state_bytes(prepared.module)
+        states = sum((v.to_local() if hasattr(v, "to_local") else v).untyped_storage().nbytes()
+                     for state in prepared.optimizer.state.values() for v in state.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+    alive = [*prepared.module.parameters(), *prepared.module.buffers(),
+             *(v for state in prepared.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+    meter.account_unseen_frees(alive)
+    return {"local": local, "optimizer_bytes": states, "quant_state_bytes": quant, "peak_bytes": meter.peak_bytes,
+            "unseen_at_peak_bytes": meter.unseen_at_peak_bytes, "end_bytes": meter.end_bytes, "losses": losses}
+
+
+def quant_state_bytes(model) -> int:
+    """bitsandbytes' QuantState tensors (absmax, codes, offset), each storage once: Linear4bit keeps its own
+    reference (module.quant_state) beside the weight's, which FSDP2 replaces by its shard."""
+    from lora_truth import quant_state_tensors, storage_bytes
+
+    return storage_bytes([t for m in model.modules() for t in quant_state_tensors(getattr(m, "quant_state", None))])
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
