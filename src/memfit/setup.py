@@ -241,6 +241,26 @@ class Engine(_Choice):
         return {"deepspeed": ("ds",), "torch": ("fsdp", "fsdp2", "pytorch", "ddp")}[self.value]
 
 
+class PipelineSchedule(_Choice):
+    """torch.distributed.pipelining's schedules, as torchtitan's pipeline_parallel_schedule names them."""
+
+    GPIPE = "gpipe"  # ScheduleGPipe: every micro-batch's forward, then every backward (Huang et al. 2019)
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B: pp - stage warm-up forwards, then one backward per forward (PipeDream-Flush)
+    INTERLEAVED_1F1B = "interleaved-1f1b"  # ScheduleInterleaved1F1B: v stages per rank (Narayanan et al. 2021)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"gpipe": ("schedulegpipe",), "1f1b": ("schedule1f1b", "one-f-one-b", "pipedream-flush"),
+                "interleaved-1f1b": ("interleaved1f1b", "interleaved", "scheduleinterleaved1f1b")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "pipeline schedule"
+
+    @property
+    def interleaved(self) -> bool:
+        return self is PipelineSchedule.INTERLEAVED_1F1B
+
+
 _ZERO1_TORCH_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "sgd")
 
 
@@ -284,20 +304,30 @@ class TrainingSetup:
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
     optimizer_in_backward: bool = False
     """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
+    # --- pipeline / context parallelism and HSDP (memfit.estimate.pipeline, .context_parallel, .static) ---
+    pp: int = 1
+    """Pipeline-parallel degree (torch.distributed.pipelining, torchtitan's pipeline_parallel_degree): the layers are
+    cut into pp x pp_virtual_stages stages, one group of `pp` GPUs runs them one after another, and each optimizer
+    step's grad_accum_steps micro-batches flow through them (torchtitan: local batch / micro-batch size)."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    """With pp > 1: gpipe, 1f1b or interleaved-1f1b (torchtitan's pipeline_parallel_schedule)."""
+    pp_virtual_stages: int = 1
+    """Stages each pipeline rank holds (interleaved-1f1b: 2 or more, torchtitan's stages per rank)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
     def __post_init__(self) -> None:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
-                           ("engine", Engine), ("loss", Loss)):
+                           ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
         elif isinstance(self.finetune, dict):
             object.__setattr__(self, "finetune", Finetune(**self.finetune))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
-                    for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp")
+                    for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp", "pp",
+                                 "pp_virtual_stages")
                     if not _positive_int(getattr(self, name))]
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
@@ -331,6 +361,10 @@ class TrainingSetup:
         problems = []
         if self.tp > 1 or self.sequence_parallel:
             problems += self._tensor_parallel_problems()
+            if problems:
+                return problems
+        if self.pp > 1 or self.pp_virtual_stages > 1:
+            problems += self._pipeline_problems()
             if problems:
                 return problems
         if self.sharding is not Sharding.NONE and self.dp_size < 2:
@@ -408,6 +442,32 @@ class TrainingSetup:
             problems.append(f"{self.finetune.method} with tensor parallelism is not sized yet")
         return problems
 
+    def _pipeline_problems(self) -> list[str]:
+        """What memfit's pipeline parallelism covers: torch.distributed.pipelining on engine torch, as torchtitan
+        runs it (whether the stages divide the model's layers is checked where the model is known)."""
+        if self.pp == 1:
+            return ["pipeline virtual stages need pipeline parallelism: give pp > 1"]
+        if self.num_gpus % (self.pp * self.tp):
+            return [f"pipeline degree {self.pp} x tensor degree {self.tp} must divide the GPU count ({self.num_gpus})"]
+        problems = []
+        if self.engine is not Engine.TORCH:
+            problems.append("pipeline parallelism runs on engine torch (torch.distributed.pipelining, as torchtitan "
+                            "does); DeepSpeed's PipelineModule is not sized: use --engine torch")
+        if self.pp_schedule.interleaved != (self.pp_virtual_stages > 1):
+            problems.append("interleaved-1f1b holds 2 or more stages per rank (--pp-virtual-stages 2); gpipe and "
+                            "1f1b hold one" if self.pp_schedule.interleaved or self.pp_virtual_stages == 1 else
+                            f"{self.pp_virtual_stages} stages per rank need --pp-schedule interleaved-1f1b")
+        if self.pp_schedule.interleaved and self.grad_accum_steps % self.pp:
+            problems.append(f"interleaved-1f1b needs the micro-batches (accum {self.grad_accum_steps}) to be a "
+                            f"multiple of pp {self.pp} (torch ScheduleInterleaved1F1B)")
+        if self.sharding is Sharding.ZERO1:
+            problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) is not what torchtitan pairs with pipelining: "
+                            "use zero2 or zero3 (FSDP2 over the data-parallel ranks) or none")
+        if self.offload is not Offload.NONE or self.finetune.adapters or self.optimizer_in_backward:
+            problems.append("pipeline parallelism is sized with full training, no CPU offload and no optimizer in "
+                            "backward")
+        return problems
+
     def _one_gpu_sharding_problems(self) -> list[str]:
         """ZeRO on one GPU: with nothing to shard over, a stage saves memory only by moving its partitions to the
         host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param)."""
@@ -463,9 +523,11 @@ class TrainingSetup:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the tensor-parallel groups (num_gpus without TP). Every rank of a group sees the same
-        micro-batch; ZeRO and FSDP shard over these."""
-        return max(1, self.num_gpus // self.tp) if _positive_int(self.tp) else self.num_gpus
+        """Data-parallel ranks: num_gpus / (tp x pp) (num_gpus without TP or PP). Every rank of a tensor-parallel
+        group sees the same micro-batch, a pipeline passes it from stage to stage; ZeRO and FSDP shard over these."""
+        if not (_positive_int(self.tp) and _positive_int(self.pp)):
+            return self.num_gpus
+        return max(1, self.num_gpus // (self.tp * self.pp))
 
     @property
     def effective_batch_size(self) -> int:
@@ -485,7 +547,8 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward"}
+    "optimizer_in_backward": "optimizer in backward", "pp": "pp", "pp_schedule": "pp schedule",
+    "pp_virtual_stages": "pp stages per rank"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -520,7 +583,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "tp": ("tp", "sequence_parallel"),
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
-    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",)}
+    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
+    "pp": ("pp", "pp_schedule", "pp_virtual_stages")}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 
