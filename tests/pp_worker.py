@@ -13,21 +13,33 @@ import torch
 import torch.distributed as dist
 
 
-def main(config_path: str, out: str, schedule_name: str, steps: str, micro: str, seq: str, chunks: str) -> int:
-    from memfit import TrainingSetup
+def main(config_path: str, out: str, schedules: str, steps: str, micro: str, seq: str, chunks: str) -> int:
     from memfit._torch.engine import init_process_group
+
+    config = json.loads(Path(config_path).read_text())
+    rank, ranks = init_process_group()
+    for name in schedules.split(","):
+        result = run(config, rank, ranks, name, int(steps), int(micro), int(seq), int(chunks))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}_rank{rank}.json").write_text(json.dumps(result) + "\n")
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def run(config: dict, rank: int, ranks: int, schedule_name: str, steps: int, micro: int, seq: int,
+        num_chunks: int) -> dict:
+    """`steps` optimizer steps of `num_chunks` micro-batches under the schedule, metered; what the rank held."""
+    from memfit import TrainingSetup
     from memfit._torch.pipeline import P2PCounter, schedule, shifted_labels, stage_module
     from memfit._torch.rank_memory import PeakMeter
     from memfit._torch.step import build_hf_model
 
-    config = json.loads(Path(config_path).read_text())
-    rank, ranks = init_process_group()
-    num_chunks = int(chunks)
-    setup = TrainingSetup(micro_batch_size=int(micro), seq_len=int(seq), precision="fp32", optimizer="adamw")
+    setup = TrainingSetup(micro_batch_size=micro, seq_len=seq, precision="fp32", optimizer="adamw")
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1234)
     batches = [torch.randint(0, config["vocab_size"], (setup.micro_batch_size * num_chunks, setup.seq_len),
-                             generator=generator) for _ in range(int(steps))]
+                             generator=generator) for _ in range(steps)]
     with PeakMeter() as meter:
         module = stage_module(build_hf_model(config, setup), rank, ranks)
         pipe = schedule(module, rank, ranks, schedule_name, num_chunks)
@@ -51,20 +63,15 @@ def main(config_path: str, out: str, schedule_name: str, steps: str, micro: str,
         states = sum(v.untyped_storage().nbytes() for state in optimizer.state.values() for v in state.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0)
     stage = pipe._stage
-    buffers = [info.buffer for infos in stage.args_recv_info.values() for info in infos if getattr(info, "buffer", None) is not None]
-    buffers += [info.buffer for infos in stage.grad_recv_info.values() for info in infos if getattr(info, "buffer", None) is not None]
+    buffers = [info.buffer for table in (stage.args_recv_info, stage.grad_recv_info) for infos in table.values()
+               for info in infos if getattr(info, "buffer", None) is not None]
     alive = [*module.parameters(), *module.buffers(), *buffers,
              *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
     meter.account_unseen_frees(alive)
-    result = {"rank": rank, "num_params": numel, "optimizer_bytes": states, "peak_bytes": meter.peak_bytes,
-              "unseen_at_peak_bytes": meter.unseen_at_peak_bytes, "end_bytes": meter.end_bytes,
-              "recv_buffer_bytes": sum(b.untyped_storage().nbytes() for b in buffers), "sent_bytes": sent,
-              "losses": losses}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return {"rank": rank, "schedule": schedule_name, "num_params": numel, "optimizer_bytes": states,
+            "peak_bytes": meter.peak_bytes, "unseen_at_peak_bytes": meter.unseen_at_peak_bytes,
+            "end_bytes": meter.end_bytes, "recv_buffer_bytes": sum(b.untyped_storage().nbytes() for b in buffers),
+            "sent_bytes": sent, "losses": losses}
 
 
 if __name__ == "__main__":

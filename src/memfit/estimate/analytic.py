@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import fsdp2, lora, moe, tensor_parallel
+from . import fsdp2, lora, moe, pipeline, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -51,6 +51,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
     sized, run_notes = _as_run(setup, layout or setup.engine)
+    if setup.pp > 1:  # one estimate per pipeline rank's stages; the highest is the job's (memfit.estimate.pipeline)
+        pipeline.check(spec, setup)
+        return pipeline.estimate(spec, setup, sized, hardware, run_notes)
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
     moments = _moments(spec, sized, static, full.step_temp_bytes, hardware.is_cpu)

@@ -50,6 +50,11 @@ ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-step
   and the LM head. Counted on 2 gloo ranks (tests/test_tensor_parallel.py). Data-parallel collectives then cover
   one tensor-parallel rank's parameters over the num_gpus / tp data-parallel ranks; loss_parallel's B x T
   statistics are not counted.
+- Pipeline parallelism (engine torch, torch.distributed.pipelining; memfit.estimate.pipeline): point-to-point, per
+  optimizer step, each of the m = grad_accum_steps micro-batches' B x T x h boundary tensor in the residual dtype:
+  every non-last stage sends its output forward, every non-first stage its input gradient backward (stage.py
+  get_fwd_send_ops / get_bwd_send_ops). Counted on 2 gloo ranks (tests/test_pipeline.py). Data-parallel collectives
+  then cover one pipeline rank's parameters (the largest stage's) over the num_gpus / (tp x pp) data-parallel ranks.
 - Scalars (gradient norms, overflow checks) are not counted. Parameter offload adds host<->device copies
   (techniques.costs.offload_traffic_bytes), not network traffic.
 """
@@ -64,6 +69,7 @@ from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Precision, Sharding, TrainingSetup
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = "all-reduce", "reduce-scatter", "all-gather", "broadcast"
+SEND = "send"
 DEEPSPEED_MAX_REUSE_DISTANCE = 10**9
 """DeepSpeed's stage3_max_reuse_distance default, in parameter elements (runtime/zero/config.py)."""
 PAPER_PSI_MULTIPLE = {0: 2, 1: 2, 2: 2, 3: 3}
@@ -127,7 +133,8 @@ class Collective:
     calls_per_step: int = 1
     """Calls per optimizer step: the micro-steps, for what an engine does in every backward."""
     group: str = "data"
-    """Which ranks take part: 'data' (the data-parallel ranks) or 'tensor' (one tensor-parallel group)."""
+    """Which ranks take part: 'data' (the data-parallel ranks), 'tensor' (one tensor-parallel group) or 'pipeline'
+    (point-to-point to the neighbouring pipeline stage)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -162,10 +169,12 @@ class CommVolume:
     notes: tuple[str, ...] = ()
     tp: int = 1
     """Tensor-parallel degree: world_size / tp data-parallel ranks; the 'tensor' collectives run inside a group."""
+    pp: int = 1
+    """Pipeline-parallel degree: world_size / (tp x pp) data-parallel ranks; 'pipeline' sends go stage to stage."""
 
     @property
     def dp_size(self) -> int:
-        return max(1, self.world_size // self.tp)
+        return max(1, self.world_size // (self.tp * self.pp))
 
     @property
     def per_rank_bytes(self) -> int:
@@ -181,11 +190,17 @@ class CommVolume:
         return sum(c.num_bytes for c in self.collectives if c.group == "tensor")
 
     @property
+    def pipeline_parallel_bytes(self) -> int:
+        """What the busiest pipeline rank sends to its neighbours per step (point to point, all of it on the wire)."""
+        return sum(c.num_bytes for c in self.collectives if c.group == "pipeline")
+
+    @property
     def ring_bytes_per_rank(self) -> int:
         """What a ring actually sends per rank: (N-1)/N of `per_rank_bytes`, N the ranks of each collective's group."""
         dp, tp = self.dp_size, self.tp
         data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
-        return data + (self.tensor_parallel_bytes * (tp - 1) // tp if tp > 1 else 0)
+        return (data + (self.tensor_parallel_bytes * (tp - 1) // tp if tp > 1 else 0)
+                + self.pipeline_parallel_bytes)
 
     @property
     def psi_multiple(self) -> float:
@@ -212,7 +227,10 @@ class CommVolume:
         dp = self.dp_size
         data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
         crossing_tp = self.tp > self.gpus_per_node
-        return data + (self.tensor_parallel_bytes * (self.tp - 1) // self.tp if crossing_tp else 0)
+        # torchtitan's mesh order (pp, dp, tp): a stage boundary crosses nodes once tp x dp outgrows a node
+        crossing_pp = self.pp > 1 and self.world_size // self.pp >= self.gpus_per_node
+        return (data + (self.tensor_parallel_bytes * (self.tp - 1) // self.tp if crossing_tp else 0)
+                + (self.pipeline_parallel_bytes if crossing_pp else 0))
 
     @property
     def inter_node_peer_fraction(self) -> float:
@@ -228,8 +246,9 @@ class CommVolume:
                 "collectives": [c.to_dict() for c in self.collectives],
                 "inter_node_bytes_per_node": self.inter_node_bytes_per_node,
                 "inter_node_peer_fraction": self.inter_node_peer_fraction, "world_size": self.world_size,
-                "tp": self.tp, "data_parallel_bytes": self.data_parallel_bytes,
+                "tp": self.tp, "pp": self.pp, "data_parallel_bytes": self.data_parallel_bytes,
                 "tensor_parallel_bytes": self.tensor_parallel_bytes,
+                "pipeline_parallel_bytes": self.pipeline_parallel_bytes,
                 "num_nodes": self.num_nodes, "notes": list(self.notes)}
 
 
@@ -244,15 +263,51 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
 
     spec = rank_spec(spec, setup)  # data parallelism moves one tensor-parallel rank's parameters
     spec = moe.ep_local_spec(spec, setup)  # EP: each rank reduces its own experts' gradients (E / ep of them)
+    sends = pipeline_collectives(spec, setup)
+    spec = _largest_stage(spec, setup)  # ... and one pipeline rank's
     runtime = runtime_of(setup.engine, setup.sharding, setup.dp_size)
     collectives = [] if setup.dp_size < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
     collectives += tensor_parallel_collectives(spec, setup)
-    collectives += list(_expert_parallel(spec, setup))
+    collectives += list(_expert_parallel(spec, setup)) + sends
     notes = _notes(runtime, setup) + _expert_parallel_notes(spec, setup)
     nodes, per_node = ((hardware.num_nodes, hardware.gpus_per_node) if hardware is not None
                        else (1, setup.num_gpus))
     return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes,
-                      tp=setup.tp)
+                      tp=setup.tp, pp=setup.pp)
+
+
+def pipeline_collectives(spec: ModelSpec, setup: TrainingSetup, rank: int | None = None) -> list[Collective]:
+    """What pipeline rank `rank` (default: the busiest) sends point to point per step (see the module docstring)."""
+    if setup.pp < 2:
+        return []
+    from .pipeline import boundary_bytes, rank_stages
+
+    num_stages = setup.pp * setup.pp_virtual_stages
+    ranks = range(setup.pp) if rank is None else (rank,)
+    counts = {r: [sum(s < num_stages - 1 for s in rank_stages(spec, setup, r).stages),
+                  sum(s > 0 for s in rank_stages(spec, setup, r).stages)] for r in ranks}
+    forward, backward = max(counts.values(), key=sum)
+    boundary = boundary_bytes(spec, setup) // _residual_bytes(spec, setup)
+    dtype, m = _residual_bytes(spec, setup), setup.grad_accum_steps
+    return [c for c in (
+        Collective(SEND, "stage outputs to the next stage, per micro-batch", boundary, dtype, forward * m,
+                   group="pipeline"),
+        Collective(SEND, "input gradients to the previous stage, per micro-batch", boundary, dtype, backward * m,
+                   group="pipeline")) if c.calls_per_step]
+
+
+def _residual_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    from .activations import dtypes
+
+    return dtypes(spec, setup).residual
+
+
+def _largest_stage(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
+    if setup.pp < 2:
+        return spec
+    from .pipeline import rank_stages, stage_spec
+
+    return max((stage_spec(spec, rank_stages(spec, setup, r)) for r in range(setup.pp)), key=lambda s: s.num_params)
 
 
 def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[Collective]:
