@@ -252,7 +252,7 @@ def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "
         commands = torchrun_commands(hardware, script, script_args, env=env, master_addr=master_addr,
                                      master_port=master_port)
     volume = comm.comm_volume(spec, setup, hardware)
-    notes += tensor_parallel_notes(setup, hardware)
+    notes += tensor_parallel_notes(setup, hardware) + pipeline_notes(spec, setup, hardware)
     return MultiNodePlan(setup, hardware, launcher, per_rank, commands, volume, files, tuple(notes) + volume.notes)
 
 
@@ -270,6 +270,21 @@ def tensor_parallel_notes(setup: TrainingSetup, hardware: Hardware) -> list[str]
     if setup.tp > hardware.gpus_per_node:
         notes.append(f"tp {setup.tp} spans more than one node ({hardware.gpus_per_node} GPUs each): its per-layer "
                      "collectives cross the network; keep tp within a node")
+    return notes
+
+
+def pipeline_notes(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> list[str]:
+    """How a pipeline-parallel setup is launched: torchtitan's TOML keys (memfit.emit.torchtitan)."""
+    if setup.pp < 2:
+        return []
+    from .emit.torchtitan import torchtitan_toml
+
+    toml = "; ".join(line for line in torchtitan_toml(setup, spec.num_layers).splitlines() if line)
+    notes = [f"torchtitan: {toml} (pipeline stages on torch.distributed.pipelining; memfit._torch.pipeline "
+             "cuts a transformers Llama the same way)"]
+    if setup.pp * setup.tp > hardware.gpus_per_node:
+        notes.append(f"pp {setup.pp} x tp {setup.tp} spans nodes: the stage-to-stage sends (B x T x h per "
+                     "micro-batch) cross the network, which point-to-point tolerates far better than TP")
     return notes
 
 

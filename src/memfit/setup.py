@@ -466,6 +466,8 @@ class TrainingSetup:
         if self.offload is not Offload.NONE or self.finetune.adapters or self.optimizer_in_backward:
             problems.append("pipeline parallelism is sized with full training, no CPU offload and no optimizer in "
                             "backward")
+        if self.loss is not Loss.STANDARD:
+            problems.append(f"a {self.loss} loss on the last pipeline stage is not sized yet: use loss standard")
         return problems
 
     def _one_gpu_sharding_problems(self) -> list[str]:

@@ -129,15 +129,15 @@ def boundary_bytes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) 
 
 
 def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, count: int,
-                      on_cpu: bool = False) -> list[Term]:
+                      on_cpu: bool = False, head_released: bool = False) -> list[Term]:
     """What `count` stage-micro-batches in flight on rank `held` keep: their layers' saved tensors, the embedding's
     (first stage) or the position tables (others), the stage outputs in fwd_cache, and on the last stage the final
-    norm's, the logits and the loss's log-softmax. A non-first stage's input is its receive buffer (counted there)."""
+    norm's, the logits and the loss's log-softmax (`head_released`: but the one being run back). A non-first
+    stage's input is its receive buffer (counted there)."""
     tokens, seq, v = setup.tokens_per_micro_step, setup.seq_len, setup.pp_virtual_stages
     d = act.dtypes(spec, setup, on_cpu)
-    per_layer = sum(act.layer_saved_bytes(spec, setup, tokens, seq, on_cpu).values())
+    stage_layers_saved = layers_saved_bytes(spec, setup, held.num_layers // v, on_cpu)
     boundary = boundary_bytes(spec, setup, on_cpu)
-    layer_batches = count * held.num_layers / v  # each stage-micro-batch runs one of the rank's v stages
     inputs_received = count - (count // v if held.first else 0)  # the first stage's inputs are token ids
     outputs_kept = count - (count // v if held.last else 0)
     embedding = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu)
@@ -145,9 +145,10 @@ def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, c
     first_batches = count // v if held.first else 0
     terms = [
         Term("activations/pipeline_layers", Category.ACTIVATIONS,
-             int(layer_batches * per_layer) - inputs_received * boundary,
-             f"{count} micro-batch(es) in flight x {held.num_layers // v} layers x saved tensors per layer, less "
-             "each received input (its buffer is counted apart)", act.__name__ + " recipe rows; " + NARAYANAN),
+             count * stage_layers_saved - inputs_received * boundary,
+             f"{count} micro-batch(es) in flight x {held.num_layers // v} layers x saved tensors per layer "
+             f"(checkpointing {setup.checkpointing}), less each received input (its buffer is counted apart)",
+             act.__name__ + " recipe rows; " + NARAYANAN),
         Term("activations/embeddings", Category.ACTIVATIONS,
              count * (embedding - ids) + first_batches * ids,
              "token ids (first stage) and position tables, per micro-batch in flight", SOURCE),
@@ -155,7 +156,7 @@ def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, c
              "B x T x h per micro-batch in flight: the stage output, kept in fwd_cache until its backward",
              "torch stage.py forward_one_chunk (fwd_cache)")]
     if held.last:
-        last = max(count // v, 1)
+        last = max(count // v, 1) - head_released
         vocab_tokens = spec.vocab_size * tokens
         head = act.head_saved_bytes(spec, setup, tokens)["head"]
         terms += [
@@ -168,6 +169,20 @@ def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, c
                  "B x T x V x 4 B log-softmax + shifted labels per micro-batch in flight",
                  "F.cross_entropy on the upcast logits (loss_fn)")]
     return terms
+
+
+def layers_saved_bytes(spec: ModelSpec, setup: TrainingSetup, num_layers: int, on_cpu: bool = False) -> int:
+    """What `num_layers` consecutive layers keep for one micro-batch: every saved tensor of a plain block; a
+    checkpointed block's input (selective-op: + its kept matmul / SDPA outputs), as memfit.estimate.analytic's
+    activation terms count them; the eager mask once when a checkpoint holds it."""
+    tokens, seq = setup.tokens_per_micro_step, setup.seq_len
+    full = sum(act.layer_saved_bytes(spec, setup, tokens, seq, on_cpu).values())
+    wrapped = setup.checkpointing.checkpointed_blocks(num_layers)
+    checkpoint = tokens * spec.hidden_size * act.dtypes(spec, setup, on_cpu).residual
+    if setup.checkpointing.value == "selective-op":
+        checkpoint += act.selective_kept_bytes(spec, setup, tokens, seq, on_cpu)
+    mask = act.checkpointed_mask_bytes(spec, setup, tokens, seq) if act.mask_kept(setup, num_layers) else 0
+    return wrapped * checkpoint + (num_layers - wrapped) * full + mask
 
 
 def receive_buffer_bytes(spec: ModelSpec, setup: TrainingSetup, held: RankStages, on_cpu: bool = False) -> int:
@@ -207,22 +222,17 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
                    f"{setup.grad_accum_steps} micro-batches x B x T x h receive buffers per boundary of the rank's "
                    "stages (activations in, gradients in)", "torch stage.py _prepare_forward_infra / "
                    "_create_grad_recv_info")
-    backward = _backward_temporaries(own, setup, held, on_cpu)
-    moments = {"first backward": (Phase.BACKWARD, _static(own, setup, static, 0, on_cpu, _static_terms)
-                                  + micro_batch_terms(spec, setup, held, count, on_cpu) + [buffers, backward])}
-    if setup.grad_accum_steps > 1:
-        later = count if setup.pp_schedule is not PipelineSchedule.GPIPE and setup.grad_accum_steps > count else \
-            count - 1
-        held_grad = [] if held.first else [Term(
-            "temporaries/p2p_send", Category.TEMPORARIES, boundary_bytes(spec, setup, on_cpu),
-            "B x T x h: the previous micro-batch's input gradient, held by its send", SOURCE)]
-        moments["second backward"] = (Phase.BACKWARD, _static(own, setup, static, static.grads_bytes, on_cpu,
-                                                               _static_terms)
-                                      + micro_batch_terms(spec, setup, held, later, on_cpu)
-                                      + [buffers, backward] + held_grad)
+    casts = _autocast_copies(own, setup)
+    moments = {}
+    for name, grads, count_now, extra in _backward_moments(spec, setup, held, count, static.grads_bytes, on_cpu):
+        base = _static_terms(own, setup, static, grads, on_cpu)
+        for what, temporaries in _backward_temporaries(spec, own, setup, held, on_cpu):
+            # in a block's backward the micro-batch being run back has released its head, logits and loss
+            acts = micro_batch_terms(spec, setup, held, count_now, on_cpu, head_released=what == "block backward")
+            moments[f"{name}, {what}"] = (Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra)
     step_temp = full.step_temp_bytes // (setup.dp_size if setup.sharding.stage >= 1 else 1)
-    moments["optimizer step"] = (Phase.OPTIMIZER, _static(own, setup, dataclasses.replace(
-        static, param_working_set_bytes=0), static.grads_bytes, on_cpu, _static_terms) + [buffers, Term(
+    moments["optimizer step"] = (Phase.OPTIMIZER, _static_terms(own, setup, dataclasses.replace(
+        static, param_working_set_bytes=0), static.grads_bytes, on_cpu) + [buffers, Term(
             "temporaries/optimizer_step", Category.TEMPORARIES, step_temp, f"{setup.optimizer} step temporaries",
             "torch.optim.adamw")])
     name = max(moments, key=lambda n: sum(t.num_bytes for t in moments[n][1]))
@@ -230,48 +240,56 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
     return StageMemory(held, count, tuple(t for t in terms if t.num_bytes > 0), phase, name)
 
 
-def _static(own, setup, static, grads, on_cpu, static_terms) -> list[Term]:
-    return static_terms(own, setup, static, grads, on_cpu)
+def _backward_moments(spec: ModelSpec, setup: TrainingSetup, held: RankStages, count: int, grads: int,
+                      on_cpu: bool) -> list[tuple[str, int, int, list[Term]]]:
+    """(moment, gradient bytes alive, micro-batches in flight, extra terms) of the rank's first two backwards: the
+    first before any gradient exists (zero_grad(set_to_none=True)), the second with every gradient accumulating;
+    1F1B refills the pipeline with one forward between them, GPipe does not; from the second on, a non-first
+    stage's previous input gradient is still held by its send (Schedule1F1B keeps the ops, GPipe the works)."""
+    moments = [("first backward", 0, count, [])]
+    if setup.grad_accum_steps > 1:
+        refilled = setup.pp_schedule is not PipelineSchedule.GPIPE and setup.grad_accum_steps * \
+            setup.pp_virtual_stages > count
+        held_grad = [] if held.first else [Term(
+            "temporaries/p2p_send", Category.TEMPORARIES, boundary_bytes(spec, setup, on_cpu),
+            "B x T x h: the previous micro-batch's input gradient, held by its send", SOURCE)]
+        moments.append(("second backward", grads, count if refilled else count - 1, held_grad))
+    return moments
 
 
-def _backward_temporaries(own: ModelSpec, setup: TrainingSetup, held: RankStages, on_cpu: bool) -> Term:
-    """The last stage: log-softmax backward's two B x T x V x 4 B gradients (as memfit.estimate.analytic's loss
-    backward); the others: one layer's backward temporaries (analytic's layer_temporaries)."""
-    if held.last:
-        return Term("temporaries/loss_backward", Category.TEMPORARIES,
-                    2 * own.vocab_size * setup.tokens_per_micro_step * 4,
-                    "2 x B x T x V x 4 B: gradients of log-softmax and of the logits", "aten log_softmax_backward")
+def _backward_temporaries(spec: ModelSpec, own: ModelSpec, setup: TrainingSetup, held: RankStages,
+                          on_cpu: bool) -> list[tuple[str, list[Term]]]:
+    """The last stage's loss backward: log-softmax backward's two B x T x V x 4 B gradients (as
+    memfit.estimate.analytic's loss backward). Every stage's first block backward: one layer's backward
+    temporaries (analytic's layer_temporaries) and, when that block is checkpointed, the block rebuilt."""
     from .analytic import _Step
 
-    per_layer = act.layer_saved_bytes(own, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
+    out = []
+    if held.last:
+        out.append(("loss backward", [Term(
+            "temporaries/loss_backward", Category.TEMPORARIES, 2 * own.vocab_size * setup.tokens_per_micro_step * 4,
+            "2 x B x T x V x 4 B: gradients of log-softmax and of the logits", "aten log_softmax_backward")]))
+    tokens, seq = setup.tokens_per_micro_step, setup.seq_len
+    per_layer = act.layer_saved_bytes(own, setup, tokens, seq, on_cpu)
     step = _Step(own, setup, None, [], per_layer, act.dtypes(own, setup, on_cpu))
-    return step.layer_temporaries()
+    block = [step.layer_temporaries()]
+    if setup.checkpointing.checkpointed(held.num_layers // setup.pp_virtual_stages - 1):
+        rebuilt = sum(per_layer.values())
+        if setup.checkpointing.value == "selective-op":
+            rebuilt -= act.selective_kept_bytes(own, setup, tokens, seq, on_cpu)
+        block.append(Term("activations/recomputed_block", Category.ACTIVATIONS, rebuilt,
+                          "the stage's last block, rebuilt in its backward", "torch.utils.checkpoint"))
+    out.append(("block backward", block))
+    return out
 
 
-def estimate(spec: ModelSpec, setup: TrainingSetup, sized: TrainingSetup, hardware, notes: tuple[str, ...] = ()):
-    """The MemoryEstimate of the pipeline rank that peaks highest (`sized`: the setup as the engine runs it), with
-    every rank's peak in the notes."""
-    from .device import runtime_overhead_terms
-    from .result import MemoryEstimate
+def _autocast_copies(own: ModelSpec, setup: TrainingSetup) -> list[Term]:
+    """Under autocast, the bf16 / fp16 casts of the stage's Linear weights, cached by autocast for the region and
+    saved for backward (as memfit.estimate.analytic's autocast_weight_copies, once for the step's region)."""
+    if not setup.precision.is_autocast:
+        return []
+    from .analytic import _linear_weight_elems
 
-    stages = stage_memories(spec, sized, hardware.is_cpu)
-    peak = max(stages, key=lambda s: s.tensor_bytes)
-    terms = list(peak.terms)
-    terms += runtime_overhead_terms(peak.tensor_bytes, setup, hardware, spec=stage_spec(spec, peak.held),
-                                    terms=peak.terms)
-    phase_peaks: dict[Phase, int] = {}
-    for stage in stages:
-        phase_peaks[stage.phase] = max(phase_peaks.get(stage.phase, 0), stage.tensor_bytes)
-    return MemoryEstimate(terms=tuple(terms), peak_phase=peak.phase, method="analytic", setup=setup,
-                          phase_peaks=phase_peaks, notes=notes + (stage_note(sized, stages, peak),),
-                          model_name=spec.name, device_name=hardware.gpu.name)
-
-
-def stage_note(setup: TrainingSetup, stages: list[StageMemory], peak: StageMemory) -> str:
-    from ..units import format_bytes
-
-    per_rank = ", ".join(f"rank {s.held.rank} {format_bytes(s.tensor_bytes)} ({s.held.num_layers} layers, "
-                         f"{s.in_flight} in flight)" for s in stages)
-    return (f"pipeline {setup.pp_schedule} over {setup.pp} ranks x {setup.pp_virtual_stages} stage(s), "
-            f"{setup.grad_accum_steps} micro-batches: pipeline rank {peak.held.rank} peaks ({peak.moment}); "
-            f"tensor peaks {per_rank}")
+    return [Term("activations/autocast_weight_copies", Category.ACTIVATIONS, 2 * _linear_weight_elems(own),
+                 "2 B x the stage's Linear weights: casts cached by autocast, saved for backward",
+                 "torch.autocast weight cast cache")]
