@@ -293,3 +293,32 @@ def _autocast_copies(own: ModelSpec, setup: TrainingSetup) -> list[Term]:
     return [Term("activations/autocast_weight_copies", Category.ACTIVATIONS, 2 * _linear_weight_elems(own),
                  "2 B x the stage's Linear weights: casts cached by autocast, saved for backward",
                  "torch.autocast weight cast cache")]
+
+
+def estimate(spec: ModelSpec, setup: TrainingSetup, sized: TrainingSetup, hardware, notes: tuple[str, ...] = ()):
+    """The MemoryEstimate of the pipeline rank that peaks highest (`sized`: the setup as the engine runs it), with
+    every rank's peak in the notes."""
+    from .device import runtime_overhead_terms
+    from .result import MemoryEstimate
+
+    stages = stage_memories(spec, sized, hardware.is_cpu)
+    peak = max(stages, key=lambda s: s.tensor_bytes)
+    terms = list(peak.terms)
+    terms += runtime_overhead_terms(peak.tensor_bytes, setup, hardware, spec=stage_spec(spec, peak.held),
+                                    terms=peak.terms)
+    phase_peaks: dict[Phase, int] = {}
+    for stage in stages:
+        phase_peaks[stage.phase] = max(phase_peaks.get(stage.phase, 0), stage.tensor_bytes)
+    return MemoryEstimate(terms=tuple(terms), peak_phase=peak.phase, method="analytic", setup=setup,
+                          phase_peaks=phase_peaks, notes=notes + (stage_note(sized, stages, peak),),
+                          model_name=spec.name, device_name=hardware.gpu.name)
+
+
+def stage_note(setup: TrainingSetup, stages: list[StageMemory], peak: StageMemory) -> str:
+    from ..units import format_bytes
+
+    per_rank = ", ".join(f"rank {s.held.rank} {format_bytes(s.tensor_bytes)} ({s.held.num_layers} layers, "
+                         f"{s.in_flight} in flight)" for s in stages)
+    return (f"pipeline {setup.pp_schedule} over {setup.pp} ranks x {setup.pp_virtual_stages} stage(s), "
+            f"{setup.grad_accum_steps} micro-batches: pipeline rank {peak.held.rank} peaks ({peak.moment}); "
+            f"tensor peaks {per_rank}")
