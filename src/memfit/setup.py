@@ -313,6 +313,10 @@ class TrainingSetup:
     """With pp > 1: gpipe, 1f1b or interleaved-1f1b (torchtitan's pipeline_parallel_schedule)."""
     pp_virtual_stages: int = 1
     """Stages each pipeline rank holds (interleaved-1f1b: 2 or more, torchtitan's stages per rank)."""
+    dp_shard: int = 0
+    """HSDP: ZeRO-2/3 shards over groups of dp_shard data-parallel ranks and replicates across the
+    dp_size / dp_shard groups (FSDP2 fully_shard(mesh=2D (replicate, shard)); torchtitan's
+    data_parallel_shard_degree, with data_parallel_replicate_degree the rest). 0: shard over all of them."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -365,6 +369,10 @@ class TrainingSetup:
                 return problems
         if self.pp > 1 or self.pp_virtual_stages > 1:
             problems += self._pipeline_problems()
+            if problems:
+                return problems
+        if self.dp_shard:
+            problems += self._hsdp_problems()
             if problems:
                 return problems
         if self.sharding is not Sharding.NONE and self.dp_size < 2:
@@ -470,6 +478,21 @@ class TrainingSetup:
             problems.append(f"a {self.loss} loss on the last pipeline stage is not sized yet: use loss standard")
         return problems
 
+    def _hsdp_problems(self) -> list[str]:
+        """Hybrid sharding: FSDP2 on a 2D (replicate, shard) mesh of the data-parallel ranks."""
+        if not _positive_int(self.dp_shard):
+            return [f"dp_shard (the HSDP shard group) must be a positive whole number, got {self.dp_shard!r}"]
+        if self.dp_size % self.dp_shard:
+            return [f"HSDP shard group {self.dp_shard} must divide the {self.dp_size} data-parallel ranks "
+                    "(num_gpus / (tp x pp))"]
+        problems = []
+        if self.engine is not Engine.TORCH or self.sharding.stage < 2:
+            problems.append("HSDP (a shard group) is FSDP2 on a 2D mesh: use --engine torch with zero2 or zero3; "
+                            "DeepSpeed's MiCS / ZeRO++ hpZ are not sized")
+        if self.offload is not Offload.NONE:
+            problems.append("CPU offload with HSDP is not sized yet")
+        return problems
+
     def _one_gpu_sharding_problems(self) -> list[str]:
         """ZeRO on one GPU: with nothing to shard over, a stage saves memory only by moving its partitions to the
         host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param)."""
@@ -532,6 +555,16 @@ class TrainingSetup:
         return max(1, self.num_gpus // (self.tp * self.pp))
 
     @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO / FSDP shard static memory over: the HSDP shard group, else every data-parallel rank."""
+        return self.dp_shard if self.dp_shard and _positive_int(self.dp_shard) else self.dp_size
+
+    @property
+    def replicas(self) -> int:
+        """HSDP replica groups (1 without HSDP): each holds a full sharded copy, gradients all-reduced across."""
+        return max(1, self.dp_size // self.shard_size)
+
+    @property
     def effective_batch_size(self) -> int:
         """Sequences per optimizer step across all ranks (the data-parallel ones: a tensor-parallel group shares
         its micro-batch)."""
@@ -550,7 +583,7 @@ FIELD_LABELS: dict[str, str] = {
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
     "optimizer_in_backward": "optimizer in backward", "pp": "pp", "pp_schedule": "pp schedule",
-    "pp_virtual_stages": "pp stages per rank"}
+    "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -586,7 +619,7 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
     "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
-    "pp": ("pp", "pp_schedule", "pp_virtual_stages")}
+    "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",)}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

@@ -236,6 +236,11 @@ PpScheduleOpt = Annotated[Optional[PipelineSchedule], _choice_option(
 PpVirtualStagesOpt = Annotated[Optional[int], _option(
     "--pp-virtual-stages", panel=SETUP_PANEL, parser=whole_number(1024), metavar="V",
     help="With --pp-schedule interleaved-1f1b: stages per pipeline rank (2 or more). Default: 1.")]
+DpShardOpt = Annotated[Optional[int], _option(
+    "--dp-shard", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
+    help="HSDP: shard ZeRO-2/3 over groups of N data-parallel ranks and replicate across the groups (FSDP2 on a "
+         "2D (replicate, shard) mesh; torchtitan's data_parallel_shard_degree). Needs --engine torch. Default: all "
+         "data-parallel ranks.")]
 LossOpt = Annotated[Optional[Loss], _choice_option(
     "--loss", Loss,
     help=f"{_choices(Loss)}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
@@ -308,6 +313,7 @@ class SetupOptions:
     pp: int | None = None
     pp_schedule: PipelineSchedule | None = None
     pp_virtual_stages: int | None = None
+    dp_shard: int | None = None
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
     method: Method | None = None
@@ -378,7 +384,7 @@ class SetupOptions:
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
                     expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
                     optimizer_in_backward=self.optimizer_in_backward, pp=self.pp, pp_schedule=self.pp_schedule,
-                    pp_virtual_stages=self.pp_virtual_stages)
+                    pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -421,7 +427,8 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
                     "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
                     "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward",
-                    "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages"}
+                    "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
+                    "dp_shard": "dp_shard"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
@@ -429,7 +436,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
     "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "pp": PpOpt,
-    "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "loss": LossOpt,
+    "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "loss": LossOpt,
     "optimizer_in_backward": InBackwardOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,

@@ -18,7 +18,7 @@ SCHEDULE_NAMES = {PipelineSchedule.GPIPE: "GPipe", PipelineSchedule.ONE_F_ONE_B:
 def torchtitan_parallelism(setup: TrainingSetup, num_layers: int | None = None) -> dict[str, dict]:
     """{'parallelism': {...}, 'training': {...}} for the setup; `num_layers` (the model's) sets the layers per
     stage under pipeline parallelism."""
-    shard = setup.dp_size if setup.sharding.stage >= 2 else 1
+    shard = setup.shard_size if setup.sharding.stage >= 2 else 1  # HSDP: the shard group, replicated across
     parallelism: dict = {"data_parallel_replicate_degree": setup.dp_size // shard,
                          "data_parallel_shard_degree": shard, "tensor_parallel_degree": setup.tp}
     if setup.tp > 1:

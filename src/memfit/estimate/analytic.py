@@ -105,7 +105,7 @@ def _total(terms: list[Term]) -> int:
 
 def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, grads: int,
                   on_cpu: bool = False) -> list[Term]:
-    n = setup.dp_size
+    n = setup.shard_size  # the data-parallel ranks, or the HSDP shard group
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
@@ -754,7 +754,7 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
                           "P x 2 B more: each bf16 gradient upcast to fp32 for the master copy's step (the bf16 one "
                           "released as it goes)", "memfit._torch.master.MasterWeightsOptimizer"))
     if step_temp:
-        shards = step.setup.dp_size if step.setup.sharding.stage >= 1 else 1
+        shards = step.setup.shard_size if step.setup.sharding.stage >= 1 else 1
         terms.append(Term("temporaries/optimizer_step", Category.TEMPORARIES, step_temp // shards,
                           f"{step.setup.optimizer} step temporaries", "torch.optim.adamw / transformers Adafactor"))
     return terms

@@ -50,6 +50,13 @@ ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-step
   and the LM head. Counted on 2 gloo ranks (tests/test_tensor_parallel.py). Data-parallel collectives then cover
   one tensor-parallel rank's parameters over the num_gpus / tp data-parallel ranks; loss_parallel's B x T
   statistics are not counted.
+- HSDP (engine torch, FSDP2 on a 2D (replicate, shard) mesh; setup.dp_shard): the all-gathers and the
+  reduce-scatter run inside each shard group of dp_shard ranks, on the whole Psi as above; then each rank's
+  gradient shard, Psi / dp_shard elements, is all-reduced across the dp / dp_shard replicas, per micro-step
+  (torch fsdp _fsdp_collectives.foreach_reduce: reduce_scatter on the shard group, all_reduce on the replicate
+  group). A ring sends (s-1)/s of the first and (r-1)/r of the second; with the shard groups inside a node only the
+  all-reduce crosses the network. DeepSpeed's MiCS (shard groups, replicated across) and ZeRO++ hpZ (a secondary
+  parameter partition inside a node) have the same shape; they are not sized.
 - Pipeline parallelism (engine torch, torch.distributed.pipelining; memfit.estimate.pipeline): point-to-point, per
   optimizer step, each of the m = grad_accum_steps micro-batches' B x T x h boundary tensor in the residual dtype:
   every non-last stage sends its output forward, every non-first stage its input gradient backward (stage.py
@@ -133,8 +140,8 @@ class Collective:
     calls_per_step: int = 1
     """Calls per optimizer step: the micro-steps, for what an engine does in every backward."""
     group: str = "data"
-    """Which ranks take part: 'data' (the data-parallel ranks), 'tensor' (one tensor-parallel group) or 'pipeline'
-    (point-to-point to the neighbouring pipeline stage)."""
+    """Which ranks take part: 'data' (the data-parallel ranks, or an HSDP shard group), 'replicate' (the HSDP
+    replicas of one shard), 'tensor' (one tensor-parallel group) or 'pipeline' (point to point, stage to stage)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -171,6 +178,12 @@ class CommVolume:
     """Tensor-parallel degree: world_size / tp data-parallel ranks; the 'tensor' collectives run inside a group."""
     pp: int = 1
     """Pipeline-parallel degree: world_size / (tp x pp) data-parallel ranks; 'pipeline' sends go stage to stage."""
+    shard_size: int = 0
+    """HSDP: the shard group the 'data' collectives run in (0: every data-parallel rank)."""
+
+    @property
+    def replicas(self) -> int:
+        return max(1, self.dp_size // self.shard_size) if self.shard_size else 1
 
     @property
     def dp_size(self) -> int:
@@ -182,7 +195,12 @@ class CommVolume:
 
     @property
     def data_parallel_bytes(self) -> int:
-        return sum(c.num_bytes for c in self.collectives if c.group == "data")
+        return sum(c.num_bytes for c in self.collectives if c.group in ("data", "replicate"))
+
+    @property
+    def replicate_bytes(self) -> int:
+        """HSDP: what each rank sends across the replicas (the gradient shards' all-reduce)."""
+        return sum(c.num_bytes for c in self.collectives if c.group == "replicate")
 
     @property
     def tensor_parallel_bytes(self) -> int:
@@ -197,16 +215,23 @@ class CommVolume:
     @property
     def ring_bytes_per_rank(self) -> int:
         """What a ring actually sends per rank: (N-1)/N of `per_rank_bytes`, N the ranks of each collective's group."""
-        dp, tp = self.dp_size, self.tp
-        data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
+        tp = self.tp
+        data = self._ring_data_bytes()
         return (data + (self.tensor_parallel_bytes * (tp - 1) // tp if tp > 1 else 0)
                 + self.pipeline_parallel_bytes)
+
+    def _ring_data_bytes(self) -> int:
+        """(N-1)/N of the data-parallel volume, N each collective's group: the shard group and the replicas."""
+        shard, r = self.shard_size or self.dp_size, self.replicas
+        inner = self.data_parallel_bytes - self.replicate_bytes
+        return ((inner * (shard - 1) // shard if shard > 1 else 0)
+                + (self.replicate_bytes * (r - 1) // r if r > 1 else 0))
 
     @property
     def psi_multiple(self) -> float:
         """Elements moved over P: 2 for the paper's DP and ZeRO-1/2, 3 for ZeRO-3 (see the docstring for engines);
         data-parallel collectives only, P one tensor-parallel rank's parameters."""
-        data = sum(c.volume_elements for c in self.collectives if c.group == "data")
+        data = sum(c.volume_elements for c in self.collectives if c.group in ("data", "replicate"))
         return data / self.num_params if self.num_params else 0.0
 
     def payload_bytes(self) -> dict[str, int]:
@@ -224,8 +249,11 @@ class CommVolume:
         parallelism stays inside a node when tp divides the GPUs per node (else its traffic crosses too)."""
         if self.num_nodes < 2:
             return 0
-        dp = self.dp_size
-        data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
+        data = self._ring_data_bytes()
+        if self.shard_size and self.shard_size * self.tp <= self.gpus_per_node:
+            # HSDP with node-local shard groups: only the replicas' all-reduce leaves the node
+            r = self.replicas
+            data = self.replicate_bytes * (r - 1) // r if r > 1 else 0
         crossing_tp = self.tp > self.gpus_per_node
         # torchtitan's mesh order (pp, dp, tp): a stage boundary crosses nodes once tp x dp outgrows a node
         crossing_pp = self.pp > 1 and self.world_size // self.pp >= self.gpus_per_node
@@ -246,7 +274,8 @@ class CommVolume:
                 "collectives": [c.to_dict() for c in self.collectives],
                 "inter_node_bytes_per_node": self.inter_node_bytes_per_node,
                 "inter_node_peer_fraction": self.inter_node_peer_fraction, "world_size": self.world_size,
-                "tp": self.tp, "pp": self.pp, "data_parallel_bytes": self.data_parallel_bytes,
+                "tp": self.tp, "pp": self.pp, "shard_size": self.shard_size,
+                "data_parallel_bytes": self.data_parallel_bytes, "replicate_bytes": self.replicate_bytes,
                 "tensor_parallel_bytes": self.tensor_parallel_bytes,
                 "pipeline_parallel_bytes": self.pipeline_parallel_bytes,
                 "num_nodes": self.num_nodes, "notes": list(self.notes)}
@@ -273,7 +302,7 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
     nodes, per_node = ((hardware.num_nodes, hardware.gpus_per_node) if hardware is not None
                        else (1, setup.num_gpus))
     return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes,
-                      tp=setup.tp, pp=setup.pp)
+                      tp=setup.tp, pp=setup.pp, shard_size=setup.dp_shard)
 
 
 def pipeline_collectives(spec: ModelSpec, setup: TrainingSetup, rank: int | None = None) -> list[Collective]:
@@ -396,6 +425,10 @@ def _fsdp2(params: int, setup: TrainingSetup) -> list[Collective]:
     if setup.sharding is Sharding.ZERO3:
         collectives.append(Collective(ALL_GATHER, "parameters again, before each backward", params, gather, micro))
     collectives.append(Collective(REDUCE_SCATTER, "gradients, after each backward", params, reduce, micro))
+    if setup.replicas > 1:  # HSDP: each gradient shard all-reduced across the replicas
+        collectives.append(Collective(ALL_REDUCE, f"gradient shards across the {setup.replicas} HSDP replicas, "
+                                      "after each backward", params // setup.shard_size, reduce, micro,
+                                      group="replicate"))
     return collectives
 
 

@@ -230,7 +230,7 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
             # in a block's backward the micro-batch being run back has released its head, logits and loss
             acts = micro_batch_terms(spec, setup, held, count_now, on_cpu, head_released=what == "block backward")
             moments[f"{name}, {what}"] = (Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra)
-    step_temp = full.step_temp_bytes // (setup.dp_size if setup.sharding.stage >= 1 else 1)
+    step_temp = full.step_temp_bytes // (setup.shard_size if setup.sharding.stage >= 1 else 1)
     moments["optimizer step"] = (Phase.OPTIMIZER, _static_terms(own, setup, dataclasses.replace(
         static, param_working_set_bytes=0), static.grads_bytes, on_cpu) + [buffers, Term(
             "temporaries/optimizer_step", Category.TEMPORARIES, step_temp, f"{setup.optimizer} step temporaries",
