@@ -274,14 +274,14 @@ def tensor_parallel_notes(setup: TrainingSetup, hardware: Hardware) -> list[str]
 
 
 def pipeline_notes(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> list[str]:
-    """How a pipeline-parallel setup is launched: torchtitan's TOML keys (memfit.emit.torchtitan)."""
-    if setup.pp < 2:
+    """How a pipeline- or context-parallel or HSDP setup is launched: torchtitan's TOML keys (memfit.emit.torchtitan)."""
+    if setup.pp < 2 and setup.cp < 2 and not setup.dp_shard:
         return []
     from .emit.torchtitan import torchtitan_toml
 
     toml = "; ".join(line for line in torchtitan_toml(setup, spec.num_layers).splitlines() if line)
-    notes = [f"torchtitan: {toml} (pipeline stages on torch.distributed.pipelining; memfit._torch.pipeline "
-             "cuts a transformers Llama the same way)"]
+    notes = [f"torchtitan: {toml}" + (" (pipeline stages on torch.distributed.pipelining; memfit._torch.pipeline "
+                                      "cuts a transformers Llama the same way)" if setup.pp > 1 else "")]
     if setup.pp * setup.tp > hardware.gpus_per_node:
         notes.append(f"pp {setup.pp} x tp {setup.tp} spans nodes: the stage-to-stage sends (B x T x h per "
                      "micro-batch) cross the network, which point-to-point tolerates far better than TP")

@@ -261,6 +261,22 @@ class PipelineSchedule(_Choice):
         return self is PipelineSchedule.INTERLEAVED_1F1B
 
 
+class CpRotate(_Choice):
+    """How ring attention moves K/V between the context-parallel ranks (torch _context_parallel _RotateMethod;
+    torchtitan's context_parallel_rotate_method)."""
+
+    ALLGATHER = "allgather"  # one all-gather of every rank's K/V chunk per layer (torch's default)
+    ALLTOALL = "alltoall"  # cp - 1 ring steps, each passing one K/V chunk on (permute_tensor)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"allgather": ("all-gather", "all_gather"), "alltoall": ("all-to-all", "all_to_all", "ring")}[
+            self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "context-parallel rotate method"
+
+
 _ZERO1_TORCH_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "sgd")
 
 
@@ -313,6 +329,12 @@ class TrainingSetup:
     """With pp > 1: gpipe, 1f1b or interleaved-1f1b (torchtitan's pipeline_parallel_schedule)."""
     pp_virtual_stages: int = 1
     """Stages each pipeline rank holds (interleaved-1f1b: 2 or more, torchtitan's stages per rank)."""
+    cp: int = 1
+    """Context-parallel degree (torch context_parallel ring attention, torchtitan's context_parallel_degree): each
+    group of cp GPUs splits every sequence, each rank holding seq_len / cp tokens of every activation; FSDP shards
+    over dp x cp (memfit.estimate.context_parallel)."""
+    cp_rotate: CpRotate = CpRotate.ALLGATHER
+    """With cp > 1: allgather (torch's default) or alltoall, how the K/V chunks travel."""
     dp_shard: int = 0
     """HSDP: ZeRO-2/3 shards over groups of dp_shard data-parallel ranks and replicates across the
     dp_size / dp_shard groups (FSDP2 fully_shard(mesh=2D (replicate, shard)); torchtitan's
@@ -323,7 +345,8 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
-                           ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule)):
+                           ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule),
+                           ("cp_rotate", CpRotate)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
@@ -331,7 +354,7 @@ class TrainingSetup:
             object.__setattr__(self, "finetune", Finetune(**self.finetune))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp", "pp",
-                                 "pp_virtual_stages")
+                                 "pp_virtual_stages", "cp")
                     if not _positive_int(getattr(self, name))]
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
@@ -371,11 +394,15 @@ class TrainingSetup:
             problems += self._pipeline_problems()
             if problems:
                 return problems
+        if self.cp > 1:
+            problems += self._context_parallel_problems()
+            if problems:
+                return problems
         if self.dp_shard:
             problems += self._hsdp_problems()
             if problems:
                 return problems
-        if self.sharding is not Sharding.NONE and self.dp_size < 2:
+        if self.sharding is not Sharding.NONE and self.shard_size < 2:
             problems += self._one_gpu_sharding_problems()
         if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.sharding is not Sharding.ZERO3:
             problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
@@ -478,6 +505,30 @@ class TrainingSetup:
             problems.append(f"a {self.loss} loss on the last pipeline stage is not sized yet: use loss standard")
         return problems
 
+    def _context_parallel_problems(self) -> list[str]:
+        """Ring attention as torch's context_parallel runs it (torch 2.13 _context_parallel/_attention.py)."""
+        if self.num_gpus % (self.cp * self.tp * self.pp):
+            return [f"context degree {self.cp} x tensor {self.tp} x pipeline {self.pp} must divide the GPU count "
+                    f"({self.num_gpus})"]
+        problems = []
+        if self.pp > 1:
+            problems.append("context parallelism together with pipeline parallelism is not sized yet")
+        if self.engine is not Engine.TORCH:
+            problems.append("context parallelism runs on engine torch (torch context_parallel, as torchtitan does): "
+                            "use --engine torch")
+        if self.attention is not Attention.SDPA:
+            problems.append("context parallelism replaces the flash / memory-efficient SDPA kernels with ring "
+                            "attention; eager attention cannot run it: use --attention sdpa")
+        if self.seq_len % (2 * self.cp):
+            problems.append(f"context parallelism with load balancing cuts each sequence into 2 x cp = "
+                            f"{2 * self.cp} chunks: seq {self.seq_len} must be a multiple of {2 * self.cp}")
+        if self.sharding is Sharding.ZERO1 or self.offload is not Offload.NONE or self.finetune.adapters:
+            problems.append("context parallelism is sized with full training on FSDP2 (zero2 / zero3) or none, "
+                            "without offload")
+        if self.loss is not Loss.STANDARD:
+            problems.append(f"a {self.loss} loss with context parallelism is not sized yet: use loss standard")
+        return problems
+
     def _hsdp_problems(self) -> list[str]:
         """Hybrid sharding: FSDP2 on a 2D (replicate, shard) mesh of the data-parallel ranks."""
         if not _positive_int(self.dp_shard):
@@ -548,21 +599,24 @@ class TrainingSetup:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: num_gpus / (tp x pp) (num_gpus without TP or PP). Every rank of a tensor-parallel
-        group sees the same micro-batch, a pipeline passes it from stage to stage; ZeRO and FSDP shard over these."""
-        if not (_positive_int(self.tp) and _positive_int(self.pp)):
+        """Data-parallel ranks: num_gpus / (tp x pp x cp) (num_gpus without them). Every rank of a tensor- or
+        context-parallel group sees the same micro-batch, a pipeline passes it from stage to stage; ZeRO and FSDP
+        shard over these (and over the context-parallel ranks: `shard_size`)."""
+        if not (_positive_int(self.tp) and _positive_int(self.pp) and _positive_int(self.cp)):
             return self.num_gpus
-        return max(1, self.num_gpus // (self.tp * self.pp))
+        return max(1, self.num_gpus // (self.tp * self.pp * self.cp))
 
     @property
     def shard_size(self) -> int:
-        """Ranks ZeRO / FSDP shard static memory over: the HSDP shard group, else every data-parallel rank."""
-        return self.dp_shard if self.dp_shard and _positive_int(self.dp_shard) else self.dp_size
+        """Ranks ZeRO / FSDP shard static memory over: the HSDP shard group, else every data-parallel rank; times
+        cp (torchtitan shards FSDP over the dp_shard x cp mesh)."""
+        group = self.dp_shard if self.dp_shard and _positive_int(self.dp_shard) else self.dp_size
+        return group * (self.cp if _positive_int(self.cp) else 1)
 
     @property
     def replicas(self) -> int:
         """HSDP replica groups (1 without HSDP): each holds a full sharded copy, gradients all-reduced across."""
-        return max(1, self.dp_size // self.shard_size)
+        return max(1, self.dp_size * (self.cp if _positive_int(self.cp) else 1) // self.shard_size)
 
     @property
     def effective_batch_size(self) -> int:
@@ -583,7 +637,8 @@ FIELD_LABELS: dict[str, str] = {
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
     "optimizer_in_backward": "optimizer in backward", "pp": "pp", "pp_schedule": "pp schedule",
-    "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group"}
+    "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
+    "cp_rotate": "cp rotate"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -619,7 +674,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
     "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
-    "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",)}
+    "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",),
+    "cp": ("cp", "cp_rotate")}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

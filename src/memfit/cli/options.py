@@ -26,7 +26,7 @@ from ..errors import ConfigError, MemfitError
 from ..finetune import BaseWeights, Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Loss, Offload, Optimizer, PipelineSchedule,
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Loss, Offload, Optimizer, PipelineSchedule,
                      Precision, Sharding, TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 
@@ -236,6 +236,15 @@ PpScheduleOpt = Annotated[Optional[PipelineSchedule], _choice_option(
 PpVirtualStagesOpt = Annotated[Optional[int], _option(
     "--pp-virtual-stages", panel=SETUP_PANEL, parser=whole_number(1024), metavar="V",
     help="With --pp-schedule interleaved-1f1b: stages per pipeline rank (2 or more). Default: 1.")]
+CpOpt = Annotated[Optional[int], _option(
+    "--cp", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
+    help="Context-parallel degree (torch context_parallel ring attention, torchtitan's context_parallel_degree): "
+         "N GPUs split every sequence, each holding seq / N tokens of every activation. Needs --attention sdpa "
+         "and --engine torch (the default with --cp > 1). Default: 1.")]
+CpRotateOpt = Annotated[Optional[CpRotate], _choice_option(
+    "--cp-rotate", CpRotate,
+    help=f"With --cp: {_choices(CpRotate)}, how ring attention moves K/V (torchtitan's "
+         f"context_parallel_rotate_method). Default: {TrainingSetup.cp_rotate}.")]
 DpShardOpt = Annotated[Optional[int], _option(
     "--dp-shard", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
     help="HSDP: shard ZeRO-2/3 over groups of N data-parallel ranks and replicate across the groups (FSDP2 on a "
@@ -314,6 +323,8 @@ class SetupOptions:
     pp_schedule: PipelineSchedule | None = None
     pp_virtual_stages: int | None = None
     dp_shard: int | None = None
+    cp: int | None = None
+    cp_rotate: CpRotate | None = None
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
     method: Method | None = None
@@ -384,7 +395,8 @@ class SetupOptions:
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
                     expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
                     optimizer_in_backward=self.optimizer_in_backward, pp=self.pp, pp_schedule=self.pp_schedule,
-                    pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard)
+                    pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
+                    cp=self.cp, cp_rotate=self.cp_rotate)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -428,7 +440,7 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
                     "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward",
                     "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
-                    "dp_shard": "dp_shard"}
+                    "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
@@ -436,7 +448,8 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
     "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "pp": PpOpt,
-    "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "loss": LossOpt,
+    "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "cp": CpOpt,
+    "cp_rotate": CpRotateOpt, "loss": LossOpt,
     "optimizer_in_backward": InBackwardOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,

@@ -1,4 +1,4 @@
-"""torchtitan's [parallelism] and [training] TOML keys for a setup's tensor / pipeline parallelism and FSDP
+"""torchtitan's [parallelism] and [training] TOML keys for a setup's tensor / pipeline / context parallelism and FSDP
 (torchtitan/config/job_config.py, Parallelism and Training). Pure; the CLI prints them in the launch notes.
 
 Pipeline: torchtitan cuts the layers with generate_llm_fqn_per_model_part, counting the embedding and the output
@@ -26,6 +26,8 @@ def torchtitan_parallelism(setup: TrainingSetup, num_layers: int | None = None) 
     if setup.sharding.stage >= 2:
         parallelism["fsdp_reshard_after_forward"] = "always" if setup.sharding is Sharding.ZERO3 else "never"
     training = {"local_batch_size": setup.micro_batch_size * setup.grad_accum_steps, "seq_len": setup.seq_len}
+    if setup.cp > 1:
+        parallelism.update(context_parallel_degree=setup.cp, context_parallel_rotate_method=setup.cp_rotate.value)
     if setup.pp > 1:
         parallelism.update(pipeline_parallel_degree=setup.pp,
                            pipeline_parallel_schedule=SCHEDULE_NAMES[setup.pp_schedule],

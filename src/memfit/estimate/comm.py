@@ -57,6 +57,11 @@ ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-step
   group). A ring sends (s-1)/s of the first and (r-1)/r of the second; with the shard groups inside a node only the
   all-reduce crosses the network. DeepSpeed's MiCS (shard groups, replicated across) and ZeRO++ hpZ (a secondary
   parameter partition inside a node) have the same shape; they are not sized.
+- Context parallelism (engine torch, torch context_parallel ring attention; memfit.estimate.context_parallel):
+  inside each group of cp ranks, per layer and micro-step, the K/V chunks (allgather: one all-gather of cp x 2 x
+  B x T/cp x h_kv x d, in forward and again in backward; alltoall: cp - 1 permutes of one chunk each way) and, in
+  backward, cp permutes of the fp32 dK/dV chunk. Data-parallel collectives then span the dp x cp ranks. Not
+  counted on a run (ring attention does not run on CPU).
 - Pipeline parallelism (engine torch, torch.distributed.pipelining; memfit.estimate.pipeline): point-to-point, per
   optimizer step, each of the m = grad_accum_steps micro-batches' B x T x h boundary tensor in the residual dtype:
   every non-last stage sends its output forward, every non-first stage its input gradient backward (stage.py
@@ -141,7 +146,8 @@ class Collective:
     """Calls per optimizer step: the micro-steps, for what an engine does in every backward."""
     group: str = "data"
     """Which ranks take part: 'data' (the data-parallel ranks, or an HSDP shard group), 'replicate' (the HSDP
-    replicas of one shard), 'tensor' (one tensor-parallel group) or 'pipeline' (point to point, stage to stage)."""
+    replicas of one shard), 'tensor' (one tensor-parallel group), 'context' (one context-parallel group) or
+    'pipeline' (point to point, stage to stage)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -187,6 +193,7 @@ class CommVolume:
 
     @property
     def dp_size(self) -> int:
+        """Ranks of the data-parallel collectives: world_size / (tp x pp), the context-parallel ranks included."""
         return max(1, self.world_size // (self.tp * self.pp))
 
     @property
@@ -208,6 +215,11 @@ class CommVolume:
         return sum(c.num_bytes for c in self.collectives if c.group == "tensor")
 
     @property
+    def context_parallel_bytes(self) -> int:
+        """What each rank sends inside its context-parallel group per step (ring attention's K/V and dK/dV)."""
+        return sum(c.num_bytes for c in self.collectives if c.group == "context")
+
+    @property
     def pipeline_parallel_bytes(self) -> int:
         """What the busiest pipeline rank sends to its neighbours per step (point to point, all of it on the wire)."""
         return sum(c.num_bytes for c in self.collectives if c.group == "pipeline")
@@ -218,7 +230,7 @@ class CommVolume:
         tp = self.tp
         data = self._ring_data_bytes()
         return (data + (self.tensor_parallel_bytes * (tp - 1) // tp if tp > 1 else 0)
-                + self.pipeline_parallel_bytes)
+                + self.pipeline_parallel_bytes + self.context_parallel_bytes)
 
     def _ring_data_bytes(self) -> int:
         """(N-1)/N of the data-parallel volume, N each collective's group: the shard group and the replicas."""
@@ -278,6 +290,7 @@ class CommVolume:
                 "data_parallel_bytes": self.data_parallel_bytes, "replicate_bytes": self.replicate_bytes,
                 "tensor_parallel_bytes": self.tensor_parallel_bytes,
                 "pipeline_parallel_bytes": self.pipeline_parallel_bytes,
+                "context_parallel_bytes": self.context_parallel_bytes,
                 "num_nodes": self.num_nodes, "notes": list(self.notes)}
 
 
@@ -294,15 +307,30 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
     spec = moe.ep_local_spec(spec, setup)  # EP: each rank reduces its own experts' gradients (E / ep of them)
     sends = pipeline_collectives(spec, setup)
     spec = _largest_stage(spec, setup)  # ... and one pipeline rank's
-    runtime = runtime_of(setup.engine, setup.sharding, setup.dp_size)
-    collectives = [] if setup.dp_size < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
-    collectives += tensor_parallel_collectives(spec, setup)
+    data_ranks = setup.dp_size * setup.cp  # torchtitan reduces gradients over the dp x cp mesh
+    runtime = runtime_of(setup.engine, setup.sharding, data_ranks)
+    collectives = [] if data_ranks < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
+    collectives += tensor_parallel_collectives(spec, setup) + context_parallel_collectives(spec, setup)
     collectives += list(_expert_parallel(spec, setup)) + sends
     notes = _notes(runtime, setup) + _expert_parallel_notes(spec, setup)
     nodes, per_node = ((hardware.num_nodes, hardware.gpus_per_node) if hardware is not None
                        else (1, setup.num_gpus))
     return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes,
-                      tp=setup.tp, pp=setup.pp, shard_size=setup.dp_shard)
+                      tp=setup.tp, pp=setup.pp, shard_size=setup.shard_size if setup.dp_shard else 0)
+
+
+def context_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[Collective]:
+    """Ring attention's K/V and dK/dV traffic inside each context-parallel group, per layer and micro-step
+    (memfit.estimate.context_parallel.collectives_per_layer)."""
+    if setup.cp < 2:
+        return []
+    from .activations import dtypes
+    from .context_parallel import collectives_per_layer
+
+    calls = spec.num_layers * setup.grad_accum_steps
+    return [Collective(kind, what, elements, size, per_layer * calls, group="context")
+            for kind, what, elements, size, per_layer in
+            collectives_per_layer(spec, setup, dtypes(spec, setup).compute)]
 
 
 def pipeline_collectives(spec: ModelSpec, setup: TrainingSetup, rank: int | None = None) -> list[Collective]:
