@@ -128,35 +128,34 @@ def boundary_bytes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) 
     return setup.tokens_per_micro_step * spec.hidden_size * d.residual
 
 
-def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, count: int,
+def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, counts: list[int],
                       on_cpu: bool = False, head_released: bool = False) -> list[Term]:
-    """What `count` stage-micro-batches in flight on rank `held` keep: their layers' saved tensors, the embedding's
-    (first stage) or the position tables (others), the stage outputs in fwd_cache, and on the last stage the final
-    norm's, the logits and the loss's log-softmax (`head_released`: but the one being run back). A non-first
-    stage's input is its receive buffer (counted there)."""
-    tokens, seq, v = setup.tokens_per_micro_step, setup.seq_len, setup.pp_virtual_stages
+    """What the stage-micro-batches in flight on rank `held` (`counts`: how many of each of its stages, in order)
+    keep: their layers' saved tensors, the embedding's (first stage) or the position tables (others), the stage
+    outputs in fwd_cache, and on the last stage the final norm's, the logits and the loss's log-softmax
+    (`head_released`: but the one being run back). A non-first stage's input is its receive buffer (counted there)."""
+    tokens, seq = setup.tokens_per_micro_step, setup.seq_len
     d = act.dtypes(spec, setup, on_cpu)
-    stage_layers_saved = layers_saved_bytes(spec, setup, held.num_layers // v, on_cpu)
+    layers = stage_layers(spec.num_layers, setup.pp * setup.pp_virtual_stages)
+    num_stages, total = len(layers), sum(counts)
+    saved = sum(n * layers_saved_bytes(spec, setup, layers[s], on_cpu) for s, n in zip(held.stages, counts))
     boundary = boundary_bytes(spec, setup, on_cpu)
-    inputs_received = count - (count // v if held.first else 0)  # the first stage's inputs are token ids
-    outputs_kept = count - (count // v if held.last else 0)
+    first = counts[0] if held.first else 0  # the first stage's inputs are token ids, not a received tensor
+    last = counts[-1] if held.last else 0
     embedding = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu)
     ids = 8 * tokens
-    first_batches = count // v if held.first else 0
     terms = [
-        Term("activations/pipeline_layers", Category.ACTIVATIONS,
-             count * stage_layers_saved - inputs_received * boundary,
-             f"{count} micro-batch(es) in flight x {held.num_layers // v} layers x saved tensors per layer "
-             f"(checkpointing {setup.checkpointing}), less each received input (its buffer is counted apart)",
-             act.__name__ + " recipe rows; " + NARAYANAN),
-        Term("activations/embeddings", Category.ACTIVATIONS,
-             count * (embedding - ids) + first_batches * ids,
+        Term("activations/pipeline_layers", Category.ACTIVATIONS, saved - (total - first) * boundary,
+             f"{total} stage-micro-batch(es) in flight ({' + '.join(map(str, counts))} over the rank's "
+             f"{len(counts)} stage(s)) x their layers' saved tensors (checkpointing {setup.checkpointing}), less "
+             "each received input (its buffer is counted apart)", act.__name__ + " recipe rows; " + NARAYANAN),
+        Term("activations/embeddings", Category.ACTIVATIONS, total * (embedding - ids) + first * ids,
              "token ids (first stage) and position tables, per micro-batch in flight", SOURCE),
-        Term("activations/stage_outputs", Category.ACTIVATIONS, outputs_kept * boundary,
+        Term("activations/stage_outputs", Category.ACTIVATIONS, (total - last) * boundary,
              "B x T x h per micro-batch in flight: the stage output, kept in fwd_cache until its backward",
              "torch stage.py forward_one_chunk (fwd_cache)")]
-    if held.last:
-        last = max(count // v, 1) - head_released
+    if held.last and num_stages - 1 in held.stages:
+        last -= head_released
         vocab_tokens = spec.vocab_size * tokens
         head = act.head_saved_bytes(spec, setup, tokens)["head"]
         terms += [
@@ -169,6 +168,21 @@ def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, c
                  "B x T x V x 4 B log-softmax + shifted labels per micro-batch in flight",
                  "F.cross_entropy on the upcast logits (loss_fn)")]
     return terms
+
+
+def in_flight_by_stage(setup: TrainingSetup, rank: int, count: int | None = None) -> list[int]:
+    """How the `count` (default: in_flight) stage-micro-batches of rank `rank` fall on its stages: interleaved,
+    forward step k runs local stage (k // m_round) mod v (ScheduleInterleaved1F1B.forward_stage_index)."""
+    count = in_flight(setup, rank) if count is None else count
+    v = setup.pp_virtual_stages
+    if v == 1:
+        return [count]
+    m = setup.grad_accum_steps
+    per_round = m // max(1, m // setup.pp)
+    counts = [0] * v
+    for step in range(count):
+        counts[(step // per_round) % v] += 1
+    return counts
 
 
 def layers_saved_bytes(spec: ModelSpec, setup: TrainingSetup, num_layers: int, on_cpu: bool = False) -> int:
@@ -224,11 +238,11 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
                    "_create_grad_recv_info")
     casts = _autocast_copies(own, setup)
     moments = {}
-    for name, grads, count_now, extra in _backward_moments(spec, setup, held, count, static.grads_bytes, on_cpu):
+    for name, grads, counts, extra in _backward_moments(spec, setup, held, count, static.grads_bytes, on_cpu):
         base = _static_terms(own, setup, static, grads, on_cpu)
         for what, temporaries in _backward_temporaries(spec, own, setup, held, on_cpu):
             # in a block's backward the micro-batch being run back has released its head, logits and loss
-            acts = micro_batch_terms(spec, setup, held, count_now, on_cpu, head_released=what == "block backward")
+            acts = micro_batch_terms(spec, setup, held, counts, on_cpu, head_released=what == "block backward")
             moments[f"{name}, {what}"] = (Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra)
     step_temp = full.step_temp_bytes // (setup.shard_size if setup.sharding.stage >= 1 else 1)
     moments["optimizer step"] = (Phase.OPTIMIZER, _static_terms(own, setup, dataclasses.replace(
@@ -241,19 +255,22 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
 
 
 def _backward_moments(spec: ModelSpec, setup: TrainingSetup, held: RankStages, count: int, grads: int,
-                      on_cpu: bool) -> list[tuple[str, int, int, list[Term]]]:
-    """(moment, gradient bytes alive, micro-batches in flight, extra terms) of the rank's first two backwards: the
+                      on_cpu: bool) -> list[tuple[str, int, list[int], list[Term]]]:
+    """(moment, gradient bytes alive, micro-batches in flight per stage, extra terms) of the rank's first two
+    backwards: the
     first before any gradient exists (zero_grad(set_to_none=True)), the second with every gradient accumulating;
     1F1B refills the pipeline with one forward between them, GPipe does not; from the second on, a non-first
     stage's previous input gradient is still held by its send (Schedule1F1B keeps the ops, GPipe the works)."""
-    moments = [("first backward", 0, count, [])]
+    rank = held.rank
+    moments = [("first backward", 0, in_flight_by_stage(setup, rank, count), [])]
     if setup.grad_accum_steps > 1:
         refilled = setup.pp_schedule is not PipelineSchedule.GPIPE and setup.grad_accum_steps * \
             setup.pp_virtual_stages > count
         held_grad = [] if held.first else [Term(
             "temporaries/p2p_send", Category.TEMPORARIES, boundary_bytes(spec, setup, on_cpu),
             "B x T x h: the previous micro-batch's input gradient, held by its send", SOURCE)]
-        moments.append(("second backward", grads, count if refilled else count - 1, held_grad))
+        later = in_flight_by_stage(setup, rank, count) if refilled else in_flight_by_stage(setup, rank, count - 1)
+        moments.append(("second backward", grads, later, held_grad))
     return moments
 
 
