@@ -92,21 +92,23 @@ def test_schedules_give_the_same_losses(runs):
     assert len(runs["gpipe"][1]["losses"][0]) == CHUNKS
 
 
-def _torch_interleaved_in_flight(pp: int, v: int, m: int, rank: int) -> int:
-    """Most stage-micro-batches rank `rank` holds, walking torch's own ScheduleInterleaved1F1B action table
-    (_calculate_single_rank_operations: forwards add one, backwards release one)."""
+def _torch_interleaved_in_flight(pp: int, v: int, m: int, rank: int) -> tuple[int, list[int]]:
+    """Most stage-micro-batches rank `rank` holds, and how they fall on its stages, walking torch's own
+    ScheduleInterleaved1F1B action table (_calculate_single_rank_operations: forwards add, backwards release)."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
     table = object.__new__(ScheduleInterleaved1F1B)
     table.pp_group_size, table.n_local_stages, table._n_microbatches = pp, v, m
     table.microbatches_per_round = m // max(1, m // pp)
-    alive = most = 0
+    alive = {rank + k * pp: 0 for k in range(v)}
+    most, at_most = 0, []
     for action in table._calculate_single_rank_operations(rank):
         if action is None:
             continue
-        alive += 1 if action.computation_type is _ComputationType.FORWARD else -1
-        most = max(most, alive)
-    return most
+        alive[action.stage_index] += 1 if action.computation_type is _ComputationType.FORWARD else -1
+        if sum(alive.values()) > most:
+            most, at_most = sum(alive.values()), list(alive.values())
+    return most, at_most
 
 
 @pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (4, 2, 4), (8, 2, 16)])
@@ -114,7 +116,9 @@ def test_interleaved_in_flight_is_torchs_schedule_table_and_korthikanti(pp, v, m
     setup = TrainingSetup(engine="torch", num_gpus=pp, pp=pp, pp_schedule="interleaved-1f1b",
                           pp_virtual_stages=v, grad_accum_steps=m)
     for rank in range(pp):
-        assert ppm.in_flight(setup, rank) == _torch_interleaved_in_flight(pp, v, m, rank)
+        most, per_stage = _torch_interleaved_in_flight(pp, v, m, rank)
+        assert ppm.in_flight(setup, rank) == most
+        assert ppm.in_flight_by_stage(setup, rank) == per_stage
     layers = 8 * pp * v  # rank 0 holds L (1 + (p - 1) / (p v)) layers' worth (Korthikanti et al. 2022 sec. 4.2.3)
     paper = ppm.korthikanti_interleaved_layers(layers, pp, v)
     if m * v >= v * pp + pp - 1:  # the paper's steady state; with fewer micro-batches all of them are in flight
