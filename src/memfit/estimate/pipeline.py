@@ -257,10 +257,10 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
 def _backward_moments(spec: ModelSpec, setup: TrainingSetup, held: RankStages, count: int, grads: int,
                       on_cpu: bool) -> list[tuple[str, int, list[int], list[Term]]]:
     """(moment, gradient bytes alive, micro-batches in flight per stage, extra terms) of the rank's first two
-    backwards: the
-    first before any gradient exists (zero_grad(set_to_none=True)), the second with every gradient accumulating;
-    1F1B refills the pipeline with one forward between them, GPipe does not; from the second on, a non-first
-    stage's previous input gradient is still held by its send (Schedule1F1B keeps the ops, GPipe the works)."""
+    backwards: the first before any gradient exists (zero_grad(set_to_none=True)), the second with every gradient
+    accumulating. 1F1B refills the pipeline with one forward between them, GPipe does not; from the second on, a
+    non-first stage's previous input gradient is still held by its send (Schedule1F1B keeps the ops, GPipe the
+    works)."""
     rank = held.rank
     moments = [("first backward", 0, in_flight_by_stage(setup, rank, count), [])]
     if setup.grad_accum_steps > 1:
