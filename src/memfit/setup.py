@@ -492,9 +492,11 @@ class TrainingSetup:
             problems.append("interleaved-1f1b holds 2 or more stages per rank (--pp-virtual-stages 2); gpipe and "
                             "1f1b hold one" if self.pp_schedule.interleaved or self.pp_virtual_stages == 1 else
                             f"{self.pp_virtual_stages} stages per rank need --pp-schedule interleaved-1f1b")
-        if self.pp_schedule.interleaved and self.grad_accum_steps % self.pp:
+        rounds = max(1, self.grad_accum_steps // self.pp)  # torch ScheduleInterleaved1F1B.number_of_rounds
+        if self.pp_schedule.interleaved and self.grad_accum_steps % rounds:
             problems.append(f"interleaved-1f1b needs the micro-batches (accum {self.grad_accum_steps}) to be a "
-                            f"multiple of pp {self.pp} (torch ScheduleInterleaved1F1B)")
+                            f"multiple of its {rounds} rounds of pp {self.pp} (torch ScheduleInterleaved1F1B): "
+                            f"use accum {rounds * self.pp}")
         if self.sharding is Sharding.ZERO1:
             problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) is not what torchtitan pairs with pipelining: "
                             "use zero2 or zero3 (FSDP2 over the data-parallel ranks) or none")
