@@ -90,3 +90,14 @@ def test_cli_dp_shard(tmp_path):
     assert data["setup"]["dp_shard"] == 8
     bad = CliRunner().invoke(app, [*args[:-1], "--dp-shard", "5"])
     assert bad.exit_code == 2 and "must divide" in bad.output
+
+
+def test_fsdp2_code_builds_the_2d_mesh():
+    """The emitted FSDP2 module passes fully_shard a (replicate, shard) mesh; it compiles."""
+    from memfit.emit import fsdp2_code
+
+    code = fsdp2_code(_setup(8))
+    assert 'init_device_mesh("cuda", (4, 8), mesh_dim_names=("replicate", "shard"))' in code
+    assert '"mesh": mesh' in code
+    compile(code, "fsdp2_shard.py", "exec")
+    assert "init_device_mesh" not in fsdp2_code(_setup(0))
