@@ -78,7 +78,8 @@ def ring_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> Term
                 "one step's SDPA gradients, the fp32 dK/dV sent and received", SOURCE)
 
 
-def collectives_per_layer(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> list[tuple[str, str, int, int, int]]:
+def collectives_per_layer(spec: ModelSpec, setup: TrainingSetup,
+                          compute_bytes: int) -> list[tuple[str, str, int, int, int]]:
     """(kind, what, elements, dtype bytes, calls per layer and micro-step) of one layer's ring attention, forward
     and backward: allgather: one all-gather of K/V each way; alltoall: cp - 1 K/V steps each way; either: the dK/dV
     ring, cp permutes in fp32."""
