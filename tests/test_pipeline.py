@@ -243,3 +243,19 @@ def test_cli_bad_pipeline_input_exits_2_in_one_line(args, message, tmp_path):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error:"), result.output
+
+
+def test_fsdp2_under_a_pipeline_keeps_gradients_unsharded_across_micro_batches():
+    """torch's PipelineStage runs every micro-batch's backward but the last with FSDP2's gradient sync and
+    resharding off: from the second backward on, the stage's gradients accumulate unsharded (P x reduce dtype) and
+    its parameters stay gathered, so sharding saves on parameters and states, not on those."""
+    spec = resolve_model("llama-3.1-8b")
+    setup = TrainingSetup(micro_batch_size=1, seq_len=4096, grad_accum_steps=8, precision="bf16", engine="torch",
+                          num_gpus=16, pp=4, sharding="zero3", checkpointing="full")
+    for memory in ppm.stage_memories(spec, setup):
+        own = ppm.stage_spec(spec, memory.held)
+        terms = {t.name: t.num_bytes for t in memory.terms}
+        assert memory.moment.startswith("second backward")
+        assert terms["gradients/unsharded_accumulated"] == 2 * own.num_params
+        assert terms["parameters/gathered"] == 2 * own.num_params
+        assert terms["parameters"] == 2 * own.num_params // 4  # the shards, over the 4 data-parallel ranks

@@ -240,6 +240,8 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
     moments = {}
     for name, grads, counts, extra in _backward_moments(spec, setup, held, count, static.grads_bytes, on_cpu):
         base = _static_terms(own, setup, static, grads, on_cpu)
+        if static.fsdp is not None and name == "second backward":
+            base = _fsdp_no_sync_terms(own, setup, static, on_cpu)
         for what, temporaries in _backward_temporaries(spec, own, setup, held, on_cpu):
             # in a block's backward the micro-batch being run back has released its head, logits and loss
             acts = micro_batch_terms(spec, setup, held, counts, on_cpu, head_released=what == "block backward")
@@ -252,6 +254,26 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
     name = max(moments, key=lambda n: sum(t.num_bytes for t in moments[n][1]))
     phase, terms = moments[name]
     return StageMemory(held, count, tuple(t for t in terms if t.num_bytes > 0), phase, name)
+
+
+FSDP_NO_SYNC_SOURCE = ("torch pipelining stage.py backward_maybe_with_nosync: set_requires_gradient_sync(False), "
+                       "set_reshard_after_backward(False) until the last micro-batch; fsdp _fsdp_param.py "
+                       "to_accumulated_grad_if_needed")
+
+
+def _fsdp_no_sync_terms(own: ModelSpec, setup: TrainingSetup, static, on_cpu: bool) -> list[Term]:
+    """FSDP2 under a pipeline schedule: torch's PipelineStage turns gradient sync and resharding after backward off
+    for every micro-batch but the last, so from the first backward on, the stage's parameters stay gathered
+    (compute dtype) and its gradients accumulate unsharded (in the reduce dtype) until one reduce-scatter at the
+    end of the step."""
+    from .analytic import _static_terms
+
+    units = static.fsdp
+    gathered = dataclasses.replace(static, param_working_set_bytes=own.num_params * units.compute_bytes)
+    return _static_terms(own, setup, gathered, 0, on_cpu) + [Term(
+        "gradients/unsharded_accumulated", Category.GRADIENTS, own.num_params * units.reduce_bytes,
+        f"the stage's P x {units.reduce_bytes} B gradients, unsharded, accumulated over the micro-batches",
+        FSDP_NO_SYNC_SOURCE)]
 
 
 def _backward_moments(spec: ModelSpec, setup: TrainingSetup, held: RankStages, count: int, grads: int,
