@@ -20,7 +20,7 @@ from memfit.estimate.comm import comm_volume, pipeline_collectives
 from memfit.hardware import cpu_device, make_hardware
 from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
-from tiny_configs import TINY_LLAMA
+from tiny_configs import TINY_BERT, TINY_LLAMA, TINY_QWEN2
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "pp_worker.py"
@@ -259,3 +259,15 @@ def test_fsdp2_under_a_pipeline_keeps_gradients_unsharded_across_micro_batches()
         assert terms["gradients/unsharded_accumulated"] == 2 * own.num_params
         assert terms["parameters/gathered"] == 2 * own.num_params
         assert terms["parameters"] == 2 * own.num_params // 4  # the shards, over the 4 data-parallel ranks
+
+
+def test_a_tied_head_is_a_copy_on_the_last_stage_and_encoders_are_refused():
+    """A tied embedding / LM head lives on both ends (Megatron-LM keeps a copy on the last stage and all-reduces
+    its gradient with the first's): the stages together hold one V x h matrix more than the model."""
+    spec = resolve_model(TINY_QWEN2)
+    setup = TrainingSetup(engine="torch", num_gpus=2, pp=2, grad_accum_steps=2)
+    stages = [ppm.stage_spec(spec, ppm.rank_stages(spec, setup, r)) for r in range(2)]
+    assert sum(s.num_params for s in stages) == spec.num_params + spec.vocab_size * spec.hidden_size
+    with pytest.raises(ConfigError, match="causal LMs") as info:
+        estimate(resolve_model(TINY_BERT), setup, make_hardware(cpu_device(64 * 1024**3), gpus_per_node=2))
+    assert "\n" not in str(info.value)
