@@ -91,7 +91,6 @@ def test_ring_traffic_in_the_communication_model():
     ({"seq_len": 32766}, "multiple of 8"),
     ({"cp": 3}, "must divide the GPU count"),
     ({"engine": "deepspeed"}, "engine torch"),
-    ({"pp": 2, "grad_accum_steps": 2}, "not sized yet"),
 ])
 def test_bad_context_parallel_setups_are_one_line(changes, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -115,3 +114,21 @@ def test_cli_cp_options_and_torchtitan_keys():
     bad = CliRunner().invoke(app, ["estimate", "llama-3.1-8b", "--gpu", "H100", "--gpus", "8", "-s", "4096",
                                    "--cp", "4", "--attention", "eager"])
     assert bad.exit_code == 2 and "eager attention" in bad.output
+
+
+def test_context_and_pipeline_parallelism_together():
+    """pp 2 x cp 4: each pipeline rank's stage holds seq / cp tokens per micro-batch, its block backward carries the
+    ring's buffers, and the stage-to-stage sends shrink by cp."""
+    from memfit.estimate import pipeline as ppm
+
+    spec = WIDE_SMALL_VOCAB
+    both = _setup(4, num_gpus=8, pp=2, grad_accum_steps=4, checkpointing="none", seq_len=16384)
+    est = estimate(spec, both, HW)
+    local = cpm.rank_setup(both)
+    assert local.seq_len == 4096 and local.pp == 2 and local.shard_size == 4
+    ring = cpm.ring_term(spec, both, 2)
+    memories = ppm.stage_memories(spec, local, block_terms=(ring,))
+    assert est.tensor_bytes == max(m.tensor_bytes for m in memories)
+    assert any("temporaries/ring_attention" == t.name for m in memories for t in m.terms)
+    plain_pp = both.replace(cp=1, num_gpus=2, sharding="none")
+    assert comm_volume(spec, both, HW).pipeline_parallel_bytes * 4 == comm_volume(spec, plain_pp).pipeline_parallel_bytes

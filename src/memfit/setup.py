@@ -513,8 +513,6 @@ class TrainingSetup:
             return [f"context degree {self.cp} x tensor {self.tp} x pipeline {self.pp} must divide the GPU count "
                     f"({self.num_gpus})"]
         problems = []
-        if self.pp > 1:
-            problems.append("context parallelism together with pipeline parallelism is not sized yet")
         if self.engine is not Engine.TORCH:
             problems.append("context parallelism runs on engine torch (torch context_parallel, as torchtitan does): "
                             "use --engine torch")

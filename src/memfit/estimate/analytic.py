@@ -54,7 +54,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     sized, run_notes = _as_run(setup, layout or setup.engine)
     if setup.pp > 1:  # one estimate per pipeline rank's stages; the highest is the job's (memfit.estimate.pipeline)
         pipeline.check(spec, setup)
-        return pipeline.estimate(spec, asked, sized, hardware, run_notes)
+        return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
     moments = _moments(spec, sized, static, full.step_temp_bytes, hardware.is_cpu)

@@ -305,7 +305,9 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
 
     spec = rank_spec(spec, setup)  # data parallelism moves one tensor-parallel rank's parameters
     spec = moe.ep_local_spec(spec, setup)  # EP: each rank reduces its own experts' gradients (E / ep of them)
-    sends = pipeline_collectives(spec, setup)
+    from .context_parallel import rank_setup
+
+    sends = pipeline_collectives(spec, rank_setup(setup))  # a context-parallel rank sends its seq / cp tokens
     spec = _largest_stage(spec, setup)  # ... and one pipeline rank's
     data_ranks = setup.dp_size * setup.cp  # torchtitan reduces gradients over the dp x cp mesh
     runtime = runtime_of(setup.engine, setup.sharding, data_ranks)

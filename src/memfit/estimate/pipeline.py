@@ -218,12 +218,15 @@ def check(spec: ModelSpec, setup: TrainingSetup) -> None:
     stage_layers(spec.num_layers, setup.pp * setup.pp_virtual_stages)
 
 
-def stage_memories(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> list[StageMemory]:
-    """Every pipeline rank's peak (the estimator's `spec` after LoRA / MoE / tensor-parallel rewrites)."""
-    return [stage_memory(spec, setup, rank, on_cpu) for rank in range(setup.pp)]
+def stage_memories(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False,
+                   block_terms: tuple[Term, ...] = ()) -> list[StageMemory]:
+    """Every pipeline rank's peak (the estimator's `spec` after LoRA / MoE / tensor-parallel rewrites; `setup` one
+    context-parallel rank's, `block_terms` what its ring attention adds to a block's backward)."""
+    return [stage_memory(spec, setup, rank, on_cpu, block_terms) for rank in range(setup.pp)]
 
 
-def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool = False) -> StageMemory:
+def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool = False,
+                 block_terms: tuple[Term, ...] = ()) -> StageMemory:
     from .analytic import _static_terms
     from .static import full_static, shard
 
@@ -245,7 +248,9 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
         for what, temporaries in _backward_temporaries(spec, own, setup, held, on_cpu):
             # in a block's backward the micro-batch being run back has released its head, logits and loss
             acts = micro_batch_terms(spec, setup, held, counts, on_cpu, head_released=what == "block backward")
-            moments[f"{name}, {what}"] = (Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra)
+            ring = list(block_terms) if what == "block backward" else []
+            moments[f"{name}, {what}"] = (Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra
+                                          + ring)
     step_temp = full.step_temp_bytes // (setup.shard_size if setup.sharding.stage >= 1 else 1)
     moments["optimizer step"] = (Phase.OPTIMIZER, _static_terms(own, setup, dataclasses.replace(
         static, param_working_set_bytes=0), static.grads_bytes, on_cpu) + [buffers, Term(
@@ -335,12 +340,16 @@ def _autocast_copies(own: ModelSpec, setup: TrainingSetup) -> list[Term]:
 
 
 def estimate(spec: ModelSpec, setup: TrainingSetup, sized: TrainingSetup, hardware, notes: tuple[str, ...] = ()):
-    """The MemoryEstimate of the pipeline rank that peaks highest (`sized`: the setup as the engine runs it), with
-    every rank's peak in the notes."""
+    """The MemoryEstimate of the pipeline rank that peaks highest (`setup`: the user's; `sized`: the setup as the
+    engine runs it, on one context-parallel rank), with every rank's peak in the notes."""
     from .device import runtime_overhead_terms
     from .result import MemoryEstimate
 
-    stages = stage_memories(spec, sized, hardware.is_cpu)
+    from . import context_parallel
+
+    ring = (context_parallel.ring_term(spec, setup, act.dtypes(spec, sized, hardware.is_cpu).compute),) \
+        if setup.cp > 1 else ()
+    stages = stage_memories(spec, sized, hardware.is_cpu, ring)
     peak = max(stages, key=lambda s: s.tensor_bytes)
     terms = list(peak.terms)
     terms += runtime_overhead_terms(peak.tensor_bytes, setup, hardware, spec=stage_spec(spec, peak.held),
