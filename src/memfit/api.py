@@ -53,6 +53,11 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
     if given.get("tp", 1) > 1 and "engine" not in given:
         given["engine"] = Engine.TORCH
         notes.append(f"engine torch: tensor parallelism (tp={given['tp']}) runs on torch DTensor, not DeepSpeed")
+    for name, what in (("pp", "pipeline parallelism (torch.distributed.pipelining)"),
+                       ("cp", "context parallelism (torch context_parallel ring attention)")):
+        if given.get(name, 1) > 1 and "engine" not in given:
+            given["engine"] = Engine.TORCH
+            notes.append(f"engine torch: {what} with {name}={given[name]} runs on torch, not DeepSpeed")
     if "attention" not in given and spec.extra.get("supports_sdpa") is False:
         from .setup import Attention
 

@@ -252,7 +252,7 @@ def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "
         commands = torchrun_commands(hardware, script, script_args, env=env, master_addr=master_addr,
                                      master_port=master_port)
     volume = comm.comm_volume(spec, setup, hardware)
-    notes += tensor_parallel_notes(setup, hardware)
+    notes += tensor_parallel_notes(setup, hardware) + pipeline_notes(spec, setup, hardware)
     return MultiNodePlan(setup, hardware, launcher, per_rank, commands, volume, files, tuple(notes) + volume.notes)
 
 
@@ -261,15 +261,38 @@ def tensor_parallel_notes(setup: TrainingSetup, hardware: Hardware) -> list[str]
     if setup.tp < 2:
         return []
     sp = "on" if setup.sequence_parallel else "off"
-    notes = [f"2D mesh in the script: init_device_mesh('cuda', ({setup.dp_size}, {setup.tp}), mesh_dim_names=('dp', "
-             f"'tp')); parallelize_module on mesh['tp'] (ColwiseParallel q/k/v and gate/up, RowwiseParallel o and "
-             f"down, sequence parallel {sp}), then fully_shard on mesh['dp'] (memfit._torch.tensor_parallel)",
-             f"torchtitan: [parallelism] tensor_parallel_degree = {setup.tp}, data_parallel_shard_degree = "
-             f"{setup.dp_size if setup.sharding.stage >= 2 else 1} in its TOML (it always pairs TP with sequence "
-             "parallelism and loss_parallel)"]
+    if setup.pp > 1 or setup.cp > 1 or setup.dp_shard:
+        # a larger mesh: torchtitan's order (pp, dp_replicate, dp_shard, cp, tp); its keys come from pipeline_notes
+        notes = [f"device mesh in the script: tp {setup.tp} innermost, then cp {setup.cp}, dp {setup.dp_size}, pp "
+                 f"{setup.pp} (torchtitan ParallelDims); parallelize_module on mesh['tp'] (sequence parallel {sp}), "
+                 "fully_shard on the data-parallel dimensions"]
+    else:
+        notes = [f"2D mesh in the script: init_device_mesh('cuda', ({setup.dp_size}, {setup.tp}), "
+                 f"mesh_dim_names=('dp', 'tp')); parallelize_module on mesh['tp'] (ColwiseParallel q/k/v and gate/up, "
+                 f"RowwiseParallel o and down, sequence parallel {sp}), then fully_shard on mesh['dp'] "
+                 "(memfit._torch.tensor_parallel)",
+                 f"torchtitan: [parallelism] tensor_parallel_degree = {setup.tp}, data_parallel_shard_degree = "
+                 f"{setup.dp_size if setup.sharding.stage >= 2 else 1} in its TOML (it always pairs TP with sequence "
+                 "parallelism and loss_parallel)"]
     if setup.tp > hardware.gpus_per_node:
         notes.append(f"tp {setup.tp} spans more than one node ({hardware.gpus_per_node} GPUs each): its per-layer "
                      "collectives cross the network; keep tp within a node")
+    return notes
+
+
+def pipeline_notes(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> list[str]:
+    """How a pipeline- or context-parallel or HSDP setup is launched: torchtitan's TOML keys
+    (memfit.emit.torchtitan)."""
+    if setup.pp < 2 and setup.cp < 2 and not setup.dp_shard:
+        return []
+    from .emit.torchtitan import torchtitan_toml
+
+    toml = "; ".join(line for line in torchtitan_toml(setup, spec.num_layers).splitlines() if line)
+    notes = [f"torchtitan: {toml}" + (" (pipeline stages on torch.distributed.pipelining; memfit._torch.pipeline "
+                                      "cuts a transformers Llama the same way)" if setup.pp > 1 else "")]
+    if setup.pp * setup.tp > hardware.gpus_per_node:
+        notes.append(f"pp {setup.pp} x tp {setup.tp} spans nodes: the stage-to-stage sends (B x T x h per "
+                     "micro-batch) cross the network, which point-to-point tolerates far better than TP")
     return notes
 
 

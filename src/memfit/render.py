@@ -41,6 +41,10 @@ def describe_setup(setup: TrainingSetup) -> str:
             f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
             f"sharding {setup.sharding}, offload {setup.offload}"
             + (f", tp {setup.tp}{' + sequence parallel' if setup.sequence_parallel else ''}" if setup.tp > 1 else "")
+            + (f", pp {setup.pp} {setup.pp_schedule}" + (f" x {setup.pp_virtual_stages} stages per rank"
+                                                         if setup.pp_virtual_stages > 1 else "") if setup.pp > 1 else "")
+            + (f", cp {setup.cp} ({setup.cp_rotate})" if setup.cp > 1 else "")
+            + (f", HSDP shard group {setup.dp_shard}" if setup.dp_shard else "")
             + (f", {setup.finetune}" if setup.finetune.adapters else "")
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
             + (", optimizer in backward" if setup.optimizer_in_backward else "")

@@ -241,6 +241,42 @@ class Engine(_Choice):
         return {"deepspeed": ("ds",), "torch": ("fsdp", "fsdp2", "pytorch", "ddp")}[self.value]
 
 
+class PipelineSchedule(_Choice):
+    """torch.distributed.pipelining's schedules, as torchtitan's pipeline_parallel_schedule names them."""
+
+    GPIPE = "gpipe"  # ScheduleGPipe: every micro-batch's forward, then every backward (Huang et al. 2019)
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B: pp - stage warm-up forwards, then one backward per forward (PipeDream-Flush)
+    INTERLEAVED_1F1B = "interleaved-1f1b"  # ScheduleInterleaved1F1B: v stages per rank (Narayanan et al. 2021)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"gpipe": ("schedulegpipe",), "1f1b": ("schedule1f1b", "one-f-one-b", "pipedream-flush"),
+                "interleaved-1f1b": ("interleaved1f1b", "interleaved", "scheduleinterleaved1f1b")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "pipeline schedule"
+
+    @property
+    def interleaved(self) -> bool:
+        return self is PipelineSchedule.INTERLEAVED_1F1B
+
+
+class CpRotate(_Choice):
+    """How ring attention moves K/V between the context-parallel ranks (torch _context_parallel _RotateMethod;
+    torchtitan's context_parallel_rotate_method)."""
+
+    ALLGATHER = "allgather"  # one all-gather of every rank's K/V chunk per layer (torch's default)
+    ALLTOALL = "alltoall"  # cp - 1 ring steps, each passing one K/V chunk on (permute_tensor)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"allgather": ("all-gather", "all_gather"), "alltoall": ("all-to-all", "all_to_all", "ring")}[
+            self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "context-parallel rotate method"
+
+
 _ZERO1_TORCH_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "sgd")
 
 
@@ -289,20 +325,42 @@ class TrainingSetup:
     """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
     enable_activation_offloading / OffloadActivations, TRL and axolotl activation_offloading); the LM head's and the
     loss's stay on the device."""
+
+    # --- pipeline / context parallelism and HSDP (memfit.estimate.pipeline, .context_parallel, .static) ---
+    pp: int = 1
+    """Pipeline-parallel degree (torch.distributed.pipelining, torchtitan's pipeline_parallel_degree): the layers are
+    cut into pp x pp_virtual_stages stages, one group of `pp` GPUs runs them one after another, and each optimizer
+    step's grad_accum_steps micro-batches flow through them (torchtitan: local batch / micro-batch size)."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    """With pp > 1: gpipe, 1f1b or interleaved-1f1b (torchtitan's pipeline_parallel_schedule)."""
+    pp_virtual_stages: int = 1
+    """Stages each pipeline rank holds (interleaved-1f1b: 2 or more, torchtitan's stages per rank)."""
+    cp: int = 1
+    """Context-parallel degree (torch context_parallel ring attention, torchtitan's context_parallel_degree): each
+    group of cp GPUs splits every sequence, each rank holding seq_len / cp tokens of every activation; FSDP shards
+    over dp x cp (memfit.estimate.context_parallel)."""
+    cp_rotate: CpRotate = CpRotate.ALLGATHER
+    """With cp > 1: allgather (torch's default) or alltoall, how the K/V chunks travel."""
+    dp_shard: int = 0
+    """HSDP: ZeRO-2/3 shards over groups of dp_shard data-parallel ranks and replicates across the
+    dp_size / dp_shard groups (FSDP2 fully_shard(mesh=2D (replicate, shard)); torchtitan's
+    data_parallel_shard_degree, with data_parallel_replicate_degree the rest). 0: shard over all of them."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
     def __post_init__(self) -> None:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
-                           ("engine", Engine), ("loss", Loss)):
+                           ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule),
+                           ("cp_rotate", CpRotate)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
         elif isinstance(self.finetune, dict):
             object.__setattr__(self, "finetune", Finetune(**self.finetune))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
-                    for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp")
+                    for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp", "pp",
+                                 "pp_virtual_stages", "cp")
                     if not _positive_int(getattr(self, name))]
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
@@ -356,7 +414,19 @@ class TrainingSetup:
             problems += self._tensor_parallel_problems()
             if problems:
                 return problems
-        if self.sharding is not Sharding.NONE and self.dp_size < 2:
+        if self.pp > 1 or self.pp_virtual_stages > 1:
+            problems += self._pipeline_problems()
+            if problems:
+                return problems
+        if self.cp > 1:
+            problems += self._context_parallel_problems()
+            if problems:
+                return problems
+        if self.dp_shard:
+            problems += self._hsdp_problems()
+            if problems:
+                return problems
+        if self.sharding is not Sharding.NONE and self.shard_size < 2:
             problems += self._one_gpu_sharding_problems()
         if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.sharding is not Sharding.ZERO3:
             problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
@@ -440,6 +510,73 @@ class TrainingSetup:
             problems.append(f"{self.finetune.method} with tensor parallelism is not sized yet")
         return problems
 
+    def _pipeline_problems(self) -> list[str]:
+        """What memfit's pipeline parallelism covers: torch.distributed.pipelining on engine torch, as torchtitan
+        runs it (whether the stages divide the model's layers is checked where the model is known)."""
+        if self.pp == 1:
+            return ["pipeline virtual stages need pipeline parallelism: give pp > 1"]
+        if self.num_gpus % (self.pp * self.tp):
+            return [f"pipeline degree {self.pp} x tensor degree {self.tp} must divide the GPU count ({self.num_gpus})"]
+        problems = []
+        if self.engine is not Engine.TORCH:
+            problems.append("pipeline parallelism runs on engine torch (torch.distributed.pipelining, as torchtitan "
+                            "does); DeepSpeed's PipelineModule is not sized: use --engine torch")
+        if self.pp_schedule.interleaved != (self.pp_virtual_stages > 1):
+            problems.append("interleaved-1f1b holds 2 or more stages per rank (--pp-virtual-stages 2); gpipe and "
+                            "1f1b hold one" if self.pp_schedule.interleaved or self.pp_virtual_stages == 1 else
+                            f"{self.pp_virtual_stages} stages per rank need --pp-schedule interleaved-1f1b")
+        rounds = max(1, self.grad_accum_steps // self.pp)  # torch ScheduleInterleaved1F1B.number_of_rounds
+        if self.pp_schedule.interleaved and self.grad_accum_steps % rounds:
+            problems.append(f"interleaved-1f1b needs the micro-batches (accum {self.grad_accum_steps}) to be a "
+                            f"multiple of its {rounds} rounds of pp {self.pp} (torch ScheduleInterleaved1F1B): "
+                            f"use accum {rounds * self.pp}")
+        if self.sharding is Sharding.ZERO1:
+            problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) is not what torchtitan pairs with pipelining: "
+                            "use zero2 or zero3 (FSDP2 over the data-parallel ranks) or none")
+        if self.offload is not Offload.NONE or self.finetune.adapters or self.optimizer_in_backward:
+            problems.append("pipeline parallelism is sized with full training, no CPU offload and no optimizer in "
+                            "backward")
+        if self.loss is not Loss.STANDARD:
+            problems.append(f"a {self.loss} loss on the last pipeline stage is not sized yet: use loss standard")
+        return problems
+
+    def _context_parallel_problems(self) -> list[str]:
+        """Ring attention as torch's context_parallel runs it (torch 2.13 _context_parallel/_attention.py)."""
+        if self.num_gpus % (self.cp * self.tp * self.pp):
+            return [f"context degree {self.cp} x tensor {self.tp} x pipeline {self.pp} must divide the GPU count "
+                    f"({self.num_gpus})"]
+        problems = []
+        if self.engine is not Engine.TORCH:
+            problems.append("context parallelism runs on engine torch (torch context_parallel, as torchtitan does): "
+                            "use --engine torch")
+        if self.attention is not Attention.SDPA:
+            problems.append("context parallelism replaces the flash / memory-efficient SDPA kernels with ring "
+                            "attention; eager attention cannot run it: use --attention sdpa")
+        if self.seq_len % (2 * self.cp):
+            problems.append(f"context parallelism with load balancing cuts each sequence into 2 x cp = "
+                            f"{2 * self.cp} chunks: seq {self.seq_len} must be a multiple of {2 * self.cp}")
+        if self.sharding is Sharding.ZERO1 or self.offload is not Offload.NONE or self.finetune.adapters:
+            problems.append("context parallelism is sized with full training on FSDP2 (zero2 / zero3) or none, "
+                            "without offload")
+        if self.loss is not Loss.STANDARD:
+            problems.append(f"a {self.loss} loss with context parallelism is not sized yet: use loss standard")
+        return problems
+
+    def _hsdp_problems(self) -> list[str]:
+        """Hybrid sharding: FSDP2 on a 2D (replicate, shard) mesh of the data-parallel ranks."""
+        if not _positive_int(self.dp_shard):
+            return [f"dp_shard (the HSDP shard group) must be a positive whole number, got {self.dp_shard!r}"]
+        if self.dp_size % self.dp_shard:
+            return [f"HSDP shard group {self.dp_shard} must divide the {self.dp_size} data-parallel ranks "
+                    "(num_gpus / (tp x pp))"]
+        problems = []
+        if self.engine is not Engine.TORCH or self.sharding.stage < 2:
+            problems.append("HSDP (a shard group) is FSDP2 on a 2D mesh: use --engine torch with zero2 or zero3; "
+                            "DeepSpeed's MiCS / ZeRO++ hpZ are not sized")
+        if self.offload is not Offload.NONE:
+            problems.append("CPU offload with HSDP is not sized yet")
+        return problems
+
     def _one_gpu_sharding_problems(self) -> list[str]:
         """ZeRO on one GPU: with nothing to shard over, a stage saves memory only by moving its partitions to the
         host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param)."""
@@ -495,9 +632,24 @@ class TrainingSetup:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the tensor-parallel groups (num_gpus without TP). Every rank of a group sees the same
-        micro-batch; ZeRO and FSDP shard over these."""
-        return max(1, self.num_gpus // self.tp) if _positive_int(self.tp) else self.num_gpus
+        """Data-parallel ranks: num_gpus / (tp x pp x cp) (num_gpus without them). Every rank of a tensor- or
+        context-parallel group sees the same micro-batch, a pipeline passes it from stage to stage; ZeRO and FSDP
+        shard over these (and over the context-parallel ranks: `shard_size`)."""
+        if not (_positive_int(self.tp) and _positive_int(self.pp) and _positive_int(self.cp)):
+            return self.num_gpus
+        return max(1, self.num_gpus // (self.tp * self.pp * self.cp))
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO / FSDP shard static memory over: the HSDP shard group, else every data-parallel rank; times
+        cp (torchtitan shards FSDP over the dp_shard x cp mesh)."""
+        group = self.dp_shard if self.dp_shard and _positive_int(self.dp_shard) else self.dp_size
+        return group * (self.cp if _positive_int(self.cp) else 1)
+
+    @property
+    def replicas(self) -> int:
+        """HSDP replica groups (1 without HSDP): each holds a full sharded copy, gradients all-reduced across."""
+        return max(1, self.dp_size * (self.cp if _positive_int(self.cp) else 1) // self.shard_size)
 
     @property
     def effective_batch_size(self) -> int:
@@ -517,7 +669,10 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward", "activation_offload": "activation offload"}
+    "optimizer_in_backward": "optimizer in backward", "activation_offload": "activation offload",
+    "pp": "pp", "pp_schedule": "pp schedule",
+    "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
+    "cp_rotate": "cp rotate"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -553,7 +708,9 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
     "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
-    "activation_offload": ("activation_offload",)}
+    "activation_offload": ("activation_offload",),
+    "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",),
+    "cp": ("cp", "cp_rotate")}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

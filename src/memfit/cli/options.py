@@ -26,8 +26,8 @@ from ..errors import ConfigError, MemfitError
 from ..finetune import BaseWeights, Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Sharding,
-                     TrainingSetup, _Choice, parse_keep)
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Loss, Offload, Optimizer, PipelineSchedule,
+                     Precision, Sharding, TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
@@ -224,6 +224,32 @@ SequenceParallelOpt = Annotated[Optional[bool], _option(
     "--sequence-parallel/--no-sequence-parallel", panel=SETUP_PANEL,
     help="With --tp: split norms and the residual stream along the sequence (Megatron SP; torchtitan's "
          "SequenceParallel). Default: off.")]
+PpOpt = Annotated[Optional[int], _option(
+    "--pp", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
+    help="Pipeline-parallel degree (torch.distributed.pipelining, torchtitan's pipeline_parallel_degree): the "
+         "layers are cut into stages over N GPUs, the embedding on the first, the LM head on the last; --accum is "
+         "the number of micro-batches. Needs --engine torch (the default with --pp > 1). Default: 1.")]
+PpScheduleOpt = Annotated[Optional[PipelineSchedule], _choice_option(
+    "--pp-schedule", PipelineSchedule,
+    help=f"With --pp: {_choices(PipelineSchedule)} (torchtitan's pipeline_parallel_schedule). "
+         f"Default: {TrainingSetup.pp_schedule}.")]
+PpVirtualStagesOpt = Annotated[Optional[int], _option(
+    "--pp-virtual-stages", panel=SETUP_PANEL, parser=whole_number(1024), metavar="V",
+    help="With --pp-schedule interleaved-1f1b: stages per pipeline rank (2 or more). Default: 1.")]
+CpOpt = Annotated[Optional[int], _option(
+    "--cp", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
+    help="Context-parallel degree (torch context_parallel ring attention, torchtitan's context_parallel_degree): "
+         "N GPUs split every sequence, each holding seq / N tokens of every activation. Needs --attention sdpa "
+         "and --engine torch (the default with --cp > 1). Default: 1.")]
+CpRotateOpt = Annotated[Optional[CpRotate], _choice_option(
+    "--cp-rotate", CpRotate,
+    help=f"With --cp: {_choices(CpRotate)}, how ring attention moves K/V (torchtitan's "
+         f"context_parallel_rotate_method). Default: {TrainingSetup.cp_rotate}.")]
+DpShardOpt = Annotated[Optional[int], _option(
+    "--dp-shard", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
+    help="HSDP: shard ZeRO-2/3 over groups of N data-parallel ranks and replicate across the groups (FSDP2 on a "
+         "2D (replicate, shard) mesh; torchtitan's data_parallel_shard_degree). Needs --engine torch. Default: all "
+         "data-parallel ranks.")]
 LossOpt = Annotated[Optional[Loss], _choice_option(
     "--loss", Loss,
     help=f"{_choices(Loss)}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
@@ -307,6 +333,12 @@ class SetupOptions:
     engine: Engine | None = None
     tp: int | None = None
     sequence_parallel: bool | None = None
+    pp: int | None = None
+    pp_schedule: PipelineSchedule | None = None
+    pp_virtual_stages: int | None = None
+    dp_shard: int | None = None
+    cp: int | None = None
+    cp_rotate: CpRotate | None = None
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
     activation_offload: bool | None = None
@@ -379,7 +411,10 @@ class SetupOptions:
                     attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
                     expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
-                    optimizer_in_backward=self.optimizer_in_backward, activation_offload=self.activation_offload)
+                    optimizer_in_backward=self.optimizer_in_backward, activation_offload=self.activation_offload,
+                    pp=self.pp, pp_schedule=self.pp_schedule,
+                    pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
+                    cp=self.cp, cp_rotate=self.cp_rotate)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -422,14 +457,18 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
                     "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
                     "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward",
-                    "activation_offload": "activation_offload"}
+                    "activation_offload": "activation_offload",
+                    "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
+                    "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
-    "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "loss": LossOpt,
+    "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "pp": PpOpt,
+    "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "cp": CpOpt,
+    "cp_rotate": CpRotateOpt, "loss": LossOpt,
     "optimizer_in_backward": InBackwardOpt, "activation_offload": ActivationOffloadOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,

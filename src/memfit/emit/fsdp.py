@@ -240,6 +240,13 @@ def _shard_section(setup: TrainingSetup) -> str:
     if setup.checkpointing is not Checkpointing.NONE:
         steps.append("    enable_checkpointing(model, blocks)")
     options = ['"reshard_after_forward": RESHARD_AFTER_FORWARD']
+    if setup.dp_shard and setup.replicas > 1:
+        steps.append(f"    # HSDP: shard within groups of {setup.shard_size} ranks, replicate across the {setup.replicas} "
+                     "groups\n    # (a 2D mesh: fully_shard reduce-scatters in 'shard', all-reduces in 'replicate').\n"
+                     "    from torch.distributed.device_mesh import init_device_mesh\n"
+                     f"    mesh = init_device_mesh(\"cuda\", ({setup.replicas}, {setup.shard_size}), "
+                     "mesh_dim_names=(\"replicate\", \"shard\"))")
+        options.append('"mesh": mesh')
     if _precision_section(setup):
         options.append('"mp_policy": mixed_precision_policy()')
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:

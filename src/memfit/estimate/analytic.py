@@ -21,7 +21,8 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import dora, fsdp2, lora, lora_sharded, moe, offload_activations, tensor_parallel
+from . import (context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations, pipeline,
+               tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -49,12 +50,20 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     offload_activations.check(spec, setup)
     spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
+    asked, setup = setup, context_parallel.rank_setup(setup)  # one context-parallel rank: seq_len / cp tokens
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
     sized, run_notes = _as_run(setup, layout or setup.engine)
+    if setup.pp > 1:  # one estimate per pipeline rank's stages; the highest is the job's (memfit.estimate.pipeline)
+        pipeline.check(spec, setup)
+        return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
     moments = _moments(spec, sized, static, full.step_temp_bytes, hardware.is_cpu)
+    if asked.cp > 1:  # ring attention's buffers beside every block's backward (memfit.estimate.context_parallel)
+        ring = context_parallel.ring_term(spec, asked, act.dtypes(spec, sized, hardware.is_cpu).compute)
+        moments = {name: (ph, t + [ring] if any(x.name == "temporaries/layer_backward" for x in t) else t)
+                   for name, (ph, t) in moments.items()}
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
@@ -64,11 +73,11 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator)
     offloaded = _activation_host(spec, sized, hardware.is_cpu)
     return MemoryEstimate(
-        terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
+        terms=tuple(terms), peak_phase=phase, method="analytic", setup=asked, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu_bytes + offloaded.host_bytes,
         notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
         + offload_activations.host_term_notes(offloaded)
-        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu),
+        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + context_parallel.notes(asked),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
 
@@ -122,7 +131,7 @@ def _total(terms: list[Term]) -> int:
 
 def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, grads: int,
                   on_cpu: bool = False) -> list[Term]:
-    n = setup.dp_size
+    n = setup.shard_size  # the data-parallel ranks, or the HSDP shard group
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
@@ -780,7 +789,7 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
                           "P x 2 B more: each bf16 gradient upcast to fp32 for the master copy's step (the bf16 one "
                           "released as it goes)", "memfit._torch.master.MasterWeightsOptimizer"))
     if step_temp:
-        shards = step.setup.dp_size if step.setup.sharding.stage >= 1 else 1
+        shards = step.setup.shard_size if step.setup.sharding.stage >= 1 else 1
         terms.append(Term("temporaries/optimizer_step", Category.TEMPORARIES, step_temp // shards,
                           f"{step.setup.optimizer} step temporaries", "torch.optim.adamw / transformers Adafactor"))
     return terms

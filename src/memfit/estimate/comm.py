@@ -50,6 +50,23 @@ ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-step
   and the LM head. Counted on 2 gloo ranks (tests/test_tensor_parallel.py). Data-parallel collectives then cover
   one tensor-parallel rank's parameters over the num_gpus / tp data-parallel ranks; loss_parallel's B x T
   statistics are not counted.
+- HSDP (engine torch, FSDP2 on a 2D (replicate, shard) mesh; setup.dp_shard): the all-gathers and the
+  reduce-scatter run inside each shard group of dp_shard ranks, on the whole Psi as above; then each rank's
+  gradient shard, Psi / dp_shard elements, is all-reduced across the dp / dp_shard replicas, per micro-step
+  (torch fsdp _fsdp_collectives.foreach_reduce: reduce_scatter on the shard group, all_reduce on the replicate
+  group). A ring sends (s-1)/s of the first and (r-1)/r of the second; with the shard groups inside a node only the
+  all-reduce crosses the network. DeepSpeed's MiCS (shard groups, replicated across) and ZeRO++ hpZ (a secondary
+  parameter partition inside a node) have the same shape; they are not sized.
+- Context parallelism (engine torch, torch context_parallel ring attention; memfit.estimate.context_parallel):
+  inside each group of cp ranks, per layer and micro-step, the K/V chunks (allgather: one all-gather of cp x 2 x
+  B x T/cp x h_kv x d, in forward and again in backward; alltoall: cp - 1 permutes of one chunk each way) and, in
+  backward, cp permutes of the fp32 dK/dV chunk. Data-parallel collectives then span the dp x cp ranks. Not
+  counted on a run (ring attention does not run on CPU).
+- Pipeline parallelism (engine torch, torch.distributed.pipelining; memfit.estimate.pipeline): point-to-point, per
+  optimizer step, each of the m = grad_accum_steps micro-batches' B x T x h boundary tensor in the residual dtype:
+  every non-last stage sends its output forward, every non-first stage its input gradient backward (stage.py
+  get_fwd_send_ops / get_bwd_send_ops). Counted on 2 gloo ranks (tests/test_pipeline.py). Data-parallel collectives
+  then cover one pipeline rank's parameters (the largest stage's) over the num_gpus / (tp x pp) data-parallel ranks.
 - Scalars (gradient norms, overflow checks) are not counted. Parameter offload adds host<->device copies
   (techniques.costs.offload_traffic_bytes), not network traffic.
 """
@@ -64,6 +81,7 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Offload, Precision, Sharding, TrainingSetup
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = "all-reduce", "reduce-scatter", "all-gather", "broadcast"
+SEND = "send"
 DEEPSPEED_MAX_REUSE_DISTANCE = 10**9
 """DeepSpeed's stage3_max_reuse_distance default, in parameter elements (runtime/zero/config.py)."""
 PAPER_PSI_MULTIPLE = {0: 2, 1: 2, 2: 2, 3: 3}
@@ -127,7 +145,9 @@ class Collective:
     calls_per_step: int = 1
     """Calls per optimizer step: the micro-steps, for what an engine does in every backward."""
     group: str = "data"
-    """Which ranks take part: 'data' (the data-parallel ranks) or 'tensor' (one tensor-parallel group)."""
+    """Which ranks take part: 'data' (the data-parallel ranks, or an HSDP shard group), 'replicate' (the HSDP
+    replicas of one shard), 'tensor' (one tensor-parallel group), 'context' (one context-parallel group) or
+    'pipeline' (point to point, stage to stage)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -162,10 +182,19 @@ class CommVolume:
     notes: tuple[str, ...] = ()
     tp: int = 1
     """Tensor-parallel degree: world_size / tp data-parallel ranks; the 'tensor' collectives run inside a group."""
+    pp: int = 1
+    """Pipeline-parallel degree: world_size / (tp x pp) data-parallel ranks; 'pipeline' sends go stage to stage."""
+    shard_size: int = 0
+    """HSDP: the shard group the 'data' collectives run in (0: every data-parallel rank)."""
+
+    @property
+    def replicas(self) -> int:
+        return max(1, self.dp_size // self.shard_size) if self.shard_size else 1
 
     @property
     def dp_size(self) -> int:
-        return max(1, self.world_size // self.tp)
+        """Ranks of the data-parallel collectives: world_size / (tp x pp), the context-parallel ranks included."""
+        return max(1, self.world_size // (self.tp * self.pp))
 
     @property
     def per_rank_bytes(self) -> int:
@@ -173,7 +202,12 @@ class CommVolume:
 
     @property
     def data_parallel_bytes(self) -> int:
-        return sum(c.num_bytes for c in self.collectives if c.group == "data")
+        return sum(c.num_bytes for c in self.collectives if c.group in ("data", "replicate"))
+
+    @property
+    def replicate_bytes(self) -> int:
+        """HSDP: what each rank sends across the replicas (the gradient shards' all-reduce)."""
+        return sum(c.num_bytes for c in self.collectives if c.group == "replicate")
 
     @property
     def tensor_parallel_bytes(self) -> int:
@@ -181,17 +215,35 @@ class CommVolume:
         return sum(c.num_bytes for c in self.collectives if c.group == "tensor")
 
     @property
+    def context_parallel_bytes(self) -> int:
+        """What each rank sends inside its context-parallel group per step (ring attention's K/V and dK/dV)."""
+        return sum(c.num_bytes for c in self.collectives if c.group == "context")
+
+    @property
+    def pipeline_parallel_bytes(self) -> int:
+        """What the busiest pipeline rank sends to its neighbours per step (point to point, all of it on the wire)."""
+        return sum(c.num_bytes for c in self.collectives if c.group == "pipeline")
+
+    @property
     def ring_bytes_per_rank(self) -> int:
         """What a ring actually sends per rank: (N-1)/N of `per_rank_bytes`, N the ranks of each collective's group."""
-        dp, tp = self.dp_size, self.tp
-        data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
-        return data + (self.tensor_parallel_bytes * (tp - 1) // tp if tp > 1 else 0)
+        tp = self.tp
+        data = self._ring_data_bytes()
+        return (data + (self.tensor_parallel_bytes * (tp - 1) // tp if tp > 1 else 0)
+                + self.pipeline_parallel_bytes + self.context_parallel_bytes)
+
+    def _ring_data_bytes(self) -> int:
+        """(N-1)/N of the data-parallel volume, N each collective's group: the shard group and the replicas."""
+        shard, r = self.shard_size or self.dp_size, self.replicas
+        inner = self.data_parallel_bytes - self.replicate_bytes
+        return ((inner * (shard - 1) // shard if shard > 1 else 0)
+                + (self.replicate_bytes * (r - 1) // r if r > 1 else 0))
 
     @property
     def psi_multiple(self) -> float:
         """Elements moved over P: 2 for the paper's DP and ZeRO-1/2, 3 for ZeRO-3 (see the docstring for engines);
         data-parallel collectives only, P one tensor-parallel rank's parameters."""
-        data = sum(c.volume_elements for c in self.collectives if c.group == "data")
+        data = sum(c.volume_elements for c in self.collectives if c.group in ("data", "replicate"))
         return data / self.num_params if self.num_params else 0.0
 
     def payload_bytes(self) -> dict[str, int]:
@@ -209,10 +261,16 @@ class CommVolume:
         parallelism stays inside a node when tp divides the GPUs per node (else its traffic crosses too)."""
         if self.num_nodes < 2:
             return 0
-        dp = self.dp_size
-        data = self.data_parallel_bytes * (dp - 1) // dp if dp > 1 else 0
+        data = self._ring_data_bytes()
+        if self.shard_size and self.shard_size * self.tp <= self.gpus_per_node:
+            # HSDP with node-local shard groups: only the replicas' all-reduce leaves the node
+            r = self.replicas
+            data = self.replicate_bytes * (r - 1) // r if r > 1 else 0
         crossing_tp = self.tp > self.gpus_per_node
-        return data + (self.tensor_parallel_bytes * (self.tp - 1) // self.tp if crossing_tp else 0)
+        # torchtitan's mesh order (pp, dp, tp): a stage boundary crosses nodes once tp x dp outgrows a node
+        crossing_pp = self.pp > 1 and self.world_size // self.pp >= self.gpus_per_node
+        return (data + (self.tensor_parallel_bytes * (self.tp - 1) // self.tp if crossing_tp else 0)
+                + (self.pipeline_parallel_bytes if crossing_pp else 0))
 
     @property
     def inter_node_peer_fraction(self) -> float:
@@ -228,8 +286,11 @@ class CommVolume:
                 "collectives": [c.to_dict() for c in self.collectives],
                 "inter_node_bytes_per_node": self.inter_node_bytes_per_node,
                 "inter_node_peer_fraction": self.inter_node_peer_fraction, "world_size": self.world_size,
-                "tp": self.tp, "data_parallel_bytes": self.data_parallel_bytes,
+                "tp": self.tp, "pp": self.pp, "shard_size": self.shard_size,
+                "data_parallel_bytes": self.data_parallel_bytes, "replicate_bytes": self.replicate_bytes,
                 "tensor_parallel_bytes": self.tensor_parallel_bytes,
+                "pipeline_parallel_bytes": self.pipeline_parallel_bytes,
+                "context_parallel_bytes": self.context_parallel_bytes,
                 "num_nodes": self.num_nodes, "notes": list(self.notes)}
 
 
@@ -244,15 +305,68 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
 
     spec = rank_spec(spec, setup)  # data parallelism moves one tensor-parallel rank's parameters
     spec = moe.ep_local_spec(spec, setup)  # EP: each rank reduces its own experts' gradients (E / ep of them)
-    runtime = runtime_of(setup.engine, setup.sharding, setup.dp_size)
-    collectives = [] if setup.dp_size < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
-    collectives += tensor_parallel_collectives(spec, setup)
-    collectives += list(_expert_parallel(spec, setup))
+    from .context_parallel import rank_setup
+
+    sends = pipeline_collectives(spec, rank_setup(setup))  # a context-parallel rank sends its seq / cp tokens
+    spec = _largest_stage(spec, setup)  # ... and one pipeline rank's
+    data_ranks = setup.dp_size * setup.cp  # torchtitan reduces gradients over the dp x cp mesh
+    runtime = runtime_of(setup.engine, setup.sharding, data_ranks)
+    collectives = [] if data_ranks < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
+    collectives += tensor_parallel_collectives(spec, setup) + context_parallel_collectives(spec, setup)
+    collectives += list(_expert_parallel(spec, setup)) + sends
     notes = _notes(runtime, setup) + _expert_parallel_notes(spec, setup)
     nodes, per_node = ((hardware.num_nodes, hardware.gpus_per_node) if hardware is not None
                        else (1, setup.num_gpus))
     return CommVolume(tuple(collectives), spec.num_params, setup.num_gpus, nodes, per_node, runtime, notes,
-                      tp=setup.tp)
+                      tp=setup.tp, pp=setup.pp, shard_size=setup.shard_size if setup.dp_shard else 0)
+
+
+def context_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[Collective]:
+    """Ring attention's K/V and dK/dV traffic inside each context-parallel group, per layer and micro-step
+    (memfit.estimate.context_parallel.collectives_per_layer)."""
+    if setup.cp < 2:
+        return []
+    from .activations import dtypes
+    from .context_parallel import collectives_per_layer
+
+    calls = spec.num_layers * setup.grad_accum_steps
+    return [Collective(kind, what, elements, size, per_layer * calls, group="context")
+            for kind, what, elements, size, per_layer in
+            collectives_per_layer(spec, setup, dtypes(spec, setup).compute)]
+
+
+def pipeline_collectives(spec: ModelSpec, setup: TrainingSetup, rank: int | None = None) -> list[Collective]:
+    """What pipeline rank `rank` (default: the busiest) sends point to point per step (see the module docstring)."""
+    if setup.pp < 2:
+        return []
+    from .pipeline import boundary_bytes, rank_stages
+
+    num_stages = setup.pp * setup.pp_virtual_stages
+    ranks = range(setup.pp) if rank is None else (rank,)
+    counts = {r: [sum(s < num_stages - 1 for s in rank_stages(spec, setup, r).stages),
+                  sum(s > 0 for s in rank_stages(spec, setup, r).stages)] for r in ranks}
+    forward, backward = max(counts.values(), key=sum)
+    boundary = boundary_bytes(spec, setup) // _residual_bytes(spec, setup)
+    dtype, m = _residual_bytes(spec, setup), setup.grad_accum_steps
+    return [c for c in (
+        Collective(SEND, "stage outputs to the next stage, per micro-batch", boundary, dtype, forward * m,
+                   group="pipeline"),
+        Collective(SEND, "input gradients to the previous stage, per micro-batch", boundary, dtype, backward * m,
+                   group="pipeline")) if c.calls_per_step]
+
+
+def _residual_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    from .activations import dtypes
+
+    return dtypes(spec, setup).residual
+
+
+def _largest_stage(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
+    if setup.pp < 2:
+        return spec
+    from .pipeline import rank_stages, stage_spec
+
+    return max((stage_spec(spec, rank_stages(spec, setup, r)) for r in range(setup.pp)), key=lambda s: s.num_params)
 
 
 def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[Collective]:
@@ -359,6 +473,10 @@ def _fsdp2(params: int, setup: TrainingSetup) -> list[Collective]:
     if setup.sharding is Sharding.ZERO3:
         collectives.append(Collective(ALL_GATHER, "parameters again, before each backward", params, gather, micro))
     collectives.append(Collective(REDUCE_SCATTER, "gradients, after each backward", params, reduce, micro))
+    if setup.replicas > 1:  # HSDP: each gradient shard all-reduced across the replicas
+        collectives.append(Collective(ALL_REDUCE, f"gradient shards across the {setup.replicas} HSDP replicas, "
+                                      "after each backward", params // setup.shard_size, reduce, micro,
+                                      group="replicate"))
     return collectives
 
 

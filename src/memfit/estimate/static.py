@@ -221,7 +221,7 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     """Per-rank static memory as the engine (`layout`, default the setup's) lays it out (ZeRO paper sec. 5 for the
     stages; the engine-specific buffers were measured on 2-rank gloo runs of DeepSpeed 0.19, FSDP2 and DDP in torch
     2.13, tests/test_launch.py)."""
-    n, stage = setup.dp_size, setup.sharding.stage
+    n, stage = setup.shard_size, setup.sharding.stage
     params = full.params_bytes // n if stage >= 3 else full.params_bytes
     grads = full.grads_bytes // n if stage >= 2 else full.grads_bytes
     optimizer = (full.states_bytes + full.master_bytes) // n if stage >= 1 else full.states_bytes + full.master_bytes
@@ -231,7 +231,7 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
 
 
 def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
-    n, stage = setup.dp_size, setup.sharding.stage
+    n, stage = setup.shard_size, setup.sharding.stage
     if stage == 0 and setup.offload is Offload.NONE:
         # BF16_Optimizer (bf16 without ZeRO) keeps fp32 gradients for the fp32 master step beside the bf16 ones
         s = replace(s, master_grad_upcast=setup.precision.master_weights)
@@ -251,7 +251,7 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
 
 
 def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
-    n, stage = setup.dp_size, setup.sharding.stage
+    n, stage = setup.shard_size, setup.sharding.stage
     # memfit's MasterWeightsOptimizer (bf16-master without FSDP2's fp32 shards) upcasts gradients in its step
     s = replace(s, master_grad_upcast=setup.precision.master_weights and setup.offload is Offload.NONE)
     if n > 1 and stage == 0:
@@ -303,7 +303,7 @@ def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: Shar
         return s
     if not grads_follow:
         return _deepspeed_offloaded(spec, setup, full, s)
-    n = setup.dp_size if setup.sharding.stage >= 1 else 1
+    n = setup.shard_size if setup.sharding.stage >= 1 else 1
     # FSDP2 CPUOffloadPolicy: fp32 master shards, fp32 gradient shards and the states in host RAM
     fp32_master = 4 * spec.num_params if full.params_bytes != 4 * spec.num_params else 0
     cpu = (full.states_bytes + fp32_master + 4 * spec.num_params) // n
@@ -353,7 +353,7 @@ def _deepspeed_offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticByte
     with offload_param the 16-bit partitions live on the host (_create_param_groups_fp16_flat_cpu_memory), else on
     the device. host: fp32 master partitions (_create_fp32_partitions), their fp32 gradients (initialize_optimizer_
     states), grad_partitions_flat_buffer in the accumulation dtype (= the model's) and the states."""
-    n = setup.dp_size if setup.sharding.stage >= 1 else 1
+    n = setup.shard_size if setup.sharding.stage >= 1 else 1
     stage = max(setup.sharding.stage, 1)  # offload alone runs as ZeRO-1 (memfit.emit.deepspeed.zero_stage)
     pb = full.param_bytes_per_elem
     part = spec.num_params // n
