@@ -171,11 +171,12 @@ def main() -> None:
         print(f"{len(now)} cases written")
     if args.check:
         before = json.loads(Path(args.check).read_text())
-        moved = [k for k in before if now.get(k) != before[k]] + [k for k in now if k not in before]
-        print(f"{len(before)} cases before, {len(now)} now, {len(moved)} moved")
+        moved = [k for k in now if k in before and now[k] != before[k]]
+        new = [k for k in now if k not in before]
+        print(f"{len(before)} cases before, {len(now)} now, {len(moved)} moved, {len(new)} not in the snapshot")
         for k in moved[:40]:
             print("  moved:", k)
-        sys.exit(1 if moved else 0)
+        sys.exit(1 if moved or new else 0)
 
 
 if __name__ == "__main__":

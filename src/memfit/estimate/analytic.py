@@ -262,7 +262,7 @@ def _fused_chunk_rows(spec: ModelSpec, tokens: int) -> int:
 def _loss_elem_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Causal LMs go through ForCausalLMLoss, which upcasts logits to fp32; BERT's MLM loss stays in the logits'
     dtype unless autocast (log_softmax runs in fp32 under autocast)."""
-    if spec.model_type == "bert" and not setup.precision.is_autocast:
+    if not act.logits_upcast(spec) and not setup.precision.is_autocast:
         return act.dtypes(spec, setup).compute
     return 4
 
@@ -554,14 +554,11 @@ def _final_norm_backward(step: _Step, early_grads: int) -> list[Term]:
                     f"{count} x B x T x h x 4 B: the final norm's backward chain", "autograd of the final norm")])
 
 
-_BLOCK_ORDER_FAMILIES = ("llama", "mistral", "qwen2")
-
-
 def _measured_block_order(spec: ModelSpec) -> bool:
     """Whether the late-backward details (block 0's checkpoint, its down projection's gradient, the recompute's
     casts, a tied head's buffered gradient) were checked on measured steps of this family: the Llama recipe's
     (tests/test_loss_and_inbwd.py). GPT-2 and BERT keep the earlier, coarser end-of-backward moment."""
-    return spec.model_type in _BLOCK_ORDER_FAMILIES and spec.derived is None
+    return act.separate_projections_layer(spec)
 
 
 def _down_projection_grads(step: _Step) -> int:

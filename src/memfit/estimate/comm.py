@@ -259,7 +259,7 @@ def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[C
     """What one tensor-parallel rank sends per optimizer step inside its group (see the module docstring)."""
     if setup.tp < 2:
         return []
-    from .activations import dtypes
+    from .activations import column_parallel_inputs, dtypes
 
     elements, dtype = setup.tokens_per_micro_step * spec.hidden_size, dtypes(spec, setup).compute
     layers, micro = spec.num_layers, setup.grad_accum_steps
@@ -270,8 +270,7 @@ def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[C
                            group="tensor"),
                 Collective(REDUCE_SCATTER, "row-parallel outputs and the embedding to the sequence shards, and in "
                            "backward the gathered inputs' gradients", elements, dtype, per_step, group="tensor")]
-    fused_qkv = bool(spec.extra.get("fused_qkv")) or spec.model_type in ("gpt2", "gpt_neox")
-    column_inputs = (1 if fused_qkv else 3) + (2 if spec.gated_mlp and not spec.extra.get("fused_gate_up") else 1)
+    column_inputs = column_parallel_inputs(spec)
     return [Collective(ALL_REDUCE, "row-parallel outputs (attention, MLP) and the vocabulary-parallel embedding, "
                        "in forward", elements, dtype, (2 * layers + 1) * micro, group="tensor"),
             Collective(ALL_REDUCE, f"each column-parallel input gradient ({column_inputs} per layer) and the LM "
