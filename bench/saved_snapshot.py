@@ -134,9 +134,11 @@ def case_key(model: str, setup: TrainingSetup, cpu: bool) -> str:
                      "cpu" if cpu else "gpu"])
 
 
-def snapshot(fast: bool, full: bool = False) -> dict[str, str]:
+def snapshot(fast: bool, full: bool = False, only: str | None = None) -> dict[str, str]:
     out: dict[str, str] = {}
     for model, ref in models(fast).items():
+        if only is not None and model != only:
+            continue
         spec = resolve_model(dict(ref) if isinstance(ref, dict) else ref)
         for setup, cpu in setups(fast):
             record = {"parts": parts(spec, setup, cpu), "estimate": full_estimate(spec, setup, cpu)}
@@ -145,10 +147,10 @@ def snapshot(fast: bool, full: bool = False) -> dict[str, str]:
     return out
 
 
-def grouped(fast: bool) -> dict[str, str]:
+def grouped(fast: bool, only: str | None = None) -> dict[str, str]:
     """One digest per model x precision x attention over all its cases (what the fixture keeps)."""
     groups: dict[str, list[str]] = {}
-    for key, digest in sorted(snapshot(fast).items()):
+    for key, digest in sorted(snapshot(fast, only=only).items()):
         groups.setdefault("|".join(key.split("|")[:3]), []).append(f"{key}={digest}")
     return {k: hashlib.sha256("\n".join(v).encode()).hexdigest()[:20] for k, v in groups.items()}
 

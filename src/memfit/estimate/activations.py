@@ -114,7 +114,13 @@ def rebuilt_core_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_l
 def _matmul_widths(spec: ModelSpec) -> list[tuple[str, int]]:
     """(group, output width) of each matmul of one layer, in the order the forward runs them."""
     from ..graph import dispatch
-    return dispatch("matmuls", _block(spec))
+    if spec.graph is not None:
+        return dispatch("matmuls", _block(spec))
+    # a spec without a graph (a derived hub model): separate q/k/v and its numbers' MLP
+    h, kv, inter = spec.hidden_size, spec.kv_dim, spec.intermediate_size
+    q = spec.num_attention_heads * spec.head_dim or h
+    mlp = [("mlp", inter), ("mlp", inter)] if spec.gated_mlp else [("mlp", inter)]
+    return [("attention", q), ("attention", kv), ("attention", kv), ("attention", h)] + mlp + [("mlp", h)]
 
 
 def selective_kept(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> list[Saved]:

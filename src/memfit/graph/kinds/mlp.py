@@ -132,3 +132,10 @@ def _stacked(node: Experts, path: str) -> Iterator[GraphTensor]:
         for suffix, numel, local in linear_rows(proj):
             name = join(path, proj.name if suffix == "weight" else f"{proj.name}_bias")
             yield GraphTensor(name, node.num_experts * numel, 1, proj.trainable, node.num_experts * local)
+
+
+@handler("matmuls", Experts)
+def _experts_matmuls(node: Experts) -> list[tuple[str, int]]:
+    """One expert's matmuls in its own layout (stacked experts: one gate_up): what selective-op's recompute cost
+    (memfit.techniques.costs) reads. A routed token's top_k experts, the router and a shared expert are not in it."""
+    return _mlp_matmuls(node.expert)
