@@ -129,8 +129,9 @@ def full_estimate(spec, setup: TrainingSetup, cpu: bool):
 
 def case_key(model: str, setup: TrainingSetup, cpu: bool) -> str:
     f = setup.finetune
-    return "|".join([model, setup.precision.value, setup.attention.value, setup.checkpointing.value,
-                     f"{f.method.value}{'-drop' if f.dropout else ''}", f"tp{setup.tp}{'sp' if setup.sequence_parallel else ''}",
+    tune = f"{f.method.value}{'-drop' if f.dropout else ''}"
+    parallel = f"tp{setup.tp}{'sp' if setup.sequence_parallel else ''}"
+    return "|".join([model, setup.precision.value, setup.attention.value, setup.checkpointing.value, tune, parallel,
                      "cpu" if cpu else "gpu"])
 
 

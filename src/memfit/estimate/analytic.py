@@ -73,7 +73,8 @@ def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
     if spec.derived is None:
         return ()
     from .. import derive
-    return derive.notes(spec)
+    why = act.saved_problem(spec.graph) if spec.graph is not None else None
+    return ((f"no activation formula for its model graph ({why}): derived instead",) if why else ()) + derive.notes(spec)
 
 
 def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[str, ...]]:
