@@ -156,6 +156,24 @@ def grouped(fast: bool, only: str | None = None) -> dict[str, str]:
     return {k: hashlib.sha256("\n".join(v).encode()).hexdigest()[:20] for k, v in groups.items()}
 
 
+def write_table(before: dict[str, str], now: dict[str, str], moved: list[str]) -> None:
+    """bench/results/saved_snapshot.md: cases and moved cases per model."""
+    rows: dict[str, list[int]] = {}
+    for key in now:
+        counts = rows.setdefault(key.split("|")[0], [0, 0])
+        counts[0] += 1
+        counts[1] += key in moved
+    lines = ["# Activation formulas: snapshot equality", "",
+             "`python bench/saved_snapshot.py --check <snapshot>`: every case (precision x attention x checkpointing x",
+             "fine-tuning x tensor/sequence parallelism x GPU/CPU) of each model against a snapshot written with",
+             "`--write` from the code before a change; a case moves when any per-part output or estimate term differs.",
+             "", f"{len(now)} cases, {len(moved)} moved.", "", "| model | cases | moved |", "|---|---:|---:|"]
+    lines += [f"| {model} | {n} | {m} |" for model, (n, m) in rows.items()]
+    out = ROOT / "bench" / "results" / "saved_snapshot.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write")
@@ -179,6 +197,8 @@ def main() -> None:
         print(f"{len(before)} cases before, {len(now)} now, {len(moved)} moved, {len(new)} not in the snapshot")
         for k in moved[:40]:
             print("  moved:", k)
+        if not args.fast:
+            write_table(before, now, moved)
         sys.exit(1 if moved or new else 0)
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..graph.saved import Dtypes, NotModelledError, Saved, SavedCtx, core_recomputed, saved_by
+from ..graph.saved import (Dtypes, NotModelledError, Saved, SavedCtx,  # noqa: F401  (Dtypes, Saved re-exported)
+                           core_recomputed, saved_by)
 from ..model_spec import ModelSpec
 from ..setup import Attention, Checkpointing, TrainingSetup
 
-__all__ = ["Dtypes", "Saved", "core_recomputed"]
 
 def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtypes:
     """The dtype classes of a step: the precision's, or with a LoRA base stored in 16 bits a 16-bit residual
@@ -49,11 +49,10 @@ def _attention(spec: ModelSpec):
     return next(n for n in _block(spec).nodes if isinstance(n, AttentionNode))
 
 
-def _ctx(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes, block=None) -> SavedCtx:
-    """The step's context as a node of `block` (default: the spec's layer) sees it: with that block's dropouts."""
+def _ctx(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -> SavedCtx:
+    """The step's context as a node of the spec's layer sees it: with that block's dropouts."""
     from ..graph import Dropout
-    block = _block(spec) if block is None else block
-    dropout = tuple((n.where, n.p) for n in block.nodes if isinstance(n, Dropout))
+    dropout = tuple((n.where, n.p) for n in _block(spec).nodes if isinstance(n, Dropout))
     return SavedCtx(setup=setup, seq_len=seq_len, d=d, frozen=bool(spec.frozen), dropout=dropout)
 
 
@@ -66,21 +65,21 @@ def saved_problem(graph) -> str | None:
     """Why the `saved` handlers cannot size this graph (a node kind without one, a field no formula models, more
     than one kind of block), or None when they can."""
     from ..graph import Embedding, Stack
-    from ..setup import TrainingSetup as Setup
 
     if graph is None:
         return "no model graph"
     if len({s.block for s in graph.stacks}) != 1 or not all(type(s) is Stack for s in graph.stacks):
         return "its layers are not one kind of block"
-    probe = SavedCtx(setup=Setup(), seq_len=1, d=Dtypes.of(Setup().precision))
-    nodes = [graph.embed, *graph.stacks[0].before, *graph.stacks[0].after, graph.stacks[0].block,
+    if graph.stacks[0].after:
+        return "nodes after its layers are not sized yet"
+    setup = TrainingSetup()
+    probe = SavedCtx(setup=setup, seq_len=1, d=Dtypes.of(setup.precision))
+    nodes = [graph.embed, *graph.stacks[0].before, graph.stacks[0].block,
              *(n for n in (graph.final_norm, graph.head) if n is not None)]
     nodes += [n for n in graph.extra_params if type(n) is Embedding]
     try:
         for node in nodes:
             saved_by(node, probe)
-        if graph.stacks[0].after:
-            return "nodes after its layers are not sized yet"
     except NotModelledError as error:
         return str(error)
     except (TypeError, ValueError) as error:  # UnknownNodeKindError is a TypeError
