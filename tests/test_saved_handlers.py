@@ -117,3 +117,64 @@ def test_block_of_a_sandwich_layer_counts_four_norms():
     ctx = SavedCtx(setup=TrainingSetup(), seq_len=8, d=Dtypes.of(Precision.FP32))
     norm_rows = [r for r in saved_by(block, ctx) if r.group == "norms"]
     assert len(norm_rows) == 4 * 3  # four RMSNorms, three rows each
+
+
+def _saved_per_token_bytes(module, x) -> int:
+    """Bytes of the distinct per-token tensors autograd saves in one forward of `module`: every saved storage but
+    the parameters', whose size is a multiple of B x T (B x T = 14 divides none of the weight sizes here)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and t.numel() % (x.shape[0] * x.shape[1]) == 0:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(kept.values())
+
+
+def _check(module, node, dtype_name: str) -> None:
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, dtype_name)
+    x = torch.randn(2, 7, 64, dtype=dtype, requires_grad=True)
+    precision = Precision.FP32 if dtype is torch.float32 else Precision.BF16
+    ctx = SavedCtx(setup=TrainingSetup(precision=precision), seq_len=7, d=Dtypes.of(precision, on_cpu=True))
+    assert _saved_per_token_bytes(module.to(dtype), x) == sum(ctx.d.bytes_of(r) for r in saved_by(node, ctx)) * 14
+
+
+@pytest.mark.parametrize("dtype_name, gemma", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_norm_rows_match_what_the_real_module_saves(dtype_name, gemma):
+    """LlamaRMSNorm / Gemma2RMSNorm (transformers) under saved_tensors_hooks: the Norm handler's rows, with and
+    without fp32_output, give the bytes the real module keeps."""
+    pytest.importorskip("torch")
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    _check(Gemma2RMSNorm(64) if gemma else LlamaRMSNorm(64), Norm("rms", 64, fp32_output=gemma), dtype_name)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_mlp_rows_match_what_the_real_module_saves(family, dtype_name):
+    """LlamaMLP (gated silu: x, gate out, act out, up out, product) and GPT2MLP (Conv1D, gelu_new written out in
+    Python: four I-sized tensors) under saved_tensors_hooks against the MLP handler's rows off the family's graph."""
+    pytest.importorskip("torch")
+    from transformers import GPT2Config, LlamaConfig
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from memfit.graph import MLP
+
+    if family == "llama":
+        config = dict(TINY, model_type="llama")
+        module = LlamaMLP(LlamaConfig(**config))
+    else:
+        config = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_inner=128, vocab_size=512, resid_pdrop=0.0)
+        module = GPT2MLP(128, GPT2Config(**config))
+    mlp = next(n for n in resolve_model(config).graph.stacks[0].block.nodes if isinstance(n, MLP))
+    _check(module, mlp, dtype_name)
