@@ -154,8 +154,11 @@ def test_setups_it_does_not_size_say_so():
                 dict(activation_offload="yes")):
         with pytest.raises(ConfigError):
             setup_of(**bad)
-    with pytest.raises(ConfigError, match="per-layer recipes"):
+    with pytest.raises(ConfigError, match="tensor by tensor; .bert. is not one"):
         estimate(resolve_model(TINY_CONFIGS["bert"]), setup_of(), CPU)
+    qwen3 = {**TINY_CONFIGS["qwen2"], "model_type": "qwen3", "head_dim": 16}  # q/k norms: the derived model
+    with pytest.raises(ConfigError, match="tensor by tensor; .* is not one"):
+        estimate(resolve_model(qwen3), setup_of(), CPU)
 
 
 def test_the_ladder_offloads_with_checkpointing_when_the_rest_is_pinned():

@@ -22,9 +22,10 @@ NO_SDPA = {"gpt_oss"}
 
 
 def _derived_names() -> list[str]:
-    from memfit.estimate.activations import LAYER_RECIPES
+    """The catalog entries whose activations memfit.derive sizes (their graph has nodes no formula sizes)."""
+    from memfit.sources import resolve_model
 
-    return [n for n in catalog_names() if catalog_config(n)["model_type"] not in LAYER_RECIPES]
+    return [n for n in catalog_names() if resolve_model(n).derived is not None]
 
 
 def _memfit(*args: str, cache: Path) -> subprocess.CompletedProcess:

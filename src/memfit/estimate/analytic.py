@@ -100,7 +100,8 @@ def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
     if spec.derived is None:
         return ()
     from .. import derive
-    return derive.notes(spec)
+    why = act.saved_problem(spec.graph) if spec.graph is not None else None
+    return ((f"no activation formula for its model graph ({why}): derived instead",) if why else ()) + derive.notes(spec)
 
 
 def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[str, ...]]:
@@ -294,7 +295,7 @@ def _fused_chunk_rows(spec: ModelSpec, tokens: int) -> int:
 def _loss_elem_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Causal LMs go through ForCausalLMLoss, which upcasts logits to fp32; BERT's MLM loss stays in the logits'
     dtype unless autocast (log_softmax runs in fp32 under autocast)."""
-    if spec.model_type == "bert" and not setup.precision.is_autocast:
+    if not act.logits_upcast(spec) and not setup.precision.is_autocast:
         return act.dtypes(spec, setup).compute
     return 4
 
@@ -592,14 +593,11 @@ def _final_norm_backward(step: _Step, early_grads: int) -> list[Term]:
                     f"{count} x B x T x h x 4 B: the final norm's backward chain", "autograd of the final norm")])
 
 
-_BLOCK_ORDER_FAMILIES = ("llama", "mistral", "qwen2")
-
-
 def _measured_block_order(spec: ModelSpec) -> bool:
     """Whether the late-backward details (block 0's checkpoint, its down projection's gradient, the recompute's
     casts, a tied head's buffered gradient) were checked on measured steps of this family: the Llama recipe's
     (tests/test_loss_and_inbwd.py). GPT-2 and BERT keep the earlier, coarser end-of-backward moment."""
-    return spec.model_type in _BLOCK_ORDER_FAMILIES and spec.derived is None
+    return act.separate_projections_layer(spec)
 
 
 def _down_projection_grads(step: _Step) -> int:

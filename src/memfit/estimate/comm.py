@@ -373,7 +373,7 @@ def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[C
     """What one tensor-parallel rank sends per optimizer step inside its group (see the module docstring)."""
     if setup.tp < 2:
         return []
-    from .activations import dtypes
+    from .activations import column_parallel_inputs, dtypes
 
     elements, dtype = setup.tokens_per_micro_step * spec.hidden_size, dtypes(spec, setup).compute
     layers, micro = spec.num_layers, setup.grad_accum_steps
@@ -386,8 +386,7 @@ def tensor_parallel_collectives(spec: ModelSpec, setup: TrainingSetup) -> list[C
                 Collective(REDUCE_SCATTER, "row-parallel outputs and the embedding to the sequence shards, and in "
                            "backward the gathered inputs' gradients" + _RECOMPUTE_RS, elements, dtype,
                            per_step + recomputed * micro, group="tensor")]
-    fused_qkv = bool(spec.extra.get("fused_qkv")) or spec.model_type in ("gpt2", "gpt_neox")
-    column_inputs = (1 if fused_qkv else 3) + (2 if spec.gated_mlp and not spec.extra.get("fused_gate_up") else 1)
+    column_inputs = column_parallel_inputs(spec)
     return [Collective(ALL_REDUCE, "row-parallel outputs (attention, MLP) and the vocabulary-parallel embedding, "
                        "in forward" + _RECOMPUTE_AR, elements, dtype, (2 * layers + 1 + recomputed) * micro,
                        group="tensor"),

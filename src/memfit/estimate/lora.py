@@ -276,17 +276,12 @@ def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
     """Per-token bytes layer 0 does not save under LoRA when nothing before it needs a gradient (a frozen
     embedding, and no peft `enable_input_require_grads`, which the Trainer calls only with checkpointing): its
     first norm keeps no input for an input gradient nobody asks for."""
-    from .activations import Saved
+    from .activations import Saved, first_norm_input_rows
 
     if not spec.frozen or setup.checkpointing.value != "none":
         return 0.0
-    h = spec.hidden_size
-    if spec.model_type == "bert":
-        rows = []  # post-norm: layer 0 starts with its projections (the embedding LayerNorm is counted there)
-    elif spec.norm == "layernorm":
-        rows = [Saved("norms", 1, "f32"), Saved("norms", 1, "f32"), Saved("norms", h, "res")]
-    else:
-        rows = [Saved("norms", h, "f32"), Saved("norms", 1, "f32")]
+    # a post-norm layer 0 starts with its projections (the embedding LayerNorm is counted there)
+    rows = first_norm_input_rows(spec, d)
     if setup.finetune.dropout > 0:  # the first adapters' dropout keeps no mask: their input needs no gradient
         rows += [Saved("norms", node.in_features, _mask(d)) for node in adapted_roles(spec).get("qkv", [])]
     return sum(d.bytes_of(r) for r in rows)
@@ -391,11 +386,11 @@ def checkpointed_moments(step, moments: dict) -> dict:
     the last block's recompute (R) and frozen-MLP backward (B), and the same for block 0 once every other
     block's adapters have their gradients; the loss backward with the RNG states. Other families keep the
     generic moments (bench/lora_accuracy.py lists how close they are)."""
-    from .activations import LAYER_RECIPES, _llama_layer
+    from .activations import rms_gated_layer
     from .result import Category, Phase, Term
 
     spec, setup, d = step.spec, step.setup, step.dtypes
-    if LAYER_RECIPES.get(spec.model_type) is not _llama_layer or not spec.gated_mlp:
+    if not rms_gated_layer(spec):
         # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
         # makes is a tensor of its own, kept to the end of backward (the rest of their recompute is not modelled)
         leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
@@ -481,10 +476,9 @@ def int8_keeps_inputs(setup: TrainingSetup, d) -> bool:
 
 def int8_checkpointed_inputs(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_len: int, d) -> int:
     """Under checkpointing, the int8 inputs (int8_keeps_inputs) of every layer, which the recompute cannot free."""
-    from .activations import LAYER_RECIPES, _llama_layer
+    from .activations import projection_input_rows
 
     if not int8_keeps_inputs(setup, d):
         return 0
-    recipe = LAYER_RECIPES.get(spec.model_type, _llama_layer)
-    rows = [replace(r, readers=1) for r in recipe(spec, setup, seq_len, d) if r.role in _GROUP_OF_ROLE]
+    rows = projection_input_rows(spec, setup, seq_len, d)
     return int(spec.num_layers * tokens * sum(d.bytes_of(r) for r in rows))

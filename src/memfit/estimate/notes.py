@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..model_spec import ModelSpec
 from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
+from .activations import attention_softcapped
 
 AMP_KEEPS_FP32 = ("mixed precision (torch.autocast) does not halve parameter memory: weights, gradients and Adam "
                   "states stay fp32, and bf16 copies of every Linear weight are cached for backward (+2 B/param). "
@@ -67,7 +68,7 @@ def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
                      "(torchtitan's op-level SAC policy); the rest of the block is recomputed in backward.")
     if spec.vocab_size >= 8 * spec.hidden_size:
         notes.append(LOGITS)
-    if spec.model_type == "gemma2" and setup.attention is Attention.SDPA:
+    if setup.attention is Attention.SDPA and attention_softcapped(spec):
         notes.append("transformers runs Gemma 2 with eager or flash_attention_2 (logit soft-capping), not torch "
                      "SDPA: 'sdpa' is sized as FlashAttention-2, which keeps no T x T matrix.")
     if setup.precision is Precision.BF16_MASTER and setup.sharding.stage >= 1:

@@ -38,8 +38,38 @@ MIN_OFFLOAD_BYTES = 1024
 """torchtune OffloadActivations(min_offload_size=1024): smaller saved tensors stay on the device."""
 
 STACK_TERMS = ("activations/attention", "activations/mlp", "activations/norms/residual", "activations/checkpoints")
-_RMSNORM_FAMILIES = ("llama", "mistral", "qwen2")
-"""Families whose repeated packs (one saved tensor packed by several ops) were counted op by op."""
+
+
+def _block_nodes(spec: ModelSpec) -> tuple:
+    graph = spec.graph
+    return graph.stacks[0].block.nodes if graph is not None and graph.stacks else ()
+
+
+def _conv1d_block(spec: ModelSpec) -> bool:
+    """A block of transformers Conv1D projections (GPT-2): each saves its nn.Parameter, not a weight view."""
+    from ..graph import Linear
+    return any(isinstance(n, Linear) and n.conv1d for _, n in (spec.graph.linears() if spec.graph else ()))
+
+
+def _packed_once(spec: ModelSpec) -> bool:
+    """Every saved tensor of the block is packed once: fused LayerNorms, one fused qkv input, one MLP input (GPT-2)."""
+    from ..graph import MLP, Attention, Norm
+    nodes = _block_nodes(spec)
+    return (bool(nodes) and all(n.kind == "layer" for n in nodes if isinstance(n, Norm))
+            and all(len(n.qkv) == 1 for n in nodes if isinstance(n, Attention))
+            and all(not n.gated for n in nodes if isinstance(n, MLP)))
+
+
+def _llama_shaped(spec: ModelSpec) -> bool:
+    """The block whose repeated packs were counted op by op (Llama / Mistral / Qwen2): RMSNorms cast back to the
+    residual dtype, separate q / k / v, a gated MLP with separate gate and up, sequential residual."""
+    from ..graph import MLP, Attention, Block, Norm
+    nodes = _block_nodes(spec)
+    block = spec.graph.stacks[0].block if nodes else None
+    return (isinstance(block, Block) and not block.parallel_residual and not block.sandwich_norms
+            and all(n.kind == "rms" and not n.fp32_output for n in nodes if isinstance(n, Norm))
+            and all(len(n.qkv) == 3 and n.softcap is None for n in nodes if isinstance(n, Attention))
+            and all(n.gated and len(n.up) == 2 for n in nodes if isinstance(n, MLP)))
 
 
 @dataclass(frozen=True)
@@ -92,7 +122,7 @@ def _weight_pack_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, pla
     """Without autocast each Linear saves its weight as `weight.t()`, a view and not an nn.Parameter, so torchtune's
     pack copies it to the host too (and backward brings a device copy back): the plain blocks' Linear weights.
     Under autocast the saved weights are the bf16 casts (activations/autocast_weight_copies)."""
-    if d.autocast or not plain_blocks or spec.model_type == "gpt2":
+    if d.autocast or not plain_blocks or _conv1d_block(spec):
         return 0  # GPT-2's Conv1D saves the nn.Parameter itself (addmm(bias, x, weight)): not packed
     from .analytic import _linear_weight_elems
     block_elems = _linear_weight_elems(spec) - spec.vocab_size * spec.hidden_size
@@ -109,10 +139,12 @@ def _checkpoint_mask(spec: ModelSpec, setup: TrainingSetup, by_name: dict[str, i
 
 def _rotary_table_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes) -> int:
     """One of the cos / sin tables (1 x T x rotary dims, the residual dtype), as activations.embedding_saved_bytes
-    counts them; GPT-2 and BERT have none."""
-    if spec.model_type in ("gpt2", "bert"):
+    counts them; learned positions (GPT-2, BERT) have none."""
+    from ..graph import Attention
+    att = next((n for n in _block_nodes(spec) if isinstance(n, Attention)), None)
+    if att is None or att.position != "rope":
         return 0
-    return int(setup.seq_len * spec.head_dim * spec.extra.get("rotary_pct", 1.0) * d.residual)
+    return int(setup.seq_len * att.head_dim * att.rotary_fraction * d.residual)
 
 
 def _repacked_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plain_blocks: int,
@@ -125,9 +157,9 @@ def _repacked_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plain_
     cos and sin twice (q and k), all copies of the two tables. The final norm repeats its input and rsqrt once.
     GPT-2 packs every tensor once (fused LayerNorm, one c_attn, one c_fc). Other families: counted once (a lower
     bound), and said."""
-    if spec.model_type == "gpt2":
+    if _packed_once(spec):
         return 0, True
-    if spec.model_type not in _RMSNORM_FAMILIES or spec.derived is not None or moe.applies(spec):
+    if not _llama_shaped(spec) or spec.derived is not None or moe.applies(spec):
         return 0, False
     h, tokens = spec.hidden_size, setup.tokens_per_micro_step
     wrapped = spec.num_layers - plain_blocks
@@ -144,17 +176,15 @@ def applies(setup: TrainingSetup) -> bool:
     return bool(getattr(setup, "activation_offload", False))
 
 
-SIZED_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gemma2", "phi3", "gpt_neox")
-"""Decoder families with per-layer recipes (memfit.estimate.activations); the first four were counted pack by pack."""
 
 
 def check(spec: ModelSpec, setup: TrainingSetup) -> None:
     """Activation offloading is sized where the saved tensors are known tensor by tensor: one-line ConfigError."""
     if not applies(setup):
         return
-    if spec.model_type not in SIZED_FAMILIES or spec.derived is not None or moe.applies(spec):
-        raise ConfigError(f"activation offloading is sized for the decoder families memfit has per-layer recipes for "
-                          f"({', '.join(SIZED_FAMILIES)}); '{spec.name}' ({spec.model_type}) is not one: drop "
+    if not spec.is_decoder or spec.derived is not None or moe.applies(spec) or act.saved_problem(spec.graph):
+        raise ConfigError(f"activation offloading is sized for decoders whose layers the graph's formulas size "
+                          f"tensor by tensor; '{spec.name}' is not one (a derived, MoE or encoder model): drop "
                           "--activation-offload")
 
 

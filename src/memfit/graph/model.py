@@ -4,15 +4,16 @@ and ModelGraph (embedding, stacks, final norm, head and the odd extra parameters
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..model_spec import ParamTensor
 from .kinds.embedding import Embedding, PatchEmbedding
 from .kinds.linear import Linear, LoraLinear
-from .kinds.norm import Norm
-from .registry import (GraphTensor, Node, children_params, children_tensors, field_children, handler, params_of,
-                       tensors_of, walk)
+from .kinds.norm import Dropout, Norm
+from .registry import (GraphTensor, Node, children_params, children_tensors, dispatch, field_children, handler,
+                       params_of, tensors_of, walk)
+from .saved import NotModelledError, Saved, SavedCtx, saved_by
 
 SEQ_AXES = ("tokens", "source", "target", "patches")
 
@@ -36,6 +37,41 @@ def _block_children(node: Block, path: str):
 
 handler("params", Block)(children_params)
 handler("tensors", Block)(children_tensors)
+
+
+@handler("saved", Block)
+def _block_saved(node: Block, ctx: SavedCtx) -> list[Saved]:
+    """Its nodes' rows, each node seeing the block's dropouts. With a parallel residual every norm reads the
+    block input, kept once (GPT-NeoX's two LayerNorms); pre- and post-norm blocks need nothing more."""
+    ctx = ctx.with_dropout(tuple((n.where, n.p) for n in node.nodes if isinstance(n, Dropout)))
+    norms = [n for n in node.nodes if isinstance(n, Norm)]
+    if any(n.fp32_output for n in norms) and not node.sandwich_norms:
+        # Gemma 1's blocks: fp32 norm outputs were checked on Gemma 2's sandwich blocks only
+        raise NotModelledError("fp32-output norms outside sandwich blocks: no measured 'saved' formula yet")
+    rows: list[Saved] = []
+    input_kept = False
+    for child in node.nodes:
+        if isinstance(child, Norm) and node.parallel_residual:
+            rows += saved_by(child, replace(ctx, input_saved=not input_kept))
+            input_kept = True
+        else:
+            rows += saved_by(child, ctx)
+    return rows + _residual_masks(node, norms, ctx)
+
+
+def _residual_masks(node: Block, norms: list[Norm], ctx: SavedCtx) -> list[Saved]:
+    """Dropout on each sub-layer's output keeps only its mask (GPT2Block's resid_dropout / GPT2MLP's dropout,
+    BertSelfOutput / BertOutput). Counted for sequential LayerNorm blocks, where it was measured; Phi-3's
+    resid_attn/mlp_dropout and GPT-NeoX's post_attention/post_mlp_dropout masks are not counted yet."""
+    if ctx.dropout_p("residual") <= 0 or node.parallel_residual or not norms or any(n.kind != "layer" for n in norms):
+        return []
+    return [Saved("norms", norms[0].dim, ctx.d.mask)] * 2
+
+
+@handler("matmuls", Block)
+def _block_matmuls(node: Block) -> list[tuple[str, int]]:
+    """(group, output width) of every matmul of the layer, in the order the forward runs them."""
+    return [m for child in node.nodes for m in dispatch("matmuls", child)]
 
 
 @dataclass(frozen=True)

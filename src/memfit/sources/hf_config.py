@@ -268,9 +268,11 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
         source=source,
         extra=_family_extra(arch, config),
     )
-    from ..estimate.activations import LAYER_RECIPES
+    from ..estimate.activations import saved_problem
+    from .graphs import with_graph
 
-    if arch.model_type not in LAYER_RECIPES:  # a layout but no recipe: derive the activations, never borrow Llama's
+    spec = with_graph(spec, config)
+    if saved_problem(spec.graph) is not None:  # nodes no `saved` formula sizes: derive them, never borrow Llama's
         from ..derive import DerivedModel
 
         spec = replace(spec, derived=DerivedModel(dict(config), label=name))

@@ -19,13 +19,15 @@ from .common import Cfg, attention, decoder_dims, dropouts, gated_mlp, lm_head, 
 def llama_like(c: Cfg, name: str, *, attn: Callable[[int], Attention], mlp: Callable[[int], Any],
                norm: str = "rms", norm_bias: bool = False, sandwich: bool = False, parallel: bool = False,
                final_norm: str = "model.norm", head_bias: bool = False, softcap: float | None = None,
-               embed_dropout: float | None = None, resid_dropout: float | None = None) -> ModelGraph:
+               embed_dropout: float | None = None, resid_dropout: float | None = None,
+               norm_fp32: bool = False) -> ModelGraph:
     """Embedding, num_hidden_layers pre-norm blocks, final norm, LM head (tied per tie_word_embeddings).
-    `attn(i)` / `mlp(i)`: layer i's attention and MLP (or Experts); equal consecutive layers share a Stack."""
+    `attn(i)` / `mlp(i)`: layer i's attention and MLP (or Experts); equal consecutive layers share a Stack.
+    `norm_fp32`: the norms keep their normalised value in fp32 (Gemma's RMSNorm)."""
     hidden, layers, *_, vocab = decoder_dims(c)
 
     def n(label: str) -> Norm:
-        return Norm(norm, hidden, norm_bias, name=label)
+        return Norm(norm, hidden, norm_bias, name=label, fp32_output=norm_fp32)
 
     drops = dropouts(attention=c.number("attention_dropout", 0.0), residual=resid_dropout)
 
@@ -95,7 +97,7 @@ def qwen3(c: Cfg, name: str) -> ModelGraph:
 @builder("gemma", defaults=_GEMMA)
 def gemma(c: Cfg, name: str) -> ModelGraph:
     bias = c.flag("attention_bias")
-    return _standard(c, name, qkv_bias=bias, out_bias=bias)
+    return _standard(c, name, qkv_bias=bias, out_bias=bias, norm_fp32=True)
 
 
 @builder("gemma2", defaults={**_GEMMA, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
@@ -103,14 +105,14 @@ def gemma(c: Cfg, name: str) -> ModelGraph:
 def gemma2(c: Cfg, name: str) -> ModelGraph:
     bias = c.flag("attention_bias")
     return _standard(c, name, qkv_bias=bias, out_bias=bias, sliding=window(c), sandwich=True,
-                     softcap=c.number("final_logit_softcapping"))
+                     softcap=c.number("final_logit_softcapping"), norm_fp32=True)
 
 
 @builder("gemma3_text", defaults={**_GEMMA, "sliding_window": 4096})
 def gemma3_text(c: Cfg, name: str) -> ModelGraph:
     bias = c.flag("attention_bias")
     return _standard(c, name, qkv_bias=bias, out_bias=bias, qk_norm=True, sliding=window(c), sandwich=True,
-                     softcap=c.number("final_logit_softcapping"))
+                     softcap=c.number("final_logit_softcapping"), norm_fp32=True)
 
 
 @builder("phi3", defaults={"hidden_act": "silu", "tie_word_embeddings": False})
@@ -118,7 +120,7 @@ def phi3(c: Cfg, name: str) -> ModelGraph:
     """Fused qkv_proj and gate_up_proj, no biases (modeling_phi3)."""
     hidden, _, heads, kv_heads, head_dim, inter, _ = decoder_dims(c)
     att = attention(hidden, heads, kv_heads, head_dim, fused="qkv_proj", rotary_fraction=c.rotary_fraction(),
-                    window=window(c))
+                    window=window(c), contiguous_out=True)
     ffn = gated_mlp(hidden, inter, _act(c), fused="gate_up_proj", names=("down_proj",))
     return llama_like(c, name, attn=lambda i: att, mlp=lambda i: ffn,
                       embed_dropout=c.number("embd_pdrop"), resid_dropout=c.number("resid_pdrop"))

@@ -29,7 +29,7 @@ def bert(c: Cfg, name: str) -> ModelGraph:
     c.divides("num_attention_heads", heads, "hidden_size", hidden)
     att = attention(hidden, heads, heads, hidden // heads if heads else 0, qkv_bias=True, out_bias=True,
                     names=("self.query", "self.key", "self.value", "output.dense"), name="attention",
-                    kind="bidirectional", rotary_fraction=0.0, position="learned")
+                    kind="bidirectional", rotary_fraction=0.0, position="learned", softmax_fp32=False)
     mlp = MLP(hidden, inter, False, act, (Linear("intermediate.dense", hidden, inter, True),),
               Linear("output.dense", inter, hidden, True), name="")
     drops = dropouts(attention=c.number("attention_probs_dropout_prob"), residual=c.number("hidden_dropout_prob"))
@@ -40,7 +40,8 @@ def bert(c: Cfg, name: str) -> ModelGraph:
     return ModelGraph(
         name=name,
         embed=Embedding(vocab, hidden, name="bert.embeddings.word_embeddings"),
-        extra_params=(Embedding(c.int("max_position_embeddings"), hidden, name="bert.embeddings.position_embeddings"),
+        extra_params=(Embedding(c.int("max_position_embeddings"), hidden, name="bert.embeddings.position_embeddings",
+                                lookup="positions"),
                       Embedding(c.int("type_vocab_size"), hidden, name="bert.embeddings.token_type_embeddings")),
         stacks=(Stack("bert.encoder.layer", layers, block, before=(
             _ln(hidden, "bert.embeddings.LayerNorm"), *dropouts(embedding=c.number("hidden_dropout_prob")))),),

@@ -3,6 +3,8 @@ transformers 5)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..kinds.embedding import Embedding
 from ..kinds.linear import Linear
 from ..kinds.norm import Norm
@@ -26,15 +28,18 @@ def gpt2(c: Cfg, name: str) -> ModelGraph:
     if c.flag("add_cross_attention"):
         c.problems.append("'add_cross_attention' (GPT-2 with cross-attention) has no graph builder yet")
     att = attention(hidden, heads, heads, hidden // heads if heads else 0, qkv_bias=True, out_bias=True,
-                    fused="c_attn", names=("c_proj",), name="attn", rotary_fraction=0.0, position="learned")
+                    fused="c_attn", names=("c_proj",), name="attn", rotary_fraction=0.0, position="learned",
+                    softmax_fp32=False)
     mlp = plain_mlp(hidden, c.int("n_inner", 4 * hidden), c.text("activation_function", "gelu_new"),
                     names=("c_fc", "c_proj"))
+    att = replace(att, qkv=tuple(replace(n, conv1d=True) for n in att.qkv), out=replace(att.out, conv1d=True))
+    mlp = replace(mlp, up=tuple(replace(n, conv1d=True) for n in mlp.up), down=replace(mlp.down, conv1d=True))
     block = Block((_layer_norm(hidden, "ln_1"), att, _layer_norm(hidden, "ln_2"), mlp,
                    *dropouts(attention=c.number("attn_pdrop"), residual=c.number("resid_pdrop"))))
     return ModelGraph(
         name=name,
         embed=Embedding(vocab, hidden, name="transformer.wte"),
-        extra_params=(Embedding(positions, hidden, name="transformer.wpe"),),
+        extra_params=(Embedding(positions, hidden, name="transformer.wpe", lookup="positions"),),
         stacks=(Stack("transformer.h", layers, block, before=dropouts(embedding=c.number("embd_pdrop"))),),
         final_norm=_layer_norm(hidden, "transformer.ln_f"),
         head=lm_head(hidden, vocab, c.flag("tie_word_embeddings", True)),
@@ -77,7 +82,7 @@ def gpt_neox(c: Cfg, name: str) -> ModelGraph:
     bias = c.flag("attention_bias", True)
     att = attention(hidden, heads, heads, hidden // heads if heads else 0, qkv_bias=bias, out_bias=bias,
                     fused="query_key_value", names=("dense",), name="attention",
-                    rotary_fraction=c.rotary_fraction(0.25))
+                    rotary_fraction=c.rotary_fraction(0.25), contiguous_out=True)
     mlp = plain_mlp(hidden, inter, c.text("hidden_act", "gelu"), names=("dense_h_to_4h", "dense_4h_to_h"))
     parallel = c.flag("use_parallel_residual", True)
     drops = dropouts(attention=c.number("attention_dropout"), residual=c.number("hidden_dropout"))
@@ -120,7 +125,7 @@ def opt(c: Cfg, name: str) -> ModelGraph:
     return ModelGraph(
         name=name,
         embed=Embedding(vocab, proj, name="model.decoder.embed_tokens"),
-        extra_params=(Embedding(positions + 2, hidden, name="model.decoder.embed_positions"),),
+        extra_params=(Embedding(positions + 2, hidden, name="model.decoder.embed_positions", lookup="positions"),),
         stacks=(Stack("model.decoder.layers", layers, Block((*nodes, *drops)), before=before, after=after),),
         head=lm_head(proj, vocab, c.flag("tie_word_embeddings", True)),
     )

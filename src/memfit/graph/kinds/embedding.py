@@ -9,13 +9,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..registry import GraphTensor, Node, handler, join
+from ..saved import Saved, SavedCtx
 from .linear import Shard
 
 
 @dataclass(frozen=True)
 class Embedding(Node):
     """`num_embeddings` x `dim` table. `shard` (style 'vocab') is set by with_tensor_parallel: each rank holds
-    ceil(num_embeddings / degree) rows (Megatron pads the vocabulary to a multiple of the degree)."""
+    ceil(num_embeddings / degree) rows (Megatron pads the vocabulary to a multiple of the degree). `lookup`: what
+    indexes it, 'tokens' (one id per token: words, token types) or 'positions' (one id per position, shared by the
+    batch: a learned position table)."""
 
     num_embeddings: int
     dim: int
@@ -23,6 +26,11 @@ class Embedding(Node):
     storage: str | None = None
     name: str = field(default="", kw_only=True)
     shard: Shard | None = field(default=None, kw_only=True)
+    lookup: str = field(default="tokens", kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.lookup not in ("tokens", "positions"):
+            raise ValueError(f"embedding lookup must be 'tokens' or 'positions', got {self.lookup!r}")
 
 
 def embedding_local(num_embeddings: int, dim: int, shard: Shard | None) -> int:
@@ -39,6 +47,13 @@ def _embedding_params(node: Embedding) -> int:
 def _embedding_tensors(node: Embedding, path: str) -> Iterator[GraphTensor]:
     yield GraphTensor(join(path, "weight"), node.num_embeddings * node.dim, 1, node.trainable,
                       embedding_local(node.num_embeddings, node.dim, node.shard))
+
+
+@handler("saved", Embedding)
+def _embedding_saved(node: Embedding, ctx: SavedCtx) -> list[Saved]:
+    """The int64 indices embedding_backward needs for the table's gradient, per token (a position table's are
+    one per position: memfit.estimate.activations counts those per sequence); none for a frozen table."""
+    return [] if ctx.frozen or node.lookup != "tokens" else [Saved("embedding", 1, "i64")]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..registry import (GraphTensor, Node, children_params, children_tensors, field_children, handler, join,
                         tensors_of)
+from ..saved import Saved, SavedCtx, saved_by
 from .embedding import Param
 from .linear import Linear, LoraLinear, linear_rows
 from .norm import Norm
@@ -22,10 +23,18 @@ class LMHead(Node):
     tied: bool = False
     softcap: float | None = None
     name: str = field(default="", kw_only=True)
+    logits_upcast: bool = field(default=True, kw_only=True)
+    """The loss upcasts the logits to fp32 (transformers' ForCausalLMLoss: `logits.float()`)."""
 
     @property
     def vocab_size(self) -> int:
         return self.proj.out_features
+
+
+@handler("saved", LMHead)
+def _lm_head_saved(node: LMHead, ctx: SavedCtx) -> list[Saved]:
+    """The projection's input (for its weight gradient)."""
+    return [Saved("norms", node.proj.in_features, "lin", role="head")]
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,9 @@ class MaskedLMHead(Node):
     tied: bool = True
     act: str = "gelu"
     name: str = field(default="cls.predictions", kw_only=True)
+    logits_upcast: bool = field(default=False, kw_only=True)
+    """BERT's MLM loss (CrossEntropyLoss on the logits) stays in the logits' dtype (log_softmax runs in fp32
+    only under autocast)."""
 
     @property
     def vocab_size(self) -> int:
@@ -93,6 +105,15 @@ def _mlm_tensors(node: MaskedLMHead, path: str) -> Iterator[GraphTensor]:
         if field_name == "decoder" and node.tied:
             continue  # weight = word embeddings, bias = `bias`
         yield from tensors_of(child, child_path)
+
+
+@handler("saved", MaskedLMHead)
+def _mlm_saved(node: MaskedLMHead, ctx: SavedCtx) -> list[Saved]:
+    """The transform's input, its activation's input, the LayerNorm's tensors and the decoder's input
+    (BertPredictionHeadTransform then the decoder, modeling_bert)."""
+    h = node.transform.in_features
+    return ([Saved("norms", h, "lin", role="head"), Saved("norms", node.transform.out_features, "cmp")]
+            + saved_by(node.norm, ctx) + [Saved("norms", node.decoder.in_features, "lin", role="head")])
 
 
 @handler("params", MaskedLMHead)

@@ -39,6 +39,9 @@ class Linear(Node):
     trainable: bool = True
     storage: str | None = None
     shard: Shard | None = None
+    conv1d: bool = field(default=False, kw_only=True)
+    """transformers' Conv1D (GPT-2): the weight is stored in x out and `addmm(bias, x, weight)` saves the
+    nn.Parameter itself for backward, not a transposed view of it."""
 
     @property
     def weight_numel(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..registry import (GraphTensor, Node, children_params, children_tensors, field_children, handler, join, params_of,
                         tensors_of)
+from ..saved import Saved, SavedCtx, shard_degree
 from .linear import Linear, LoraLinear, linear_rows
 
 
@@ -35,6 +36,40 @@ def _mlp_children(node: MLP, path: str):
 
 handler("params", MLP)(children_params)
 handler("tensors", MLP)(children_tensors)
+
+
+def act_saved(act: str) -> int:
+    """I-sized tensors the activation saves: gelu_new is written out in Python (pow, tanh, two muls) and saves
+    four; torch's own silu/gelu/relu save their input only."""
+    return 4 if act == "gelu_new" else 1
+
+
+def _local_intermediate(node: MLP) -> int:
+    return node.intermediate // shard_degree(node.up[0])
+
+
+@handler("saved", MLP)
+def _mlp_saved(node: MLP, ctx: SavedCtx) -> list[Saved]:
+    """The input projections' shared input; gated: the gate output (saved by the activation), the activation and
+    up outputs (saved by the mul), the product (saved by down); plain: the activation's saved tensors and the
+    down projection's input."""
+    inter = _local_intermediate(node)
+    if node.gated:
+        return [Saved("mlp", node.hidden, "lin", 1 if len(node.up) == 1 else 2, role="up"),
+                Saved("mlp", (2 + act_saved(node.act)) * inter, "cmp"), Saved("mlp", inter, "cmp", role="down")]
+    return [Saved("mlp", node.hidden, "lin", role="up"), Saved("mlp", act_saved(node.act) * inter, "cmp"),
+            Saved("mlp", inter, "cmp", role="down")]
+
+
+@handler("matmuls", MLP)
+def _mlp_matmuls(node: MLP) -> list[tuple[str, int]]:
+    """(group, output width) of its matmuls in forward order: gate and up (or the fused gate_up, or fc1), down."""
+    inter = _local_intermediate(node)
+    if node.gated:
+        up = [("mlp", 2 * inter)] if len(node.up) == 1 else [("mlp", inter), ("mlp", inter)]
+    else:
+        up = [("mlp", inter)]
+    return up + [("mlp", node.hidden)]
 
 
 @dataclass(frozen=True)
@@ -97,3 +132,10 @@ def _stacked(node: Experts, path: str) -> Iterator[GraphTensor]:
         for suffix, numel, local in linear_rows(proj):
             name = join(path, proj.name if suffix == "weight" else f"{proj.name}_bias")
             yield GraphTensor(name, node.num_experts * numel, 1, proj.trainable, node.num_experts * local)
+
+
+@handler("matmuls", Experts)
+def _experts_matmuls(node: Experts) -> list[tuple[str, int]]:
+    """One expert's matmuls in its own layout (stacked experts: one gate_up): what selective-op's recompute cost
+    (memfit.techniques.costs) reads. A routed token's top_k experts, the router and a shared expert are not in it."""
+    return _mlp_matmuls(node.expert)

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..registry import GraphTensor, Node, handler, join
+from ..saved import Saved, SavedCtx
 
 NORM_KINDS = ("rms", "layer")
 
@@ -14,7 +15,8 @@ NORM_KINDS = ("rms", "layer")
 class Norm(Node):
     """`kind` 'rms' or 'layer' over `dim` features: a weight (unless `affine` is False) and, with `bias`, a bias.
     `copies` > 1 is one norm per head kept as separate modules (StableLM's per-head q/k LayerNorms:
-    <path>.norms.*.weight)."""
+    <path>.norms.*.weight). `fp32_output`: the normalised value stays fp32 until the weight multiplies it
+    (Gemma's RMSNorm: `_norm(x.float()) * (1 + weight.float())`, cast back only after)."""
 
     kind: str
     dim: int
@@ -23,6 +25,7 @@ class Norm(Node):
     affine: bool = field(default=True, kw_only=True)
     copies: int = field(default=1, kw_only=True)
     trainable: bool = field(default=True, kw_only=True)
+    fp32_output: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.kind not in NORM_KINDS:
@@ -43,6 +46,25 @@ def _norm_tensors(node: Norm, path: str) -> Iterator[GraphTensor]:
     base = join(path, "norms.*") if node.copies > 1 else path
     for suffix in ("weight", "bias") if node.bias else ("weight",):
         yield GraphTensor(join(base, suffix), node.dim, node.copies, node.trainable)
+
+
+@handler("saved", Norm)
+def _norm_saved(node: Norm, ctx: SavedCtx) -> list[Saved]:
+    """LlamaRMSNorm (modeling_llama): x.to(fp32) (saved by pow and mul), rsqrt (B*T*1), the normalised x cast
+    back (saved by the weight's mul; fp32 with `fp32_output`). aten.native_layer_norm saves its input and fp32
+    mean and rstd (B*T*1 each); `ctx.input_saved` False: another norm already keeps that same input (a parallel
+    residual's second LayerNorm)."""
+    h = node.dim
+    if node.kind == "rms":
+        return [Saved("norms", h, "f32"), Saved("norms", 1, "f32"),
+                Saved("norms", h, "f32" if node.fp32_output else "res", role="norm")]
+    rows = [Saved("norms", 1, "f32"), Saved("norms", 1, "f32")]
+    return rows + [Saved("norms", h, "res")] if ctx.input_saved else rows
+
+
+@handler("matmuls", Norm)
+def _norm_matmuls(node: Norm) -> list[tuple[str, int]]:
+    return []
 
 
 DROPOUT_PLACES = ("embedding", "attention", "residual", "mlp", "head")
@@ -70,3 +92,15 @@ def _dropout_params(node: Dropout) -> int:
 @handler("tensors", Dropout)
 def _dropout_tensors(node: Dropout, path: str) -> Iterator[GraphTensor]:
     return iter(())
+
+
+@handler("saved", Dropout)
+def _dropout_saved(node: Dropout, ctx: SavedCtx) -> list[Saved]:
+    """Nothing of its own: the module that applies it keeps the mask (the attention its probabilities', the
+    Block its residual masks, the embedding's the model), as SavedCtx.dropout tells them."""
+    return []
+
+
+@handler("matmuls", Dropout)
+def _dropout_matmuls(node: Dropout) -> list[tuple[str, int]]:
+    return []
