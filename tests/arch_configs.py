@@ -27,7 +27,7 @@ ARCH_CONFIGS = {
     # Gemma 3: sandwich norms (4 per block), q/k norm, sliding-window layers beside a global one, GELU-tanh gated
     # MLP, scaled embeddings, tied head
     "gemma3_text": dict(_COMMON, model_type="gemma3_text", intermediate_size=128, num_hidden_layers=2,
-                        num_key_value_heads=2, head_dim=16, sliding_window=32, query_pre_attn_scalar=16,
+                        num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention", "full_attention"]),
     # Mixtral: top-2 of 4 routed SwiGLU experts
     "mixtral": dict(_COMMON, model_type="mixtral", intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,

@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import fsdp2, lora, moe, tensor_parallel
+from . import bnb_cpu, fsdp2, lora, moe, tensor_parallel
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -53,7 +53,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     sized, run_notes = _as_run(setup, layout or setup.engine)
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
-    moments = _moments(spec, sized, static, full.step_temp_bytes, hardware.is_cpu)
+    step_temp = full.step_temp_bytes + (bnb_cpu.step_scratch_bytes(spec, sized) if hardware.is_cpu else 0)
+    moments = _moments(spec, sized, static, step_temp, hardware.is_cpu)
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
@@ -753,7 +754,8 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
     if step_temp:
         shards = step.setup.dp_size if step.setup.sharding.stage >= 1 else 1
         terms.append(Term("temporaries/optimizer_step", Category.TEMPORARIES, step_temp // shards,
-                          f"{step.setup.optimizer} step temporaries", "torch.optim.adamw / transformers Adafactor"))
+                          f"{step.setup.optimizer} step temporaries",
+                          "torch.optim.adamw / transformers Adafactor / bitsandbytes backends/cpu/ops.py"))
     return terms
 
 
