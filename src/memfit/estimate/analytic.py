@@ -148,6 +148,10 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     return terms
 
 
+CPU_RNG_STATE_BYTES = 5056
+"""torch.get_rng_state(): the CPU generator's mt19937 state as a uint8 tensor (ATen CPUGeneratorImpl::get_state)."""
+
+
 def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str, int], d: act.Dtypes) -> list[Term]:
     """Terms alive at the end of forward (and so at the start of backward)."""
     tokens, seq, on_cpu = setup.tokens_per_micro_step, setup.seq_len, d.on_cpu
@@ -165,6 +169,10 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
             what += (" + " if what else "") + "the B x T x T eager mask" if mask else ""
             terms.append(Term("activations/checkpoints", Category.ACTIVATIONS, inputs + mask, what,
                               "torch.utils.checkpoint, non-reentrant"))
+        if wrapped and on_cpu:  # on CUDA the stashed generator states live in host memory
+            terms.append(Term("activations/rng_states", Category.ACTIVATIONS, wrapped * CPU_RNG_STATE_BYTES,
+                              "each checkpointed block's torch.get_rng_state() (5,056 B Mersenne Twister state)",
+                              "torch.utils.checkpoint preserve_rng_state=True"))
         int8 = lora.int8_checkpointed_inputs(spec, setup, tokens, seq, d) if spec.frozen and ckpt else 0
         if int8:
             terms.append(Term("activations/int8_inputs", Category.ACTIVATIONS, int8,

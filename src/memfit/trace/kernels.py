@@ -64,6 +64,27 @@ def _cpu_scratch(func, args) -> int:
     return adam_step_scratch_bytes(param.numel(), param.element_size(), eight_bit)
 
 
+@contextlib.contextmanager
+def cpu_rng_states(see) -> Iterator[None]:
+    """On a CPU device, count the generator states activation checkpointing stashes: torch.utils.checkpoint
+    (preserve_rng_state=True) keeps `torch.get_rng_state()` per checkpointed call until its recompute, and
+    torch.random.fork_rng takes another one around the recompute: a 5,056-byte CPU tensor each (the Mersenne Twister
+    state), made by the generator, not by an op, so a dispatch mode never sees it. `see(tensor)` hands it to the
+    tracker. A CUDA device keeps these in host memory (its own RNG state is a CPU tensor too), so only the CPU."""
+    original = torch.get_rng_state
+
+    def get_rng_state():
+        state = original()
+        see(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
 def kernel_note(kernels: Kernels) -> str:
     return CUDA_NOTE if kernels == "cuda" else CPU_NOTE
 

@@ -364,6 +364,11 @@ class StepTracker(TorchDispatchMode):
             return False
         return 0.0 if tensor.is_floating_point() else 0
 
+    def see(self, tensor: torch.Tensor) -> None:
+        """Count a tensor made outside the dispatcher (a generator's state) as if an op had made it now."""
+        if self._active:
+            self._see(tensor)
+
     def _see(self, tensor: torch.Tensor) -> None:
         if self._shape_only:
             return
