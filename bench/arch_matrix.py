@@ -54,8 +54,9 @@ Open (within the targets, not modelled): GPT-J's per-attention sin/cos buffer (m
 not in the formulas (buffers are not counted); Falcon at micro-batch 1 (the fit is at batch >= 2, where some reshapes
 copy); with full checkpointing the formulas' backward moments for derived families put the peak at the last block's
 backward, where a measured fp32 step peaks at the first block's recompute with more gradients alive (Falcon -4%).
-Gemma 3's sliding window is 8 here: transformers builds no sliding mask under sdpa while seq < window (masking_utils._ignore_causal_mask_sdpa), so a fit
-whose shapes straddle the window is not linear (memfit.derive refuses it).
+Gemma 3's sliding window is 8 here: under sdpa transformers builds no sliding mask while seq < window
+(masking_utils._ignore_causal_mask_sdpa), so a fit whose shapes straddle the window is not linear (memfit.derive
+refuses it).
 """
 
 
@@ -105,7 +106,8 @@ def summary(rows: list[dict]) -> dict[str, dict]:
 
 def _setup_text(s) -> str:
     extra = f", accum {s.grad_accum_steps}" if s.grad_accum_steps > 1 else ""
-    return f"{s.precision}, {s.optimizer}, ckpt {s.checkpointing}, {s.attention}, {s.micro_batch_size} x {s.seq_len}{extra}"
+    return (f"{s.precision}, {s.optimizer}, ckpt {s.checkpointing}, {s.attention}, "
+            f"{s.micro_batch_size} x {s.seq_len}{extra}")
 
 
 def render(rows: list[dict], stats: dict[str, dict]) -> str:
@@ -120,8 +122,8 @@ def render(rows: list[dict], stats: dict[str, dict]) -> str:
               "/ trace) |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['family']} | {_setup_text(r['setup'])} | {r['measured']:,} | {r['formula']:,} | "
-                     f"{pct(r['formula'], r['measured']):+.2f} | {r['trace']:,} | {pct(r['trace'], r['measured']):+.3f} "
-                     f"| {r['phase']} |")
+                     f"{pct(r['formula'], r['measured']):+.2f} | {r['trace']:,} | "
+                     f"{pct(r['trace'], r['measured']):+.3f} | {r['phase']} |")
     return "\n".join(lines)
 
 

@@ -311,7 +311,8 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
             grouped = {g: round(Fraction(num_dense * dense[g] + (num_layers - num_dense) * grouped[g], num_layers))
                        for g in GROUPS}
         tokens = batch * seq
-        reference = 2 * routed_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens + vocab * hidden * grad_bytes
+        reference = (2 * routed_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens
+                     + vocab * hidden * grad_bytes)
         # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
         # norm reads it), the last block's output is saved by the head's final norm: count them where they are saved
         embedding_saved = split_one["embedding"] - one["in_bytes"]
