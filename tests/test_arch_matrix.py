@@ -23,7 +23,7 @@ CASES = [
     ("phi", {"precision": "amp-bf16"}),  # partial rotary, parallel residual
     ("gemma3_text", {"attention": "eager"}),  # sandwich norms, sliding-window layer, q/k norm
     ("deepseek_v2", {}),  # multi-head latent attention, dense first block, routed + shared experts
-    ("olmoe", {"precision": "bf16"}),  # routed experts, q/k norm
+    ("olmoe", {"precision": "bf16", "checkpointing": "full"}),  # routed experts, q/k norm; checkpoints' RNG states
     ("opt", {"optimizer": "adamw-8bit"}),  # the step is the peak: bitsandbytes' CPU scratch
     ("opt", {"checkpointing": "full"}),  # the step is the peak: single-tensor AdamW's denominators
 ]
