@@ -155,8 +155,6 @@ def map_point(point: dict) -> Mapped:
     fields.update(parallel)
     if m.spec is None or "seq_len" not in fields:
         return m
-    if any(f == PP for f, _ in m.missing):
-        return m  # no nearest setup: every weight is split across ranks
     try:
         m.setup = TrainingSetup(**fields)
     except MemfitError as error:
@@ -363,14 +361,15 @@ def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
     replicate = int(par.get("dp_replicate") or 1)
     world = int(par.get("world_size") or 1)
     stage = int(par.get("zero_stage") or 0)
-    for degree, feature in ((pp, PP), (cp, CP)):
-        if degree > 1:
-            m.missing.append((feature, f"x{degree}"))
-    if replicate > 1 and stage:
-        m.missing.append((HSDP, f"replicate x{replicate}"))
-    # the ranks one parameter is sharded over (CP ranks shard with FSDP in torchtitan): the nearest memfit setup
+    # the world: pp x cp x tp x the data-parallel ranks (torchtitan shards FSDP over dp x cp, as memfit does)
     shard = int(par.get("param_shard_degree") or world)
-    out = {"num_gpus": max(1, shard * tp if stage else world)}
+    out = {"num_gpus": max(1, world if world > 1 else shard * tp * pp)}
+    if pp > 1:
+        out["pp"] = pp
+    if cp > 1:
+        out["cp"] = cp
+    if replicate > 1 and stage:  # HSDP: FSDP2 over a (replicate, shard) mesh
+        out["dp_shard"] = int(par.get("dp_shard") or 0) or max(1, out["num_gpus"] // (tp * pp * cp * replicate))
     if tp > 1:  # torch DTensor TP as torchtitan applies it; sequence parallel is torchtitan's default with TP
         out.update(tp=tp, sequence_parallel=bool(par.get("sequence_parallel", True)))
     if engine == "deepspeed":

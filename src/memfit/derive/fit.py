@@ -226,6 +226,16 @@ def _split(measure: dict[str, Any], block_index: int) -> dict[str, int]:
     return out
 
 
+def _block_groups(one: dict[str, Any], two: dict[str, Any]) -> dict[str, int]:
+    """What the second block of a 2-block copy keeps, by group (the rest of the difference to the 1-block copy is
+    the norms' and the block's own glue)."""
+    split = _split(two, 1)
+    block_total = two["forward_end"] - one["forward_end"]
+    grouped = {"attention": split["attention"], "mlp": split["mlp"]}
+    grouped["norms"] = block_total - grouped["attention"] - grouped["mlp"]
+    return grouped
+
+
 def _solve(rows: list[list[int]], values: list[int]) -> Linear:
     """Exact solution of the 4 x 4 system (basis tokens, tokens x seq, seq, 1)."""
     n = len(rows)
@@ -265,33 +275,44 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
 
     base, kernels = kind_setup(kind)
     shapes = list(FIT_SHAPES) + [CHECK_SHAPE]
-    runs: dict[int, list[dict[str, Any]]] = {}
-    total = 2 * len(shapes)
+    num_layers = num_layers_of(config)
+    num_dense = dense_prefix(config, num_layers)
+    copies = (False, True) if num_dense else (False,)
+    runs: dict[tuple[bool, int], list[dict[str, Any]]] = {}
+    total = 2 * len(shapes) * len(copies)
     done = 0
-    for layers in (1, 2):
-        fake_mode = FakeTensorMode()
-        model, _notes = build_short(config, layers, base, fake_mode)
-        runs[layers] = []
-        for batch, seq in shapes:
-            if progress is not None:
-                progress(f"{layers}-block copy, batch {batch} x seq {seq}", done / total)
-            setup = base.replace(micro_batch_size=batch, seq_len=seq)
-            runs[layers].append(_measure(model, config, setup, kernels, fake_mode))
-            done += 1
+    for dense in copies:
+        for layers in (1, 2):
+            fake_mode = FakeTensorMode()
+            model, _notes = build_short(config, layers, base, fake_mode, dense=dense)
+            runs[dense, layers] = []
+            for batch, seq in shapes:
+                if progress is not None:
+                    progress(f"{layers}-block {'dense ' if dense else ''}copy, batch {batch} x seq {seq}", done / total)
+                setup = base.replace(micro_batch_size=batch, seq_len=seq)
+                runs[dense, layers].append(_measure(model, config, setup, kernels, fake_mode))
+                done += 1
     if progress is not None:
         progress("fitting", 1.0)
     vocab, hidden = _vocab_hidden(config)
     grad_bytes = 2 if base.precision.param_dtype == "bf16" else 4
     per_shape = []
     for i, (batch, seq) in enumerate(shapes):
-        one, two = runs[1][i], runs[2][i]
-        split = _split(two, 1)
+        one, two = runs[False, 1][i], runs[False, 2][i]
         split_one = _split(one, 0)
-        block_total = two["forward_end"] - one["forward_end"]
-        grouped = {"attention": split["attention"], "mlp": split["mlp"]}
-        grouped["norms"] = block_total - grouped["attention"] - grouped["mlp"]
+        grouped = _block_groups(one, two)
+        routed_total = sum(grouped.values())  # the 2-block copy's backward window holds two of these
+        if num_dense:
+            # DeepSeek's first_k_dense_replace: the leading blocks have a dense MLP and keep other tensors than the
+            # routed ones (modeling_deepseek_v2.DeepseekV2DecoderLayer picks DeepseekV2MLP or DeepseekV2MoE by
+            # layer index). The estimator multiplies one block by the depth, so the block is their depth-weighted
+            # mean: exact for what all blocks keep together.
+            dense = _block_groups(runs[True, 1][i], runs[True, 2][i])
+            grouped = {g: round(Fraction(num_dense * dense[g] + (num_layers - num_dense) * grouped[g], num_layers))
+                       for g in GROUPS}
         tokens = batch * seq
-        reference = 2 * block_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens + vocab * hidden * grad_bytes
+        reference = (2 * routed_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens
+                     + vocab * hidden * grad_bytes)
         # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
         # norm reads it), the last block's output is saved by the head's final norm: count them where they are saved
         embedding_saved = split_one["embedding"] - one["in_bytes"]

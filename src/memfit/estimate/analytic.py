@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations, pipeline,
+from . import (bnb_cpu, context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations, pipeline,
                tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
@@ -59,7 +59,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
-    moments = _moments(spec, sized, static, full.step_temp_bytes, hardware.is_cpu)
+    step_temp = full.step_temp_bytes + (bnb_cpu.step_scratch_bytes(spec, sized) if hardware.is_cpu else 0)
+    moments = _moments(spec, sized, static, step_temp, hardware.is_cpu)
     if asked.cp > 1:  # ring attention's buffers beside every block's backward (memfit.estimate.context_parallel)
         ring = context_parallel.ring_term(spec, asked, act.dtypes(spec, sized, hardware.is_cpu).compute)
         moments = {name: (ph, t + [ring] if any(x.name == "temporaries/layer_backward" for x in t) else t)
@@ -178,6 +179,10 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     return terms
 
 
+CPU_RNG_STATE_BYTES = 5056
+"""torch.get_rng_state(): the CPU generator's mt19937 state as a uint8 tensor (ATen CPUGeneratorImpl::get_state)."""
+
+
 def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str, int], d: act.Dtypes) -> list[Term]:
     """Terms alive at the end of forward (and so at the start of backward)."""
     tokens, seq, on_cpu = setup.tokens_per_micro_step, setup.seq_len, d.on_cpu
@@ -197,6 +202,10 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
             what += (" + " if what else "") + "the B x T x T eager mask" if mask else ""
             terms.append(Term("activations/checkpoints", Category.ACTIVATIONS, inputs + mask, what,
                               "torch.utils.checkpoint, non-reentrant"))
+        if wrapped and on_cpu:  # on CUDA the stashed generator states live in host memory
+            terms.append(Term("activations/rng_states", Category.ACTIVATIONS, wrapped * CPU_RNG_STATE_BYTES,
+                              "each checkpointed block's torch.get_rng_state() (5,056 B Mersenne Twister state)",
+                              "torch.utils.checkpoint preserve_rng_state=True"))
         int8 = lora.int8_checkpointed_inputs(spec, setup, tokens, seq, d) if spec.frozen and ckpt else 0
         if int8:
             terms.append(Term("activations/int8_inputs", Category.ACTIVATIONS, int8,
@@ -789,7 +798,8 @@ def _optimizer_step(step: _Step, step_temp: int) -> list[Term]:
     if step_temp:
         shards = step.setup.shard_size if step.setup.sharding.stage >= 1 else 1
         terms.append(Term("temporaries/optimizer_step", Category.TEMPORARIES, step_temp // shards,
-                          f"{step.setup.optimizer} step temporaries", "torch.optim.adamw / transformers Adafactor"))
+                          f"{step.setup.optimizer} step temporaries",
+                          "torch.optim.adamw / transformers Adafactor / bitsandbytes backends/cpu/ops.py"))
     return terms
 
 

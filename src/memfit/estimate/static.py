@@ -56,6 +56,24 @@ def _largest_bytes(spec: ModelSpec, elem_bytes: int) -> int:
     return max((p.nbytes or p.numel * elem_bytes for p in spec.params), default=0)
 
 
+def _single_tensor_adamw_bytes(spec: ModelSpec, elem_bytes: int) -> int:
+    """torch.optim.adam._single_tensor_adam (foreach=False): `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)
+    .add_(eps)` makes two tensor-sized temporaries, and `denom` is a loop variable, so the previous parameter's
+    denominator stays alive until it is rebound: the peak is max over consecutive parameters of prev + 2 x current,
+    in parameter order (spec.params keeps the module's order; a repeated block's rows follow each other, and its
+    last row precedes its first one in the next block)."""
+    sizes = [(p.nbytes or p.numel * elem_bytes, p.count) for p in spec.params]
+    if not sizes:
+        return 0
+    peak, previous = 2 * sizes[0][0], sizes[0][0]
+    block = [size for size, count in sizes if count > 1]
+    for size, count in sizes[1:]:
+        peak, previous = max(peak, previous + 2 * size), size
+    if block:  # the wrap from one block's last tensor to the next block's first
+        peak = max(peak, block[-1] + 2 * block[0])
+    return peak
+
+
 def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
     p_bytes = param_elem_bytes(setup.precision)
     # With fp32 master weights (bf16-master) or CPU offload the states are fp32 whatever the param dtype.
@@ -169,7 +187,8 @@ def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[in
     largest = _largest_bytes(spec, p_bytes)
     opt = setup.optimizer
     if opt is Optimizer.ADAMW:
-        return 2 * largest, "exp_avg_sq.sqrt() / bias_correction: 2 x the largest tensor"
+        return _single_tensor_adamw_bytes(spec, p_bytes), ("exp_avg_sq.sqrt() / bias_correction: 2 x a tensor, "
+                                                           "beside the previous tensor's denominator")
     if opt is Optimizer.ADAMW_FOREACH:
         return trainable_bytes(spec, p_bytes), "_foreach_sqrt(exp_avg_sq): one parameter-sized temporary"
     if opt.library == "torchao":

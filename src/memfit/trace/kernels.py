@@ -16,6 +16,9 @@ tensors from the CUDA kernels a GPU run takes (FACTS.md, checked against ATen):
 
 `device_kernels("cuda")` swaps those calls for the ops a CUDA device runs; on fake tensors their meta functions
 give the exact output and saved-tensor shapes. Kernel workspaces are not tensors and stay uncounted either way.
+
+One more differs below the dispatcher: bitsandbytes' optimizer ops run Python kernels on the CPU that allocate
+fp32 scratch the dispatch mode never sees (memfit.estimate.bnb_cpu); `hidden_scratch(kernels)` sizes it per op.
 """
 
 from __future__ import annotations
@@ -36,6 +39,50 @@ CUDA_NOTE = ("CUDA kernel choices emulated on the CPU trace: dropout keeps a boo
              "layer_norm in fp32; kernel workspaces not counted")
 CPU_NOTE = ("CPU kernel choices: dropout keeps its mask in the input dtype and SDPA with dropout takes the math path "
             "(T x T); a CUDA device keeps less (trace with kernels='cuda')")
+
+
+def hidden_scratch(kernels: Kernels):
+    """`(op, args) -> bytes` of the tensors `kernels`' implementation of an op allocates and frees inside it, out of
+    a TorchDispatchMode's sight; None where there are none (CUDA: bitsandbytes' fused optimizer kernels)."""
+    return _cpu_scratch if kernels == "cpu" else None
+
+
+_BNB_ADAM = {"bitsandbytes::optimizer_update_8bit_blockwise": True, "bitsandbytes::optimizer_update_32bit": False}
+
+
+def _cpu_scratch(func, args) -> int:
+    """bitsandbytes' CPU Adam step (backends/cpu/ops.py `_optimizer_update_8bit_blockwise_cpu` /
+    `_optimizer_update_32bit_cpu`): args are (optimizer_name, g, p, ...)."""
+    if getattr(func, "namespace", "") != "bitsandbytes":
+        return 0
+    eight_bit = _BNB_ADAM.get(func.name())
+    if eight_bit is None or len(args) < 3 or args[0] not in ("adam", "lamb"):
+        return 0
+    from ..estimate.bnb_cpu import adam_step_scratch_bytes
+
+    param = args[2]
+    return adam_step_scratch_bytes(param.numel(), param.element_size(), eight_bit)
+
+
+@contextlib.contextmanager
+def cpu_rng_states(see) -> Iterator[None]:
+    """On a CPU device, count the generator states activation checkpointing stashes: torch.utils.checkpoint
+    (preserve_rng_state=True) keeps `torch.get_rng_state()` per checkpointed call until its recompute, and
+    torch.random.fork_rng takes another one around the recompute: a 5,056-byte CPU tensor each (the Mersenne Twister
+    state), made by the generator, not by an op, so a dispatch mode never sees it. `see(tensor)` hands it to the
+    tracker. A CUDA device keeps these in host memory (its own RNG state is a CPU tensor too), so only the CPU."""
+    original = torch.get_rng_state
+
+    def get_rng_state():
+        state = original()
+        see(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 def kernel_note(kernels: Kernels) -> str:

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoint
 from ..setup import Optimizer, TrainingSetup
 from . import distributed, hf
-from .kernels import Kernels, device_kernels, kernel_note
+from .kernels import Kernels, cpu_rng_states, device_kernels, hidden_scratch, kernel_note
 from .session import LossFn, StepSession, build_hf_session, build_module_session, repeated_blocks, routed_experts
 from .timeline import TraceProgress
 from .tracker import KIND_TERMS, StepTracker, _Kind
@@ -48,8 +48,9 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
         with fake_mode:
             session = build(setup, mesh)
         tracker = StepTracker(host_kinds=host, optimizer_on_host=optimizer_on_host, num_steps=steps,
-                              progress=progress)
-        with device_kernels(kernels), routed_experts():
+                              progress=progress, hidden_scratch=hidden_scratch(kernels))
+        rng_states = cpu_rng_states(tracker.see) if kernels == "cpu" else contextlib.nullcontext()
+        with device_kernels(kernels), routed_experts(), rng_states:
             run_traced(session, tracker, fake_mode, steps)
     session.notes.append(kernel_note(kernels))
     return to_estimate(tracker, session, setup, name or session.name)

@@ -19,6 +19,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from enum import IntEnum
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -70,8 +71,11 @@ class StepTracker(TorchDispatchMode):
     """
 
     def __init__(self, *, host_kinds: Iterable[_Kind] = (), optimizer_on_host: bool = False, num_steps: int = 2,
-                 progress: Callable[[TraceProgress], None] | None = None, progress_interval_s: float = 0.25) -> None:
+                 progress: Callable[[TraceProgress], None] | None = None, progress_interval_s: float = 0.25,
+                 hidden_scratch: Callable[[Any, tuple], int] | None = None) -> None:
         super().__init__()
+        self._hidden_scratch = hidden_scratch
+        """(op, args) -> bytes an op's kernel allocates and frees below the dispatcher (memfit.trace.kernels)."""
         self._records: dict[int, _Storage] = {}
         self._on_host = [k in set(host_kinds) for k in _Kind]
         self._optimizer_on_host = optimizer_on_host
@@ -315,6 +319,8 @@ class StepTracker(TorchDispatchMode):
         elif func is _ITEM and self.phase is Phase.OPTIMIZER:
             return self._item(func, args[0])
         else:
+            if self._hidden_scratch is not None:
+                self._transient(self._hidden_scratch(func, args))
             out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             self._see(out)
@@ -327,6 +333,21 @@ class StepTracker(TorchDispatchMode):
                         if isinstance(tensor, torch.Tensor):
                             self._see(tensor)
         return out
+
+    def _transient(self, num_bytes: int) -> None:
+        """Scratch an op allocates and frees inside its kernel: one allocation and its free, in the current kind."""
+        if num_bytes <= 0:
+            return
+        kind = self._birth_kind()
+        serial = 0
+        if not self._on_host[kind]:
+            self._serial += 1
+            serial = self._serial
+            self.allocation_events.append((serial, num_bytes))
+        self._change(kind, num_bytes)
+        if serial:
+            self.allocation_events.append((serial, _FREE))
+        self._change(kind, -num_bytes)
 
     def _item(self, func, tensor: torch.Tensor):
         """`.item()` in the optimizer step. Fake tensors know the values of small constants (AdamW's `step`), not
@@ -342,6 +363,11 @@ class StepTracker(TorchDispatchMode):
         if tensor.dtype is torch.bool:
             return False
         return 0.0 if tensor.is_floating_point() else 0
+
+    def see(self, tensor: torch.Tensor) -> None:
+        """Count a tensor made outside the dispatcher (a generator's state) as if an op had made it now."""
+        if self._active:
+            self._see(tensor)
 
     def _see(self, tensor: torch.Tensor) -> None:
         if self._shape_only:
