@@ -284,6 +284,13 @@ class TrainingSetup:
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
     optimizer_in_backward: bool = False
     """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
+    # ---- inputs of encoder-decoder and vision models (memfit.derive.stacks checks them against the model) ----
+    target_len: int | None = None
+    """Encoder-decoders (T5, BART): tokens per decoder (target) sequence; `seq_len` is the encoder's (source)
+    length. None for other models."""
+    image_size: int | None = None
+    """Vision transformers (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image
+    are (image_size / patch)^2 + CLS (+ registers), so `seq_len` does not apply. None: the config's image_size."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -299,6 +306,9 @@ class TrainingSetup:
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp")
                     if not _positive_int(getattr(self, name))]
+        problems += [f"{name} must be a positive whole number or None, got {getattr(self, name)!r}"
+                     for name in ("target_len", "image_size")
+                     if getattr(self, name) is not None and not _positive_int(getattr(self, name))]
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if not problems:
@@ -485,7 +495,7 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward"}
+    "optimizer_in_backward": "optimizer in backward", "target_len": "target", "image_size": "image"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
