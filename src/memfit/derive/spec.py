@@ -110,6 +110,12 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
 
         return replace(base, derived=DerivedModel(config, label=name))
     hf = _hf_config(config, source)
+    from .stacks import applies
+
+    if applies(config):  # several stacks, or tokens fixed by the image: memfit.derive.stacks
+        from .stacks_spec import stacked_spec
+
+        return stacked_spec(config, name=name, source=source)
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     if num_layers <= 0:

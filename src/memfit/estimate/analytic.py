@@ -53,7 +53,10 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     sized, run_notes = _as_run(setup, layout or setup.engine)
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
-    moments = _moments(spec, sized, static, full.step_temp_bytes, hardware.is_cpu)
+    from ..derive import stacks_estimate  # encoder-decoder / vision models: their own stacks' moments
+
+    moments = (stacks_estimate.moments if stacks_estimate.is_stacked(spec, sized) else _moments)(
+        spec, sized, static, full.step_temp_bytes, hardware.is_cpu)
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
