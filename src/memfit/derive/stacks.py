@@ -35,7 +35,7 @@ VISION = ("vit", "dinov2")
 # shapes: (micro-batch, source, target) or (micro-batch, image side in patches); micro-batches of 2 or more (at 1
 # some reshapes are views where they are copies otherwise)
 SEQ2SEQ_SHAPES = ((2, 8, 8), (3, 8, 8), (2, 16, 8), (2, 8, 16), (3, 16, 24), (2, 24, 16), (4, 16, 16), (3, 24, 8),
-                  (2, 32, 24), (4, 8, 24), (3, 32, 16), (2, 16, 32), (4, 24, 32))
+                  (2, 32, 24), (4, 8, 24), (3, 32, 16), (2, 16, 32), (4, 24, 32), (5, 16, 8))
 SEQ2SEQ_CHECK = ((5, 40, 20), (3, 20, 40))
 VISION_SHAPES = ((2, 2), (3, 2), (2, 3), (4, 3), (3, 4), (2, 5), (4, 5), (3, 6))
 VISION_CHECK = ((5, 7), (2, 8))
@@ -160,32 +160,48 @@ def derive_stacks(config: dict[str, Any], kind: str, *, progress=None) -> StackF
         if progress is not None:
             progress(f"shape {shape}", i / len(shapes))
         runs.append(trace_copies(config, kind, shape))
-    rows = numpy.array([basis(model_type, s) for s in fit_shapes], dtype=float)
+    # the fit's axes: a vision shape (micro-batch, image side in patches) is (micro-batch, tokens per image)
+    points = [(s[0], tokens_per_image(config, s[1] * patch_size(config))) if vision else s for s in shapes]
+    rows = numpy.array([basis(model_type, s) for s in points[:len(fit_shapes)]], dtype=float)
 
     def fit(values: list[int]) -> list[float]:
         coef, *_ = numpy.linalg.lstsq(rows, numpy.array(values[:len(fit_shapes)], dtype=float), rcond=None)
         return [float(c) for c in coef]
+
+    def consistent(values: list[int], coef: list[float]) -> bool:
+        """The line goes through every fit shape (there are more shapes than terms)."""
+        residual = rows @ numpy.array(coef) - numpy.array(values[:len(fit_shapes)], dtype=float)
+        return float(numpy.abs(residual).max()) <= TOLERANCE * max(1, max(abs(v) for v in values)) + 64
 
     stacks = [s for s, _ in STACK_KEYS[model_type]]
     saved = {s: fit([r["saved"][s] for r in runs]) for s in stacks}
     grads = {s: fit([r["grads"][s] for r in runs]) for s in stacks}
     segments = []
     for j, first in enumerate(runs[0]["segments"]):
+        # the segment's peak moment, and (where every shape has as many moments) each moment on its own: a moment
+        # kept only where its line goes through every fit shape (frees can come in another order at another shape)
+        peaks = [max(range(len(r["segments"][j]["acts"])), key=lambda k, r=r: _total(r, j, k)) for r in runs]
+        candidates = [([r["segments"][j]["acts"][k] for r, k in zip(runs, peaks)],
+                       [r["segments"][j]["grads"][k] for r, k in zip(runs, peaks)])]
         counts = {len(r["segments"][j]["acts"]) for r in runs}
         if len(counts) == 1:
-            n = counts.pop()
-            acts = [fit([r["segments"][j]["acts"][k] for r in runs]) for k in range(n)]
-            grad = [fit([r["segments"][j]["grads"][k] for r in runs]) for k in range(n)]
-        else:  # the op sequence changed with the shape: the segment's peak moment itself
-            peaks = [max(range(len(r["segments"][j]["acts"])), key=lambda k, r=r: _total(r, j, k)) for r in runs]
-            acts = [fit([r["segments"][j]["acts"][k] for r, k in zip(runs, peaks)])]
-            grad = [fit([r["segments"][j]["grads"][k] for r, k in zip(runs, peaks)])]
-        acts, grad = _envelope(model_type, acts, grad, shapes)
+            candidates += [([r["segments"][j]["acts"][k] for r in runs], [r["segments"][j]["grads"][k] for r in runs])
+                           for k in range(counts.pop())]
+        acts, grad = [], []
+        for act_values, grad_values in candidates:
+            a, g = fit(act_values), fit(grad_values)
+            if consistent(act_values, a) and consistent(grad_values, g):
+                acts.append(a)
+                grad.append(g)
+        if not acts:
+            raise ModelSourceError(f"model_type '{model_type}': the live bytes of backward segment {j} are not linear "
+                                   "in the shape; use `memfit trace` for this model")
+        acts, grad = _envelope(model_type, acts, grad, points)
         segments.append({"stack": first["stack"], "phase": first["phase"], "done": first["done"], "acts": acts,
                          "grads": grad})
     result = StackFit(kind=kind, model_type=model_type, saved=saved, grads=grads, segments=segments,
                       versions=versions())
-    worst = max(_check(result, shape, run) for shape, run in zip(shapes[len(fit_shapes):], runs[len(fit_shapes):]))
+    worst = max(_check(result, point, run) for point, run in zip(points[len(fit_shapes):], runs[len(fit_shapes):]))
     return StackFit(**{**result.__dict__, "fit_error": worst})
 
 
