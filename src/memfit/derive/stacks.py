@@ -171,7 +171,7 @@ def derive_stacks(config: dict[str, Any], kind: str, *, progress=None) -> StackF
     def consistent(values: list[int], coef: list[float]) -> bool:
         """The line goes through every fit shape (there are more shapes than terms)."""
         residual = rows @ numpy.array(coef) - numpy.array(values[:len(fit_shapes)], dtype=float)
-        return float(numpy.abs(residual).max()) <= TOLERANCE * max(1, max(abs(v) for v in values)) + 64
+        return float(numpy.abs(residual).max()) <= 1e-5 * max(1, max(abs(v) for v in values)) + 64
 
     stacks = [s for s, _ in STACK_KEYS[model_type]]
     saved = {s: fit([r["saved"][s] for r in runs]) for s in stacks}

@@ -79,7 +79,7 @@ def check_inputs(spec, setup, *, seq_given: bool = False) -> None:
             raise ConfigError(f"'{name}' is a vision model: it has no decoder, drop --target-len")
         if seq_given:
             raise ConfigError(f"'{name}' is a vision model: its tokens come from the image, give --image-size "
-                              "instead of --seq-len")
+                              "instead of --seq")
         patch = patch_size(config)
         if setup.image_size and setup.image_size % patch:
             raise ConfigError(f"--image-size {setup.image_size} is not a multiple of '{name}''s patch size "
@@ -88,11 +88,26 @@ def check_inputs(spec, setup, *, seq_given: bool = False) -> None:
     if setup.image_size:
         raise ConfigError(f"'{name}' takes no image: drop --image-size (it is for ViT / DINOv2 models)")
     if model_type is not None and not setup.target_len:
-        raise ConfigError(f"'{name}' is an encoder-decoder: give the decoder length with --target-len (--seq-len is "
-                          "the encoder's)")
+        raise ConfigError(f"'{name}' is an encoder-decoder: give the decoder length with --target-len (--seq is the "
+                          "encoder's)")
     if model_type is None and setup.target_len:
         raise ConfigError(f"'{name}' has no decoder over a separate target: drop --target-len (it is for "
                           "encoder-decoders such as T5 and BART)")
+
+
+def check_given(spec, given: dict[str, Any]) -> dict[str, Any]:
+    """The user's setup fields checked against the model (memfit.api.typical_setup); a vision model's seq_len is
+    set to its tokens per image (from image_size, else the config's), which is what its blocks run over."""
+    from ..setup import TrainingSetup
+
+    probe = TrainingSetup(target_len=given.get("target_len"), image_size=given.get("image_size"))
+    check_inputs(spec, probe, seq_given="seq_len" in given)
+    config = getattr(getattr(spec, "derived", None), "config", None) or {}
+    if config.get("model_type") in VISION and applies(config):
+        from .stacks import shape_of
+
+        return {**given, "seq_len": shape_of(config, probe)[1]}
+    return given
 
 
 def is_stacked(spec, setup) -> bool:
@@ -175,4 +190,4 @@ def _label(segment: dict[str, Any], variant: str | None, index: int) -> str:
     return f"{segment['stack']} block backward ({which} block)"
 
 
-__all__ = ["STACK_KEYS", "StackedModel", "check_inputs", "is_stacked", "moments"]
+__all__ = ["STACK_KEYS", "StackedModel", "check_given", "check_inputs", "is_stacked", "moments"]
