@@ -13,7 +13,8 @@ from .stacks import VISION, depths
 from .stacks_estimate import StackedModel
 
 PARAMS_KIND = "params"
-_BLOCK = re.compile(r"^(.*?\.(?:block|layers|layer))\.\d+\.")
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+"""A block's (or sub-layer's) index in a tensor name: folded into '*', one row per repeated tensor."""
 
 
 def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor], dict[str, Any]]:
@@ -32,7 +33,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
                                f"from this config ({str(error).strip().splitlines()[0][:160]})") from None
     rows: dict[tuple[str, int], int] = {}
     for name, param in model.named_parameters():
-        key = (_BLOCK.sub(lambda m: f"{m.group(1)}.*.", name), int(param.numel()))
+        key = (_INDEX.sub("*", name), int(param.numel()))
         rows[key] = rows.get(key, 0) + 1
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and getattr(outputs, "weight", None) is getattr(inputs, "weight", False)
