@@ -1,6 +1,7 @@
 """Encoder-decoder (T5, BART) and vision (ViT, DINOv2) models: memfit's estimate (memfit.derive.stacks) and its
 trace against a real CPU training step measured through the profiler (memfit.measure), on tiny configs across
-fp32 / amp-bf16, checkpointing none / full, sdpa / eager and two shapes. Prints the table and writes
+fp32 / amp-bf16, checkpointing none / full, sdpa / eager (KINDS: every pair of them) and two
+shapes. Prints the table and writes
 bench/results/encdec_vision.md.
 
     python bench/encdec_vision.py [family ...]
@@ -20,6 +21,11 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+KINDS = (("fp32", "none", "sdpa"), ("fp32", "full", "eager"), ("amp-bf16", "none", "eager"),
+         ("amp-bf16", "full", "sdpa"))
+"""Each precision, checkpointing and attention twice, each pair of them once (a derivation per kind is a minute)."""
+
+
 def main(families: list[str]) -> None:
     os.environ.setdefault("MEMFIT_CACHE_DIR", tempfile.mkdtemp(prefix="memfit-encdec-bench-"))
     from tiny_encdec import SHAPES, TINY_ENCDEC_VISION, setup_fields
@@ -36,23 +42,21 @@ def main(families: list[str]) -> None:
     for family in families or list(TINY_ENCDEC_VISION):
         config = TINY_ENCDEC_VISION[family]
         spec = resolve_model(dict(config))
-        for precision in ("fp32", "amp-bf16"):
-            for ckpt in ("none", "full"):
-                for attention in ("sdpa", "eager"):
-                    for shape in SHAPES[family]:
-                        setup = TrainingSetup(precision=precision, checkpointing=ckpt, attention=attention,
-                                              optimizer="adamw", **setup_fields(family, shape))
-                        started = time.perf_counter()
-                        predicted = estimate(spec, setup, cpu).tensor_bytes
-                        seconds = time.perf_counter() - started
-                        traced = trace(dict(config), setup, kernels="cpu").tensor_bytes
-                        measured = measure(dict(config), setup, device="cpu").tensor_bytes
-                        e_est, e_trace = predicted / measured - 1, traced / measured - 1
-                        est_errors.append(abs(e_est))
-                        trace_errors.append(abs(e_trace))
-                        rows.append(f"| {family} | {precision} | {ckpt} | {attention} | {shape} | {measured:,} | "
-                                    f"{predicted:,} | {e_est:+.2%} | {traced:,} | {e_trace:+.2%} | {seconds:.1f} |")
-                        print(rows[-1], flush=True)
+        for precision, ckpt, attention in KINDS:
+            for shape in SHAPES[family]:
+                setup = TrainingSetup(precision=precision, checkpointing=ckpt, attention=attention,
+                                      optimizer="adamw", **setup_fields(family, shape))
+                started = time.perf_counter()
+                predicted = estimate(spec, setup, cpu).tensor_bytes
+                seconds = time.perf_counter() - started
+                traced = trace(dict(config), setup, kernels="cpu").tensor_bytes
+                measured = measure(dict(config), setup, device="cpu").tensor_bytes
+                e_est, e_trace = predicted / measured - 1, traced / measured - 1
+                est_errors.append(abs(e_est))
+                trace_errors.append(abs(e_trace))
+                rows.append(f"| {family} | {precision} | {ckpt} | {attention} | {shape} | {measured:,} | "
+                            f"{predicted:,} | {e_est:+.2%} | {traced:,} | {e_trace:+.2%} | {seconds:.1f} |")
+                print(rows[-1], flush=True)
     summary = (f"{len(rows)} cases. Estimate vs measured: median {statistics.median(est_errors):.2%}, worst "
                f"{max(est_errors):.2%}. Trace vs measured: median {statistics.median(trace_errors):.2%}, worst "
                f"{max(trace_errors):.2%}.")

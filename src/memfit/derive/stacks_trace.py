@@ -36,7 +36,7 @@ def trace_copies(config: dict[str, Any], kind: str, shape: tuple[int, ...]) -> d
     for stack in stacks:
         more = _trace(copy_config(config, {**base, stack: 2}, shape), setup, kernels, stacks, timeline=False)
         saved[stack] = more["forward_end"] - run["forward_end"]
-        grads[stack] = more["grads_end"] - run["grads_end"]
+        grads[stack] = more["block_params_bytes"][stack]
     return {"saved": saved, "grads": grads, "segments": run["segments"]}
 
 
@@ -100,8 +100,15 @@ def _trace(config: dict[str, Any], setup, kernels: str, stacks: list[str], *, ti
         tracker.watch_module(model)
         tracker.register_tree(batch, _Kind.INPUTS)
         with device_kernels(kernels), fake_mode, tracker:
-            runner.forward_backward(model, None, batch, setup.replace(grad_accum_steps=1),
-                                    phase_callback=tracker.mark)
+            if timeline:
+                runner.forward_backward(model, None, batch, setup.replace(grad_accum_steps=1),
+                                        phase_callback=tracker.mark)
+            else:  # a longer copy: only what forward leaves (its gradients are its block's parameter sizes)
+                tracker.mark("forward")
+                with runner.autocast_factory(setup, "cpu")():
+                    loss = runner.setup_loss(setup)(model, batch)
+                tracker.mark("backward")  # with the loss alive: its graph holds what backward would use
+                del loss
     finally:
         for handle in handles:
             handle.remove()
@@ -115,7 +122,10 @@ def _trace(config: dict[str, Any], setup, kernels: str, stacks: list[str], *, ti
         return acts, row[grads_kind]
 
     backward_at = next(e for e, _s, phase in tracker.marks if str(getattr(phase, "value", phase)) == "backward")
-    out = {"forward_end": at(backward_at)[0], "grads_end": at(tracker.events)[1]}
+    out = {"forward_end": at(backward_at)[0], "grads_end": at(tracker.events)[1],
+           # a gradient per parameter of the stack's last block, in the parameter's dtype (torch autograd)
+           "block_params_bytes": {stack: sum(p.numel() * p.element_size() for p in modules[-1].parameters())
+                                  for stack, (_, modules) in zip(stacks, _block_lists(model, stacks))}}
     if timeline:
         out["segments"] = _segments(blocks, events, backward_at, tracker.events, at)
     return out
