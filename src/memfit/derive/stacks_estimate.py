@@ -113,7 +113,14 @@ def check_given(spec, given: dict[str, Any]) -> dict[str, Any]:
 def is_stacked(spec, setup) -> bool:
     """Whether the estimator takes this module's moments (after checking the setup's inputs against the model)."""
     check_inputs(spec, setup)
-    return getattr(getattr(spec, "derived", None), "stacked", False) and not spec.frozen
+    stacked = getattr(getattr(spec, "derived", None), "stacked", False)
+    if stacked and spec.frozen:
+        raise ConfigError(f"LoRA / QLoRA on '{spec.name}' (an encoder-decoder or vision model) is not sized yet: "
+                          "use --method full, or `memfit trace`")
+    if stacked and setup.tp > 1:
+        raise ConfigError(f"tensor parallelism on '{spec.name}' (an encoder-decoder or vision model) is not sized "
+                          "yet: use --tp 1, or `memfit trace`")
+    return stacked
 
 
 # ---- the moments ------------------------------------------------------------------------------------------------
