@@ -113,3 +113,22 @@ def test_estimate_matches_the_trace_and_a_measured_step(family, precision, check
     measured = measure(dict(config), setup, device="cpu").tensor_bytes
     assert abs(predicted / traced - 1) < 0.01
     assert abs(predicted / measured - 1) < 0.05
+
+
+@pytest.mark.parametrize("args, field, value", [
+    (["t5-large", "--seq", "512", "--target-len", "128", "--batch", "64"], "target_len", 128),
+    (["vit-large", "--image-size", "384", "--batch", "512"], "seq_len", 24 * 24 + 1),
+])
+def test_cli_plans_t5_and_vit_end_to_end_from_the_shipped_fits(args, field, value):
+    import json
+
+    from typer.testing import CliRunner
+
+    from memfit.cli.app import app
+
+    result = CliRunner().invoke(app, ["plan", *args, "--gpu", "A100-40GB", "--json"])
+    assert result.exit_code in (0, 1), result.output
+    plan = json.loads(result.output)
+    assert plan["final_setup"][field] == value
+    assert plan["fits"] and plan["final_setup"]["checkpointing"] == "full"  # the ladder's first rung
+    assert plan["initial_estimate"]["total_bytes"] > 2 * plan["steps"][-1]["estimate"]["total_bytes"]
