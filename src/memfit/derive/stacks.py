@@ -155,11 +155,11 @@ def derive_stacks(config: dict[str, Any], kind: str, *, progress=None) -> StackF
     vision = model_type in VISION
     fit_shapes = VISION_SHAPES if vision else SEQ2SEQ_SHAPES
     shapes = list(fit_shapes) + list(VISION_CHECK if vision else SEQ2SEQ_CHECK)
-    runs = []
+    runs, models = [], {}
     for i, shape in enumerate(shapes):
         if progress is not None:
             progress(f"shape {shape}", i / len(shapes))
-        runs.append(trace_copies(config, kind, shape))
+        runs.append(trace_copies(config, kind, shape, models))
     # the fit's axes: a vision shape (micro-batch, image side in patches) is (micro-batch, tokens per image)
     points = [(s[0], tokens_per_image(config, s[1] * patch_size(config))) if vision else s for s in shapes]
     rows = numpy.array([basis(model_type, s) for s in points[:len(fit_shapes)]], dtype=float)

@@ -4,6 +4,7 @@ memfit's StepTracker."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..errors import ModelSourceError
@@ -25,16 +26,26 @@ def shape_setup(config: dict[str, Any], kind: str, shape: tuple[int, ...]):
     return setup.replace(micro_batch_size=shape[0], seq_len=shape[1], target_len=shape[2]), kernels
 
 
-def trace_copies(config: dict[str, Any], kind: str, shape: tuple[int, ...]) -> dict[str, Any]:
+def trace_copies(config: dict[str, Any], kind: str, shape: tuple[int, ...], models: dict | None = None) -> dict:
     """{"saved": {stack: bytes one more block keeps}, "grads": {stack: its gradient bytes}, "segments": the base
-    copy's moments from its last block's forward end to the end of backward}."""
+    copy's moments from its last block's forward end to the end of backward}. `models` keeps the copies built
+    (on fake tensors) for the next shape: only a vision model's copies change with the shape (its image size)."""
     setup, kernels = shape_setup(config, kind, shape)
     stacks = [s for s, _ in STACK_KEYS[config["model_type"]]]
     base = {s: 1 for s in stacks}
-    run = _trace(copy_config(config, base, shape), setup, kernels, stacks, timeline=True)
+    models = {} if models is None else models
+
+    def built(layers: dict[str, int]):
+        copied = copy_config(config, layers, shape)
+        key = json.dumps(copied, sort_keys=True, default=str)
+        if key not in models:
+            models[key] = _build(copied, setup)
+        return copied, models[key]
+
+    run = _trace(*built(base), setup, kernels, stacks, timeline=True)
     saved, grads = {}, {}
     for stack in stacks:
-        more = _trace(copy_config(config, {**base, stack: 2}, shape), setup, kernels, stacks, timeline=False)
+        more = _trace(*built({**base, stack: 2}), setup, kernels, stacks, timeline=False)
         saved[stack] = more["forward_end"] - run["forward_end"]
         grads[stack] = more["block_params_bytes"][stack]
     return {"saved": saved, "grads": grads, "segments": run["segments"]}
@@ -54,19 +65,30 @@ def _block_lists(model, stacks: list[str]) -> list[tuple[str, list]]:
     return found
 
 
-def _trace(config: dict[str, Any], setup, kernels: str, stacks: list[str], *, timeline: bool) -> dict[str, Any]:
-    import torch
+def _build(config: dict[str, Any], setup):
+    """A copy on fake tensors, and its fake mode (its batches are made in the same one)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .._torch import step as runner
-    from ..trace.kernels import device_kernels
-    from ..trace.session import build_hf_model, make_hf_batch
-    from ..trace.tracker import StepTracker, _Kind
+    from ..trace.session import build_hf_model
     from .fit import quiet_transformers
 
     fake_mode = FakeTensorMode()
     with quiet_transformers(), fake_mode:
-        model = build_hf_model(config, setup, [])
+        return build_hf_model(config, setup, []), fake_mode
+
+
+def _trace(config: dict[str, Any], built, setup, kernels: str, stacks: list[str], *, timeline: bool) -> dict:
+    import torch
+
+    from .._torch import step as runner
+    from ..trace.kernels import device_kernels
+    from ..trace.session import make_hf_batch
+    from ..trace.tracker import StepTracker, _Kind
+
+    model, fake_mode = built
+    for param in model.parameters():
+        param.grad = None
+    with fake_mode:
         batch = make_hf_batch(config, model, setup)
     tracker = StepTracker(num_steps=1)
     blocks = {id(block): stack for stack, (_, modules) in zip(stacks, _block_lists(model, stacks))
