@@ -127,17 +127,22 @@ class StackFit:
     segments: list[dict[str, Any]]
     """In time order: {"stack": name or None (between blocks), "acts": [[coef]...], "grads": [[coef]...]}, one line
     per moment (or one for the segment's peak when the shapes changed its number of moments)."""
+    second: dict[str, dict[str, list]] = field(default_factory=dict)
+    """Checkpointed kinds: per stack, the lines of the backward of a stack's second block (one sibling done),
+    from a copy with two blocks in that stack. A checkpointed block's input is the block before's output, so a
+    finished block leaves more behind than its gradients until the next one is done."""
     fit_error: float = 0.0
     versions: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "model_type": self.model_type, "saved": self.saved, "grads": self.grads,
-                "segments": self.segments, "fit_error": self.fit_error, "versions": self.versions}
+                "segments": self.segments, "second": self.second, "fit_error": self.fit_error,
+                "versions": self.versions}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StackFit":
         return cls(kind=str(data["kind"]), model_type=str(data["model_type"]), saved=dict(data["saved"]),
-                   grads=dict(data["grads"]), segments=list(data["segments"]),
+                   grads=dict(data["grads"]), segments=list(data["segments"]), second=dict(data.get("second", {})),
                    fit_error=float(data.get("fit_error", 0.0)), versions=dict(data.get("versions", {})))
 
     def value(self, coef: list[float], shape: tuple[int, ...]) -> int:
@@ -178,31 +183,40 @@ def derive_stacks(config: dict[str, Any], kind: str, *, progress=None) -> StackF
     grads = {s: fit([r["grads"][s] for r in runs]) for s in stacks}
     segments = []
     for j, first in enumerate(runs[0]["segments"]):
-        # the segment's peak moment, and (where every shape has as many moments) each moment on its own: a moment
-        # kept only where its line goes through every fit shape (frees can come in another order at another shape)
-        peaks = [max(range(len(r["segments"][j]["acts"])), key=lambda k, r=r: _total(r, j, k)) for r in runs]
-        candidates = [([r["segments"][j]["acts"][k] for r, k in zip(runs, peaks)],
-                       [r["segments"][j]["grads"][k] for r, k in zip(runs, peaks)])]
-        counts = {len(r["segments"][j]["acts"]) for r in runs}
-        if len(counts) == 1:
-            candidates += [([r["segments"][j]["acts"][k] for r in runs], [r["segments"][j]["grads"][k] for r in runs])
-                           for k in range(counts.pop())]
-        acts, grad = [], []
-        for act_values, grad_values in candidates:
-            a, g = fit(act_values), fit(grad_values)
-            if consistent(act_values, a) and consistent(grad_values, g):
-                acts.append(a)
-                grad.append(g)
-        if not acts:
-            raise ModelSourceError(f"model_type '{model_type}': the live bytes of backward segment {j} are not linear "
-                                   "in the shape; use `memfit trace` for this model")
-        acts, grad = _envelope(model_type, acts, grad, points)
+        acts, grad = _fit_moments([r["segments"][j] for r in runs], fit, consistent, f"backward segment {j}",
+                                  model_type, points)
         segments.append({"stack": first["stack"], "phase": first["phase"], "done": first["done"], "acts": acts,
                          "grads": grad})
+    second = {stack: dict(zip(("acts", "grads"), _fit_moments(
+        [r["second"][stack] for r in runs], fit, consistent, f"the second {stack} block's backward", model_type,
+        points))) for stack in runs[0].get("second", {})}
     result = StackFit(kind=kind, model_type=model_type, saved=saved, grads=grads, segments=segments,
-                      versions=versions())
+                      second=second, versions=versions())
     worst = max(_check(result, point, run) for point, run in zip(points[len(fit_shapes):], runs[len(fit_shapes):]))
     return StackFit(**{**result.__dict__, "fit_error": worst})
+
+
+def _fit_moments(windows: list[dict[str, list[int]]], fit, consistent, what: str, model_type: str,
+                 points: list) -> tuple[list, list]:
+    """Lines for one window's moments (one window per traced shape): the window's peak moment, and (where every
+    shape has as many moments) each moment on its own; a line is kept only where it goes through every fit shape
+    (frees can come in another order at another shape), then only those that are ever the window's largest."""
+    peaks = [max(range(len(w["acts"])), key=lambda k, w=w: w["acts"][k] + w["grads"][k]) for w in windows]
+    candidates = [([w["acts"][k] for w, k in zip(windows, peaks)], [w["grads"][k] for w, k in zip(windows, peaks)])]
+    counts = {len(w["acts"]) for w in windows}
+    if len(counts) == 1:
+        candidates += [([w["acts"][k] for w in windows], [w["grads"][k] for w in windows])
+                       for k in range(counts.pop())]
+    acts, grads = [], []
+    for act_values, grad_values in candidates:
+        a, g = fit(act_values), fit(grad_values)
+        if consistent(act_values, a) and consistent(grad_values, g):
+            acts.append(a)
+            grads.append(g)
+    if not acts:
+        raise ModelSourceError(f"model_type '{model_type}': the live bytes of {what} are not linear in the shape; "
+                               "use `memfit trace` for this model")
+    return _envelope(model_type, acts, grads, points)
 
 
 def _total(run: dict[str, Any], j: int, k: int) -> int:

@@ -136,20 +136,24 @@ def moments(spec, setup, static, step_temp: int, on_cpu: bool) -> dict:
     shape, full = shape_of(config, setup), depths(config)
     saved = {s: max(0, fit.value(c, shape)) for s, c in fit.saved.items()}
     grads = {s: max(0, fit.value(c, shape)) for s, c in fit.grads.items()}
-    full_grads = sum(v * full[s] for s, v in grads.items()) or 1
-    scale = static.grads_bytes / max(full_grads, 1)  # a sharded gradient partition holds its share of each
+    unsharded = spec.num_params * (2 if setup.precision.param_dtype == "bf16" else 4)  # a gradient per parameter
+    scale = static.grads_bytes / max(unsharded, 1)  # a sharded gradient partition holds its share of each
     early = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
     out: dict = {}
     for j, segment in enumerate(fit.segments):
         variants = [None] if segment["stack"] is None else ["first", "last"]
         for variant in variants:
             pending, done = _others(segment, variant, full)
+            lines = segment
+            if variant == "last" and segment["stack"] in fit.second and full[segment["stack"]] >= 2:
+                lines = fit.second[segment["stack"]]  # traced with one sibling done: its leftovers are in there
+                done[segment["stack"]] -= 1
             extra_acts = sum(pending[s] * saved[s] for s in pending)
             extra_grads = sum(done[s] * grads[s] for s in done)
-            best = max(range(len(segment["acts"])), key=lambda k: fit.value(segment["acts"][k], shape)
-                       + fit.value(segment["grads"][k], shape))
-            live = max(0, fit.value(segment["acts"][best], shape))
-            grads_now = max(early, int((fit.value(segment["grads"][best], shape) + extra_grads) * scale))
+            best = max(range(len(lines["acts"])), key=lambda k: fit.value(lines["acts"][k], shape)
+                       + fit.value(lines["grads"][k], shape))
+            live = max(0, fit.value(lines["acts"][best], shape))
+            grads_now = max(early, int((fit.value(lines["grads"][best], shape) + extra_grads) * scale))
             terms = _static_terms(spec, setup, static, grads_now, on_cpu) + _block_terms(pending, saved, full)
             terms.append(_term("activations/step", live, "the live tensors of a copy with one block per stack at this "
                                "moment: inputs, embeddings, its blocks' own, head, logits, loss, backward "

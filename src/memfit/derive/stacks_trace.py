@@ -43,12 +43,16 @@ def trace_copies(config: dict[str, Any], kind: str, shape: tuple[int, ...], mode
         return copied, models[key]
 
     run = _trace(*built(base), setup, kernels, stacks, timeline=True)
-    saved, grads = {}, {}
+    saved, grads, second = {}, {}, {}
+    checkpointed = kind.endswith("/ckpt")
     for stack in stacks:
-        more = _trace(*built({**base, stack: 2}), setup, kernels, stacks, timeline=False)
+        more = _trace(*built({**base, stack: 2}), setup, kernels, stacks, timeline=checkpointed)
         saved[stack] = more["forward_end"] - run["forward_end"]
         grads[stack] = more["block_params_bytes"][stack]
-    return {"saved": saved, "grads": grads, "segments": run["segments"]}
+        if checkpointed:  # the backward of the stack's second block (the first one in forward)
+            window = [seg for seg in more["segments"] if seg["stack"] == stack][-1]
+            second[stack] = {"acts": window["acts"], "grads": window["grads"]}
+    return {"saved": saved, "grads": grads, "segments": run["segments"], "second": second}
 
 
 def _block_lists(model, stacks: list[str]) -> list[tuple[str, list]]:
