@@ -33,8 +33,8 @@ def _memfit(*args: str, cache: Path) -> subprocess.CompletedProcess:
                           timeout=300, env=env)
 
 
-STACKED_SHIPPED = {"t5-large", "vit-large-patch16-224", "vit-base-patch16-224", "dinov2-small", "dinov2-base",
-                   "dinov2-large"}
+STACKED_SHIPPED = {"t5-large", "vit-large-patch16-224", "vit-base-patch16-224", "vit-huge-patch14-224-in21k", "dinov2-small",
+                   "dinov2-base", "dinov2-large"}
 """Encoder-decoder / vision entries (memfit.derive.stacks) whose fits are shipped; the others ship their parameter
 tensors and derive a kind on first use (about a minute), until `python scripts/ship_derived.py` is run for them."""
 

@@ -98,7 +98,7 @@ def test_cli_refuses_a_decoder_length_on_a_decoder_only_model():
 @pytest.mark.parametrize("family, precision, checkpointing, attention", [
     ("t5", "fp32", "full", "eager"),  # two stacks of different depths, checkpointed, the T x S eager scores
     ("vit", "amp-bf16", "none", "sdpa"),  # tokens from the image, autocast
-])  # one derivation each (about a minute on one core); bench/encdec_vision.py runs BART, DINOv2 and the rest
+])  # one derivation each (T5: ~20 s on one core); bench/encdec_vision.py runs BART, DINOv2 and the rest
 def test_estimate_matches_the_trace_and_a_measured_step(family, precision, checkpointing, attention):
     from memfit.measure import measure
     from memfit.trace import trace
