@@ -55,6 +55,8 @@ def ship(name: str, force: bool) -> list[str]:
             "versions": library_versions(), "catalog_name": name}
     from memfit.sources.hf_config import FAMILIES
 
+    if getattr(spec.derived, "stacked", False):  # encoder-decoder / vision: memfit.derive.stacks
+        return _ship_stacked(config, base, force)
     params_path = OUT / shipped_name(config, PARAMS_KIND)
     if config["model_type"] not in FAMILIES and (force or not params_path.exists()):
         with quiet_transformers():
@@ -69,6 +71,34 @@ def ship(name: str, force: bool) -> list[str]:
             continue
         started = time.perf_counter()
         fit = derive_kind(config, kind)
+        _write(path, {**base, "kind": kind, "derive_seconds": round(time.perf_counter() - started, 3),
+                      "fit": fit.to_dict()})
+        written.append(path.name)
+    return written
+
+
+STACKED_KINDS = tuple(f"{kind}/{ckpt}" for kind in KINDS for ckpt in ("nockpt", "ckpt"))
+"""memfit.derive.stacks kinds also say whether blocks are checkpointed (another timeline)."""
+
+
+def _ship_stacked(config: dict, base: dict, force: bool) -> list[str]:
+    from memfit.derive.cache import shipped_name
+    from memfit.derive.stacks import derive_stacks
+    from memfit.derive.stacks_spec import PARAMS_KIND, _param_rows
+
+    written = []
+    params_path = OUT / shipped_name(config, PARAMS_KIND)
+    if force or not params_path.exists():
+        rows, facts = _param_rows(config, base["catalog_name"])
+        _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,
+                             "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
+        written.append(params_path.name)
+    for kind in STACKED_KINDS:
+        path = OUT / shipped_name(config, kind)
+        if path.exists() and not force:
+            continue
+        started = time.perf_counter()
+        fit = derive_stacks(config, kind)
         _write(path, {**base, "kind": kind, "derive_seconds": round(time.perf_counter() - started, 3),
                       "fit": fit.to_dict()})
         written.append(path.name)

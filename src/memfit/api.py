@@ -41,6 +41,9 @@ def typical_setup(spec: ModelSpec, hardware: Hardware, **given: Any) -> Training
     from the hardware. On a GPU without bf16 (T4, V100) the default precision is amp-fp16, and a given bf16
     precision is a ConfigError. `notes` say what was assumed, so the output can state it."""
     given = {name: value for name, value in given.items() if value is not None}
+    from .derive.stacks_estimate import check_given  # decoder length, image size: refused where not taken
+
+    given = check_given(spec, given)
     if spec.finetune is not None and "finetune" not in given:
         given["finetune"] = spec.finetune  # a live LoRA model trains what it has
     defaults, notes = TrainingSetup(), []

@@ -120,10 +120,10 @@ def _resolve_model(model_or_config, setup: TrainingSetup, device) -> tuple[objec
 def _default_batches(model, setup: TrainingSetup, device) -> list:
     import torch
 
-    from ._torch.step import make_batch
+    from ._torch.step import is_image_classifier, make_batch
 
     config = getattr(model, "config", None)
-    if getattr(config, "vocab_size", None) is None:
+    if getattr(config, "vocab_size", None) is None and not is_image_classifier(config):
         raise ConfigError("measure needs batches= for a model without an HF config: one dict of tensors its forward "
                           "takes (or a list of grad_accum_steps of them)")
     generator = torch.Generator().manual_seed(0)

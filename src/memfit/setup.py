@@ -345,6 +345,14 @@ class TrainingSetup:
     """HSDP: ZeRO-2/3 shards over groups of dp_shard data-parallel ranks and replicates across the
     dp_size / dp_shard groups (FSDP2 fully_shard(mesh=2D (replicate, shard)); torchtitan's
     data_parallel_shard_degree, with data_parallel_replicate_degree the rest). 0: shard over all of them."""
+
+    # ---- inputs of encoder-decoder and vision models (memfit.derive.stacks checks them against the model) ----
+    target_len: int | None = None
+    """Encoder-decoders (T5, BART): tokens per decoder (target) sequence; `seq_len` is the encoder's (source)
+    length. None for other models."""
+    image_size: int | None = None
+    """Vision transformers (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image
+    are (image_size / patch)^2 + CLS (+ registers), so `seq_len` does not apply. None: the config's image_size."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -362,6 +370,9 @@ class TrainingSetup:
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp", "pp",
                                  "pp_virtual_stages", "cp")
                     if not _positive_int(getattr(self, name))]
+        problems += [f"{name} must be a positive whole number or None, got {getattr(self, name)!r}"
+                     for name in ("target_len", "image_size")
+                     if getattr(self, name) is not None and not _positive_int(getattr(self, name))]
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if not problems:
@@ -672,7 +683,7 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer_in_backward": "optimizer in backward", "activation_offload": "activation offload",
     "pp": "pp", "pp_schedule": "pp schedule",
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
-    "cp_rotate": "cp rotate"}
+    "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 

@@ -86,9 +86,13 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
     adapters on a base stored as planned (memfit._torch.lora), train mode.
     """
     transformers = _import("transformers")
+    if setup.image_size and is_image_classifier(config):  # the model at that resolution (its position table too)
+        config = {**config, "image_size": setup.image_size}
     hf_config = hf_config_from_dict(config)
     hf_config.use_cache = False
     auto = (transformers.AutoModelForMaskedLM if hf_config.model_type in MASKED_LM_TYPES
+            else transformers.AutoModelForImageClassification if is_image_classifier(config)
+            else transformers.AutoModelForSeq2SeqLM if getattr(hf_config, "is_encoder_decoder", False)
             else transformers.AutoModelForCausalLM)
     dtype = param_dtype(setup)
     if setup.finetune.adapters:
@@ -277,6 +281,8 @@ def make_batch(config_or_spec, setup: TrainingSetup, *, device="cpu", generator:
     labelled; a real MLM collator labels ~15%, but the logits and the loss are computed at every position either way,
     so the memory is the same.
     """
+    if is_image_classifier(config_or_spec):
+        return pixel_batch(config_or_spec, setup, device=device, generator=generator)
     vocab_size = _field(config_or_spec, "vocab_size")
     if not vocab_size:
         raise ConfigError("make_batch needs a vocab_size (an HF config dict, a transformers config or a ModelSpec)")
@@ -285,7 +291,54 @@ def make_batch(config_or_spec, setup: TrainingSetup, *, device="cpu", generator:
     input_ids = torch.randint(0, int(vocab_size), shape, generator=generator,
                               device=device if on_device else generator.device)
     input_ids = input_ids.to(device)
+    if is_encoder_decoder(config_or_spec):
+        if not setup.target_len:
+            raise ConfigError("an encoder-decoder batch needs the decoder length: set target_len (--target-len)")
+        # labels only: T5 / BART build decoder_input_ids by shifting them right (transformers shift_right /
+        # shift_tokens_right), so the decoder runs over target_len positions
+        labels = torch.randint(0, int(vocab_size), (setup.micro_batch_size, setup.target_len), generator=generator,
+                               device=device if on_device else generator.device)
+        return {"input_ids": input_ids, "labels": labels.to(device)}
     return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def pixel_batch(config_or_spec, setup: TrainingSetup, *, device="cpu", generator: torch.Generator | None = None) -> dict:
+    """Images of setup.image_size (else the config's), one class label each: micro_batch_size images; seq_len does
+    not apply (the tokens per image are fixed by the image and patch sizes)."""
+    size = setup.image_size or _field(config_or_spec, "image_size")
+    size = size if isinstance(size, int) else size[0]
+    channels = _field(config_or_spec, "num_channels") or 3
+    labels = _field(config_or_spec, "num_labels") or len(_field(config_or_spec, "id2label") or ()) or 2
+    where = generator.device if generator is not None else device
+    pixels = torch.randn(setup.micro_batch_size, channels, size, size, generator=generator, device=where,
+                         dtype=param_dtype(setup))
+    targets = torch.randint(0, int(labels), (setup.micro_batch_size,), generator=generator, device=where)
+    return {"pixel_values": pixels.to(device), "labels": targets.to(device)}
+
+
+def is_image_classifier(config_or_spec) -> bool:
+    """An HF config whose model builds as an image classifier (ViT, DINOv2) and not as a causal or masked LM."""
+    model_type = _field(config_or_spec, "model_type")
+    try:
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError:
+        return False
+    return (model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+            and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+
+def is_encoder_decoder(config_or_spec) -> bool:
+    """An encoder-decoder LM (T5, BART): its config says so, or transformers maps its model_type to a seq2seq LM."""
+    flag = _field(config_or_spec, "is_encoder_decoder")
+    if flag is not None:
+        return bool(flag)
+    model_type = _field(config_or_spec, "model_type")
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as seq2seq
+    except ImportError:
+        return False
+    return model_type in seq2seq
 
 
 def _field(source, name: str):

@@ -172,6 +172,14 @@ BatchOpt = Annotated[Optional[int], _option(
 SeqOpt = Annotated[Optional[int], _option(
     "--seq", "-s", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
     help=f"Sequence length in tokens. Default: {TrainingSetup.seq_len}, or the model's maximum if shorter.")]
+TargetOpt = Annotated[Optional[int], _option(
+    "--target-len", "--target", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
+    help="Encoder-decoders (T5, BART): decoder (target) length in tokens; --seq is the encoder's (source). "
+         "Required for them, refused for other models.")]
+ImageSizeOpt = Annotated[Optional[int], _option(
+    "--image-size", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="PIXELS",
+    help="Vision models (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image "
+         "follow from it (--seq does not apply). Default: the config's image_size.")]
 AccumOpt = Annotated[Optional[int], _option(
     "--accum", panel=SETUP_PANEL, parser=whole_number(MAX_ACCUM), metavar="N",
     help=f"Gradient accumulation steps. Default: {TrainingSetup.grad_accum_steps}.")]
@@ -323,6 +331,8 @@ class SetupOptions:
     margin: float | None = None
     batch: int | None = None
     seq: int | None = None
+    target_len: int | None = None
+    image_size: int | None = None
     accum: int | None = None
     precision: Precision | None = None
     optimizer: Optimizer | None = None
@@ -414,7 +424,8 @@ class SetupOptions:
                     optimizer_in_backward=self.optimizer_in_backward, activation_offload=self.activation_offload,
                     pp=self.pp, pp_schedule=self.pp_schedule,
                     pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
-                    cp=self.cp, cp_rotate=self.cp_rotate)
+                    cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
+                    image_size=self.image_size)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -459,12 +470,14 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward",
                     "activation_offload": "activation_offload",
                     "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
-                    "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate"}
-_OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
+                    "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate",
+                    "target_len": "target_len", "image_size": "image_size"}
+_OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method",
+                    "target_len": "--target-len", "image_size": "--image-size"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
-    "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
+    "batch": BatchOpt, "seq": SeqOpt, "target_len": TargetOpt, "image_size": ImageSizeOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
     "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "pp": PpOpt,
     "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "cp": CpOpt,

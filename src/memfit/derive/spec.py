@@ -132,6 +132,12 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
         from dataclasses import replace
 
         return replace(base, derived=DerivedModel(config, label=name))
+    from .stacks import applies
+
+    if applies(config):  # several stacks, or tokens fixed by the image: memfit.derive.stacks
+        from .stacks_spec import stacked_spec
+
+        return stacked_spec(config, name=name, source=source)
     derived = DerivedModel(config, label=name)
     path = cache_path(config, PARAMS_KIND)
     data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)  # shipped for catalog models

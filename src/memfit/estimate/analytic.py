@@ -59,8 +59,11 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
+    from ..derive import stacks_estimate  # encoder-decoder / vision models: their own stacks' moments
+
     step_temp = full.step_temp_bytes + (bnb_cpu.step_scratch_bytes(spec, sized) if hardware.is_cpu else 0)
-    moments = _moments(spec, sized, static, step_temp, hardware.is_cpu)
+    moments = (stacks_estimate.moments if stacks_estimate.is_stacked(spec, sized) else _moments)(
+        spec, sized, static, step_temp, hardware.is_cpu)
     if asked.cp > 1:  # ring attention's buffers beside every block's backward (memfit.estimate.context_parallel)
         ring = context_parallel.ring_term(spec, asked, act.dtypes(spec, sized, hardware.is_cpu).compute)
         moments = {name: (ph, t + [ring] if any(x.name == "temporaries/layer_backward" for x in t) else t)

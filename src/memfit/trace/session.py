@@ -60,19 +60,14 @@ def build_hf_model(config: dict, setup: TrainingSetup, notes: list[str] | None =
     shapes do not depend on the routing. `notes` gets a line for each of these that applied."""
     notes = notes if notes is not None else []
     with _values_free_init(notes):
-        if is_image_classifier(config):
-            model = _build_image_classifier(config, _model_setup(setup))
-        else:
-            model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
+        model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
     if _has_experts(model):
         notes.append(MOE_NOTE)
     return model
 
 
 def make_hf_batch(config: dict, model: nn.Module, setup: TrainingSetup):
-    if is_image_classifier(config):
-        return _pixel_batch(model, setup)
-    return runner.make_batch(config, setup, device="cpu")
+    return runner.make_batch(config, _model_setup(setup), device="cpu")
 
 
 # ---- what fake tensors cannot do on their own ------------------------------------------------------------------
@@ -148,43 +143,7 @@ def routed_experts() -> Any:
         moe._can_use_grouped_mm = original
 
 
-# ---- image classifiers (ViT and kin) ----------------------------------------------------------------------------
-
-def is_image_classifier(config: dict) -> bool:
-    """An HF config whose model builds as an image classifier and not as a causal or masked LM."""
-    model_type = config.get("model_type")
-    try:
-        from transformers.models.auto import modeling_auto as auto
-    except ImportError:
-        return False
-    return (model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
-            and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            and model_type not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-
-
-def _build_image_classifier(config: dict, setup: TrainingSetup) -> nn.Module:
-    import transformers
-
-    hf_config = runner.hf_config_from_dict(config)
-    model = transformers.AutoModelForImageClassification.from_config(
-        hf_config, attn_implementation=str(setup.attention), dtype=runner.param_dtype(setup))
-    if setup.checkpointing is Checkpointing.FULL:
-        runner.enable_hf_checkpointing(model)
-    elif setup.checkpointing.is_on:
-        runner.apply_selective_checkpointing(model, setup)
-    model.train()
-    return model
-
-
-def _pixel_batch(model: nn.Module, setup: TrainingSetup) -> dict:
-    """Images of the config's size, one class label each (micro_batch_size images; seq_len does not apply)."""
-    config = model.config
-    size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
-    channels = getattr(config, "num_channels", 3)
-    dtype = runner.param_dtype(_model_setup(setup))
-    pixels = torch.randn(setup.micro_batch_size, channels, size, size, dtype=dtype)
-    labels = torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (setup.micro_batch_size,))
-    return {"pixel_values": pixels, "labels": labels}
+is_image_classifier = runner.is_image_classifier  # ViT and kin: built and batched by memfit._torch.step
 
 
 def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup, *,
