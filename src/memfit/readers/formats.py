@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..setup import Attention, Checkpointing, Engine, Optimizer, Precision
+from ..setup import Attention, Checkpointing, Engine, Loss, Optimizer, Precision
 from ._reader import NOT_RELEVANT, NOT_SIZED, OFF, Reader, _positive, _value
 from .files import detect_format, display_path, flatten, load_mapping, resolve_reference
 from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fsdp_plan, read_mixed_precision,
@@ -592,15 +592,15 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
             on = _truthy(data[key])
             read.set("checkpointing", Checkpointing.FULL if on else Checkpointing.NONE, key, data[key])
     _activation_offloading(read, data, "enable_activation_offloading", "torchtune OffloadActivations")
-    for key, why in (("optimizer_in_bwd", f"{NOT_SIZED}: the step runs inside backward and frees each gradient "
-                                          "early (memfit sizes whole gradients, an upper bound)"),
-                     ("compile", COMPILE)):
-        if key in data:
-            read.ignore(key, data[key], why if _truthy(data[key]) else OFF)
+    if "optimizer_in_bwd" in data:
+        read.set("optimizer_in_backward", _truthy(data["optimizer_in_bwd"]), "optimizer_in_bwd",
+                 data["optimizer_in_bwd"], "each parameter steps as its gradient arrives (per-parameter hooks)")
+    if "compile" in data:
+        read.ignore("compile", data["compile"], COMPILE if _truthy(data["compile"]) else OFF)
     loss = data.get("loss") if isinstance(data.get("loss"), Mapping) else {}
     if "chunked" in str(loss.get("_component_", "")).lower():
-        read.ignore("loss._component_", loss["_component_"], f"{NOT_SIZED}: chunked output loss (memfit sizes the "
-                                                             "whole logits)")
+        read.set("loss", Loss.CHUNKED, "loss._component_", loss["_component_"],
+                 "the head's output per sequence chunk (CEWithChunkedOutputLoss)")
     _torchtune_sharding(read, data, ctx.world)
     finish(read, data, TORCHTUNE_TABLE)
 
