@@ -284,6 +284,9 @@ class TrainingSetup:
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
     optimizer_in_backward: bool = False
     """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
+    compile: bool = False
+    """torch.compile each transformer block (torchtune `compile: True`, torchtitan `[compile] enable`, HF
+    `torch_compile=True`): AOTAutograd's min-cut partitioner decides what a block saves (memfit.estimate.compiled)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -305,6 +308,11 @@ class TrainingSetup:
             problems += self._moe_problems()
         if not isinstance(self.optimizer_in_backward, bool):
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
+        if not isinstance(self.compile, bool):
+            problems.append(f"compile must be true or false, got {self.compile!r}")
+        elif self.compile and self.finetune.adapters:
+            problems.append("compile is sized for full fine-tuning (the traced block carries no LoRA adapters): "
+                            "drop --compile or train every weight")
         if not problems:
             problems += self._combination_problems()
         if problems:
@@ -486,7 +494,7 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward"}
+    "optimizer_in_backward": "optimizer in backward", "compile": "torch.compile"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -521,7 +529,8 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "tp": ("tp", "sequence_parallel"),
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
-    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",)}
+    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
+    "compile": ("compile",)}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

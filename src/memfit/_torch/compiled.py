@@ -1,0 +1,218 @@
+"""torch.compile on the torch side: what AOTAutograd's partitioner saves for backward in one compiled block, read on
+fake tensors, and the switch that compiles a real model's blocks for a measured step.
+
+torch.compile's memory effect on training is AOTAutograd's: the joint forward + backward graph of the compiled
+region is cut by `min_cut_rematerialization_partition` (torch/_functorch/partitioners.py, the partitioner inductor
+uses, `compile_fx.py` `partition_fn`), which saves the cheapest set of tensors backward needs and recomputes
+pointwise chains (norm internals, activations, rotary) in backward; matmul / SDPA outputs are never recomputed.
+Fused kernels do not materialise their intermediates, and a saved tensor is exactly a forward-graph output the
+backward graph takes. So the saved bytes of a compiled block are the forward graph's saved outputs, sized from their
+fake values, with views resolved to the storage they alias (a `t()` of a weight keeps nothing new, a q/k/v split of
+the fused projection keeps the projection's output once).
+
+memfit assumes per-block compile, as torchtune (`training.compile_model`: each layer) and torchtitan
+(`apply_compile`: each TransformerBlock) do it: embedding, final norm, LM head and loss stay eager here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+PARTITION_SOURCE = "torch/_functorch/partitioners.py min_cut_rematerialization_partition(compiler='inductor')"
+
+
+class _Captured(Exception):
+    """Stops the model's forward once the first block's inputs are seen."""
+
+
+def block_inputs(model: torch.nn.Module, block: torch.nn.Module, batch: dict) -> tuple[tuple, dict]:
+    """The (args, kwargs) the model's forward passes its first block (hidden state, mask, rotary tables ...)."""
+    from .step import unpacked_sequences
+
+    seen: dict[str, Any] = {}
+
+    def grab(_module, args, kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with unpacked_sequences():
+            model(**{k: v for k, v in batch.items() if k != "labels"})
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        raise RuntimeError("the model's forward never called its first block")
+    return seen["args"], seen["kwargs"]
+
+
+def partition_block(block: torch.nn.Module, args: tuple, kwargs: dict, *, autocast=None) -> dict[str, Any]:
+    """Run `block` once through aot_function with the min-cut partitioner (no codegen: the partitioned graphs are
+    returned as they are) and return the forward graph, the saved nodes and which inputs are what."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from .step import unpacked_sequences
+
+    params = dict(block.named_parameters())
+    buffers = dict(block.named_buffers())
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    hidden_index = next((k for k, i in enumerate(tensor_at) if leaves[i].requires_grad), None)
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def run(p, b, tensors):
+        values = list(leaves)
+        for k, i in enumerate(tensor_at):
+            values[i] = tensors[k]
+        call_args, call_kwargs = pytree.tree_unflatten(values, spec)
+        with (autocast or _null)():
+            out = torch.func.functional_call(block, {**p, **b}, call_args, call_kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def keep(name: str) -> Callable:
+        def compiler(gm, _example_inputs):
+            graphs[name] = gm
+            return gm
+        return compiler
+
+    counts: dict[str, int] = {}
+
+    def partition(joint, joint_inputs, **kw):
+        counts["forward_outputs"] = kw["num_fwd_outputs"]
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kw)
+
+    compiled = aot_function(run, fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=partition)
+    with unpacked_sequences():
+        compiled(params, buffers, [leaves[i] for i in tensor_at])
+    num_static = len(params) + len(buffers)
+    return {"forward": graphs["forward"], "num_static": num_static, "num_forward_outputs": counts["forward_outputs"],
+            "hidden": None if hidden_index is None else num_static + hidden_index}
+
+
+def saved_bytes(partitioned: dict[str, Any]) -> dict[str, int]:
+    """Bytes the compiled block keeps for backward, by where: 'attention' (made before the first residual add: the
+    input norm, q/k/v, attention), 'mlp' (after it), 'norms' (the block's input, when saved), 'shared' (inputs every
+    block gets: masks, rotary tables; sized once by the estimator, not per block). Parameters are not counted."""
+    gm = partitioned["forward"]
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    hidden = placeholders[partitioned["hidden"]] if partitioned["hidden"] is not None else None
+    static = set(placeholders[:partitioned["num_static"]])
+    outputs = next(n for n in nodes if n.op == "output").args[0]
+    residual = _first_residual_add(nodes, hidden)
+    position = {n: i for i, n in enumerate(nodes)}
+    out = {"attention": 0, "mlp": 0, "norms": 0, "shared": 0}
+    seen: set = set()
+    for node in outputs[partitioned["num_forward_outputs"]:]:
+        base = _storage_base(node)
+        value = base.meta.get("val") if base is not None else None
+        if base is None or base in seen or base in static or not isinstance(value, torch.Tensor):
+            continue
+        seen.add(base)
+        num_bytes = value.untyped_storage().nbytes()
+        if base is hidden:
+            out["norms"] += num_bytes
+        elif base.op == "placeholder":
+            out["shared"] += num_bytes
+        else:
+            out["attention" if residual is None or position[base] < position[residual] else "mlp"] += num_bytes
+    return out
+
+
+def _storage_base(node):
+    """The node whose storage `node` aliases: through view ops (t, view, transpose, detach, split + getitem)."""
+    import operator
+
+    while node is not None and node.op == "call_function":
+        target = node.target
+        if target is operator.getitem:
+            parent = node.args[0]
+            if getattr(parent.target, "is_view", False):
+                node = parent.args[0]
+                continue
+            return node
+        if getattr(target, "is_view", False):
+            node = node.args[0]
+            continue
+        return node
+    return node
+
+
+def _first_residual_add(nodes, hidden):
+    if hidden is None:
+        return None
+    for node in nodes:
+        if node.op == "call_function" and "add" in str(node.target) and hidden in node.args:
+            return node
+    return None
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def traced_saved_bytes(config: dict, kind_setup, kernels: str, shapes) -> list[dict[str, int]]:
+    """`saved_bytes` of the first block of a 1-block copy of `config`, partitioned on fake tensors at each
+    (micro-batch, sequence) of `shapes` under the setup a kind stands for."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..derive.fit import build_short, quiet_transformers
+    from ..trace.kernels import device_kernels
+    from ..trace.session import make_hf_batch
+    from .blocks import named_blocks
+    from .step import autocast_factory
+
+    fake_mode = FakeTensorMode()
+    with quiet_transformers():
+        model, _notes = build_short(config, 1, kind_setup, fake_mode)
+    blocks = named_blocks(model)
+    if not blocks:
+        raise RuntimeError(f"model_type '{config.get('model_type')}': no repeated blocks to compile")
+    block = blocks[0][1]
+    autocast = autocast_factory(kind_setup, "cpu")
+    out = []
+    for batch_size, seq_len in shapes:
+        setup = kind_setup.replace(micro_batch_size=batch_size, seq_len=seq_len)
+        with fake_mode, device_kernels(kernels), quiet_transformers():
+            batch = make_hf_batch(config, model, setup)
+            with autocast():
+                args, kwargs = block_inputs(model, block, batch)
+            out.append(saved_bytes(partition_block(block, args, kwargs, autocast=autocast)))
+    return out
+
+
+def compile_blocks(model: torch.nn.Module, backend: str | Callable = "inductor") -> int:
+    """Compile each repeated block in place (`nn.Module.compile`), as torchtune and torchtitan do; returns how many.
+    `backend="partitioned"`: AOTAutograd with the min-cut partitioner whose graphs run as they are (no codegen):
+    the same saved tensors as inductor's, without a C++ compiler."""
+    from .blocks import named_blocks
+
+    chosen = partitioned_backend() if backend == "partitioned" else backend
+    blocks = named_blocks(model)
+    for _name, block in blocks:
+        block.compile(backend=chosen)
+    return len(blocks)
+
+
+def partitioned_backend():
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def run_as_is(gm, _example_inputs):
+        return make_boxed_func(gm.forward)
+
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, partition_fn=partition)
