@@ -100,11 +100,22 @@ def partition_block(block: torch.nn.Module, args: tuple, kwargs: dict, *, autoca
 def saved_bytes(partitioned: dict[str, Any]) -> dict[str, int]:
     """Bytes the compiled block keeps for backward, by where: 'attention' (made before the first residual add: the
     input norm, q/k/v, attention), 'mlp' (after it), 'norms' (the block's input, when saved), 'shared' (inputs every
-    block gets: masks, rotary tables; sized once by the estimator, not per block). Parameters are not counted."""
+    block gets: masks, rotary tables; sized once by the estimator, not per block). Parameters are not counted.
+
+    Each storage counts once, whichever views of it are saved: the fake values keep the storage a view aliases, so
+    `t()` of a weight, a split of a fused projection or an `_unsafe_view` (no view op in the schema, but it aliases
+    at run time) resolve to the tensor that owns the memory."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     gm = partitioned["forward"]
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     hidden = placeholders[partitioned["hidden"]] if partitioned["hidden"] is not None else None
+    owner: dict = {}  # storage -> the first node whose value lives in it
+    for node in nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            owner.setdefault(StorageWeakRef(value.untyped_storage()), node)
     static = set(placeholders[:partitioned["num_static"]])
     outputs = next(n for n in nodes if n.op == "output").args[0]
     residual = _first_residual_add(nodes, hidden)
@@ -112,11 +123,14 @@ def saved_bytes(partitioned: dict[str, Any]) -> dict[str, int]:
     out = {"attention": 0, "mlp": 0, "norms": 0, "shared": 0}
     seen: set = set()
     for node in outputs[partitioned["num_forward_outputs"]:]:
-        base = _storage_base(node)
-        value = base.meta.get("val") if base is not None else None
-        if base is None or base in seen or base in static or not isinstance(value, torch.Tensor):
+        value = node.meta.get("val") if node is not None else None
+        if not isinstance(value, torch.Tensor):
+            continue  # a SymInt
+        storage = StorageWeakRef(value.untyped_storage())
+        base = owner[storage]
+        if storage in seen or base in static:
             continue
-        seen.add(base)
+        seen.add(storage)
         num_bytes = value.untyped_storage().nbytes()
         if base is hidden:
             out["norms"] += num_bytes
@@ -125,25 +139,6 @@ def saved_bytes(partitioned: dict[str, Any]) -> dict[str, int]:
         else:
             out["attention" if residual is None or position[base] < position[residual] else "mlp"] += num_bytes
     return out
-
-
-def _storage_base(node):
-    """The node whose storage `node` aliases: through view ops (t, view, transpose, detach, split + getitem)."""
-    import operator
-
-    while node is not None and node.op == "call_function":
-        target = node.target
-        if target is operator.getitem:
-            parent = node.args[0]
-            if getattr(parent.target, "is_view", False):
-                node = parent.args[0]
-                continue
-            return node
-        if getattr(target, "is_view", False):
-            node = node.args[0]
-            continue
-        return node
-    return node
 
 
 def _first_residual_add(nodes, hidden):
