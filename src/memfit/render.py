@@ -43,7 +43,8 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (f", tp {setup.tp}{' + sequence parallel' if setup.sequence_parallel else ''}" if setup.tp > 1 else "")
             + (f", {setup.finetune}" if setup.finetune.adapters else "")
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
-            + (", optimizer in backward" if setup.optimizer_in_backward else ""))
+            + (", optimizer in backward" if setup.optimizer_in_backward else "")
+            + (", torch.compile" if setup.compile else ""))
 
 
 def _heading(console: Console, title: str) -> None:

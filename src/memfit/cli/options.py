@@ -232,6 +232,10 @@ InBackwardOpt = Annotated[Optional[bool], _option(
     "--optimizer-in-backward/--no-optimizer-in-backward", panel=SETUP_PANEL,
     help="Step each parameter in backward and free its gradient (torchtune optimizer_in_bwd): no gradient "
          "accumulation or clipping, one GPU. Default: off.")]
+CompileOpt = Annotated[Optional[bool], _option(
+    "--compile/--no-compile", panel=SETUP_PANEL,
+    help="torch.compile each transformer block (torchtune compile: True, torchtitan [compile] enable): a block "
+         "keeps what AOTAutograd's min-cut partitioner saves (traced on fake tensors). Default: off.")]
 
 MethodOpt = Annotated[Optional[Method], _option(
     "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
@@ -295,6 +299,7 @@ class SetupOptions:
     sequence_parallel: bool | None = None
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
+    compile: bool | None = None
     method: Method | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -362,7 +367,7 @@ class SetupOptions:
                     attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
                     expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
-                    optimizer_in_backward=self.optimizer_in_backward)
+                    optimizer_in_backward=self.optimizer_in_backward, compile=self.compile)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -404,7 +409,8 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
                     "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
                     "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
-                    "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward"}
+                    "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward",
+                    "compile": "compile"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
@@ -412,7 +418,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "batch": BatchOpt, "seq": SeqOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
     "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "loss": LossOpt,
-    "optimizer_in_backward": InBackwardOpt,
+    "optimizer_in_backward": InBackwardOpt, "compile": CompileOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
     "double_quant": DoubleQuantOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,
