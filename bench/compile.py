@@ -20,7 +20,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+import torch  # noqa: E402
 from tiny_configs import TINY_CONFIGS  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 from memfit._torch.step import build_hf_model  # noqa: E402
 from memfit.estimate import activations as act  # noqa: E402
@@ -56,26 +58,33 @@ def run_case(family: str, precision: str, attention: str, folder: Path, backend:
         saved = (compiled.layer_saved_bytes if on else act.layer_saved_bytes)(spec, setup, BATCH * SEQ, SEQ, True)
         predicted = estimate(spec, setup, hw)
         started = time.perf_counter()
+        # a fresh dynamo per model: past torch._dynamo.config.recompile_limit frames of one code object, dynamo
+        # runs the block eager without a word (this bench compiles dozens of blocks in one process)
+        torch._dynamo.reset()
+        counters.clear()
         model = build_hf_model(TINY_CONFIGS[family], setup, compile_backend=backend)
         measured = measure(model, setup, steps=2)
         tag = "compiled" if on else "eager"
         row.update({f"{tag}_layer": sum(saved.values()), f"{tag}_pred": predicted.tensor_bytes,
                     f"{tag}_meas": measured.tensor_bytes, f"{tag}_pred_act": predicted.activation_bytes,
                     f"{tag}_meas_act": measured.activation_bytes, f"{tag}_s": time.perf_counter() - started})
+        if on and counters["stats"]["unique_graphs"] < 1:
+            raise RuntimeError(f"{row['case']}: dynamo compiled no graph")
+    row["graphs"] = counters["stats"]["unique_graphs"]
     return row
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = [f"| case (B={BATCH}, T={SEQ}) | eager B/layer | compiled B/layer | change | compiled formula | "
-             "compiled measured | error | activations error | eager error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "compiled measured | error | activations error | eager error | graphs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         change = _pct(r["compiled_layer"], r["eager_layer"])
         lines.append(f"| {r['case']} | {r['eager_layer']:,} | {r['compiled_layer']:,} | {change:+.1f}% | "
                      f"{r['compiled_pred']:,} | {r['compiled_meas']:,} | "
                      f"{_pct(r['compiled_pred'], r['compiled_meas']):+.2f}% | "
                      f"{_pct(r['compiled_pred_act'], r['compiled_meas_act']):+.2f}% | "
-                     f"{_pct(r['eager_pred'], r['eager_meas']):+.2f}% |")
+                     f"{_pct(r['eager_pred'], r['eager_meas']):+.2f}% | {r['graphs']} |")
     return lines
 
 

@@ -17,8 +17,6 @@ def test_compile_is_a_checked_setup_field():
     assert TrainingSetup(compile=True).compile
     with pytest.raises(ConfigError, match="compile must be true or false"):
         TrainingSetup(compile="yes")
-    with pytest.raises(ConfigError, match="full fine-tuning"):
-        TrainingSetup(compile=True, finetune="lora")
 
 
 def _runtime_saved_bytes(block, args, kwargs) -> int:

@@ -310,9 +310,6 @@ class TrainingSetup:
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
-        elif self.compile and self.finetune.adapters:
-            problems.append("compile is sized for full fine-tuning (the traced block carries no LoRA adapters): "
-                            "drop --compile or train every weight")
         if not problems:
             problems += self._combination_problems()
         if problems:

@@ -64,7 +64,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=setup, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu_bytes, notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
-        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + compiled.notes(setup),
+        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + compiled.notes(spec, setup),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
 
@@ -227,8 +227,8 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
     if setup.precision.is_autocast:
         head_weight = spec.vocab_size * spec.hidden_size
         copies = 2 * (head_weight + (_linear_weight_elems(spec) - head_weight) * (layers - wrapped) // layers)
-        if setup.compile:  # a compiled block casts its weights in its graph: those saved are in its own bytes
-            copies = 2 * head_weight
+        if setup.compile and not compiled.unsized(spec, setup):  # a compiled block casts its weights in its graph
+            copies = 2 * head_weight  # (the casts it saves are in its own bytes): only the eager head's is cached
         if spec.frozen:
             copies = lora.autocast_copies(spec, setup, ckpt)
         terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, copies,

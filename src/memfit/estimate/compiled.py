@@ -36,14 +36,32 @@ def compiled_kind(setup: TrainingSetup, on_cpu: bool) -> str:
 
 
 def layer_saved_bytes(spec, setup: TrainingSetup, tokens: int, seq_len: int, on_cpu: bool) -> dict[str, int]:
-    """Bytes one compiled block keeps for backward, by group (attention / mlp / norms, see _torch.compiled)."""
-    from . import moe
+    """Bytes one compiled block keeps for backward, by group (attention / mlp / norms, see _torch.compiled); eager's
+    where the block is not traced (`unsized`): the partitioner saves no more than eager autograd in every block
+    bench/compile.py measures, so eager's bytes are an upper bound there."""
+    from . import activations as act
 
-    if moe.applies(spec, setup) or setup.tp > 1:
-        raise ConfigError("--compile is sized for dense blocks on one tensor-parallel rank (the traced block is the "
-                          "whole, unrouted block): drop --compile, or --tp / the MoE model")
+    if unsized(spec, setup):
+        return act.layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
     fit = block_fit(model_config(spec), compiled_kind(setup, on_cpu))
     return {g: max(0, fit[g](tokens, seq_len)) for g in GROUPS}
+
+
+def unsized(spec, setup: TrainingSetup) -> str:
+    """Why a compiled block is sized as eager ('' when it is traced)."""
+    from . import moe
+
+    if setup.finetune.adapters:
+        return "the traced block carries no LoRA adapters"
+    if moe.applies(spec, setup):
+        return "routed experts are not traced compiled"
+    if setup.tp > 1:
+        return "the traced block is unsharded (tp 1)"
+    try:
+        model_config(spec)
+    except ConfigError as error:
+        return str(error)
+    return ""
 
 
 def model_config(spec) -> dict[str, Any]:
@@ -59,8 +77,8 @@ def model_config(spec) -> dict[str, Any]:
         return hf_config_dict(spec.source[len("hub:"):])
     if spec.source not in ("config dict", "module", "config"):
         return hf_config_dict(spec.source)
-    raise ConfigError(f"--compile traces the model's blocks and needs its config: give '{spec.name}' as a catalog "
-                      "name, a config.json path or a hub id")
+    raise ConfigError(f"tracing a compiled block needs the model's config: give '{spec.name}' as a catalog name, "
+                      "a config.json path or a hub id")
 
 
 def block_fit(config: dict[str, Any], kind: str) -> dict[str, Linear]:
@@ -115,5 +133,8 @@ def _from_payload(data: dict[str, Any] | None) -> dict[str, Linear] | None:
         return None
 
 
-def notes(setup: TrainingSetup) -> tuple[str, ...]:
-    return (NOTE,) if setup.compile else ()
+def notes(spec, setup: TrainingSetup) -> tuple[str, ...]:
+    if not setup.compile:
+        return ()
+    why = unsized(spec, setup)
+    return (f"torch.compile sized as eager ({why}): an upper bound",) if why else (NOTE,)

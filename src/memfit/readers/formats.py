@@ -189,7 +189,7 @@ TRAINING_ARGS_TABLE = {
     "per_device_eval_batch_size": EVAL, "eval_accumulation_steps": EVAL, "bf16_full_eval": EVAL,
     "fp16_full_eval": EVAL,
     "auto_find_batch_size": f"{NOT_SIZED} (the Trainer halves the batch after an out-of-memory error)",
-    "torch_compile": COMPILE, "torch_compile_backend": COMPILE, "torch_compile_mode": COMPILE,
+    "torch_compile_backend": COMPILE, "torch_compile_mode": COMPILE,
     "use_liger_kernel": NOT_SIZED, "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
     "gradient_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "activation_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
@@ -580,10 +580,12 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
             read.set("checkpointing", Checkpointing.FULL if on else Checkpointing.NONE, key, data[key])
     for key, why in (("enable_activation_offloading", f"{NOT_SIZED} (activation offloading to the CPU)"),
                      ("optimizer_in_bwd", f"{NOT_SIZED}: the step runs inside backward and frees each gradient "
-                                          "early (memfit sizes whole gradients, an upper bound)"),
-                     ("compile", COMPILE)):
+                                          "early (memfit sizes whole gradients, an upper bound)"),):
         if key in data:
             read.ignore(key, data[key], why if _truthy(data[key]) else OFF)
+    if "compile" in data:  # torchtune training.compile_model: each layer, and the loss
+        read.set("compile", _truthy(data["compile"]), "compile", data["compile"],
+                 "each layer compiled; memfit sizes the loss eager" if _truthy(data["compile"]) else "")
     loss = data.get("loss") if isinstance(data.get("loss"), Mapping) else {}
     if "chunked" in str(loss.get("_component_", "")).lower():
         read.ignore("loss._component_", loss["_component_"], f"{NOT_SIZED}: chunked output loss (memfit sizes the "
