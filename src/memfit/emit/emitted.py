@@ -103,7 +103,8 @@ def describe(setup: TrainingSetup) -> str:
              f"checkpointing {setup.checkpointing}", f"attention {setup.attention}", f"sharding {setup.sharding}",
              f"offload {setup.offload}"] + ([str(setup.finetune)] if setup.finetune.adapters else []) + (
                  [f"loss {setup.loss}"] if setup.loss.value != "standard" else []) + (
-                 ["optimizer in backward"] if setup.optimizer_in_backward else [])
+                 ["optimizer in backward"] if setup.optimizer_in_backward else []) + (
+                 ["torch.compile per block"] if setup.compile else [])
     return ", ".join(parts)
 
 

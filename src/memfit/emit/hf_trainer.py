@@ -101,7 +101,7 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                 "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
-    for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _engine_part):
+    for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _compile_part, _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
                                                        legacy_names=legacy_names)
         content.update(part_content)
@@ -218,6 +218,18 @@ def _loss_part(setup: TrainingSetup, **_):
         notes.append("The optimizer step in backward is torchtune's `optimizer_in_bwd: True` (with "
                      "gradient_accumulation_steps 1 and clip_grad_norm null); TrainingArguments has no such option.")
     return content, comments, notes
+
+
+def _compile_part(setup: TrainingSetup, **_):
+    """torch.compile: the Trainer compiles the whole model; torchtune and torchtitan compile each block, as memfit
+    sizes it (memfit.estimate.compiled)."""
+    if not setup.compile:
+        return {}, {}, []
+    return ({"torch_compile": True},
+            {"torch_compile": "torch.compile (inductor): blocks keep what AOTAutograd's min-cut partitioner saves"},
+            ["torch.compile is sized per block (torchtune `compile: True`, torchtitan `[compile] enable = true`); "
+             "the Trainer's torch_compile compiles the whole model, head and loss included, which memfit sizes "
+             "eager. First steps are slow (compilation); a new sequence length recompiles."])
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):
