@@ -89,3 +89,37 @@ def test_estimate_matches_a_measured_compiled_step(tmp_path, monkeypatch):
     assert abs(predicted.tensor_bytes - measured.tensor_bytes) <= 0.005 * measured.tensor_bytes
     assert any("torch.compile per block" in note for note in predicted.notes)
     assert list((tmp_path / "cache").glob("*.json"))  # the fit is cached on disk
+
+
+def test_emitted_trainer_arguments_compile_and_read_back(tmp_path, monkeypatch):
+    """The HF emitter's torch_compile=True is a real TrainingArguments field, and memfit's reader maps it back."""
+    transformers = pytest.importorskip("transformers")
+    from memfit.emit.hf_trainer import hf_trainer_kwargs
+    from memfit.readers import read_config
+
+    setup = TrainingSetup(precision="bf16", micro_batch_size=2, compile=True)
+    kwargs = hf_trainer_kwargs(setup)
+    assert kwargs["torch_compile"] is True
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True,
+                                          **{k: v for k, v in kwargs.items() if k != "bf16"})
+    assert args.torch_compile is True
+    path = tmp_path / "training_args.json"
+    path.write_text(json.dumps(dict(kwargs, output_dir="out")))
+    monkeypatch.chdir(tmp_path)
+    assert read_config("training_args.json").overrides["compile"] is True
+    assert "torch_compile" not in hf_trainer_kwargs(setup.replace(compile=False))
+
+
+def test_plan_reaches_the_compile_rung_on_shipped_fits(tmp_path, monkeypatch):
+    """llama-3.2-1b ships its compiled fits: with checkpointing and the batch pinned the plan takes torch.compile
+    (no trace: nothing is written to the cache), and compiled blocks keep less than eager ones."""
+    from memfit.api import plan_memory
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    setup = TrainingSetup(precision="bf16", optimizer="adamw-8bit", micro_batch_size=16, seq_len=4096)
+    result = plan_memory("llama-3.2-1b", setup, "H100", keep="checkpointing,micro_batch")
+    keys = [step.technique for step in result.steps]
+    assert "compile" in keys, keys
+    step = result.steps[keys.index("compile")]
+    assert step.estimate.activation_bytes < result.steps[keys.index("compile") - 1].estimate.activation_bytes
+    assert not (tmp_path / "cache").exists()
