@@ -16,12 +16,12 @@ memfit assumes per-block compile, as torchtune (`training.compile_model`: each l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 PARTITION_SOURCE = "torch/_functorch/partitioners.py min_cut_rematerialization_partition(compiler='inductor')"
 
@@ -54,47 +54,51 @@ def block_inputs(model: torch.nn.Module, block: torch.nn.Module, batch: dict) ->
 
 
 def partition_block(block: torch.nn.Module, args: tuple, kwargs: dict, *, autocast=None) -> dict[str, Any]:
-    """Run `block` once through aot_function with the min-cut partitioner (no codegen: the partitioned graphs are
-    returned as they are) and return the forward graph, the saved nodes and which inputs are what."""
-    from torch._functorch.aot_autograd import aot_function
+    """Compile `block` with torch.compile and an AOTAutograd backend whose partition is inductor's min-cut one and
+    whose compilers keep the partitioned graphs as they are (no codegen), run it once on these (fake) inputs, and
+    return the forward graph and which of its inputs are parameters / buffers and the hidden state.
+
+    Through dynamo, not aot_function on the module: dynamo decides what the compiled region sees (a CPU autocast
+    casts the inputs of the ops an SDPA math path decomposes into, which eager autocast leaves fp32), and a graph
+    break shows up as a second graph, which is refused."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from .step import unpacked_sequences
 
-    params = dict(block.named_parameters())
-    buffers = dict(block.named_buffers())
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    hidden_index = next((k for k, i in enumerate(tensor_at) if leaves[i].requires_grad), None)
-    graphs: dict[str, torch.fx.GraphModule] = {}
-
-    def run(p, b, tensors):
-        values = list(leaves)
-        for k, i in enumerate(tensor_at):
-            values[i] = tensors[k]
-        call_args, call_kwargs = pytree.tree_unflatten(values, spec)
-        with (autocast or _null)():
-            out = torch.func.functional_call(block, {**p, **b}, call_args, call_kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else out
+    graphs: dict[str, list] = {"forward": [], "inputs": []}
+    counts: dict[str, int] = {}
 
     def keep(name: str) -> Callable:
         def compiler(gm, _example_inputs):
-            graphs[name] = gm
+            graphs[name].append(gm)
             return gm
         return compiler
-
-    counts: dict[str, int] = {}
 
     def partition(joint, joint_inputs, **kw):
         counts["forward_outputs"] = kw["num_fwd_outputs"]
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kw)
 
-    compiled = aot_function(run, fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=partition)
-    with unpacked_sequences():
-        compiled(params, buffers, [leaves[i] for i in tensor_at])
-    num_static = len(params) + len(buffers)
-    return {"forward": graphs["forward"], "num_static": num_static, "num_forward_outputs": counts["forward_outputs"],
-            "hidden": None if hidden_index is None else num_static + hidden_index}
+    aot = aot_autograd(fw_compiler=keep("forward"), bw_compiler=lambda gm, _inputs: gm, partition_fn=partition)
+
+    def backend(gm, example_inputs):
+        graphs["inputs"].append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+        return aot(gm, example_inputs)
+
+    compiled = torch.compile(block, backend=backend, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
+            unpacked_sequences(), (autocast or _null)():
+        compiled(*args, **kwargs)
+    if len(graphs["forward"]) != 1:
+        raise RuntimeError(f"torch.compile made {len(graphs['forward'])} graphs of one block (graph breaks): what "
+                           "the eager code between them keeps is not sized")
+    names = graphs["inputs"][0]
+    static = {i for i, name in enumerate(names) if "_parameters_" in name or "_buffers_" in name}
+    inputs = [i for i in range(len(names)) if i not in static]
+    hidden = next((i for i in inputs if "hidden_states" in names[i]), inputs[0] if inputs else None)
+    return {"forward": graphs["forward"][0], "static": static, "hidden": hidden,
+            "num_forward_outputs": counts["forward_outputs"]}
 
 
 def saved_bytes(partitioned: dict[str, Any]) -> dict[str, int]:
@@ -116,7 +120,7 @@ def saved_bytes(partitioned: dict[str, Any]) -> dict[str, int]:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
             owner.setdefault(StorageWeakRef(value.untyped_storage()), node)
-    static = set(placeholders[:partitioned["num_static"]])
+    static = {placeholders[i] for i in partitioned["static"]}
     outputs = next(n for n in nodes if n.op == "output").args[0]
     residual = _first_residual_add(nodes, hidden)
     position = {n: i for i, n in enumerate(nodes)}
@@ -180,12 +184,31 @@ def traced_saved_bytes(config: dict, kind_setup, kernels: str, shapes) -> list[d
     out = []
     for batch_size, seq_len in shapes:
         setup = kind_setup.replace(micro_batch_size=batch_size, seq_len=seq_len)
-        with fake_mode, device_kernels(kernels), quiet_transformers():
+        with fake_mode, device_kernels(kernels), _named_swaps(), quiet_transformers():
             batch = make_hf_batch(config, model, setup)
             with autocast():
                 args, kwargs = block_inputs(model, block, batch)
             out.append(saved_bytes(partition_block(block, args, kwargs, autocast=autocast)))
     return out
+
+
+@contextlib.contextmanager
+def _named_swaps():
+    """memfit.trace.kernels swaps torch.nn.functional functions for functools.partial objects, which dynamo cannot
+    trace (they have no __name__): the same calls behind named functions while the block is compiled."""
+    import torch.nn.functional as F
+
+    swapped = {name: getattr(F, name) for name in dir(F) if isinstance(getattr(F, name), functools.partial)}
+    for name, partial in swapped.items():
+        def call(*args, _partial=partial, **kwargs):
+            return _partial(*args, **kwargs)
+        call.__name__ = call.__qualname__ = name
+        setattr(F, name, call)
+    try:
+        yield
+    finally:
+        for name, partial in swapped.items():
+            setattr(F, name, partial)
 
 
 def compile_blocks(model: torch.nn.Module, backend: str | Callable = "inductor") -> int:
