@@ -123,3 +123,10 @@ def test_plan_reaches_the_compile_rung_on_shipped_fits(tmp_path, monkeypatch):
     step = result.steps[keys.index("compile")]
     assert step.estimate.activation_bytes < result.steps[keys.index("compile") - 1].estimate.activation_bytes
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_trace_refuses_compile_rather_than_show_eager_bytes():
+    from memfit.trace.run import trace
+
+    with pytest.raises(ConfigError, match="trace runs the step eager"):
+        trace(TINY_LLAMA, TrainingSetup(precision="fp32", micro_batch_size=2, seq_len=16, compile=True))

@@ -217,7 +217,10 @@ def compile_blocks(model: torch.nn.Module, backend: str | Callable = "inductor")
     the same saved tensors as inductor's, without a C++ compiler."""
     from .blocks import named_blocks
 
-    chosen = partitioned_backend() if backend == "partitioned" else backend
+    from torch._subclasses.fake_tensor import is_fake
+
+    on_fake = any(is_fake(p) for p in model.parameters())  # a trace: the partition without codegen, same tensors
+    chosen = partitioned_backend() if backend == "partitioned" or on_fake else backend
     blocks = named_blocks(model)
     for _name, block in blocks:
         block.compile(backend=chosen)
