@@ -115,12 +115,12 @@ EXAMPLES = {
     "torchtune_full.yaml": Example(
         "torchtune", 'llama-3.1-8b',
         dict(micro_batch_size=2, grad_accum_steps=1, seq_len=2048, precision='bf16', optimizer='paged-adamw-8bit',
-             checkpointing='full', loss='chunked', optimizer_in_backward=True),
+             checkpointing='full', loss='chunked', optimizer_in_backward=True, compile=False),
         read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
-              "optimizer._component_ enable_activation_checkpointing optimizer_in_bwd loss._component_"),
+              "optimizer._component_ enable_activation_checkpointing optimizer_in_bwd loss._component_ compile"),
         not_sized="",
         other="",
-        quiet=("enable_activation_offloading compile output_dir tokenizer._component_ tokenizer.path "
+        quiet=("enable_activation_offloading output_dir tokenizer._component_ tokenizer.path "
                "dataset._component_ seed shuffle checkpointer._component_ checkpointer.checkpoint_dir "
                "checkpointer.checkpoint_files.filename_format checkpointer.checkpoint_files.max_filename "
                "checkpointer.recipe_checkpoint checkpointer.output_dir checkpointer.model_type "
@@ -129,12 +129,12 @@ EXAMPLES = {
     "torchtune_lora.yaml": Example(
         "torchtune", 'llama-3.2-1b',
         dict(micro_batch_size=4, grad_accum_steps=8, seq_len=4096, precision='bf16', optimizer='adamw-fused',
-             checkpointing='none', loss='chunked', finetune=Finetune("lora", rank=64, alpha=128, targets=(
+             checkpointing='none', loss='chunked', compile=True, finetune=Finetune("lora", rank=64, alpha=128, targets=(
                  "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
         read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
               "optimizer.fused enable_activation_checkpointing model.lora_attn_modules model.apply_lora_to_mlp "
-              "model.lora_rank model.lora_alpha model.lora_dropout loss._component_"),
-        not_sized="enable_activation_offloading compile",
+              "model.lora_rank model.lora_alpha model.lora_dropout loss._component_ compile"),
+        not_sized="enable_activation_offloading",
         other="",
         quiet=("output_dir tokenizer._component_ tokenizer.path dataset._component_ seed shuffle epochs "
                "max_steps_per_epoch optimizer.weight_decay optimizer.lr lr_scheduler._component_ "
@@ -171,15 +171,15 @@ EXAMPLES = {
     "torchtune_qlora.yaml": Example(
         "torchtune", 'llama-3.1-8b',
         dict(micro_batch_size=2, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='adamw-fused',
-             checkpointing='full', loss='chunked',
+             checkpointing='full', loss='chunked', compile=False,
              finetune=Finetune("qlora", rank=8, alpha=16, targets=ATTENTION_AND_MLP)),
         read=("model._component_ model.apply_lora_to_mlp model.apply_lora_to_output model.lora_attn_modules "
               "model.lora_rank model.lora_alpha model.lora_dropout batch_size gradient_accumulation_steps "
               "tokenizer.max_seq_len dataset.packed dtype optimizer.fused enable_activation_checkpointing "
-              "loss._component_"),
+              "loss._component_ compile"),
         not_sized="",
         other="",
-        quiet=("enable_activation_offloading compile output_dir tokenizer._component_ tokenizer.path "
+        quiet=("enable_activation_offloading output_dir tokenizer._component_ tokenizer.path "
                "checkpointer._component_ checkpointer.checkpoint_dir checkpointer.checkpoint_files.filename_format "
                "checkpointer.checkpoint_files.max_filename checkpointer.recipe_checkpoint checkpointer.output_dir "
                "checkpointer.model_type resume_from_checkpoint save_adapter_weights_only dataset._component_ seed "
@@ -306,9 +306,9 @@ def test_what_memfit_cannot_size_yet_says_so(in_configs):
     assert "shards nothing" in why["zero_optimization.stage"]
     tune = {e.field: e.why for e in read_config("torchtune_full.yaml").ignored}
     assert read_config("torchtune_full.yaml").overrides["optimizer"].is_paged  # PagedAdamW8bit: sized as paged
-    assert tune["compile"].startswith("off") and tune["enable_activation_offloading"].startswith("off")
+    assert tune["enable_activation_offloading"].startswith("off")
     lora_tune = {e.field: e.why for e in read_config("torchtune_lora.yaml").ignored}
-    assert lora_tune["compile"] == "not sized by memfit yet (torch.compile)"
+    assert read_config("torchtune_lora.yaml").overrides["compile"] is True
     assert lora_tune["enable_activation_offloading"].startswith(NOT_SIZED)
     notes = {e.field: e.note for e in read_config("deepspeed_zero2.json").read}
     assert notes["train_micro_batch_size_per_gpu"].startswith("'auto'") and "command line" in notes["bf16.enabled"]

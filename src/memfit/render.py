@@ -48,7 +48,8 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (f", {setup.finetune}" if setup.finetune.adapters else "")
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
             + (", optimizer in backward" if setup.optimizer_in_backward else "")
-            + (", activation offload" if setup.activation_offload else ""))
+            + (", activation offload" if setup.activation_offload else "")
+            + (", torch.compile" if setup.compile else ""))
 
 
 def _heading(console: Console, title: str) -> None:

@@ -353,6 +353,11 @@ class TrainingSetup:
     image_size: int | None = None
     """Vision transformers (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image
     are (image_size / patch)^2 + CLS (+ registers), so `seq_len` does not apply. None: the config's image_size."""
+
+    # -- torch.compile (memfit.estimate.compiled) --
+    compile: bool = False
+    """torch.compile each transformer block (torchtune `compile: True`, torchtitan `[compile] enable`, HF
+    `torch_compile=True`): AOTAutograd's min-cut partitioner decides what a block saves (memfit.estimate.compiled)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -380,6 +385,8 @@ class TrainingSetup:
         if not isinstance(self.optimizer_in_backward, bool):
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
         problems += self._activation_offload_problems()
+        if not isinstance(self.compile, bool):
+            problems.append(f"compile must be true or false, got {self.compile!r}")
         if not problems:
             problems += self._combination_problems()
         if problems:
@@ -683,7 +690,8 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer_in_backward": "optimizer in backward", "activation_offload": "activation offload",
     "pp": "pp", "pp_schedule": "pp schedule",
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
-    "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image"}
+    "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",
+    "compile": "torch.compile"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -719,7 +727,7 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
     "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
-    "activation_offload": ("activation_offload",),
+    "activation_offload": ("activation_offload",), "compile": ("compile",),
     "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",),
     "cp": ("cp", "cp_rotate")}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""

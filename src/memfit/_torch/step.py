@@ -77,13 +77,15 @@ def hf_config_from_dict(config: Mapping):
         raise ConfigError(f"transformers cannot build a '{model_type}' config: {error}") from None
 
 
-def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
+def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_backend="inductor"):
     """A transformers model with random weights from an HF config dict, set up the way `setup` trains it.
 
     Causal LM (masked LM for encoder-only types such as bert), attention implementation from `setup.attention`,
     `use_cache=False` (a cache keeps every layer's K/V alive), pure bf16 parameters for bf16 / bf16-master (the fp32
     master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, LoRA / QLoRA
-    adapters on a base stored as planned (memfit._torch.lora), train mode.
+    adapters on a base stored as planned (memfit._torch.lora), each block torch.compile'd with `compile_backend` when
+    `setup.compile` ("partitioned": AOTAutograd's min-cut partition run without codegen, memfit._torch.compiled),
+    train mode.
     """
     transformers = _import("transformers")
     if setup.image_size and is_image_classifier(config):  # the model at that resolution (its position table too)
@@ -116,6 +118,10 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu"):
         from .lora import apply_adapters
 
         apply_adapters(model, setup)
+    if setup.compile:  # per block, as torchtune and torchtitan compile
+        from .compiled import compile_blocks
+
+        compile_blocks(model, compile_backend)
     model.train()
     return model
 

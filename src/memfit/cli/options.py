@@ -271,6 +271,10 @@ ActivationOffloadOpt = Annotated[Optional[bool], _option(
     help="Offload the tensors saved for backward to pinned CPU RAM (torchtune enable_activation_offloading; TRL / "
          "axolotl activation_offloading): the LM head's and the loss's stay. Best with --checkpointing full. "
          "Default: off.")]
+CompileOpt = Annotated[Optional[bool], _option(
+    "--compile/--no-compile", panel=SETUP_PANEL,
+    help="torch.compile each transformer block (torchtune compile: True, torchtitan [compile] enable): a block "
+         "keeps what AOTAutograd's min-cut partitioner saves (traced on fake tensors). Default: off.")]
 
 MethodOpt = Annotated[Optional[Method], _option(
     "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
@@ -352,6 +356,7 @@ class SetupOptions:
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
     activation_offload: bool | None = None
+    compile: bool | None = None
     method: Method | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -425,7 +430,7 @@ class SetupOptions:
                     pp=self.pp, pp_schedule=self.pp_schedule,
                     pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
                     cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
-                    image_size=self.image_size)
+                    image_size=self.image_size, compile=self.compile)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -471,7 +476,7 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "activation_offload": "activation_offload",
                     "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
                     "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate",
-                    "target_len": "target_len", "image_size": "image_size"}
+                    "target_len": "target_len", "image_size": "image_size", "compile": "compile"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method",
                     "target_len": "--target-len", "image_size": "--image-size"}
 
@@ -483,6 +488,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "cp": CpOpt,
     "cp_rotate": CpRotateOpt, "loss": LossOpt,
     "optimizer_in_backward": InBackwardOpt, "activation_offload": ActivationOffloadOpt,
+    "compile": CompileOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
     "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,

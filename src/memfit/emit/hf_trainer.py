@@ -102,7 +102,7 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
     for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _activation_offload_part,
-                 _engine_part):
+                 _compile_part, _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
                                                        legacy_names=legacy_names)
         content.update(part_content)
@@ -230,6 +230,18 @@ def _activation_offload_part(setup: TrainingSetup, **_):
                     "`activation_offloading: true`, torchtune `enable_activation_offloading: True`; with a plain "
                     "Trainer, `memfit.apply_(model, setup)` installs the same saved-tensor hooks. It needs CUDA and "
                     "pinned host RAM."]
+
+
+def _compile_part(setup: TrainingSetup, **_):
+    """torch.compile: the Trainer compiles the whole model; torchtune and torchtitan compile each block, as memfit
+    sizes it (memfit.estimate.compiled)."""
+    if not setup.compile:
+        return {}, {}, []
+    return ({"torch_compile": True},
+            {"torch_compile": "torch.compile (inductor): blocks keep what AOTAutograd's min-cut partitioner saves"},
+            ["torch.compile is sized per block (torchtune `compile: True`, torchtitan `[compile] enable = true`); "
+             "the Trainer's torch_compile compiles the whole model, head and loss included, which memfit sizes "
+             "eager. First steps are slow (compilation); a new sequence length recompiles."])
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):

@@ -21,8 +21,8 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations, pipeline,
-               tensor_parallel)
+from . import (bnb_cpu, compiled, context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations,
+               pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -81,7 +81,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         cpu_bytes=static.cpu_bytes + offloaded.host_bytes,
         notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
         + offload_activations.host_term_notes(offloaded)
-        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + context_parallel.notes(asked),
+        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + context_parallel.notes(asked)
+        + compiled.notes(spec, sized),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
 
@@ -270,6 +271,8 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
     if setup.precision.is_autocast:
         head_weight = spec.vocab_size * spec.hidden_size
         copies = 2 * (head_weight + (_linear_weight_elems(spec) - head_weight) * (layers - wrapped) // layers)
+        if setup.compile and not compiled.unsized(spec, setup):  # a compiled block casts its weights in its graph
+            copies = 2 * head_weight  # (the casts it saves are in its own bytes): only the eager head's is cached
         if spec.frozen:
             copies = lora.autocast_copies(spec, setup, ckpt)
         terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, copies,
@@ -417,7 +420,8 @@ _HEAD_AND_LOSS = ("activations/logits", "activations/loss", "activations/head", 
 
 
 def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int, on_cpu: bool) -> dict:
-    per_layer = act.layer_saved_bytes(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
+    saved_by_block = compiled.layer_saved_bytes if setup.compile else act.layer_saved_bytes  # torch.compile
+    per_layer = saved_by_block(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
     dtypes = act.dtypes(spec, setup, on_cpu)
     step = _Step(spec, setup, static, _activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
     # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition

@@ -189,7 +189,7 @@ TRAINING_ARGS_TABLE = {
     "per_device_eval_batch_size": EVAL, "eval_accumulation_steps": EVAL, "bf16_full_eval": EVAL,
     "fp16_full_eval": EVAL,
     "auto_find_batch_size": f"{NOT_SIZED} (the Trainer halves the batch after an out-of-memory error)",
-    "torch_compile": COMPILE, "torch_compile_backend": COMPILE, "torch_compile_mode": COMPILE,
+    "torch_compile_backend": COMPILE, "torch_compile_mode": COMPILE,
     "use_liger_kernel": NOT_SIZED, "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
     "gradient_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "activation_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
@@ -595,8 +595,9 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
     if "optimizer_in_bwd" in data:
         read.set("optimizer_in_backward", _truthy(data["optimizer_in_bwd"]), "optimizer_in_bwd",
                  data["optimizer_in_bwd"], "each parameter steps as its gradient arrives (per-parameter hooks)")
-    if "compile" in data:
-        read.ignore("compile", data["compile"], COMPILE if _truthy(data["compile"]) else OFF)
+    if "compile" in data:  # torchtune training.compile_model: each layer, and the loss
+        read.set("compile", _truthy(data["compile"]), "compile", data["compile"],
+                 "each layer compiled; memfit sizes the loss eager" if _truthy(data["compile"]) else "")
     loss = data.get("loss") if isinstance(data.get("loss"), Mapping) else {}
     if "chunked" in str(loss.get("_component_", "")).lower():
         read.set("loss", Loss.CHUNKED, "loss._component_", loss["_component_"],

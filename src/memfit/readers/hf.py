@@ -24,7 +24,7 @@ OPTIMIZERS = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_torch_fused": Optim
 PAGED = ("paged: the states of tensors >= 1e5 elements in CUDA unified memory, outside torch's caching allocator "
          "(sized as device memory outside the allocator)")
 
-NOT_MODELLED = ("torch_compile", "use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
+NOT_MODELLED = ("use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
                 "neftune_noise_alpha", "torch_empty_cache_steps")
 """TrainingArguments that change memory in ways the estimate does not follow, listed when set."""
 
@@ -62,10 +62,23 @@ def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | N
     if args is not None:
         read_optimizer(read, args)
         read_checkpointing(read, args)
+        read_compile(read, args)
         for name in NOT_MODELLED if not read.strict else ():  # files: every field left over is listed
             value = _get(args, name)
             if value:
                 read.ignore(name, value, NOT_SIZED)
+
+
+COMPILE_NOTE = ("the Trainer compiles the whole model; memfit sizes each block compiled and the head and loss "
+                "eager (memfit.estimate.compiled)")
+
+
+def read_compile(read: Reader, args: Any) -> None:
+    value = _get(args, "torch_compile")
+    if value:
+        read.set("compile", True, "torch_compile", value, COMPILE_NOTE)
+    elif value is not None and read.strict:
+        read.set("compile", False, "torch_compile", value)
 
 
 def read_batch(read: Reader, args: Any) -> None:

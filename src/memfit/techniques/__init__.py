@@ -1,6 +1,6 @@
 """Techniques, one module each, registered by key. Importing the package registers them all."""
 
-from . import (activation_offload, attention, checkpointing, lora, loss, micro_batch, offload,  # noqa: F401
+from . import (activation_offload, attention, checkpointing, compile, lora, loss, micro_batch, offload,  # noqa: F401
                optimizer8bit, precision, zero)
 from .base import LADDERS, REGISTRY, Context, Proposal, Skip, Technique
 

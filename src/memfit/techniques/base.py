@@ -121,9 +121,10 @@ def register(cls: type[Technique]) -> type[Technique]:
 # The seed's ladders, cheapest change first (shared/seed: "A Decision Framework").
 LADDERS: dict[Bottleneck, tuple[str, ...]] = {
     Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "optimizer_in_backward", "zero"),
-    Bottleneck.ACTIVATIONS: ("checkpointing", "micro_batch", "flash_attention", "fused_loss", "activation_offload"),
+    Bottleneck.ACTIVATIONS: ("checkpointing", "micro_batch", "flash_attention", "fused_loss", "activation_offload",
+                             "compile"),
     Bottleneck.BOTH: ("mixed_precision", "checkpointing", "adam_8bit", "micro_batch", "flash_attention", "fused_loss",
-                      "activation_offload", "optimizer_in_backward", "zero", "cpu_offload", "lora", "qlora"),
+                      "activation_offload", "optimizer_in_backward", "zero", "cpu_offload", "compile", "lora", "qlora"),
 }
 """The chunked / fused loss follows FlashAttention (free, everywhere) since it costs compute or a package; the
 optimizer step in backward follows 8-bit AdamW and precedes ZeRO: one GPU, no communication, but no accumulation

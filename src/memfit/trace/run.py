@@ -38,6 +38,9 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
     setup = getattr(setup, "final_setup", setup) or TrainingSetup()
     if not isinstance(setup, TrainingSetup):
         raise ConfigError(f"trace needs a TrainingSetup (or a Plan), got {type(setup).__name__}")
+    if setup.compile:  # dynamo compiles nothing under the tracer's dispatch mode: the trace would be eager's
+        raise ConfigError("a trace runs the step eager (dynamo does not compile under its dispatch mode): size "
+                          "--compile with `memfit estimate` (the compiled blocks' partition) or drop --compile")
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
     build, name = _builder(model_ref, input_builder, loss_fn)
