@@ -348,8 +348,8 @@ def _map_flags(m: Mapped, n: dict) -> dict:
     lora = n.get("lora")
     if lora:
         out.update(_map_lora(m, lora))
-    if n.get("compile"):
-        m.missing.append((COMPILE, ""))
+    if n.get("compile"):  # torchtune / torchtitan compile each block (memfit.estimate.compiled)
+        out["compile"] = True
     if n.get("float8"):
         m.missing.append((FP8, ""))
     return out

@@ -37,18 +37,18 @@ def test_torchtitan_fsdp_point_maps_to_zero3_over_its_world_size(points):
         assert m.features == [] and m.expressible
         assert setup.checkpointing is Checkpointing.SELECTIVE_OP
     compiled = gp.map_point(points["P087"])
-    assert set(compiled.features) == {gp.COMPILE, gp.FP8}
+    assert set(compiled.features) == {gp.FP8} and compiled.setup.compile  # torch.compile is expressible now
 
 
 def test_lora_qlora_and_paged_rows_map_to_memfit(points):
     """LoRA / QLoRA and paged 8-bit AdamW are expressible, and so are the chunked loss, the optimizer in backward,
-    activation offloading, tensor and context parallelism: what still blocks P019-P021 is torch.compile (and, for
-    the LoRA rows, activation offloading with LoRA, which memfit does not size)."""
+    activation offloading, tensor and context parallelism and torch.compile: what still blocks P020-P021 is
+    activation offloading with LoRA, which memfit does not size."""
     from memfit.finetune import BaseWeights, Method
     from memfit.setup import Loss, Optimizer
 
     lora = gp.map_point(points["P020"])
-    assert gp.LORA not in lora.features and set(lora.features) == {gp.COMPILE, gp.OTHER}
+    assert gp.LORA not in lora.features and set(lora.features) == {gp.OTHER}
     assert "activation offloading with lora" in lora.reason()
     ft = gp._map_lora(gp.Mapped(points["P020"]), points["P020"]["normalized"]["lora"])["finetune"]
     assert (ft.method, ft.rank, ft.alpha) == (Method.LORA, 64, 128.0)
