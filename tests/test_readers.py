@@ -69,10 +69,10 @@ EXAMPLES = {
     "axolotl_full.yaml": Example(
         "axolotl", 'meta-llama/Llama-3.2-1B',
         dict(micro_batch_size=4, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='paged-adamw-8bit',
-             checkpointing='full', attention='sdpa'),
+             checkpointing='full', attention='sdpa', compile=True),
         read=("base_model micro_batch_size batch_size sequence_len sample_packing bf16 optimizer "
-              "gradient_checkpointing flash_attention adapter"),
-        not_sized="torch_compile",
+              "gradient_checkpointing flash_attention adapter torch_compile"),
+        not_sized="",
         other="",
         quiet=("datasets val_set_size output_dir pad_to_sequence_len num_epochs lr_scheduler learning_rate tf32 "
                "gradient_checkpointing_kwargs.use_reentrant warmup_ratio weight_decay")),
@@ -618,7 +618,8 @@ def test_cli_config_names_the_model_and_the_setup(in_configs):
     assert [f["path"] for f in data["config"]["files"]] == ["axolotl_full.yaml"]
     read = {e["field"]: e for e in data["config"]["read"]}
     assert read["micro_batch_size"]["sets"] == {"micro_batch_size": 4}
-    assert {e["field"] for e in data["config"]["ignored"]} >= {"torch_compile", "datasets"}
+    assert read["torch_compile"]["sets"] == {"compile": True} and setup["compile"] is True
+    assert {e["field"] for e in data["config"]["ignored"]} >= {"datasets"}
 
 
 def test_cli_options_override_the_config_and_count_as_given(in_configs):
@@ -828,3 +829,14 @@ def test_peft_dora_is_read_and_sized(tmp_path):
     assert read_config(str(path)).overrides["finetune"].dora is True
     result = invoke("plan", "--config", str(path), "--gpu", "H100")
     assert result.exit_code == 0 and "DoRA" in result.output, result.output
+
+
+@pytest.mark.parametrize("key,loss", [("chunked_cross_entropy", "chunked"),
+                                      ("liger_fused_linear_cross_entropy", "fused"), ("cut_cross_entropy", "fused")])
+def test_axolotl_loss_switches_set_the_loss(tmp_path, key, loss):
+    """axolotl's chunked cross-entropy and its fused-loss integrations map to the loss memfit sizes."""
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(f"base_model: meta-llama/Llama-3.2-1B\nmicro_batch_size: 2\nsequence_len: 1024\n{key}: true\n")
+    read = read_config(path)
+    assert str(read.overrides["loss"]) == loss
+    assert key in {e.field for e in read.read}

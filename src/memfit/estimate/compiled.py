@@ -81,6 +81,19 @@ def model_config(spec) -> dict[str, Any]:
                       "a config.json path or a hub id")
 
 
+def fit_ready(spec, setup: TrainingSetup, on_cpu: bool) -> bool:
+    """Whether sizing `setup` compiled needs no trace now (shipped, cached on disk or in this process): the ladder
+    proposes compile only then, so `memfit plan` never starts a compile trace the user did not ask for."""
+    from ..derive.cache import cache_key, cache_path, read_json, shipped_data
+
+    if unsized(spec, setup):
+        return True
+    config, kind = model_config(spec), compiled_kind(setup, on_cpu)
+    key = cache_key(config, kind)
+    return key in _FITS or any(_from_payload(data) is not None for data in (
+        shipped_data(config, kind), read_json(cache_path(config, kind), key)))
+
+
 def block_fit(config: dict[str, Any], kind: str) -> dict[str, Linear]:
     """The fitted lines of `kind` for `config`: from this process, the shipped data, the disk cache or traced now."""
     from ..derive.cache import cache_key, cache_path, config_hash, library_versions, read_json, shipped_data, \

@@ -13,7 +13,7 @@ from ..setup import Attention, Checkpointing, Engine, Loss, Optimizer, Precision
 from ._reader import NOT_RELEVANT, NOT_SIZED, OFF, Reader, _positive, _value
 from .files import detect_format, display_path, flatten, load_mapping, resolve_reference
 from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fsdp_plan, read_mixed_precision,
-                 read_precision, read_sharding, read_training_args, read_zero)
+                 read_compile, read_precision, read_sharding, read_training_args, read_zero)
 from . import lora
 
 ADAPTER = f"{NOT_SIZED} (LoRA / QLoRA adapter setting)"
@@ -317,8 +317,8 @@ def _accelerate_deepspeed(read: Reader, data: dict, ctx: Context, mp: Any, dtype
 AXOLOTL_TABLE = {
     **lora.AXOLOTL_TABLE, "lora_": ADAPTER, "peft_": ADAPTER, "relora_": ADAPTER, "relora": ADAPTER,
     "load_in_4bit": QUANTIZED, "load_in_8bit": QUANTIZED, "gptq": QUANTIZED, "bnb_4bit_": QUANTIZED,
-    "torch_compile": COMPILE, "torch_compile_backend": COMPILE, "liger_": NOT_SIZED, "plugins": NOT_SIZED,
-    "unsloth_": NOT_SIZED, "chunked_cross_entropy": NOT_SIZED, "cut_cross_entropy": NOT_SIZED,
+    "torch_compile_backend": COMPILE, "liger_": NOT_SIZED, "plugins": NOT_SIZED,
+    "unsloth_": NOT_SIZED,
     "s2_attention": NOT_SIZED,
     "eval_batch_size": EVAL, "eval_sample_packing": EVAL,
     "pad_to_sequence_len": f"{NOT_RELEVANT} (memfit sizes every sequence at sequence_len)",
@@ -356,9 +356,22 @@ def map_axolotl(read: Reader, data: dict, ctx: Context) -> None:
     _hf_optimizer(read, data, "optimizer")
     _axolotl_checkpointing(read, data)
     _axolotl_attention(read, data)
+    _axolotl_loss(read, data)
+    if data.get("torch_compile") is not None:  # handed to the HF Trainer's torch_compile
+        read_compile(read, {"torch_compile": _truthy(data["torch_compile"])})
     lora.axolotl_finetune(read, data)
     finish(read, data, AXOLOTL_TABLE)
     _finish_deepspeed(read, ds, file, prefix)
+
+
+def _axolotl_loss(read: Reader, data: Mapping) -> None:
+    """axolotl's chunked cross-entropy (the head's output upcast chunk by chunk) and its fused-loss integrations
+    (Liger's fused linear cross-entropy, Apple's cut cross-entropy: the logits never whole)."""
+    for key, loss, why in (("chunked_cross_entropy", Loss.CHUNKED, "the loss upcast one chunk of logits at a time"),
+                           ("liger_fused_linear_cross_entropy", Loss.FUSED, "Liger: head + loss chunk by chunk"),
+                           ("cut_cross_entropy", Loss.FUSED, "Apple's cut cross-entropy: no logits kept")):
+        if _truthy(data.get(key)):
+            read.set("loss", loss, key, data[key], why)
 
 
 def _packing(read: Reader, data: Mapping, key: str, length: str) -> None:

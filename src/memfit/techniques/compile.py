@@ -36,6 +36,9 @@ class Compile(Technique):
             return Skip(f"not sized compiled: {why}")
         if ctx.pinned_changes(setup):
             return Skip(pin_reason(ctx.pinned_changes(setup)))
+        if not compiled.fit_ready(ctx.spec, setup, ctx.hardware.is_cpu):
+            return Skip("no compiled fit shipped or cached for this model: `memfit plan ... --compile` traces one "
+                        "block compiled (seconds) and caches it, then the ladder can weigh it")
         try:
             ctx.size(setup)
         except (MemfitError, RuntimeError) as error:  # the block could not be traced compiled
