@@ -90,7 +90,21 @@ def child_70b() -> dict:
     return {"seconds": time.perf_counter() - start, "peak_bytes": estimate.tensor_bytes, "rss_bytes": _rss_bytes()}
 
 
-CHILDREN = {"memfit": child_memfit, "memtracker": child_memtracker, "70b": child_70b}
+MOE_SETUP = dict(micro_batch_size=1, seq_len=1024, precision="bf16", optimizer="adamw", checkpointing="full")
+
+
+def child_deepseek() -> dict:
+    """The MoE target of the 'any model' issue: a DeepSeek-V3-shaped trace (61 layers, 256 routed experts, MLA)."""
+    from memfit import TrainingSetup
+    from memfit.sources import catalog_config
+    from memfit.trace import trace
+
+    start = time.perf_counter()
+    estimate = trace(catalog_config("deepseek-v3"), TrainingSetup(**MOE_SETUP))
+    return {"seconds": time.perf_counter() - start, "peak_bytes": estimate.tensor_bytes, "rss_bytes": _rss_bytes()}
+
+
+CHILDREN = {"memfit": child_memfit, "memtracker": child_memtracker, "70b": child_70b, "deepseek": child_deepseek}
 
 
 def _run_child(name: str) -> dict:
@@ -132,6 +146,12 @@ def report(results: dict) -> str:
         f"**max RSS {big['rss_bytes'] / MIB:.0f} MiB** ({big['rss_bytes'] / GIB:.2f} GiB).",
         "",
     ]
+    moe = results.get("deepseek")
+    if moe:
+        lines += [f"DeepSeek-V3 (671B, MoE + MLA): `memfit.trace.trace(deepseek-v3 config, B=1, T=1024, bf16, AdamW, "
+                  f"full checkpointing)`: {moe['seconds']:.1f} s, peak {moe['peak_bytes'] / GIB:.1f} GiB, "
+                  f"**max RSS {moe['rss_bytes'] / MIB:.0f} MiB** ({moe['rss_bytes'] / GIB:.2f} GiB; target < 4 GiB).",
+                  ""]
     return "\n".join(lines)
 
 

@@ -5,15 +5,13 @@ FSDP-QLoRA shard against bitsandbytes' own Params4bit(quant_storage=bf16), the e
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lora_truth import real_4bit_bytes
 from tiny_configs import TINY_LLAMA
+from torchrun_job import rank_results, run_ranks
 
 from memfit.errors import ConfigError
 from memfit.estimate.analytic import estimate
@@ -50,23 +48,14 @@ def jobs(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    tmp = tmp_path_factory.mktemp("lora-fsdp")
-    config, out = tmp / "config.json", tmp / "out"
-    config.write_text(json.dumps(TINY_LLAMA))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *sys.path])}
     setups = {name: {k: v for k, v in _setup(**job).to_dict().items() if k != "notes"} for name, job in JOBS.items()}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-            str(WORKER), str(config), str(out), json.dumps(setups), str(STEPS)]
-    done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return out
+    return run_ranks(WORKER, TINY_LLAMA, tmp_path_factory.mktemp("lora-fsdp"), json.dumps(setups), str(STEPS),
+                     ranks=RANKS, timeout=600)
 
 
 @pytest.fixture(params=sorted(JOBS))
 def job(request, jobs) -> tuple[TrainingSetup, list[dict]]:
-    return _setup(**JOBS[request.param]), [json.loads((jobs / request.param / f"rank{rank}.json").read_text())
-                                           for rank in range(RANKS)]
+    return _setup(**JOBS[request.param]), rank_results(jobs / request.param, RANKS)
 
 
 def test_each_rank_holds_the_frozen_base_and_adapter_shards_the_formulas_give(job):

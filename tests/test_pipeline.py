@@ -6,9 +6,6 @@ schedule tables and Narayanan et al. / Korthikanti et al., static memory per sta
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ from memfit.hardware import cpu_device, make_hardware
 from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
 from tiny_configs import TINY_BERT, TINY_LLAMA, TINY_QWEN2
+from torchrun_job import rank_results, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "pp_worker.py"
@@ -42,17 +40,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     """One torchrun job: both schedules, one after the other, on a fresh model each."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    tmp = tmp_path_factory.mktemp("pp")
-    config, out = tmp / "config.json", tmp / "out"
-    config.write_text(json.dumps(TINY_LLAMA))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *sys.path])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-            str(WORKER), str(config), str(out), ",".join(SCHEDULES), str(STEPS), str(MICRO), str(SEQ), str(CHUNKS)]
-    done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return {name: [json.loads((out / f"{name}_rank{rank}.json").read_text()) for rank in range(RANKS)]
-            for name in SCHEDULES}
+    out = run_ranks(WORKER, TINY_LLAMA, tmp_path_factory.mktemp("pp"), ",".join(SCHEDULES), str(STEPS), str(MICRO),
+                    str(SEQ), str(CHUNKS), ranks=RANKS)
+    return {name: rank_results(out, RANKS, prefix=f"{name}_") for name in SCHEDULES}
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

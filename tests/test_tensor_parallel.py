@@ -5,9 +5,6 @@ collectives byte for byte), Korthikanti et al. 2022 Table 2 reproduced by the re
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from memfit.hardware import cpu_device, make_hardware
 from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
 from tiny_configs import TINY_LLAMA
+from torchrun_job import rank_results, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "tp_worker.py"
@@ -43,16 +41,9 @@ def job(request, tmp_path_factory) -> tuple[bool, list[dict], str]:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     sp, checkpointing = request.param
-    tmp = tmp_path_factory.mktemp("tp")
-    config, out = tmp / "config.json", tmp / "out"
-    config.write_text(json.dumps(TINY_LLAMA))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *sys.path])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-            str(WORKER), str(config), str(out), "1" if sp else "0", str(STEPS), str(MICRO), str(SEQ), checkpointing]
-    done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return sp, [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)], checkpointing
+    out = run_ranks(WORKER, TINY_LLAMA, tmp_path_factory.mktemp("tp"), "1" if sp else "0", str(STEPS), str(MICRO),
+                    str(SEQ), checkpointing, ranks=RANKS)
+    return sp, rank_results(out, RANKS), checkpointing
 
 
 def _pattern(name: str) -> str:
