@@ -120,7 +120,7 @@ def breakdown(console: Console, estimate: MemoryEstimate, *, verbose: bool = Fal
     console.print()
     console.print(table)
     if estimate.cpu_bytes:
-        console.print(Text(f"CPU RAM for offloaded tensors: {gib(estimate.cpu_bytes)} GiB per node"))
+        console.print(Text(f"CPU RAM for offloaded tensors: {gib(estimate.cpu_bytes)} GiB per GPU (each rank's own)"))
 
 
 def device_figure_rows(estimate: MemoryEstimate) -> list[tuple[str, str, int]]:
@@ -215,7 +215,9 @@ def verdict(console: Console, plan) -> None:
                                     + final.summary().removeprefix("does not fit: "), style="bold red")))
     cpu = plan.final_estimate.cpu_bytes
     if cpu:
-        rows.append(("CPU RAM", f"{gib(cpu)} GiB of {gib(plan.hardware.cpu_ram_bytes)} GiB per node"))
+        per_node = cpu * plan.hardware.gpus_per_node  # cpu_bytes is one rank's; the node's RAM serves all its ranks
+        rows.append(("CPU RAM", f"{gib(per_node)} GiB of {gib(plan.hardware.cpu_ram_bytes)} GiB per node"
+                     + (f" ({gib(cpu)} GiB per GPU)" if plan.hardware.gpus_per_node > 1 else "")))
     _fields(console, rows)
     if not plan.fits and plan.suggestions:
         _heading(console, "What would fit")
