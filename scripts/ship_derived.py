@@ -65,16 +65,7 @@ def ship(name: str, force: bool) -> list[str]:
                              "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts,
                              "arch": arch_numbers(config, name)})
         written.append(params_path.name)
-    for kind in _kinds(config):
-        path = OUT / shipped_name(config, kind)
-        if path.exists() and not force:
-            continue
-        started = time.perf_counter()
-        fit = derive_kind(config, kind)
-        _write(path, {**base, "kind": kind, "derive_seconds": round(time.perf_counter() - started, 3),
-                      "fit": fit.to_dict()})
-        written.append(path.name)
-    return written
+    return written + _ship_fits(config, base, _kinds(config), derive_kind, force)
 
 
 STACKED_KINDS = tuple(f"{kind}/{ckpt}" for kind in KINDS for ckpt in ("nockpt", "ckpt"))
@@ -93,12 +84,20 @@ def _ship_stacked(config: dict, base: dict, force: bool) -> list[str]:
         _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,
                              "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
         written.append(params_path.name)
-    for kind in STACKED_KINDS:
+    return written + _ship_fits(config, base, STACKED_KINDS, derive_stacks, force)
+
+
+def _ship_fits(config: dict, base: dict, kinds, derive, force: bool) -> list[str]:
+    """Derive and write each kind's fit that is missing (or every one with --force); the file names written."""
+    from memfit.derive.cache import shipped_name
+
+    written = []
+    for kind in kinds:
         path = OUT / shipped_name(config, kind)
         if path.exists() and not force:
             continue
         started = time.perf_counter()
-        fit = derive_stacks(config, kind)
+        fit = derive(config, kind)
         _write(path, {**base, "kind": kind, "derive_seconds": round(time.perf_counter() - started, 3),
                       "fit": fit.to_dict()})
         written.append(path.name)
