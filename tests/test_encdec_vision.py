@@ -130,3 +130,34 @@ def test_cli_plans_t5_and_vit_end_to_end_from_the_shipped_fits(args, field, valu
     assert plan["final_setup"][field] == value
     assert plan["fits"] and plan["final_setup"]["checkpointing"] == "full"  # the ladder's first rung
     assert plan["initial_estimate"]["total_bytes"] > 2 * plan["steps"][-1]["estimate"]["total_bytes"]
+
+
+@pytest.mark.parametrize("args, auto_class, setup_words", [
+    (["t5-base", "--seq", "512", "--target-len", "128"], "AutoModelForSeq2SeqLM", "seq 512, target 128"),
+    (["vit-b-16", "--image-size", "384"], "AutoModelForImageClassification", "image 384 px (577 tokens)"),
+    (["bert-large-uncased", "--seq", "512"], "AutoModelForMaskedLM", "seq 512,"),
+    (["gpt2", "--seq", "512"], "AutoModelForCausalLM", "seq 512,"),
+])
+def test_plan_output_names_the_class_that_builds_the_model_and_its_input_shape(args, auto_class, setup_words,
+                                                                              tmp_path):
+    """The loading code (printed and emitted) names transformers' class for the model memfit sized, as the step
+    memfit measures builds it (memfit._torch.step.build_hf_model), and the setup line shows every input length."""
+    from typer.testing import CliRunner
+
+    from memfit._torch.step import build_hf_model
+    from memfit.cli.app import app
+
+    spec = resolve_model(args[0])
+    result = CliRunner().invoke(app, ["plan", *args, "--gpu", "A100-80GB", "--emit", str(tmp_path / "out")],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert f"{auto_class}.from_pretrained(" in result.output
+    assert setup_words in " ".join(result.output.split())
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert f"{auto_class}.from_pretrained" in readme
+    tiny = {"t5-base": "t5", "vit-b-16": "vit", "bert-large-uncased": "bert", "gpt2": "gpt2"}[args[0]]
+    assert spec.auto_class == auto_class
+    if tiny in TINY_ENCDEC_VISION:  # the class memfit's own measured step builds agrees
+        model = build_hf_model(TINY_ENCDEC_VISION[tiny], TrainingSetup(micro_batch_size=1, seq_len=8))
+        assert type(model).__name__.endswith({"AutoModelForSeq2SeqLM": "ForConditionalGeneration",
+                                              "AutoModelForImageClassification": "ForImageClassification"}[auto_class])

@@ -90,6 +90,15 @@ class ModelSpec:
         return self.num_layers > 0 and self.hidden_size > 0
 
     @property
+    def auto_class(self) -> str:
+        """The transformers Auto class that builds this model for training, as emitted loading code names it: an
+        encoder-decoder LM (T5, BART) or an image classifier (ViT, DINOv2) for a model sized per stack, a masked LM
+        for an encoder (BERT), a causal LM otherwise (what memfit._torch.step builds for each)."""
+        if "stacks" in self.extra:
+            return "AutoModelForImageClassification" if not self.vocab_size else "AutoModelForSeq2SeqLM"
+        return "AutoModelForCausalLM" if self.is_decoder else "AutoModelForMaskedLM"
+
+    @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 

@@ -37,7 +37,9 @@ def _params(num_params: int) -> str:
 
 
 def describe_setup(setup: TrainingSetup) -> str:
-    return (f"micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, accum {setup.grad_accum_steps}, "
+    shape = (f"image {setup.image_size} px ({setup.seq_len} tokens)" if setup.image_size else f"seq {setup.seq_len}")
+    shape += f", target {setup.target_len}" if setup.target_len else ""
+    return (f"micro-batch {setup.micro_batch_size} x {shape}, accum {setup.grad_accum_steps}, "
             f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
             f"sharding {setup.sharding}, offload {setup.offload}"
             + (f", tp {setup.tp}{' + sequence parallel' if setup.sequence_parallel else ''}" if setup.tp > 1 else "")
@@ -86,7 +88,8 @@ def header(console: Console, command: str, spec: ModelSpec, setup: TrainingSetup
                                 f"  {_params(spec.num_params)}"))
     _fields(console, [
         ("model", f"{spec.model_type}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
-                  f"vocab {spec.vocab_size:,} (from {spec.source})"),
+                  + (f"vocab {spec.vocab_size:,}" if spec.vocab_size else "no vocabulary: image input")
+                  + f" (from {spec.source})"),
         ("GPU", f"{count}{gpu.name}{nodes}: {gib(gpu.memory_bytes)} GiB usable{nominal}; "
                 f"{margin:.0%} kept free -> {gib(budget)} GiB budget"),
         ("setup", describe_setup(setup)),

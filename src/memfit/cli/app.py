@@ -62,7 +62,8 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
     fits = result.fits or choice is not None
     warning = None if fits else (f"memfit plan: {result.final_diagnosis.summary()}. Nothing on the ladder makes "
                                  "it fit: this setup will run out of memory as it is.")
-    written, unmarked = _emit(chosen, hardware, emit, force, warning) if emit is not None else ([], {})
+    written, unmarked = (_emit(chosen, hardware, emit, force, warning, spec.auto_class) if emit is not None
+                         else ([], {}))
     traced = None
     if verify:
         from .steps import run_trace
@@ -103,7 +104,8 @@ def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: 
                      + ": README.md says it for them")
         notes.append(note)
     render.plan_report(out, result, verbose=verbose, optimize_requested=optimize, optimized_choice=choice,
-                       config_snippets=_snippets(chosen, render, emitted=emit_dir), config_title=title,
+                       config_snippets=_snippets(chosen, render, emitted=emit_dir,
+                                                        auto_class=result.spec.auto_class), config_title=title,
                        show_config=result.fits or which == "optimized", emitted_paths=written + reports,
                        emitted_notes=notes)
     if traced is not None:
@@ -165,23 +167,27 @@ def gpus_command(json_output: JsonOpt = False, verbose: Annotated[bool, typer.Op
     render.gpus_table(console(), gpus, verbose=verbose)
 
 
-def _emit(setup, hardware, directory: Path, force: bool, warning: str | None) -> tuple[list[str], dict[str, str]]:
+def _emit(setup, hardware, directory: Path, force: bool, warning: str | None,
+          auto_class: str) -> tuple[list[str], dict[str, str]]:
     """Write the engine files; (paths written, {file: why it cannot carry the warning})."""
     try:
         from ..emit import emitted_files, unmarked_files, write_all
     except ImportError:
         raise ConfigError("--emit needs memfit.emit, which this install does not have") from None
     try:
-        paths = [str(path) for path in write_all(setup, hardware, directory, force=force, warning=warning)]
+        paths = [str(path) for path in write_all(setup, hardware, directory, force=force, warning=warning,
+                                                     auto_class=auto_class)]
     except OSError as error:
         raise ConfigError(f"cannot write the configs into {directory}: {error.strerror or error}") from None
-    unmarked = unmarked_files(emitted_files(setup, hardware, directory, warning=warning)[0]) if warning else {}
+    unmarked = unmarked_files(emitted_files(setup, hardware, directory, warning=warning,
+                                               auto_class=auto_class)[0]) if warning else {}
     return paths, unmarked
 
 
-def _snippets(setup, render, *, emitted: Path | None) -> dict[str, str]:
+def _snippets(setup, render, *, emitted: Path | None, auto_class: str = "AutoModelForCausalLM") -> dict[str, str]:
     """HF kwargs always; the DeepSpeed JSON when the setup shards or offloads. Empty without memfit.emit. With
-    --emit DIR, the kwargs name DIR's deepspeed.json as training_args.json does."""
+    --emit DIR, the kwargs name DIR's deepspeed.json as training_args.json does. `auto_class`: the transformers
+    class that loads the model (ModelSpec.auto_class)."""
     try:
         from ..emit import config_path, deepspeed_config, hf_model_kwargs, hf_trainer_kwargs, uses_deepspeed
     except ImportError:
@@ -189,9 +195,9 @@ def _snippets(setup, render, *, emitted: Path | None) -> dict[str, str]:
     deepspeed_path = config_path(emitted, "deepspeed.json") if emitted is not None else "deepspeed.json"
     items = {"transformers.TrainingArguments (add output_dir, schedule):":
              render.python_call("TrainingArguments", hf_trainer_kwargs(setup, deepspeed_path=deepspeed_path)),
-             "model loading:": render.python_call("AutoModelForCausalLM.from_pretrained", hf_model_kwargs(setup))}
+             "model loading:": render.python_call(f"{auto_class}.from_pretrained", hf_model_kwargs(setup))}
     if setup.finetune.adapters:
-        items.update(_adapter_snippets(setup, render))
+        items.update(_adapter_snippets(setup, render, auto_class))
     if uses_deepspeed(setup):
         try:
             items["deepspeed.json:"] = render.compact_json(deepspeed_config(setup, hf_auto=True))
@@ -202,7 +208,7 @@ def _snippets(setup, render, *, emitted: Path | None) -> dict[str, str]:
     return items
 
 
-def _adapter_snippets(setup, render) -> dict[str, str]:
+def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:
     """LoRA / QLoRA: how to load the base (dtype, or BitsAndBytesConfig) and the LoraConfig, as memfit sized them."""
     from ..emit import hf_model_kwargs
     from ..emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs
@@ -215,7 +221,7 @@ def _adapter_snippets(setup, render) -> dict[str, str]:
         model["quantization_config"] = _Code("bnb")
     else:
         model["dtype"] = base_dtype(setup)
-    loading.append(render.python_call("model = AutoModelForCausalLM.from_pretrained", model))
+    loading.append(render.python_call(f"model = {auto_class}.from_pretrained", model))
     if bnb:
         loading.append("model = prepare_model_for_kbit_training(model)  # the rest -> fp32")
     loading.append("model = get_peft_model(model, " + render.python_call("LoraConfig", lora_config_kwargs(setup))

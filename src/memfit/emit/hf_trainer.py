@@ -70,7 +70,8 @@ def hf_trainer_kwargs(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.
 
 
 def hf_model_kwargs(setup: TrainingSetup) -> dict:
-    """Keyword arguments for `AutoModelForCausalLM.from_pretrained`: what the Trainer cannot set on the model."""
+    """Keyword arguments for the Auto class's `from_pretrained` (AutoModelForCausalLM, ... : ModelSpec.auto_class):
+    what the Trainer cannot set on the model."""
     return _model_build(setup)[0]
 
 
@@ -83,10 +84,12 @@ def hf_trainer_file(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.js
                          unmarkable="TrainingArguments(**kwargs) refuses unknown keys")
 
 
-def hf_model_file(setup: TrainingSetup, *, filename: str = "model_kwargs.json") -> EmittedConfig:
+def hf_model_file(setup: TrainingSetup, *, filename: str = "model_kwargs.json",
+                  auto_class: str = "AutoModelForCausalLM") -> EmittedConfig:
+    """`auto_class`: the transformers class that loads the model (ModelSpec.auto_class)."""
     content, comments = _model_build(setup)
     return EmittedConfig(filename, content, comments,
-                         summary="`AutoModelForCausalLM.from_pretrained(name, **json.load(f))`: what the Trainer "
+                         summary=f"`{auto_class}.from_pretrained(name, **json.load(f))`: what the Trainer "
                                  "cannot set on the model.",
                          unmarkable="from_pretrained hands unknown keys to the model's __init__, which refuses them")
 

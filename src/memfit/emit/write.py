@@ -36,12 +36,13 @@ def config_path(directory: str | Path, filename: str) -> str:
     return (directory / filename).as_posix()
 
 
-def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *,
-                  warning: str | None = None) -> tuple[list[EmittedConfig], dict]:
+def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *, warning: str | None = None,
+                  auto_class: str = "AutoModelForCausalLM") -> tuple[list[EmittedConfig], dict]:
     """The files for the plan, and {filename: why it is not written} for the ones that do not apply. With
-    `warning` (e.g. "does not fit"), every file that can carry it starts with it; see EmittedConfig.warning."""
+    `warning` (e.g. "does not fit"), every file that can carry it starts with it; see EmittedConfig.warning.
+    `auto_class`: the transformers class that loads the model (ModelSpec.auto_class)."""
     deepspeed_path = config_path(directory, "deepspeed.json")
-    files = [hf_trainer_file(setup, deepspeed_path=deepspeed_path), hf_model_file(setup)]
+    files = [hf_trainer_file(setup, deepspeed_path=deepspeed_path), hf_model_file(setup, auto_class=auto_class)]
     skipped: dict[str, str] = {}
     adapters = peft_file(setup)
     if adapters is not None:
@@ -71,7 +72,7 @@ def unmarked_files(files: list[EmittedConfig]) -> dict[str, str]:
 
 
 def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *, force: bool = False,
-              warning: str | None = None) -> list[Path]:
+              warning: str | None = None, auto_class: str = "AutoModelForCausalLM") -> list[Path]:
     """Write the plan's engine files into `directory` (created if missing) and return their paths.
 
     Replaces files memfit wrote there before and nobody changed since; refuses, naming every such file, to replace
@@ -79,7 +80,7 @@ def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{directory} is a file, not a directory: choose a directory for the engine configs")
-    files, _ = emitted_files(setup, hardware, directory, warning=warning)
+    files, _ = emitted_files(setup, hardware, directory, warning=warning, auto_class=auto_class)
     written = _read_manifest(directory)
     if not force:
         _refuse_foreign_files(directory, [f.filename for f in files], written)

@@ -206,7 +206,7 @@ def _configs_section(plan: Plan) -> list[str]:
         return []
     setup = plan.final_setup
     out = ["<h2>Engine configs for the final setup</h2>"]
-    makers = [lambda: emit.hf_trainer_file(setup), lambda: emit.hf_model_file(setup)]
+    makers = [lambda: emit.hf_trainer_file(setup), lambda: emit.hf_model_file(setup, auto_class=plan.spec.auto_class)]
     if emit.uses_deepspeed(setup):
         makers.append(lambda: emit.deepspeed_file(setup))
     else:

@@ -276,7 +276,8 @@ def view(result) -> dict:
         "suggestions": list(result.suggestions) if not result.fits else [],
         "setup_notes": list(result.initial_setup.notes),
         "notes": list(result.initial_estimate.notes),
-        "snippets": _snippets(result.final_setup, render, emitted=None) if result.fits else {},
+        "snippets": _snippets(result.final_setup, render, emitted=None,
+                                 auto_class=result.spec.auto_class) if result.fits else {},
     }
 
 
