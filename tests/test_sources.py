@@ -169,20 +169,25 @@ def test_catalog_architecture_numbers():
     assert llama.gated_mlp and llama.norm == "rmsnorm" and not llama.tie_word_embeddings and llama.is_decoder
     gemma = resolve_model("gemma-2-2b")
     assert gemma.head_dim == 256 and gemma.tie_word_embeddings and gemma.hidden_act == "gelu_pytorch_tanh"
-    assert gemma.extra["final_logit_softcapping"] == 30.0 and gemma.extra["sandwich_norms"]
+    # family details live on the typed graph's nodes (memfit.graph), where the estimator reads them
+    from memfit.graph.kinds.attention import Attention
+
+    def attention(spec):
+        return spec.graph.nodes(Attention)[0][1]
+
+    assert gemma.logit_softcap == 30.0 and attention(gemma).softcap == 50.0 and gemma.graph.stacks[0].block.sandwich_norms
     gpt2 = resolve_model("gpt2")
     assert (gpt2.intermediate_size, gpt2.max_position_embeddings, gpt2.tie_word_embeddings) == (3072, 1024, True)
-    assert gpt2.norm == "layernorm" and not gpt2.gated_mlp and gpt2.extra["conv1d"]
+    assert gpt2.norm == "layernorm" and not gpt2.gated_mlp
+    assert [lin.conv1d for _, lin in gpt2.graph.linears()] == [True] * 4  # c_attn, c_proj, c_fc, c_proj
     bert = resolve_model("bert-base-uncased")
-    assert not bert.is_decoder and bert.extra == {"mlm_head_transform": True, "type_vocab_size": 2,
-                                                  "attention_dropout": 0.1, "residual_dropout": 0.1,
-                                                  "embedding_dropout": 0.1, "hub_id": "google-bert/bert-base-uncased"}
+    assert not bert.is_decoder and bert.extra == {"hub_id": "google-bert/bert-base-uncased"}
+    assert bert.auto_class == "AutoModelForMaskedLM" and bert.logit_softcap is None
     assert not any("pooler" in p.name for p in bert.params)
     pythia = resolve_model("pythia-160m")
-    assert pythia.extra["parallel_residual"] and pythia.extra["rotary_pct"] == 0.25
-    assert resolve_model("qwen2.5-7b").extra["qkv_bias"]
-    phi = resolve_model("phi-3-mini")
-    assert phi.extra["fused_qkv"] and phi.extra["fused_gate_up"]
+    assert pythia.graph.stacks[0].block.parallel_residual and attention(pythia).rotary_fraction == 0.25
+    assert all(lin.bias for lin in attention(resolve_model("qwen2.5-7b")).qkv)
+    assert [lin.name for lin in attention(resolve_model("phi-3-mini")).qkv] == ["qkv_proj"]
 
 
 def test_derived_catalog_architecture_numbers():

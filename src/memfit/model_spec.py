@@ -59,7 +59,8 @@ class ModelSpec:
     source: str = "catalog"
     """Where the numbers came from: 'catalog', a config.json path, 'hub:<id>', 'module'."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
-    """Family-specific details (e.g. gemma2 logit soft-capping, gpt_neox partial rotary) for the estimator."""
+    """Where the spec came from beyond its numbers (hub_id, a derived model's class and stacks, a live module's frozen
+    count, supports_sdpa); the family details the estimator reads live on `graph`'s typed nodes."""
     frozen: tuple[ParamTensor, ...] = ()
     """Parameters that are not trained (a LoRA base): no gradients, no optimizer state; their `nbytes` at rest."""
     finetune: Any = field(default=None, compare=False, hash=False)
@@ -88,6 +89,11 @@ class ModelSpec:
     def is_transformer(self) -> bool:
         """Whether the analytic activation model applies (otherwise only `memfit trace` can size activations)."""
         return self.num_layers > 0 and self.hidden_size > 0
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """Final-logit soft-capping (Gemma 2: tanh(logits / cap) x cap), read off the graph's head."""
+        return getattr(getattr(self.graph, "head", None), "softcap", None)
 
     @property
     def auto_class(self) -> str:

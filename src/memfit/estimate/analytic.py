@@ -42,7 +42,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     if not spec.is_transformer:
         raise ConfigError(f"'{spec.name}' has no transformer shape memfit can size analytically: "
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
-    if setup.loss is not Loss.STANDARD and (not spec.is_decoder or spec.extra.get("final_logit_softcapping")):
+    if setup.loss is not Loss.STANDARD and (not spec.is_decoder or spec.logit_softcap):
         raise ConfigError(f"a {setup.loss} loss is sized for causal LMs without final logit softcapping; "
                           f"'{spec.name}' needs loss standard")
     spec = lora.adapted_spec(spec, setup)
@@ -250,7 +250,7 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                               "backward", "torch.autocast weight cast cache"))
         return terms
     logits = vocab * d.compute
-    if spec.extra.get("final_logit_softcapping"):
+    if spec.logit_softcap:
         terms.append(Term("activations/logit_softcap", Category.ACTIVATIONS, logits,
                           f"B x T x V x {d.compute} B: tanh(logits / cap), kept for backward",
                           "transformers Gemma2ForCausalLM final_logit_softcapping"))

@@ -159,70 +159,6 @@ def parse_arch(config: Mapping[str, Any], source: str) -> Arch:
     return arch
 
 
-def _rotary_fraction(config: Mapping[str, Any], default: float) -> float:
-    """GPT-NeoX's rotary_pct, spelled partial_rotary_factor (or nested in rope_parameters) by transformers 5."""
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
-    for value in (config.get("rotary_pct"), config.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
-            return float(value)
-    return default
-
-
-# (attention-probabilities key, residual key, embedding key, transformers' default) per family
-_DROPOUT_KEYS = {
-    "gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop", 0.1),
-    "bert": ("attention_probs_dropout_prob", "hidden_dropout_prob", "hidden_dropout_prob", 0.1),
-    "phi3": ("attention_dropout", "resid_pdrop", "embd_pdrop", 0.0),
-    "gpt_neox": ("attention_dropout", "hidden_dropout", None, 0.0),
-}
-
-
-def _dropout(model_type: str, config: Mapping[str, Any]) -> dict[str, float]:
-    """Dropout probabilities: each active dropout keeps a mask for backward (and eager attention's a T x T one)."""
-    attn_key, resid_key, embd_key, default = _DROPOUT_KEYS.get(model_type, ("attention_dropout", None, None, 0.0))
-
-    def prob(key: str | None) -> float:
-        value = config.get(key, default) if key else 0.0
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
-
-    out = {"attention_dropout": prob(attn_key), "residual_dropout": prob(resid_key), "embedding_dropout": prob(embd_key)}
-    return {k: v for k, v in out.items() if v > 0}
-
-
-def _family_extra(arch: Arch, config: Mapping[str, Any]) -> dict[str, Any]:
-    """What the activation estimator needs beyond the common numbers, per family."""
-    t = arch.model_type
-    extra: dict[str, Any] = {}
-    if t == "qwen2":
-        extra["qkv_bias"] = True
-    if t == "qwen3":
-        extra["qk_norm"] = True
-    if t in ("llama", "gemma", "gemma2", "qwen3") and arch.attention_bias:
-        extra["attention_bias"] = True
-    if t == "llama" and arch.mlp_bias:
-        extra["mlp_bias"] = True
-    if t == "gpt_neox":
-        extra["parallel_residual"] = bool(config.get("use_parallel_residual", True))
-        extra["rotary_pct"] = _rotary_fraction(config, 0.25)
-    if t == "gemma2":
-        extra["final_logit_softcapping"] = config.get("final_logit_softcapping", 30.0)
-        extra["attn_logit_softcapping"] = config.get("attn_logit_softcapping", 50.0)
-        extra["sandwich_norms"] = True
-        extra["query_pre_attn_scalar"] = config.get("query_pre_attn_scalar", 256)
-    if t == "phi3":
-        extra.update(fused_qkv=True, fused_gate_up=True)
-    if t == "gpt2":
-        extra["conv1d"] = True
-    if t == "bert":
-        extra.update(mlm_head_transform=True, type_vocab_size=arch.type_vocab_size)
-    extra.update(_dropout(t, config))
-    window = config.get("sliding_window")
-    uses_window = t in ("mistral", "gemma2", "phi3") or (t in ("qwen2", "qwen3") and config.get("use_sliding_window"))
-    if uses_window and isinstance(window, int) and not isinstance(window, bool) and window > 0:
-        extra["sliding_window"] = window
-    return extra
-
-
 def _hidden_act(config: Mapping[str, Any], family: _Family) -> str:
     for key in family.act_keys:
         if isinstance(config.get(key), str):
@@ -266,7 +202,6 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
         norm=family.norm,
         tie_word_embeddings=arch.tie_word_embeddings,
         source=source,
-        extra=_family_extra(arch, config),
     )
     from ..estimate.activations import saved_problem
     from .graphs import with_graph

@@ -20,7 +20,7 @@ class ChunkedOrFusedLoss(Technique):
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.loss is Loss.FUSED:
             return Skip("already fused: the logits never exist in full")
-        if not ctx.spec.is_decoder or ctx.spec.extra.get("final_logit_softcapping"):
+        if not ctx.spec.is_decoder or ctx.spec.logit_softcap:
             return Skip("sized for causal LMs without final logit softcapping")
         candidates = []
         for loss in ((Loss.CHUNKED, Loss.FUSED) if ctx.setup.loss is Loss.STANDARD else (Loss.FUSED,)):
