@@ -15,8 +15,7 @@ from ..errors import ModelSourceError, suggest
 from ..model_spec import ModelSpec
 from .graphs import with_graph
 from .catalog import catalog_config, catalog_entry, catalog_names, catalog_spec, close_names, find_entry
-from .hf_config import from_config_file, from_hf_config, from_hub
-from .layouts import SUPPORTED_MODEL_TYPES
+from .hf_config import SUPPORTED_MODEL_TYPES, from_config_file, from_hf_config, from_hub
 from .module import from_module, from_pretrained_config, is_hf_config, is_module
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""Hugging Face config.json -> ModelSpec, by arithmetic alone for the families memfit has layouts for (no torch, no
-transformers at import or call time; any other architecture is derived by memfit.derive, which needs torch),
+"""Hugging Face config.json -> ModelSpec, by arithmetic alone for the families memfit reads the numbers of here and
+builds a graph for (memfit.graph.builders: every parameter tensor; no torch, no transformers at import or call
+time); any other architecture is derived by memfit.derive, which needs torch,
 plus the two readers around it: a config.json on disk and a hub id (the one place transformers is imported)."""
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 from ..errors import MissingDependencyError, ModelSourceError
 from ..model_spec import ModelSpec
-from .layouts import SUPPORTED_MODEL_TYPES, Arch, param_layout
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,35 @@ class _Family:
     """Used when the config has no head_dim (gemma: 256); 0 means hidden_size / num_attention_heads."""
     uses_head_dim: bool = True
     """False where the modeling code ignores head_dim and kv heads (GPT-2, GPT-NeoX, BERT: plain multi-head)."""
-    attention_bias_default: bool = False
 
 
 _GPT2_KEYS = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
               "max_position_embeddings": "n_positions", "intermediate_size": "n_inner"}
+
+@dataclass(frozen=True)
+class Arch:
+    """The architecture numbers of a config, validated and defaulted (parse_arch); the parameter tensors come from
+    the family's graph builder (memfit.graph.builders)."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+    tie_word_embeddings: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
 
 FAMILIES: dict[str, _Family] = {
     "llama": _Family("rmsnorm", True, False, 2048, "silu"),
@@ -52,9 +76,12 @@ FAMILIES: dict[str, _Family] = {
     "phi3": _Family("rmsnorm", True, False, 4096, "silu"),
     "gpt2": _Family("layernorm", False, True, 1024, "gelu_new", keys=_GPT2_KEYS,
                     act_keys=("activation_function",), uses_head_dim=False),
-    "gpt_neox": _Family("layernorm", False, False, 2048, "gelu", uses_head_dim=False, attention_bias_default=True),
+    "gpt_neox": _Family("layernorm", False, False, 2048, "gelu", uses_head_dim=False),
     "bert": _Family("layernorm", False, True, 512, "gelu", is_decoder=False, uses_head_dim=False),
 }
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+"""The model_types a spec is built for from a config alone (no torch): numbers here, tensors from the graph."""
 
 
 class _Reader:
@@ -151,9 +178,6 @@ def parse_arch(config: Mapping[str, Any], source: str) -> Arch:
         vocab_size=r.positive_int("vocab_size"),
         max_positions=r.positive_int("max_position_embeddings", default=family.max_positions_default),
         tie_word_embeddings=r.flag("tie_word_embeddings", family.tie_default),
-        attention_bias=r.flag("attention_bias", family.attention_bias_default),
-        mlp_bias=r.flag("mlp_bias", False),
-        type_vocab_size=r.positive_int("type_vocab_size", default=2) if model_type == "bert" else 0,
     )
     r.fail_if_any()
     return arch
@@ -180,14 +204,17 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
         try:
             return derived_spec(dict(config), name=name, source=source)
         except ModelSourceError as error:
-            raise ModelSourceError(f"{error}; memfit's own layouts cover {', '.join(SUPPORTED_MODEL_TYPES)}, or "
+            raise ModelSourceError(f"{error}; memfit reads configs of {', '.join(SUPPORTED_MODEL_TYPES)}, or "
                                    "pass the built nn.Module (memfit reads its tensors)") from None
     arch = parse_arch(config, source)
     family = FAMILIES[arch.model_type]
+    from ..graph import graph_from_config
+
+    graph = graph_from_config(config, name=name, source=source)  # every parameter tensor, one builder per family
     spec = ModelSpec(
         name=name,
         model_type=arch.model_type,
-        params=param_layout(arch),
+        params=graph.param_tensors(),
         hidden_size=arch.hidden_size,
         num_layers=arch.num_layers,
         num_attention_heads=arch.num_heads,
@@ -202,11 +229,9 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
         norm=family.norm,
         tie_word_embeddings=arch.tie_word_embeddings,
         source=source,
+        graph=graph,
     )
     from ..estimate.activations import saved_problem
-    from .graphs import with_graph
-
-    spec = with_graph(spec, config)
     if saved_problem(spec.graph) is not None:  # nodes no `saved` formula sizes: derive them, never borrow Llama's
         from ..derive import DerivedModel
 
