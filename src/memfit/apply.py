@@ -18,24 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .setup import Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
-
-OPTIMIZER_CLASSES = {
-    Optimizer.ADAMW: "torch.optim.AdamW(foreach=False)",
-    Optimizer.ADAMW_FOREACH: "torch.optim.AdamW(foreach=True)",
-    Optimizer.ADAMW_FUSED: "torch.optim.AdamW(fused=True)",
-    Optimizer.ADAMW_8BIT: "bitsandbytes.optim.AdamW8bit",
-    Optimizer.PAGED_ADAMW_8BIT: "bitsandbytes.optim.PagedAdamW8bit",
-    Optimizer.PAGED_ADAMW: "bitsandbytes.optim.PagedAdamW (32-bit)",
-    Optimizer.ADAMW_AO_8BIT: "torchao.optim.AdamW8bit",
-    Optimizer.ADAMW_4BIT: "torchao.optim.AdamW4bit",
-    Optimizer.ADAMW_FP8: "torchao.optim.AdamWFp8",
-    Optimizer.LION_8BIT: "bitsandbytes.optim.Lion8bit",
-    Optimizer.LION: "bitsandbytes.optim.Lion (32-bit)",
-    Optimizer.SGD: "torch.optim.SGD(momentum=0.9)",
-    Optimizer.ADAFACTOR: "transformers.optimization.Adafactor (HF defaults: relative step, no lr)",
-}
-
+from .setup import Checkpointing, Offload, Precision, Sharding, TrainingSetup
 
 @dataclass(frozen=True)
 class Change:
@@ -186,7 +169,7 @@ def _checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:
 
 
 def _optimizer(model, setup: TrainingSetup, is_hf: bool) -> Change:
-    detail = f"build it with applied.make_optimizer(model): {OPTIMIZER_CLASSES[setup.optimizer]}"
+    detail = f"build it with applied.make_optimizer(model): {setup.optimizer.kind.describe()}"
     if setup.precision.master_weights:
         detail += " on an fp32 master copy of the bf16 parameters"
     if setup.optimizer.library in ("bitsandbytes", "torchao"):

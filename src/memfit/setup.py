@@ -64,18 +64,14 @@ class Optimizer(_Choice):
     ADAFACTOR = "adafactor"  # factored second moment, no first moment (HF/transformers defaults)
 
     def aliases(self) -> tuple[str, ...]:
-        return {
-            "adamw": ("adam", "adamw-torch", "adamw-single"),
-            "adamw-8bit": ("adam8bit", "adamw8bit", "8bit", "bnb", "adamw-bnb-8bit"),
-            "paged-adamw-8bit": ("paged-adamw8bit", "pagedadamw8bit", "paged-8bit"),
-            "paged-adamw": ("paged-adamw-32bit", "pagedadamw", "pagedadamw32bit", "paged"),
-            "adamw-ao-8bit": ("adamw-torch-8bit", "torchao-8bit", "ao-8bit"),
-            "adamw-4bit": ("adamw-torch-4bit", "torchao-4bit", "4bit", "adamw4bit"),
-            "adamw-fp8": ("torchao-fp8", "adamwfp8", "fp8"),
-            "lion-8bit": ("lion8bit", "lion-bnb-8bit"),
-            "lion": ("lion-32bit", "lion32bit"),
-            "sgd": ("sgd-momentum",),
-        }.get(self.value, ())
+        return self.kind.aliases
+
+    @property
+    def kind(self):
+        """Its record in memfit.optimizers: class, arguments, states, how engines and configs spell it."""
+        from .optimizers import kind_of
+
+        return kind_of(self)
 
     @property
     def is_adam(self) -> bool:
@@ -85,27 +81,22 @@ class Optimizer(_Choice):
     @property
     def library(self) -> str:
         """Who implements it: 'torch', 'bitsandbytes', 'torchao' or 'transformers'."""
-        if self in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED, Optimizer.SGD):
-            return "torch"
-        if self in (Optimizer.ADAMW_AO_8BIT, Optimizer.ADAMW_4BIT, Optimizer.ADAMW_FP8):
-            return "torchao"
-        return "transformers" if self is Optimizer.ADAFACTOR else "bitsandbytes"
+        return self.kind.library
 
     @property
     def torch_adam(self) -> bool:
         """torch.optim.AdamW in one of its three kernels (what DeepSpeed and FSDP2 build themselves)."""
-        return self in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED)
+        return self.kind.torch_adam
 
     @property
     def is_paged(self) -> bool:
         """bitsandbytes paged: large states in CUDA unified memory (cudaMallocManaged), outside torch's allocator."""
-        return self in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW)
+        return self.kind.paged
 
     @property
     def state_bits(self) -> int:
         """Bits per element of the large states (32: full precision, in the parameter's or fp32 dtype)."""
-        return {Optimizer.ADAMW_8BIT: 8, Optimizer.PAGED_ADAMW_8BIT: 8, Optimizer.ADAMW_AO_8BIT: 8,
-                Optimizer.ADAMW_4BIT: 4, Optimizer.ADAMW_FP8: 8, Optimizer.LION_8BIT: 8}.get(self, 32)
+        return self.kind.state_bits
 
 
 class Checkpointing(_Choice):
@@ -275,9 +266,6 @@ class CpRotate(_Choice):
     @classmethod
     def label(cls) -> str:
         return "context-parallel rotate method"
-
-
-_ZERO1_TORCH_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "sgd")
 
 
 @dataclass(frozen=True)
@@ -616,9 +604,9 @@ class TrainingSetup:
         if self.offload is Offload.OPTIMIZER:
             problems.append("FSDP2 offloads parameters with the optimizer step, never the optimizer alone: use "
                             "offload optimizer+params with zero3, or engine deepspeed (ZeRO-Offload)")
-        if self.sharding.stage >= 2 and self.optimizer.library in ("bitsandbytes", "transformers"):
+        if self.sharding.stage >= 2 and self.optimizer.kind.fsdp2:
             problems.append(f"{self.optimizer} cannot step FSDP2's sharded (DTensor) parameters: use engine deepspeed")
-        if self.sharding is Sharding.ZERO1 and (self.optimizer.value not in _ZERO1_TORCH_OPTIMIZERS
+        if self.sharding is Sharding.ZERO1 and (not self.optimizer.kind.zero1
                                                  or self.precision.master_weights):
             problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) covers AdamW and SGD without an fp32 master "
                             "copy: use engine deepspeed")

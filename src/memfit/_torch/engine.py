@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..estimate.comm import Runtime, runtime_of
-from ..setup import Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from ..setup import Checkpointing, Engine, Offload, Precision, Sharding, TrainingSetup
 from . import blocks as block_tools
 from . import step as torch_step
 
@@ -284,24 +284,17 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(tensor, src=0)
 
 
-_ZERO_REDUNDANCY_OPTIMIZERS = {
-    Optimizer.ADAMW: (torch.optim.AdamW, {"foreach": False}),
-    Optimizer.ADAMW_FOREACH: (torch.optim.AdamW, {"foreach": True}),
-    Optimizer.ADAMW_FUSED: (torch.optim.AdamW, {"fused": True}),
-    Optimizer.SGD: (torch.optim.SGD, {"momentum": 0.9}),
-}
-
-
 def _zero_redundancy_optimizer(model: nn.Module, setup: TrainingSetup, lr: float | None):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    kind, kwargs = _ZERO_REDUNDANCY_OPTIMIZERS[setup.optimizer]
+    kind = setup.optimizer.kind  # one that torch's ZeRO-1 wraps (TrainingSetup checks kind.zero1)
+    kwargs = dict(kind.kwargs)
     if kwargs.get("fused") and not torch.cuda.is_available():
         kwargs = {"foreach": False}  # no fused AdamW kernel on this device
     lr = torch_step.DEFAULT_LR.get(setup.optimizer, 1e-3) if lr is None else lr
     params = [p for p in model.parameters() if p.requires_grad]
     # Each rank owns whole parameters (greedy by size) and steps only those, then broadcasts them.
-    return ZeroRedundancyOptimizer(params, optimizer_class=kind, lr=lr, **kwargs)
+    return ZeroRedundancyOptimizer(params, optimizer_class=kind.load(), lr=lr, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------- DeepSpeed

@@ -190,49 +190,22 @@ def make_optimizer(model: torch.nn.Module, setup: TrainingSetup, *, lr: float | 
 
 def _base_optimizer(params, *, setup: TrainingSetup, lr: float | None, notes: list[str]) -> torch.optim.Optimizer:
     lr = DEFAULT_LR.get(setup.optimizer, 1e-3) if lr is None else lr
-    kind = setup.optimizer
-    if kind is Optimizer.ADAMW:
-        return torch.optim.AdamW(params, lr=lr, foreach=False)
-    if kind is Optimizer.ADAMW_FOREACH:
-        return torch.optim.AdamW(params, lr=lr, foreach=True)
-    if kind is Optimizer.ADAMW_FUSED:
+    kind = setup.optimizer.kind
+    if kind.library in ("bitsandbytes", "torchao", "transformers"):
+        _import(kind.library, extra={"bitsandbytes": "engines", "torchao": "lowbit", "transformers": "hf"}[kind.library])
+    if kind.paged and not _on_cuda(params):
+        # bitsandbytes 0.50 get_state_buffer: paged buffers need CUDA; on CPU it warns and uses zeros_like
+        notes.append(f"{kind.name}: bitsandbytes pages states only on CUDA; measured its unpaged equivalent "
+                     "(same state tensors, in ordinary memory)")
+    if dict(kind.kwargs).get("fused"):
         try:
-            return torch.optim.AdamW(params, lr=lr, fused=True)
+            return kind.build(params, lr)
         except (RuntimeError, ValueError) as error:
             notes.append(f"fused AdamW is not available here ({error}); measured the single-tensor AdamW instead")
             return torch.optim.AdamW(params, lr=lr, foreach=False)
-    if kind.library == "bitsandbytes":
-        bnb = _import("bitsandbytes", extra="engines")
-        if kind.is_paged and not _on_cuda(params):
-            # bitsandbytes 0.50 get_state_buffer: paged buffers need CUDA; on CPU it warns and uses zeros_like
-            notes.append(f"{kind}: bitsandbytes pages states only on CUDA; measured its unpaged equivalent "
-                         "(same state tensors, in ordinary memory)")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
-            return _BNB_CLASSES[kind](bnb.optim)(params, lr=lr)
-    if kind.library == "torchao":
-        _import("torchao", extra="lowbit")
-        import torchao.optim
-
-        return _TORCHAO_CLASSES[kind](torchao.optim)(params, lr=lr)
-    if kind is Optimizer.SGD:
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if kind is Optimizer.ADAFACTOR:
-        from transformers.optimization import Adafactor
-
-        # HF's defaults: a relative step size, so no learning rate is given.
-        return Adafactor(params, scale_parameter=True, relative_step=True, warmup_init=False, lr=None)
-    raise ConfigError(f"no optimizer factory for '{kind}'")
-
-
-_BNB_CLASSES = {
-    Optimizer.ADAMW_8BIT: lambda m: m.AdamW8bit, Optimizer.PAGED_ADAMW_8BIT: lambda m: m.PagedAdamW8bit,
-    Optimizer.PAGED_ADAMW: lambda m: m.PagedAdamW32bit, Optimizer.LION_8BIT: lambda m: m.Lion8bit,
-    Optimizer.LION: lambda m: m.Lion32bit,
-}
-_TORCHAO_CLASSES = {Optimizer.ADAMW_AO_8BIT: lambda m: m.AdamW8bit, Optimizer.ADAMW_4BIT: lambda m: m.AdamW4bit,
-                    Optimizer.ADAMW_FP8: lambda m: m.AdamWFp8}
-"""The classes, looked up on the imported module (bitsandbytes.optim, torchao.optim) with their default blocks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        return kind.build(params, lr)
 
 
 def _on_cuda(params) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import textwrap
 
 from ..errors import ConfigError
-from ..setup import Checkpointing, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from ..setup import Checkpointing, Offload, Precision, Sharding, TrainingSetup
 from .emitted import EmittedConfig, describe
 
 
@@ -20,20 +20,7 @@ def fsdp2_unsupported(setup: TrainingSetup) -> str | None:
     if setup.offload is Offload.OPTIMIZER:
         return ("FSDP2 offloads parameters, gradients and the optimizer step together (CPUOffloadPolicy), never the "
                 "optimizer alone; use deepspeed.json (ZeRO-Offload)")
-    if setup.optimizer.library == "bitsandbytes" and setup.optimizer is not Optimizer.ADAMW_8BIT:
-        return (f"bitsandbytes' {setup.optimizer} kernels have no DTensor sharding rule, so they cannot step FSDP2 "
-                "parameters; use deepspeed.json (ZeRO hands it plain tensors)")
-    return _UNSHARDABLE_OPTIMIZERS.get(setup.optimizer)
-
-
-# Optimizers that fail on FSDP2's DTensor parameters (checked with torch 2.13, bitsandbytes 0.50, transformers 5.24).
-_UNSHARDABLE_OPTIMIZERS = {
-    Optimizer.ADAMW_8BIT: ("bitsandbytes' 8-bit AdamW kernels have no DTensor sharding rule, so they cannot step "
-                           "FSDP2 parameters; use deepspeed.json (ZeRO hands it plain tensors)"),
-    Optimizer.ADAFACTOR: ("Adafactor's factored moments reduce over whole rows and columns, which FSDP2's sharded "
-                          "DTensor parameters do not support (torch and transformers Adafactor both fail); "
-                          "use deepspeed.json"),
-}
+    return setup.optimizer.kind.fsdp2 or None  # the optimizers that cannot step DTensor parameters say why
 
 
 def fsdp2_code(setup: TrainingSetup) -> str:
@@ -264,27 +251,8 @@ def _shard_section(setup: TrainingSetup) -> str:
 {body}'''
 
 
-# The optimizers FSDP2 can step (see _UNSHARDABLE_OPTIMIZERS for the others).
-_OPTIMIZERS = {
-    Optimizer.ADAMW: ("torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)",
-                      "single-tensor AdamW: one parameter at a time, no parameter-sized temporaries"),
-    Optimizer.ADAMW_FOREACH: ("torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)",
-                              "multi-tensor AdamW (torch's CUDA default): temporaries the size of the shards"),
-    Optimizer.ADAMW_FUSED: ("torch.optim.AdamW(model.parameters(), lr=lr, fused=True)",
-                            "fused AdamW: one kernel, no parameter-sized temporaries"),
-    Optimizer.SGD: ("torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
-                    "SGD with momentum: one state per parameter"),
-    Optimizer.ADAMW_AO_8BIT: ("torchao.optim.AdamW8bit(model.parameters(), lr=lr)",
-                              "torchao 8-bit AdamW: quantises each rank's local shard (DTensor-aware)"),
-    Optimizer.ADAMW_4BIT: ("torchao.optim.AdamW4bit(model.parameters(), lr=lr)",
-                           "torchao 4-bit AdamW: quantises each rank's local shard (DTensor-aware)"),
-    Optimizer.ADAMW_FP8: ("torchao.optim.AdamWFp8(model.parameters(), lr=lr)",
-                          "torchao fp8 AdamW: quantises each rank's local shard (DTensor-aware)"),
-}
-
-
 def _optimizer_section(setup: TrainingSetup) -> str:
-    call, why = _OPTIMIZERS[setup.optimizer]
+    call, why = setup.optimizer.kind.call(), setup.optimizer.kind.summary
     return f'''def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """The planned optimizer over the sharded parameters, so its states are sharded too."""
     # {setup.optimizer}: {why}.

@@ -11,22 +11,6 @@ from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
 # TrainingArguments.optim names (transformers.training_args.OptimizerNames).
-_OPTIM_NAMES = {
-    Optimizer.ADAMW: "adamw_torch",
-    Optimizer.ADAMW_FOREACH: "adamw_torch",
-    Optimizer.ADAMW_FUSED: "adamw_torch_fused",
-    Optimizer.ADAMW_8BIT: "adamw_bnb_8bit",
-    Optimizer.PAGED_ADAMW_8BIT: "paged_adamw_8bit",
-    Optimizer.PAGED_ADAMW: "paged_adamw_32bit",
-    Optimizer.ADAMW_AO_8BIT: "adamw_torch_8bit",
-    Optimizer.ADAMW_4BIT: "adamw_torch_4bit",
-    Optimizer.LION_8BIT: "lion_8bit",
-    Optimizer.LION: "lion_32bit",
-    Optimizer.SGD: "sgd",
-    Optimizer.ADAFACTOR: "adafactor",
-}
-
-
 def transformers_version() -> tuple[int, int] | None:
     """The installed transformers' (major, minor): its `__version__` when already imported, else the installed
     distribution's version, read without importing it (importing transformers takes seconds); None without it."""
@@ -137,12 +121,13 @@ def _precision_part(setup: TrainingSetup, **_):
 def _optimizer_part(setup: TrainingSetup, **_):
     optimizer = setup.optimizer
     notes: list[str] = []
-    if optimizer not in _OPTIM_NAMES:  # torchao AdamWFp8: no TrainingArguments name
+    kind = optimizer.kind
+    if kind.hf_optim is None:  # torchao AdamWFp8: no TrainingArguments name
         notes.append(f"TrainingArguments has no optim name for {optimizer}: pass Trainer(..., optimizer_cls_and_kwargs="
-                     "(torchao.optim.AdamWFp8, {'lr': lr})); it overrides `optim`.")
+                     f"({kind.cls}, {{'lr': lr}})); it overrides `optim`.")
         return {"optim": "adamw_torch"}, {"optim": f"placeholder: {optimizer} is passed as optimizer_cls_and_kwargs"}, \
             notes
-    content: dict = {"optim": _OPTIM_NAMES[optimizer]}
+    content: dict = {"optim": kind.hf_optim}
     if optimizer is Optimizer.ADAMW_4BIT:
         notes.append("The Trainer builds adamw_torch_4bit with block_size=256 (its optim_args default; torchao's "
                      "own is 128): 1/128 B/param less state than planned (one fp32 scale per 256 elements, not 128).")
@@ -157,18 +142,7 @@ def _optimizer_part(setup: TrainingSetup, **_):
         content["optim_args"] = "momentum=0.9"
         reason = "torch.optim.SGD"
     else:
-        reason = {Optimizer.ADAMW_FOREACH: "torch AdamW, multi-tensor (foreach) on CUDA by default",
-                  Optimizer.ADAMW_FUSED: "torch AdamW(fused=True): one kernel, no parameter-sized temporaries",
-                  Optimizer.ADAMW_8BIT: "bitsandbytes AdamW8bit: block-wise uint8 moments (needs bitsandbytes)",
-                  Optimizer.PAGED_ADAMW_8BIT: "bitsandbytes PagedAdamW8bit: uint8 moments in CUDA unified memory, "
-                                              "evicted to host RAM under memory pressure (needs bitsandbytes)",
-                  Optimizer.PAGED_ADAMW: "bitsandbytes PagedAdamW (32-bit): fp32 moments in CUDA unified memory, "
-                                         "evicted to host RAM under memory pressure (needs bitsandbytes)",
-                  Optimizer.ADAMW_AO_8BIT: "torchao AdamW8bit: block-wise uint8 moments (needs torchao)",
-                  Optimizer.ADAMW_4BIT: "torchao AdamW4bit: block-wise 4-bit moments (needs torchao)",
-                  Optimizer.LION_8BIT: "bitsandbytes Lion8bit: one block-wise uint8 momentum (needs bitsandbytes)",
-                  Optimizer.LION: "bitsandbytes Lion (32-bit): one fp32 momentum (needs bitsandbytes)",
-                  Optimizer.ADAFACTOR: "transformers Adafactor, factored second moment and no first moment"}[optimizer]
+        reason = kind.summary
     comments = {"optim": reason}
     if "optim_args" in content:
         comments["optim_args"] = "SGD with momentum as planned (one state per parameter); torch's default is 0"

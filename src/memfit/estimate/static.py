@@ -109,7 +109,7 @@ _BNB_FORMULAS = {
 
 def _bnb_layout(opt: Optimizer) -> tuple[int, bool]:
     """(states per parameter, 8-bit) of a bitsandbytes optimizer (Optimizer2State / Optimizer1State.init_state)."""
-    return (1 if opt in (Optimizer.LION, Optimizer.LION_8BIT) else 2), opt.state_bits == 8
+    return opt.kind.states, opt.state_bits == 8
 
 
 def _bnb_state_bytes(spec: ModelSpec, opt: Optimizer, *, paged_only: bool = False) -> int:

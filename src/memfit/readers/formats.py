@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..optimizers import config_class_names
 from ..setup import Attention, Checkpointing, Engine, Loss, Optimizer, Precision
 from ._reader import NOT_RELEVANT, NOT_SIZED, OFF, Reader, _positive, _value
 from .files import detect_format, display_path, flatten, load_mapping, resolve_reference
@@ -540,24 +541,9 @@ TORCHTUNE_TABLE = {
     "fsdp_cpu_offload": OFF,
 }
 _TORCH_ADAM = ("torch.optim.adamw", "torch.optim.adam")
-_TORCHTUNE_OPTIMIZERS = {
-    "torch.optim.sgd": (Optimizer.SGD, ""),
-    "torch.optim.adafactor": (Optimizer.ADAFACTOR, ""),
-    "bitsandbytes.optim.adamw8bit": (Optimizer.ADAMW_8BIT, ""),
-    "bitsandbytes.optim.adam8bit": (Optimizer.ADAMW_8BIT, ""),
-    "bitsandbytes.optim.pagedadamw8bit": (Optimizer.PAGED_ADAMW_8BIT, PAGED),
-    "bitsandbytes.optim.pagedadam8bit": (Optimizer.PAGED_ADAMW_8BIT, PAGED),
-    "bitsandbytes.optim.pagedadamw": (Optimizer.PAGED_ADAMW, PAGED),
-    "bitsandbytes.optim.pagedadamw32bit": (Optimizer.PAGED_ADAMW, PAGED),
-    "bitsandbytes.optim.lion8bit": (Optimizer.LION_8BIT, ""),
-    "bitsandbytes.optim.lion": (Optimizer.LION, ""),
-    "bitsandbytes.optim.lion32bit": (Optimizer.LION, ""),
-    "torchao.optim.adamw8bit": (Optimizer.ADAMW_AO_8BIT, ""),
-    "torchao.optim.adamw4bit": (Optimizer.ADAMW_4BIT, ""),
-    "torchao.optim.adamwfp8": (Optimizer.ADAMW_FP8, ""),
-    "torchao.prototype.low_bit_optim.adamw8bit": (Optimizer.ADAMW_AO_8BIT, ""),
-    "torchao.prototype.low_bit_optim.adamw4bit": (Optimizer.ADAMW_4BIT, ""),
-}
+_TORCHTUNE_OPTIMIZERS = {path: (Optimizer(name), PAGED if Optimizer(name).is_paged else "")
+                         for path, name in config_class_names().items()}
+"""torchtune `_component_` class paths (lower case) memfit sizes, from memfit.optimizers (torch AdamW apart)."""
 
 
 def torchtune_model(component: str) -> str | None:

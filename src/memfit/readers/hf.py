@@ -10,15 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..optimizers import hf_optim_names
 from ..setup import Checkpointing, Engine, Offload, Optimizer, Precision, Sharding
 from ._reader import NOT_SIZED, Reader, _get, _positive, _value
 
-OPTIMIZERS = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_torch_fused": Optimizer.ADAMW_FUSED,
-              "adamw_bnb_8bit": Optimizer.ADAMW_8BIT, "adamw_8bit": Optimizer.ADAMW_8BIT,
-              "paged_adamw_8bit": Optimizer.PAGED_ADAMW_8BIT, "paged_adamw_32bit": Optimizer.PAGED_ADAMW,
-              "adamw_torch_8bit": Optimizer.ADAMW_AO_8BIT, "adamw_torch_4bit": Optimizer.ADAMW_4BIT,
-              "lion_8bit": Optimizer.LION_8BIT, "lion_32bit": Optimizer.LION,
-              "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD}
+OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()}
 """HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
 
 PAGED = ("paged: the states of tensors >= 1e5 elements in CUDA unified memory, outside torch's caching allocator "
