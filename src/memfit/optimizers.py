@@ -44,6 +44,8 @@ class OptimizerKind:
     """torch's ZeroRedundancyOptimizer (ZeRO-1) can wrap it."""
     lr: bool = True
     """Takes a learning rate (HF Adafactor's relative step does not)."""
+    rest: str = ""
+    """Who steps the parameters this class does not take (Muon: AdamW on all but the blocks' 2-D weights)."""
 
     @property
     def library(self) -> str:
@@ -67,7 +69,17 @@ class OptimizerKind:
 
     def describe(self) -> str:
         """The class and memfit's arguments in one line ('torch.optim.AdamW(foreach=False)')."""
-        return f"{self.cls}({', '.join(f'{k}={v!r}' for k, v in self.kwargs)})"
+        own = f"{self.cls}({', '.join(f'{k}={v!r}' for k, v in self.kwargs)})"
+        return f"{own} on the blocks' 2-D weights, {self.rest} on the rest" if self.rest else own
+
+    @property
+    def hf_note(self) -> str:
+        """What to pass the HF Trainer where TrainingArguments has no `optim` name for it."""
+        if self.rest:
+            return (f"TrainingArguments has no optim name for {self.name}: build it with memfit.apply's "
+                    f"make_optimizer(model) ({self.describe()}) and pass Trainer(..., optimizers=(optimizer, None)).")
+        return (f"TrainingArguments has no optim name for {self.name}: pass Trainer(..., optimizer_cls_and_kwargs="
+                f"({self.cls}, {{'lr': lr}})); it overrides `optim`.")
 
     def load(self) -> type:
         """The class itself (imports its library)."""
@@ -138,6 +150,10 @@ KINDS: tuple[OptimizerKind, ...] = (
                   fsdp2=("Adafactor's factored moments reduce over whole rows and columns, which FSDP2's sharded "
                          "DTensor parameters do not support (torch and transformers Adafactor both fail); "
                          "use deepspeed.json"), lr=False),
+    OptimizerKind("muon", "torch.optim.Muon", "torch Muon on the blocks' 2-D weights (one momentum, Newton-Schulz "
+                  "orthogonalised update in bf16), AdamW (foreach) on embeddings, head, norms and biases", states=1,
+                  fsdp2="torch.optim.Muon orthogonalises whole matrices; memfit sizes it unsharded",
+                  rest="torch.optim.AdamW(foreach=True)"),
 )
 
 BY_NAME: dict[str, OptimizerKind] = {k.name: k for k in KINDS}

@@ -62,6 +62,7 @@ class Optimizer(_Choice):
     LION = "lion"  # bitsandbytes Lion (32-bit): one fp32 state
     SGD = "sgd"  # SGD with momentum: one state
     ADAFACTOR = "adafactor"  # factored second moment, no first moment (HF/transformers defaults)
+    MUON = "muon"  # torch.optim.Muon on the blocks' 2-D weights, AdamW (foreach) on the rest (memfit.estimate.muon)
 
     def aliases(self) -> tuple[str, ...]:
         return self.kind.aliases
@@ -445,7 +446,23 @@ class TrainingSetup:
             problems += self._adapter_problems()
         if self.optimizer_in_backward:
             problems += self._in_backward_problems()
+        if self.optimizer is Optimizer.MUON:
+            problems += self._muon_problems()
         return problems
+
+    def _muon_problems(self) -> list[str]:
+        """torch.optim.Muon orthogonalises whole matrices (Newton-Schulz on each 2-D gradient): sized on one
+        unsharded GPU, full training, without a master copy or per-parameter stepping."""
+        if (self.sharding is not Sharding.NONE or self.offload is not Offload.NONE or self.tp > 1 or self.pp > 1
+                or self.cp > 1):
+            return ["muon is sized without sharding, offload or model parallelism (its Newton-Schulz step needs each "
+                    "whole matrix on one rank): use --sharding none, or an AdamW variant"]
+        if self.finetune.adapters:
+            return [f"muon with {self.finetune.method} is not sized yet: use method full, or an AdamW variant"]
+        if self.precision.master_weights or self.optimizer_in_backward:
+            return ["muon is sized without an fp32 master copy (bf16-master) and without the optimizer in backward: "
+                    "use amp-bf16 or bf16"]
+        return []
 
     def _in_backward_problems(self) -> list[str]:
         """Where stepping each parameter inside backward (torchtune optimizer_in_bwd) cannot run, or is not sized."""

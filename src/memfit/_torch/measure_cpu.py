@@ -74,8 +74,10 @@ def _optimizer_tensors(optimizer) -> dict[str, list[torch.Tensor]]:
     skip = {"param_groups", "model_params", "master_params", "defaults"}
     state = [t for key, value in vars(optimizer).items() if key not in skip for t in _tensors_in(value)]
     inner = getattr(optimizer, "inner", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        state += [t for key, value in vars(inner).items() if key not in skip for t in _tensors_in(value)]
+    for part in (inner, *getattr(optimizer, "parts", ())):  # a wrapped optimizer; Muon + AdamW stepped as one
+        if isinstance(part, torch.optim.Optimizer):
+            params |= {id(p) for group in part.param_groups for p in group["params"]}
+            state += [t for key, value in vars(part).items() if key not in skip for t in _tensors_in(value)]
     state = [t for t in state if id(t) not in params]
     return {"optimizer/master_weights": masters, "optimizer": state}
 

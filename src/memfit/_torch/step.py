@@ -182,6 +182,10 @@ def make_optimizer(model: torch.nn.Module, setup: TrainingSetup, *, lr: float | 
         from .master import MasterWeightsOptimizer
 
         optimizer = MasterWeightsOptimizer(params, build)
+    elif setup.optimizer is Optimizer.MUON:
+        from .muon import MuonWithAdamW
+
+        optimizer = MuonWithAdamW(model, DEFAULT_LR.get(setup.optimizer, 1e-3) if lr is None else lr)
     else:
         optimizer = build(params)
     optimizer.memfit_notes = tuple(notes)

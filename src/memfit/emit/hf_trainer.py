@@ -122,10 +122,9 @@ def _optimizer_part(setup: TrainingSetup, **_):
     optimizer = setup.optimizer
     notes: list[str] = []
     kind = optimizer.kind
-    if kind.hf_optim is None:  # torchao AdamWFp8: no TrainingArguments name
-        notes.append(f"TrainingArguments has no optim name for {optimizer}: pass Trainer(..., optimizer_cls_and_kwargs="
-                     f"({kind.cls}, {{'lr': lr}})); it overrides `optim`.")
-        return {"optim": "adamw_torch"}, {"optim": f"placeholder: {optimizer} is passed as optimizer_cls_and_kwargs"}, \
+    if kind.hf_optim is None:  # torchao AdamWFp8, torch Muon: no TrainingArguments name
+        notes.append(kind.hf_note)
+        return {"optim": "adamw_torch"}, {"optim": f"placeholder: {optimizer} is passed to the Trainer itself (see the notes)"}, \
             notes
     content: dict = {"optim": kind.hf_optim}
     if optimizer is Optimizer.ADAMW_4BIT:

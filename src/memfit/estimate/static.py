@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, TrainingSetup
+from . import muon
 from .fsdp2 import Fsdp2Units
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
@@ -89,6 +90,8 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, s
         return _torchao_state_bytes(spec, opt, s_bytes), _torchao_formula(opt)
     if opt is Optimizer.SGD:
         return trainable_bytes(spec, s_bytes), f"momentum buffer {s_bytes} B x P"
+    if opt is Optimizer.MUON:
+        return muon.state_bytes(spec, s_bytes)
     if setup.sharding.stage >= 1 and setup.engine is Engine.DEEPSPEED:
         # DeepSpeed hands the optimizer flat 1-D partitions: nothing left to factor, the 2nd moment is full size
         # (measured: exp_avg_sq of 8836 elements for an 8836-parameter model)
@@ -191,6 +194,8 @@ def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[in
                                                            "beside the previous tensor's denominator")
     if opt is Optimizer.ADAMW_FOREACH:
         return trainable_bytes(spec, p_bytes), "_foreach_sqrt(exp_avg_sq): one parameter-sized temporary"
+    if opt is Optimizer.MUON:
+        return muon.step_temp_bytes(spec, p_bytes)
     if opt.library == "torchao":
         numel = max((p.numel for p in spec.params), default=0)
         return 2 * numel * 4, ("single_param_adam (torch.compile): the two moments of the largest tensor dequantised "
