@@ -53,12 +53,12 @@ def ship(name: str, force: bool) -> list[str]:
     written = []
     base = {"model_type": config.get("model_type"), "config_hash": config_hash(config),
             "versions": library_versions(), "catalog_name": name}
-    from memfit.sources.hf_config import FAMILIES
+    from memfit.sources.hf_config import SUPPORTED_MODEL_TYPES
 
     if getattr(spec.derived, "stacked", False):  # encoder-decoder / vision: memfit.derive.stacks
         return _ship_stacked(config, base, force)
     params_path = OUT / shipped_name(config, PARAMS_KIND)
-    if config["model_type"] not in FAMILIES and (force or not params_path.exists()):
+    if config["model_type"] not in SUPPORTED_MODEL_TYPES and (force or not params_path.exists()):
         with quiet_transformers():
             rows, facts = _param_rows(config, spec.num_layers, name)
         _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,

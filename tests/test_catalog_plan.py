@@ -14,7 +14,7 @@ import pytest
 from memfit.derive import cache as derive_cache
 from memfit.derive.spec import PARAMS_KIND
 from memfit.sources import catalog_config, catalog_entry, catalog_names
-from memfit.sources.hf_config import FAMILIES
+from memfit.sources.hf_config import SUPPORTED_MODEL_TYPES
 
 SHIPPED_KINDS = ("amp-bf16/sdpa/cuda", "bf16/sdpa/cuda")
 NO_SDPA = {"gpt_oss"}
@@ -54,7 +54,7 @@ def test_every_derived_catalog_entry_ships_its_derivations(name):
     kinds = SHIPPED_KINDS
     if config["model_type"] in NO_SDPA:
         kinds = tuple(k.replace("/sdpa/", "/eager/") for k in kinds)
-    layout = config["model_type"] in FAMILIES  # parameters by arithmetic (qwen3), activations derived
+    layout = config["model_type"] in SUPPORTED_MODEL_TYPES  # parameters by arithmetic (qwen3), activations derived
     for kind in (*(() if layout else (PARAMS_KIND,)), *kinds):
         data = derive_cache.shipped_data(config, kind)
         assert data is not None, (name, kind, derive_cache.shipped_name(config, kind))

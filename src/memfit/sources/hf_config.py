@@ -1,204 +1,61 @@
-"""Hugging Face config.json -> ModelSpec, by arithmetic alone for the families memfit reads the numbers of here and
-builds a graph for (memfit.graph.builders: every parameter tensor; no torch, no transformers at import or call
-time); any other architecture is derived by memfit.derive, which needs torch,
-plus the two readers around it: a config.json on disk and a hub id (the one place transformers is imported)."""
+"""Hugging Face config.json -> ModelSpec, by arithmetic alone for SUPPORTED_MODEL_TYPES (the family's graph builder
+reads the config and gives every tensor and number; no torch, no transformers at import or call time); any other
+architecture is derived by memfit.derive, which needs torch. Plus the two readers around it: a config.json on disk
+and a hub id (the one place transformers is imported)."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import MissingDependencyError, ModelSourceError
 from ..model_spec import ModelSpec
 
+if TYPE_CHECKING:
+    from ..graph import ModelGraph
 
-@dataclass(frozen=True)
-class _Family:
-    """How one model_type spells and defaults its numbers. Defaults are those of the transformers config class,
-    so a config.json that omits a key means what it means to transformers."""
-
-    norm: str
-    gated_mlp: bool
-    tie_default: bool
-    max_positions_default: int
-    act_default: str
-    is_decoder: bool = True
-    keys: dict[str, str] = field(default_factory=dict)
-    """Canonical name -> this family's key, where they differ (GPT-2's n_embd, n_layer...)."""
-    act_keys: tuple[str, ...] = ("hidden_act",)
-    head_dim_default: int = 0
-    """Used when the config has no head_dim (gemma: 256); 0 means hidden_size / num_attention_heads."""
-    uses_head_dim: bool = True
-    """False where the modeling code ignores head_dim and kv heads (GPT-2, GPT-NeoX, BERT: plain multi-head)."""
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2",
+                                          "gpt_neox", "bert")
+"""The model_types a spec is built for from a config alone (no torch): the graph builder reads the config (with
+its transformers defaults) and gives every tensor and number; the others are derived (memfit.derive)."""
 
 
-_GPT2_KEYS = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
-              "max_position_embeddings": "n_positions", "intermediate_size": "n_inner"}
+def _numbers(graph: ModelGraph, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec's architecture numbers, read off the graph (first attention, MLP and norm of the first stack), and
+    the context length through the same config reader (the family's transformers default where omitted)."""
+    from ..graph.builders import config_reader
+    from ..graph.kinds.attention import Attention
+    from ..graph.kinds.heads import LMHead
+    from ..graph.kinds.mlp import MLP
+    from ..graph.kinds.norm import Norm
 
-@dataclass(frozen=True)
-class Arch:
-    """The architecture numbers of a config, validated and defaulted (parse_arch); the parameter tensors come from
-    the family's graph builder (memfit.graph.builders)."""
-
-    model_type: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_positions: int
-    tie_word_embeddings: bool
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-FAMILIES: dict[str, _Family] = {
-    "llama": _Family("rmsnorm", True, False, 2048, "silu"),
-    "mistral": _Family("rmsnorm", True, False, 131072, "silu"),
-    "qwen2": _Family("rmsnorm", True, False, 32768, "silu"),
-    "qwen3": _Family("rmsnorm", True, False, 32768, "silu"),
-    "gemma": _Family("rmsnorm", True, True, 8192, "gelu_pytorch_tanh", head_dim_default=256,
-                     act_keys=("hidden_activation", "hidden_act")),
-    "gemma2": _Family("rmsnorm", True, True, 8192, "gelu_pytorch_tanh", head_dim_default=256,
-                      act_keys=("hidden_activation", "hidden_act")),
-    "phi3": _Family("rmsnorm", True, False, 4096, "silu"),
-    "gpt2": _Family("layernorm", False, True, 1024, "gelu_new", keys=_GPT2_KEYS,
-                    act_keys=("activation_function",), uses_head_dim=False),
-    "gpt_neox": _Family("layernorm", False, False, 2048, "gelu", uses_head_dim=False),
-    "bert": _Family("layernorm", False, True, 512, "gelu", is_decoder=False, uses_head_dim=False),
-}
-
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
-"""The model_types a spec is built for from a config alone (no torch): numbers here, tensors from the graph."""
-
-
-class _Reader:
-    """Reads and checks config values, collecting every problem so one error names them all."""
-
-    def __init__(self, config: Mapping[str, Any], family: _Family, source: str) -> None:
-        self.config, self.family, self.source = config, family, source
-        self.problems: list[str] = []
-
-    def key(self, canonical: str) -> str:
-        return self.family.keys.get(canonical, canonical)
-
-    def positive_int(self, canonical: str, default: int | None = None) -> int:
-        key = self.key(canonical)
-        value = self.config.get(key)
-        if value is None:
-            if default is None:
-                self.problems.append(f"'{key}' is missing")
-                return 0
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            self.problems.append(f"'{key}' must be a positive whole number, got {value!r}")
-            return 0
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.config.get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            self.problems.append(f"'{key}' must be true or false, got {value!r}")
-            return default
-        return value
-
-    def fail_if_any(self) -> None:
-        if self.problems:
-            raise ModelSourceError(f"{self.source}: " + "; ".join(self.problems) + ".")
-
-
-def _model_type(config: Mapping[str, Any], source: str) -> str:
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or not model_type:
-        raise ModelSourceError(f"{source}: config has no 'model_type' string; is this a Hugging Face config.json?")
-    if model_type not in FAMILIES:
-        raise ModelSourceError(
-            f"{source}: model_type '{model_type}' has no parameter layout in memfit (supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}); pass the built nn.Module instead (memfit reads its tensors)."
-        )
-    return model_type
-
-
-def _heads(r: _Reader, hidden: int) -> tuple[int, int, int]:
-    """(num_heads, num_kv_heads, head_dim), checking that they fit together."""
-    heads = r.positive_int("num_attention_heads")
-    if not r.family.uses_head_dim:
-        if heads and hidden and hidden % heads:
-            r.problems.append(f"'{r.key('num_attention_heads')}' ({heads}) must divide "
-                              f"'{r.key('hidden_size')}' ({hidden})")
-        return heads, heads, hidden // heads if heads else 0
-    kv_heads = r.positive_int("num_key_value_heads", default=heads or 1)
-    if heads and kv_heads and heads % kv_heads:
-        r.problems.append(f"'num_key_value_heads' ({kv_heads}) must divide 'num_attention_heads' ({heads})")
-    if r.config.get("head_dim") is not None:
-        return heads, kv_heads, r.positive_int("head_dim")
-    if r.family.head_dim_default:
-        return heads, kv_heads, r.family.head_dim_default
-    if heads and hidden and hidden % heads:
-        r.problems.append(f"'num_attention_heads' ({heads}) must divide 'hidden_size' ({hidden}) "
-                          "when 'head_dim' is not given")
-    return heads, kv_heads, hidden // heads if heads else 0
-
-
-def parse_arch(config: Mapping[str, Any], source: str) -> Arch:
-    """Validated, defaulted architecture numbers of an HF config dict; ModelSourceError names every bad key."""
-    if not isinstance(config, Mapping):
-        raise ModelSourceError(f"{source}: a model config must be a JSON object, got {type(config).__name__}")
-    model_type = _model_type(config, source)
-    family = FAMILIES[model_type]
-    r = _Reader(config, family, source)
-    hidden = r.positive_int("hidden_size")
-    heads, kv_heads, head_dim = _heads(r, hidden)
-    if model_type == "gpt2":  # GPT2MLP: n_inner or 4 * n_embd
-        intermediate = r.positive_int("intermediate_size", default=4 * hidden)
-    else:
-        intermediate = r.positive_int("intermediate_size")
-    arch = Arch(
-        model_type=model_type,
-        hidden_size=hidden,
-        num_layers=r.positive_int("num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate,
-        vocab_size=r.positive_int("vocab_size"),
-        max_positions=r.positive_int("max_position_embeddings", default=family.max_positions_default),
-        tie_word_embeddings=r.flag("tie_word_embeddings", family.tie_default),
-    )
-    r.fail_if_any()
-    return arch
-
-
-def _hidden_act(config: Mapping[str, Any], family: _Family) -> str:
-    for key in family.act_keys:
-        if isinstance(config.get(key), str):
-            return config[key]
-    return family.act_default
+    attention = graph.nodes(Attention)[0][1]
+    mlp = graph.nodes(MLP)[0][1]
+    norm = next(n for n in graph.stacks[0].block.nodes if isinstance(n, Norm))
+    reader = config_reader(config)
+    return dict(hidden_size=attention.hidden, num_layers=sum(s.count for s in graph.stacks),
+                num_attention_heads=attention.q_heads, num_kv_heads=attention.kv_heads, head_dim=attention.head_dim,
+                intermediate_size=mlp.intermediate, vocab_size=graph.embed.num_embeddings,
+                max_position_embeddings=reader.first_int("max_position_embeddings", "n_positions"),
+                is_decoder=isinstance(graph.head, LMHead), gated_mlp=mlp.gated, hidden_act=mlp.act,
+                norm="rmsnorm" if norm.kind == "rms" else "layernorm",
+                tie_word_embeddings=bool(getattr(graph.head, "tied", False)))
 
 
 def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> ModelSpec:
-    """A ModelSpec from a Hugging Face config dict: exact per-tensor parameter layout, architecture numbers and the
-    family details the activation estimator needs. Raises ModelSourceError (one line) for a malformed config.
+    """A ModelSpec from a Hugging Face config dict: its typed graph (exact per-tensor parameters, the family details
+    the activation estimator reads) and the architecture numbers read off it. Raises ModelSourceError (one line)
+    for a malformed config, naming every bad key.
 
-    A model_type without a parameter layout here is derived (memfit.derive: its tensors read off a shortened copy
-    built on fake tensors, needs torch); one with a layout but no activation recipe (qwen3, gemma) gets its
+    A model_type outside SUPPORTED_MODEL_TYPES is derived (memfit.derive: its tensors read off a shortened copy
+    built on fake tensors, needs torch); one whose graph has a node no `saved` handler sizes (qwen3, gemma) gets its
     activations derived the same way, on first use."""
     model_type = config.get("model_type") if isinstance(config, Mapping) else None
-    if isinstance(model_type, str) and model_type and model_type not in FAMILIES:
+    if isinstance(model_type, str) and model_type and model_type not in SUPPORTED_MODEL_TYPES:
         from ..derive import derived_spec
 
         try:
@@ -206,32 +63,15 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
         except ModelSourceError as error:
             raise ModelSourceError(f"{error}; memfit reads configs of {', '.join(SUPPORTED_MODEL_TYPES)}, or "
                                    "pass the built nn.Module (memfit reads its tensors)") from None
-    arch = parse_arch(config, source)
-    family = FAMILIES[arch.model_type]
+    if not isinstance(config, Mapping):
+        raise ModelSourceError(f"{source}: a model config must be a JSON object, got {type(config).__name__}")
     from ..graph import graph_from_config
 
-    graph = graph_from_config(config, name=name, source=source)  # every parameter tensor, one builder per family
-    spec = ModelSpec(
-        name=name,
-        model_type=arch.model_type,
-        params=graph.param_tensors(),
-        hidden_size=arch.hidden_size,
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        intermediate_size=arch.intermediate_size,
-        vocab_size=arch.vocab_size,
-        max_position_embeddings=arch.max_positions,
-        is_decoder=family.is_decoder,
-        gated_mlp=family.gated_mlp,
-        hidden_act=_hidden_act(config, family),
-        norm=family.norm,
-        tie_word_embeddings=arch.tie_word_embeddings,
-        source=source,
-        graph=graph,
-    )
+    graph = graph_from_config(config, name=name, source=source)  # every tensor and number, one builder per family
+    spec = ModelSpec(name=name, model_type=graph.model_type, params=graph.param_tensors(), source=source, graph=graph,
+                     **_numbers(graph, config))
     from ..estimate.activations import saved_problem
+
     if saved_problem(spec.graph) is not None:  # nodes no `saved` formula sizes: derive them, never borrow Llama's
         from ..derive import DerivedModel
 

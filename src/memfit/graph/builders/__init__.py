@@ -35,6 +35,13 @@ def graph_model_types() -> tuple[str, ...]:
     return tuple(sorted(_BUILDERS))
 
 
+def config_reader(config: Mapping[str, Any]) -> Cfg:
+    """A reader of `config` (a dict with a model_type that has a builder) with its family's defaults: the one place a
+    config value and its transformers default are read (memfit.sources reads the spec's numbers through it)."""
+    model_type = config["model_type"]
+    return Cfg(config, model_type, _BUILDERS[model_type][1])
+
+
 def graph_from_config(config: Any, *, name: str | None = None, source: str = "config") -> ModelGraph:
     """The ModelGraph of a Hugging Face config (a dict or anything with to_dict(), e.g. a PretrainedConfig).
     ModelSourceError (one line) for an unknown model_type or a malformed config."""
@@ -48,8 +55,8 @@ def graph_from_config(config: Any, *, name: str | None = None, source: str = "co
     if model_type not in _BUILDERS:
         raise ModelSourceError(f"{source}: no graph builder for model_type '{model_type}' (known: "
                                f"{', '.join(graph_model_types())}); trace the built module instead")
-    fn, defaults = _BUILDERS[model_type]
-    cfg = Cfg(config, model_type, defaults)
+    fn = _BUILDERS[model_type][0]
+    cfg = config_reader(config)
     try:
         graph = fn(cfg, name or str(config.get("_name_or_path") or model_type))
     except (ArithmeticError, ValueError, TypeError):

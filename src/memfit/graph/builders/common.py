@@ -180,6 +180,8 @@ def decoder_dims(c: Cfg) -> tuple[int, int, int, int, int, int, int]:
     kv_heads = c.int("num_key_value_heads", heads or 1)
     c.divides("num_key_value_heads", kv_heads, "num_attention_heads", heads)
     fallback = c.defaults.get("head_dim") or (hidden // heads if heads else 0)
+    if c.raw("head_dim") is None and not c.defaults.get("head_dim"):
+        c.divides("num_attention_heads", heads, "hidden_size", hidden)  # head_dim = hidden / heads must be whole
     head_dim = c.int("head_dim", fallback)
     return hidden, layers, heads, kv_heads, head_dim, c.int("intermediate_size"), c.int("vocab_size")
 

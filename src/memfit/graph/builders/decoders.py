@@ -67,8 +67,10 @@ def _standard(c: Cfg, name: str, *, qkv_bias: bool, out_bias: bool, mlp_bias: bo
     return llama_like(c, name, attn=lambda i: att, mlp=lambda i: ffn, **layout)
 
 
-_LLAMA = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-_GEMMA = dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, attention_bias=False, head_dim=256)
+_LLAMA = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+              max_position_embeddings=2048)
+_GEMMA = dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, attention_bias=False, head_dim=256,
+              max_position_embeddings=8192)
 
 
 @builder("llama", defaults=_LLAMA)
@@ -77,17 +79,17 @@ def llama(c: Cfg, name: str) -> ModelGraph:
     return _standard(c, name, qkv_bias=bias, out_bias=bias, mlp_bias=c.flag("mlp_bias"))
 
 
-@builder("mistral", defaults={**_LLAMA, "sliding_window": 4096})
+@builder("mistral", defaults={**_LLAMA, "sliding_window": 4096, "max_position_embeddings": 131072})
 def mistral(c: Cfg, name: str) -> ModelGraph:
     return _standard(c, name, qkv_bias=False, out_bias=False, sliding=window(c))
 
 
-@builder("qwen2", defaults=_LLAMA)
+@builder("qwen2", defaults={**_LLAMA, "max_position_embeddings": 32768})
 def qwen2(c: Cfg, name: str) -> ModelGraph:
     return _standard(c, name, qkv_bias=True, out_bias=False, sliding=window(c, gated_by="use_sliding_window"))
 
 
-@builder("qwen3", defaults={**_LLAMA, "head_dim": 128})
+@builder("qwen3", defaults={**_LLAMA, "head_dim": 128, "max_position_embeddings": 32768})
 def qwen3(c: Cfg, name: str) -> ModelGraph:
     bias = c.flag("attention_bias")
     return _standard(c, name, qkv_bias=bias, out_bias=bias, qk_norm=True,
@@ -115,7 +117,7 @@ def gemma3_text(c: Cfg, name: str) -> ModelGraph:
                      softcap=c.number("final_logit_softcapping"), norm_fp32=True)
 
 
-@builder("phi3", defaults={"hidden_act": "silu", "tie_word_embeddings": False})
+@builder("phi3", defaults={"hidden_act": "silu", "tie_word_embeddings": False, "max_position_embeddings": 4096})
 def phi3(c: Cfg, name: str) -> ModelGraph:
     """Fused qkv_proj and gate_up_proj, no biases (modeling_phi3)."""
     hidden, _, heads, kv_heads, head_dim, inter, _ = decoder_dims(c)

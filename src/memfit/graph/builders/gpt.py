@@ -72,6 +72,7 @@ def gptj(c: Cfg, name: str) -> ModelGraph:
 
 
 @builder("gpt_neox", defaults=dict(hidden_act="gelu", tie_word_embeddings=False, attention_bias=True,
+                                   max_position_embeddings=2048,
                                    use_parallel_residual=True, partial_rotary_factor=0.25))
 def gpt_neox(c: Cfg, name: str) -> ModelGraph:
     """GPTNeoXForCausalLM (Pythia): fused query_key_value, biased MLP, two LayerNorms per layer (both kept with
