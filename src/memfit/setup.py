@@ -396,9 +396,12 @@ class TrainingSetup:
         """What memfit sizes of activation offloading: full training, on one GPU or each data-parallel rank."""
         if not isinstance(self.activation_offload, bool):
             return [f"activation_offload must be true or false, got {self.activation_offload!r}"]
-        if self.activation_offload and self.finetune.adapters:
-            return [f"activation offloading with {self.finetune.method} is not sized yet: use method full or no "
-                    "activation offloading"]
+        ft = self.finetune
+        if self.activation_offload and ft.adapters and (
+                ft.dora or ft.modules_to_save or ft.base_storage(self.precision.compute_dtype).value == "int8"):
+            return [f"activation offloading with {ft.method} is sized for adapters on a 16-bit, fp32 or 4-bit base "
+                    "(bitsandbytes' int8 matmul keeps its input outside the hooks; DoRA and modules_to_save are not "
+                    "counted): drop --activation-offload or those options"]
         if self.activation_offload and _positive_int(self.tp) and self.tp > 1:
             return ["activation offloading with tensor parallelism is not sized yet"]
         if self.activation_offload and str(self.checkpointing) in ("selective-op", "attention"):
