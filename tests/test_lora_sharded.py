@@ -34,6 +34,8 @@ JOBS = {  # ZeRO-3 in fp32 (the frozen base fp32), ZeRO-2 under amp-bf16 (a bf16
     "zero3-fp32": dict(sharding="zero3", precision="fp32"),
     "zero2-amp-bf16": dict(sharding="zero2", precision="amp-bf16"),
     "qlora-zero3-fp32": dict(sharding="zero3", precision="fp32", finetune=QLORA),
+    # FSDP2 mixed precision all-gathers the fp32 norms in bf16: a bf16 residual stream over the 4-bit base
+    "qlora-zero3-amp-bf16": dict(sharding="zero3", precision="amp-bf16", finetune=QLORA),
 }
 
 
@@ -166,5 +168,14 @@ def test_axolotl_fsdp_qlora_reads_as_the_sharded_setup(tmp_path, monkeypatch):
 def test_what_is_not_sized_is_refused_with_the_way_out():
     with pytest.raises(ConfigError, match="--engine torch"):
         _setup("zero3", "amp-bf16", engine="deepspeed")
-    with pytest.raises(ConfigError, match="FSDP2 mixed precision is not sized yet"):
-        _setup("zero3", "amp-bf16", finetune=QLORA)
+    with pytest.raises(ConfigError, match="a quantized base has no master weights"):
+        _setup("none", "bf16-master", finetune=QLORA, num_gpus=1)
+
+
+def test_qlora_under_fsdp2_mixed_precision_plans():
+    """What was refused: QLoRA at ZeRO-3 under amp-bf16 (FSDP2 MixedPrecisionPolicy) sizes and plans."""
+    from memfit.plan import plan
+
+    setup = _setup("zero3", "amp-bf16", finetune=QLORA)
+    assert estimate(SPEC, setup, HARDWARE).tensor_bytes > 0
+    assert plan(SPEC, setup, HARDWARE).final_setup.finetune.method.value == "qlora"

@@ -502,11 +502,7 @@ class TrainingSetup:
             problems.append("DoRA is sized without checkpointing and without FSDP / ZeRO-2+ sharding (measured "
                             "there): use --checkpointing none and --zero none or zero1")
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
-        if quantized and fsdp2_mixed_precision(self):
-            problems.append(f"{self.finetune.method} under FSDP2 mixed precision is not sized yet (its bf16 "
-                            "all-gathered norms make the residual stream bf16, which the activation formulas do not "
-                            "model for a quantized base): use --precision fp32, or zero1 / DDP")
-        elif quantized and self.precision.master_weights:
+        if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
 
