@@ -489,9 +489,9 @@ class TrainingSetup:
             problems.append(f"{self.finetune.method} under DeepSpeed zero3 is not sized yet: use --engine torch "
                             "(FSDP2 shards the frozen base and the adapters, memfit.estimate.lora_sharded), or "
                             "zero2, whose frozen base is replicated")
-        if self.offload is not Offload.NONE:
-            problems.append(f"{self.finetune.method} trains only the adapters: CPU offload of their optimizer "
-                            "is not sized yet")
+        if self.offload is not Offload.NONE and self.engine is not Engine.DEEPSPEED:
+            problems.append(f"{self.finetune.method} with CPU offload is sized on DeepSpeed ZeRO-Offload (only the "
+                            "adapters' partitions and states on the host): use --engine deepspeed")
         if self.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
             problems.append(f"checkpointing {self.checkpointing} with {self.finetune.method} is not sized yet: use "
                             "full or none")
