@@ -110,7 +110,7 @@ def sizes(spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> OffloadSiz
     casts = by_name.get("activations/autocast_weight_copies", 0)
     head_cast = 2 * spec.vocab_size * spec.hidden_size if casts else 0
     if spec.frozen:  # a frozen base: the packs LoRA / QLoRA change (memfit.estimate.offload_lora)
-        return _frozen_base_sizes(spec, setup, d, by_name, stack + norm + emb_saved, head_input, layers - wrapped,
+        return _frozen_base_sizes(spec, setup, d, by_name, (stack, norm, emb_saved), head_input, layers - wrapped,
                                   rotary)
     offloaded = stack + norm + emb_saved + casts - head_cast
     repacked, exact = _repacked_bytes(spec, setup, d, layers - wrapped, rotary)
@@ -126,9 +126,9 @@ def _loss_kept(by_name: dict[str, int]) -> int:
 
 
 def _frozen_base_sizes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, by_name: dict[str, int],
-                       saved: int, head_input: int, plain_blocks: int, rotary: int) -> OffloadSizes:
-    """`saved`: the stack's, final norm's and embedding's saved tensors (offloaded as they are); the weight packs,
-    the casts and the repeated packs of a frozen base from memfit.estimate.offload_lora."""
+                       saved: tuple[int, int, int], head_input: int, plain_blocks: int, rotary: int) -> OffloadSizes:
+    """`saved`: the stack's, the final norm's and the embedding's saved tensors (offloaded as they are); the weight
+    packs, the casts and the repeated packs of a frozen base from memfit.estimate.offload_lora."""
     from . import offload_lora
 
     casts, small_casts = offload_lora.saved_casts(spec, setup, d, plain_blocks)
@@ -136,9 +136,8 @@ def _frozen_base_sizes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, by_
     weights = offload_lora.weight_pack_bytes(spec, setup, d, plain_blocks)
     exact = _llama_shaped(spec) or _packed_once(spec)
     repacked = offload_lora.repacked_bytes(spec, setup, d, plain_blocks, rotary) if _llama_shaped(spec) else 0
-    norm = act.head_saved_bytes(spec, setup, setup.tokens_per_micro_step, head_input=False)["head"]
-    stack = saved - norm
-    return OffloadSizes(offloaded_bytes=saved + casts, host_bytes=saved + casts + repacked + weights,
+    stack, norm, total = saved[0], saved[1], sum(saved)
+    return OffloadSizes(offloaded_bytes=total + casts, host_bytes=total + casts + repacked + weights,
                         kept_bytes=head_input + head_cast + small_casts + _loss_kept(by_name), stash_bytes=norm,
                         in_flight_bytes=(stack + casts + weights) // max(spec.num_layers, 1), weight_bytes=weights,
                         repacked_exact=exact)
