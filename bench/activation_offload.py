@@ -117,7 +117,8 @@ def main() -> None:
               "are bf16 on CPU (under 1024 B each: kept) and sized fp32 by the per-layer recipe (the formula 2-8 KiB "
               "high, at most 1.6% of what moves).", "",
               "| family | precision | checkpointing | adapters | host (hooks) | host (formula) | offloaded (hooks) | "
-              "offloaded (formula) | weights (hooks) | weights (formula) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+              "offloaded (formula) | weights (hooks) | weights (formula) |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     lines += ["| " + " | ".join(f"{v:,}" if isinstance(v, int) else str(v) for v in r) + " |" for r in adapters]
     lines += ["", "## Full size: micro-batch 4 x seq 4096, pure bf16, 8-bit AdamW, one H100 (analytic)", "",
               "| model | checkpointing | peak without | peak with | pinned host RAM | PCIe per step | at 50 GB/s |",
