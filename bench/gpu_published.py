@@ -322,6 +322,10 @@ def _map_lora(m: Mapped, lora: dict) -> dict:
     if quant == "torchao_nf4":
         m.approx.append("torchao NF4 base sized as bitsandbytes NF4 with double quantization (both 64-element "
                         "blocks, 0.5 B + a quantized scale per weight)")
+    if m.norm.get("source") == "pytorch/torchtune":  # torchtune's LoRALinear, not peft's lora.Linear
+        m.approx.append("torchtune keeps the adapters in the model dtype (bf16) and, for QLoRA, the embeddings, "
+                        "norms and head in bf16; sized as peft keeps them (fp32 adapters; "
+                        "prepare_model_for_kbit_training's fp32 upcasts)")
     table = _T5_TARGETS if m.spec is not None and m.spec.model_type == "t5" else _LORA_TARGETS
     targets: list[str] = []
     for short in lora.get("targets") or ():

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/lora_fsdp.py           # ~14 setups in one 2-rank torchrun, a few minutes
     OMP_NUM_THREADS=1 python bench/lora_fsdp.py --write   # and write bench/results/lora_fsdp.md
+    OMP_NUM_THREADS=1 python bench/lora_fsdp.py --filter qlora-zero3-amp   # only the setups named so
 
 Each setup is run by tests/lora_fsdp_worker.py (the tiny Llama of tests/tiny_configs.py with peft adapters, sharded
 by memfit's engine, two AdamW steps under memfit._torch.rank_memory.PeakMeter). gloo frees some buffers on its own
@@ -46,9 +47,12 @@ def cases() -> dict[str, tuple[dict, TrainingSetup]]:
                 continue
             out[f"lora-{sharding}-{precision}-ckpt_{ckpt}-v{vocab}"] = (dict(TINY_LLAMA, vocab_size=vocab), dict(
                 sharding=sharding, precision=precision, checkpointing=ckpt, seq_len=seq, finetune=LORA))
-    for sharding in ("zero2", "zero3"):
-        out[f"qlora-{sharding}-fp32-ckpt_none-v512"] = (dict(TINY_LLAMA), dict(
-            sharding=sharding, precision="fp32", seq_len=128, finetune=dict(LORA, method="qlora")))
+    for sharding, precision, ckpt in (("zero2", "fp32", "none"), ("zero3", "fp32", "none"),
+                                      ("zero2", "amp-bf16", "none"), ("zero3", "amp-bf16", "none"),
+                                      ("zero3", "amp-bf16", "full")):
+        out[f"qlora-{sharding}-{precision}-ckpt_{ckpt}-v512"] = (dict(TINY_LLAMA), dict(
+            sharding=sharding, precision=precision, checkpointing=ckpt, seq_len=128,
+            finetune=dict(LORA, method="qlora")))
     return {name: (config, TrainingSetup(micro_batch_size=2, optimizer="adamw", engine="torch", num_gpus=RANKS,
                                          **fields)) for name, (config, fields) in out.items()}
 
@@ -124,6 +128,9 @@ def table(chosen: dict, results: dict) -> str:
 
 def main() -> int:
     chosen = cases()
+    if "--filter" in sys.argv:  # e.g. --filter qlora: only the setups whose name contains it
+        word = sys.argv[sys.argv.index("--filter") + 1]
+        chosen = {name: case for name, case in chosen.items() if word in name}
     text = table(chosen, run_all(chosen))
     print(text)
     if "--write" in sys.argv:

@@ -2,7 +2,7 @@
 given, the tiny Llama with peft LoRA / QLoRA adapters (memfit._torch.step.build_hf_model), sharded by memfit's
 engine (`fully_shard` per block, then the root), AdamW, a few real steps under memfit's PeakMeter. Writes
 OUT/<name>/rank<R>.json: each parameter's local elements and bytes (frozen / trainable), the QuantState bytes, the
-optimizer's state bytes, the peak, the losses."""
+optimizer's state bytes, the peak, the losses, each step's collective payloads (memfit._torch.comm_count)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def main(config_path: str, out: str, setups_json: str, steps: str) -> int:
 
 
 def run(config: dict, setup, steps: int) -> dict:
+    from memfit._torch.comm_count import CollectiveCounter
     from memfit._torch.engine import prepare
     from memfit._torch.rank_memory import PeakMeter
     from memfit._torch.step import build_hf_model
@@ -41,10 +42,12 @@ def run(config: dict, setup, steps: int) -> dict:
     with PeakMeter() as meter:
         model = build_hf_model(config, setup)
         prepared = prepare(model, setup)
-        losses = []
+        losses, comm = [], []
         with meter.window():
             for batch in batches:
-                losses.append(prepared.train_step(batch))
+                with CollectiveCounter() as counter:
+                    losses.append(prepared.train_step(batch))
+                comm.append(counter.payload_bytes())
         local = {}
         for name, param in prepared.module.named_parameters():
             shard = param.to_local() if hasattr(param, "to_local") else param
@@ -58,7 +61,8 @@ def run(config: dict, setup, steps: int) -> dict:
              *(v for state in prepared.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
     meter.account_unseen_frees(alive)
     return {"local": local, "optimizer_bytes": states, "quant_state_bytes": quant, "peak_bytes": meter.peak_bytes,
-            "unseen_at_peak_bytes": meter.unseen_at_peak_bytes, "end_bytes": meter.end_bytes, "losses": losses}
+            "unseen_at_peak_bytes": meter.unseen_at_peak_bytes, "end_bytes": meter.end_bytes, "losses": losses,
+            "comm_payload_bytes": comm}
 
 
 def quant_state_bytes(model) -> int:

@@ -150,7 +150,7 @@ def test_the_estimate_moves_the_stack_to_the_host():
 
 
 def test_setups_it_does_not_size_say_so():
-    for bad in (dict(finetune="lora"), dict(checkpointing="selective-op"), dict(loss="fused"),
+    for bad in (dict(checkpointing="selective-op"), dict(loss="fused"),
                 dict(activation_offload="yes")):
         with pytest.raises(ConfigError):
             setup_of(**bad)

@@ -34,6 +34,8 @@ JOBS = {  # ZeRO-3 in fp32 (the frozen base fp32), ZeRO-2 under amp-bf16 (a bf16
     "zero3-fp32": dict(sharding="zero3", precision="fp32"),
     "zero2-amp-bf16": dict(sharding="zero2", precision="amp-bf16"),
     "qlora-zero3-fp32": dict(sharding="zero3", precision="fp32", finetune=QLORA),
+    # FSDP2 mixed precision all-gathers the fp32 norms in bf16: a bf16 residual stream over the 4-bit base
+    "qlora-zero3-amp-bf16": dict(sharding="zero3", precision="amp-bf16", finetune=QLORA),
 }
 
 
@@ -89,6 +91,23 @@ def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
               f"{predicted:,} B ({low / predicted - 1:+.2%}..{high / predicted - 1:+.2%})")
         assert low <= predicted * (1 + PEAK_TOLERANCE), (low, predicted)
         assert high >= predicted * (1 - PEAK_TOLERANCE), (high, predicted)
+
+
+def test_only_the_adapters_gradients_are_reduce_scattered(job):
+    """The collectives each rank issued (memfit._torch.comm_count) against memfit.estimate.comm: the frozen base is
+    all-gathered with the adapters, but only the adapters' gradients are reduce-scattered. (A 4-bit base's gather
+    is counted as its elements, an over-count: its bf16-packed storage is a quarter of that.)"""
+    from memfit.estimate.comm import comm_volume
+
+    setup, ranks = job
+    predicted = comm_volume(SPEC, setup).payload_bytes()
+    trained = adapted_spec(SPEC, setup).num_params
+    assert predicted["reduce-scatter"] == trained * 4  # reduce_dtype fp32
+    for rank in ranks:
+        for step in rank["comm_payload_bytes"]:
+            assert step["reduce-scatter"] == predicted["reduce-scatter"]
+            if setup.finetune.method.value == "lora":
+                assert step["all-gather"] == predicted["all-gather"]
 
 
 def test_fsdp2_shards_the_frozen_base_where_ddp_replicates_it():
@@ -166,5 +185,14 @@ def test_axolotl_fsdp_qlora_reads_as_the_sharded_setup(tmp_path, monkeypatch):
 def test_what_is_not_sized_is_refused_with_the_way_out():
     with pytest.raises(ConfigError, match="--engine torch"):
         _setup("zero3", "amp-bf16", engine="deepspeed")
-    with pytest.raises(ConfigError, match="FSDP2 mixed precision is not sized yet"):
-        _setup("zero3", "amp-bf16", finetune=QLORA)
+    with pytest.raises(ConfigError, match="a quantized base has no master weights"):
+        _setup("none", "bf16-master", finetune=QLORA, num_gpus=1)
+
+
+def test_qlora_under_fsdp2_mixed_precision_plans():
+    """What was refused: QLoRA at ZeRO-3 under amp-bf16 (FSDP2 MixedPrecisionPolicy) sizes and plans."""
+    from memfit.plan import plan
+
+    setup = _setup("zero3", "amp-bf16", finetune=QLORA)
+    assert estimate(SPEC, setup, HARDWARE).tensor_bytes > 0
+    assert plan(SPEC, setup, HARDWARE).final_setup.finetune.method.value == "qlora"

@@ -385,9 +385,12 @@ class TrainingSetup:
         """What memfit sizes of activation offloading: full training, on one GPU or each data-parallel rank."""
         if not isinstance(self.activation_offload, bool):
             return [f"activation_offload must be true or false, got {self.activation_offload!r}"]
-        if self.activation_offload and self.finetune.adapters:
-            return [f"activation offloading with {self.finetune.method} is not sized yet: use method full or no "
-                    "activation offloading"]
+        ft = self.finetune
+        if self.activation_offload and ft.adapters and (
+                ft.dora or ft.modules_to_save or ft.base_storage(self.precision.compute_dtype).value == "int8"):
+            return [f"activation offloading with {ft.method} is sized for adapters on a 16-bit, fp32 or 4-bit base "
+                    "(bitsandbytes' int8 matmul keeps its input outside the hooks; DoRA and modules_to_save are not "
+                    "counted): drop --activation-offload or those options"]
         if self.activation_offload and _positive_int(self.tp) and self.tp > 1:
             return ["activation offloading with tensor parallelism is not sized yet"]
         if self.activation_offload and str(self.checkpointing) in ("selective-op", "attention"):
@@ -491,9 +494,9 @@ class TrainingSetup:
             problems.append(f"{self.finetune.method} under DeepSpeed zero3 is not sized yet: use --engine torch "
                             "(FSDP2 shards the frozen base and the adapters, memfit.estimate.lora_sharded), or "
                             "zero2, whose frozen base is replicated")
-        if self.offload is not Offload.NONE:
-            problems.append(f"{self.finetune.method} trains only the adapters: CPU offload of their optimizer "
-                            "is not sized yet")
+        if self.offload is not Offload.NONE and self.engine is not Engine.DEEPSPEED:
+            problems.append(f"{self.finetune.method} with CPU offload is sized on DeepSpeed ZeRO-Offload (only the "
+                            "adapters' partitions and states on the host): use --engine deepspeed")
         if self.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
             problems.append(f"checkpointing {self.checkpointing} with {self.finetune.method} is not sized yet: use "
                             "full or none")
@@ -504,11 +507,7 @@ class TrainingSetup:
             problems.append("DoRA is sized without checkpointing and without FSDP / ZeRO-2+ sharding (measured "
                             "there): use --checkpointing none and --zero none or zero1")
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
-        if quantized and fsdp2_mixed_precision(self):
-            problems.append(f"{self.finetune.method} under FSDP2 mixed precision is not sized yet (its bf16 "
-                            "all-gathered norms make the residual stream bf16, which the activation formulas do not "
-                            "model for a quantized base): use --precision fp32, or zero1 / DDP")
-        elif quantized and self.precision.master_weights:
+        if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         return problems
 

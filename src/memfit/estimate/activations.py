@@ -14,7 +14,7 @@ from dataclasses import replace
 from ..graph.saved import (Dtypes, NotModelledError, Saved, SavedCtx,  # noqa: F401  (Dtypes, Saved re-exported)
                            core_recomputed, saved_by)
 from ..model_spec import ModelSpec
-from ..setup import Attention, Checkpointing, TrainingSetup
+from ..setup import Attention, Checkpointing, TrainingSetup, fsdp2_mixed_precision
 
 
 def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtypes:
@@ -25,6 +25,10 @@ def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtype
     if not spec.frozen:
         return d
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    if base.quantized and fsdp2_mixed_precision(setup):
+        # FSDP2's MixedPrecisionPolicy all-gathers the fp32 norms (and embedding) in bf16, so the residual stream
+        # is bf16 too; the 4-bit Linears return their input's dtype (bench/lora_fsdp.py, 2 gloo ranks)
+        return Dtypes(residual=2, compute=2, autocast=False, on_cpu=on_cpu, mlp_in_residual=True)
     if base.quantized:
         return Dtypes(residual=4, compute=2 if d.autocast else 4, autocast=d.autocast, on_cpu=on_cpu,
                       mlp_in_residual=True)

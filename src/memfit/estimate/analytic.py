@@ -536,6 +536,8 @@ def _chunked_loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
     head_grad = vocab * h * (d.compute if setup.precision.param_dtype == "fp32" else 2)
     if not setup.precision.is_autocast and setup.precision.param_dtype == "fp32":
         head_grad = vocab * h * 4
+    if spec.frozen and not any(p.name.endswith("lm_head.modules_to_save.weight") for p in spec.params):
+        head_grad = 0  # LoRA: the frozen head has no weight gradient to accumulate (measured, tests/test_lora.py)
     base = [t for t in forward if t.name not in ("activations/logits", "activations/loss")]
     saved_total = next(t for t in forward if t.name == "activations/loss")
     labels = 8 * step.tokens

@@ -311,7 +311,8 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
     spec = _largest_stage(spec, setup)  # ... and one pipeline rank's
     data_ranks = setup.dp_size * setup.cp  # torchtitan reduces gradients over the dp x cp mesh
     runtime = runtime_of(setup.engine, setup.sharding, data_ranks)
-    collectives = [] if data_ranks < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
+    params, trained = _gathered_and_trained(spec, setup)
+    collectives = [] if data_ranks < 2 else list(_COLLECTIVES[runtime](params, setup, trained))
     collectives += tensor_parallel_collectives(spec, setup) + context_parallel_collectives(spec, setup)
     collectives += list(_expert_parallel(spec, setup)) + sends
     notes = _notes(runtime, setup) + _expert_parallel_notes(spec, setup)
@@ -449,54 +450,74 @@ def data_parallel_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
         return 0
     from .tensor_parallel import rank_spec
 
-    params = rank_spec(spec, setup).num_params
+    params, trained = _gathered_and_trained(rank_spec(spec, setup), setup)
     if setup.engine is Engine.DEEPSPEED:
-        return _deepspeed(params, setup, stage=0)[0].num_bytes
-    return _ddp(params, setup)[0].num_bytes
+        return _deepspeed(params, setup, trained, stage=0)[0].num_bytes
+    return _ddp(params, setup, trained)[0].num_bytes
 
 
-def _ddp(params: int, setup: TrainingSetup) -> list[Collective]:
-    return [Collective(ALL_REDUCE, "gradients, after the last micro-step", params, _torch_param_bytes(setup))]
+def _gathered_and_trained(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
+    """(every parameter, the trained ones): under LoRA / QLoRA the frozen base is gathered (FSDP2, ZeRO-3) but
+    has no gradient to reduce, nor a partition to step (DDP buckets, FSDP2's reduce-scatter and ZeRO-1/2 take
+    only parameters that require grad: torch reducer.cpp, fsdp _fsdp_param_group, DeepSpeed stage_1_and_2)."""
+    if not setup.finetune.adapters:
+        return spec.num_params, spec.num_params
+    from .lora import adapted_spec
+
+    adapted = adapted_spec(spec, setup)
+    return adapted.num_params + sum(p.total for p in adapted.frozen), adapted.num_params
 
 
-def _zero_redundancy(params: int, setup: TrainingSetup) -> list[Collective]:
-    return [*_ddp(params, setup),
-            Collective(BROADCAST, "updated parameters, each from the rank that stepped it", params,
+def _ddp(params: int, setup: TrainingSetup, trained: int | None = None) -> list[Collective]:
+    return [Collective(ALL_REDUCE, "gradients, after the last micro-step", _trained(params, trained),
                        _torch_param_bytes(setup))]
 
 
-def _fsdp2(params: int, setup: TrainingSetup) -> list[Collective]:
+def _trained(params: int, trained: int | None) -> int:
+    return params if trained is None else trained
+
+
+def _zero_redundancy(params: int, setup: TrainingSetup, trained: int | None = None) -> list[Collective]:
+    return [*_ddp(params, setup, trained),
+            Collective(BROADCAST, "updated parameters, each from the rank that stepped it", _trained(params, trained),
+                       _torch_param_bytes(setup))]
+
+
+def _fsdp2(params: int, setup: TrainingSetup, trained: int | None = None) -> list[Collective]:
     micro = setup.grad_accum_steps
     gather, reduce = _fsdp2_dtype_bytes(setup)
     collectives = [Collective(ALL_GATHER, "parameters, before each forward", params, gather, micro)]
     if setup.sharding is Sharding.ZERO3:
         collectives.append(Collective(ALL_GATHER, "parameters again, before each backward", params, gather, micro))
-    collectives.append(Collective(REDUCE_SCATTER, "gradients, after each backward", params, reduce, micro))
+    grads = _trained(params, trained)
+    collectives.append(Collective(REDUCE_SCATTER, "gradients, after each backward", grads, reduce, micro))
     if setup.replicas > 1:  # HSDP: each gradient shard all-reduced across the replicas
         collectives.append(Collective(ALL_REDUCE, f"gradient shards across the {setup.replicas} HSDP replicas, "
-                                      "after each backward", params // setup.shard_size, reduce, micro,
+                                      "after each backward", grads // setup.shard_size, reduce, micro,
                                       group="replicate"))
     return collectives
 
 
-def _deepspeed(params: int, setup: TrainingSetup, stage: int | None = None) -> list[Collective]:
+def _deepspeed(params: int, setup: TrainingSetup, trained: int | None = None,
+               stage: int | None = None) -> list[Collective]:
     stage = deepspeed_stage(setup) if stage is None else stage
     micro, dtype = setup.grad_accum_steps, _deepspeed_dtype_bytes(setup)
+    grads = _trained(params, trained)
     if stage == 0:
-        return [Collective(ALL_REDUCE, "gradients, at the accumulation boundary", params, dtype)]
+        return [Collective(ALL_REDUCE, "gradients, at the accumulation boundary", grads, dtype)]
     if stage == 3:
         regathered = params - min(params, DEEPSPEED_MAX_REUSE_DISTANCE // 2)
         collectives = [Collective(ALL_GATHER, "parameters, in each forward", params, dtype, micro)]
         if regathered:
             collectives.append(Collective(ALL_GATHER, "parameters released after forward, again in backward",
                                           regathered, dtype, micro))
-        return collectives + [Collective(REDUCE_SCATTER, "gradients, in each backward", params, dtype, micro)]
-    reduce = (Collective(ALL_REDUCE, "gradient buckets, at the accumulation boundary", params, dtype) if stage == 1
-              else Collective(ALL_REDUCE, "gradient buckets, in each backward", params, dtype, micro))
-    return [reduce, Collective(ALL_GATHER, "updated parameter partitions, after the step", params, dtype)]
+        return collectives + [Collective(REDUCE_SCATTER, "gradients, in each backward", grads, dtype, micro)]
+    reduce = (Collective(ALL_REDUCE, "gradient buckets, at the accumulation boundary", grads, dtype) if stage == 1
+              else Collective(ALL_REDUCE, "gradient buckets, in each backward", grads, dtype, micro))
+    return [reduce, Collective(ALL_GATHER, "updated parameter partitions, after the step", grads, dtype)]
 
 
-_COLLECTIVES = {Runtime.SINGLE: lambda params, setup: [], Runtime.DDP: _ddp,
+_COLLECTIVES = {Runtime.SINGLE: lambda params, setup, trained=None: [], Runtime.DDP: _ddp,
                 Runtime.ZERO_REDUNDANCY: _zero_redundancy, Runtime.FSDP2_NO_RESHARD: _fsdp2,
                 Runtime.FSDP2_RESHARD: _fsdp2, Runtime.DEEPSPEED: _deepspeed}
 

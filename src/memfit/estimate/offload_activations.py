@@ -109,13 +109,38 @@ def sizes(spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> OffloadSiz
         emb_saved -= 2 * rotary
     casts = by_name.get("activations/autocast_weight_copies", 0)
     head_cast = 2 * spec.vocab_size * spec.hidden_size if casts else 0
+    if spec.frozen:  # a frozen base: the packs LoRA / QLoRA change (memfit.estimate.offload_lora)
+        return _frozen_base_sizes(spec, setup, d, by_name, (stack, norm, emb_saved), head_input, layers - wrapped,
+                                  rotary)
     offloaded = stack + norm + emb_saved + casts - head_cast
     repacked, exact = _repacked_bytes(spec, setup, d, layers - wrapped, rotary)
     weights = _weight_pack_bytes(spec, setup, d, layers - wrapped)
-    kept = head_input + head_cast + sum(by_name.get(n, 0) for n in ("activations/loss", "activations/logit_softcap"))
+    kept = head_input + head_cast + _loss_kept(by_name)
     return OffloadSizes(offloaded_bytes=offloaded, host_bytes=offloaded + repacked + weights, kept_bytes=kept,
                         stash_bytes=norm, in_flight_bytes=(stack + casts - head_cast + weights) // layers,
                         weight_bytes=weights, repacked_exact=exact)
+
+
+def _loss_kept(by_name: dict[str, int]) -> int:
+    return sum(by_name.get(n, 0) for n in ("activations/loss", "activations/logit_softcap"))
+
+
+def _frozen_base_sizes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, by_name: dict[str, int],
+                       saved: tuple[int, int, int], head_input: int, plain_blocks: int, rotary: int) -> OffloadSizes:
+    """`saved`: the stack's, the final norm's and the embedding's saved tensors (offloaded as they are); the weight
+    packs, the casts and the repeated packs of a frozen base from memfit.estimate.offload_lora."""
+    from . import offload_lora
+
+    casts, small_casts = offload_lora.saved_casts(spec, setup, d, plain_blocks)
+    head_cast = offload_lora.head_cast_bytes(spec, setup, d)
+    weights = offload_lora.weight_pack_bytes(spec, setup, d, plain_blocks)
+    exact = _llama_shaped(spec) or _packed_once(spec)
+    repacked = offload_lora.repacked_bytes(spec, setup, d, plain_blocks, rotary) if _llama_shaped(spec) else 0
+    stack, norm, total = saved[0], saved[1], sum(saved)
+    return OffloadSizes(offloaded_bytes=total + casts, host_bytes=total + casts + repacked + weights,
+                        kept_bytes=head_input + head_cast + small_casts + _loss_kept(by_name), stash_bytes=norm,
+                        in_flight_bytes=(stack + casts + weights) // max(spec.num_layers, 1), weight_bytes=weights,
+                        repacked_exact=exact)
 
 
 def _weight_pack_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plain_blocks: int) -> int:
@@ -210,7 +235,7 @@ def _moment(terms: list[Term], phase: Phase, offload: OffloadSizes, spec: ModelS
             term = replace(term, num_bytes=2 * 8 * setup.tokens_per_micro_step + _kept_tables(spec, setup),
                            formula="token ids and labels the loop holds (the embedding's saved ids are offloaded)")
         elif term.name == "activations/autocast_weight_copies" and phase is not Phase.FORWARD:
-            head_cast = 2 * spec.vocab_size * spec.hidden_size if "activations/head" in names else 0
+            head_cast = _head_cast_bytes(spec, setup) if "activations/head" in names else 0
             term = replace(term, num_bytes=head_cast, formula="the LM head's bf16 weight cast (kept with the head; "
                                                               "the others' casts are offloaded)")
         out.append(term)
@@ -223,6 +248,14 @@ def _moment(terms: list[Term], phase: Phase, offload: OffloadSizes, spec: ModelS
                         "one block's saved tensors, brought back from the host for its backward (each unpacked "
                         "tensor is freed after the next autograd node)", SOURCE))
     return out
+
+
+def _head_cast_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """The LM head's bf16 weight cast, kept with the head: a trained head's, or a frozen fp32 one's (offload_lora)."""
+    if spec.frozen:
+        from .offload_lora import head_cast_bytes
+        return head_cast_bytes(spec, setup, act.dtypes(spec, setup))
+    return 2 * spec.vocab_size * spec.hidden_size
 
 
 def _kept_tables(spec: ModelSpec, setup: TrainingSetup) -> int:

@@ -116,7 +116,8 @@ def lora_shards(shard: Shard | None) -> tuple[Shard | None, Shard | None]:
 def make_lora(base: Linear, rank: int, *, alpha: float = 8.0, adapter: str = "default") -> LoraLinear:
     a_shard, b_shard = lora_shards(base.shard)
     return LoraLinear(
-        base=Linear(base.name, base.in_features, base.out_features, base.bias, False, base.storage, base.shard),
+        base=Linear(base.name, base.in_features, base.out_features, base.bias, False, base.storage, base.shard,
+                    conv1d=base.conv1d),
         rank=rank,
         a=Linear("lora_A", base.in_features, rank, False, True, None, a_shard),
         b=Linear("lora_B", rank, base.out_features, False, True, None, b_shard),

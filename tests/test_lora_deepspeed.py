@@ -1,0 +1,67 @@
+"""LoRA under DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload): only the adapters are in the optimizer,
+so only their fp32 partitions, gradients and Adam states go to the host; the frozen base stays whole on each device.
+Checked on a real 2-rank gloo DeepSpeed job (tests/lora_fsdp_worker.py runs whatever engine the setup names): the
+whole job's peak (on CPU, device and host are one memory) against the formulas' device + host bytes, and the
+collectives against memfit.estimate.comm (the adapters' gradients alone are reduced and gathered)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiny_configs import TINY_LLAMA
+from torchrun_job import rank_results, run_ranks
+
+from memfit.errors import ConfigError
+from memfit.estimate.analytic import estimate
+from memfit.estimate.comm import comm_volume
+from memfit.estimate.lora import adapted_spec
+from memfit.hardware import cpu_device, make_hardware
+from memfit.setup import TrainingSetup
+from memfit.sources import resolve_model
+
+REPO = Path(__file__).resolve().parents[1]
+RANKS = 2
+SPEC = resolve_model(TINY_LLAMA)
+HARDWARE = make_hardware(cpu_device(64 * 1024**3), gpus_per_node=RANKS)
+SETUP = TrainingSetup(micro_batch_size=2, seq_len=128, precision="fp32", optimizer="adamw", engine="deepspeed",
+                      num_gpus=RANKS, sharding="zero2", offload="optimizer",
+                      finetune=dict(method="lora", rank=8, alpha=16, targets=["all-linear"]))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("peft")
+    setups = {"offload": {k: v for k, v in SETUP.to_dict().items() if k != "notes"}}
+    out = run_ranks(REPO / "tests" / "lora_fsdp_worker.py", TINY_LLAMA, tmp_path_factory.mktemp("lora-ds"),
+                    json.dumps(setups), "2", ranks=RANKS, timeout=600)
+    return rank_results(out / "offload", RANKS)
+
+
+def test_offloaded_lora_peak_is_device_plus_host_bytes(ranks):
+    predicted = estimate(SPEC, SETUP, HARDWARE)
+    trained = adapted_spec(SPEC, SETUP).num_params
+    assert predicted.term("parameters/frozen").num_bytes == adapted_spec(SPEC, SETUP).frozen_bytes  # whole
+    assert predicted.cpu_bytes > 8 * trained // RANKS  # the adapters' Adam states (and master) on the host
+    whole = predicted.tensor_bytes + predicted.cpu_bytes
+    for rank in ranks:
+        assert rank["optimizer_bytes"] == 8 * trained // RANKS  # exp_avg, exp_avg_sq of the rank's partition
+        low, high = rank["peak_bytes"] - rank["unseen_at_peak_bytes"], rank["peak_bytes"]
+        print(f"rank {rank['rank']}: measured {low:,}..{high:,} B, predicted {whole:,} B")
+        assert low * 0.98 <= whole <= high * 1.02
+
+
+def test_only_the_adapters_are_reduced_and_gathered(ranks):
+    expected = comm_volume(SPEC, SETUP).payload_bytes()
+    assert expected == {"all-reduce": 4 * adapted_spec(SPEC, SETUP).num_params,
+                        "all-gather": 4 * adapted_spec(SPEC, SETUP).num_params}
+    for rank in ranks:
+        assert rank["comm_payload_bytes"][-1] == expected
+
+
+def test_lora_offload_on_the_torch_engine_says_where_it_is_sized():
+    with pytest.raises(ConfigError, match="use --engine deepspeed"):
+        SETUP.replace(engine="torch")
