@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations,
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations,
                pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
@@ -261,12 +261,15 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                       CHUNKED_SOURCE if chunked else
                       "HF CausalLMOutput; freed before backward when only the loss is kept (HF Trainer)"))
     loss_bytes = _loss_elem_bytes(spec, setup)
-    terms.append(Term("activations/loss", Category.ACTIVATIONS, vocab * loss_bytes + 8 * tokens,
-                      f"B x T x V x {loss_bytes} B log-softmax" + (" (every chunk's, saved by its own "
-                                                                   "cross-entropy)" if chunked else "")
-                      + " + shifted labels",
-                      CHUNKED_SOURCE if chunked else
-                      "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not"))
+    loss = Term("activations/loss", Category.ACTIVATIONS, vocab * loss_bytes + 8 * tokens,
+                f"B x T x V x {loss_bytes} B log-softmax" + (" (every chunk's, saved by its own "
+                                                             "cross-entropy)" if chunked else "")
+                + " + shifted labels",
+                CHUNKED_SOURCE if chunked else
+                "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not")
+    if compiled_loss.applies(setup):  # torchtune compiles the chunked loss: its chunks keep no fp32 log-softmax
+        loss = compiled_loss.saved_term(tokens)
+    terms.append(loss)
     terms += moe.terms(spec, setup, d)
     if setup.precision.is_autocast:
         head_weight = spec.vocab_size * spec.hidden_size
@@ -473,6 +476,8 @@ def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
     if not spec.is_decoder or step.dtypes.compute == 4:
         return []
     upcast = spec.vocab_size * (max(_chunk_tokens(setup)) if setup.loss is Loss.CHUNKED else step.tokens) * 4
+    if compiled_loss.applies(setup):
+        upcast = 0  # read inside inductor's fused reduction kernels, never written (memfit.estimate.compiled_loss)
     what = "one chunk of the logits" if setup.loss is Loss.CHUNKED else "B x T x V x 4 B: the logits"
     terms = list(forward) + [Term("temporaries/logits_fp32", Category.TEMPORARIES, upcast,
                                   f"{what} upcast for the loss, until log-softmax has run",
@@ -538,6 +543,10 @@ def _chunked_loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
         head_grad = vocab * h * 4
     base = [t for t in forward if t.name not in ("activations/logits", "activations/loss")]
     saved_total = next(t for t in forward if t.name == "activations/loss")
+    if compiled_loss.applies(setup):
+        logits = next(t for t in forward if t.name == "activations/logits")
+        return compiled_loss.backward_terms(base, logits, saved_total, _chunk_tokens(setup), vocab, h, d.compute,
+                                            d.residual, 0 if spec.frozen else head_grad)  # a frozen head: none
     labels = 8 * step.tokens
     best: tuple[int, list[Term]] | None = None
     done = 0
