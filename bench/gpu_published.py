@@ -41,8 +41,8 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
-from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Sharding,  # noqa: E402
-                          TrainingSetup)
+from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Padding, Precision,  # noqa: E402
+                          Sharding, TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB  # noqa: E402
 
@@ -208,12 +208,34 @@ def _map_batch(m: Mapped, batch: dict) -> dict:
         out["seq_len"] = int(seq)
         kind = batch.get("seq_len_kind") or ""
         if kind.startswith("variable"):
-            m.approx.append(f"sequence length {seq} stands for padded variable-length batches ({kind})")
+            out.update(_variable_length(m, int(seq)))
     accum = batch.get("grad_accum")
     if accum is None:
         m.assumed.append("no gradient accumulation (not stated)")
     out["grad_accum_steps"] = int(accum or 1)
     return out
+
+
+TORCHTUNE_TYPICAL_STEP = 512
+"""Tokens a typical alpaca batch of torchtune's padded to (its longer sample): alpaca's examples are short (a split's
+dataset card, disham993/alpaca-train-validation-test-split: 33.4 MB for 36,401 examples over all four text fields,
+under 1 KB an example), the longest about 1.3K tokens (the point's note). memfit's Llama-3.2-3B figure is the same
+for every batch up to ~750 tokens (the step then peaks at the end of backward, not in its activations)."""
+
+
+def _variable_length(m: Mapped, longest: int) -> dict:
+    """Batches padded to their longest sample: memfit sizes a run's peak at the batch holding the longest sample
+    (padding longest, memfit.estimate.padding). torchtune, though, logs each step's own peak: its get_memory_stats
+    resets the peak statistics at every log (torchtune/training/memory.py, reset_stats=True), so its figure is one
+    logged step's, a typical batch's, not the run's longest."""
+    if m.norm["source"] == "pytorch/torchtune":
+        m.approx.append(f"torchtune logs each step's own peak (get_memory_stats resets the peak statistics at every "
+                        f"log): one typical alpaca step, sized at 2 x {TORCHTUNE_TYPICAL_STEP} (the same figure for "
+                        f"any batch up to ~750 tokens); the run's longest batch ({longest} tokens, --padding longest "
+                        f"--longest-sample {longest}) would peak higher")
+        return {"seq_len": TORCHTUNE_TYPICAL_STEP}
+    m.approx.append(f"padded to each batch's longest sample: the run peaks at the batch with the longest, {longest}")
+    return {"padding": Padding.LONGEST, "longest_sample_len": longest}
 
 
 def _map_precision(m: Mapped, precision: dict, parallel: dict) -> dict:
@@ -252,12 +274,22 @@ def _map_optimizer_kind(m: Mapped, name: str, impl: str, opt: dict) -> dict:
         if "transformers" in impl or "for-loop" in impl:
             # transformers' own AdamW (adamw_hf) steps one parameter at a time, like foreach=False
             return {"optimizer": Optimizer.ADAMW}
+        if m.norm["source"] == "pytorch/torchtune" and m.norm["id"] in TORCHTUNE_TABLE:
+            m.assumed.append("torch AdamW without foreach's parameter-sized temporaries (fused)" + (
+                ": this table's P012 and P016 measured 25.5 and 24.9 GiB, below the 29.9 GiB any foreach step of "
+                "this model needs (parameters, gradients, states and the P x 2 B _foreach_sqrt list alive at once)"
+                if m.norm["id"] == "P016" else ", see P016"))
+            return {"optimizer": Optimizer.ADAMW_FUSED}
         m.assumed.append("torch AdamW with its CUDA default (foreach)")
         return {"optimizer": Optimizer.ADAMW_FOREACH}
     if name == "sgd":
         return {"optimizer": Optimizer.SGD}
     m.missing.append((OTHER, f"optimizer {name or 'unknown'}"))
     return {}
+
+
+TORCHTUNE_TABLE = tuple(f"P{i:03d}" for i in range(12, 22))
+"""torchtune's README 'Optimization flags' table (Llama 3.2 3B, one recipe config, techniques added row by row)."""
 
 
 def _map_checkpointing(m: Mapped, ckpt) -> dict:

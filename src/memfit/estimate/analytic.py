@@ -21,8 +21,8 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations,
-               pipeline, tensor_parallel)
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, fsdp2, lora, lora_sharded, moe,
+               offload_activations, padding, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -50,7 +50,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     offload_activations.check(spec, setup)
     spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
-    asked, setup = setup, context_parallel.rank_setup(setup)  # one context-parallel rank: seq_len / cp tokens
+    # the step that sets the run's peak (padded batches: the longest sample's), then one context-parallel rank's
+    asked, setup = setup, context_parallel.rank_setup(padding.peak_setup(setup))
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
     sized, run_notes = _as_run(setup, layout or setup.engine)
@@ -82,7 +83,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
         + offload_activations.host_term_notes(offloaded)
         + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + context_parallel.notes(asked)
-        + compiled.notes(spec, sized),
+        + compiled.notes(spec, sized) + padding.notes(asked),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
 
