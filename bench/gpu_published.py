@@ -15,9 +15,10 @@ metric its source measured:
 - nvml (nvidia-smi "used", the whole device): memfit's device-used figure (`MemoryEstimate.device_used_bytes`:
   + CUDA context and NCCL buffers, outside the allocator).
 
-Nothing is fitted to the points: the device constants are memfit's (data/cuda_runtime.json). The one setting taken
-from a point is its software era: a source dated before PyTorch 1.13 (Nov 2022, which made CUDA lazy module
-loading the default) runs with `cuda_runtime="legacy"` (every kernel loaded into the context).
+Nothing is fitted to the points: the device constants are memfit's (data/cuda_runtime.json). The settings taken
+from a point's software era: a source dated before PyTorch 1.13 (Nov 2022, which made CUDA lazy module loading the
+default) runs with `cuda_runtime="legacy"` (every kernel loaded into the context); one dated before PyTorch 2.0
+(Mar 2023, which made zero_grad(set_to_none=True) the default) keeps its gradients zeroed between steps.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def map_point(point: dict) -> Mapped:
     fields.update(_map_attention(m, n.get("attention")))
     fields.update(_map_loss(m, n.get("loss")))
     fields.update(_map_flags(m, n))
+    fields.update(_map_zero_grad(m, point))
     parallel = _map_parallel(m, n.get("parallel") or {}, n.get("offload") or {})
     fields.update(parallel)
     if m.spec is None or "seq_len" not in fields:
@@ -162,6 +164,21 @@ def map_point(point: dict) -> Mapped:
         return m
     m.hardware = _hardware(m, n.get("gpu") or {}, m.setup.num_gpus, cuda_runtime(point))
     return m
+
+
+SET_TO_NONE_SINCE = "2023-03"
+"""PyTorch 2.0 (2023-03-15) made zero_grad(set_to_none=True) the default of Module and Optimizer
+(pytorch/pytorch#92731); before it the gradients were zeroed and kept between steps."""
+
+
+def _map_zero_grad(m: Mapped, point: dict) -> dict:
+    """A source dated before PyTorch 2.0 zeroes its gradients and keeps them (the HF Trainer's model.zero_grad(),
+    an Optimizer.zero_grad() with torch 1.x's default set_to_none=False): they live through each forward."""
+    date = str(point.get("source_date") or "")[:7]
+    if not date or date >= SET_TO_NONE_SINCE:
+        return {}
+    m.assumed.append("gradients kept zeroed between steps (zero_grad's set_to_none=False default before PyTorch 2.0)")
+    return {"keep_zeroed_grads": True}
 
 
 def cuda_runtime(point: dict) -> str:
@@ -253,11 +270,20 @@ def _map_precision(m: Mapped, precision: dict, parallel: dict) -> dict:
 def _map_optimizer(m: Mapped, opt: dict) -> dict:
     name, impl = (opt.get("name") or ""), str(opt.get("impl") or "")
     in_backward = {"optimizer_in_backward": True} if opt.get("in_backward") else {}
+    if not in_backward and "optimizer_in_backward" in (m.norm.get("techniques") or ()):
+        m.assumed.append("optimizer in backward, as the point's techniques say (the README's table is cumulative: "
+                         "only the LoRA rows drop it)")
+        in_backward = {"optimizer_in_backward": True}
     return {**_map_optimizer_kind(m, name, impl, opt), **in_backward}
 
 
 def _map_optimizer_kind(m: Mapped, name: str, impl: str, opt: dict) -> dict:
     if name in ("adamw_8bit", "adam_8bit"):
+        if m.norm["id"] == "P019":
+            m.assumed.append("a non-paged 8-bit AdamW (the source names no implementation): its states are in the "
+                             "measured active bytes, P019 being 4.2 GiB below P018 where a paged one (states outside "
+                             "the allocator) would be 12 GiB below it, the bf16 states P018 holds")
+            return {"optimizer": Optimizer.ADAMW_8BIT}
         if opt.get("paged") or "paged" in impl.lower():
             # bitsandbytes PagedAdamW8bit: memfit puts its large states outside the allocator (unified memory)
             return {"optimizer": Optimizer.PAGED_ADAMW_8BIT}

@@ -335,6 +335,10 @@ class TrainingSetup:
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
     optimizer_in_backward: bool = False
     """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
+    keep_zeroed_grads: bool = False
+    """zero_grad(set_to_none=False): gradients zeroed, not freed, after each step, so they live through the next
+    forward (torch < 2.0's default for Module / Optimizer.zero_grad, which the HF Trainer's model.zero_grad() used;
+    torch 2.0 made set_to_none=True the default, pytorch/pytorch#92731)."""
     # -- activation offloading (memfit.estimate.offload_activations) --
     activation_offload: bool = False
     """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
@@ -407,6 +411,8 @@ class TrainingSetup:
             problems += self._moe_problems()
         if not isinstance(self.optimizer_in_backward, bool):
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
+        if not isinstance(self.keep_zeroed_grads, bool):
+            problems.append(f"keep_zeroed_grads must be true or false, got {self.keep_zeroed_grads!r}")
         problems += self._activation_offload_problems()
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
@@ -724,7 +730,8 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward", "activation_offload": "activation offload",
+    "optimizer_in_backward": "optimizer in backward", "keep_zeroed_grads": "gradients kept zeroed",
+    "activation_offload": "activation offload",
     "pp": "pp", "pp_schedule": "pp schedule",
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
     "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",

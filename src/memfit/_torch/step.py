@@ -461,7 +461,7 @@ def optimizer_step(model: torch.nn.Module, optimizer, setup: TrainingSetup, *,
             scaler.update()
         else:
             (hooks.step or optimizer.step)()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not setup.keep_zeroed_grads)  # torch < 2.0's default kept them, zeroed
 
 
 def setup_loss(setup: TrainingSetup) -> LossFn:

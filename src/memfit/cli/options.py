@@ -280,6 +280,10 @@ ActivationOffloadOpt = Annotated[Optional[bool], _option(
     help="Offload the tensors saved for backward to pinned CPU RAM (torchtune enable_activation_offloading; TRL / "
          "axolotl activation_offloading): the LM head's and the loss's stay. Best with --checkpointing full. "
          "Default: off.")]
+KeepZeroedGradsOpt = Annotated[Optional[bool], _option(
+    "--keep-zeroed-grads/--no-keep-zeroed-grads", panel=SETUP_PANEL,
+    help="zero_grad(set_to_none=False): gradients zeroed, not freed, between steps, so they live through forward "
+         "(torch < 2.0's default; the HF Trainer's model.zero_grad() then). Default: off (freed).")]
 CompileOpt = Annotated[Optional[bool], _option(
     "--compile/--no-compile", panel=SETUP_PANEL,
     help="torch.compile each transformer block (torchtune compile: True, torchtitan [compile] enable): a block "
@@ -366,6 +370,7 @@ class SetupOptions:
     cp_rotate: CpRotate | None = None
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
+    keep_zeroed_grads: bool | None = None
     activation_offload: bool | None = None
     compile: bool | None = None
     method: Method | None = None
@@ -438,6 +443,7 @@ class SetupOptions:
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
                     expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
                     optimizer_in_backward=self.optimizer_in_backward, activation_offload=self.activation_offload,
+                    keep_zeroed_grads=self.keep_zeroed_grads,
                     pp=self.pp, pp_schedule=self.pp_schedule,
                     pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
                     cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
@@ -489,7 +495,8 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
                     "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate",
                     "target_len": "target_len", "image_size": "image_size", "compile": "compile",
-                    "padding": "padding", "longest_sample": "longest_sample_len"}
+                    "padding": "padding", "longest_sample": "longest_sample_len",
+                    "keep_zeroed_grads": "keep_zeroed_grads"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method",
                     "target_len": "--target-len", "image_size": "--image-size",
                     "longest_sample_len": "--longest-sample"}
@@ -502,7 +509,8 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "pp": PpOpt,
     "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "cp": CpOpt,
     "cp_rotate": CpRotateOpt, "loss": LossOpt,
-    "optimizer_in_backward": InBackwardOpt, "activation_offload": ActivationOffloadOpt,
+    "optimizer_in_backward": InBackwardOpt, "keep_zeroed_grads": KeepZeroedGradsOpt,
+    "activation_offload": ActivationOffloadOpt,
     "compile": CompileOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,

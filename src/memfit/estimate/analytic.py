@@ -428,8 +428,10 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
     per_layer = saved_by_block(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
     dtypes = act.dtypes(spec, setup, on_cpu)
     step = _Step(spec, setup, static, _activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
-    # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
-    early_grads = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
+    # gradients live through forward when accumulation keeps them, when the engine pre-allocates the partition, or
+    # when zero_grad(set_to_none=False) only zeroes them (setup.keep_zeroed_grads)
+    early_grads = static.grads_bytes if (setup.grad_accum_steps > 1 or static.grads_preallocated
+                                         or setup.keep_zeroed_grads) else 0
     if setup.optimizer_in_backward:
         early_grads = 0
     forward = step.static_terms(early_grads) + step.acts
