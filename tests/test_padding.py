@@ -76,3 +76,16 @@ def test_cli_padding_options_reach_the_json_and_bad_input_exits_2():
     assert data["estimate"]["device_memory"] == fixed["estimate"]["device_memory"]
     bad = runner.invoke(app, [*common, "--longest-sample", "1300"])
     assert bad.exit_code == 2 and "needs padding longest" in bad.output
+
+
+def test_trace_and_measure_run_the_longest_batch():
+    pytest.importorskip("torch")
+    from memfit.measure import measure
+    from memfit.trace.run import trace
+
+    setup = TrainingSetup(precision="fp32", micro_batch_size=2, seq_len=256, optimizer="adamw", padding="longest",
+                          longest_sample_len=64)
+    fixed = setup.replace(seq_len=64, padding="max-length", longest_sample_len=None)
+    traced = trace(TINY_LLAMA, setup).tensor_bytes
+    assert traced == trace(TINY_LLAMA, fixed).tensor_bytes == measure(TINY_LLAMA, setup, steps=2,
+                                                                         device="cpu").tensor_bytes
