@@ -204,7 +204,7 @@ class Loss(_Choice):
 
 
 class Padding(_Choice):
-    """How the batches' sequences get their length: what sets the run's peak (memfit.setup.TrainingSetup.peak_seq_len)."""
+    """How the batches' sequences get their length: what sets the run's peak (TrainingSetup.peak_seq_len)."""
 
     MAX_LENGTH = "max-length"  # every sequence seq_len tokens: packed (torchtune packed, axolotl sample_packing) or
     # padded to seq_len (HF padding="max_length", axolotl pad_to_sequence_len)

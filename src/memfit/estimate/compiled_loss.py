@@ -59,19 +59,19 @@ def backward_terms(base: list[Term], logits: Term, saved: Term, chunk_tokens: li
     tokens = sum(chunk_tokens)
     rows = tokens * vocab * compute_bytes
     largest = max(chunk_tokens, default=0)
-    moments = [(rows, largest * vocab * compute_bytes, 0, 0,
+    moments = [(rows, largest * vocab * compute_bytes, 0, 0, tokens * STATS_BYTES_PER_TOKEN,
                 f"the largest chunk's logits gradient beside its kept logits (chunk x V x {compute_bytes} B)")]
     done = 0
     for index, n in enumerate(chunk_tokens):
         head = head_grad * (1 if index == 0 else 3 if index == 1 else 2)
         moments.append(((tokens - done) * vocab * compute_bytes, n * hidden * compute_bytes, head,
-                        done * hidden * residual_bytes, "the chunk's x h input gradient, made by its head matmul"))
+                        done * hidden * residual_bytes, 0, "the chunk x h input gradient its head matmul makes"))
         done += n
-    kept, temp, head, finished, what = max(moments, key=lambda m: m[0] + m[1] + m[2] + m[3])
+    kept, temp, head, finished, stats, what = max(moments, key=lambda m: sum(m[:5]))
     return base + [
-        replace(logits, num_bytes=kept, formula=f"the kept logits and the logits gradients of the chunks, together "
-                                                f"B x T x V x {compute_bytes} B (one becomes the other chunk by chunk)"),
-        replace(saved, num_bytes=8 * tokens + (tokens * STATS_BYTES_PER_TOKEN if not head else 0)),
+        replace(logits, num_bytes=kept, formula=f"the chunks' kept logits and logits gradients, together B x T x V x "
+                                                f"{compute_bytes} B (one becomes the other chunk by chunk)"),
+        replace(saved, num_bytes=8 * tokens + stats),  # the statistics go with their chunks' backward
         Term("temporaries/loss_backward", Category.TEMPORARIES, temp, what, SOURCE),
         Term("temporaries/head_gradient", Category.TEMPORARIES, head,
              "V x h gradients of the head weight in autograd's input buffer (the second added out of place: three "
