@@ -26,7 +26,8 @@ from ..setup import TrainingSetup
 SOURCE = "torch/_functorch/partitioners.py min_cut_rematerialization_partition, traced on fake tensors"
 KIND_PREFIX = "compile-"
 NOTE = ("torch.compile per block: each block keeps what AOTAutograd's min-cut partitioner saves (traced on fake "
-        "tensors); embedding, LM head and loss eager; backward temporaries sized as eager's")
+        "tensors); embedding, LM head and loss eager (torchtune's chunked loss compiled with the model: "
+        "memfit.estimate.compiled_loss); backward temporaries sized as eager's")
 
 _FITS: dict[str, dict[str, Linear]] = {}
 
