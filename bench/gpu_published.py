@@ -245,7 +245,7 @@ def _variable_length(m: Mapped, longest: int) -> dict:
     (padding longest, memfit.estimate.padding). torchtune, though, logs each step's own peak: its get_memory_stats
     resets the peak statistics at every log (torchtune/training/memory.py, reset_stats=True), so its figure is one
     logged step's, a typical batch's, not the run's longest."""
-    if m.norm["source"] == "pytorch/torchtune":
+    if m.norm["id"] in TORCHTUNE_TABLE:  # the Nov 2024 recipe, whose get_memory_stats resets (checked there)
         m.approx.append(f"torchtune logs each step's own peak (get_memory_stats resets the peak statistics at every "
                         f"log): one typical alpaca step, sized at 2 x {TORCHTUNE_TYPICAL_STEP} (the same figure for "
                         f"any batch up to ~750 tokens); the run's longest batch ({longest} tokens, --padding longest "
