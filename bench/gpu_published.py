@@ -15,9 +15,10 @@ metric its source measured:
 - nvml (nvidia-smi "used", the whole device): memfit's device-used figure (`MemoryEstimate.device_used_bytes`:
   + CUDA context and NCCL buffers, outside the allocator).
 
-Nothing is fitted to the points: the device constants are memfit's (data/cuda_runtime.json). The one setting taken
-from a point is its software era: a source dated before PyTorch 1.13 (Nov 2022, which made CUDA lazy module
-loading the default) runs with `cuda_runtime="legacy"` (every kernel loaded into the context).
+Nothing is fitted to the points: the device constants are memfit's (data/cuda_runtime.json). The settings taken
+from a point's software era: a source dated before PyTorch 1.13 (Nov 2022, which made CUDA lazy module loading the
+default) runs with `cuda_runtime="legacy"` (every kernel loaded into the context); one dated before PyTorch 2.0
+(Mar 2023, which made zero_grad(set_to_none=True) the default) keeps its gradients zeroed between steps.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
-from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Sharding,  # noqa: E402
-                          TrainingSetup)
+from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Padding, Precision,  # noqa: E402
+                          Sharding, TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB  # noqa: E402
 
@@ -151,6 +152,7 @@ def map_point(point: dict) -> Mapped:
     fields.update(_map_attention(m, n.get("attention")))
     fields.update(_map_loss(m, n.get("loss")))
     fields.update(_map_flags(m, n))
+    fields.update(_map_zero_grad(m, point))
     parallel = _map_parallel(m, n.get("parallel") or {}, n.get("offload") or {})
     fields.update(parallel)
     if m.spec is None or "seq_len" not in fields:
@@ -162,6 +164,21 @@ def map_point(point: dict) -> Mapped:
         return m
     m.hardware = _hardware(m, n.get("gpu") or {}, m.setup.num_gpus, cuda_runtime(point))
     return m
+
+
+SET_TO_NONE_SINCE = "2023-03"
+"""PyTorch 2.0 (2023-03-15) made zero_grad(set_to_none=True) the default of Module and Optimizer
+(pytorch/pytorch#92731); before it the gradients were zeroed and kept between steps."""
+
+
+def _map_zero_grad(m: Mapped, point: dict) -> dict:
+    """A source dated before PyTorch 2.0 zeroes its gradients and keeps them (the HF Trainer's model.zero_grad(),
+    an Optimizer.zero_grad() with torch 1.x's default set_to_none=False): they live through each forward."""
+    date = str(point.get("source_date") or "")[:7]
+    if not date or date >= SET_TO_NONE_SINCE:
+        return {}
+    m.assumed.append("gradients kept zeroed between steps (zero_grad's set_to_none=False default before PyTorch 2.0)")
+    return {"keep_zeroed_grads": True}
 
 
 def cuda_runtime(point: dict) -> str:
@@ -208,12 +225,34 @@ def _map_batch(m: Mapped, batch: dict) -> dict:
         out["seq_len"] = int(seq)
         kind = batch.get("seq_len_kind") or ""
         if kind.startswith("variable"):
-            m.approx.append(f"sequence length {seq} stands for padded variable-length batches ({kind})")
+            out.update(_variable_length(m, int(seq)))
     accum = batch.get("grad_accum")
     if accum is None:
         m.assumed.append("no gradient accumulation (not stated)")
     out["grad_accum_steps"] = int(accum or 1)
     return out
+
+
+TORCHTUNE_TYPICAL_STEP = 512
+"""Tokens a typical alpaca batch of torchtune's padded to (its longer sample): alpaca's examples are short (a split's
+dataset card, disham993/alpaca-train-validation-test-split: 33.4 MB for 36,401 examples over all four text fields,
+under 1 KB an example), the longest about 1.3K tokens (the point's note). memfit's Llama-3.2-3B figure is the same
+for every batch up to ~750 tokens (the step then peaks at the end of backward, not in its activations)."""
+
+
+def _variable_length(m: Mapped, longest: int) -> dict:
+    """Batches padded to their longest sample: memfit sizes a run's peak at the batch holding the longest sample
+    (padding longest, memfit.estimate.padding). torchtune, though, logs each step's own peak: its get_memory_stats
+    resets the peak statistics at every log (torchtune/training/memory.py, reset_stats=True), so its figure is one
+    logged step's, a typical batch's, not the run's longest."""
+    if m.norm["id"] in TORCHTUNE_TABLE:  # the Nov 2024 recipe, whose get_memory_stats resets (checked there)
+        m.approx.append(f"torchtune logs each step's own peak (get_memory_stats resets the peak statistics at every "
+                        f"log): one typical alpaca step, sized at 2 x {TORCHTUNE_TYPICAL_STEP} (the same figure for "
+                        f"any batch up to ~750 tokens); the run's longest batch ({longest} tokens, --padding longest "
+                        f"--longest-sample {longest}) would peak higher")
+        return {"seq_len": TORCHTUNE_TYPICAL_STEP}
+    m.approx.append(f"padded to each batch's longest sample: the run peaks at the batch with the longest, {longest}")
+    return {"padding": Padding.LONGEST, "longest_sample_len": longest}
 
 
 def _map_precision(m: Mapped, precision: dict, parallel: dict) -> dict:
@@ -231,11 +270,20 @@ def _map_precision(m: Mapped, precision: dict, parallel: dict) -> dict:
 def _map_optimizer(m: Mapped, opt: dict) -> dict:
     name, impl = (opt.get("name") or ""), str(opt.get("impl") or "")
     in_backward = {"optimizer_in_backward": True} if opt.get("in_backward") else {}
+    if not in_backward and "optimizer_in_backward" in (m.norm.get("techniques") or ()):
+        m.assumed.append("optimizer in backward, as the point's techniques say (the README's table is cumulative: "
+                         "only the LoRA rows drop it)")
+        in_backward = {"optimizer_in_backward": True}
     return {**_map_optimizer_kind(m, name, impl, opt), **in_backward}
 
 
 def _map_optimizer_kind(m: Mapped, name: str, impl: str, opt: dict) -> dict:
     if name in ("adamw_8bit", "adam_8bit"):
+        if m.norm["id"] == "P019":
+            m.assumed.append("a non-paged 8-bit AdamW (the source names no implementation): its states are in the "
+                             "measured active bytes, P019 being 4.2 GiB below P018 where a paged one (states outside "
+                             "the allocator) would be 12 GiB below it, the bf16 states P018 holds")
+            return {"optimizer": Optimizer.ADAMW_8BIT}
         if opt.get("paged") or "paged" in impl.lower():
             # bitsandbytes PagedAdamW8bit: memfit puts its large states outside the allocator (unified memory)
             return {"optimizer": Optimizer.PAGED_ADAMW_8BIT}
@@ -252,12 +300,22 @@ def _map_optimizer_kind(m: Mapped, name: str, impl: str, opt: dict) -> dict:
         if "transformers" in impl or "for-loop" in impl:
             # transformers' own AdamW (adamw_hf) steps one parameter at a time, like foreach=False
             return {"optimizer": Optimizer.ADAMW}
+        if m.norm["source"] == "pytorch/torchtune" and m.norm["id"] in TORCHTUNE_TABLE:
+            m.assumed.append("torch AdamW without foreach's parameter-sized temporaries (fused)" + (
+                ": this table's P012 and P016 measured 25.5 and 24.9 GiB, below the 29.9 GiB any foreach step of "
+                "this model needs (parameters, gradients, states and the P x 2 B _foreach_sqrt list alive at once)"
+                if m.norm["id"] == "P016" else ", see P016"))
+            return {"optimizer": Optimizer.ADAMW_FUSED}
         m.assumed.append("torch AdamW with its CUDA default (foreach)")
         return {"optimizer": Optimizer.ADAMW_FOREACH}
     if name == "sgd":
         return {"optimizer": Optimizer.SGD}
     m.missing.append((OTHER, f"optimizer {name or 'unknown'}"))
     return {}
+
+
+TORCHTUNE_TABLE = tuple(f"P{i:03d}" for i in range(12, 22))
+"""torchtune's README 'Optimization flags' table (Llama 3.2 3B, one recipe config, techniques added row by row)."""
 
 
 def _map_checkpointing(m: Mapped, ckpt) -> dict:

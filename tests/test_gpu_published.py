@@ -57,9 +57,10 @@ def test_lora_qlora_and_paged_rows_map_to_memfit(points):
     assert qlora.expressible and qlora.setup.activation_offload
     assert gp._map_lora(gp.Mapped(points["P021"]), points["P021"]["normalized"]["lora"])["finetune"].base \
         is BaseWeights.NF4
-    paged = gp.map_point(points["P019"])
-    assert gp.PAGED not in paged.features and paged.setup.optimizer is Optimizer.PAGED_ADAMW_8BIT
-    assert paged.setup.activation_offload and paged.setup.loss is Loss.CHUNKED
+    eight_bit = gp.map_point(points["P019"])  # its states are in the measured active bytes: not paged
+    assert eight_bit.expressible and eight_bit.setup.optimizer is Optimizer.ADAMW_8BIT
+    assert eight_bit.setup.optimizer_in_backward  # the table is cumulative (the point's techniques say so)
+    assert eight_bit.setup.activation_offload and eight_bit.setup.loss is Loss.CHUNKED
     plain = gp.map_point(points["P031"])  # torchtune llama2/7B_lora_single_device: nothing missing
     assert plain.expressible and plain.setup.finetune.targets == ("q_proj", "v_proj")
     row = gp.predict(plain)
@@ -96,6 +97,9 @@ def test_expressible_points_map_their_precision_optimizer_and_metric(points):
     assert gp.predict(bert).figure == "device_used"  # nvml: the whole device
     assert bert.hardware.cuda_runtime == "legacy"  # a 2022-01 source: before PyTorch 1.13's lazy loading
     assert tune.hardware.cuda_runtime == "lazy"
+    assert s.keep_zeroed_grads and not tune.setup.keep_zeroed_grads  # zero_grad before / after PyTorch 2.0
+    padded = gp.map_point(points["P012"])  # torchtune logs each step's peak: one typical alpaca step
+    assert padded.setup.seq_len == gp.TORCHTUNE_TYPICAL_STEP and padded.setup.optimizer is Optimizer.ADAMW_FUSED
 
 
 def test_each_metric_gets_its_memfit_figure(points):

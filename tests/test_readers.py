@@ -50,10 +50,11 @@ class Example:
 EXAMPLES = {
     "axolotl_lora_deepspeed.yaml": Example(
         "axolotl", 'meta-llama/Llama-3.1-8B',
-        dict(micro_batch_size=2, grad_accum_steps=4, seq_len=4096, precision='bf16-master',
+        dict(padding='max-length', micro_batch_size=2, grad_accum_steps=4, seq_len=4096, precision='bf16-master',
              optimizer='adamw-fused', checkpointing='full', attention='sdpa',
              finetune=Finetune("lora", rank=32, alpha=16, dropout=0.05, targets=(ALL_LINEAR,))),
-        read=("base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing deepspeed "
+        read=("pad_to_sequence_len "
+              "base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing deepspeed "
               "deepspeed_zero2:bf16.enabled bf16 fp16 deepspeed_zero2:train_micro_batch_size_per_gpu "
               "deepspeed_zero2:gradient_accumulation_steps deepspeed_zero2:train_batch_size optimizer "
               "gradient_checkpointing flash_attention deepspeed_zero2:zero_optimization.reduce_bucket_size "
@@ -63,18 +64,19 @@ EXAMPLES = {
                    "deepspeed_zero2:zero_optimization.contiguous_gradients"),
         other="deepspeed_zero2:zero_optimization.stage",
         quiet=("model_type tokenizer_type datasets dataset_prepared_path val_set_size "
-               "output_dir pad_to_sequence_len num_epochs lr_scheduler learning_rate logging_steps warmup_steps "
+               "output_dir num_epochs lr_scheduler learning_rate logging_steps warmup_steps "
                "evals_per_epoch saves_per_epoch weight_decay special_tokens.pad_token "
                "deepspeed_zero2:gradient_clipping deepspeed_zero2:wall_clock_breakdown")),
     "axolotl_full.yaml": Example(
         "axolotl", 'meta-llama/Llama-3.2-1B',
-        dict(micro_batch_size=4, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='paged-adamw-8bit',
+        dict(padding='max-length',
+             micro_batch_size=4, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='paged-adamw-8bit',
              checkpointing='full', attention='sdpa', compile=True),
-        read=("base_model micro_batch_size batch_size sequence_len sample_packing bf16 optimizer "
+        read=("pad_to_sequence_len base_model micro_batch_size batch_size sequence_len sample_packing bf16 optimizer "
               "gradient_checkpointing flash_attention adapter torch_compile"),
         not_sized="",
         other="",
-        quiet=("datasets val_set_size output_dir pad_to_sequence_len num_epochs lr_scheduler learning_rate tf32 "
+        quiet=("datasets val_set_size output_dir num_epochs lr_scheduler learning_rate tf32 "
                "gradient_checkpointing_kwargs.use_reentrant warmup_ratio weight_decay")),
     "llamafactory_full.yaml": Example(
         "llamafactory", 'Qwen/Qwen2.5-7B-Instruct',
@@ -102,7 +104,7 @@ EXAMPLES = {
                "deepspeed_zero3:zero_optimization.stage3_gather_16bit_weights_on_model_save")),
     "llamafactory_lora.yaml": Example(
         "llamafactory", 'meta-llama/Llama-3.1-8B-Instruct',
-        dict(seq_len=4096, micro_batch_size=2, grad_accum_steps=8, precision='amp-bf16',
+        dict(padding='longest', seq_len=4096, micro_batch_size=2, grad_accum_steps=8, precision='amp-bf16',
              optimizer='adamw-foreach', checkpointing='full', attention='sdpa',
              finetune=Finetune("qlora", rank=8, alpha=16, targets=(ALL_LINEAR,))),  # quantization_bit 4: QLoRA
         read=("model_name_or_path stage cutoff_len packing per_device_train_batch_size gradient_accumulation_steps "
@@ -114,7 +116,8 @@ EXAMPLES = {
                "lr_scheduler_type warmup_ratio")),
     "torchtune_full.yaml": Example(
         "torchtune", 'llama-3.1-8b',
-        dict(micro_batch_size=2, grad_accum_steps=1, seq_len=2048, precision='bf16', optimizer='paged-adamw-8bit',
+        dict(padding='longest',
+             micro_batch_size=2, grad_accum_steps=1, seq_len=2048, precision='bf16', optimizer='paged-adamw-8bit',
              checkpointing='full', loss='chunked', optimizer_in_backward=True, compile=False),
         read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
               "optimizer._component_ enable_activation_checkpointing optimizer_in_bwd loss._component_ compile"),
@@ -128,7 +131,8 @@ EXAMPLES = {
                "metric_logger._component_ metric_logger.log_dir log_every_n_steps log_peak_memory_stats")),
     "torchtune_lora.yaml": Example(
         "torchtune", 'llama-3.2-1b',
-        dict(micro_batch_size=4, grad_accum_steps=8, seq_len=4096, precision='bf16', optimizer='adamw-fused',
+        dict(padding='max-length',
+             micro_batch_size=4, grad_accum_steps=8, seq_len=4096, precision='bf16', optimizer='adamw-fused',
              checkpointing='none', loss='chunked', compile=True, finetune=Finetune("lora", rank=64, alpha=128, targets=(
                  "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
         read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
@@ -141,18 +145,20 @@ EXAMPLES = {
                "lr_scheduler.num_warmup_steps device")),
     "axolotl_qlora.yaml": Example(
         "axolotl", 'meta-llama/Llama-3.1-8B',
-        dict(micro_batch_size=1, grad_accum_steps=4, seq_len=2048, precision='bf16', optimizer='adamw-8bit',
+        dict(padding='max-length',
+             micro_batch_size=1, grad_accum_steps=4, seq_len=2048, precision='bf16', optimizer='adamw-8bit',
              checkpointing='full', attention='sdpa',
              finetune=Finetune("qlora", rank=16, alpha=32, dropout=0.05, targets=("q_proj", "k_proj", "v_proj",
                                                                                    "o_proj"))),
-        read=("base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing bf16 optimizer "
+        read=("pad_to_sequence_len "
+              "base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing bf16 optimizer "
               "gradient_checkpointing flash_attention load_in_4bit load_in_8bit adapter "
               "bnb_config_kwargs.bnb_4bit_quant_type bnb_config_kwargs.bnb_4bit_use_double_quant lora_r lora_alpha "
               "lora_dropout lora_target_modules peft_use_dora"),
         not_sized="",
         other="",
         quiet=("model_type tokenizer_type datasets dataset_prepared_path val_set_size output_dir lora_model_dir "
-               "pad_to_sequence_len lora_modules_to_save num_epochs lr_scheduler learning_rate tf32 logging_steps "
+               "lora_modules_to_save num_epochs lr_scheduler learning_rate tf32 logging_steps "
                "warmup_steps evals_per_epoch saves_per_epoch weight_decay special_tokens.pad_token")),
     "llamafactory_lora_sft.yaml": Example(
         "llamafactory", 'Qwen/Qwen2.5-7B-Instruct',
@@ -170,7 +176,8 @@ EXAMPLES = {
                "num_train_epochs lr_scheduler_type warmup_ratio ddp_timeout")),
     "torchtune_qlora.yaml": Example(
         "torchtune", 'llama-3.1-8b',
-        dict(micro_batch_size=2, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='adamw-fused',
+        dict(padding='longest',
+             micro_batch_size=2, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='adamw-fused',
              checkpointing='full', loss='chunked', compile=False,
              finetune=Finetune("qlora", rank=8, alpha=16, targets=ATTENTION_AND_MLP)),
         read=("model._component_ model.apply_lora_to_mlp model.apply_lora_to_output model.lora_attn_modules "

@@ -126,8 +126,11 @@ def _default_batches(model, setup: TrainingSetup, device) -> list:
     if getattr(config, "vocab_size", None) is None and not is_image_classifier(config):
         raise ConfigError("measure needs batches= for a model without an HF config: one dict of tensors its forward "
                           "takes (or a list of grad_accum_steps of them)")
+    from .estimate.padding import peak_setup
+
     generator = torch.Generator().manual_seed(0)
-    return [make_batch(config, setup, device=device, generator=generator) for _ in range(setup.grad_accum_steps)]
+    longest = peak_setup(setup)  # batches padded to their longest sample: the one that sets the run's peak
+    return [make_batch(config, longest, device=device, generator=generator) for _ in range(setup.grad_accum_steps)]
 
 
 def _estimate(measured, setup: TrainingSetup, notes: list[str], name: str, device_name: str) -> MemoryEstimate:

@@ -195,6 +195,21 @@ class Loss(_Choice):
         return "loss"
 
 
+class Padding(_Choice):
+    """How the batches' sequences get their length: what sets the run's peak (TrainingSetup.peak_seq_len)."""
+
+    MAX_LENGTH = "max-length"  # every sequence seq_len tokens: packed (torchtune packed, axolotl sample_packing) or
+    # padded to seq_len (HF padding="max_length", axolotl pad_to_sequence_len)
+    LONGEST = "longest"  # each batch padded to its longest sample (HF DataCollatorWithPadding, torchtune unpacked)
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"max-length": ("packed", "max", "full", "seq"), "longest": ("dynamic", "padded", "batch")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "padding"
+
+
 LOSS_CHUNKS = 8
 """torchtune CEWithChunkedOutputLoss(num_output_chunks=8): the sequence is cut into 8 chunks."""
 
@@ -309,6 +324,10 @@ class TrainingSetup:
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
     optimizer_in_backward: bool = False
     """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
+    keep_zeroed_grads: bool = False
+    """zero_grad(set_to_none=False): gradients zeroed, not freed, after each step, so they live through the next
+    forward (torch < 2.0's default for Module / Optimizer.zero_grad, which the HF Trainer's model.zero_grad() used;
+    torch 2.0 made set_to_none=True the default, pytorch/pytorch#92731)."""
     # -- activation offloading (memfit.estimate.offload_activations) --
     activation_offload: bool = False
     """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
@@ -343,6 +362,14 @@ class TrainingSetup:
     """Vision transformers (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image
     are (image_size / patch)^2 + CLS (+ registers), so `seq_len` does not apply. None: the config's image_size."""
 
+    # -- sequence lengths of real data (TrainingSetup.peak_seq_len) --
+    padding: Padding = Padding.MAX_LENGTH
+    """max-length: every sequence holds seq_len tokens (packed, or padded to seq_len); longest: each batch padded to
+    its longest sample, seq_len the truncation (torchtune tokenizer.max_seq_len, HF max_length)."""
+    longest_sample_len: int | None = None
+    """With padding longest: tokens of the data set's longest sample (before truncation at seq_len); it sets the
+    peak. None: seq_len, the bound truncation gives."""
+
     # -- torch.compile (memfit.estimate.compiled) --
     compile: bool = False
     """torch.compile each transformer block (torchtune `compile: True`, torchtitan `[compile] enable`, HF
@@ -354,7 +381,7 @@ class TrainingSetup:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
                            ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule),
-                           ("cp_rotate", CpRotate)):
+                           ("cp_rotate", CpRotate), ("padding", Padding)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
@@ -365,7 +392,7 @@ class TrainingSetup:
                                  "pp_virtual_stages", "cp")
                     if not _positive_int(getattr(self, name))]
         problems += [f"{name} must be a positive whole number or None, got {getattr(self, name)!r}"
-                     for name in ("target_len", "image_size")
+                     for name in ("target_len", "image_size", "longest_sample_len")
                      if getattr(self, name) is not None and not _positive_int(getattr(self, name))]
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
@@ -373,9 +400,14 @@ class TrainingSetup:
             problems += self._moe_problems()
         if not isinstance(self.optimizer_in_backward, bool):
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
+        if not isinstance(self.keep_zeroed_grads, bool):
+            problems.append(f"keep_zeroed_grads must be true or false, got {self.keep_zeroed_grads!r}")
         problems += self._activation_offload_problems()
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
+        if self.longest_sample_len is not None and self.padding is not Padding.LONGEST:
+            problems.append("a longest sample length needs padding longest (with max-length every sequence holds "
+                            "seq_len tokens)")
         if not problems:
             problems += self._combination_problems()
         if problems:
@@ -649,6 +681,17 @@ class TrainingSetup:
         return dataclasses.replace(self, **changes)
 
     @property
+    def peak_seq_len(self) -> int:
+        """The sequence length of the run's highest step. Padded to the longest sample of each batch, a step's length
+        is its batch's longest sample, so the run peaks at the batch holding the data set's longest sample:
+        min(seq_len, longest_sample_len), every row of that batch padded to it (max_memory_allocated is a running
+        maximum, and the caching allocator keeps that step's segments reserved for the rest of the run). Packed or
+        padded to max length: seq_len."""
+        if self.padding is Padding.LONGEST and self.longest_sample_len is not None:
+            return min(self.seq_len, self.longest_sample_len)
+        return self.seq_len
+
+    @property
     def tokens_per_micro_step(self) -> int:
         return self.micro_batch_size * self.seq_len
 
@@ -691,11 +734,12 @@ FIELD_LABELS: dict[str, str] = {
     "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
     "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward", "activation_offload": "activation offload",
+    "optimizer_in_backward": "optimizer in backward", "keep_zeroed_grads": "gradients kept zeroed",
+    "activation_offload": "activation offload",
     "pp": "pp", "pp_schedule": "pp schedule",
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
     "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",
-    "compile": "torch.compile"}
+    "compile": "torch.compile", "padding": "padding", "longest_sample_len": "longest sample"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -732,6 +776,7 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
     "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
     "activation_offload": ("activation_offload",), "compile": ("compile",),
+    "padding": ("padding", "longest_sample_len"),
     "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",),
     "cp": ("cp", "cp_rotate")}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""

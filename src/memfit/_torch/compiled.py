@@ -237,3 +237,56 @@ def partitioned_backend():
 
     partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
     return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, partition_fn=partition)
+
+
+_COMPILED_CROSS_ENTROPY: list = []
+
+
+def compiled_cross_entropy() -> Callable:
+    """One chunk's cross-entropy compiled as torchtune compiles its loss (training.compile_loss: torch.compile of
+    CEWithChunkedOutputLoss.compute_cross_entropy, inductor by default), one compiled function per process.
+
+    Inductor, not the 'partitioned' backend, even on CPU: inductor decomposes log-softmax (its decomposition table)
+    before the min-cut partition, so the graph saves the bf16 chunk and two per-row statistics instead of the fp32
+    log-softmax, and its fused kernels never write the fp32 upcast; run as is, those graphs would."""
+    from .step import chunk_cross_entropy
+
+    if not _COMPILED_CROSS_ENTROPY:
+        _COMPILED_CROSS_ENTROPY.append(torch.compile(chunk_cross_entropy, backend="inductor"))
+    return _COMPILED_CROSS_ENTROPY[0]
+
+
+def cross_entropy_saved(rows: int, vocab: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of each tensor the compiled chunk cross-entropy keeps for backward, read off the min-cut
+    partition of the joint graph after inductor's decompositions (torch._inductor.decomposition.select_decomp_table),
+    on fake tensors: what `compiled_cross_entropy` saves at run time, without codegen."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .step import chunk_cross_entropy
+
+    found: dict[str, Any] = {}
+
+    def partition(joint, joint_inputs, **kw):
+        found["forward_outputs"] = kw["num_fwd_outputs"]
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kw)
+
+    def keep(gm, _inputs):
+        found.setdefault("forward", gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _inputs: gm, partition_fn=partition,
+                           decompositions=select_decomp_table())
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        logits = torch.empty(rows, vocab, dtype=dtype, requires_grad=True)
+        labels = torch.zeros(rows, dtype=torch.long)
+        torch.compile(chunk_cross_entropy, backend=backend, dynamic=False)(logits, labels)
+    torch._dynamo.reset()
+    outputs = next(n for n in found["forward"].graph.nodes if n.op == "output").args[0]
+    return [(tuple(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch."))
+            for n in outputs[found["forward_outputs"]:] if isinstance(n.meta.get("val"), torch.Tensor)]

@@ -438,12 +438,16 @@ def optimizer_step(model: torch.nn.Module, optimizer, setup: TrainingSetup, *,
             scaler.update()
         else:
             (hooks.step or optimizer.step)()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not setup.keep_zeroed_grads)  # torch < 2.0's default kept them, zeroed
 
 
 def setup_loss(setup: TrainingSetup) -> LossFn:
     """The loss the setup names: the model's own (`.loss`), torchtune's chunked one or the fused one."""
     if setup.loss is Loss.CHUNKED:
+        if setup.compile:  # torchtune's training.compile_loss compiles each chunk's cross-entropy with the model
+            from .compiled import compiled_cross_entropy
+
+            return functools.partial(chunked_loss, cross_entropy=compiled_cross_entropy())
         return chunked_loss
     if setup.loss is Loss.FUSED:
         return fused_loss
@@ -453,19 +457,26 @@ def setup_loss(setup: TrainingSetup) -> LossFn:
 IGNORE_INDEX = -100
 
 
-def chunked_loss(model: torch.nn.Module, batch, num_chunks: int = LOSS_CHUNKS) -> torch.Tensor:
+def chunk_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One chunk's loss as torchtune's CEWithChunkedOutputLoss.compute_cross_entropy computes it: the chunk upcast
+    to fp32, cross-entropy summed over its labelled tokens."""
+    return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_loss(model: torch.nn.Module, batch, num_chunks: int = LOSS_CHUNKS,
+                 cross_entropy: Callable = chunk_cross_entropy) -> torch.Tensor:
     """torchtune's CEWithChunkedOutputLoss on an HF causal LM: the decoder's hidden states cut into `num_chunks`
     pieces along the sequence, the LM head applied to each (all chunks' logits exist until the loss returns, as
     torchtune's model returns them as a list), each chunk upcast to fp32 and cross-entropy'd (reduction sum) on its
-    own, the sum divided by the number of labelled tokens. Labels shifted as transformers' ForCausalLMLoss does."""
+    own, the sum divided by the number of labelled tokens. Labels shifted as transformers' ForCausalLMLoss does.
+    `cross_entropy`: each chunk's loss (under compile, torchtune's compiled one: memfit._torch.compiled)."""
     hidden, head, labels = _decoder_output(model, batch, "chunked")
     logits = [head(part) for part in hidden.tensor_split(num_chunks, dim=1)]
     del hidden
     shifted = _shifted_labels(labels)
     total = None
     for part, part_labels in zip(logits, shifted.tensor_split(num_chunks, dim=1)):
-        chunk_loss = torch.nn.functional.cross_entropy(part.float().flatten(0, 1), part_labels.reshape(-1),
-                                                       ignore_index=IGNORE_INDEX, reduction="sum")
+        chunk_loss = cross_entropy(part.flatten(0, 1), part_labels.reshape(-1))
         total = chunk_loss if total is None else total + chunk_loss
     return total / (shifted != IGNORE_INDEX).sum()
 

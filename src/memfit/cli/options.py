@@ -26,8 +26,8 @@ from ..errors import ConfigError, MemfitError
 from ..finetune import BaseWeights, Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Loss, Offload, Optimizer, PipelineSchedule,
-                     Precision, Sharding, TrainingSetup, _Choice, parse_keep)
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Loss, Offload, Optimizer, Padding,
+                     PipelineSchedule, Precision, Sharding, TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
@@ -180,6 +180,15 @@ ImageSizeOpt = Annotated[Optional[int], _option(
     "--image-size", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="PIXELS",
     help="Vision models (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image "
          "follow from it (--seq does not apply). Default: the config's image_size.")]
+PaddingOpt = Annotated[Optional[Padding], _choice_option(
+    "--padding", Padding,
+    help=f"{_choices(Padding)}: every sequence --seq tokens (packed, or padded to --seq), or each batch padded to "
+         "its longest sample (HF DataCollatorWithPadding, torchtune unpacked): the run peaks at the batch holding "
+         "the longest sample, min(--seq, --longest-sample) tokens. Default: max-length.")]
+LongestSampleOpt = Annotated[Optional[int], _option(
+    "--longest-sample", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
+    help="With --padding longest: tokens of the data's longest sample; it sets the peak (--seq still truncates). "
+         "Default: --seq.")]
 AccumOpt = Annotated[Optional[int], _option(
     "--accum", panel=SETUP_PANEL, parser=whole_number(MAX_ACCUM), metavar="N",
     help=f"Gradient accumulation steps. Default: {TrainingSetup.grad_accum_steps}.")]
@@ -271,6 +280,10 @@ ActivationOffloadOpt = Annotated[Optional[bool], _option(
     help="Offload the tensors saved for backward to pinned CPU RAM (torchtune enable_activation_offloading; TRL / "
          "axolotl activation_offloading): the LM head's and the loss's stay. Best with --checkpointing full. "
          "Default: off.")]
+KeepZeroedGradsOpt = Annotated[Optional[bool], _option(
+    "--keep-zeroed-grads/--no-keep-zeroed-grads", panel=SETUP_PANEL,
+    help="zero_grad(set_to_none=False): gradients zeroed, not freed, between steps, so they live through forward "
+         "(torch < 2.0's default; the HF Trainer's model.zero_grad() then). Default: off (freed).")]
 CompileOpt = Annotated[Optional[bool], _option(
     "--compile/--no-compile", panel=SETUP_PANEL,
     help="torch.compile each transformer block (torchtune compile: True, torchtitan [compile] enable): a block "
@@ -337,6 +350,8 @@ class SetupOptions:
     seq: int | None = None
     target_len: int | None = None
     image_size: int | None = None
+    padding: Padding | None = None
+    longest_sample: int | None = None
     accum: int | None = None
     precision: Precision | None = None
     optimizer: Optimizer | None = None
@@ -355,6 +370,7 @@ class SetupOptions:
     cp_rotate: CpRotate | None = None
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
+    keep_zeroed_grads: bool | None = None
     activation_offload: bool | None = None
     compile: bool | None = None
     method: Method | None = None
@@ -427,10 +443,12 @@ class SetupOptions:
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
                     expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
                     optimizer_in_backward=self.optimizer_in_backward, activation_offload=self.activation_offload,
+                    keep_zeroed_grads=self.keep_zeroed_grads,
                     pp=self.pp, pp_schedule=self.pp_schedule,
                     pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
                     cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
-                    image_size=self.image_size, compile=self.compile)
+                    image_size=self.image_size, compile=self.compile, padding=self.padding,
+                    longest_sample_len=self.longest_sample)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -476,18 +494,23 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "activation_offload": "activation_offload",
                     "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
                     "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate",
-                    "target_len": "target_len", "image_size": "image_size", "compile": "compile"}
+                    "target_len": "target_len", "image_size": "image_size", "compile": "compile",
+                    "padding": "padding", "longest_sample": "longest_sample_len",
+                    "keep_zeroed_grads": "keep_zeroed_grads"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method",
-                    "target_len": "--target-len", "image_size": "--image-size"}
+                    "target_len": "--target-len", "image_size": "--image-size",
+                    "longest_sample_len": "--longest-sample"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
-    "batch": BatchOpt, "seq": SeqOpt, "target_len": TargetOpt, "image_size": ImageSizeOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
+    "batch": BatchOpt, "seq": SeqOpt, "padding": PaddingOpt, "longest_sample": LongestSampleOpt,
+    "target_len": TargetOpt, "image_size": ImageSizeOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
     "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
     "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "pp": PpOpt,
     "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "cp": CpOpt,
     "cp_rotate": CpRotateOpt, "loss": LossOpt,
-    "optimizer_in_backward": InBackwardOpt, "activation_offload": ActivationOffloadOpt,
+    "optimizer_in_backward": InBackwardOpt, "keep_zeroed_grads": KeepZeroedGradsOpt,
+    "activation_offload": ActivationOffloadOpt,
     "compile": CompileOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,

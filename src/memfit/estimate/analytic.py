@@ -21,8 +21,8 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, context_parallel, dora, fsdp2, lora, lora_sharded, moe, offload_activations,
-               pipeline, tensor_parallel)
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, fsdp2, lora, lora_sharded, moe,
+               offload_activations, padding, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -50,7 +50,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     offload_activations.check(spec, setup)
     spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
-    asked, setup = setup, context_parallel.rank_setup(setup)  # one context-parallel rank: seq_len / cp tokens
+    # the step that sets the run's peak (padded batches: the longest sample's), then one context-parallel rank's
+    asked, setup = setup, context_parallel.rank_setup(padding.peak_setup(setup))
     if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
         setup = setup.replace(num_gpus=hardware.world_size)
     sized, run_notes = _as_run(setup, layout or setup.engine)
@@ -82,7 +83,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
         + offload_activations.host_term_notes(offloaded)
         + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + context_parallel.notes(asked)
-        + compiled.notes(spec, sized),
+        + compiled.notes(spec, sized) + padding.notes(asked),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
 
@@ -261,12 +262,15 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                       CHUNKED_SOURCE if chunked else
                       "HF CausalLMOutput; freed before backward when only the loss is kept (HF Trainer)"))
     loss_bytes = _loss_elem_bytes(spec, setup)
-    terms.append(Term("activations/loss", Category.ACTIVATIONS, vocab * loss_bytes + 8 * tokens,
-                      f"B x T x V x {loss_bytes} B log-softmax" + (" (every chunk's, saved by its own "
-                                                                   "cross-entropy)" if chunked else "")
-                      + " + shifted labels",
-                      CHUNKED_SOURCE if chunked else
-                      "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not"))
+    loss = Term("activations/loss", Category.ACTIVATIONS, vocab * loss_bytes + 8 * tokens,
+                f"B x T x V x {loss_bytes} B log-softmax" + (" (every chunk's, saved by its own "
+                                                             "cross-entropy)" if chunked else "")
+                + " + shifted labels",
+                CHUNKED_SOURCE if chunked else
+                "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not")
+    if compiled_loss.applies(setup):  # torchtune compiles the chunked loss: its chunks keep no fp32 log-softmax
+        loss = compiled_loss.saved_term(tokens)
+    terms.append(loss)
     terms += moe.terms(spec, setup, d)
     if setup.precision.is_autocast:
         head_weight = spec.vocab_size * spec.hidden_size
@@ -424,8 +428,10 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
     per_layer = saved_by_block(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
     dtypes = act.dtypes(spec, setup, on_cpu)
     step = _Step(spec, setup, static, _activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
-    # gradients live through forward when accumulation keeps them, or when the engine pre-allocates the partition
-    early_grads = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
+    # gradients live through forward when accumulation keeps them, when the engine pre-allocates the partition, or
+    # when zero_grad(set_to_none=False) only zeroes them (setup.keep_zeroed_grads)
+    early_grads = static.grads_bytes if (setup.grad_accum_steps > 1 or static.grads_preallocated
+                                         or setup.keep_zeroed_grads) else 0
     if setup.optimizer_in_backward:
         early_grads = 0
     forward = step.static_terms(early_grads) + step.acts
@@ -473,6 +479,8 @@ def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
     if not spec.is_decoder or step.dtypes.compute == 4:
         return []
     upcast = spec.vocab_size * (max(_chunk_tokens(setup)) if setup.loss is Loss.CHUNKED else step.tokens) * 4
+    if compiled_loss.applies(setup):
+        upcast = 0  # read inside inductor's fused reduction kernels, never written (memfit.estimate.compiled_loss)
     what = "one chunk of the logits" if setup.loss is Loss.CHUNKED else "B x T x V x 4 B: the logits"
     terms = list(forward) + [Term("temporaries/logits_fp32", Category.TEMPORARIES, upcast,
                                   f"{what} upcast for the loss, until log-softmax has run",
@@ -540,6 +548,10 @@ def _chunked_loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
         head_grad = 0  # LoRA: the frozen head has no weight gradient to accumulate (measured, tests/test_lora.py)
     base = [t for t in forward if t.name not in ("activations/logits", "activations/loss")]
     saved_total = next(t for t in forward if t.name == "activations/loss")
+    if compiled_loss.applies(setup):
+        logits = next(t for t in forward if t.name == "activations/logits")
+        return compiled_loss.backward_terms(base, logits, saved_total, _chunk_tokens(setup), vocab, h, d.compute,
+                                            d.residual, 0 if spec.frozen else head_grad)  # a frozen head: none
     labels = 8 * step.tokens
     best: tuple[int, list[Term]] | None = None
     done = 0
@@ -768,7 +780,7 @@ def _in_backward_moments(step: _Step) -> dict:
     Each parameter's gradient and its step's temporaries appear once, inside backward: the LM head's right after
     its matmul backward (every block's activations still alive), the embedding's at the very end. A tied head's
     gradient waits in autograd's buffer for the embedding's and steps with it at the end."""
-    spec, setup, static = step.spec, step.setup, step.static
+    spec, setup = step.spec, step.setup
     vh = spec.vocab_size * spec.hidden_size
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     d = step.dtypes

@@ -8,8 +8,8 @@ the kind `compile-<dtype>/<attention>/<kernels>`.
 
 What memfit assumes: each block compiled on its own (torchtune `training.compile_model`, torchtitan `apply_compile`).
 What compile does not change here: parameters, gradients, optimizer state; the embedding, final norm, LM head and
-the loss stay eager (torchtune also compiles its chunked loss, which keeps the fp32 upcast of each chunk out of
-memory; not sized, the loss terms are eager's); the backward temporaries of a block are eager's (a compiled
+the loss stay eager (but torchtune's chunked loss, which torchtune compiles with the model: memfit.estimate.
+compiled_loss); the backward temporaries of a block are eager's (a compiled
 backward recomputes the pointwise chains it did not save, into fused kernels: measured on CPU, no more than eager's).
 Under autocast the compiled graph casts each weight itself: the casts it saves are in the block's bytes, so the
 autocast cache term only holds the LM head's copy.
@@ -26,7 +26,8 @@ from ..setup import TrainingSetup
 SOURCE = "torch/_functorch/partitioners.py min_cut_rematerialization_partition, traced on fake tensors"
 KIND_PREFIX = "compile-"
 NOTE = ("torch.compile per block: each block keeps what AOTAutograd's min-cut partitioner saves (traced on fake "
-        "tensors); embedding, LM head and loss eager; backward temporaries sized as eager's")
+        "tensors); embedding, LM head and loss eager (torchtune's chunked loss compiled with the model: "
+        "memfit.estimate.compiled_loss); backward temporaries sized as eager's")
 
 _FITS: dict[str, dict[str, Linear]] = {}
 

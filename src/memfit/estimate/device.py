@@ -219,7 +219,8 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
         saved_per_block=tuple(saved_tensors), block_temps=tuple(block_temps), recompute=tuple(recompute),
         head_saved=tuple(head), root_saved=tuple(root_saved), loss_temps=tuple(loss_temps),
         gathered_root=gathered_root, gathered_block=gathered_block, step_temps=(step,) if step else (),
-        step_temp_per_param=per_param, early_grads=setup.grad_accum_steps > 1, workspaces=workspaces,
+        step_temp_per_param=per_param, early_grads=setup.grad_accum_steps > 1 or setup.keep_zeroed_grads,
+        workspaces=workspaces,
         frozen_root=tuple(frozen_root), frozen_block=tuple(frozen_block))
 
 

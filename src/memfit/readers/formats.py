@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..optimizers import config_class_names
-from ..setup import Attention, Checkpointing, Engine, Loss, Optimizer, Precision
+from ..setup import Attention, Checkpointing, Engine, Loss, Optimizer, Padding, Precision
 from ._reader import NOT_RELEVANT, NOT_SIZED, OFF, Reader, _positive, _value
 from .files import detect_format, display_path, flatten, load_mapping, resolve_reference
 from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fsdp_plan, read_mixed_precision,
@@ -322,7 +322,6 @@ AXOLOTL_TABLE = {
     "unsloth_": NOT_SIZED,
     "s2_attention": NOT_SIZED,
     "eval_batch_size": EVAL, "eval_sample_packing": EVAL,
-    "pad_to_sequence_len": f"{NOT_RELEVANT} (memfit sizes every sequence at sequence_len)",
     "gradient_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "fsdp_config.auto_wrap_policy": WRAPPING, "fsdp_config.fsdp_auto_wrap_policy": WRAPPING,
     "fsdp_config.transformer_layer_cls_to_wrap": WRAPPING, "fsdp_config.fsdp_transformer_layer_cls_to_wrap": WRAPPING,
@@ -343,7 +342,14 @@ def map_axolotl(read: Reader, data: dict, ctx: Context) -> None:
         read.set("grad_accum_steps", max(1, data["batch_size"] // micro), "batch_size", data["batch_size"],
                  "axolotl: gradient_accumulation_steps = batch_size // micro_batch_size")
     _whole(read, "seq_len", data, "sequence_len")
-    _packing(read, data, "sample_packing", "sequence_len")
+    _packing(read, data, "sample_packing", "sequence_len", padded_to_max=_truthy(data.get("pad_to_sequence_len")))
+    if "pad_to_sequence_len" in data and "sample_packing" in data:
+        read.defer("pad_to_sequence_len", data["pad_to_sequence_len"], "read with sample_packing")
+    elif "pad_to_sequence_len" in data:
+        padded = _truthy(data["pad_to_sequence_len"])
+        read.set("padding", Padding.MAX_LENGTH if padded else Padding.LONGEST, "pad_to_sequence_len",
+                 data["pad_to_sequence_len"], "every sequence padded to sequence_len" if padded else
+                 "each batch padded to its longest sample (give --longest-sample; else sequence_len bounds it)")
     ds, file, prefix = ctx.deepspeed(read, data.get("deepspeed"), "deepspeed")
     _axolotl_precision(read, data, ds)
     if ds is not None:
@@ -375,13 +381,17 @@ def _axolotl_loss(read: Reader, data: Mapping) -> None:
             read.set("loss", loss, key, data[key], why)
 
 
-def _packing(read: Reader, data: Mapping, key: str, length: str) -> None:
+def _packing(read: Reader, data: Mapping, key: str, length: str, padded_to_max: bool = False) -> None:
+    """Packed: every sequence holds `length` tokens. Unpacked, the collators pad each batch to its longest sample
+    (torchtune padded_collate_sft, DataCollatorForSeq2Seq), unless told to pad to the maximum (`padded_to_max`)."""
     if key not in data:
         return
-    if _truthy(data[key]):
-        read.defer(key, data[key], f"packed: every sequence holds {length} tokens, as memfit sizes")
+    if _truthy(data[key]) or padded_to_max:
+        read.set("padding", Padding.MAX_LENGTH, key, data[key], f"every sequence holds {length} tokens" + (
+            " (packed)" if _truthy(data[key]) else " (padded to it)"))
     else:
-        read.defer(key, data[key], f"unpacked: memfit sizes every sequence at {length} (the longest case)")
+        read.set("padding", Padding.LONGEST, key, data[key], "unpacked: each batch padded to its longest sample, "
+                 f"the peak is the longest sample's batch (give --longest-sample; else {length} bounds it)")
 
 
 def _axolotl_precision(read: Reader, data: Mapping, ds: dict | None) -> None:
@@ -596,7 +606,8 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
                  data["optimizer_in_bwd"], "each parameter steps as its gradient arrives (per-parameter hooks)")
     if "compile" in data:  # torchtune training.compile_model: each layer, and the loss
         read.set("compile", _truthy(data["compile"]), "compile", data["compile"],
-                 "each layer compiled; memfit sizes the loss eager" if _truthy(data["compile"]) else "")
+                 "each layer compiled, and the loss (memfit.estimate.compiled_loss: the chunked one)"
+                 if _truthy(data["compile"]) else "")
     loss = data.get("loss") if isinstance(data.get("loss"), Mapping) else {}
     if "chunked" in str(loss.get("_component_", "")).lower():
         read.set("loss", Loss.CHUNKED, "loss._component_", loss["_component_"],

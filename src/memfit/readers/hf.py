@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..optimizers import hf_optim_names
-from ..setup import Checkpointing, Engine, Offload, Optimizer, Precision, Sharding
+from ..setup import Checkpointing, Engine, Offload, Optimizer, Padding, Precision, Sharding
 from ._reader import NOT_SIZED, Reader, _get, _positive, _value
 
 OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()}
@@ -59,10 +59,19 @@ def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | N
         read_optimizer(read, args)
         read_checkpointing(read, args)
         read_compile(read, args)
+        read_group_by_length(read, args)
         for name in NOT_MODELLED if not read.strict else ():  # files: every field left over is listed
             value = _get(args, name)
             if value:
                 read.ignore(name, value, NOT_SIZED)
+
+
+def read_group_by_length(read: Reader, args: Any) -> None:
+    """group_by_length batches samples of similar length, each batch padded to its longest (the Trainer's
+    LengthGroupedSampler; it only pays with dynamic padding): memfit's padding longest."""
+    if _get(args, "group_by_length"):
+        read.set("padding", Padding.LONGEST, "group_by_length", True, "each batch padded to its longest sample: the "
+                 "peak is the longest sample's batch (give --longest-sample; else --seq bounds it)")
 
 
 COMPILE_NOTE = ("the Trainer compiles the whole model; memfit sizes each block compiled and the head and loss "

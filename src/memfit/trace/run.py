@@ -43,6 +43,9 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
                           "--compile with `memfit estimate` (the compiled blocks' partition) or drop --compile")
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
+    from ..estimate.padding import peak_setup
+
+    setup = peak_setup(setup)  # batches padded to their longest sample: the step of the longest one
     build, name = _builder(model_ref, input_builder, loss_fn)
     host, optimizer_on_host = distributed.host_kinds(setup)
     with contextlib.ExitStack() as stack:
