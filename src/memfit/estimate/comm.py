@@ -312,6 +312,10 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
     data_ranks = setup.dp_size * setup.cp  # torchtitan reduces gradients over the dp x cp mesh
     runtime = runtime_of(setup.engine, setup.sharding, data_ranks)
     collectives = [] if data_ranks < 2 else list(_COLLECTIVES[runtime](spec.num_params, setup))
+    if runtime.is_fsdp2:  # float8 all-gather: the Float8Linear weights travel in 1 B (memfit.estimate.float8)
+        from .float8 import all_gather_collectives
+
+        collectives = all_gather_collectives(spec, setup, collectives)
     collectives += tensor_parallel_collectives(spec, setup) + context_parallel_collectives(spec, setup)
     collectives += list(_expert_parallel(spec, setup)) + sends
     notes = _notes(runtime, setup) + _expert_parallel_notes(spec, setup)
