@@ -41,7 +41,7 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
-from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Sharding,  # noqa: E402
+from memfit.setup import (Attention, Checkpointing, Engine, Float8, Loss, Offload, Optimizer, Precision, Sharding,  # noqa: E402
                           TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB  # noqa: E402
@@ -197,7 +197,9 @@ def _map_model(m: Mapped, model: dict) -> None:
 def _map_batch(m: Mapped, batch: dict) -> dict:
     out = {}
     micro = batch.get("micro_batch")
-    seq = batch.get("seq_len_per_gpu") or batch.get("seq_len")
+    # memfit's seq_len is the whole sequence: context parallelism divides it by cp itself
+    # (memfit.estimate.context_parallel.rank_setup), so seq_len_per_gpu (seq / cp) would divide it twice
+    seq = batch.get("seq_len") or batch.get("seq_len_per_gpu")
     if micro is None:
         m.missing.append((OTHER, "micro-batch unknown"))
     else:
@@ -350,8 +352,9 @@ def _map_flags(m: Mapped, n: dict) -> dict:
         out.update(_map_lora(m, lora))
     if n.get("compile"):  # torchtune / torchtitan compile each block (memfit.estimate.compiled)
         out["compile"] = True
-    if n.get("float8"):
-        m.missing.append((FP8, ""))
+    if n.get("float8"):  # torchtitan --model.converters float8: tensorwise, its default recipe
+        out["float8"] = Float8.TENSORWISE
+        out["float8_all_gather"] = "float8_fsdp_allgather" in (n.get("techniques") or ())
     return out
 
 

@@ -1,0 +1,119 @@
+"""float8 training (torchao Float8Linear): setup checks, the kernels' bytes measured on CPU, whole measured steps
+against the estimate, and the FSDP2 float8 all-gather against the real converted module (memfit.estimate.float8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.errors import ConfigError
+from memfit.estimate import float8
+from memfit.estimate.analytic import estimate
+from memfit.estimate.comm import comm_volume
+from memfit.hardware import cpu_device, make_hardware
+from memfit.setup import TrainingSetup
+from memfit.sources import resolve_model
+
+from tiny_configs import TINY_LLAMA, TINY_QWEN2
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchao.float8")
+
+CPU = make_hardware(cpu_device(64 * 1024**3))
+
+
+@pytest.mark.parametrize("fields, fix", [
+    ({"precision": "fp32"}, "precision fp32 cannot run it"),
+    ({"precision": "amp-fp16"}, "use amp-bf16"),
+    ({"float8_all_gather": True}, "--engine torch"),
+    ({"float8": "rowwise", "float8_all_gather": True, "engine": "torch", "sharding": "zero3", "num_gpus": 2},
+     "tensorwise scaling only"),
+    ({"finetune": "lora"}, "method full"),
+])
+def test_bad_float8_setups_are_one_line_config_errors(fields, fix):
+    with pytest.raises(ConfigError, match=fix):
+        TrainingSetup(**{"float8": "tensorwise", "precision": "amp-bf16", **fields})
+    with pytest.raises(ConfigError, match="needs float8 training"):
+        TrainingSetup(float8_all_gather=True, engine="torch", sharding="zero3", num_gpus=2)
+
+
+def _peak_growth(fn) -> int:
+    """Peak bytes allocated above the start while `fn` runs (torch.profiler CPU memory events)."""
+    from torch._C._profiler import _EventType
+
+    from memfit._torch.measure_cpu import _walk
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = sorted((e.start_time_ns, e.extra_fields.alloc_size)
+                   for e in _walk(prof.profiler.kineto_results.experimental_event_tree())
+                   if e.tag == _EventType.Allocation)
+    live = peak = 0
+    for _, size in sizes:
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def test_an_eager_cast_peaks_at_nine_bytes_per_element():
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    x = torch.randn(384, 320, dtype=torch.bfloat16)
+    peak = _peak_growth(lambda: hp_tensor_to_float8_dynamic(x, torch.float8_e4m3fn, LinearMMConfig()))
+    assert peak - 4 == float8.CAST_PEAK * x.numel()  # + the fp32 scale
+
+
+def test_cpu_scaled_mm_bytes_match_the_formula_on_a_new_shape():
+    m, k, n = 384, 160, 224  # none of the shapes the coefficients were solved on
+    a = torch.randn(m, k).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0)
+    peak = _peak_growth(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    x, y, z = float8.CPU_GEMM_BYTES
+    assert peak == 2 * m * n + x * m * k + y * k * n + z * m * n
+
+
+def test_converted_weights_are_the_real_modules_float8_linears():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from memfit._torch.step import build_hf_model
+
+    setup = TrainingSetup(micro_batch_size=1, seq_len=32, precision="bf16", float8="tensorwise")
+    model = build_hf_model(dict(TINY_LLAMA), setup)
+    real = sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear))
+    assert real == float8.converted_weight_elems(resolve_model(TINY_LLAMA), setup) > 0
+    assert not isinstance(model.lm_head, Float8Linear)
+
+
+@pytest.mark.parametrize("config, precision, ckpt", [(TINY_LLAMA, "amp-bf16", "none"), (TINY_QWEN2, "bf16", "full")])
+def test_measured_float8_steps_match_the_estimate(config, precision, ckpt):
+    from memfit.measure import measure
+
+    base = TrainingSetup(micro_batch_size=2, seq_len=256, precision=precision, checkpointing=ckpt, optimizer="adamw")
+    spec = resolve_model(config)
+    on = base.replace(float8="tensorwise")
+    measured_on = measure(config, on, steps=2).tensor_bytes
+    assert estimate(spec, on, CPU).tensor_bytes == pytest.approx(measured_on, rel=0.01)
+    if precision == "amp-bf16":  # the saving: autocast's weight casts and the CPU-autocast input copies
+        measured_off = measure(config, base, steps=2).tensor_bytes
+        saving = estimate(spec, base, CPU).tensor_bytes - estimate(spec, on, CPU).tensor_bytes
+        assert saving == measured_off - measured_on > 0
+
+
+def test_fsdp2_float8_all_gather_halves_the_gathered_float8_weights():
+    spec = resolve_model("llama-3.1-8b")
+    setup = TrainingSetup(micro_batch_size=1, seq_len=4096, precision="bf16-master", engine="torch",
+                          sharding="zero3", num_gpus=8, float8="tensorwise")
+    gathered = setup.replace(float8_all_gather=True)
+    hw = make_hardware("H100-80GB", gpus_per_node=8)
+    per_block = sum(s.a * s.b for s in float8.block_linears(spec))
+    assert per_block == 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336  # q, k, v, o, gate, up, down
+
+    def term(est, name):
+        return sum(t.num_bytes for t in est.terms if t.name == name)
+
+    assert (term(estimate(spec, setup, hw), "parameters/gathered")
+            - term(estimate(spec, gathered, hw), "parameters/gathered")) == per_block
+    moved = {c.what: c for c in comm_volume(spec, gathered).collectives}
+    fp8 = [c for what, c in moved.items() if what.startswith("float8")]
+    assert len(fp8) == 2 and all(c.dtype_bytes == 1 and c.num_elements == 32 * per_block for c in fp8)
