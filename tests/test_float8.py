@@ -10,7 +10,7 @@ from memfit.estimate import float8
 from memfit.estimate.analytic import estimate
 from memfit.estimate.comm import comm_volume
 from memfit.hardware import cpu_device, make_hardware
-from memfit.setup import TrainingSetup
+from memfit.setup import Float8, TrainingSetup
 from memfit.sources import resolve_model
 
 from tiny_configs import TINY_LLAMA, TINY_QWEN2
@@ -117,3 +117,32 @@ def test_fsdp2_float8_all_gather_halves_the_gathered_float8_weights():
     moved = {c.what: c for c in comm_volume(spec, gathered).collectives}
     fp8 = [c for what, c in moved.items() if what.startswith("float8")]
     assert len(fp8) == 2 and all(c.dtype_bytes == 1 and c.num_elements == 32 * per_block for c in fp8)
+
+
+def test_torchtune_and_axolotl_float8_keys_read_into_the_setup(tmp_path):
+    from memfit.readers import read_config
+
+    root = __import__("pathlib").Path(__file__).parent / "data" / "configs"
+    tune = tmp_path / "tune.yaml"
+    tune.write_text((root / "torchtune_full.yaml").read_text() + "\nenable_fp8_training: true\n")
+    reading = read_config(tune, num_gpus=8)
+    assert reading.overrides["float8"] is Float8.TENSORWISE and reading.overrides["float8_all_gather"] is True
+    tune.write_text((root / "torchtune_full.yaml").read_text() + "\nenable_fp8_training: true\n"
+                    "fp8_recipe_name: rowwise\n")
+    reading = read_config(tune, num_gpus=8)
+    assert reading.overrides["float8"] is Float8.ROWWISE and "float8_all_gather" not in reading.overrides
+    axo = tmp_path / "axolotl.yaml"
+    axo.write_text((root / "axolotl_full.yaml").read_text() + "\nfp8: true\nfp8_enable_fsdp_float8_all_gather: true\n")
+    reading = read_config(axo)
+    assert reading.overrides["float8"] is Float8.TENSORWISE and reading.overrides["float8_all_gather"] is True
+
+
+def test_torchtitan_emits_the_float8_converter():
+    from memfit.emit.torchtitan import torchtitan_toml
+
+    setup = TrainingSetup(precision="bf16-master", engine="torch", sharding="zero3", num_gpus=8, float8="tensorwise",
+                          float8_all_gather=True)
+    toml = torchtitan_toml(setup, 32)
+    assert '[model]\nconverters = ["quantize.linear.float8"]' in toml
+    assert "enable_fsdp_float8_all_gather = true" in toml and 'filter_fqns = ["output"]' in toml
+    assert 'recipe_name = "rowwise"' in torchtitan_toml(setup.replace(float8="rowwise", float8_all_gather=False))
