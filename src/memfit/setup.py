@@ -298,6 +298,11 @@ class Float8(_Choice):
         return self is not Float8.OFF
 
 
+
+_TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD), ("float8_all_gather", False),
+                ("float8", Float8.OFF))
+"""What TrainingSetup.replace turns back, in this order, when a change cannot combine with it."""
+
 _ZERO1_TORCH_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "sgd")
 
 
@@ -677,19 +682,20 @@ class TrainingSetup:
         return problems
 
     def replace(self, **changes) -> "TrainingSetup":
-        """A copy with `changes`. Where they cannot combine with the optimizer step in backward or a non-standard
-        loss that they do not name (accumulation, ZeRO, LoRA...), those are turned back as well, so the change a
-        technique asks for still happens; setup_changes then names the turned-back fields too."""
+        """A copy with `changes`. Where they cannot combine with the optimizer step in backward, a non-standard
+        loss or float8 training that they do not name (accumulation, ZeRO, LoRA, fp16...), those are turned back as
+        well, so the change a technique asks for still happens; setup_changes then names the turned-back fields
+        too."""
         try:
             return dataclasses.replace(self, **changes)
         except ConfigError:
-            fallbacks = [name for name, off in (("optimizer_in_backward", False), ("loss", Loss.STANDARD))
+            fallbacks = [(name, off) for name, off in _TURNED_BACK
                          if name not in changes and getattr(self, name) != off]
             if not fallbacks:
                 raise
         undone: dict = {}
-        for name in fallbacks:
-            undone[name] = False if name == "optimizer_in_backward" else Loss.STANDARD
+        for name, off in fallbacks:
+            undone[name] = off
             try:
                 return dataclasses.replace(self, **changes, **undone)
             except ConfigError:

@@ -15,14 +15,15 @@ HEAD_NAMES = ("lm_head", "output", "embed_out")
 
 
 def convertible(module: torch.nn.Module, fqn: str) -> bool:
-    """Whether torchtitan converts this module: an nn.Linear, not the head, both dimensions multiples of 16."""
-    if not isinstance(module, torch.nn.Linear) or fqn.split(".")[-1] in HEAD_NAMES:
+    """Whether torchtitan converts this module: a plain nn.Linear (not already a Float8Linear, a quantized or an
+    adapted one), not the head, both dimensions multiples of 16."""
+    if type(module) is not torch.nn.Linear or fqn.split(".")[-1] in HEAD_NAMES:
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def apply_float8(model: torch.nn.Module, setup: TrainingSetup) -> int:
-    """Swap the convertible Linears for torchao Float8Linear (in place); returns how many were swapped."""
+    """Swap the convertible Linears for torchao Float8Linear (in place); returns how many it swapped now."""
     if not setup.float8.is_on:
         return 0
     try:
@@ -33,7 +34,8 @@ def apply_float8(model: torch.nn.Module, setup: TrainingSetup) -> int:
     config = Float8LinearConfig.from_recipe_name(recipe)
     if setup.float8_all_gather:  # torchao's FSDP2 hook: WeightWithDynamicFloat8CastTensor weights
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=convertible)
     from torchao.float8.float8_linear import Float8Linear
 
-    return sum(isinstance(m, Float8Linear) for m in model.modules())
+    before = sum(isinstance(m, Float8Linear) for m in model.modules())
+    convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+    return sum(isinstance(m, Float8Linear) for m in model.modules()) - before

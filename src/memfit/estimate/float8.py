@@ -17,9 +17,8 @@ torchtitan converts every nn.Linear but the LM head (`filter_fqns=["output"]`) w
   `to_fp8_saturated` `clamp` and `.to(fp8)`): an eager cast of n elements peaks at 9n bytes (two fp32 tensors and the
   result) and leaves n bytes of float8. Backward casts grad_output twice (one per gemm, dim0 and dim1), the weight and the input
   once each. torch.compile fuses each cast into one kernel: only the 1-byte results remain.
-- the gemms: CUDA `torch._scaled_mm` (cuBLASLt) allocates only its output; CPU's `_scaled_mm_out_cpu_emulated`
-  (ATen native/Blas.cpp) makes fp32 copies of both operands and of the product, then casts the product:
-  4 B x (both operands) + 6 B x the output more.
+- the gemms: CUDA `torch._scaled_mm` (cuBLASLt) allocates only its output; CPU's fallback makes fp32 copies of
+  both operands and of the product, then casts the product (`cpu_gemm_bytes`).
 - FSDP2 with `enable_fsdp_float8_all_gather` (fsdp_utils.py `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`
   casts the shard; `fsdp_post_all_gather` wraps the gathered bytes as a Float8TrainingTensor): the converted
   weights are all-gathered and held unsharded in 1 B per element instead of 2 (plus one fp32 scale each), and the
@@ -36,12 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model_spec import ModelSpec
-from ..setup import TrainingSetup
+from ..setup import Float8, TrainingSetup
 from .result import Category, Term
 
 SOURCE = ("torchao 0.18 float8/float8_linear.py matmul_with_hp_or_float8_args, float8_scaling_utils.py "
           "hp_tensor_to_float8_dynamic")
-CPU_GEMM_SOURCE = "ATen native/Blas.cpp _scaled_mm_out_cpu_emulated (fp32 copies of both operands and the product)"
+CPU_GEMM_SOURCE = "ATen CPU torch._scaled_mm fallback (fp32 copies of both operands and the product), measured"
 FSDP_SOURCE = "torchao 0.18 float8/fsdp_utils.py WeightWithDynamicFloat8CastTensor.fsdp_pre/post_all_gather"
 HEAD_NAMES = ("lm_head", "output", "embed_out")
 CAST_PEAK = 9
@@ -103,20 +102,36 @@ def _cuda_steps(n: int, s: Shape, weight_cast: bool, compiled: bool) -> list[int
             2 * n * a + 3 * n * b + w8 + 2 * n * a + 2 * a * b - base]
 
 
-CPU_GEMM_BYTES = (4, 5, 6)
-"""CPU torch._scaled_mm beyond its output, per element of (first operand, second operand, output): its fp32
-copies of both operands and of the product and the product's cast (measured with the profiler on CPU for four
-shapes, solved exactly; tests/test_float8.py). CUDA's cuBLASLt kernel allocates only its output."""
+def cpu_gemm_bytes(m: int, k: int, n: int) -> int:
+    """CPU torch._scaled_mm of an m x k by a k x n float8 matrix, beyond its m x n bf16 output: a 1-byte copy of
+    the second operand, then fp32 copies of each operand (`.to(float32)` and its product with the scale, alive
+    together), of the product and its cast (ATen's CPU fallback; measured with the profiler on CPU, each of the
+    three moments on shapes where it dominates: tests/test_float8.py). CUDA's cuBLASLt kernel allocates only its
+    output."""
+    return max(8 * m * k + k * n, 4 * m * k + 9 * k * n, 4 * m * k + 5 * k * n + 6 * m * n)
 
 
 def _cpu_gemm_steps(n: int, s: Shape) -> list[int]:
     """The two backward gemms on CPU (the float8 tensors and layout copies of `_cuda_steps` plus the emulated
-    kernel's own bytes), beyond the bf16 Linear's peak."""
+    kernel's own bytes), beyond the bf16 Linear's peak (2Na + 2ab)."""
     a, b = s.a, s.b
-    x, y, z = CPU_GEMM_BYTES
-    grad_input = n * b + 2 * a * b + 2 * n * a + x * n * b + y * a * b + z * n * a - (2 * n * a + 2 * a * b)
-    grad_weight = 3 * n * b + a * b + 2 * n * a + x * n * b + y * n * a + z * a * b
+    grad_input = n * b + 2 * a * b + 2 * n * a + cpu_gemm_bytes(n, b, a) - (2 * n * a + 2 * a * b)
+    grad_weight = 3 * n * b + a * b + 2 * n * a + cpu_gemm_bytes(b, n, a)
     return [grad_input, grad_weight]
+
+
+ROWWISE_SCALE_BYTES = 4
+"""Rowwise: float8_ops.py `addmm_float8_unwrapped` runs a gemm without fast accumulation (grad_input's and
+grad_weight's, Float8GemmConfig() default) as a tensorwise one and multiplies the output in place by
+`a_inverse_scale * b_inverse_scale`, an fp32 tensor of the output's shape (4 B per output element)."""
+
+
+def _rowwise_steps(n: int, s: Shape, steps: list[int]) -> list[int]:
+    """The rowwise recipe's outer-product scale beside each backward gemm's output (steps 3 and 6 and, on CPU,
+    the two emulated gemms after them)."""
+    extra = [0, 0, ROWWISE_SCALE_BYTES * n * s.a, 0, 0, ROWWISE_SCALE_BYTES * s.a * s.b]
+    extra += [ROWWISE_SCALE_BYTES * n * s.a, ROWWISE_SCALE_BYTES * s.a * s.b][:len(steps) - len(extra)]
+    return [step + more for step, more in zip(steps, extra)]
 
 
 def backward_extra_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, on_cpu: bool) -> int:
@@ -130,6 +145,8 @@ def backward_extra_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, on_
         steps = _cuda_steps(tokens, shape, weight_cast, compiled)
         if on_cpu:
             steps += _cpu_gemm_steps(tokens, shape)
+        if setup.float8 is Float8.ROWWISE:
+            steps = _rowwise_steps(tokens, shape, steps)
         best = max(best, *steps)
     return best
 
