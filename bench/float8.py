@@ -62,8 +62,9 @@ def main() -> int:
         errors.append(abs(err))
         rows.append(f"| {name} | {precision} | {ckpt} | {recipe} | {off_meas / 2**20:.3f} | "
                     f"{measured.tensor_bytes / 2**20:.3f} | {predicted.tensor_bytes / 2**20:.3f} | {err:+.2f} | "
-                    f"{(off_meas - measured.tensor_bytes) / 2**10:+.1f} | {(off_pred - predicted.tensor_bytes) / 2**10:+.1f} "
-                    f"| {_pct(off_pred, off_meas):+.2f} | {time.perf_counter() - start:.1f} |")
+                    f"{(off_meas - measured.tensor_bytes) / 2**10:+.1f} | "
+                    f"{(off_pred - predicted.tensor_bytes) / 2**10:+.1f} | {_pct(off_pred, off_meas):+.2f} | "
+                    f"{time.perf_counter() - start:.1f} |")
         print(rows[-1], flush=True)
     header = ("| model | precision | ckpt | float8 | measured off MiB | measured float8 MiB | analytic float8 MiB | "
               "error % | saving measured KiB | saving analytic KiB | error off % | s |")

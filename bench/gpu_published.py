@@ -41,8 +41,8 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
-from memfit.setup import (Attention, Checkpointing, Engine, Float8, Loss, Offload, Optimizer, Precision, Sharding,  # noqa: E402
-                          TrainingSetup)
+from memfit.setup import (Attention, Checkpointing, Engine, Float8, Loss, Offload, Optimizer,  # noqa: E402
+                          Precision, Sharding, TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB  # noqa: E402
 
@@ -502,6 +502,10 @@ def setup_summary(setup: TrainingSetup | None) -> str:
         parts.append(f"{setup.sharding} x{setup.num_gpus} {setup.engine}")
     if setup.offload is not Offload.NONE:
         parts.append(f"offload {setup.offload}")
+    parts += [f"{name} {value}" for name, value in (("tp", setup.tp), ("cp", setup.cp)) if value > 1]
+    parts += ["compile"] if setup.compile else []
+    parts += [f"float8 {setup.float8}" + (" + fp8 all-gather" if setup.float8_all_gather else "")
+              ] if setup.float8.is_on else []
     return ", ".join(parts)
 
 
