@@ -352,10 +352,20 @@ def _map_flags(m: Mapped, n: dict) -> dict:
         out.update(_map_lora(m, lora))
     if n.get("compile"):  # torchtune / torchtitan compile each block (memfit.estimate.compiled)
         out["compile"] = True
+        if _torchtitan_compiles_its_loss(m.point) and n.get("loss") in (None, "full_logits_ce"):
+            out["loss"] = Loss.COMPILED
+            m.assumed.append("torchtitan of 2025 compiles its cross-entropy with the model (components/loss.py "
+                             "build_cross_entropy_loss); its December 2024 train.py left that commented out")
     if n.get("float8"):  # torchtitan --model.converters float8: tensorwise, its default recipe
         out["float8"] = Float8.TENSORWISE
         out["float8_all_gather"] = "float8_fsdp_allgather" in (n.get("techniques") or ())
     return out
+
+
+def _torchtitan_compiles_its_loss(point: dict) -> bool:
+    """torchtitan's train.py of late 2024 kept `loss_fn = torch.compile(loss_fn)` commented out ("compiling loss
+    function causes CUDA errors"); from its 2025 components/loss.py on, training.compile compiles the loss too."""
+    return point.get("source_repo") == "pytorch/torchtitan" and str(point.get("source_date") or "") >= "2025"
 
 
 def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
@@ -504,6 +514,7 @@ def setup_summary(setup: TrainingSetup | None) -> str:
         parts.append(f"offload {setup.offload}")
     parts += [f"{name} {value}" for name, value in (("tp", setup.tp), ("cp", setup.cp)) if value > 1]
     parts += ["compile"] if setup.compile else []
+    parts += [f"loss {setup.loss}"] if setup.loss is not Loss.STANDARD else []
     parts += [f"float8 {setup.float8}" + (" + fp8 all-gather" if setup.float8_all_gather else "")
               ] if setup.float8.is_on else []
     return ", ".join(parts)

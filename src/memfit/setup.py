@@ -191,9 +191,11 @@ class Loss(_Choice):
     STANDARD = "standard"  # transformers ForCausalLMLoss: the whole B x T x V logits, upcast to fp32
     CHUNKED = "chunked"  # torchtune CEWithChunkedOutputLoss: head output per sequence chunk, each upcast on its own
     FUSED = "fused"  # Liger fused linear cross-entropy: head + loss + their gradients chunk by chunk in forward
+    COMPILED = "compiled"  # torch.compile'd cross-entropy (torchtitan build_cross_entropy_loss): one fused kernel
 
     def aliases(self) -> tuple[str, ...]:
-        return {"standard": ("hf", "default", "full", "none"),
+        return {"compiled": ("compiled-ce", "compile", "torch-compile"),
+                "standard": ("hf", "default", "full", "none"),
                 "chunked": ("chunk", "chunked-output", "ce-chunked", "torchtune"),
                 "fused": ("liger", "fused-linear", "flce", "fused-linear-cross-entropy", "cce",
                           "cut-cross-entropy")}[self.value]

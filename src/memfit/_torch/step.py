@@ -475,7 +475,26 @@ def setup_loss(setup: TrainingSetup) -> LossFn:
         return chunked_loss
     if setup.loss is Loss.FUSED:
         return fused_loss
+    if setup.loss is Loss.COMPILED:
+        return compiled_loss
     return default_loss
+
+
+def compiled_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """torchtitan's loss under training.compile (components/loss.py build_cross_entropy_loss: torch.compile of
+    cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))) on an HF causal LM: the model's logits, then
+    the compiled cross-entropy, labels shifted as transformers' ForCausalLMLoss does."""
+    hidden, head, labels = _decoder_output(model, batch, "compiled")
+    return _compiled_cross_entropy()(head(hidden), _shifted_labels(labels))
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_cross_entropy():
+    def cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1),
+                                                 ignore_index=IGNORE_INDEX)
+
+    return torch.compile(cross_entropy)
 
 
 IGNORE_INDEX = -100

@@ -262,7 +262,8 @@ DpShardOpt = Annotated[Optional[int], _option(
 LossOpt = Annotated[Optional[Loss], _choice_option(
     "--loss", Loss,
     help=f"{_choices(Loss)}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
-         "CEWithChunkedOutputLoss) or fused with the LM head (Liger; needs liger-kernel). Default: standard.")]
+         "CEWithChunkedOutputLoss), fused with the LM head (Liger; needs liger-kernel) or the cross-entropy under "
+         "torch.compile (torchtitan's build_cross_entropy_loss). Default: standard.")]
 InBackwardOpt = Annotated[Optional[bool], _option(
     "--optimizer-in-backward/--no-optimizer-in-backward", panel=SETUP_PANEL,
     help="Step each parameter in backward and free its gradient (torchtune optimizer_in_bwd): no gradient "

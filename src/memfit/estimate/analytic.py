@@ -21,8 +21,8 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, context_parallel, dora, float8, fsdp2, lora, lora_sharded, moe,
-               offload_activations, pipeline, tensor_parallel)
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, float8, fsdp2, lora, lora_sharded,
+               moe, offload_activations, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -268,6 +268,8 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                       + " + shifted labels",
                       CHUNKED_SOURCE if chunked else
                       "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not"))
+    if setup.loss is Loss.COMPILED:  # memfit.estimate.compiled_loss: the logits kept, no log-softmax
+        terms = terms[:-2] + compiled_loss.forward_terms(spec, setup, d.compute)
     terms += moe.terms(spec, setup, d)
     if setup.precision.is_autocast:
         head_weight = spec.vocab_size * spec.hidden_size
@@ -475,6 +477,8 @@ def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
     if not spec.is_decoder or step.dtypes.compute == 4:
         return []
     upcast = spec.vocab_size * (max(_chunk_tokens(setup)) if setup.loss is Loss.CHUNKED else step.tokens) * 4
+    if setup.loss is Loss.COMPILED:  # fused into the loss kernel: no fp32 copy (memfit.estimate.compiled_loss)
+        upcast = 0
     what = "one chunk of the logits" if setup.loss is Loss.CHUNKED else "B x T x V x 4 B: the logits"
     terms = list(forward) + [Term("temporaries/logits_fp32", Category.TEMPORARIES, upcast,
                                   f"{what} upcast for the loss, until log-softmax has run",
@@ -511,6 +515,8 @@ def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
         return []
     if step.setup.loss is Loss.CHUNKED:
         return _chunked_loss_backward(step, forward)
+    if step.setup.loss is Loss.COMPILED:  # the kept logits and their one gradient (memfit.estimate.compiled_loss)
+        return list(forward) + [compiled_loss.backward_term(step.spec, step.setup, step.dtypes.compute)]
     loss_bytes = _loss_elem_bytes(step.spec, step.setup)
     if step.setup.tp > 1:
         # torch.distributed.tensor.parallel.loss_parallel fuses nll and log-softmax backward as
