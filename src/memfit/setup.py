@@ -433,7 +433,7 @@ class TrainingSetup:
         if not isinstance(self.float8_all_gather, bool):
             return [f"float8_all_gather must be true or false, got {self.float8_all_gather!r}"]
         if not self.float8.is_on:
-            return ["float8 all-gather needs float8 training: give --float8 tensorwise"] if self.float8_all_gather else []
+            return ["float8 all-gather needs float8 training: give --float8 tensorwise"] * self.float8_all_gather
         problems = []
         if self.precision.compute_dtype != "bf16":
             problems.append(f"float8 training computes its matmul outputs in bf16: precision {self.precision} cannot "

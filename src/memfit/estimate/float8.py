@@ -14,9 +14,11 @@ torchtitan converts every nn.Linear but the LM head (`filter_fqns=["output"]`) w
   own bf16 copy (2 B each) - a CPU-only difference (`Dtypes.float8_hp_input`).
 - the casts (float8_scaling_utils.py `hp_tensor_to_float8_dynamic` -> float8_utils.py `tensor_to_amax`
   `max(abs(x))`, float8_training_tensor.py `_ToFloat8ConstrFunc.forward` `x.to(float32) * scale`, then
-  `to_fp8_saturated` `clamp` and `.to(fp8)`): an eager cast of n elements peaks at 9n bytes (two fp32 tensors and the
-  result) and leaves n bytes of float8. Backward casts grad_output twice (one per gemm, dim0 and dim1), the weight and the input
-  once each. torch.compile fuses each cast into one kernel: only the 1-byte results remain.
+  `to_fp8_saturated` `clamp` and `.to(fp8)`): an eager cast of n elements peaks at 9n bytes (two fp32 tensors and
+  the result) and leaves n bytes of float8. Backward casts grad_output twice (one per gemm, dim0 and dim1), the
+  weight and the input once each. torch.compile fuses each cast into one kernel: only the 1-byte results remain.
+- rowwise: the backward gemms run without fast accumulation and so rescale their output in place by an fp32
+  outer product of the scales (`ROWWISE_SCALE_BYTES`).
 - the gemms: CUDA `torch._scaled_mm` (cuBLASLt) allocates only its output; CPU's fallback makes fp32 copies of
   both operands and of the product, then casts the product (`cpu_gemm_bytes`).
 - FSDP2 with `enable_fsdp_float8_all_gather` (fsdp_utils.py `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`
@@ -26,8 +28,13 @@ torchtitan converts every nn.Linear but the LM head (`filter_fqns=["output"]`) w
 - `force_recompute_fp8_weight_in_bwd` is deprecated and does nothing in torchao 0.18 (config.py): memfit ignores it.
 
 The transient beyond a bf16 Linear's own backward peak (its grad_input 2Na and grad_weight 2ab) is the largest,
-over the converted Linears of a block, of the backward's steps below (`backward_extra_bytes`); it is added to every
-block-backward moment.
+over the converted Linears of a block, of the backward's steps (`backward_extra_bytes`); it is added to every
+block-backward moment. memfit's trace (fake tensors: `_scaled_mm`'s meta function allocates only the output, as
+cuBLASLt does) is the CUDA side's check (bench/float8.py): the additive term is 1.6-3.8% above it on the tiny
+models whose block backward sets the peak, as the float8 moment holds fewer of the bf16 block's temporaries.
+Not sized: the forward's casts (a forward-end moment is rarely the peak), compile's partitioner saving a float8
+cast instead of the high-precision tensor, torchtitan's float8 tensor parallelism (its float8 all-gather of the
+sequence-parallel input).
 """
 
 from __future__ import annotations
