@@ -42,8 +42,8 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
-from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Padding, Precision,  # noqa: E402
-                          Sharding, TrainingSetup)
+from memfit.setup import (Attention, Checkpointing, Engine, Float8, Loss, Offload, Optimizer, Padding,  # noqa: E402
+                          Precision, Sharding, TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB  # noqa: E402
 
@@ -214,7 +214,9 @@ def _map_model(m: Mapped, model: dict) -> None:
 def _map_batch(m: Mapped, batch: dict) -> dict:
     out = {}
     micro = batch.get("micro_batch")
-    seq = batch.get("seq_len_per_gpu") or batch.get("seq_len")
+    # memfit's seq_len is the whole sequence: context parallelism divides it by cp itself
+    # (memfit.estimate.context_parallel.rank_setup), so seq_len_per_gpu (seq / cp) would divide it twice
+    seq = batch.get("seq_len") or batch.get("seq_len_per_gpu")
     if micro is None:
         m.missing.append((OTHER, "micro-batch unknown"))
     else:
@@ -412,9 +414,20 @@ def _map_flags(m: Mapped, n: dict) -> dict:
         out.update(_map_lora(m, lora))
     if n.get("compile"):  # torchtune / torchtitan compile each block (memfit.estimate.compiled)
         out["compile"] = True
-    if n.get("float8"):
-        m.missing.append((FP8, ""))
+        if _torchtitan_compiles_its_loss(m.point) and n.get("loss") in (None, "full_logits_ce"):
+            out["loss"] = Loss.COMPILED
+            m.assumed.append("torchtitan of 2025 compiles its cross-entropy with the model (components/loss.py "
+                             "build_cross_entropy_loss); its December 2024 train.py left that commented out")
+    if n.get("float8"):  # torchtitan --model.converters float8: tensorwise, its default recipe
+        out["float8"] = Float8.TENSORWISE
+        out["float8_all_gather"] = "float8_fsdp_allgather" in (n.get("techniques") or ())
     return out
+
+
+def _torchtitan_compiles_its_loss(point: dict) -> bool:
+    """torchtitan's train.py of late 2024 kept `loss_fn = torch.compile(loss_fn)` commented out ("compiling loss
+    function causes CUDA errors"); from its 2025 components/loss.py on, training.compile compiles the loss too."""
+    return point.get("source_repo") == "pytorch/torchtitan" and str(point.get("source_date") or "") >= "2025"
 
 
 def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
@@ -561,6 +574,11 @@ def setup_summary(setup: TrainingSetup | None) -> str:
         parts.append(f"{setup.sharding} x{setup.num_gpus} {setup.engine}")
     if setup.offload is not Offload.NONE:
         parts.append(f"offload {setup.offload}")
+    parts += [f"{name} {value}" for name, value in (("tp", setup.tp), ("cp", setup.cp)) if value > 1]
+    parts += ["compile"] if setup.compile else []
+    parts += [f"loss {setup.loss}"] if setup.loss is not Loss.STANDARD else []
+    parts += [f"float8 {setup.float8}" + (" + fp8 all-gather" if setup.float8_all_gather else "")
+              ] if setup.float8.is_on else []
     return ", ".join(parts)
 
 

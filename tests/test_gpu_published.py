@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from memfit.setup import Attention, Checkpointing, Engine, Optimizer, Precision, Sharding
+from memfit.setup import Attention, Checkpointing, Engine, Float8, Optimizer, Precision, Sharding
 from bench_scripts import load_bench  # noqa: E402
 
 
@@ -36,8 +36,19 @@ def test_torchtitan_fsdp_point_maps_to_zero3_over_its_world_size(points):
         # torchtitan's selective op-level checkpointing: sized as such now, so the point is compared
         assert m.features == [] and m.expressible
         assert setup.checkpointing is Checkpointing.SELECTIVE_OP
-    compiled = gp.map_point(points["P087"])
-    assert set(compiled.features) == {gp.FP8} and compiled.setup.compile  # torch.compile is expressible now
+    compiled = gp.map_point(points["P087"])  # torch.compile and float8 are expressible now
+    assert compiled.expressible and compiled.setup.compile and compiled.setup.float8 is Float8.TENSORWISE
+    assert gp.map_point(points["P103"]).setup.float8_all_gather  # --float8.enable_fsdp_float8_all_gather
+
+
+def test_context_parallel_rows_keep_their_whole_sequence(points):
+    """memfit divides seq_len by cp itself: the CP rows map to the whole sequence, so every rank sees the same
+    32768 tokens and the estimate stays flat with CP, as the measured 84 GiB does."""
+    one = gp.predict(gp.map_point(points["P091"]))
+    for pid, cp in (("P092", 2), ("P093", 4), ("P094", 8)):
+        m = gp.map_point(points[pid])
+        assert (m.setup.cp, m.setup.seq_len // m.setup.cp) == (cp, 32768)
+        assert gp.predict(m).predicted_gib == pytest.approx(one.predicted_gib, rel=0.02)
 
 
 def test_lora_qlora_and_paged_rows_map_to_memfit(points):

@@ -4,7 +4,8 @@ applicable, the caller's job) -- never silent.
 
 What it changes on the model: gradient checkpointing (HF's switch, or torch.utils.checkpoint around the repeated
 blocks of a plain module: memfit._torch.blocks, the one finder and wrapper, which the engines and the tracer use
-too), the attention implementation (HF models), the parameter dtype (pure bf16 / back to fp32).
+too), the attention implementation (HF models), the parameter dtype (pure bf16 / back to fp32), torchao Float8Linear
+for float8 training.
 What it hands back for the training loop: `autocast()` for amp-*, `make_optimizer(model)`, the micro-batch size and
 accumulation steps. Sharding and offload need an engine and are only reported.
 
@@ -224,7 +225,22 @@ def _activation_offload(model, setup: TrainingSetup, is_hf: bool) -> Change | No
                                               "forward and come back in backward; the LM head's and the loss's stay")
 
 
-_HANDLERS = (_precision, _finetune, _attention, _checkpointing, _optimizer, _batching, _engine, _activation_offload)
+def _float8(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
+    """torchao float8 training: the convertible Linears swapped for Float8Linear (memfit._torch.float8), as
+    torchtitan converts them, before checkpointing wraps the blocks."""
+    if not setup.float8.is_on:
+        return None
+    from ._torch.float8 import apply_float8
+
+    swapped = apply_float8(model, setup)
+    if not swapped:
+        return Change("float8", False, "no plain nn.Linear left to convert (already Float8Linear, or none)")
+    return Change("float8", True, f"{swapped} Linears now torchao Float8Linear ({setup.float8}; the LM head and "
+                                  "Linears with a dimension not a multiple of 16 stay as they were)")
+
+
+_HANDLERS = (_precision, _finetune, _float8, _attention, _checkpointing, _optimizer, _batching, _engine,
+             _activation_offload)
 
 
 def _selective_checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:

@@ -281,9 +281,9 @@ def tensor_parallel_notes(setup: TrainingSetup, hardware: Hardware) -> list[str]
 
 
 def pipeline_notes(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> list[str]:
-    """How a pipeline- or context-parallel or HSDP setup is launched: torchtitan's TOML keys
+    """How a pipeline- or context-parallel, HSDP or float8 setup is launched: torchtitan's TOML keys
     (memfit.emit.torchtitan)."""
-    if setup.pp < 2 and setup.cp < 2 and not setup.dp_shard:
+    if setup.pp < 2 and setup.cp < 2 and not setup.dp_shard and not setup.float8.is_on:
         return []
     from .emit.torchtitan import torchtitan_toml
 

@@ -51,7 +51,9 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
             + (", optimizer in backward" if setup.optimizer_in_backward else "")
             + (", activation offload" if setup.activation_offload else "")
-            + (", torch.compile" if setup.compile else ""))
+            + (", torch.compile" if setup.compile else "")
+            + (f", float8 {setup.float8}" + (" + float8 all-gather" if setup.float8_all_gather else "")
+               if setup.float8.is_on else ""))
 
 
 def _heading(console: Console, title: str) -> None:

@@ -183,9 +183,11 @@ class Loss(_Choice):
     STANDARD = "standard"  # transformers ForCausalLMLoss: the whole B x T x V logits, upcast to fp32
     CHUNKED = "chunked"  # torchtune CEWithChunkedOutputLoss: head output per sequence chunk, each upcast on its own
     FUSED = "fused"  # Liger fused linear cross-entropy: head + loss + their gradients chunk by chunk in forward
+    COMPILED = "compiled"  # torch.compile'd cross-entropy (torchtitan build_cross_entropy_loss): one fused kernel
 
     def aliases(self) -> tuple[str, ...]:
-        return {"standard": ("hf", "default", "full", "none"),
+        return {"compiled": ("compiled-ce", "compile", "torch-compile"),
+                "standard": ("hf", "default", "full", "none"),
                 "chunked": ("chunk", "chunked-output", "ce-chunked", "torchtune"),
                 "fused": ("liger", "fused-linear", "flce", "fused-linear-cross-entropy", "cce",
                           "cut-cross-entropy")}[self.value]
@@ -284,6 +286,32 @@ class CpRotate(_Choice):
         return "context-parallel rotate method"
 
 
+class Float8(_Choice):
+    """torchao float8 training (torchao.float8.convert_to_float8_training, torchtitan `--model.converters float8`):
+    every Linear but the LM head computes its three matmuls in float8 with dynamic scales (memfit.estimate.float8)."""
+
+    OFF = "off"
+    TENSORWISE = "tensorwise"  # Float8LinearRecipeName.TENSORWISE: one fp32 scale per tensor (torchao's default)
+    ROWWISE = "rowwise"  # Float8LinearRecipeName.ROWWISE: one fp32 scale per row, power-of-2 scales
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"off": ("none", "no", "false"), "tensorwise": ("on", "yes", "true", "float8", "fp8", "dynamic"),
+                "rowwise": ("axiswise", "row")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "float8 recipe"
+
+    @property
+    def is_on(self) -> bool:
+        return self is not Float8.OFF
+
+
+
+_TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD), ("float8_all_gather", False),
+                ("float8", Float8.OFF))
+"""What TrainingSetup.replace turns back, in this order, when a change cannot combine with it."""
+
 @dataclass(frozen=True)
 class TrainingSetup:
     """One training step on one data-parallel rank. Validated at construction; every problem reported at once."""
@@ -374,6 +402,14 @@ class TrainingSetup:
     compile: bool = False
     """torch.compile each transformer block (torchtune `compile: True`, torchtitan `[compile] enable`, HF
     `torch_compile=True`): AOTAutograd's min-cut partitioner decides what a block saves (memfit.estimate.compiled)."""
+    # -- float8 training (memfit.estimate.float8) --
+    float8: Float8 = Float8.OFF
+    """torchao Float8Linear on every Linear but the LM head (torchtitan `--model.converters float8`, `[float8]
+    recipe_name`): off, tensorwise or rowwise. Needs a bf16 compute dtype (amp-bf16, bf16, bf16-master)."""
+    float8_all_gather: bool = False
+    """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
+    bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
+    on engine torch with zero2 / zero3 only."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -381,7 +417,7 @@ class TrainingSetup:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
                            ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule),
-                           ("cp_rotate", CpRotate), ("padding", Padding)):
+                           ("cp_rotate", CpRotate), ("padding", Padding), ("float8", Float8)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
@@ -409,9 +445,32 @@ class TrainingSetup:
             problems.append("a longest sample length needs padding longest (with max-length every sequence holds "
                             "seq_len tokens)")
         if not problems:
-            problems += self._combination_problems()
+            problems += self._combination_problems() + self._float8_problems()
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _float8_problems(self) -> list[str]:
+        """What torchao's float8 training runs and memfit sizes (torchao 0.18 float8/config.py, float8_linear.py)."""
+        if not isinstance(self.float8_all_gather, bool):
+            return [f"float8_all_gather must be true or false, got {self.float8_all_gather!r}"]
+        if not self.float8.is_on:
+            return ["float8 all-gather needs float8 training: give --float8 tensorwise"] * self.float8_all_gather
+        problems = []
+        if self.precision.compute_dtype != "bf16":
+            problems.append(f"float8 training computes its matmul outputs in bf16: precision {self.precision} cannot "
+                            "run it; use amp-bf16, bf16 or bf16-master")
+        if self.finetune.adapters:
+            problems.append(f"float8 training with {self.finetune.method} is not sized (a frozen or quantized base "
+                            "is no Float8Linear): use method full or --float8 off")
+        if self.pp > 1:
+            problems.append("float8 training with pipeline parallelism is not sized yet: use --float8 off")
+        if self.float8_all_gather and (self.engine is not Engine.TORCH or self.sharding.stage < 2):
+            problems.append("float8 all-gather is FSDP2's (torchao enable_fsdp_float8_all_gather): use --engine "
+                            "torch with zero2 or zero3, or drop --float8-all-gather")
+        if self.float8_all_gather and self.float8 is not Float8.TENSORWISE:
+            problems.append("float8 all-gather supports tensorwise scaling only (torchao Float8LinearConfig): use "
+                            "--float8 tensorwise")
+        return problems
 
     def _activation_offload_problems(self) -> list[str]:
         """What memfit sizes of activation offloading: full training, on one GPU or each data-parallel rank."""
@@ -661,19 +720,20 @@ class TrainingSetup:
         return problems
 
     def replace(self, **changes) -> "TrainingSetup":
-        """A copy with `changes`. Where they cannot combine with the optimizer step in backward or a non-standard
-        loss that they do not name (accumulation, ZeRO, LoRA...), those are turned back as well, so the change a
-        technique asks for still happens; setup_changes then names the turned-back fields too."""
+        """A copy with `changes`. Where they cannot combine with the optimizer step in backward, a non-standard
+        loss or float8 training that they do not name (accumulation, ZeRO, LoRA, fp16...), those are turned back as
+        well, so the change a technique asks for still happens; setup_changes then names the turned-back fields
+        too."""
         try:
             return dataclasses.replace(self, **changes)
         except ConfigError:
-            fallbacks = [name for name, off in (("optimizer_in_backward", False), ("loss", Loss.STANDARD))
+            fallbacks = [(name, off) for name, off in _TURNED_BACK
                          if name not in changes and getattr(self, name) != off]
             if not fallbacks:
                 raise
         undone: dict = {}
-        for name in fallbacks:
-            undone[name] = False if name == "optimizer_in_backward" else Loss.STANDARD
+        for name, off in fallbacks:
+            undone[name] = off
             try:
                 return dataclasses.replace(self, **changes, **undone)
             except ConfigError:
@@ -739,7 +799,8 @@ FIELD_LABELS: dict[str, str] = {
     "pp": "pp", "pp_schedule": "pp schedule",
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
     "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",
-    "compile": "torch.compile", "padding": "padding", "longest_sample_len": "longest sample"}
+    "compile": "torch.compile", "padding": "padding", "longest_sample_len": "longest sample", "float8": "float8",
+    "float8_all_gather": "float8 all-gather"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 
@@ -778,7 +839,7 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = {
     "activation_offload": ("activation_offload",), "compile": ("compile",),
     "padding": ("padding", "longest_sample_len"),
     "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",),
-    "cp": ("cp", "cp_rotate")}
+    "cp": ("cp", "cp_rotate"), "float8": ("float8", "float8_all_gather")}
 """What `--keep` accepts, and the TrainingSetup fields each name pins."""
 
 

@@ -83,7 +83,8 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
     Causal LM (masked LM for encoder-only types such as bert), attention implementation from `setup.attention`,
     `use_cache=False` (a cache keeps every layer's K/V alive), pure bf16 parameters for bf16 / bf16-master (the fp32
     master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, LoRA / QLoRA
-    adapters on a base stored as planned (memfit._torch.lora), each block torch.compile'd with `compile_backend` when
+    adapters on a base stored as planned (memfit._torch.lora), torchao Float8Linear for `setup.float8`
+    (memfit._torch.float8), each block torch.compile'd with `compile_backend` when
     `setup.compile` ("partitioned": AOTAutograd's min-cut partition run without codegen, memfit._torch.compiled),
     train mode.
     """
@@ -110,6 +111,10 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
                           f"'{setup.attention}': use --attention eager") from None
     if model_device(model) != torch.device(device):  # no-op `.to` skipped: on fake tensors it swaps every tensor
         model.to(device)
+    if setup.float8.is_on:  # before checkpointing and compile, as torchtitan converts the model first
+        from .float8 import apply_float8
+
+        apply_float8(model, setup)
     if setup.checkpointing is Checkpointing.FULL:
         enable_hf_checkpointing(model)
     elif setup.checkpointing.is_on:
@@ -451,7 +456,26 @@ def setup_loss(setup: TrainingSetup) -> LossFn:
         return chunked_loss
     if setup.loss is Loss.FUSED:
         return fused_loss
+    if setup.loss is Loss.COMPILED:
+        return compiled_loss
     return default_loss
+
+
+def compiled_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """torchtitan's loss under training.compile (components/loss.py build_cross_entropy_loss: torch.compile of
+    cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))) on an HF causal LM: the model's logits, then
+    the compiled cross-entropy, labels shifted as transformers' ForCausalLMLoss does."""
+    hidden, head, labels = _decoder_output(model, batch, "compiled")
+    return _compiled_cross_entropy()(head(hidden), _shifted_labels(labels))
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_cross_entropy():
+    def cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1),
+                                                 ignore_index=IGNORE_INDEX)
+
+    return torch.compile(cross_entropy)
 
 
 IGNORE_INDEX = -100

@@ -26,8 +26,8 @@ from ..errors import ConfigError, MemfitError
 from ..finetune import BaseWeights, Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Loss, Offload, Optimizer, Padding,
-                     PipelineSchedule, Precision, Sharding, TrainingSetup, _Choice, parse_keep)
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Float8, Loss, Offload, Optimizer,
+                     Padding, PipelineSchedule, Precision, Sharding, TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
@@ -270,7 +270,8 @@ DpShardOpt = Annotated[Optional[int], _option(
 LossOpt = Annotated[Optional[Loss], _choice_option(
     "--loss", Loss,
     help=f"{_choices(Loss)}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
-         "CEWithChunkedOutputLoss) or fused with the LM head (Liger; needs liger-kernel). Default: standard.")]
+         "CEWithChunkedOutputLoss), fused with the LM head (Liger; needs liger-kernel) or the cross-entropy under "
+         "torch.compile (torchtitan's build_cross_entropy_loss). Default: standard.")]
 InBackwardOpt = Annotated[Optional[bool], _option(
     "--optimizer-in-backward/--no-optimizer-in-backward", panel=SETUP_PANEL,
     help="Step each parameter in backward and free its gradient (torchtune optimizer_in_bwd): no gradient "
@@ -288,6 +289,14 @@ CompileOpt = Annotated[Optional[bool], _option(
     "--compile/--no-compile", panel=SETUP_PANEL,
     help="torch.compile each transformer block (torchtune compile: True, torchtitan [compile] enable): a block "
          "keeps what AOTAutograd's min-cut partitioner saves (traced on fake tensors). Default: off.")]
+Float8Opt = Annotated[Optional[Float8], _choice_option(
+    "--float8", Float8,
+    help=f"{_choices(Float8)}: torchao float8 training on every Linear but the LM head (torchtitan "
+         "--model.converters float8, [float8] recipe_name); needs a bf16 compute dtype. Default: off.")]
+Float8AllGatherOpt = Annotated[Optional[bool], _option(
+    "--float8-all-gather/--no-float8-all-gather", panel=SETUP_PANEL,
+    help="FSDP2 all-gathers the float8 Linears' weights in float8, 1 B per element (torchtitan [float8] "
+         "enable_fsdp_float8_all_gather): --engine torch, zero2/zero3, tensorwise. Default: off.")]
 
 MethodOpt = Annotated[Optional[Method], _option(
     "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
@@ -373,6 +382,8 @@ class SetupOptions:
     keep_zeroed_grads: bool | None = None
     activation_offload: bool | None = None
     compile: bool | None = None
+    float8: Float8 | None = None
+    float8_all_gather: bool | None = None
     method: Method | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -448,7 +459,8 @@ class SetupOptions:
                     pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
                     cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
                     image_size=self.image_size, compile=self.compile, padding=self.padding,
-                    longest_sample_len=self.longest_sample)
+                    longest_sample_len=self.longest_sample, float8=self.float8,
+                    float8_all_gather=self.float8_all_gather)
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -496,10 +508,11 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate",
                     "target_len": "target_len", "image_size": "image_size", "compile": "compile",
                     "padding": "padding", "longest_sample": "longest_sample_len",
-                    "keep_zeroed_grads": "keep_zeroed_grads"}
+                    "keep_zeroed_grads": "keep_zeroed_grads", "float8": "float8",
+                    "float8_all_gather": "float8_all_gather"}
 _OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method",
                     "target_len": "--target-len", "image_size": "--image-size",
-                    "longest_sample_len": "--longest-sample"}
+                    "longest_sample_len": "--longest-sample", "float8_all_gather": "--float8-all-gather"}
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
     "config": ConfigOpt,
@@ -511,7 +524,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "cp_rotate": CpRotateOpt, "loss": LossOpt,
     "optimizer_in_backward": InBackwardOpt, "keep_zeroed_grads": KeepZeroedGradsOpt,
     "activation_offload": ActivationOffloadOpt,
-    "compile": CompileOpt,
+    "compile": CompileOpt, "float8": Float8Opt, "float8_all_gather": Float8AllGatherOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
     "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,

@@ -4,11 +4,15 @@
 Pipeline: torchtitan cuts the layers with generate_llm_fqn_per_model_part, counting the embedding and the output
 layer as pipeline_parallel_first_stage_less_layers / last_stage_less_layers (default 1 each) extra layers; memfit
 sizes an even split of the decoder layers, so both are emitted as 0 and the layers per stage are given. The
-micro-batches per step are local_batch_size / pipeline_parallel_microbatch_size."""
+micro-batches per step are local_batch_size / pipeline_parallel_microbatch_size.
+
+float8 (memfit.estimate.float8): `[model] converters = ["quantize.linear.float8"]` and its `[quantize.linear.float8]`
+table (torchtitan components/quantization/float8.py; releases before the quantize tables spelled them
+`converters = ["float8"]` and `[float8]`), the LM head left out by filter_fqns = ["output"]."""
 
 from __future__ import annotations
 
-from ..setup import PipelineSchedule, Sharding, TrainingSetup
+from ..setup import Float8, PipelineSchedule, Sharding, TrainingSetup
 
 SCHEDULE_NAMES = {PipelineSchedule.GPIPE: "GPipe", PipelineSchedule.ONE_F_ONE_B: "1F1B",
                   PipelineSchedule.INTERLEAVED_1F1B: "Interleaved1F1B"}
@@ -36,7 +40,22 @@ def torchtitan_parallelism(setup: TrainingSetup, num_layers: int | None = None) 
         num_stages = setup.pp * setup.pp_virtual_stages
         if num_layers is not None and num_layers % num_stages == 0:
             parallelism["pipeline_parallel_layers_per_stage"] = num_layers // num_stages
-    return {"parallelism": parallelism, "training": training}
+    return {"parallelism": parallelism, "training": training, **_float8_tables(setup)}
+
+
+FLOAT8_CONVERTER = "quantize.linear.float8"
+
+
+def _float8_tables(setup: TrainingSetup) -> dict[str, dict]:
+    """torchtitan's Float8LinearConverter options for the setup's float8 (none without it)."""
+    if not setup.float8.is_on:
+        return {}
+    options: dict = {"filter_fqns": ["output"]}
+    if setup.float8 is Float8.ROWWISE:
+        options["recipe_name"] = "rowwise"
+    if setup.float8_all_gather:  # the scales of all float8 weights in one all-reduce after the optimizer step
+        options.update(enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
+    return {"model": {"converters": [FLOAT8_CONVERTER]}, FLOAT8_CONVERTER: options}
 
 
 def torchtitan_toml(setup: TrainingSetup, num_layers: int | None = None) -> str:
@@ -50,6 +69,8 @@ def torchtitan_toml(setup: TrainingSetup, num_layers: int | None = None) -> str:
 
 
 def _toml(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     return f'"{value}"' if isinstance(value, str) else str(value)

@@ -22,6 +22,8 @@ def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtype
     stream (the embedding and norms are bf16 too), or with a quantized base an fp32 one (peft's
     prepare_model_for_kbit_training upcasts the embedding and norms; the 4-bit Linears return their input's dtype)."""
     d = Dtypes.of(setup.precision, on_cpu)
+    if setup.float8.is_on and on_cpu and d.autocast:  # memfit.estimate.float8: CPU autocast leaves the input as is
+        return replace(d, float8_hp_input=True)
     if not spec.frozen:
         return d
     base = setup.finetune.base_storage(setup.precision.compute_dtype)

@@ -21,8 +21,8 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, fsdp2, lora, lora_sharded, moe,
-               offload_activations, padding, pipeline, tensor_parallel)
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, float8, fsdp2, lora, lora_sharded,
+               moe, offload_activations, padding, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -69,6 +69,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         ring = context_parallel.ring_term(spec, asked, act.dtypes(spec, sized, hardware.is_cpu).compute)
         moments = {name: (ph, t + [ring] if any(x.name == "temporaries/layer_backward" for x in t) else t)
                    for name, (ph, t) in moments.items()}
+    moments = float8.with_backward_term(moments, spec, sized, hardware.is_cpu)  # memfit.estimate.float8
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
@@ -83,7 +84,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
         + offload_activations.host_term_notes(offloaded)
         + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + context_parallel.notes(asked)
-        + compiled.notes(spec, sized) + padding.notes(asked),
+        + compiled.notes(spec, sized) + padding.notes(asked) + float8.notes(spec, sized),
         model_name=spec.name,
         device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
 
@@ -244,7 +245,7 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
     if fused:
         terms += _fused_loss_terms(spec, setup, d)
         if setup.precision.is_autocast:
-            copies = 2 * (_linear_weight_elems(spec) if not ckpt else spec.vocab_size * spec.hidden_size)
+            copies = 2 * (_linear_weight_elems(spec, setup) if not ckpt else spec.vocab_size * spec.hidden_size)
             copies -= 2 * spec.vocab_size * spec.hidden_size  # the head's cast is only cached, never saved
             terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, copies,
                               "2 B x Linear weights but the LM head's: bf16 casts cached by autocast, saved for "
@@ -268,13 +269,15 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
                 + " + shifted labels",
                 CHUNKED_SOURCE if chunked else
                 "transformers loss_utils.ForCausalLMLoss (upcasts to fp32); BertForMaskedLM does not")
-    if compiled_loss.applies(setup):  # torchtune compiles the chunked loss: its chunks keep no fp32 log-softmax
+    if compiled_loss.chunks(setup):  # torchtune compiles the chunked loss: its chunks keep no fp32 log-softmax
         loss = compiled_loss.saved_term(tokens)
     terms.append(loss)
+    if compiled_loss.whole(setup):  # memfit.estimate.compiled_loss: the logits kept, no log-softmax
+        terms = terms[:-2] + compiled_loss.forward_terms(spec, setup, d.compute)
     terms += moe.terms(spec, setup, d)
     if setup.precision.is_autocast:
         head_weight = spec.vocab_size * spec.hidden_size
-        copies = 2 * (head_weight + (_linear_weight_elems(spec) - head_weight) * (layers - wrapped) // layers)
+        copies = 2 * (head_weight + (_linear_weight_elems(spec, setup) - head_weight) * (layers - wrapped) // layers)
         if setup.compile and not compiled.unsized(spec, setup):  # a compiled block casts its weights in its graph
             copies = 2 * head_weight  # (the casts it saves are in its own bytes): only the eager head's is cached
         if spec.frozen:
@@ -326,7 +329,8 @@ def _head_grads(spec: ModelSpec, static: ShardedStatic) -> int:
     return static.grads_bytes * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
 
 
-def _linear_weight_elems(spec: ModelSpec) -> int:
+def _linear_weight_elems(spec: ModelSpec, setup: TrainingSetup | None = None) -> int:
+    """Linear weights whose autocast casts are cached: float8 Linears' never are (memfit.estimate.float8)."""
     skip = ("embed", "wte", "wpe", "norm", "ln_", "ln_f", "bias", "LayerNorm", "position", "token_type")
     total = sum(p.total for p in spec.params if not any(s in p.name for s in skip))
     total -= moe.expert_weight_elems(spec)  # grouped_mm is no autocast op: no cached casts of stacked experts
@@ -334,7 +338,7 @@ def _linear_weight_elems(spec: ModelSpec) -> int:
         # the tied LM head casts the embedding matrix; a frozen one is no autocast-cached leaf (cached_cast needs
         # requires_grad), so under LoRA only the adapters' casts are cached
         total += spec.vocab_size * spec.hidden_size
-    return total
+    return total - float8.converted_weight_elems(spec, setup)
 
 
 @dataclass(frozen=True)
@@ -487,7 +491,7 @@ def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
                                   CHUNKED_SOURCE if setup.loss is Loss.CHUNKED else
                                   "transformers loss_utils.ForCausalLMLoss (logits.float())")]
     if setup.precision.is_autocast and setup.checkpointing.checkpointed_blocks(spec.num_layers):
-        cached = 2 * _linear_weight_elems(spec)
+        cached = 2 * _linear_weight_elems(spec, setup)
         terms = [replace(t, num_bytes=cached, formula="2 B x Linear weights: autocast's cast cache, until it exits")
                  if t.name == "activations/autocast_weight_copies" else t for t in terms]
     return terms
@@ -503,7 +507,7 @@ def _fused_loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
         + (" + its fp32 copy for the head-weight gradient (the reference; Liger's CUDA addmm(out_dtype=fp32) "
            "makes none)" if extra else ""), FUSED_SOURCE)]
     if setup.precision.is_autocast:  # autocast's cache holds every Linear weight's cast, the head's too
-        cached = 2 * _linear_weight_elems(spec)
+        cached = 2 * _linear_weight_elems(spec, setup)
         terms = [replace(t, num_bytes=cached, formula="2 B x Linear weights: autocast's cast cache, until it exits")
                  if t.name == "activations/autocast_weight_copies" else t for t in terms]
     return terms
@@ -517,6 +521,8 @@ def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
         return []
     if step.setup.loss is Loss.CHUNKED:
         return _chunked_loss_backward(step, forward)
+    if compiled_loss.whole(step.setup):  # the kept logits and their one gradient (memfit.estimate.compiled_loss)
+        return list(forward) + [compiled_loss.backward_term(step.spec, step.setup, step.dtypes.compute)]
     loss_bytes = _loss_elem_bytes(step.spec, step.setup)
     if step.setup.tp > 1:
         # torch.distributed.tensor.parallel.loss_parallel fuses nll and log-softmax backward as
@@ -548,7 +554,7 @@ def _chunked_loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
         head_grad = 0  # LoRA: the frozen head has no weight gradient to accumulate (measured, tests/test_lora.py)
     base = [t for t in forward if t.name not in ("activations/logits", "activations/loss")]
     saved_total = next(t for t in forward if t.name == "activations/loss")
-    if compiled_loss.applies(setup):
+    if compiled_loss.chunks(setup):
         logits = next(t for t in forward if t.name == "activations/logits")
         return compiled_loss.backward_terms(base, logits, saved_total, _chunk_tokens(setup), vocab, h, d.compute,
                                             d.residual, 0 if spec.frozen else head_grad)  # a frozen head: none
@@ -700,7 +706,8 @@ def _end_of_backward(step: _Step) -> list[Term]:
     if detailed and step.setup.checkpointing is Checkpointing.FULL and step.setup.precision.is_autocast:
         # the recompute casts block 0's Linear weights to bf16 again and keeps them for its backward: that rebuilt
         # block, before its first gradient, is the moment (measured on the tiny llama, amp-bf16)
-        casts = 2 * max(_linear_weight_elems(spec) - spec.vocab_size * spec.hidden_size, 0) // max(spec.num_layers, 1)
+        block_weights = _linear_weight_elems(spec, step.setup) - spec.vocab_size * spec.hidden_size
+        casts = 2 * max(block_weights, 0) // max(spec.num_layers, 1)
         rebuilt = replace(rebuilt, num_bytes=rebuilt.num_bytes + casts,
                           formula=rebuilt.formula + "; its Linear weights' bf16 casts, made again in the recompute")
     elif not step.attention_backward_dominates() and _down_projection_grads(step):

@@ -313,6 +313,10 @@ def comm_volume(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware | None
     runtime = runtime_of(setup.engine, setup.sharding, data_ranks)
     params, trained = _gathered_and_trained(spec, setup)
     collectives = [] if data_ranks < 2 else list(_COLLECTIVES[runtime](params, setup, trained))
+    if runtime.is_fsdp2:  # float8 all-gather: the Float8Linear weights travel in 1 B (memfit.estimate.float8)
+        from .float8 import all_gather_collectives
+
+        collectives = all_gather_collectives(spec, setup, collectives)
     collectives += tensor_parallel_collectives(spec, setup) + context_parallel_collectives(spec, setup)
     collectives += list(_expert_parallel(spec, setup)) + sends
     notes = _notes(runtime, setup) + _expert_parallel_notes(spec, setup)

@@ -1,39 +1,58 @@
-"""torch.compile of torchtune's chunked loss: what the compiled chunk cross-entropy keeps and makes.
+"""The cross-entropy under torch.compile, in its two shapes: torchtune's chunked loss (`compile: True` with
+CEWithChunkedOutputLoss: `training.compile_loss` compiles each chunk's cross-entropy, `chunks(setup)`) and
+torchtitan's whole loss (`--loss compiled`: components/loss.py `build_cross_entropy_loss`, torch.compile of
+`cross_entropy(pred.flatten(0, 1).float(), labels)`, what torchtitan's 2025 releases run under `training.compile`;
+the Dec 2024 train.py left it commented out, "compiling loss function causes CUDA errors", and ran it eager).
 
-torchtune compiles its loss together with the model: its recipes call `training.compile_loss(loss_fn)` when
-`compile=True`, which torch.compile's CEWithChunkedOutputLoss.compute_cross_entropy (one chunk's
-`F.cross_entropy(chunk.float(), labels, reduction="sum")`) with inductor. Inductor decomposes log-softmax
-(torch/_inductor/decomposition.py, select_decomp_table) into amax / sub / exp / sum / log before AOTAutograd's
-min-cut partition, so the partition keeps (memfit._torch.compiled.cross_entropy_saved, on fake tensors):
+One mechanism for both: inductor decomposes log-softmax (torch/_inductor/decomposition.py, select_decomp_table) into
+amax / sub / exp / sum / log before AOTAutograd's min-cut partition, so the compiled graph keeps (memfit._torch.
+compiled.cross_entropy_saved, on fake tensors):
 
-- the chunk's logits themselves (its input, the compute dtype; eager frees them once the loss is computed),
-  its labels and two fp32 statistics per row (amax, log-sum-exp): no fp32 log-softmax (eager: 4 B x V a token);
-- in forward nothing chunk-sized is made: the upcast is read inside the fused reduction kernels;
+- the logits themselves (its input, in the compute dtype; eager frees them once the loss is computed), the labels
+  and two fp32 statistics per row (amax, log-sum-exp): no fp32 copy, no fp32 log-softmax (eager: 4 B x V a token);
+- in forward nothing V-sized is made: the upcast is read inside the fused reduction kernels;
 - in backward one fused kernel writes the logits' gradient in the compute dtype (the softmax recomputed from the
-  kept chunk and statistics; nll_loss_backward's scatter into zeros becomes a `where` by inductor's post-grad
-  pass scatter_upon_const_tensor), then the chunk's kept logits are released, then the LM head's matmul backward
-  runs as in eager.
+  kept logits and statistics; nll_loss_backward's scatter into zeros becomes a `where` by inductor's post-grad
+  pass scatter_upon_const_tensor), then the kept logits are released and the LM head's matmul backward runs as in
+  eager.
 
-Measured on CPU with inductor (gcc): bench/compile.py's compiled-loss rows, tests/test_compile.py.
+Measured on CPU with inductor (gcc): bench/compile.py's compiled-loss rows, tests/test_compile.py (chunked) and
+tests/test_compiled_loss.py (whole: forward 8 B per token, backward 2 B per logit, where the eager loss holds 8 B per
+logit in each). A whole CPU step of the tiny Llama then peaks in the LM head's backward, where oneDNN's bf16 matmul
+adds a scratch buffer (821 KB there) that CUDA's fixed cuBLAS workspace does not: that step measures 6.7% above the
+estimate, which sizes the CUDA side.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..model_spec import ModelSpec
 from ..setup import Loss, TrainingSetup
 from .result import Category, Term
 
 SOURCE = ("torchtune training.compile_loss (torch.compile of CEWithChunkedOutputLoss.compute_cross_entropy); "
           "inductor's log-softmax decomposition + min-cut partition (memfit._torch.compiled.cross_entropy_saved)")
+WHOLE_SOURCE = ("torchtitan components/loss.py build_cross_entropy_loss (torch.compile of the fp32 cross-entropy); "
+                "inductor's fused log-softmax / nll, measured on CPU")
 STATS_BYTES_PER_TOKEN = 2 * 4
 """amax and log-sum-exp, one fp32 value each per row (the partition's saved outputs besides the chunk and labels)."""
 
 
-def applies(setup: TrainingSetup) -> bool:
+def chunks(setup: TrainingSetup) -> bool:
     """torchtune compiles the loss with the model: chunked loss + compile (memfit's compile is per block, the
     recipe's; the standard HF loss stays eager)."""
     return setup.compile and setup.loss is Loss.CHUNKED
+
+
+def whole(setup: TrainingSetup) -> bool:
+    """torchtitan's compiled cross-entropy over all the logits at once (`--loss compiled`)."""
+    return setup.loss is Loss.COMPILED
+
+
+def applies(setup: TrainingSetup) -> bool:
+    """Either shape: the fp32 upcast is never written."""
+    return chunks(setup) or whole(setup)
 
 
 def saved_term(tokens: int) -> Term:
@@ -79,3 +98,18 @@ def backward_terms(base: list[Term], logits: Term, saved: Term, chunk_tokens: li
         Term("temporaries/hidden_gradients", Category.TEMPORARIES, finished,
              "the finished chunks' B x chunk x h input gradients, until tensor_split's backward",
              "autograd InputBuffer of SplitBackward")]
+
+
+def forward_terms(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> list[Term]:
+    tokens = setup.tokens_per_micro_step
+    return [Term("activations/logits", Category.ACTIVATIONS, spec.vocab_size * tokens * compute_bytes,
+                 f"B x T x V x {compute_bytes} B: the logits, saved by the compiled loss for its backward",
+                 WHOLE_SOURCE),
+            Term("activations/loss", Category.ACTIVATIONS, (STATS_BYTES_PER_TOKEN + 8) * tokens,
+                 "B x T x (2 fp32 row statistics + the shifted int64 label)", WHOLE_SOURCE)]
+
+
+def backward_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> Term:
+    return Term("temporaries/loss_backward", Category.TEMPORARIES,
+                spec.vocab_size * setup.tokens_per_micro_step * compute_bytes,
+                f"B x T x V x {compute_bytes} B: the logits' gradient, written by one fused kernel", WHOLE_SOURCE)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, TrainingSetup
-from . import muon
+from . import float8, muon
 from .fsdp2 import Fsdp2Units
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
@@ -299,10 +299,13 @@ def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: S
         working = compute_bytes * _root_plus_block(spec)
     per_layer = sum(p.numel for p in spec.params if ".*." in p.name)
     reduce_bytes = 4 if setup.precision.master_weights else compute_bytes
+    fp8_saving = float8.gathered_saving_per_block(spec, setup, compute_bytes)  # float8 all-gather: 1 B weights
+    working -= fp8_saving * (spec.num_layers if stage == 2 else 1)
     units = Fsdp2Units(block_params=per_layer, root_params=spec.num_params - per_layer * spec.num_layers,
                        head_params=spec.vocab_size * spec.hidden_size, num_blocks=spec.num_layers,
                        compute_bytes=compute_bytes, reduce_bytes=reduce_bytes,
-                       reshard_after_forward=stage == 3, tied=spec.tie_word_embeddings)
+                       reshard_after_forward=stage == 3, tied=spec.tie_word_embeddings,
+                       gathered_block_bytes=per_layer * compute_bytes - fp8_saving if fp8_saving else None)
     s = replace(s, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, param_working_set_bytes=working, fsdp=units)
     if spec.frozen:  # a frozen base: sharded and gathered with its block, never reduced
         from .lora_sharded import fsdp2_layout

@@ -55,6 +55,10 @@ class Dtypes:
     """The MLP's matmul outputs come back in the residual dtype: a bitsandbytes-quantized frozen Linear returns
     its input's dtype (Linear4bit.forward `.to(inp_dtype)`), fp32 once prepare_model_for_kbit_training made the
     norms fp32, even under autocast."""
+    float8_hp_input: bool = False
+    """torchao Float8Linears under CPU autocast: `Float8Linear.forward` asks `torch.is_autocast_enabled()` (CUDA's
+    flag), so it does not cast its input and saves the shared fp32 tensor, not a bf16 copy per Linear
+    (memfit.estimate.float8; on CUDA the input is cast as F.linear's is)."""
 
     @classmethod
     def of(cls, precision: Precision, on_cpu: bool = False) -> "Dtypes":
@@ -81,8 +85,9 @@ class Dtypes:
         if item.dtype == "i64":  # index tensors (top-k indices, MoE token permutations)
             return 8 * item.elems
         # 'lin': one shared copy in the residual dtype, or one bf16 copy per reading Linear under autocast
-        copies = item.readers if self.autocast else 1
-        size = self.compute if self.autocast else self.residual
+        cast = self.autocast and not self.float8_hp_input
+        copies = item.readers if cast else 1
+        size = self.compute if cast else self.residual
         return copies * size * item.elems
 
 

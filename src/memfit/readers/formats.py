@@ -16,6 +16,7 @@ from .files import detect_format, display_path, flatten, load_mapping, resolve_r
 from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fsdp_plan, read_mixed_precision,
                  read_compile, read_precision, read_sharding, read_training_args, read_zero)
 from . import lora
+from .float8 import axolotl_float8, torchtune_float8
 
 ADAPTER = f"{NOT_SIZED} (LoRA / QLoRA adapter setting)"
 QUANTIZED = f"{NOT_SIZED} (quantized base weights)"
@@ -366,6 +367,7 @@ def map_axolotl(read: Reader, data: dict, ctx: Context) -> None:
     _axolotl_loss(read, data)
     if data.get("torch_compile") is not None:  # handed to the HF Trainer's torch_compile
         read_compile(read, {"torch_compile": _truthy(data["torch_compile"])})
+    axolotl_float8(read, data)
     lora.axolotl_finetune(read, data)
     finish(read, data, AXOLOTL_TABLE)
     _finish_deepspeed(read, ds, file, prefix)
@@ -613,6 +615,7 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
         read.set("loss", Loss.CHUNKED, "loss._component_", loss["_component_"],
                  "the head's output per sequence chunk (CEWithChunkedOutputLoss)")
     _torchtune_sharding(read, data, ctx.world)
+    torchtune_float8(read, data, ctx.world)
     finish(read, data, TORCHTUNE_TABLE)
 
 
