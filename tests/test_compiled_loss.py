@@ -30,8 +30,8 @@ def test_the_compiled_cross_entropy_keeps_8_bytes_per_token_and_writes_one_bf16_
     forward = _peak_growth(lambda: kept.setdefault("loss", loss_fn(pred, labels)))
     backward = _peak_growth(lambda: kept["loss"].backward())
     tokens = batch * seq
-    assert forward <= compiled_loss.STATS_BYTES * tokens + 64  # two fp32 per token (+ the scalar loss)
-    assert backward - 2 * tokens * vocab <= compiled_loss.STATS_BYTES * tokens + 64  # the bf16 gradient only
+    assert forward <= compiled_loss.STATS_BYTES_PER_TOKEN * tokens + 64  # two fp32 per token (+ the scalar loss)
+    assert backward - 2 * tokens * vocab <= compiled_loss.STATS_BYTES_PER_TOKEN * tokens + 64  # the bf16 gradient only
 
 
 def test_the_compiled_loss_drops_the_fp32_logits_and_keeps_the_bf16_ones():
@@ -43,6 +43,6 @@ def test_the_compiled_loss_drops_the_fp32_logits_and_keeps_the_bf16_ones():
     assert eager.peak_phase.value == fused.peak_phase.value == "backward"
     assert fused.term("temporaries/loss_backward").num_bytes == 2 * logits  # its one bf16 gradient
     assert fused.term("activations/logits").num_bytes == 2 * logits  # kept for the compiled backward
-    assert fused.term("activations/loss").num_bytes == (compiled_loss.STATS_BYTES + 8) * tokens
+    assert fused.term("activations/loss").num_bytes == (compiled_loss.STATS_BYTES_PER_TOKEN + 8) * tokens
     # eager: 4 B log-softmax + 8 B of gradients per logit at that moment, its bf16 logits already freed
-    assert eager.tensor_bytes - fused.tensor_bytes == (4 + 8 - 2 - 2) * logits - compiled_loss.STATS_BYTES * tokens
+    assert eager.tensor_bytes - fused.tensor_bytes == (4 + 8 - 2 - 2) * logits - compiled_loss.STATS_BYTES_PER_TOKEN * tokens
