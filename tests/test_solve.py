@@ -186,7 +186,8 @@ def test_fewest_gpus_with_the_ladder():
     n = result.value
     keep = frozenset({"num_gpus"})
     assert plan(LLAMA70, setup.replace(num_gpus=n), layout(hw, n), keep=keep).fits
-    assert not plan(LLAMA70, setup.replace(num_gpus=n // 2), layout(hw, n // 2), keep=keep).fits
+    if n > 1:  # one GPU: QLoRA with offloaded activations fits a 70B model on a 40 GB card
+        assert not plan(LLAMA70, setup.replace(num_gpus=n // 2), layout(hw, n // 2), keep=keep).fits
     assert result.best.changes == tuple(
         st.title for st in plan(LLAMA70, setup.replace(num_gpus=n), layout(hw, n), keep=keep).steps)
 

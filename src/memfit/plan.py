@@ -122,10 +122,14 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
         if proposal is None:
             break
         key, prop = proposal
+        after = estimator(spec, prop.setup, hardware)
+        after_diag = diagnose(after, hardware, margin=margin)
+        if after_diag.required_bytes >= diag.required_bytes:  # a rung that saves nothing here is no step
+            skipped[key] = (f"saves nothing here: {format_bytes(diag.required_bytes)} -> "
+                            f"{format_bytes(after_diag.required_bytes)}")
+            continue
         why = explain(current, prop.setup, prop.why, explicit)
-        current = prop.setup
-        est = estimator(spec, current, hardware)
-        diag = diagnose(est, hardware, margin=margin)
+        current, est, diag = prop.setup, after, after_diag
         steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, why))
     suggestions: tuple[str, ...] = ()
     if not diag.fits:
