@@ -75,12 +75,14 @@ def test_an_explicit_field_is_changed_only_with_its_reason():
     result = plan(spec, setup, hw, explicit=frozenset({"micro_batch_size", "seq_len"}))
     (step,) = [s for s in result.steps if s.technique == "micro_batch"]
     assert step.why.startswith("you asked for micro-batch 4; this rung changes it to 1 because ")
-    seed = [s for s in result.steps if not REGISTRY[s.technique].beyond_seed]
-    assert seed[-1] is step  # kept back until no seed rung that leaves it alone was left
-    for s in seed[:-1]:
+    index = result.steps.index(step)
+    for s in result.steps[:index]:  # kept back until no seed rung that leaves it alone was left
         assert "you asked for" not in s.why and s.setup.micro_batch_size == 4
-    # what comes after the seed's rungs changes the method (LoRA / QLoRA), and only then
-    assert all(REGISTRY[s.technique].beyond_seed for s in result.steps[result.steps.index(step) + 1:])
+        assert not REGISTRY[s.technique].beyond_seed
+    # after it: the method (LoRA / QLoRA), or a rung that saved nothing before and saves now (asked again after
+    # every step), none of them changing the fields asked for
+    for s in result.steps[index + 1:]:
+        assert "you asked for" not in s.why and s.setup.micro_batch_size == 1
 
 
 def test_keep_pins_fields_and_the_skip_names_the_pin():

@@ -117,17 +117,22 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
     steps: list[PlanStep] = []
     skipped: dict[str, str] = {}
     tried: set[str] = set()
+    no_gain: set[str] = set()  # rungs that saved nothing at this point: asked again once another step is taken
     while not diag.fits:
-        proposal = _next_proposal(context(current, est, diag), tried, skipped)
+        proposal = _next_proposal(context(current, est, diag), tried | no_gain, skipped)
         if proposal is None:
             break
         key, prop = proposal
+        tried.discard(key)
         after = estimator(spec, prop.setup, hardware)
         after_diag = diagnose(after, hardware, margin=margin)
         if after_diag.required_bytes >= diag.required_bytes:  # a rung that saves nothing here is no step
             skipped[key] = (f"saves nothing here: {format_bytes(diag.required_bytes)} -> "
                             f"{format_bytes(after_diag.required_bytes)}")
+            no_gain.add(key)
             continue
+        tried.add(key)
+        no_gain.clear()
         why = explain(current, prop.setup, prop.why, explicit)
         current, est, diag = prop.setup, after, after_diag
         steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, why))
