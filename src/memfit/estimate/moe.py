@@ -104,6 +104,18 @@ def applies(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
     return not spec.frozen and _blocks(spec) is not None
 
 
+def has_experts(spec: ModelSpec) -> bool:
+    """Whether the model routes tokens to experts, whichever path sizes it: an Experts node anywhere in its graph,
+    or, for a derived model without a graph (Qwen3-MoE, gpt-oss), experts found in its built copy
+    (memfit.derive.spec records them with the parameters)."""
+    graph = getattr(spec, "graph", None)
+    if graph is not None:
+        from ..graph.kinds.mlp import Experts
+
+        return bool(graph.nodes(Experts))
+    return bool(spec.extra.get("routed_experts"))
+
+
 def experts_nodes(spec: ModelSpec) -> list:
     return [b.experts for b in _blocks(spec) or () if b.experts is not None]
 
