@@ -43,7 +43,7 @@ def _kinds(config: dict) -> tuple[str, ...]:
 def ship(name: str, force: bool) -> list[str]:
     from memfit.derive.cache import config_hash, library_versions, shipped_name
     from memfit.derive.fit import derive_kind, quiet_transformers
-    from memfit.derive.spec import PARAMS_KIND, _param_rows, arch_numbers
+    from memfit.derive.spec import PARAMS_FORMAT, PARAMS_KIND, _param_rows, arch_numbers
     from memfit.sources import catalog_config, resolve_model
 
     config = catalog_config(name)
@@ -58,10 +58,10 @@ def ship(name: str, force: bool) -> list[str]:
     if getattr(spec.derived, "stacked", False):  # encoder-decoder / vision: memfit.derive.stacks
         return _ship_stacked(config, base, force)
     params_path = OUT / shipped_name(config, PARAMS_KIND)
-    if config["model_type"] not in FAMILIES and (force or not params_path.exists()):
+    if config["model_type"] not in FAMILIES and (force or _format(params_path) != PARAMS_FORMAT):
         with quiet_transformers():
             rows, facts = _param_rows(config, spec.num_layers, name)
-        _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,
+        _write(params_path, {**base, "kind": PARAMS_KIND, "format": PARAMS_FORMAT,
                              "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts,
                              "arch": arch_numbers(config, name)})
         written.append(params_path.name)
@@ -99,8 +99,7 @@ def _ship_fits(config: dict, base: dict, kinds, derive, force: bool, format_vers
     written = []
     for kind in kinds:
         path = OUT / shipped_name(config, kind)
-        if path.exists() and json.loads(path.read_text(encoding="utf-8")).get("format", 1) == format_version \
-                and not force:
+        if _format(path) == format_version and not force:
             continue
         started = time.perf_counter()
         fit = derive(config, kind)
@@ -108,6 +107,11 @@ def _ship_fits(config: dict, base: dict, kinds, derive, force: bool, format_vers
                       "derive_seconds": round(time.perf_counter() - started, 3), "fit": fit.to_dict()})
         written.append(path.name)
     return written
+
+
+def _format(path: Path) -> int | None:
+    """The format a shipped file records (1 where it records none), None where there is no file."""
+    return json.loads(path.read_text(encoding="utf-8")).get("format", 1) if path.exists() else None
 
 
 def main() -> int:

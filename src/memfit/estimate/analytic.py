@@ -152,6 +152,10 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
         terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
                       f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
                       "ZeRO paper sec. 3.1; exact P from the model's parameter tensors")]
+    if spec.buffer_bytes:
+        terms.append(Term("parameters/buffers", Category.PARAMETERS, spec.buffer_bytes,
+                          "the model's buffers as built (sin/cos position tables), never trained",
+                          "the built model's named_buffers()"))
     if static.param_working_set_bytes:
         what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
                 "unsharded root (embeddings, head) + the block being computed")
@@ -691,12 +695,19 @@ def _end_of_backward(step: _Step) -> list[Term]:
                           formula=rebuilt.formula + "; its Linear weights' bf16 casts, made again in the recompute")
     elif not step.attention_backward_dominates() and _down_projection_grads(step):
         pending -= spec.intermediate_size * spec.hidden_size  # block 0's down projection has its gradient
-    if detailed and step.setup.checkpointing is Checkpointing.FULL:  # block 0's input, kept until its backward
+    # block 0's checkpoint at its recompute, measured on the Llama recipe and on derived families (Falcon's fp32
+    # step peaks there: bench/arch_matrix.py)
+    held = (detailed or spec.derived is not None) and not spec.frozen
+    if held and step.setup.checkpointing is Checkpointing.FULL:  # block 0's input, kept until its backward
         embeddings += [replace(t, name="activations/checkpoint0", num_bytes=t.num_bytes // max(spec.num_layers, 1),
                                formula="block 0's input, held by its checkpoint until its backward ends")
                        for t in step.acts if t.name == "activations/checkpoints"]
+        if spec.derived is not None and step.dtypes.on_cpu:
+            embeddings.append(Term("activations/rng_states", Category.ACTIVATIONS, 2 * CPU_RNG_STATE_BYTES,
+                                   "block 0's stashed torch.get_rng_state() and the one torch.random.fork_rng "
+                                   "takes around its recompute", "torch.utils.checkpoint preserve_rng_state=True"))
     grads = static.grads_bytes - static.grads_bytes * pending // max(spec.num_params, 1)
-    if detailed and spec.tie_word_embeddings and step.setup.checkpointing is Checkpointing.FULL:
+    if held and spec.tie_word_embeddings and step.setup.checkpointing is Checkpointing.FULL:
         grads += _head_grads(spec, static)  # the tied head's share waits in autograd's buffer for the embedding's
     if step.setup.optimizer_in_backward:
         grads = _head_grads(spec, static) if spec.tie_word_embeddings else 0  # a tied head's waits in the buffer
