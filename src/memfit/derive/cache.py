@@ -28,7 +28,7 @@ FIT_FORMAT = 2
 """memfit.derive.fit's one-stack fits. Bump it when a change there gives other numbers for some config, so that the
 fits cached on disk and shipped before the change are derived again (scripts/ship_derived.py re-ships those whose
 recorded format differs). 2: a dense prefix (first_k_dense_replace, DeepSeek-V2 / V3) is the depth-weighted mean
-of the dense and routed blocks."""
+of the dense and routed blocks; a sliding window under sdpa is fitted on both sides of it (Gemma 3)."""
 
 
 def cache_dir() -> Path:

@@ -254,10 +254,10 @@ def _basis(batch: int, seq: int) -> list[int]:
     return [batch * seq, batch * seq * seq, seq, 1]
 
 
-def _envelope(lines: list[Linear]) -> tuple[Linear, ...]:
+def _envelope(lines: list[Linear], shapes: list[tuple[int, int]]) -> tuple[Linear, ...]:
     """The lines that are the largest somewhere on a grid of real shapes (and at the fit shapes)."""
     grid = [(b, t) for b in (1, 2, 4, 8, 16, 64) for t in (16, 48, 128, 512, 2048, 8192, 32768, 131072)]
-    grid += list(FIT_SHAPES) + [CHECK_SHAPE]
+    grid += shapes
     keep: list[Linear] = []
     for b, t in grid:
         best = max(lines, key=lambda line: line(b * t, t))
@@ -267,14 +267,45 @@ def _envelope(lines: list[Linear]) -> tuple[Linear, ...]:
 
 
 def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None = None) -> KindFit:
-    """Trace the 1- and 2-block copies at FIT_SHAPES and CHECK_SHAPE under `kind`, fit and check."""
+    """Trace the 1- and 2-block copies at FIT_SHAPES and CHECK_SHAPE under `kind`, fit and check. A model with a
+    sliding window under sdpa is fitted on each side of it (KindFit.beyond: the same shapes moved past the window),
+    or past it only where the window falls among the shapes."""
+    window = sliding_window(config, kind)
+    if window <= min(seq for _, seq in FIT_SHAPES):  # no window, or every shape is past it
+        return _derive(config, kind, FIT_SHAPES, CHECK_SHAPE, progress)
+    beyond = _derive(config, kind, tuple((b, window + t) for b, t in FIT_SHAPES),
+                     (CHECK_SHAPE[0], window + CHECK_SHAPE[1]), progress)
+    if window <= max(seq for _, seq in (*FIT_SHAPES, CHECK_SHAPE)):
+        return beyond  # the shapes straddle the window: below it, this over-counts the sliding layers' mask
+    from dataclasses import replace
+
+    below = _derive(config, kind, FIT_SHAPES, CHECK_SHAPE, progress)
+    return replace(below, window=window, beyond=beyond)
+
+
+def sliding_window(config: dict[str, Any], kind: str) -> int:
+    """The sliding window past which transformers builds sliding layers' sdpa mask; 0 without one (or under eager
+    attention, whose mask is always built)."""
+    if "/eager/" in kind:
+        return 0
+    from .._torch.step import hf_config_from_dict
+
+    hf = hf_config_from_dict(config)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if (not isinstance(window, int) or isinstance(window, bool) or window <= 0
+            or getattr(text, "use_sliding_window", True) is False
+            or (layer_types and "sliding_attention" not in layer_types)):
+        return 0
+    return window
+
+
+def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress: Progress | None) -> KindFit:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .. import __version__ as memfit_version
-    from ..setup import TrainingSetup  # noqa: F401 - setups are built by kind_setup
-
     base, kernels = kind_setup(kind)
-    shapes = list(FIT_SHAPES) + [CHECK_SHAPE]
+    shapes = list(fit_shapes) + [check_shape]
     num_layers = num_layers_of(config)
     num_dense = dense_prefix(config, num_layers)
     copies = (False, True) if num_dense else (False,)
@@ -319,8 +350,8 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
         head_saved = split_one["head"] + one["out_bytes"]
         per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved,
                           "window": [v - reference for v in two["window"]]})
-    fit_rows = [_basis(b, t) for b, t in FIT_SHAPES]
-    n_fit = len(FIT_SHAPES)
+    fit_rows = [_basis(b, t) for b, t in fit_shapes]
+    n_fit = len(fit_shapes)
 
     def fit(values: list[int]) -> Linear:
         return _solve(fit_rows, values[:n_fit])
@@ -333,8 +364,8 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
         lines = [fit([s["window"][j] for s in per_shape]) for j in range(lengths.pop())]
     else:  # the op sequence changed with the shape: fit the peak itself
         lines = [fit([max(s["window"]) for s in per_shape])]
-    temporaries = _envelope(lines) if lines else (Linear(),)
-    check_b, check_t = CHECK_SHAPE
+    temporaries = _envelope(lines, shapes) if lines else (Linear(),)
+    check_b, check_t = check_shape
     held = per_shape[-1]
     checks = {f"block {g}": (block[g], held["block"][g]) for g in GROUPS}
     checks.update({"embedding": (embedding, held["embedding"]), "head": (head, held["head"])})
