@@ -327,9 +327,20 @@ def _head_grads(spec: ModelSpec, static: ShardedStatic) -> int:
 
 
 def _linear_weight_elems(spec: ModelSpec) -> int:
-    skip = ("embed", "wte", "wpe", "norm", "ln_", "ln_f", "bias", "LayerNorm", "position", "token_type")
-    total = sum(p.total for p in spec.params if not any(s in p.name for s in skip))
-    total -= moe.expert_weight_elems(spec)  # grouped_mm is no autocast op: no cached casts of stacked experts
+    """Elements of the weights autocast keeps a bf16 copy of (its cache holds one per trainable leaf an autocast op
+    casts): every trainable projection of the graph (on one tensor-parallel rank), LoRA's A and B but not their
+    frozen base, not the stacked experts (grouped_mm is no autocast op); a tied LM head casts the embedding matrix.
+    A model without a graph: the count read off its built copy (memfit.derive.spec), else every parameter."""
+    if spec.graph is None:
+        if "linear_weight_elems" not in spec.extra:
+            return spec.num_params  # nothing known about the layers: every parameter, an upper bound
+        total = int(spec.extra["linear_weight_elems"])
+    else:
+        from ..graph.kinds.linear import linear_rows
+        from ..graph.model import linear_copies, tied_head_weight
+
+        total = sum(linear_rows(node)[0][2] * copies for node, copies, parents in linear_copies(spec.graph)
+                    if node.trainable and not moe.in_stacked_experts(parents) and not tied_head_weight(parents))
     if spec.tie_word_embeddings and not spec.frozen:
         # the tied LM head casts the embedding matrix; a frozen one is no autocast-cached leaf (cached_cast needs
         # requires_grad), so under LoRA only the adapters' casts are cached
