@@ -110,7 +110,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     from torch.nn.modules import module as nn_module
 
     from .._torch import step as runner
-    from ..trace.kernels import device_kernels
+    from ..trace.kernels import device_kernels, hidden_scratch
     from ..trace.session import make_hf_batch, routed_experts
     from ..trace.tracker import StepTracker, _Kind
 
@@ -119,7 +119,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     blocks = _blocks(model)
     if not blocks:
         raise ModelSourceError(f"model_type '{config.get('model_type')}': no repeated blocks found to derive from")
-    tracker = StepTracker(num_steps=1)
+    tracker = StepTracker(num_steps=1, hidden_scratch=hidden_scratch(kernels))  # the trace's kernel model
     marks: dict[str, int] = {}
     order: list[str] = []
     names = {id(m): n for n, m in model.named_modules()}
