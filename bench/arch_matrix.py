@@ -49,14 +49,21 @@ Mechanisms found on these steps and where they are modelled:
   device only (formulas: activations/rng_states; trace: memfit.trace.kernels.cpu_rng_states).
 - DeepSeek-V2's dense first block (first_k_dense_replace) keeps other tensors than a routed block: the derived
   block is the depth-weighted mean of the two (memfit.derive.fit).
+- An elementwise op on two dtypes (Mixtral's bf16 expert rows x fp32 routing weights): on a CPU device
+  TensorIterator copies the other-dtype input into a temporary of the common dtype, below the dispatcher (the trace
+  and the derivations count it: memfit.trace.kernels; a CUDA kernel casts as it loads). Mixtral bf16 + checkpointing
+  peaks in such a product during a recompute.
+- With full checkpointing a derived family's step can peak at block 0's recompute (Falcon fp32): its input held by
+  the checkpoint, the tied head's gradient waiting for the embedding's, two CPU generator states
+  (memfit.estimate.analytic `_end_of_backward`). The formulas stay above the step there (+1.3%): the derived block's
+  backward temporaries are its whole backward's peak, block 0's moment is its first matmul's.
+- Buffers (GPT-J's max_positions x rotary_dim fp32 sin/cos table) are a parameters/buffers term, read off the built
+  copies (memfit.derive.spec).
 
-Open (within the targets, not modelled): GPT-J's per-attention sin/cos buffer (max_positions x rotary_dim fp32) is
-not in the formulas (buffers are not counted); Falcon at micro-batch 1 (the fit is at batch >= 2, where some reshapes
-copy); with full checkpointing the formulas' backward moments for derived families put the peak at the last block's
-backward, where a measured fp32 step peaks at the first block's recompute with more gradients alive (Falcon -4%).
-Gemma 3's sliding window is 8 here: under sdpa transformers builds no sliding mask while seq < window
-(masking_utils._ignore_causal_mask_sdpa), so a fit whose shapes straddle the window is not linear (memfit.derive
-refuses it).
+Open (within the targets, not modelled): Falcon at micro-batch 1 (the fit is at batch >= 2, where some reshapes
+copy). Gemma 3's sliding window is 8 here, below every fit shape (transformers builds the sliding mask under sdpa
+only once seq >= window, masking_utils._ignore_causal_mask_sdpa); a window above the fit shapes (every catalog
+Gemma 3) gets a second fit traced past it (memfit.derive.model KindFit.beyond).
 """
 
 
