@@ -53,10 +53,9 @@ Mechanisms found on these steps and where they are modelled:
   TensorIterator copies the other-dtype input into a temporary of the common dtype, below the dispatcher (the trace
   and the derivations count it: memfit.trace.kernels; a CUDA kernel casts as it loads). Mixtral bf16 + checkpointing
   peaks in such a product during a recompute.
-- With full checkpointing a derived family's step can peak at block 0's recompute (Falcon fp32): its input held by
-  the checkpoint, the tied head's gradient waiting for the embedding's, two CPU generator states
-  (memfit.estimate.analytic `_end_of_backward`). The formulas stay above the step there (+1.3%): the derived block's
-  backward temporaries are its whole backward's peak, block 0's moment is its first matmul's.
+- With full checkpointing a derived family's step can peak at block 0's recompute (Falcon fp32): the rebuilt block
+  (its input among its saved tensors), the tied head's gradient waiting for the embedding's, two CPU generator
+  states (memfit.estimate.analytic `_end_of_backward`).
 - Buffers (GPT-J's max_positions x rotary_dim fp32 sin/cos table) are a parameters/buffers term, read off the built
   copies (memfit.derive.spec).
 

@@ -709,14 +709,15 @@ def _end_of_backward(step: _Step) -> list[Term]:
     # block 0's checkpoint at its recompute, measured on the Llama recipe and on derived families (Falcon's fp32
     # step peaks there: bench/arch_matrix.py)
     held = (detailed or spec.derived is not None) and not spec.frozen
-    if held and step.setup.checkpointing is Checkpointing.FULL:  # block 0's input, kept until its backward
+    if detailed and step.setup.checkpointing is Checkpointing.FULL:  # block 0's input, kept until its backward
+        # (a derived block's saved bytes hold its input already: its first norm saves it, memfit.derive.fit)
         embeddings += [replace(t, name="activations/checkpoint0", num_bytes=t.num_bytes // max(spec.num_layers, 1),
                                formula="block 0's input, held by its checkpoint until its backward ends")
                        for t in step.acts if t.name == "activations/checkpoints"]
-        if spec.derived is not None and step.dtypes.on_cpu:
-            embeddings.append(Term("activations/rng_states", Category.ACTIVATIONS, 2 * CPU_RNG_STATE_BYTES,
-                                   "block 0's stashed torch.get_rng_state() and the one torch.random.fork_rng "
-                                   "takes around its recompute", "torch.utils.checkpoint preserve_rng_state=True"))
+    if held and spec.derived is not None and step.dtypes.on_cpu and step.setup.checkpointing is Checkpointing.FULL:
+        embeddings.append(Term("activations/rng_states", Category.ACTIVATIONS, 2 * CPU_RNG_STATE_BYTES,
+                               "block 0's stashed torch.get_rng_state() and the one torch.random.fork_rng takes "
+                               "around its recompute", "torch.utils.checkpoint preserve_rng_state=True"))
     grads = static.grads_bytes - static.grads_bytes * pending // max(spec.num_params, 1)
     if held and spec.tie_word_embeddings and step.setup.checkpointing is Checkpointing.FULL:
         grads += _head_grads(spec, static)  # the tied head's share waits in autograd's buffer for the embedding's
