@@ -191,7 +191,8 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
 
         with quiet_transformers():
             rows, facts = _param_rows(config, arch["num_layers"], source)
-        write_json(path, {"key": path.stem, "format": PARAMS_FORMAT, "kind": PARAMS_KIND, "model_type": config.get("model_type"),
+        write_json(path, {"key": path.stem, "format": PARAMS_FORMAT, "kind": PARAMS_KIND,
+                          "model_type": config.get("model_type"),
                           "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts, "arch": arch})
     hidden, heads, kv, head_dim, inter, act = (arch[k] for k in ("hidden_size", "num_attention_heads", "num_kv_heads",
                                                                   "head_dim", "intermediate_size", "hidden_act"))

@@ -23,6 +23,6 @@ __all__ = [
     "MLP", "Attention", "Block", "ClassificationHead", "Dropout", "Embedding", "Experts", "GraphTensor", "LMHead",
     "LatentKV", "Linear", "LoraLinear", "MaskedLMHead", "ModelGraph", "Node", "Norm", "NotModelledError", "Param",
     "PatchEmbedding", "Saved", "SavedCtx", "Seq2SeqLMHead", "Shard", "Stack", "UnknownNodeKindError", "builder",
-    "dispatch", "graph_from_config", "graph_model_types", "handler", "linear_copies", "linears_of", "params_of", "registered_kinds",
-    "rewrite", "saved_by", "tensors_of", "walk", "with_lora", "with_tensor_parallel",
+    "dispatch", "graph_from_config", "graph_model_types", "handler", "linear_copies", "linears_of", "params_of",
+    "registered_kinds", "rewrite", "saved_by", "tensors_of", "walk", "with_lora", "with_tensor_parallel",
 ]
