@@ -50,10 +50,12 @@ def dense_prefix(config: dict[str, Any], num_layers: int) -> int:
     return min(value, num_layers)
 
 
-def short_config(config: dict[str, Any], num_layers: int, *, dense: bool = False) -> dict[str, Any]:
-    """The config with `num_layers` blocks (per-layer lists such as `layer_types` cut to match). A config with a
-    dense prefix (`first_k_dense_replace`) gets copies of its repeated, routed-expert block (`dense=False`) or of
-    its dense block (`dense=True`): a 1- or 2-block copy would otherwise hold only dense blocks."""
+def short_config(config: dict[str, Any], num_layers: int, *, dense: bool = False,
+                 layer_type: str | None = None) -> dict[str, Any]:
+    """The config with `num_layers` blocks (per-layer lists such as `layer_types` cut to match, or every layer of
+    `layer_type`). A config with a dense prefix (`first_k_dense_replace`) gets copies of its repeated, routed-expert
+    block (`dense=False`) or of its dense block (`dense=True`): a 1- or 2-block copy would otherwise hold only dense
+    blocks."""
     from .._torch.step import hf_config_from_dict
 
     hf = hf_config_from_dict(config)
@@ -68,6 +70,8 @@ def short_config(config: dict[str, Any], num_layers: int, *, dense: bool = False
     for name, value in list(out.items()):
         if isinstance(value, list) and name in ("layer_types", "layers_block_type", "block_types") and value:
             out[name] = (value * num_layers)[:num_layers]
+    if layer_type is not None:
+        out["layer_types"] = [layer_type] * num_layers
     if dense_prefix(config, int(getattr(hf, "num_hidden_layers", 0) or 0)):
         out[DENSE_PREFIX_KEY] = num_layers if dense else 0
     return out
@@ -79,13 +83,27 @@ def num_layers_of(config: dict[str, Any]) -> int:
     return int(getattr(hf_config_from_dict(config), "num_hidden_layers", 0) or 0)
 
 
-def build_short(config: dict[str, Any], num_layers: int, setup, fake_mode, *, dense: bool = False):
+def build_short(config: dict[str, Any], num_layers: int, setup, fake_mode, *, dense: bool = False,
+                layer_type: str | None = None):
     from ..trace.session import build_hf_model
 
     notes: list[str] = []
     with fake_mode:
-        model = build_hf_model(short_config(config, num_layers, dense=dense), setup, notes)
+        model = build_hf_model(short_config(config, num_layers, dense=dense, layer_type=layer_type), setup, notes)
     return model, notes
+
+
+def layer_type_counts(config: dict[str, Any]) -> dict[str, int]:
+    """How many layers of each type a model with several (`layer_types`: Gemma 3's sliding and full attention
+    layers, five to one) has; empty for one type."""
+    from .._torch.step import hf_config_from_dict
+
+    hf = hf_config_from_dict(config)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    types = getattr(text, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(set(types)) < 2:
+        return {}
+    return {t: list(types).count(t) for t in dict.fromkeys(types)}
 
 
 def _blocks(model) -> list[tuple[str, Any]]:
@@ -308,20 +326,22 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     shapes = list(fit_shapes) + [check_shape]
     num_layers = num_layers_of(config)
     num_dense = dense_prefix(config, num_layers)
-    copies = (False, True) if num_dense else (False,)
-    runs: dict[tuple[bool, int], list[dict[str, Any]]] = {}
+    mix = {} if num_dense else layer_type_counts(config)
+    copies = [(False, None)] + ([(True, None)] if num_dense else []) + [(False, t) for t in mix]
+    runs: dict[tuple[tuple[bool, str | None], int], list[dict[str, Any]]] = {}
     total = 2 * len(shapes) * len(copies)
     done = 0
-    for dense in copies:
+    for dense, layer_type in copies:
         for layers in (1, 2):
             fake_mode = FakeTensorMode()
-            model, _notes = build_short(config, layers, base, fake_mode, dense=dense)
-            runs[dense, layers] = []
+            model, _notes = build_short(config, layers, base, fake_mode, dense=dense, layer_type=layer_type)
+            runs[(dense, layer_type), layers] = []
+            what = "dense " if dense else f"{layer_type} " if layer_type else ""
             for batch, seq in shapes:
                 if progress is not None:
-                    progress(f"{layers}-block {'dense ' if dense else ''}copy, batch {batch} x seq {seq}", done / total)
+                    progress(f"{layers}-block {what}copy, batch {batch} x seq {seq}", done / total)
                 setup = base.replace(micro_batch_size=batch, seq_len=seq)
-                runs[dense, layers].append(_measure(model, config, setup, kernels, fake_mode))
+                runs[(dense, layer_type), layers].append(_measure(model, config, setup, kernels, fake_mode))
                 done += 1
     if progress is not None:
         progress("fitting", 1.0)
@@ -329,7 +349,7 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     grad_bytes = 2 if base.precision.param_dtype == "bf16" else 4
     per_shape = []
     for i, (batch, seq) in enumerate(shapes):
-        one, two = runs[False, 1][i], runs[False, 2][i]
+        one, two = runs[(False, None), 1][i], runs[(False, None), 2][i]
         split_one = _split(one, 0)
         grouped = _block_groups(one, two)
         routed_total = sum(grouped.values())  # the 2-block copy's backward window holds two of these
@@ -338,9 +358,14 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             # routed ones (modeling_deepseek_v2.DeepseekV2DecoderLayer picks DeepseekV2MLP or DeepseekV2MoE by
             # layer index). The estimator multiplies one block by the depth, so the block is their depth-weighted
             # mean: exact for what all blocks keep together.
-            dense = _block_groups(runs[True, 1][i], runs[True, 2][i])
+            dense = _block_groups(runs[(True, None), 1][i], runs[(True, None), 2][i])
             grouped = {g: round(Fraction(num_dense * dense[g] + (num_layers - num_dense) * grouped[g], num_layers))
                        for g in GROUPS}
+        elif mix:
+            # layers of several types (Gemma 3 under sdpa: a sliding layer keeps the float mask its memory-efficient
+            # kernel is handed, a full layer none; ATen sdp_utils convert_boolean_attn_mask): the same mean
+            by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in mix}
+            grouped = {g: round(Fraction(sum(n * by_type[t][g] for t, n in mix.items()), num_layers)) for g in GROUPS}
         tokens = batch * seq
         reference = (2 * routed_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens
                      + vocab * hidden * grad_bytes)
