@@ -60,9 +60,11 @@ Mechanisms found on these steps and where they are modelled:
   copies (memfit.derive.spec).
 
 Open (within the targets, not modelled): Falcon at micro-batch 1 (the fit is at batch >= 2, where some reshapes
-copy). Gemma 3's sliding window is 8 here, below every fit shape (transformers builds the sliding mask under sdpa
-only once seq >= window, masking_utils._ignore_causal_mask_sdpa); a window above the fit shapes (every catalog
-Gemma 3) gets a second fit traced past it (memfit.derive.model KindFit.beyond).
+copy). DeepSeek-V2 with full checkpointing (+1.6%): block 0 is its dense block, rebuilt as the depth-weighted mean
+of the dense and routed blocks. Gemma 3 under sdpa (-1.1% to -2.1%, eager +0.2%): not traced to its op yet. Its
+sliding window is 8 here, below every fit shape (transformers builds the sliding mask under sdpa only once
+seq >= window, masking_utils._ignore_causal_mask_sdpa); a window above the fit shapes (every catalog Gemma 3) gets a
+second fit traced past it (memfit.derive.model KindFit.beyond), the block the mean over sliding and full layers.
 """
 
 
