@@ -26,8 +26,9 @@ KINDS = (("fp32", "none", "sdpa"), ("fp32", "full", "eager"), ("amp-bf16", "none
 """Each precision, checkpointing and attention twice, each pair of them once (a derivation per kind is a minute)."""
 
 
-NOTES = """What the gaps are (the estimate is within 1.4% of the trace; its worst rows are checkpointed, where the stacks'
-full-depth extrapolation of the recomputed blocks is within 1.4%: ViT at (8, 64), BART and T5 at the larger shape):
+NOTES = """What the gaps are (the estimate is within 1.4% of the trace; its worst rows are checkpointed, where the
+stacks' full-depth extrapolation of the recomputed blocks is within 1.4%: ViT at (8, 64), BART and T5 at the larger
+shape):
 
 - **Trace vs measured on the CPU's bf16 matmul**: on a CPU device a bf16 `aten::mm` runs oneDNN, which allocates a
   scratch buffer inside the op, out of any dispatch mode's sight: 235,264 B for the tiny ViT's weight-gradient
