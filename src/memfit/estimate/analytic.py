@@ -331,21 +331,30 @@ def _linear_weight_elems(spec: ModelSpec) -> int:
     casts): every trainable projection of the graph (on one tensor-parallel rank), LoRA's A and B but not their
     frozen base, not the stacked experts (grouped_mm is no autocast op); a tied LM head casts the embedding matrix.
     A model without a graph: the count read off its built copy (memfit.derive.spec), else every parameter."""
+    return sum(linear_weight_parts(spec))
+
+
+def linear_weight_parts(spec: ModelSpec) -> tuple[int, int]:
+    """`_linear_weight_elems` as (in the stacks' blocks, all layers; outside them: the LM head, a tied head's
+    embedding matrix, input / output projections), so a pipeline stage takes its layers' share and the last stage
+    the rest. Without a graph everything counts as the blocks'."""
+    tied = spec.vocab_size * spec.hidden_size if spec.tie_word_embeddings and not spec.frozen else 0
+    # a tied LM head casts the embedding matrix; a frozen one is no autocast-cached leaf (cached_cast needs
+    # requires_grad), so under LoRA only the adapters' casts are cached
     if spec.graph is None:
         if "linear_weight_elems" not in spec.extra:
-            return spec.num_params  # nothing known about the layers: every parameter, an upper bound
-        total = int(spec.extra["linear_weight_elems"])
-    else:
-        from ..graph.kinds.linear import linear_rows
-        from ..graph.model import linear_copies, tied_head_weight
+            return spec.num_params, 0  # nothing known about the layers: every parameter, an upper bound
+        return int(spec.extra["linear_weight_elems"]), tied
+    from ..graph import Stack
+    from ..graph.kinds.linear import linear_rows
+    from ..graph.model import linear_copies, tied_head_weight
 
-        total = sum(linear_rows(node)[0][2] * copies for node, copies, parents in linear_copies(spec.graph)
-                    if node.trainable and not moe.in_stacked_experts(parents) and not tied_head_weight(parents))
-    if spec.tie_word_embeddings and not spec.frozen:
-        # the tied LM head casts the embedding matrix; a frozen one is no autocast-cached leaf (cached_cast needs
-        # requires_grad), so under LoRA only the adapters' casts are cached
-        total += spec.vocab_size * spec.hidden_size
-    return total
+    parts = [0, tied]
+    for node, copies, parents in linear_copies(spec.graph):
+        if node.trainable and not moe.in_stacked_experts(parents) and not tied_head_weight(parents):
+            in_block = any(isinstance(p, Stack) and field == "block" for p, field in parents)
+            parts[0 if in_block else 1] += linear_rows(node)[0][2] * copies
+    return parts[0], parts[1]
 
 
 @dataclass(frozen=True)
