@@ -49,14 +49,22 @@ Mechanisms found on these steps and where they are modelled:
   device only (formulas: activations/rng_states; trace: memfit.trace.kernels.cpu_rng_states).
 - DeepSeek-V2's dense first block (first_k_dense_replace) keeps other tensors than a routed block: the derived
   block is the depth-weighted mean of the two (memfit.derive.fit).
+- An elementwise op on two dtypes (Mixtral's bf16 expert rows x fp32 routing weights): on a CPU device
+  TensorIterator copies the other-dtype input into a temporary of the common dtype, below the dispatcher (the trace
+  and the derivations count it: memfit.trace.kernels; a CUDA kernel casts as it loads). Mixtral bf16 + checkpointing
+  peaks in such a product during a recompute.
+- With full checkpointing a derived family's step can peak at block 0's recompute (Falcon fp32): the rebuilt block
+  (its input among its saved tensors), the tied head's gradient waiting for the embedding's, two CPU generator
+  states (memfit.estimate.analytic `_end_of_backward`).
+- Buffers (GPT-J's max_positions x rotary_dim fp32 sin/cos table) are a parameters/buffers term, read off the built
+  copies (memfit.derive.spec).
 
-Open (within the targets, not modelled): GPT-J's per-attention sin/cos buffer (max_positions x rotary_dim fp32) is
-not in the formulas (buffers are not counted); Falcon at micro-batch 1 (the fit is at batch >= 2, where some reshapes
-copy); with full checkpointing the formulas' backward moments for derived families put the peak at the last block's
-backward, where a measured fp32 step peaks at the first block's recompute with more gradients alive (Falcon -4%).
-Gemma 3's sliding window is 8 here: under sdpa transformers builds no sliding mask while seq < window
-(masking_utils._ignore_causal_mask_sdpa), so a fit whose shapes straddle the window is not linear (memfit.derive
-refuses it).
+Open (within the targets, not modelled): Falcon at micro-batch 1 (the fit is at batch >= 2, where some reshapes
+copy). DeepSeek-V2 with full checkpointing (+1.6%): block 0 is its dense block, rebuilt as the depth-weighted mean
+of the dense and routed blocks. Gemma 3 under sdpa (-1.1% to -2.1%, eager +0.2%): not traced to its op yet. Its
+sliding window is 8 here, below every fit shape (transformers builds the sliding mask under sdpa only once
+seq >= window, masking_utils._ignore_causal_mask_sdpa); a window above the fit shapes (every catalog Gemma 3) gets a
+second fit traced past it (memfit.derive.model KindFit.beyond), the block the mean over sliding and full layers.
 """
 
 

@@ -6,7 +6,7 @@ For each catalog entry whose spec is derived (memfit.derive), this writes one fi
 `<config hash>-<kind>.json` as memfit.derive.cache looks them up. A family transformers cannot build with sdpa
 (gpt_oss) gets its eager kinds instead, since that is what it trains with.
 
-    python scripts/ship_derived.py            # derive what is missing
+    python scripts/ship_derived.py            # derive what is missing or of an older format (cache.FIT_FORMAT)
     python scripts/ship_derived.py --force    # derive everything again (after a change to memfit.derive)
     python scripts/ship_derived.py NAME ...   # only these catalog entries
 """
@@ -43,7 +43,7 @@ def _kinds(config: dict) -> tuple[str, ...]:
 def ship(name: str, force: bool) -> list[str]:
     from memfit.derive.cache import config_hash, library_versions, shipped_name
     from memfit.derive.fit import derive_kind, quiet_transformers
-    from memfit.derive.spec import PARAMS_KIND, _param_rows, arch_numbers
+    from memfit.derive.spec import PARAMS_FORMAT, PARAMS_KIND, _param_rows, arch_numbers
     from memfit.sources import catalog_config, resolve_model
 
     config = catalog_config(name)
@@ -58,14 +58,16 @@ def ship(name: str, force: bool) -> list[str]:
     if getattr(spec.derived, "stacked", False):  # encoder-decoder / vision: memfit.derive.stacks
         return _ship_stacked(config, base, force)
     params_path = OUT / shipped_name(config, PARAMS_KIND)
-    if config["model_type"] not in SUPPORTED_MODEL_TYPES and (force or not params_path.exists()):
+    if config["model_type"] not in SUPPORTED_MODEL_TYPES and (force or _format(params_path) != PARAMS_FORMAT):
         with quiet_transformers():
             rows, facts = _param_rows(config, spec.num_layers, name)
-        _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,
+        _write(params_path, {**base, "kind": PARAMS_KIND, "format": PARAMS_FORMAT,
                              "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts,
                              "arch": arch_numbers(config, name)})
         written.append(params_path.name)
-    return written + _ship_fits(config, base, _kinds(config), derive_kind, force)
+    from memfit.derive.cache import FIT_FORMAT
+
+    return written + _ship_fits(config, base, _kinds(config), derive_kind, force, FIT_FORMAT)
 
 
 STACKED_KINDS = tuple(f"{kind}/{ckpt}" for kind in KINDS for ckpt in ("nockpt", "ckpt"))
@@ -84,24 +86,32 @@ def _ship_stacked(config: dict, base: dict, force: bool) -> list[str]:
         _write(params_path, {**base, "kind": PARAMS_KIND, "format": 1,
                              "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
         written.append(params_path.name)
-    return written + _ship_fits(config, base, STACKED_KINDS, derive_stacks, force)
+    from memfit.derive.stacks_estimate import FORMAT
+
+    return written + _ship_fits(config, base, STACKED_KINDS, derive_stacks, force, FORMAT)
 
 
-def _ship_fits(config: dict, base: dict, kinds, derive, force: bool) -> list[str]:
-    """Derive and write each kind's fit that is missing (or every one with --force); the file names written."""
+def _ship_fits(config: dict, base: dict, kinds, derive, force: bool, format_version: int) -> list[str]:
+    """Derive and write each kind's fit that is missing or of another format (or every one with --force); the file
+    names written."""
     from memfit.derive.cache import shipped_name
 
     written = []
     for kind in kinds:
         path = OUT / shipped_name(config, kind)
-        if path.exists() and not force:
+        if _format(path) == format_version and not force:
             continue
         started = time.perf_counter()
         fit = derive(config, kind)
-        _write(path, {**base, "kind": kind, "derive_seconds": round(time.perf_counter() - started, 3),
-                      "fit": fit.to_dict()})
+        _write(path, {**base, "kind": kind, "format": format_version,
+                      "derive_seconds": round(time.perf_counter() - started, 3), "fit": fit.to_dict()})
         written.append(path.name)
     return written
+
+
+def _format(path: Path) -> int | None:
+    """The format a shipped file records (1 where it records none), None where there is no file."""
+    return json.loads(path.read_text(encoding="utf-8")).get("format", 1) if path.exists() else None
 
 
 def main() -> int:

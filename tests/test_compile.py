@@ -169,3 +169,18 @@ def test_estimate_matches_a_measured_step_with_the_compiled_chunked_loss(tmp_pat
     assert predicted.term("activations/loss").num_bytes == 2 * 64 * 8
     eager_loss = estimate(spec, setup.replace(compile=False), hardware)  # blocks eager too: they are checkpointed
     assert predicted.tensor_bytes < 0.9 * eager_loss.tensor_bytes  # -11.7%
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite", "olmoe-1b-7b"])
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
+def test_moe_models_are_not_sized_compiled_whichever_path_sizes_them(name, precision):
+    """A derived MoE model (a bf16 Mixtral, DeepSeek's latent attention, a graph-less Qwen3-MoE) is still MoE to the
+    compile path: its experts are not traced compiled, so the ladder skips compile rather than trace one."""
+    from memfit.estimate import compiled, moe
+    from memfit.sources import resolve_model
+
+    spec = resolve_model(name)
+    setup = TrainingSetup(precision=precision, compile=True)
+    assert moe.has_experts(spec)
+    assert compiled.unsized(spec, setup) == "routed experts are not traced compiled"
+    assert compiled.unsized(resolve_model("qwen3-8b"), setup) == ""  # a dense derived model is traced compiled

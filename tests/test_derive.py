@@ -89,6 +89,22 @@ def test_families_without_recipes_match_the_full_trace(family):
     assert any("memfit.derive" in note and "cached at" in note for note in predicted.notes)
 
 
+def test_a_sliding_window_is_fitted_on_both_sides_of_it():
+    """Under sdpa transformers builds the sliding layers' T x T mask only once seq >= window: a fit traced below the
+    window alone missed it (-33% at 16 windows on an all-sliding tiny Gemma 3); one fitted past it too holds on both
+    sides. Its full-attention layer keeps no mask: the block is the mean over the layer types (+12% without)."""
+    config = dict(NO_RECIPE["gemma3_text"], sliding_window=64,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    spec = resolve_model(dict(config))
+    for seq in (32, 1024):  # below the window, and 16 windows long
+        setup = TrainingSetup(precision=Precision.FP32, micro_batch_size=2, seq_len=seq)
+        predicted = estimate(spec, setup, CPU)
+        assert _error(predicted.tensor_bytes, trace(dict(config), setup, kernels="cpu").tensor_bytes) < 0.005, seq
+    fit = spec.derived.fit(setup, True)
+    assert fit.window == 64 and fit.beyond is not None and fit.at(1024) is fit.beyond and fit.at(63) is fit
+    assert type(fit).from_dict(fit.to_dict()) == fit  # what the cache and the shipped files hold
+
+
 def test_parameters_are_exact_at_full_depth():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -107,7 +123,7 @@ def test_cache_is_hit_and_a_corrupt_file_is_rebuilt(monkeypatch):
     config = dict(NO_RECIPE["qwen3"], hidden_size=32, head_dim=8)
     setup = TrainingSetup(precision=Precision.FP32)
     first = DerivedModel(config).fit(setup, True)
-    path = derive_cache.cache_path(config, setup_kind(setup, True))
+    path = derive_cache.cache_path(config, setup_kind(setup, True), derive_cache.FIT_FORMAT)
     assert json.loads(path.read_text())["fit"] == first.to_dict()
     derive_cache.clear_memory()
     with monkeypatch.context() as patched:
@@ -125,8 +141,19 @@ def test_cache_key_covers_config_versions_and_kind():
     assert key != derive_cache.cache_key(dict(config, hidden_size=128), "fp32/sdpa/cuda")
     assert key != derive_cache.cache_key(config, "bf16/sdpa/cuda")
     assert key != derive_cache.cache_key(config, "fp32/sdpa/cuda", {"torch": "0", "transformers": "0", "memfit": "0"})
+    assert key != derive_cache.cache_key(config, "fp32/sdpa/cuda", format_version=derive_cache.FIT_FORMAT)
     ckpt = TrainingSetup(checkpointing=Checkpointing.FULL, micro_batch_size=8, seq_len=4096)
     assert setup_kind(ckpt) == setup_kind(TrainingSetup())  # extrapolated, not keyed
+
+
+def test_a_shipped_fit_of_an_older_format_is_not_used(monkeypatch):
+    """A fit shipped before memfit.derive.fit changed (cache.FIT_FORMAT bumped) is derived again, not read."""
+    config = NO_RECIPE["qwen3"]
+    payload = {"kind": "bf16/sdpa/cuda", "fit": {"block": {}}}
+    monkeypatch.setattr(derive_cache, "shipped_data", lambda *_: dict(payload, format=derive_cache.FIT_FORMAT - 1))
+    assert derive_cache._shipped(config, "bf16/sdpa/cuda") is None
+    monkeypatch.setattr(derive_cache, "shipped_data", lambda *_: dict(payload))  # no format: the first one
+    assert derive_cache._shipped(config, "bf16/sdpa/cuda") is None
 
 
 def test_moe_traces_on_fake_tensors_with_stated_routing():

@@ -56,6 +56,27 @@ def test_estimate_names_no_model_type_but_peft_targets():
     assert not hasattr(act, "LAYER_RECIPES")
 
 
+def test_linear_weights_are_read_off_the_graph_not_parameter_names():
+    """The weights autocast caches a copy of come from the graph's Linear nodes (and the experts from its Experts
+    nodes), never from fragments of parameter names; checked against the real modules' nn.Linear weights."""
+    import inspect
+
+    from memfit.estimate import analytic, moe
+
+    for function in (analytic._linear_weight_elems, moe.expert_weight_elems, moe.in_stacked_experts):
+        source = inspect.getsource(function)
+        assert "p.name" not in source and "params_matching" not in source, function.__name__
+    torch = pytest.importorskip("torch")
+    from memfit._torch.step import build_hf_model
+    from tiny_configs import TINY_LLAMA
+    from tiny_encdec import TINY_BART
+
+    for config in (TINY_LLAMA, TINY_BART):  # untied LM head; BART's head tied to its shared embedding
+        model = build_hf_model(dict(config), TrainingSetup())
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert analytic._linear_weight_elems(resolve_model(dict(config))) == linear, config["model_type"]
+
+
 @dataclass(frozen=True)
 class Mixer(Node):
     """A node kind nobody registered a 'saved' handler for."""

@@ -63,6 +63,10 @@ class ModelSpec:
     count, supports_sdpa); the family details the estimator reads live on `graph`'s typed nodes."""
     frozen: tuple[ParamTensor, ...] = ()
     """Parameters that are not trained (a LoRA base): no gradients, no optimizer state; their `nbytes` at rest."""
+    buffer_bytes: int = 0
+    """Device bytes of the model's buffers as it builds them (GPT-J's max_positions x rotary_dim fp32 sin/cos table):
+    read off the built copies for derived models, 0 where not known (a recipe's rotary inverse frequencies, a few
+    hundred bytes)."""
     finetune: Any = field(default=None, compare=False, hash=False)
     """The memfit.finetune.Finetune a live LoRA model was built with (read off its adapters), else None."""
     graph: Any = field(default=None, compare=False, hash=False, repr=False)

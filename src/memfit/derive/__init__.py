@@ -36,11 +36,12 @@ def layer_saved_bytes(spec, setup, tokens: int, seq_len: int, on_cpu: bool = Fal
 
 
 def head_saved_bytes(spec, setup, tokens: int, on_cpu: bool | None = None) -> dict[str, int]:
-    return {"head": max(0, spec.derived.fit(setup, on_cpu).head(tokens, setup.seq_len, constant=False))}
+    fit = spec.derived.fit(setup, on_cpu).at(setup.seq_len)
+    return {"head": max(0, fit.head(tokens, setup.seq_len, constant=False))}
 
 
 def embedding_saved_bytes(spec, setup, tokens: int, seq_len: int, on_cpu: bool = False) -> int:
-    return max(0, spec.derived.fit(setup, on_cpu).embedding(tokens, seq_len, constant=False))
+    return max(0, spec.derived.fit(setup, on_cpu).at(seq_len).embedding(tokens, seq_len, constant=False))
 
 
 def block_temporaries(spec, setup, tokens: int, seq_len: int, on_cpu: bool = False) -> int:

@@ -21,6 +21,14 @@ from typing import Any
 from .model import KindFit
 
 FORMAT = 1
+"""The layout of the payloads whose meaning has not changed since the first version: parameter tensors
+(memfit.derive.spec, memfit.derive.stacks_spec), stacked fits (memfit.derive.stacks_estimate), compiled fits."""
+
+FIT_FORMAT = 2
+"""memfit.derive.fit's one-stack fits. Bump it when a change there gives other numbers for some config, so that the
+fits cached on disk and shipped before the change are derived again (scripts/ship_derived.py re-ships those whose
+recorded format differs). 2: a dense prefix (first_k_dense_replace, DeepSeek-V2 / V3) is the depth-weighted mean
+of the dense and routed blocks; a sliding window under sdpa is fitted on both sides of it (Gemma 3)."""
 
 
 def cache_dir() -> Path:
@@ -53,9 +61,10 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def cache_key(config: dict[str, Any], kind: str, versions: dict[str, str] | None = None) -> str:
+def cache_key(config: dict[str, Any], kind: str, versions: dict[str, str] | None = None,
+              format_version: int = FORMAT) -> str:
     versions = versions or library_versions()
-    text = json.dumps({"config": config_hash(config), "versions": versions, "kind": kind, "format": FORMAT},
+    text = json.dumps({"config": config_hash(config), "versions": versions, "kind": kind, "format": format_version},
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -64,17 +73,18 @@ def shipped_name(config: dict[str, Any], kind: str) -> str:
     return f"{config_hash(config)}-{kind.replace('/', '_')}.json"
 
 
-def cache_path(config: dict[str, Any], kind: str) -> Path:
-    return cache_dir() / f"{cache_key(config, kind)}.json"
+def cache_path(config: dict[str, Any], kind: str, format_version: int = FORMAT) -> Path:
+    return cache_dir() / f"{cache_key(config, kind, format_version=format_version)}.json"
 
 
-def read_json(path: Path, key: str) -> dict[str, Any] | None:
-    """The file's payload when it parses and holds `key`; None otherwise (missing, corrupt, foreign)."""
+def read_json(path: Path, key: str, format_version: int = FORMAT) -> dict[str, Any] | None:
+    """The file's payload when it parses, holds `key` and has this format; None otherwise (missing, corrupt,
+    foreign, older)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("key") != key or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("key") != key or data.get("format") != format_version:
         return None
     return data
 
@@ -117,7 +127,10 @@ def shipped_data(config: dict[str, Any], kind: str) -> dict[str, Any] | None:
 
 
 def _shipped(config: dict[str, Any], kind: str) -> KindFit | None:
+    """The shipped fit, unless it was derived under another FIT_FORMAT (then it is derived again)."""
     data = shipped_data(config, kind)
+    if data is not None and data.get("format") != FIT_FORMAT:
+        return None
     try:
         return KindFit.from_dict(data["fit"]) if data is not None else None
     except (ValueError, KeyError, TypeError):
@@ -132,11 +145,11 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
     shipped = _shipped(config, kind)
     if shipped is not None:
         return shipped, "memfit/data/derived (shipped)"
-    path = cache_path(config, kind)
+    path = cache_path(config, kind, FIT_FORMAT)
     key = path.stem
     if key in _MEMORY:
         return _MEMORY[key], str(path)
-    data = read_json(path, key)
+    data = read_json(path, key, FIT_FORMAT)
     if data is not None:
         try:
             fit = KindFit.from_dict(data["fit"])
@@ -151,7 +164,7 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
     with reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress:
         fit = derive_kind(config, kind, progress=progress)
     _MEMORY[key] = fit
-    payload = {"key": key, "format": FORMAT, "kind": kind, "model_type": config.get("model_type"),
+    payload = {"key": key, "format": FIT_FORMAT, "kind": kind, "model_type": config.get("model_type"),
                "config_hash": config_hash(config), "versions": library_versions(),
                "derive_seconds": round(time.perf_counter() - started, 3), "fit": fit.to_dict()}
     stored = write_json(path, payload)

@@ -50,10 +50,12 @@ def dense_prefix(config: dict[str, Any], num_layers: int) -> int:
     return min(value, num_layers)
 
 
-def short_config(config: dict[str, Any], num_layers: int, *, dense: bool = False) -> dict[str, Any]:
-    """The config with `num_layers` blocks (per-layer lists such as `layer_types` cut to match). A config with a
-    dense prefix (`first_k_dense_replace`) gets copies of its repeated, routed-expert block (`dense=False`) or of
-    its dense block (`dense=True`): a 1- or 2-block copy would otherwise hold only dense blocks."""
+def short_config(config: dict[str, Any], num_layers: int, *, dense: bool = False,
+                 layer_type: str | None = None) -> dict[str, Any]:
+    """The config with `num_layers` blocks (per-layer lists such as `layer_types` cut to match, or every layer of
+    `layer_type`). A config with a dense prefix (`first_k_dense_replace`) gets copies of its repeated, routed-expert
+    block (`dense=False`) or of its dense block (`dense=True`): a 1- or 2-block copy would otherwise hold only dense
+    blocks."""
     from .._torch.step import hf_config_from_dict
 
     hf = hf_config_from_dict(config)
@@ -68,6 +70,8 @@ def short_config(config: dict[str, Any], num_layers: int, *, dense: bool = False
     for name, value in list(out.items()):
         if isinstance(value, list) and name in ("layer_types", "layers_block_type", "block_types") and value:
             out[name] = (value * num_layers)[:num_layers]
+    if layer_type is not None:
+        out["layer_types"] = [layer_type] * num_layers
     if dense_prefix(config, int(getattr(hf, "num_hidden_layers", 0) or 0)):
         out[DENSE_PREFIX_KEY] = num_layers if dense else 0
     return out
@@ -79,13 +83,27 @@ def num_layers_of(config: dict[str, Any]) -> int:
     return int(getattr(hf_config_from_dict(config), "num_hidden_layers", 0) or 0)
 
 
-def build_short(config: dict[str, Any], num_layers: int, setup, fake_mode, *, dense: bool = False):
+def build_short(config: dict[str, Any], num_layers: int, setup, fake_mode, *, dense: bool = False,
+                layer_type: str | None = None):
     from ..trace.session import build_hf_model
 
     notes: list[str] = []
     with fake_mode:
-        model = build_hf_model(short_config(config, num_layers, dense=dense), setup, notes)
+        model = build_hf_model(short_config(config, num_layers, dense=dense, layer_type=layer_type), setup, notes)
     return model, notes
+
+
+def layer_type_counts(config: dict[str, Any]) -> dict[str, int]:
+    """How many layers of each type a model with several (`layer_types`: Gemma 3's sliding and full attention
+    layers, five to one) has; empty for one type."""
+    from .._torch.step import hf_config_from_dict
+
+    hf = hf_config_from_dict(config)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    types = getattr(text, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(set(types)) < 2:
+        return {}
+    return {t: list(types).count(t) for t in dict.fromkeys(types)}
 
 
 def _blocks(model) -> list[tuple[str, Any]]:
@@ -110,7 +128,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     from torch.nn.modules import module as nn_module
 
     from .._torch import step as runner
-    from ..trace.kernels import device_kernels
+    from ..trace.kernels import device_kernels, hidden_scratch
     from ..trace.session import make_hf_batch, routed_experts
     from ..trace.tracker import StepTracker, _Kind
 
@@ -119,7 +137,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     blocks = _blocks(model)
     if not blocks:
         raise ModelSourceError(f"model_type '{config.get('model_type')}': no repeated blocks found to derive from")
-    tracker = StepTracker(num_steps=1)
+    tracker = StepTracker(num_steps=1, hidden_scratch=hidden_scratch(kernels))  # the trace's kernel model
     marks: dict[str, int] = {}
     order: list[str] = []
     names = {id(m): n for n, m in model.named_modules()}
@@ -254,10 +272,10 @@ def _basis(batch: int, seq: int) -> list[int]:
     return [batch * seq, batch * seq * seq, seq, 1]
 
 
-def _envelope(lines: list[Linear]) -> tuple[Linear, ...]:
+def _envelope(lines: list[Linear], shapes: list[tuple[int, int]]) -> tuple[Linear, ...]:
     """The lines that are the largest somewhere on a grid of real shapes (and at the fit shapes)."""
     grid = [(b, t) for b in (1, 2, 4, 8, 16, 64) for t in (16, 48, 128, 512, 2048, 8192, 32768, 131072)]
-    grid += list(FIT_SHAPES) + [CHECK_SHAPE]
+    grid += shapes
     keep: list[Linear] = []
     for b, t in grid:
         best = max(lines, key=lambda line: line(b * t, t))
@@ -267,30 +285,63 @@ def _envelope(lines: list[Linear]) -> tuple[Linear, ...]:
 
 
 def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None = None) -> KindFit:
-    """Trace the 1- and 2-block copies at FIT_SHAPES and CHECK_SHAPE under `kind`, fit and check."""
+    """Trace the 1- and 2-block copies at FIT_SHAPES and CHECK_SHAPE under `kind`, fit and check. A model with a
+    sliding window under sdpa is fitted on each side of it (KindFit.beyond: the same shapes moved past the window),
+    or past it only where the window falls among the shapes."""
+    window = sliding_window(config, kind)
+    if window <= min(seq for _, seq in FIT_SHAPES):  # no window, or every shape is past it
+        return _derive(config, kind, FIT_SHAPES, CHECK_SHAPE, progress)
+    beyond = _derive(config, kind, tuple((b, window + t) for b, t in FIT_SHAPES),
+                     (CHECK_SHAPE[0], window + CHECK_SHAPE[1]), progress)
+    if window <= max(seq for _, seq in (*FIT_SHAPES, CHECK_SHAPE)):
+        return beyond  # the shapes straddle the window: below it, this over-counts the sliding layers' mask
+    from dataclasses import replace
+
+    below = _derive(config, kind, FIT_SHAPES, CHECK_SHAPE, progress)
+    return replace(below, window=window, beyond=beyond)
+
+
+def sliding_window(config: dict[str, Any], kind: str) -> int:
+    """The sliding window past which transformers builds sliding layers' sdpa mask; 0 without one (or under eager
+    attention, whose mask is always built)."""
+    if "/eager/" in kind:
+        return 0
+    from .._torch.step import hf_config_from_dict
+
+    hf = hf_config_from_dict(config)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if (not isinstance(window, int) or isinstance(window, bool) or window <= 0
+            or getattr(text, "use_sliding_window", True) is False
+            or (layer_types and "sliding_attention" not in layer_types)):
+        return 0
+    return window
+
+
+def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress: Progress | None) -> KindFit:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .. import __version__ as memfit_version
-    from ..setup import TrainingSetup  # noqa: F401 - setups are built by kind_setup
-
     base, kernels = kind_setup(kind)
-    shapes = list(FIT_SHAPES) + [CHECK_SHAPE]
+    shapes = list(fit_shapes) + [check_shape]
     num_layers = num_layers_of(config)
     num_dense = dense_prefix(config, num_layers)
-    copies = (False, True) if num_dense else (False,)
-    runs: dict[tuple[bool, int], list[dict[str, Any]]] = {}
+    mix = {} if num_dense else layer_type_counts(config)
+    copies = [(False, None)] + ([(True, None)] if num_dense else []) + [(False, t) for t in mix]
+    runs: dict[tuple[tuple[bool, str | None], int], list[dict[str, Any]]] = {}
     total = 2 * len(shapes) * len(copies)
     done = 0
-    for dense in copies:
+    for dense, layer_type in copies:
         for layers in (1, 2):
             fake_mode = FakeTensorMode()
-            model, _notes = build_short(config, layers, base, fake_mode, dense=dense)
-            runs[dense, layers] = []
+            model, _notes = build_short(config, layers, base, fake_mode, dense=dense, layer_type=layer_type)
+            runs[(dense, layer_type), layers] = []
+            what = "dense " if dense else f"{layer_type} " if layer_type else ""
             for batch, seq in shapes:
                 if progress is not None:
-                    progress(f"{layers}-block {'dense ' if dense else ''}copy, batch {batch} x seq {seq}", done / total)
+                    progress(f"{layers}-block {what}copy, batch {batch} x seq {seq}", done / total)
                 setup = base.replace(micro_batch_size=batch, seq_len=seq)
-                runs[dense, layers].append(_measure(model, config, setup, kernels, fake_mode))
+                runs[(dense, layer_type), layers].append(_measure(model, config, setup, kernels, fake_mode))
                 done += 1
     if progress is not None:
         progress("fitting", 1.0)
@@ -298,7 +349,7 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
     grad_bytes = 2 if base.precision.param_dtype == "bf16" else 4
     per_shape = []
     for i, (batch, seq) in enumerate(shapes):
-        one, two = runs[False, 1][i], runs[False, 2][i]
+        one, two = runs[(False, None), 1][i], runs[(False, None), 2][i]
         split_one = _split(one, 0)
         grouped = _block_groups(one, two)
         routed_total = sum(grouped.values())  # the 2-block copy's backward window holds two of these
@@ -307,9 +358,14 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
             # routed ones (modeling_deepseek_v2.DeepseekV2DecoderLayer picks DeepseekV2MLP or DeepseekV2MoE by
             # layer index). The estimator multiplies one block by the depth, so the block is their depth-weighted
             # mean: exact for what all blocks keep together.
-            dense = _block_groups(runs[True, 1][i], runs[True, 2][i])
+            dense = _block_groups(runs[(True, None), 1][i], runs[(True, None), 2][i])
             grouped = {g: round(Fraction(num_dense * dense[g] + (num_layers - num_dense) * grouped[g], num_layers))
                        for g in GROUPS}
+        elif mix:
+            # layers of several types (Gemma 3 under sdpa: a sliding layer keeps the float mask its memory-efficient
+            # kernel is handed, a full layer none; ATen sdp_utils convert_boolean_attn_mask): the same mean
+            by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in mix}
+            grouped = {g: round(Fraction(sum(n * by_type[t][g] for t, n in mix.items()), num_layers)) for g in GROUPS}
         tokens = batch * seq
         reference = (2 * routed_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens
                      + vocab * hidden * grad_bytes)
@@ -319,8 +375,8 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
         head_saved = split_one["head"] + one["out_bytes"]
         per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved,
                           "window": [v - reference for v in two["window"]]})
-    fit_rows = [_basis(b, t) for b, t in FIT_SHAPES]
-    n_fit = len(FIT_SHAPES)
+    fit_rows = [_basis(b, t) for b, t in fit_shapes]
+    n_fit = len(fit_shapes)
 
     def fit(values: list[int]) -> Linear:
         return _solve(fit_rows, values[:n_fit])
@@ -333,8 +389,8 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
         lines = [fit([s["window"][j] for s in per_shape]) for j in range(lengths.pop())]
     else:  # the op sequence changed with the shape: fit the peak itself
         lines = [fit([max(s["window"]) for s in per_shape])]
-    temporaries = _envelope(lines) if lines else (Linear(),)
-    check_b, check_t = CHECK_SHAPE
+    temporaries = _envelope(lines, shapes) if lines else (Linear(),)
+    check_b, check_t = check_shape
     held = per_shape[-1]
     checks = {f"block {g}": (block[g], held["block"][g]) for g in GROUPS}
     checks.update({"embedding": (embedding, held["embedding"]), "head": (head, held["head"])})

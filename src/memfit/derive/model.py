@@ -52,28 +52,44 @@ class KindFit:
     """Largest relative error of the fit on the held-out shape."""
     shapes: tuple[tuple[int, int], ...] = ()
     versions: dict[str, str] = field(default_factory=dict)
+    window: int = 0
+    beyond: KindFit | None = None
+    """A sliding-window model (Gemma 3 under sdpa): the fit for sequences of `window` tokens or more, traced at
+    shapes past the window. transformers builds the sliding layers' mask only from there on
+    (masking_utils._ignore_causal_mask_sdpa: `kv_length >= local_attention_size`), so the memory of a block is
+    linear on each side of the window, not across it."""
+
+    def at(self, seq: int) -> KindFit:
+        """The fit that holds at sequence length `seq`."""
+        return self.beyond if self.beyond is not None and seq >= self.window else self
 
     def block_bytes(self, tokens: int, seq: int) -> dict[str, int]:
         # constants are autocast's weight copies, which the estimator adds from the parameter tensors itself
-        return {g: max(0, self.block[g](tokens, seq, constant=False)) if g in self.block else 0 for g in GROUPS}
+        fit = self.at(seq)
+        return {g: max(0, fit.block[g](tokens, seq, constant=False)) if g in fit.block else 0 for g in GROUPS}
 
     def temporaries_bytes(self, tokens: int, seq: int) -> int:
-        return max([0] + [t(tokens, seq) for t in self.temporaries])
+        return max([0] + [t(tokens, seq) for t in self.at(seq).temporaries])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "block": {g: v.to_list() for g, v in self.block.items()},
-                "head": self.head.to_list(), "embedding": self.embedding.to_list(),
-                "temporaries": [t.to_list() for t in self.temporaries], "fit_error": self.fit_error,
-                "shapes": [list(s) for s in self.shapes], "versions": dict(self.versions)}
+        out = {"kind": self.kind, "block": {g: v.to_list() for g, v in self.block.items()},
+               "head": self.head.to_list(), "embedding": self.embedding.to_list(),
+               "temporaries": [t.to_list() for t in self.temporaries], "fit_error": self.fit_error,
+               "shapes": [list(s) for s in self.shapes], "versions": dict(self.versions)}
+        if self.beyond is not None:
+            out.update(window=self.window, beyond=self.beyond.to_dict())
+        return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "KindFit":
+    def from_dict(cls, data: dict[str, Any]) -> KindFit:
+        beyond = data.get("beyond")
         return cls(kind=str(data["kind"]), block={g: Linear.from_list(v) for g, v in data["block"].items()},
                    head=Linear.from_list(data["head"]), embedding=Linear.from_list(data["embedding"]),
                    temporaries=tuple(Linear.from_list(t) for t in data["temporaries"]),
                    fit_error=float(data.get("fit_error", 0.0)),
                    shapes=tuple(tuple(int(x) for x in s) for s in data.get("shapes", ())),
-                   versions=dict(data.get("versions", {})))
+                   versions=dict(data.get("versions", {})), window=int(data.get("window", 0)),
+                   beyond=cls.from_dict(beyond) if isinstance(beyond, dict) else None)
 
 
 def setup_kind(setup: TrainingSetup, on_cpu: bool = False) -> str:

@@ -12,6 +12,10 @@ from .cache import cache_path, read_json, shipped_data, write_json
 from .model import DerivedModel
 
 PARAMS_KIND = "params"
+PARAMS_FORMAT = 2
+"""The parameter payload's layout: 2 added facts["buffer_bytes"] (the model's buffers, e.g. sin/cos tables) and
+facts["routed_experts"] (whether the built copy routes tokens to experts) and facts["linear_weight_elems"] (the
+weights autocast caches a copy of, for a model without a graph)."""
 
 
 def _hf_config(config: dict[str, Any], source: str):
@@ -49,6 +53,7 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
     build_setup = TrainingSetup(attention=Attention.EAGER)
     dense = dense_prefix(config, num_layers)
     found = {}
+    castable: set[str] = set()
     for layers in (1, 2):
         try:
             model, _ = build_short(config, layers, build_setup, FakeTensorMode())
@@ -62,22 +67,24 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
             raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' has no repeated blocks to "
                                    "derive a memory model from; use `memfit trace`")
         params = [(n, int(p.numel())) for n, p in model.named_parameters()]
+        castable |= _autocast_weights(model)
         inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         tied = (inputs is not None and outputs is not None and getattr(outputs, "weight", None) is not None
                 and outputs.weight is getattr(inputs, "weight", None))
         found[layers] = (blocks, params, tied, type(model).__name__, model)
+    buffers = [_buffer_bytes(found[layers][4]) for layers in (1, 2)]
     blocks, params, tied, class_name, model = found[2]
     prefix = blocks[0].rpartition(".")[0]
     repeated = num_layers - dense
     rows: dict[tuple[str, int], int] = {}
+    cast_rows: set[tuple[str, int]] = set()
     for name, numel in params:
         block = next((b for b in blocks if name.startswith(b + ".")), None)
-        if block is None:
-            rows[(name, numel)] = 1
-        else:
-            key = (f"{prefix}.*.{name[len(block) + 1:]}", numel)
-            rows[key] = repeated
+        key = (name, numel) if block is None else (f"{prefix}.*.{name[len(block) + 1:]}", numel)
+        rows[key] = 1 if block is None else repeated
+        if name in castable:
+            cast_rows.add(key)
     one = sum(n for _, n in found[1][1])
     two = sum(n for _, n in params)
     total = sum(n * c for (_, n), c in rows.items())
@@ -92,14 +99,44 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
             raise ModelSourceError(f"{source}: transformers cannot build the dense block of model_type "
                                    f"'{config.get('model_type')}' offline ({_first_line(error)})") from None
         (dense_block, _), = _blocks(dense_model)
+        dense_castable = _autocast_weights(dense_model)
         for name, p in dense_model.named_parameters():
             if name.startswith(dense_block + "."):
                 key = (f"{prefix}.*.{name[len(dense_block) + 1:]}", int(p.numel()))
                 rows[key] = rows.get(key, 0) + dense
+                if name in dense_castable:
+                    cast_rows.add(key)
     facts = {"tied": tied, "class": class_name, "block_prefix": prefix,
+             "buffer_bytes": buffers[0] + (buffers[1] - buffers[0]) * (num_layers - 1),
+             "routed_experts": _has_experts(model),
+             "linear_weight_elems": sum(key[1] * rows[key] for key in cast_rows),
              "is_decoder": class_name.endswith("ForCausalLM"),
              "supports_sdpa": bool(getattr(type(model), "_supports_sdpa", True))}
     return [ParamTensor(name, numel, count) for (name, numel), count in rows.items()], facts
+
+
+def _autocast_weights(model) -> set[str]:
+    """Names of the parameters autocast would cache a bf16 copy of: the 2-D weights matmuls read (projections,
+    routers), not embedding tables (embedding is no autocast op), norms and biases (1-D), nor anything of a module
+    holding stacked experts (3-D weights for grouped_mm, no autocast op; their per-expert biases are indexed)."""
+    from torch import nn
+
+    skipped = {name for name, module in model.named_modules() if isinstance(module, nn.Embedding)
+               or any(p.dim() == 3 for p in module.parameters(recurse=False))}
+    return {name for name, p in model.named_parameters()
+            if p.dim() == 2 and p.requires_grad and name.rpartition(".")[0] not in skipped}
+
+
+def _has_experts(model) -> bool:
+    from ..trace.session import _has_experts as experts_in
+
+    return experts_in(model)
+
+
+def _buffer_bytes(model) -> int:
+    """Bytes of a built copy's buffers (each storage once), as built: tables made with an explicit dtype (GPT-J's
+    `create_sinusoidal_positions(...)` in fp32) keep it whatever the parameters' dtype."""
+    return sum(b.numel() * b.element_size() for _, b in model.named_buffers())
 
 
 def arch_numbers(config: dict[str, Any], source: str) -> dict[str, Any]:
@@ -139,8 +176,10 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
 
         return stacked_spec(config, name=name, source=source)
     derived = DerivedModel(config, label=name)
-    path = cache_path(config, PARAMS_KIND)
-    data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)  # shipped for catalog models
+    path = cache_path(config, PARAMS_KIND, PARAMS_FORMAT)
+    data = shipped_data(config, PARAMS_KIND)  # shipped for catalog models
+    if data is None or data.get("format") != PARAMS_FORMAT:
+        data = read_json(path, path.stem, PARAMS_FORMAT)
     if data is not None and isinstance(data.get("params"), list):
         rows = [ParamTensor(str(n), int(k), int(c)) for n, k, c in data["params"]]
         facts = data.get("facts", {})
@@ -152,7 +191,8 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
 
         with quiet_transformers():
             rows, facts = _param_rows(config, arch["num_layers"], source)
-        write_json(path, {"key": path.stem, "format": 1, "kind": PARAMS_KIND, "model_type": config.get("model_type"),
+        write_json(path, {"key": path.stem, "format": PARAMS_FORMAT, "kind": PARAMS_KIND,
+                          "model_type": config.get("model_type"),
                           "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts, "arch": arch})
     hidden, heads, kv, head_dim, inter, act = (arch[k] for k in ("hidden_size", "num_attention_heads", "num_kv_heads",
                                                                   "head_dim", "intermediate_size", "hidden_act"))
@@ -164,5 +204,9 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
         max_position_embeddings=arch["max_position_embeddings"],
         is_decoder=bool(facts.get("is_decoder", True)), gated_mlp=False, hidden_act=act, norm="",
         tie_word_embeddings=bool(facts.get("tied", False)), source=source,
+        buffer_bytes=int(facts.get("buffer_bytes", 0)),
         extra={"derived_from": facts.get("class", ""), "layout_known": False,
-               **({"supports_sdpa": False} if facts.get("supports_sdpa") is False else {})}, derived=derived)
+               **({"supports_sdpa": False} if facts.get("supports_sdpa") is False else {}),
+               **({"routed_experts": True} if facts.get("routed_experts") else {}),
+               **({"linear_weight_elems": int(facts["linear_weight_elems"])}
+                  if "linear_weight_elems" in facts else {})}, derived=derived)

@@ -85,7 +85,7 @@ def _trace(config: dict[str, Any], built, setup, kernels: str, stacks: list[str]
     import torch
 
     from .._torch import step as runner
-    from ..trace.kernels import device_kernels
+    from ..trace.kernels import device_kernels, hidden_scratch
     from ..trace.session import make_hf_batch
     from ..trace.tracker import StepTracker, _Kind
 
@@ -94,7 +94,7 @@ def _trace(config: dict[str, Any], built, setup, kernels: str, stacks: list[str]
         param.grad = None
     with fake_mode:
         batch = make_hf_batch(config, model, setup)
-    tracker = StepTracker(num_steps=1)
+    tracker = StepTracker(num_steps=1, hidden_scratch=hidden_scratch(kernels))  # the trace's kernel model
     blocks = {id(block): stack for stack, (_, modules) in zip(stacks, _block_lists(model, stacks))
               for block in modules}
     events: dict[tuple[str, int], int] = {}

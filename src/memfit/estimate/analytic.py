@@ -154,6 +154,10 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
         terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
                       f"P={spec.num_params:,} x {p_bytes} B ({setup.precision.param_dtype}){shard_note}",
                       "ZeRO paper sec. 3.1; exact P from the model's parameter tensors")]
+    if spec.buffer_bytes:
+        terms.append(Term("parameters/buffers", Category.PARAMETERS, spec.buffer_bytes,
+                          "the model's buffers as built (sin/cos position tables), never trained",
+                          "the built model's named_buffers()"))
     if static.param_working_set_bytes:
         what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
                 "unsharded root (embeddings, head) + the block being computed")
@@ -330,15 +334,35 @@ def _head_grads(spec: ModelSpec, static: ShardedStatic) -> int:
 
 
 def _linear_weight_elems(spec: ModelSpec, setup: TrainingSetup | None = None) -> int:
-    """Linear weights whose autocast casts are cached: float8 Linears' never are (memfit.estimate.float8)."""
-    skip = ("embed", "wte", "wpe", "norm", "ln_", "ln_f", "bias", "LayerNorm", "position", "token_type")
-    total = sum(p.total for p in spec.params if not any(s in p.name for s in skip))
-    total -= moe.expert_weight_elems(spec)  # grouped_mm is no autocast op: no cached casts of stacked experts
-    if spec.tie_word_embeddings and not spec.frozen:
-        # the tied LM head casts the embedding matrix; a frozen one is no autocast-cached leaf (cached_cast needs
-        # requires_grad), so under LoRA only the adapters' casts are cached
-        total += spec.vocab_size * spec.hidden_size
-    return total - float8.converted_weight_elems(spec, setup)
+    """Elements of the weights autocast keeps a bf16 copy of (its cache holds one per trainable leaf an autocast op
+    casts): every trainable projection of the graph (on one tensor-parallel rank), LoRA's A and B but not their
+    frozen base, not the stacked experts (grouped_mm is no autocast op); a tied LM head casts the embedding matrix.
+    A model without a graph: the count read off its built copy (memfit.derive.spec), else every parameter. float8
+    Linears' weights never are (memfit.estimate.float8)."""
+    return sum(linear_weight_parts(spec)) - float8.converted_weight_elems(spec, setup)
+
+
+def linear_weight_parts(spec: ModelSpec) -> tuple[int, int]:
+    """`_linear_weight_elems` as (in the stacks' blocks, all layers; outside them: the LM head, a tied head's
+    embedding matrix, input / output projections), so a pipeline stage takes its layers' share and the last stage
+    the rest. Without a graph everything counts as the blocks'."""
+    tied = spec.vocab_size * spec.hidden_size if spec.tie_word_embeddings and not spec.frozen else 0
+    # a tied LM head casts the embedding matrix; a frozen one is no autocast-cached leaf (cached_cast needs
+    # requires_grad), so under LoRA only the adapters' casts are cached
+    if spec.graph is None:
+        if "linear_weight_elems" not in spec.extra:
+            return spec.num_params, 0  # nothing known about the layers: every parameter, an upper bound
+        return int(spec.extra["linear_weight_elems"]), tied
+    from ..graph import Stack
+    from ..graph.kinds.linear import linear_rows
+    from ..graph.model import linear_copies, tied_head_weight
+
+    parts = [0, tied]
+    for node, copies, parents in linear_copies(spec.graph):
+        if node.trainable and not moe.in_stacked_experts(parents) and not tied_head_weight(parents):
+            in_block = any(isinstance(p, Stack) and field == "block" for p, field in parents)
+            parts[0 if in_block else 1] += linear_rows(node)[0][2] * copies
+    return parts[0], parts[1]
 
 
 @dataclass(frozen=True)
@@ -712,12 +736,20 @@ def _end_of_backward(step: _Step) -> list[Term]:
                           formula=rebuilt.formula + "; its Linear weights' bf16 casts, made again in the recompute")
     elif not step.attention_backward_dominates() and _down_projection_grads(step):
         pending -= spec.intermediate_size * spec.hidden_size  # block 0's down projection has its gradient
+    # block 0's checkpoint at its recompute, measured on the Llama recipe and on derived families (Falcon's fp32
+    # step peaks there: bench/arch_matrix.py)
+    held = (detailed or spec.derived is not None) and not spec.frozen
     if detailed and step.setup.checkpointing is Checkpointing.FULL:  # block 0's input, kept until its backward
+        # (a derived block's saved bytes hold its input already: its first norm saves it, memfit.derive.fit)
         embeddings += [replace(t, name="activations/checkpoint0", num_bytes=t.num_bytes // max(spec.num_layers, 1),
                                formula="block 0's input, held by its checkpoint until its backward ends")
                        for t in step.acts if t.name == "activations/checkpoints"]
+    if held and spec.derived is not None and step.dtypes.on_cpu and step.setup.checkpointing is Checkpointing.FULL:
+        embeddings.append(Term("activations/rng_states", Category.ACTIVATIONS, 2 * CPU_RNG_STATE_BYTES,
+                               "block 0's stashed torch.get_rng_state() and the one torch.random.fork_rng takes "
+                               "around its recompute", "torch.utils.checkpoint preserve_rng_state=True"))
     grads = static.grads_bytes - static.grads_bytes * pending // max(spec.num_params, 1)
-    if detailed and spec.tie_word_embeddings and step.setup.checkpointing is Checkpointing.FULL:
+    if held and spec.tie_word_embeddings and step.setup.checkpointing is Checkpointing.FULL:
         grads += _head_grads(spec, static)  # the tied head's share waits in autograd's buffer for the embedding's
     if step.setup.optimizer_in_backward:
         grads = _head_grads(spec, static) if spec.tie_word_embeddings else 0  # a tied head's waits in the buffer

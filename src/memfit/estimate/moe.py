@@ -104,6 +104,18 @@ def applies(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
     return not spec.frozen and _blocks(spec) is not None
 
 
+def has_experts(spec: ModelSpec) -> bool:
+    """Whether the model routes tokens to experts, whichever path sizes it: an Experts node anywhere in its graph,
+    or, for a derived model without a graph (Qwen3-MoE, gpt-oss), experts found in its built copy
+    (memfit.derive.spec records them with the parameters)."""
+    graph = getattr(spec, "graph", None)
+    if graph is not None:
+        from ..graph.kinds.mlp import Experts
+
+        return bool(graph.nodes(Experts))
+    return bool(spec.extra.get("routed_experts"))
+
+
 def experts_nodes(spec: ModelSpec) -> list:
     return [b.experts for b in _blocks(spec) or () if b.experts is not None]
 
@@ -324,10 +336,22 @@ def block_temporaries(spec: ModelSpec, setup: TrainingSetup, tokens: int, d: Dty
 
 
 def expert_weight_elems(spec: ModelSpec) -> int:
-    """Elements of the stacked expert weights (all layers): torch's grouped_mm is no autocast op, so autocast
-    caches no bf16 copy of them (the eager loop casts each expert slice, uncached: `eager_weight_casts`)."""
-    return sum(p.total for p in spec.params if ".experts." in p.name and p.name.rsplit(".", 1)[-1] in
-               ("gate_up_proj", "down_proj", "up_proj"))
+    """Elements of the stacked expert weights (all layers, all experts), from the graph's Experts nodes: torch's
+    grouped_mm is no autocast op, so autocast caches no bf16 copy of them (the eager loop casts each expert slice,
+    uncached: `eager_weight_casts`)."""
+    if spec.graph is None:
+        return 0
+    from ..graph import linear_copies
+
+    return sum(node.weight_numel * copies for node, copies, parents in linear_copies(spec.graph)
+               if in_stacked_experts(parents))
+
+
+def in_stacked_experts(parents: tuple) -> bool:
+    """Whether a node (by its ancestry) is a projection of the stacked experts' MLP (3-D gate_up_proj / down_proj)."""
+    from ..graph.kinds.mlp import Experts
+
+    return any(isinstance(node, Experts) and node.stacked and field_name == "expert" for node, field_name in parents)
 
 
 def eager_weight_casts(spec: ModelSpec, setup: TrainingSetup) -> int:

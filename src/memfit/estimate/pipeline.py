@@ -239,7 +239,7 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
                    f"{setup.grad_accum_steps} micro-batches x B x T x h receive buffers per boundary of the rank's "
                    "stages (activations in, gradients in)", "torch stage.py _prepare_forward_infra / "
                    "_create_grad_recv_info")
-    casts = _autocast_copies(own, setup)
+    casts = _autocast_copies(spec, held, setup)
     moments = {}
     for name, grads, counts, extra in _backward_moments(spec, setup, held, count, static.grads_bytes, on_cpu):
         base = _static_terms(own, setup, static, grads, on_cpu)
@@ -327,14 +327,17 @@ def _backward_temporaries(spec: ModelSpec, own: ModelSpec, setup: TrainingSetup,
     return out
 
 
-def _autocast_copies(own: ModelSpec, setup: TrainingSetup) -> list[Term]:
+def _autocast_copies(spec: ModelSpec, held: RankStages, setup: TrainingSetup) -> list[Term]:
     """Under autocast, the bf16 / fp16 casts of the stage's Linear weights, cached by autocast for the region and
-    saved for backward (as memfit.estimate.analytic's autocast_weight_copies, once for the step's region)."""
+    saved for backward (as memfit.estimate.analytic's autocast_weight_copies, once for the step's region): its
+    layers' share of the blocks' projections, and on the last stage the LM head's (a tied head's copy included)."""
     if not setup.precision.is_autocast:
         return []
-    from .analytic import _linear_weight_elems
+    from .analytic import linear_weight_parts
 
-    return [Term("activations/autocast_weight_copies", Category.ACTIVATIONS, 2 * _linear_weight_elems(own),
+    blocks, outside = linear_weight_parts(spec)
+    elems = blocks * held.num_layers // max(spec.num_layers, 1) + (outside if held.last else 0)
+    return [Term("activations/autocast_weight_copies", Category.ACTIVATIONS, 2 * elems,
                  "2 B x the stage's Linear weights: casts cached by autocast, saved for backward",
                  "torch.autocast weight cast cache")]
 

@@ -13,7 +13,7 @@ from .kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from .kinds.linear import Linear, LoraLinear, Shard
 from .kinds.mlp import MLP, Experts
 from .kinds.norm import Dropout, Norm
-from .model import Block, ModelGraph, Stack, linears_of
+from .model import Block, ModelGraph, Stack, linear_copies, linears_of
 from .registry import (GraphTensor, Node, UnknownNodeKindError, dispatch, handler, params_of, registered_kinds,
                        tensors_of, walk)
 from .saved import NotModelledError, Saved, SavedCtx, saved_by
@@ -23,6 +23,6 @@ __all__ = [
     "MLP", "Attention", "Block", "ClassificationHead", "Dropout", "Embedding", "Experts", "GraphTensor", "LMHead",
     "LatentKV", "Linear", "LoraLinear", "MaskedLMHead", "ModelGraph", "Node", "Norm", "NotModelledError", "Param",
     "PatchEmbedding", "Saved", "SavedCtx", "Seq2SeqLMHead", "Shard", "Stack", "UnknownNodeKindError", "builder",
-    "dispatch", "graph_from_config", "graph_model_types", "handler", "linears_of", "params_of", "registered_kinds",
-    "rewrite", "saved_by", "tensors_of", "walk", "with_lora", "with_tensor_parallel",
+    "dispatch", "graph_from_config", "graph_model_types", "handler", "linear_copies", "linears_of", "params_of",
+    "registered_kinds", "rewrite", "saved_by", "tensors_of", "walk", "with_lora", "with_tensor_parallel",
 ]

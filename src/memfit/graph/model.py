@@ -188,6 +188,22 @@ class ModelGraph(Node):
         return tuple((path, node) for path, node, _ in walk(self) if type(node) is kind)
 
 
+def linear_copies(graph: ModelGraph) -> Iterator[tuple[Linear, int, tuple]]:
+    """Every Linear node (a LoRA base, A and B each), with how many copies of it the model holds (its stack's depth
+    x the experts of a stacked Experts) and its ancestry, as `walk` gives it."""
+    from .kinds.mlp import Experts
+
+    for _path, node, parents in walk(graph):
+        if isinstance(node, Linear):
+            copies = 1
+            for parent, field_name in parents:
+                if isinstance(parent, Stack) and field_name == "block":
+                    copies *= parent.count
+                elif isinstance(parent, Experts) and field_name == "expert":
+                    copies *= parent.num_experts
+            yield node, copies, parents
+
+
 def linears_of(node: Node, path: str = "") -> tuple[tuple[str, Linear | LoraLinear], ...]:
     """(path, projection) of every Linear / LoraLinear under any node (an Attention's q/k/v/o, an MLP's
     up/down, a whole graph's), LoRA-adapted ones as one LoraLinear, a tied head's projection left out."""

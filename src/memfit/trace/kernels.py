@@ -17,8 +17,16 @@ tensors from the CUDA kernels a GPU run takes (FACTS.md, checked against ATen):
 `device_kernels("cuda")` swaps those calls for the ops a CUDA device runs; on fake tensors their meta functions
 give the exact output and saved-tensor shapes. Kernel workspaces are not tensors and stay uncounted either way.
 
-One more differs below the dispatcher: bitsandbytes' optimizer ops run Python kernels on the CPU that allocate
-fp32 scratch the dispatch mode never sees (memfit.estimate.bnb_cpu); `hidden_scratch(kernels)` sizes it per op.
+Some kernels allocate scratch below the dispatcher, which a dispatch mode never sees; `hidden_scratch(kernels)`
+sizes it per op:
+
+- bitsandbytes' optimizer ops run Python kernels on the CPU that allocate fp32 scratch (memfit.estimate.bnb_cpu);
+- an elementwise op on operands of different dtypes (a bf16 expert output times fp32 routing weights): on the CPU,
+  TensorIterator copies each input of another dtype than the common one into a temporary of that dtype, and an
+  in-place op on a lower-precision tensor also computes into a temporary output (ATen TensorIterator.cpp
+  `compute_types`, "Promotes inputs by creating temporaries of the correct dtype", for a CPU common device only);
+  CUDA kernels cast as they load. `torch.where` casts its inputs with `.to` on every device (ATen TensorCompare.cpp
+  `where_self_out`). These temporaries live while the op's output is made.
 """
 
 from __future__ import annotations
@@ -42,19 +50,70 @@ CPU_NOTE = ("CPU kernel choices: dropout keeps its mask in the input dtype and S
 
 
 def hidden_scratch(kernels: Kernels):
-    """`(op, args) -> bytes` of the tensors `kernels`' implementation of an op allocates and frees inside it, out of
-    a TorchDispatchMode's sight; None where there are none (CUDA: bitsandbytes' fused optimizer kernels)."""
-    return _cpu_scratch if kernels == "cpu" else None
+    """`(op, args) -> bytes` of the tensors `kernels`' implementation of an op allocates inside it and frees when
+    it returns, out of a TorchDispatchMode's sight (alive together with the op's outputs)."""
+    return _cpu_scratch if kernels == "cpu" else _cuda_scratch
+
+
+def _cuda_scratch(func, args) -> int:
+    return _where_casts(args) if getattr(func, "overloadpacket", None) is torch.ops.aten.where else 0
 
 
 _BNB_ADAM = {"bitsandbytes::optimizer_update_8bit_blockwise": True, "bitsandbytes::optimizer_update_32bit": False}
 
 
 def _cpu_scratch(func, args) -> int:
+    packet = getattr(func, "overloadpacket", None)
+    if packet in _PROMOTING:
+        return _promotion_casts(args, in_place=packet in _IN_PLACE)
+    if packet is torch.ops.aten.where:
+        return _where_casts(args)
+    return _bnb_scratch(func, args) if getattr(func, "namespace", "") == "bitsandbytes" else 0
+
+
+_aten = torch.ops.aten
+_IN_PLACE = frozenset((_aten.add_, _aten.sub_, _aten.mul_, _aten.div_, _aten.addcmul_, _aten.addcdiv_, _aten.lerp_))
+_PROMOTING = _IN_PLACE | frozenset((
+    _aten.add, _aten.sub, _aten.rsub, _aten.mul, _aten.div, _aten.maximum, _aten.minimum, _aten.addcmul,
+    _aten.addcdiv, _aten.lerp, _aten.eq, _aten.ne, _aten.lt, _aten.le, _aten.gt, _aten.ge))
+"""TensorIterator ops built with promote_inputs_to_common_dtype (ATen BinaryOps.cpp / PointwiseOps.cpp /
+TensorIterator.cpp `build_borrowing_binary_op`, `build_borrowing_comparison_op`, `build_ternary_op`)."""
+
+
+def _promotion_casts(args, *, in_place: bool) -> int:
+    """Bytes of the CPU's cast copies: each tensor input of another dtype than the common one, at the common dtype;
+    for an in-place op on a tensor of another dtype, also its temporary output."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len(tensors) < 2 or len({t.dtype for t in tensors}) < 2:
+        return 0
+    common = _common_dtype(args)
+    size = common.itemsize
+    casts = sum(t.numel() * size for t in tensors if t.dtype != common)
+    if in_place and tensors[0].dtype != common:
+        casts += tensors[0].numel() * size
+    return casts
+
+
+def _where_casts(args) -> int:
+    """`torch.where(condition, self, other)`: self / other of another dtype than their common one are cast."""
+    values = args[1:3]
+    tensors = [a for a in values if isinstance(a, torch.Tensor)]
+    if len(tensors) < 2 or tensors[0].dtype == tensors[1].dtype:
+        return 0
+    common = _common_dtype(values)
+    return sum(t.numel() * common.itemsize for t in tensors if t.dtype != common)
+
+
+def _common_dtype(args) -> torch.dtype:
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    operands = [a for a in args if isinstance(a, (torch.Tensor, bool, int, float, complex))]
+    return elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.NO_OPMATH)[1]
+
+
+def _bnb_scratch(func, args) -> int:
     """bitsandbytes' CPU Adam step (backends/cpu/ops.py `_optimizer_update_8bit_blockwise_cpu` /
     `_optimizer_update_32bit_cpu`): args are (optimizer_name, g, p, ...)."""
-    if getattr(func, "namespace", "") != "bitsandbytes":
-        return 0
     eight_bit = _BNB_ADAM.get(func.name())
     if eight_bit is None or len(args) < 3 or args[0] not in ("adam", "lamb"):
         return 0

@@ -314,13 +314,13 @@ class StepTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._dtensor_type is not None and self._dtensor_type in types:
             return NotImplemented  # let DTensor desugar into ops on local shards, then see those
+        scratch = 0
         if func is self._wait_tensor:
             out = args[0]  # its fake impl returns a new tensor; eager returns the input
         elif func is _ITEM and self.phase is Phase.OPTIMIZER:
             return self._item(func, args[0])
         else:
-            if self._hidden_scratch is not None:
-                self._transient(self._hidden_scratch(func, args))
+            scratch = self._hidden_scratch(func, args) if self._hidden_scratch is not None else 0
             out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             self._see(out)
@@ -332,6 +332,8 @@ class StepTracker(TorchDispatchMode):
                     for tensor in item:
                         if isinstance(tensor, torch.Tensor):
                             self._see(tensor)
+        if scratch:  # the kernel's own scratch lives while it makes the outputs
+            self._transient(scratch)
         return out
 
     def _transient(self, num_bytes: int) -> None:
