@@ -706,8 +706,8 @@ def _end_of_backward(step: _Step) -> list[Term]:
     block0_wrapped = step.setup.checkpointing.checkpointed(0)
     if not block0_wrapped and static.fsdp is None:
         return step.static_terms(0 if step.setup.optimizer_in_backward else static.grads_bytes) + embeddings
-    per_layer = spec.params_matching(".*.") // max(spec.num_layers, 1)
-    pending = per_layer + spec.params_matching("embed_tokens", "wte", "word_embeddings", "embed_in")
+    per_layer = spec.params_matching(".*.") // max(spec.num_layers, 1)  # the repeated rows ('*' = layer index)
+    pending = per_layer + _token_embedding_elems(spec)
     temporaries = step.layer_temporaries()
     if block0_wrapped:
         rebuilt = step.recomputed_block("block 0 rebuilt during backward", kept_counted=False)
@@ -757,9 +757,27 @@ def _end_of_backward(step: _Step) -> list[Term]:
 
 
 def _block_mlp_params(spec: ModelSpec) -> int:
-    """One block's MLP parameters (their gradients exist once the block's backward reaches its attention)."""
-    return spec.params_matching(".mlp.", ".intermediate.", ".output.dense", "dense_h_to_4h",
-                                "dense_4h_to_h") // max(spec.num_layers, 1)
+    """One block's trainable MLP (or experts') parameters, from the graph's first block: their gradients exist once
+    the block's backward reaches its attention. 0 without a graph (a derived model has no such moment)."""
+    if spec.graph is None:
+        return 0
+    from ..graph import tensors_of
+    from ..graph.kinds.mlp import MLP, Experts
+
+    block = spec.graph.stacks[0].block
+    return sum(t.local for n in block.nodes if isinstance(n, (MLP, Experts)) for t in tensors_of(n) if t.trainable)
+
+
+def _token_embedding_elems(spec: ModelSpec) -> int:
+    """The token embedding's trainable elements on this rank: the graph's embedding node (OPT's is narrower than
+    hidden; vocabulary-sharded under tensor parallelism), else vocabulary x hidden."""
+    from ..graph import tensors_of
+    from ..graph.kinds.embedding import Embedding
+
+    embed = getattr(spec.graph, "embed", None)
+    if isinstance(embed, Embedding):
+        return sum(t.local for t in tensors_of(embed) if t.trainable)
+    return spec.vocab_size * spec.hidden_size if not spec.frozen else 0
 
 
 def _embedding_gradient(step: _Step) -> list[Term]:
