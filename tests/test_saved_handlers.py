@@ -61,11 +61,18 @@ def test_linear_weights_are_read_off_the_graph_not_parameter_names():
     nodes), never from fragments of parameter names; checked against the real modules' nn.Linear weights."""
     import inspect
 
-    from memfit.estimate import analytic, moe
+    from memfit.estimate import analytic, moe, pipeline
 
-    for function in (analytic._linear_weight_elems, moe.expert_weight_elems, moe.in_stacked_experts):
+    for function in (analytic._linear_weight_elems, moe.expert_weight_elems, moe.in_stacked_experts,
+                     analytic._block_mlp_params, analytic._token_embedding_elems, moe._stacked_expert_names,
+                     pipeline._embedding_names):
         source = inspect.getsource(function)
         assert "p.name" not in source and "params_matching" not in source, function.__name__
+    # the graph-less fallback's module names pick what the graph gives
+    for name in ("llama-3.1-8b", "gpt2", "bert-base-uncased", "mixtral-8x7b", "opt-1.3b", "deepseek-v2-lite"):
+        spec = resolve_model(name)
+        assert pipeline._embedding_names(spec) == {p.name for p in spec.params if ".*." not in p.name and any(
+            f in p.name for f in pipeline.EMBEDDING_FRAGMENTS)}, name
     torch = pytest.importorskip("torch")
     from memfit._torch.step import build_hf_model
     from tiny_configs import TINY_LLAMA

@@ -370,10 +370,29 @@ def ep_local_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     ep = setup.expert_parallel
     if ep <= 1 or not applies(spec):
         return spec
+    stacked = _stacked_expert_names(spec)
     params = tuple(ParamTensor(p.name, p.numel // ep, p.count, p.nbytes // ep if p.nbytes else 0)
-                   if ".experts." in p.name and p.name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj", "up_proj")
+                   if (p.name in stacked if stacked is not None else
+                       ".experts." in p.name and p.name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj", "up_proj"))
                    else p for p in spec.params)
     return replace(spec, params=params)
+
+
+def _stacked_expert_names(spec: ModelSpec) -> frozenset[str] | None:
+    """The stacked routed-expert tensors (E x out x in), by name, from the graph's Experts nodes (their router and
+    shared experts apart); None without a graph (then the modules' own names: experts.gate_up_proj / down_proj)."""
+    if spec.graph is None:
+        return None
+    from ..graph.kinds.mlp import Experts
+    from ..graph.registry import children_of, tensors_of, walk
+
+    names: set[str] = set()
+    for path, node, _ in walk(spec.graph):
+        if isinstance(node, Experts) and node.stacked:
+            other = {t.name for field_name, _, child, child_path in children_of(node, path) if field_name != "expert"
+                     for t in tensors_of(child, child_path)}
+            names |= {t.name for t in tensors_of(node, path)} - other
+    return frozenset(names)
 
 
 def all_to_all_bytes(spec: ModelSpec, setup: TrainingSetup, d: Dtypes, *, worst: bool = False) -> int:

@@ -72,12 +72,13 @@ def stage_spec(spec: ModelSpec, held: RankStages) -> ModelSpec:
     stage, every other non-layer tensor (final norm, LM head) on the last. A tied LM head is a copy of the
     embedding on the last stage (as Megatron-LM keeps one, its gradient all-reduced with the first stage's)."""
     params: list[ParamTensor] = []
+    embedding = _embedding_names(spec)
     for p in spec.params:
         if ".*." in p.name or p.name.startswith("*."):
             count = p.count * held.num_layers // spec.num_layers
             if count:
                 params.append(dataclasses.replace(p, count=count))
-        elif any(f in p.name for f in EMBEDDING_FRAGMENTS):
+        elif p.name in embedding if embedding is not None else any(f in p.name for f in EMBEDDING_FRAGMENTS):
             if held.first:
                 params.append(p)
             if held.last and spec.tie_word_embeddings and p.numel == spec.vocab_size * spec.hidden_size:
@@ -85,6 +86,17 @@ def stage_spec(spec: ModelSpec, held: RankStages) -> ModelSpec:
         elif held.last:
             params.append(p)
     return dataclasses.replace(spec, params=params, num_layers=held.num_layers)
+
+
+def _embedding_names(spec: ModelSpec) -> frozenset[str] | None:
+    """The parameters the first stage holds besides its layers: the graph's embedding and the tables beside it
+    (learned positions, token types); None without a graph (then EMBEDDING_FRAGMENTS, the modules' own names)."""
+    if spec.graph is None:
+        return None
+    from ..graph import tensors_of
+
+    nodes = [spec.graph.embed, *spec.graph.extra_params]
+    return frozenset(t.name for n in nodes for t in tensors_of(n, getattr(n, "name", "")))
 
 
 def in_flight(setup: TrainingSetup, rank: int) -> int:
