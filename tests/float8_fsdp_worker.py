@@ -6,27 +6,10 @@ dtype: FSDP2 gathers a float8 block as one uint8 buffer)."""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-
-
-def main(config_path: str, out: str, setups_json: str, steps: str) -> int:
-    from memfit import TrainingSetup
-    from memfit._torch.engine import init_process_group
-
-    config = json.loads(Path(config_path).read_text())
-    rank, ranks = init_process_group()
-    for name, fields in json.loads(setups_json).items():
-        result = run(config, TrainingSetup(**fields), int(steps))
-        (Path(out) / name).mkdir(parents=True, exist_ok=True)
-        (Path(out) / name / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": ranks, **result}))
-        dist.barrier()
-    dist.destroy_process_group()
-    return 0
+from torchrun_job import serve_setups, token_batches
 
 
 def run(config: dict, setup, steps: int) -> dict:
@@ -36,10 +19,7 @@ def run(config: dict, setup, steps: int) -> dict:
     from memfit._torch.step import build_hf_model
 
     torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(1234)
-    batches = [{"input_ids": ids, "labels": ids} for ids in
-               (torch.randint(0, config["vocab_size"], (setup.micro_batch_size, setup.seq_len), generator=generator)
-                for _ in range(steps))]
+    batches = token_batches(config, setup, steps)
     with PeakMeter() as meter:
         prepared = prepare(build_hf_model(config, setup), setup)
         for batch in batches[:-1]:
@@ -52,4 +32,4 @@ def run(config: dict, setup, steps: int) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    sys.exit(serve_setups(run, *sys.argv[1:]))

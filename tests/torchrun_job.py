@@ -30,3 +30,35 @@ def run_ranks(worker: Path, config: dict, tmp: Path, *args: str, ranks: int = 2,
 def rank_results(folder: Path, ranks: int = 2, prefix: str = "") -> list[dict]:
     """The per-rank JSON files a worker wrote: FOLDER/<prefix>rank<R>.json."""
     return [json.loads((folder / f"{prefix}rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+# ---- the worker side: what every setups-driven worker script does on its rank
+
+
+def serve_setups(run, config_path: str, out: str, setups_json: str, steps: str) -> int:
+    """A worker's main: join the gloo group, `run(config, TrainingSetup(**fields), steps)` for each named setup and
+    write its result to OUT/<name>/rank<R>.json, in step with the other ranks."""
+    import torch.distributed as dist
+
+    from memfit import TrainingSetup
+    from memfit._torch.engine import init_process_group
+
+    config = json.loads(Path(config_path).read_text())
+    rank, ranks = init_process_group()
+    for name, fields in json.loads(setups_json).items():
+        result = run(config, TrainingSetup(**fields), int(steps))
+        (Path(out) / name).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": ranks, **result}))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def token_batches(config: dict, setup, steps: int) -> list[dict]:
+    """`steps` causal-LM batches of random token ids (labels = inputs), the same on every rank (seeded)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1234)
+    return [{"input_ids": ids, "labels": ids} for ids in
+            (torch.randint(0, config["vocab_size"], (setup.micro_batch_size, setup.seq_len), generator=generator)
+             for _ in range(steps))]
