@@ -379,13 +379,11 @@ def _map_lora(m: Mapped, lora: dict) -> dict:
     if quant and quant not in _BASES:
         m.missing.append((QLORA, f"base {quant}"))
         return {}
-    if quant == "torchao_nf4":
-        m.approx.append("torchao NF4 base sized as bitsandbytes NF4 with double quantization (both 64-element "
-                        "blocks, 0.5 B + a quantized scale per weight)")
-    if m.norm.get("source") == "pytorch/torchtune":  # torchtune's LoRALinear, not peft's lora.Linear
-        m.approx.append("torchtune keeps the adapters in the model dtype (bf16) and, for QLoRA, the embeddings, "
-                        "norms and head in bf16; sized as peft keeps them (fp32 adapters; "
-                        "prepare_model_for_kbit_training's fp32 upcasts)")
+    # torchtune's LoRALinear (adapters in the model dtype, nothing upcast, a torchao NF4 base), not peft's
+    recipe = "torchtune" if m.norm.get("source") == "pytorch/torchtune" else "peft"
+    if quant == "torchao_nf4" and recipe != "torchtune":
+        m.missing.append((QLORA, "a torchao NF4 base outside torchtune's recipe"))
+        return {}
     table = _T5_TARGETS if m.spec is not None and m.spec.model_type == "t5" else _LORA_TARGETS
     targets: list[str] = []
     for short in lora.get("targets") or ():
@@ -400,7 +398,7 @@ def _map_lora(m: Mapped, lora: dict) -> dict:
     try:
         ft = Finetune(method=Method.QLORA if quant else Method.LORA, rank=int(lora["r"]),
                       alpha=float(lora.get("alpha") or lora["r"]), dropout=float(lora.get("dropout") or 0.0),
-                      targets=tuple(targets), base=_BASES.get(quant, BaseWeights.AUTO))
+                      targets=tuple(targets), base=_BASES.get(quant, BaseWeights.AUTO), recipe=recipe)
     except MemfitError as error:
         m.missing.append((LORA, str(error)))
         return {}

@@ -58,6 +58,31 @@ class BaseWeights(Choice):
         return self in (BaseWeights.NF4, BaseWeights.FP4)
 
 
+class LoraRecipe(Choice):
+    """Which library builds and trains the adapters: what it keeps in which dtype.
+
+    - peft (the HF Trainer, TRL, axolotl, LLaMA-Factory): `get_peft_model(autocast_adapter_dtype=True)` upcasts the
+      adapters to fp32 (peft/tuners/tuners_utils.py `cast_adapter_dtype`); on a quantized base
+      `prepare_model_for_kbit_training` upcasts the other parameters (embeddings, norms, head) to fp32 and, with
+      checkpointing, `enable_input_require_grads` makes the embedding output a tensor that needs a gradient; a 4-bit
+      base is bitsandbytes' Linear4bit.
+    - torchtune (`lora_finetune_single_device` / `_distributed`, torchtune 0.6 modules/peft/lora.py LoRALinear):
+      adapters in the model's dtype, nothing upcast, no input gradient asked for (its checkpoint wrapper is
+      non-reentrant); `quantize_base` stores every block Linear as torchao's NF4Tensor (FrozenNF4Linear /
+      `linear_nf4`).
+    """
+
+    PEFT = "peft"
+    TORCHTUNE = "torchtune"
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"peft": ("hf", "transformers", "trl", "axolotl", "llamafactory"), "torchtune": ("tune",)}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "LoRA recipe"
+
+
 ALL_LINEAR = "all-linear"
 """peft's target_modules shortcut: every Linear except the output head."""
 
@@ -81,10 +106,12 @@ class Finetune:
     double_quant: bool = True
     dora: bool = False
     rslora: bool = False
+    recipe: LoraRecipe = LoraRecipe.PEFT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
         object.__setattr__(self, "base", BaseWeights.parse(self.base))
+        object.__setattr__(self, "recipe", LoraRecipe.parse(self.recipe))
         for name in ("targets", "modules_to_save"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -99,6 +126,8 @@ class Finetune:
         if not self.adapters:
             if self.rslora or self.dora:
                 out.append(f"{'DoRA' if self.dora else 'rsLoRA'} shapes LoRA adapters: add --method lora (or qlora)")
+            if self.recipe is not LoraRecipe.PEFT:
+                out.append(f"the LoRA recipe '{self.recipe}' shapes LoRA adapters: add --method lora (or qlora)")
             if self.base is not BaseWeights.AUTO:
                 out.append(f"base weights '{self.base}' apply to LoRA/QLoRA; a full fine-tune trains (and stores) "
                            "every weight in the training precision")
@@ -112,6 +141,12 @@ class Finetune:
         if self.dora and self.method is Method.QLORA or self.dora and self.base.quantized:
             out.append("DoRA on a quantized base is not sized yet (peft dequantizes each weight for its norm): "
                        "use --method lora with a bf16 / fp32 base, or plain QLoRA")
+        if self.torchtune and self.base in (BaseWeights.INT8, BaseWeights.FP4):
+            out.append(f"torchtune quantizes a LoRA base to torchao NF4 only (quantize_base): base {self.base} is "
+                       "bitsandbytes', use --lora-recipe peft or base nf4")
+        if self.torchtune and self.dora:
+            out.append("torchtune's DoRALinear is not sized (its weight norm and saved tensors are its own): use "
+                       "--lora-recipe peft for DoRA, or plain LoRA")
         if self.method is Method.QLORA and self.base in (BaseWeights.FP32, BaseWeights.BF16, BaseWeights.FP16):
             out.append(f"QLoRA quantizes the base: base weights {self.base} is plain LoRA (use --method lora), "
                        "or choose nf4 / fp4 / int8")
@@ -121,6 +156,25 @@ class Finetune:
     def adapters(self) -> bool:
         """Whether LoRA adapters are trained on a frozen base."""
         return self.method is not Method.FULL
+
+    @property
+    def torchtune(self) -> bool:
+        return self.recipe is LoraRecipe.TORCHTUNE
+
+    def adapter_bytes(self, compute_dtype: str) -> int:
+        """Bytes per adapter element: fp32 under peft (autocast_adapter_dtype), the model's dtype under torchtune."""
+        return 2 if self.torchtune and compute_dtype in ("bf16", "fp16") else 4
+
+    def upcasts_unquantized(self) -> bool:
+        """Whether the parameters a quantized base leaves unquantized (embeddings, norms, head) are held in fp32:
+        peft's prepare_model_for_kbit_training does it, torchtune keeps the model's dtype."""
+        return not self.torchtune
+
+    def asks_input_gradient(self) -> bool:
+        """Whether checkpointing makes the frozen embedding's output need a gradient (peft
+        `enable_input_require_grads`, which the HF Trainer and prepare_model_for_kbit_training call); torchtune's
+        non-reentrant checkpoint wrapper needs none."""
+        return not self.torchtune
 
     def base_storage(self, compute_dtype: str) -> BaseWeights:
         """The storage of the frozen base weights, `auto` resolved (`compute_dtype`: the training's)."""
@@ -139,10 +193,10 @@ class Finetune:
         text = f"{self.method} r={self.rank}"
         if self.base.quantized:
             text += f" {self.base}"
-        return text + (" DoRA" if self.dora else "")
+        return text + (" DoRA" if self.dora else "") + (" (torchtune)" if self.torchtune else "")
 
     def to_dict(self) -> dict:
         return {"method": self.method.value, "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "targets": list(self.targets), "modules_to_save": list(self.modules_to_save),
                 "base": self.base.value, "double_quant": self.double_quant, "dora": self.dora,
-                "rslora": self.rslora}
+                "rslora": self.rslora, "recipe": self.recipe.value}

@@ -1,6 +1,13 @@
 """LoRA / QLoRA on a live model, in place (memfit.apply): the base stored as planned (bf16 / fp16 / fp32, or
 bitsandbytes 4-bit / 8-bit Linears), then peft adapters injected, kept in fp32. torch, peft and bitsandbytes are
-imported here only."""
+imported here only.
+
+torchtune's recipe (memfit.finetune.LoraRecipe) is built from the same libraries: peft's adapters kept in the model's
+dtype (its autocast_adapter_dtype=False), nothing upcast, no input gradient asked for, and a 4-bit base of torchao's
+own NF4Tensor on every block Linear (torchtune's FrozenNF4Linear / LoRALinear(quantize_base=True) store exactly that
+and run F.linear through torchao's linear_nf4). torchtune's LoRALinear.forward (modules/peft/lora.py, 0.6) computes
+linear(x) + (alpha / r) * lora_b(lora_a(dropout(x))): the ops and saved tensors of peft's lora.Linear when no cast is
+needed. torchtune itself is not imported: 0.6 imports torchao.dtypes.nf4tensor, which torchao 0.18 moved."""
 
 from __future__ import annotations
 
@@ -68,6 +75,10 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
             if param.dtype in (torch.float16, torch.bfloat16) and "lora_" not in _name_of(model, param):
                 param.data = param.data.to(torch.float32)
 
+    if ft.torchtune:
+        quantize = lambda: done.append(  # noqa: E731
+            f"{quantize_torchao_nf4(model, _DTYPES[setup.precision.compute_dtype])} Linears stored as torchao "
+            "NF4Tensor (torchtune quantize_base)")
     if base.quantized and not fake:
         quantize()
     config = LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets,
@@ -78,16 +89,20 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
             inject_adapter_in_model(config, model)
     except ValueError as error:
         raise ConfigError(f"peft could not add LoRA adapters: {str(error).splitlines()[0]}") from None
+    adapter_dtype = torch.float32 if ft.adapter_bytes(setup.precision.compute_dtype) == 4 else \
+        _DTYPES[setup.precision.compute_dtype]  # torchtune: the model's dtype
     for name, param in model.named_parameters():
-        if "lora_" in name and param.dtype != torch.float32:
-            param.data = param.data.to(torch.float32)  # get_peft_model(autocast_adapter_dtype=True) does this
+        if "lora_" in name and param.dtype != adapter_dtype:
+            param.data = param.data.to(adapter_dtype)  # get_peft_model(autocast_adapter_dtype=True) does this
     if base.quantized and fake:
         quantize()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     done.append(f"LoRA r={ft.rank} on {targets if isinstance(targets, str) else ', '.join(targets)} "
-                f"(peft.inject_adapter_in_model): {trainable:,} trainable of {total:,} parameters, adapters fp32")
-    if setup.checkpointing.value == "full" and hasattr(model, "enable_input_require_grads"):
+                f"(peft.inject_adapter_in_model): {trainable:,} trainable of {total:,} parameters, adapters "
+                f"{str(adapter_dtype).removeprefix('torch.')}")
+    if setup.checkpointing.value == "full" and ft.asks_input_gradient() and hasattr(model,
+                                                                                    "enable_input_require_grads"):
         model.enable_input_require_grads()
         done.append("enable_input_require_grads (checkpointing with a frozen embedding)")
     return True, "; ".join(done)
@@ -164,6 +179,30 @@ def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, co
                 new.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
             setattr(parent, name, new.to(device))
             count += 1
+    return count
+
+
+def quantize_torchao_nf4(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Store every nn.Linear weight but the output head's as torchao's NF4Tensor (to_nf4: block 64, scaler block
+    256), frozen, in place: what torchtune's quantize_base builds. On fake tensors to_nf4 runs as is (the trace's
+    bytes are NF4Tensor's own inner tensors)."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4  # torchao < 0.15
+        except ImportError:
+            raise ConfigError("torchtune's 4-bit base needs torchao: pip install torchao") from None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    count = 0
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or module is head or "lora_" in name:
+            continue
+        weight = module.weight.data.to(compute_dtype)
+        module.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
+        if module.bias is not None:
+            module.bias = nn.Parameter(module.bias.data.to(compute_dtype), requires_grad=False)
+        count += 1
     return count
 
 

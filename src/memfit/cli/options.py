@@ -23,7 +23,7 @@ import typer
 
 from ..diagnose import DEFAULT_MARGIN
 from ..errors import ConfigError, MemfitError
-from ..finetune import BaseWeights, Finetune, Method
+from ..finetune import BaseWeights, Finetune, LoraRecipe, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
 from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Float8, Loss, Offload, Optimizer,
@@ -329,6 +329,11 @@ RsloraOpt = Annotated[Optional[bool], _option(
     "--rslora/--no-rslora", panel=SETUP_PANEL,
     help="peft use_rslora: scale the update by alpha / sqrt(r). Changes no memory. Default: off.")]
 
+LoraRecipeOpt = Annotated[Optional[LoraRecipe], _option(
+    "--lora-recipe", panel=SETUP_PANEL, parser=choice(LoraRecipe), metavar="RECIPE",
+    help=f"Which library trains the adapters: {_choices(LoraRecipe)} (peft: fp32 adapters, fp32 embeddings / norms "
+         "/ head on a quantized base; torchtune: everything in the model's dtype, torchao NF4 base). Default: peft.")]
+
 DoraOpt = Annotated[Optional[bool], _option(
     "--dora/--no-dora", panel=SETUP_PANEL,
     help="peft use_dora: weight-decomposed LoRA (a magnitude vector per adapted Linear, the weight norm "
@@ -394,6 +399,7 @@ class SetupOptions:
     double_quant: bool | None = None
     rslora: bool | None = None
     dora: bool | None = None
+    lora_recipe: LoraRecipe | None = None
     ep: int | None = None
     capacity_factor: float | None = None
     keep: frozenset[str] | None = None
@@ -468,7 +474,8 @@ class SetupOptions:
         given = {name: value for name, value in (
             ("rank", self.lora_rank), ("alpha", self.lora_alpha), ("dropout", self.lora_dropout),
             ("targets", self.lora_targets), ("modules_to_save", self.modules_to_save), ("base", self.base),
-            ("double_quant", self.double_quant), ("rslora", self.rslora), ("dora", self.dora)) if value is not None}
+            ("double_quant", self.double_quant), ("rslora", self.rslora), ("dora", self.dora),
+            ("recipe", self.lora_recipe)) if value is not None}
         if self.method is None and not given:
             return None
         method = self.method
@@ -493,7 +500,8 @@ def _finetune_options(ft: Finetune) -> dict[str, Any]:
     out: dict[str, Any] = {"method": ft.method}
     if ft.adapters:
         out.update(lora_rank=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, base=ft.base,
-                   double_quant=ft.double_quant, rslora=ft.rslora, dora=ft.dora, lora_targets=",".join(ft.targets) or None,
+                   double_quant=ft.double_quant, rslora=ft.rslora, dora=ft.dora, lora_recipe=ft.recipe,
+                   lora_targets=",".join(ft.targets) or None,
                    modules_to_save=",".join(ft.modules_to_save) or None)
     return out
 
@@ -527,7 +535,8 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "compile": CompileOpt, "float8": Float8Opt, "float8_all_gather": Float8AllGatherOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
-    "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,
+    "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "lora_recipe": LoraRecipeOpt,
+    "ep": EpOpt, "capacity_factor": CapacityOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
 }
 _PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}

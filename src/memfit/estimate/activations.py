@@ -20,7 +20,8 @@ from ..setup import Attention, Checkpointing, TrainingSetup, fsdp2_mixed_precisi
 def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtypes:
     """The dtype classes of a step: the precision's, or with a LoRA base stored in 16 bits a 16-bit residual
     stream (the embedding and norms are bf16 too), or with a quantized base an fp32 one (peft's
-    prepare_model_for_kbit_training upcasts the embedding and norms; the 4-bit Linears return their input's dtype)."""
+    prepare_model_for_kbit_training upcasts the embedding and norms; the 4-bit Linears return their input's dtype;
+    torchtune upcasts nothing: a 16-bit one)."""
     d = Dtypes.of(setup.precision, on_cpu)
     if setup.float8.is_on and on_cpu and d.autocast:  # memfit.estimate.float8: CPU autocast leaves the input as is
         return replace(d, float8_hp_input=True)
@@ -31,6 +32,9 @@ def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtype
         # FSDP2's MixedPrecisionPolicy all-gathers the fp32 norms (and embedding) in bf16, so the residual stream
         # is bf16 too; the 4-bit Linears return their input's dtype (bench/lora_fsdp.py, 2 gloo ranks)
         return Dtypes(residual=2, compute=2, autocast=False, on_cpu=on_cpu, mlp_in_residual=True)
+    if base.quantized and not setup.finetune.upcasts_unquantized():
+        # torchtune: the embedding and norms stay in the model's dtype, linear_nf4 dequantizes to its input's dtype
+        return Dtypes(residual=2, compute=2, autocast=d.autocast, on_cpu=on_cpu)
     if base.quantized:
         return Dtypes(residual=4, compute=2 if d.autocast else 4, autocast=d.autocast, on_cpu=on_cpu,
                       mlp_in_residual=True)
@@ -258,7 +262,8 @@ def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, se
     ids += sum(8 * seq_len for t in tables if t.lookup == "positions" and not spec.frozen)
     # Under LoRA the embedding output needs a gradient only when peft's enable_input_require_grads marks it (the
     # Trainer does so with checkpointing); until then dropout keeps no mask and a LayerNorm no input.
-    needs_grad = not spec.frozen or setup.checkpointing is not Checkpointing.NONE
+    needs_grad = not spec.frozen or (setup.checkpointing is not Checkpointing.NONE
+                                     and setup.finetune.asks_input_gradient())
     if needs_grad and any(type(n) is Dropout and n.where == "embedding" and n.p > 0 for n in stack.before):
         ids += int(d.bytes_of(Saved("norms", graph.embed.dim, d.mask)) * tokens)
     if needs_grad:

@@ -143,8 +143,11 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
+        a_bytes = setup.finetune.adapter_bytes(setup.precision.compute_dtype)
         terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
-                      f"trainable P={spec.num_params:,} (LoRA adapters) x 4 B (fp32)",
+                      f"trainable P={spec.num_params:,} (LoRA adapters) x {a_bytes} B "
+                      f"({'fp32' if a_bytes == 4 else setup.precision.compute_dtype})",
+                      "torchtune LoRALinear: adapters in the model's dtype" if setup.finetune.torchtune else
                       "peft get_peft_model(autocast_adapter_dtype=True): adapters upcast to fp32"),
                  Term("parameters/frozen", Category.PARAMETERS, static.frozen_bytes,
                       f"{spec.num_frozen_params:,} frozen base parameters as stored "
@@ -165,7 +168,7 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
                           "FSDP2 all-gather / DeepSpeed ZeRO-3 prefetch"))
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""
-        g_bytes = 4 if spec.frozen else p_bytes
+        g_bytes = setup.finetune.adapter_bytes(setup.precision.compute_dtype) if spec.frozen else p_bytes
         terms.append(Term("gradients", Category.GRADIENTS, grads, f"P x {g_bytes} B{g_note}", "ZeRO paper sec. 3.1"))
     if static.comm_buffers_bytes:
         terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers_bytes,

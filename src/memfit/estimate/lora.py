@@ -5,8 +5,9 @@ frozen base plus trainable A and B) and returns a spec whose `params` are the tr
 optimizer states and their temporaries follow from the same formulas as a full fine-tune) and whose `frozen`
 tensors carry their storage bytes:
 
-- adapters: fp32 whatever the base (peft `get_peft_model(..., autocast_adapter_dtype=True)`, the default, upcasts
-  bf16/fp16 adapter weights: peft/tuners/tuners_utils.py `cast_adapter_dtype`);
+- adapters: under peft fp32 whatever the base (`get_peft_model(..., autocast_adapter_dtype=True)`, the default,
+  upcasts bf16/fp16 adapter weights: peft/tuners/tuners_utils.py `cast_adapter_dtype`); under torchtune the
+  model's dtype (memfit.finetune.LoraRecipe);
 - frozen base in bf16 / fp16 / fp32: 2 / 2 / 4 B per element;
 - 4-bit base (bitsandbytes Linear4bit, QLoRA, Dettmers et al. 2023 arXiv:2305.14314 sec. 3): every Linear inside
   the blocks packed two weights per byte, plus one absmax per 64-element block, fp32, or under double quantization
@@ -16,7 +17,11 @@ tensors carry their storage bytes:
   (bitsandbytes Int8Params.SCB);
 - what bitsandbytes leaves unquantized: the embedding, the LM head (transformers' `get_keys_to_not_convert`), norms
   and biases; peft's `prepare_model_for_kbit_training` (called by TRL's SFTTrainer, axolotl and the QLoRA
-  reference script for a quantized base) upcasts those to fp32.
+  reference script for a quantized base) upcasts those to fp32;
+- torchtune's 4-bit base (quantize_base): torchao's NF4Tensor (torchao.quantization...nf4_tensor `to_nf4`, block
+  64, scaler block 256) for every block Linear, adapted or not (FrozenNF4Linear): the packed codes (0.5 B), an int8
+  scaler per 64 elements, one quantization factor per 256 scalers and the scalers' mean in the weight's dtype, and
+  its 16-entry NF4 table in that dtype; embeddings, norms and head stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.P
 BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
 BNB_NESTED_CODE = 256  # the dynamic map of the nested quantization, fp32[256]
 BNB_4BIT_CODE = 16  # the NF4 / FP4 code, fp32[16]
-ADAPTER_BYTES = 4  # peft keeps adapters in fp32 (autocast_adapter_dtype=True)
+TORCHAO_NF4_BLOCK = 64  # torchao to_nf4(block_size=64)
+TORCHAO_NF4_SCALER_BLOCK = 256  # to_nf4(scaler_block_size=256): the int8 scalers' own blocks
 
 PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft 0.21), for the model types
@@ -68,19 +74,22 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     adapted = with_lora(graph, ft.rank, targets, alpha=ft.alpha)
     _check_targets(graph, adapted, targets)
     _check_rank(adapted, ft)
-    base = ft.base_storage(setup.precision.compute_dtype)
+    compute = setup.precision.compute_dtype
+    base = ft.base_storage(compute)
     quantizable = _quantizable_weights(adapted)
     save_names = _modules_to_save(adapted, ft.modules_to_save)
-    other_bytes = 4 if base.quantized else _dtype_bytes(base)  # prepare_model_for_kbit_training upcasts to fp32
+    other_bytes = unquantized_bytes(ft, base, compute)
+    adapter_bytes = ft.adapter_bytes(compute)
     trainable, frozen = [], []
     for t in adapted.tensors():
         if t.trainable:
-            trainable.append(ParamTensor(t.name, t.numel, t.count, ADAPTER_BYTES * t.numel))
+            trainable.append(ParamTensor(t.name, t.numel, t.count, adapter_bytes * t.numel))
             continue
         if t.name in quantizable and base.quantized:
             rows = quantizable[t.name]
-            frozen.append(ParamTensor(t.name, t.numel, t.count, quantized_weight_bytes(t.numel, rows, base,
-                                                                                      ft.double_quant)))
+            stored = (torchao_nf4_bytes(t.name, t.numel, _DTYPE_BYTES[compute]) if ft.torchtune else
+                      quantized_weight_bytes(t.numel, rows, base, ft.double_quant))
+            frozen.append(ParamTensor(t.name, t.numel, t.count, stored))
         else:
             frozen.append(ParamTensor(t.name, t.numel, t.count, other_bytes * t.numel))
         if any(t.name.startswith(prefix + ".") for prefix in save_names):
@@ -185,6 +194,30 @@ def _dtype_bytes(base: BaseWeights) -> int:
     return 4 if base is BaseWeights.FP32 else 2
 
 
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def unquantized_bytes(ft: Finetune, base: BaseWeights, compute_dtype: str) -> int:
+    """Bytes per element of what the base does not quantize (embeddings, norms, head): fp32 after peft's
+    prepare_model_for_kbit_training, else the model's dtype; a 16/32-bit base: its dtype."""
+    if not base.quantized:
+        return _dtype_bytes(base)
+    return 4 if ft.upcasts_unquantized() else _DTYPE_BYTES[compute_dtype]
+
+
+def torchao_nf4_bytes(name: str, numel: int, dtype_bytes: int) -> int:
+    """Bytes of torchao's NF4Tensor for a weight of `numel` elements quantized from `dtype_bytes`-byte floats
+    (NF4Tensor.from_tensor: quantized_data uint8[numel / 2], quantized_scalers int8[numel / 64],
+    quantization_factor[numel / 64 / 256] and scaler_mean[] in the weight's dtype, the nf4 table [16] likewise).
+    to_nf4 asserts both divisions are exact."""
+    if numel % (TORCHAO_NF4_BLOCK * TORCHAO_NF4_SCALER_BLOCK):
+        raise ConfigError(f"torchao NF4 cannot quantize {name} ({numel:,} elements): to_nf4 needs a multiple of "
+                          f"{TORCHAO_NF4_BLOCK * TORCHAO_NF4_SCALER_BLOCK:,} (block 64 x scaler block 256); use "
+                          "--lora-recipe peft (bitsandbytes pads the last block)")
+    blocks = numel // TORCHAO_NF4_BLOCK
+    return numel // 2 + blocks + dtype_bytes * (blocks // TORCHAO_NF4_SCALER_BLOCK + 1 + BNB_4BIT_CODE)
+
+
 def quantized_weight_bytes(numel: int, out_rows: int, base: BaseWeights, double_quant: bool) -> int:
     """Bytes bitsandbytes holds for one quantized weight of `numel` elements (`out_rows` output features)."""
     if base is BaseWeights.INT8:
@@ -199,7 +232,7 @@ def quantized_weight_bytes(numel: int, out_rows: int, base: BaseWeights, double_
 
 
 BASE_SOURCE = ("bitsandbytes Linear4bit / Int8Params storage and QuantState; peft prepare_model_for_kbit_training "
-               "(non-quantized parameters upcast to fp32)")
+               "(non-quantized parameters upcast to fp32); torchtune: torchao NF4Tensor")
 
 
 def base_label(spec: ModelSpec, setup: TrainingSetup) -> str:
@@ -208,6 +241,8 @@ def base_label(spec: ModelSpec, setup: TrainingSetup) -> str:
     base = ft.base_storage(setup.precision.compute_dtype)
     if not base.quantized:
         return str(base)
+    if ft.torchtune:
+        return f"torchao NF4 Linear weights; embeddings, head and norms {setup.precision.compute_dtype}"
     label = f"{base}{' + double quantization' if ft.double_quant and base.four_bit else ''}"
     return f"{label} Linear weights; embeddings, head and norms fp32"
 
@@ -245,10 +280,7 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
 
     ft = setup.finetune
     roles = adapted_roles(spec)
-    # FSDP2's MixedPrecisionPolicy casts the gathered adapters to the compute dtype: peft's cast of x is then a no-op
-    in_compute = fsdp2_mixed_precision(setup)
-    shares_x = ft.dropout == 0 and (in_compute or (not d.autocast and d.compute == 4 and d.residual == 4))
-    low = "c16" if d.autocast or in_compute else "f32"
+    shares_x, low = adapter_reads(setup, d)
     kept = []
     for item in items:
         if not item.role:
@@ -265,11 +297,26 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
                 # the dropout output)
                 kept.append(Saved(group, node.in_features, low))
             if ft.dropout > 0:
-                kept.append(Saved(group, node.in_features, _mask(d)))
+                kept.append(Saved(group, node.in_features, _mask(setup, d)))
             kept.append(Saved(group, node.rank, low))  # lora_A's output, kept by lora_B
     if ft.dora:
         kept += dora.saved_rows(roles, _GROUP_OF_ROLE, low)
     return kept
+
+
+def adapter_reads(setup: TrainingSetup, d) -> tuple[bool, str]:
+    """(whether lora_A saves the very x its base Linear reads, the dtype class of the adapters' own saved tensors).
+    peft casts x to the adapters' dtype and autocast casts it to bf16: each cast of a tensor already in that dtype
+    is the tensor itself. So x is shared when there is no dropout and x is already in the dtype the adapters compute
+    in: fp32 adapters on an fp32 stream without autocast; 16-bit adapters (torchtune, or FSDP2's MixedPrecisionPolicy
+    casting the gathered adapters) on a 16-bit stream."""
+    ft = setup.finetune
+    in_compute = fsdp2_mixed_precision(setup) or ft.adapter_bytes(setup.precision.compute_dtype) == 2
+    if in_compute:
+        same = d.compute == 2 and d.residual == 2 or fsdp2_mixed_precision(setup)
+    else:
+        same = not d.autocast and d.compute == 4 and d.residual == 4
+    return ft.dropout == 0 and same, "c16" if d.autocast or in_compute else "f32"
 
 
 def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
@@ -278,31 +325,49 @@ def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
     first norm keeps no input for an input gradient nobody asks for."""
     from .activations import Saved, first_norm_input_rows
 
-    if not spec.frozen or setup.checkpointing.value != "none":
+    if not spec.frozen or setup.checkpointing.value != "none" and setup.finetune.asks_input_gradient():
         return 0.0
     # a post-norm layer 0 starts with its projections (the embedding LayerNorm is counted there)
     rows = first_norm_input_rows(spec, d)
     if setup.finetune.dropout > 0:  # the first adapters' dropout keeps no mask: their input needs no gradient
-        rows += [Saved("norms", node.in_features, _mask(d)) for node in adapted_roles(spec).get("qkv", [])]
+        rows += [Saved("norms", node.in_features, _mask(setup, d)) for node in adapted_roles(spec).get("qkv", [])]
     return sum(d.bytes_of(r) for r in rows)
 
 
-def _mask(d) -> str:
-    """Dtype class of a LoRA dropout mask: on CPU the composite dropout's float mask of the (fp32) input; on CUDA
-    native_dropout's bool mask."""
-    return "f32" if d.on_cpu else "u8"
+def _mask(setup: TrainingSetup, d) -> str:
+    """Dtype class of a LoRA dropout mask: on CPU the composite dropout's float mask of its input, which peft has
+    cast to the adapters' dtype (fp32, or 16-bit under torchtune); on CUDA native_dropout's bool mask."""
+    if not d.on_cpu:
+        return "u8"
+    return "c16" if setup.finetune.adapter_bytes(setup.precision.compute_dtype) == 2 else "f32"
 
 
 def dequantized_weight_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     """The transient a quantized frozen Linear makes in backward: bitsandbytes dequantizes the whole weight
     (MatMul4Bit.backward: dequantize_4bit in the dtype it was quantized from, bf16 here; int8: CB * SCB / 127 in
     the input's dtype), one weight at a time: the largest one sets it."""
-    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    ft = setup.finetune
+    base = ft.base_storage(setup.precision.compute_dtype)
     if not base.quantized:
         return 0
     largest = max((p.numel for p in spec.frozen if p.nbytes < 2 * p.numel), default=0)
+    if ft.torchtune:
+        return int(torchao_dequantize_bytes_per_elem(_DTYPE_BYTES[setup.precision.compute_dtype], setup.compile)
+                   * largest)
     per = 2 if base.four_bit or setup.precision.is_autocast else 4
     return per * largest
+
+
+def torchao_dequantize_bytes_per_elem(dtype_bytes: int, compiled: bool) -> float:
+    """Bytes per weight element alive at the peak of torchao's NF4 dequantization (linear_nf4, forward and
+    backward: `weight.to(dtype)` -> NF4Tensor.get_original_weight). Eager, every local of get_original_weight is
+    alive when torch.stack makes the result: the two int64 code halves (2 x numel / 2 x 8 B), the two looked-up
+    halves, the two scaled halves and the stacked weight (3 x numel x dtype) and the dequantized scalers
+    (numel / 64 x dtype): 14.03 B per element from bf16 (measured: 14.031 on CPU). Compiled (torchtune compiles
+    each layer), inductor fuses the chain into the dequantized weight alone."""
+    if compiled:
+        return dtype_bytes
+    return 8 + 3 * dtype_bytes + dtype_bytes / TORCHAO_NF4_BLOCK
 
 
 def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) -> int:
@@ -310,13 +375,18 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
     trainable leaf's cast is), and a fresh copy per call of every frozen fp32 Linear the gradient flows through
     (autocast caches only leaves that require grad) — the whole fp32 base, or with a quantized base only the
     fp32 LM head prepare_model_for_kbit_training left; under checkpointing only the head's outlives its block."""
-    adapters = sum(p.total for p in spec.params if dora.MAGNITUDE not in p.name)  # no matmul takes a magnitude
+    ft = setup.finetune
+    # no matmul takes a magnitude; a 16-bit adapter (torchtune) is already in autocast's dtype: no copy
+    fp32_adapters = ft.adapter_bytes(setup.precision.compute_dtype) == 4
+    adapters = sum(p.total for p in spec.params if dora.MAGNITUDE not in p.name) if fp32_adapters else 0
     extra = dora.autocast_copies(spec, setup)
-    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    base = ft.base_storage(setup.precision.compute_dtype)
     head = sum(node.base.weight_numel if isinstance(node, LoraLinear) else node.weight_numel
                for path, node in spec.graph.linears() if not _inside_stack(spec.graph, path)) if spec.graph else 0
     if spec.tie_word_embeddings:  # a tied head multiplies by the (fp32 after preparation) embedding matrix
         head += spec.vocab_size * spec.hidden_size
+    if base.quantized and not ft.upcasts_unquantized():
+        head = 0  # torchtune: the head stays 16-bit, autocast's cast of it is the tensor itself
     if checkpointing:  # the blocks' casts are not saved (recomputed); the cache is gone once autocast exits
         return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if base.quantized:
@@ -360,7 +430,9 @@ def recomputed_casts(spec: ModelSpec, setup: TrainingSetup) -> int:
             frozen += node.base.weight_numel
         elif not node.trainable:
             frozen += node.weight_numel
-    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    ft = setup.finetune
+    base = ft.base_storage(setup.precision.compute_dtype)
+    adapters *= ft.adapter_bytes(setup.precision.compute_dtype) == 4  # 16-bit adapters are not cast
     return 2 * (adapters + (frozen if base is BaseWeights.FP32 else 0))
 
 
@@ -390,7 +462,10 @@ def checkpointed_moments(step, moments: dict) -> dict:
     from .result import Category, Phase, Term
 
     spec, setup, d = step.spec, step.setup, step.dtypes
+    asks = setup.finetune.asks_input_gradient()
     if not rms_gated_layer(spec):
+        if not asks:
+            return {}
         # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
         # makes is a tensor of its own, kept to the end of backward (the rest of their recompute is not modelled)
         leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
@@ -403,7 +478,9 @@ def checkpointed_moments(step, moments: dict) -> dict:
     res, cmp = d.residual, d.compute
     mlp = res if d.mlp_in_residual else cmp
     base = ft.base_storage(setup.precision.compute_dtype)
-    shares_x = not d.autocast and cmp == 4 and res == 4 and ft.dropout == 0
+    shares_x, low = adapter_reads(setup, d)
+    low_bytes = 2 if low == "c16" else 4
+    fp32_adapters = ft.adapter_bytes(setup.precision.compute_dtype) == 4
     roles = adapted_roles(spec)
     down = roles.get("down", [None])[0]
     rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
@@ -421,9 +498,10 @@ def checkpointed_moments(step, moments: dict) -> dict:
         if not shares_x:
             locals_ += n * h * res + n * inter * mlp  # the MLP input, down_proj's input
         locals_ += n * h * mlp  # base_layer(x)
-        locals_ += n * inter * 4 if mlp != 4 else 0  # peft's fp32 cast of x
-        locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast else 0  # the dropout output (its cast is saved)
-        locals_ -= 2 * down.rank * h if d.autocast else 0  # lora_B's cast, not made yet
+        locals_ += n * inter * 4 if mlp != 4 and fp32_adapters else 0  # peft's fp32 cast of x
+        # the fp32 dropout output (its autocast cast is what is saved); lora_B's cast, not made yet
+        locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast and fp32_adapters else 0
+        locals_ -= 2 * down.rank * h if d.autocast and fp32_adapters else 0
         incoming = n * h * res + n * h * cmp  # the residual gradient and lora_B's output gradient
     else:
         locals_ += n * h * res  # the MLP input (frozen gate/up keep nothing)
@@ -432,11 +510,18 @@ def checkpointed_moments(step, moments: dict) -> dict:
     recompute = [term("temporaries/recompute_locals", locals_, "the layer's forward locals still alive when the "
                       "recompute stops at its last saved tensor"),
                  term("temporaries/incoming_gradient", incoming, "the gradient flowing into the block")]
+    dequantized = dequantized_weight_bytes(spec, setup) if ft.torchtune else 0
+    if dequantized:  # the recompute's projections dequantize their weights again (torchao linear_nf4 forward),
+        # down_proj's before its output exists
+        recompute[0] = replace(recompute[0], num_bytes=recompute[0].num_bytes - (n * h * mlp if down else 0))
+        recompute.append(term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight being "
+                              "dequantized in the recompute's forward (torchao NF4Tensor.get_original_weight)"))
     # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
     freed = 0
     if down is not None:
-        freed = n * down.rank * (2 if d.autocast else 4) + (n * inter * 4 if ft.dropout > 0 and d.on_cpu else 0)
-        freed += 0 if shares_x else n * inter * (2 if d.autocast else 4)
+        mask = n * inter * (2 if _mask(setup, d) == "c16" else 4) if ft.dropout > 0 and d.on_cpu else 0
+        freed = n * down.rank * low_bytes + mask
+        freed += 0 if shares_x else n * inter * low_bytes
     mlp_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 3 * n * inter * mlp - freed,
                          "B x T x h residual gradient + 3 x B x T x I: the gradients of act * up and of both "
                          "factors, in the MLP's dtype")]
@@ -456,7 +541,7 @@ def checkpointed_moments(step, moments: dict) -> dict:
     last = minus_first_norm(without_layer_temps("first block backward"))
     first = minus_first_norm(without_layer_temps("end of backward"))
     leaf = [term("activations/embedding_leaf", n * h * res, "the embedding output, a leaf autograd keeps to the "
-                 "end (peft enable_input_require_grads)", Category.ACTIVATIONS)]
+                 "end (peft enable_input_require_grads)", Category.ACTIVATIONS)] if asks else []
     return {
         "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
         "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),

@@ -33,6 +33,14 @@ LORA_ACTIVATIONS = ("LoRA freezes weights, not activations: a frozen layer still
                     "needs; only what a weight gradient alone needs goes, and each adapted projection keeps its own "
                     "copy of its input (peft casts it to the fp32 adapters' dtype, autocast back to bf16), its rank-r "
                     "intermediate and, with LoRA dropout, a mask.")
+LORA_ACTIVATIONS_16 = ("LoRA freezes weights, not activations: a frozen layer still keeps everything its input "
+                       "gradient needs; only what a weight gradient alone needs goes; each adapter keeps its rank-r "
+                       "intermediate and, with LoRA dropout, its own input and a mask (16-bit adapters read the "
+                       "very input their base Linear reads).")
+QLORA_TORCHAO = ("QLoRA is not 4 bits per weight: the embeddings, LM head and norms stay in bf16, each 64-weight "
+                 "block adds an int8 scaler (0.125 bits/weight), and eager torchao dequantizes a whole weight "
+                 "through int64 codes (~14 B per element of the largest weight, alive at once, in forward and again "
+                 "in backward; a compiled layer fuses it into the bf16 weight alone).")
 QLORA_BITS = ("QLoRA is not 4 bits per weight: the embeddings, LM head and norms stay unquantized and "
               "prepare_model_for_kbit_training upcasts them to fp32; each 64-weight block adds its constants "
               "(~0.13 bits/weight with double quantization); and the fp32 norms make the residual stream fp32, so "
@@ -41,10 +49,12 @@ QLORA_BITS = ("QLoRA is not 4 bits per weight: the embeddings, LM head and norms
 
 def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     notes = []
-    if setup.finetune.adapters:
-        notes.append(LORA_ACTIVATIONS)
-        if setup.finetune.base_storage(setup.precision.compute_dtype).four_bit:
-            notes.append(QLORA_BITS)
+    ft = setup.finetune
+    if ft.adapters:
+        sixteen = ft.adapter_bytes(setup.precision.compute_dtype) == 2
+        notes.append(LORA_ACTIVATIONS_16 if sixteen else LORA_ACTIVATIONS)
+        if ft.base_storage(setup.precision.compute_dtype).four_bit:
+            notes.append(QLORA_TORCHAO if ft.torchtune else QLORA_BITS)
     elif setup.precision.is_autocast:
         notes.append(AMP_KEEPS_FP32)
     if setup.precision is Precision.BF16_MASTER:

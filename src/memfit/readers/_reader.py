@@ -51,7 +51,7 @@ PART_LABELS = {"finetune.method": "method", "finetune.rank": "LoRA rank", "finet
                "finetune.dropout": "LoRA dropout", "finetune.targets": "LoRA targets",
                "finetune.modules_to_save": "modules_to_save", "finetune.base": "base weights",
                "finetune.double_quant": "double quantization", "finetune.dora": "DoRA",
-               "finetune.rslora": "rsLoRA"}
+               "finetune.rslora": "rsLoRA", "finetune.recipe": "LoRA recipe"}
 """How the parts of a composite setup field (the Finetune's) are named in `mapped` and ReadEntry.text."""
 
 

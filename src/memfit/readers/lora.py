@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from ..finetune import ALL_LINEAR, BaseWeights, Finetune, Method
+from ..finetune import ALL_LINEAR, BaseWeights, Finetune, LoraRecipe, Method
 from ._reader import _MISSING, NOT_RELEVANT, NOT_SIZED, Reader, _positive
 
 FIELD = "finetune"
@@ -387,12 +387,9 @@ TORCHTUNE_NAMES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "
 """torchtune's lora_attn_modules -> the module names of memfit's (Hugging Face) architectures."""
 TORCHTUNE_MLP = ("gate_proj", "up_proj", "down_proj")
 """apply_lora_to_mlp: torchtune's w1 / w3 / w2 are these projections."""
-TORCHTUNE_NF4 = ("torchtune quantizes the block Linears to torchao NF4 (block_size 64, scaler_block_size 256: the "
-                 "blocks of bitsandbytes nf4 with double quantization); memfit sizes the bitsandbytes / peft "
-                 "layout, whose adapters and unquantized parameters are fp32 where torchtune keeps them in the "
-                 "recipe dtype (an upper bound)")
-TORCHTUNE_LORA = ("adapters sized in fp32 as peft keeps them; torchtune keeps them in the recipe dtype (an upper "
-                  "bound)")
+TORCHTUNE_NF4 = ("torchtune's recipe: every block Linear stored as torchao's NF4Tensor (block 64, scaler block 256), "
+                 "adapters, embeddings, norms and head in the recipe's dtype (memfit --lora-recipe torchtune)")
+TORCHTUNE_LORA = "torchtune's recipe: adapters in the recipe's dtype (memfit --lora-recipe torchtune)"
 
 
 def torchtune_finetune(read: Reader, model: Mapping, component: str) -> Finetune | None:
@@ -411,6 +408,7 @@ def _torchtune(read: Reader, model: Mapping, component: str, parts: LoraParts) -
                                                                         "LoRA: use a lora_ / qlora_ model builder")
         return None
     method = Method.QLORA if name.startswith("qlora_") or quantize else Method.LORA
+    parts.add("recipe", LoraRecipe.TORCHTUNE, "model._component_", component)
     if method is Method.QLORA:
         parts.add("base", BaseWeights.NF4, "model.quantize_base" if quantize else "model._component_",
                   model.get("quantize_base", component))

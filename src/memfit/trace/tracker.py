@@ -140,6 +140,10 @@ class StepTracker(TorchDispatchMode):
 
     def register(self, tensor: torch.Tensor, kind: _Kind) -> None:
         """Count a tensor that exists already (or reclassify it if it is known)."""
+        if _holds_inner_tensors(tensor):
+            for inner in _inner_tensors(tensor):
+                self.register(inner, kind)
+            return
         storage = _storage_of(tensor)
         if storage is None:
             return
@@ -374,6 +378,10 @@ class StepTracker(TorchDispatchMode):
     def _see(self, tensor: torch.Tensor) -> None:
         if self._shape_only:
             return
+        if _holds_inner_tensors(tensor):
+            for inner in _inner_tensors(tensor):
+                self._see(inner)
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -510,6 +518,21 @@ def _storage_of(tensor: torch.Tensor):
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _holds_inner_tensors(tensor) -> bool:
+    """A wrapper tensor subclass other than DTensor (torchao's NF4Tensor): its own storage is a placeholder of the
+    outer shape and dtype, the bytes are its inner tensors' (`__tensor_flatten__`)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(tensor) and not hasattr(tensor, "_local_tensor")
+
+
+def _inner_tensors(tensor):
+    for name in tensor.__tensor_flatten__()[0]:
+        inner = getattr(tensor, name)
+        if isinstance(inner, torch.Tensor):
+            yield inner
 
 
 def _local(tensor):
