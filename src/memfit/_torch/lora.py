@@ -63,6 +63,10 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
     done = []
 
     def quantize() -> None:
+        if ft.torchtune:
+            count = quantize_torchao_nf4(model, _DTYPES[setup.precision.compute_dtype])
+            done.append(f"{count} Linears stored as torchao NF4Tensor (torchtune quantize_base)")
+            return
         from ..emit.peft import fsdp2_shards
 
         storage = torch.bfloat16 if fsdp2_shards(setup) else torch.uint8  # what memfit emits for FSDP-QLoRA
@@ -75,10 +79,6 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
             if param.dtype in (torch.float16, torch.bfloat16) and "lora_" not in _name_of(model, param):
                 param.data = param.data.to(torch.float32)
 
-    if ft.torchtune:
-        quantize = lambda: done.append(  # noqa: E731
-            f"{quantize_torchao_nf4(model, _DTYPES[setup.precision.compute_dtype])} Linears stored as torchao "
-            "NF4Tensor (torchtune quantize_base)")
     if base.quantized and not fake:
         quantize()
     config = LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets,

@@ -58,11 +58,55 @@ def base_dtype(setup: TrainingSetup) -> str | None:
     return None if base.quantized else _TORCH_DTYPES[base.value]
 
 
+TORCHTUNE_ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "output_proj"}
+"""memfit's (Hugging Face) attention projections -> torchtune's lora_attn_modules names."""
+TORCHTUNE_MLP = frozenset({"gate_proj", "up_proj", "down_proj"})
+
+
+def torchtune_model_fields(setup: TrainingSetup) -> dict:
+    """The `model:` fields of a torchtune LoRA / QLoRA recipe config that give the sized adapters (the builder,
+    `model._component_`, is the recipe's own lora_ / qlora_ builder of the model)."""
+    from ..errors import ConfigError
+
+    ft = setup.finetune
+    targets = set(ft.targets)
+    if not targets or ALL_LINEAR in targets:
+        attention, mlp = list(TORCHTUNE_ATTENTION.values()), True
+    else:
+        unknown = sorted(targets - set(TORCHTUNE_ATTENTION) - TORCHTUNE_MLP)
+        if unknown:
+            raise ConfigError(f"torchtune's LoRA builders adapt q/k/v/output projections and the MLP, not "
+                              f"{', '.join(unknown)}: use --lora-recipe peft for those targets")
+        if targets & TORCHTUNE_MLP and not TORCHTUNE_MLP <= targets:
+            raise ConfigError("torchtune's apply_lora_to_mlp adapts gate_proj, up_proj and down_proj together: "
+                              "target all three or none")
+        attention = [TORCHTUNE_ATTENTION[t] for t in TORCHTUNE_ATTENTION if t in targets]
+        mlp = bool(targets & TORCHTUNE_MLP)
+    return {"lora_attn_modules": attention, "apply_lora_to_mlp": mlp, "apply_lora_to_output": False,
+            "lora_rank": ft.rank, "lora_alpha": ft.alpha, "lora_dropout": ft.dropout,
+            "quantize_base": ft.base_storage(setup.precision.compute_dtype).quantized}
+
+
+def torchtune_file(setup: TrainingSetup, *, filename: str = "torchtune_lora.yaml") -> EmittedConfig:
+    content = {"model": torchtune_model_fields(setup), "dtype": setup.precision.compute_dtype,
+               "enable_activation_checkpointing": setup.checkpointing.value != "none",
+               "batch_size": setup.micro_batch_size, "gradient_accumulation_steps": setup.grad_accum_steps}
+    comments = {"model": "merge into your recipe's model: block (keep its _component_, a lora_ / qlora_ builder)",
+                "model.quantize_base": "torchao NF4 for every block Linear, as sized"}
+    notes = ("torchtune keeps the adapters, embeddings, norms and head in the recipe dtype, as sized.",)
+    return EmittedConfig(filename, content, comments, notes,
+                         summary="the LoRA fields of a torchtune lora_finetune_single_device / _distributed "
+                                 "config, as sized.")
+
+
 def peft_file(setup: TrainingSetup, *, filename: str = "peft.json") -> EmittedConfig | None:
     """peft.json: {"lora_config": LoraConfig kwargs, "model_kwargs": from_pretrained kwargs for the base,
-    "prepare_model_for_kbit_training": bool}; None for a full fine-tune."""
+    "prepare_model_for_kbit_training": bool}; None for a full fine-tune. Under torchtune's recipe:
+    torchtune_lora.yaml (torchtune_file)."""
     if not setup.finetune.adapters:
         return None
+    if setup.finetune.torchtune:
+        return torchtune_file(setup)
     bnb = bnb_config_kwargs(setup)
     model_kwargs: dict = {"quantization_config": bnb} if bnb else {"dtype": base_dtype(setup)}
     content = {"lora_config": lora_config_kwargs(setup), "model_kwargs": model_kwargs,

@@ -510,12 +510,17 @@ def checkpointed_moments(step, moments: dict) -> dict:
     recompute = [term("temporaries/recompute_locals", locals_, "the layer's forward locals still alive when the "
                       "recompute stops at its last saved tensor"),
                  term("temporaries/incoming_gradient", incoming, "the gradient flowing into the block")]
+    # torchao's linear_nf4 dequantizes each weight again in the recompute: down_proj's before its output and its
+    # adapter's saved tensors exist
     dequantized = dequantized_weight_bytes(spec, setup) if ft.torchtune else 0
-    if dequantized:  # the recompute's projections dequantize their weights again (torchao linear_nf4 forward),
-        # down_proj's before its output exists
-        recompute[0] = replace(recompute[0], num_bytes=recompute[0].num_bytes - (n * h * mlp if down else 0))
-        recompute.append(term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight being "
-                              "dequantized in the recompute's forward (torchao NF4Tensor.get_original_weight)"))
+    not_yet = 0
+    if down is not None:
+        not_yet = n * h * mlp + n * down.rank * low_bytes + (0 if shares_x else n * inter * low_bytes)
+        not_yet += n * inter * (2 if _mask(setup, d) == "c16" else 4) if ft.dropout > 0 and d.on_cpu else 0
+    recompute_dequantizing = [term("temporaries/recompute_locals", locals_, "the layer's forward locals"),
+                              recompute[1],
+                              term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight being "
+                                   "dequantized in the recompute's forward (torchao NF4Tensor.get_original_weight)")]
     # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
     freed = 0
     if down is not None:
@@ -525,6 +530,12 @@ def checkpointed_moments(step, moments: dict) -> dict:
     mlp_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 3 * n * inter * mlp - freed,
                          "B x T x h residual gradient + 3 x B x T x I: the gradients of act * up and of both "
                          "factors, in the MLP's dtype")]
+    # torchao's NF4 backward dequantizes gate / up's weight for their input gradient, once the product's gradient
+    # is gone (measured: the two factors' gradients and the residual gradient alive at that moment)
+    dequantized_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 2 * n * inter * mlp - freed,
+                                 "B x T x h residual gradient + 2 x B x T x I: both factors' gradients"),
+                            term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight dequantized "
+                                 "for a frozen MLP projection's input gradient (NF4Tensor.get_original_weight)")]
 
     def with_rng(terms: list[Term], states: int) -> list[Term]:
         if not states:
@@ -542,7 +553,16 @@ def checkpointed_moments(step, moments: dict) -> dict:
     first = minus_first_norm(without_layer_temps("end of backward"))
     leaf = [term("activations/embedding_leaf", n * h * res, "the embedding output, a leaf autograd keeps to the "
                  "end (peft enable_input_require_grads)", Category.ACTIVATIONS)] if asks else []
-    return {
+    def before_down(terms: list[Term]) -> list[Term]:  # down_proj's output and adapter tensors not made yet
+        return [replace(t, num_bytes=t.num_bytes - not_yet) if t.name == "activations/recomputed_block" else t
+                for t in terms]
+
+    dequantizing = {} if not dequantized else {
+        "first block recompute, dequantizing": (Phase.BACKWARD,
+                                                with_rng(before_down(last) + recompute_dequantizing, layers + 1)),
+        "first block MLP input gradient": (Phase.BACKWARD, with_rng(last + dequantized_backward, layers)),
+        "block 0 MLP input gradient": (Phase.BACKWARD, with_rng(first + leaf + dequantized_backward, 1))}
+    return dequantizing | {
         "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
         "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),
         "first block MLP backward": (Phase.BACKWARD, with_rng(last + mlp_backward, layers)),
