@@ -134,7 +134,7 @@ EXAMPLES = {
         dict(padding='max-length',
              micro_batch_size=4, grad_accum_steps=8, seq_len=4096, precision='bf16', optimizer='adamw-fused',
              checkpointing='none', loss='chunked', compile=True, finetune=Finetune("lora", rank=64, alpha=128, targets=(
-                 "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
+                 "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), recipe="torchtune")),
         read=("model._component_ batch_size gradient_accumulation_steps tokenizer.max_seq_len dataset.packed dtype "
               "optimizer.fused enable_activation_checkpointing model.lora_attn_modules model.apply_lora_to_mlp "
               "model.lora_rank model.lora_alpha model.lora_dropout loss._component_ compile"),
@@ -179,7 +179,7 @@ EXAMPLES = {
         dict(padding='longest',
              micro_batch_size=2, grad_accum_steps=8, seq_len=2048, precision='bf16', optimizer='adamw-fused',
              checkpointing='full', loss='chunked', compile=False,
-             finetune=Finetune("qlora", rank=8, alpha=16, targets=ATTENTION_AND_MLP)),
+             finetune=Finetune("qlora", rank=8, alpha=16, targets=ATTENTION_AND_MLP, recipe="torchtune")),
         read=("model._component_ model.apply_lora_to_mlp model.apply_lora_to_output model.lora_attn_modules "
               "model.lora_rank model.lora_alpha model.lora_dropout batch_size gradient_accumulation_steps "
               "tokenizer.max_seq_len dataset.packed dtype optimizer.fused enable_activation_checkpointing "
@@ -710,8 +710,8 @@ def test_cli_plan_takes_the_lora_method_from_the_config(name, in_configs):
 
 def test_lora_reads_say_where_each_part_and_default_came_from(in_configs):
     tune = {e.field: e for e in read_config("torchtune_qlora.yaml").read}
-    assert "block_size 64, scaler_block_size 256" in tune["model._component_"].note
-    assert "bitsandbytes" in tune["model._component_"].note
+    assert "torchao's NF4Tensor (block 64, scaler block 256)" in tune["model._component_"].note
+    assert "--lora-recipe torchtune" in tune["model._component_"].note
     assert tune["model.lora_attn_modules"].text.endswith("(output_proj is o_proj)")
     factory = {e.field: e for e in read_config("llamafactory_lora.yaml").read}
     assert "alpha 16.0 (LLaMA-Factory's default: lora_rank * 2)" in factory["finetuning_type"].note
