@@ -17,7 +17,8 @@ per rank:
   4-bit weight is a bf16-typed Params4bit of numel / 4 elements that FSDP2 shards like any flat bf16 parameter;
   its QuantState (absmax, the nested absmax and code, the offset) is an attribute, not a parameter, and stays
   whole on every rank. (With the default uint8 storage accelerate leaves the Params4bit out of FSDP:
-  fsdp2_prepare_model `ignored_params`, replicated.)
+  fsdp2_prepare_model `ignored_params`, replicated.) torchtune's torchao NF4Tensor shards and all-gathers all of
+  its inner tensors (NF4Tensor.fsdp_pre_all_gather / fsdp_post_all_gather).
 - the gathered block (and the root) at the compute dtype: trainable and unquantized frozen tensors cast to the
   MixedPrecisionPolicy's param_dtype, the packed 4-bit bytes as they are.
 """
@@ -44,6 +45,8 @@ def _packed_bytes(spec: ModelSpec, setup: TrainingSetup, t: ParamTensor) -> int 
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     if not base.four_bit or not t.nbytes or t.nbytes >= 2 * t.numel:
         return None
+    if setup.finetune.torchtune:  # torchao NF4Tensor.fsdp_pre_all_gather: its codes, scalers and factors, all
+        return t.nbytes  # sharded on dim 0 and gathered (the 16-entry table and the mean are a few bytes)
     return -(-t.numel // 2)
 
 
