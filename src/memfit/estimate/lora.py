@@ -31,7 +31,7 @@ from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2Se
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, fsdp2_mixed_precision
-from . import dora
+from . import dora, lora_checkpoint
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
 BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
@@ -396,8 +396,12 @@ def checkpointed_moments(step, moments: dict) -> dict:
         leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
                     "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
                     "torch autograd AccumulateGrad")
-        return {name: (phase, list(terms) + [leaf]) for name, (phase, terms) in moments.items()
-                if phase is Phase.BACKWARD and terms}
+        with_leaf = {name: (phase, list(terms) + [leaf]) for name, (phase, terms) in moments.items()
+                     if phase is Phase.BACKWARD and terms}
+        if lora_checkpoint.layer_norm_block(spec):  # GPT-2 / BERT: their recompute and plain-MLP backward
+            rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
+            with_leaf.update(lora_checkpoint.ungated_moments(step, with_leaf, adapted_roles, rng))
+        return with_leaf
     ft = setup.finetune
     n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
     res, cmp = d.residual, d.compute

@@ -1,0 +1,125 @@
+"""Checkpointed LoRA steps of a block with a plain (ungated) MLP and LayerNorms (GPT-2's pre-norm block, BERT's
+post-norm one): what the last block's recompute and its MLP's backward hold beyond the block's saved tensors.
+
+Read on allocation timelines of real checkpointed peft steps (torch.profiler memory events, each allocation named
+by its module and autograd node; tiny GPT-2 and BERT of tests/tiny_configs.py, bench/lora_checkpoint.py prints
+them):
+
+- the recompute (torch.utils.checkpoint, non-reentrant) starts at the block's first backward node that needs a
+  saved tensor (the residual dropout's mask, or a post-norm block's last LayerNorm) with only the incoming
+  residual gradient allocated, and keeps one more CPU RNG state while it runs;
+- inside the adapted down projection's forward (peft lora.Linear.forward) the forward's locals are alive: the
+  attention branch's output (a pre-norm block keeps `attn_output` beside the residual sum), the MLP input, the
+  activation's output (the down projection's input), base_layer(x), peft's fp32 cast of x and, under autocast,
+  the dropout output whose bf16 cast lora_A saves;
+- LayerNorm saves its input as it is, so a pre-norm block's first norm keeps the checkpoint itself, not a copy;
+- the MLP's backward peaks at the down projection's input gradient: the residual gradient, three B x T x I
+  tensors in the MLP's dtype (the activation-output gradient and the activation's two products, or with an
+  adapted down projection the base and adapter input gradients and their sum), with the residual dropout's mask and
+  the down projection's own saved tensors gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+SOURCE = "torch.utils.checkpoint recompute, peft lora.Linear.forward, autograd of a plain MLP"
+
+
+def layer_norm_block(spec) -> bool:
+    """A block the formulas size whose norms are LayerNorms and whose MLP is plain (not gated)."""
+    from ..graph import MLP, Norm
+    from .activations import _block, _nodes_of, saved_problem
+
+    if spec.derived is not None or saved_problem(spec.graph) is not None:
+        return False
+    norms, mlps = _nodes_of(spec, Norm), _nodes_of(spec, MLP)
+    return (bool(norms) and all(n.kind == "layer" for n in norms) and len(mlps) == 1 and not mlps[0].gated
+            and not _block(spec).parallel_residual)
+
+
+def _pre_norm(spec) -> bool:
+    from ..graph import Norm
+    from .activations import _block
+
+    return type(_block(spec).nodes[0]) is Norm
+
+
+def _residual_dropout(spec) -> bool:
+    from ..graph import Dropout
+    from .activations import _nodes_of
+
+    return any(n.where == "residual" and n.p > 0 for n in _nodes_of(spec, Dropout))
+
+
+def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
+    """The backward moments of a checkpointed LoRA step of a LayerNorm block with a plain MLP: the last block's
+    recompute (R) and MLP backward (B), block 0's the same once the other blocks are done, the loss backward with
+    the RNG states (`moments`: the generic ones; `adapted_roles(spec)`: the adapted projections by role)."""
+    from .result import Category, Phase, Term
+
+    spec, setup, d = step.spec, step.setup, step.dtypes
+    ft = setup.finetune
+    n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
+    res, cmp = d.residual, d.compute
+    mlp = res if d.mlp_in_residual else cmp
+    roles = adapted_roles(spec)
+    down, up = roles.get("down", [None])[0], roles.get("up", [None])[0]
+    shares_x = not d.autocast and cmp == 4 and res == 4 and ft.dropout == 0
+
+    def term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES) -> Term:
+        return Term(name, category, int(num_bytes), formula, SOURCE)
+
+    def with_rng(terms: list, states: int) -> list:
+        if not rng_bytes:
+            return terms
+        return terms + [term("activations/rng_states", states * rng_bytes, f"{states} x {rng_bytes} B: "
+                             "torch.get_rng_state() kept per checkpointed layer (CPU device)", Category.ACTIVATIONS)]
+
+    # a pre-norm block's first LayerNorm saves the layer input, which is the checkpoint already counted
+    first_norm = n * h * res if _pre_norm(spec) else 0
+
+    def block_part(name: str, checkpoint_counted: bool) -> list:
+        terms = [t for t in moments[name][1] if t.name not in ("temporaries/layer_backward", "activations/rng_states")]
+        if not first_norm or not checkpoint_counted:
+            return terms
+        return [replace(t, num_bytes=t.num_bytes - first_norm) if t.name == "activations/recomputed_block" else t
+                for t in terms]
+
+    # R: inside the adapted down projection's forward (or at the recompute's end)
+    locals_ = n * h * res if _pre_norm(spec) else 0  # the attention branch's output, kept beside the sum
+    locals_ += 0 if up is not None and shares_x else n * h * res  # the MLP input (lora_A saves it when shared)
+    locals_ += 0 if down is not None and shares_x else n * inter * mlp  # the activation's output
+    if down is not None:
+        locals_ += n * h * cmp  # base_layer(x)
+        locals_ += n * inter * 4 if mlp != 4 else 0  # peft's fp32 cast of x
+        locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast else 0  # the dropout output (its cast is saved)
+    else:
+        locals_ += n * h * cmp  # the down projection's output
+    incoming = n * h * res
+    recompute = [term("temporaries/recompute_locals", locals_, "the block's forward locals alive in its recompute "
+                      "(branch output, MLP input, activation output, base_layer(x), peft's casts)"),
+                 term("temporaries/incoming_gradient", incoming, "the residual gradient flowing into the block")]
+    # B: the down projection's input gradient, the block's saved tensors less what its backward has freed
+    freed = n * h * cmp if _residual_dropout(spec) else 0  # the residual dropout's mask
+    if down is not None:
+        freed += n * down.rank * (2 if d.autocast else 4)  # lora_A's output, kept by lora_B
+        freed += n * inter * (mlp if shares_x else (2 if d.autocast else 4))  # lora_A's input
+        freed += n * inter * 4 if ft.dropout > 0 else 0  # the adapter dropout's mask
+    mlp_backward = [term("temporaries/mlp_backward", n * h * res + 3 * n * inter * mlp - freed,
+                         "B x T x h residual gradient + 3 x B x T x I (the down projection's input gradients or "
+                         "the activation's), less the residual dropout mask and the down projection's saved "
+                         "tensors, freed by then")]
+    if down is not None:  # the down projection's adapter gradients, made just before its input gradients
+        mlp_backward.append(term("gradients/down_adapters", 4 * (down.a.weight_numel + down.b.weight_numel),
+                                 "lora_A and lora_B gradients of the down projection (fp32 adapters)",
+                                 Category.GRADIENTS))
+    # block 0's input is no checkpoint term of the end-of-backward moment: its first norm's copy is counted
+    last, first = block_part("first block backward", True), block_part("end of backward", False)
+    return {
+        "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
+        "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),
+        "first block MLP backward": (Phase.BACKWARD, with_rng(last + mlp_backward, layers)),
+        "end of backward": (Phase.BACKWARD, with_rng(first + recompute, 2)),
+        "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + mlp_backward, 1)),
+    }
