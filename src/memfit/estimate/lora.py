@@ -446,6 +446,7 @@ def checkpointed_moments(step, moments: dict) -> dict:
                          "factors, in the MLP's dtype")]
 
     def with_rng(terms: list[Term], states: int) -> list[Term]:
+        terms = [t for t in terms if t.name != "activations/rng_states"]  # the generic moments' count, replaced
         if not states:
             return terms
         return terms + [term("activations/rng_states", states * rng, f"{states} x {rng} B: torch.get_rng_state() "
