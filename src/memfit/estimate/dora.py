@@ -96,3 +96,18 @@ def forward_moment(step, forward: list) -> list:
         "in x in identity through lora_A, lora_B (in x r, in x out) + W + s BA and s BA (2 x out x in, fp32): "
         "the largest adapted Linear's weight norm", SOURCE)]
 
+
+
+def recompute_locals_bytes(node: LoraLinear, tokens: int, *, autocast: bool, base_bytes: int) -> int:
+    """What one DoRA Linear's forward holds when it computes `result_dora` (DoraLinearLayer.forward), alive on top
+    of a checkpointed block's recompute: get_lora_weight's graph (lora_A keeps x_eye, in x in, in bf16 under
+    autocast; lora_B keeps lora_A's in x r output), its in x out product and the product cast to x's fp32
+    (`lora_weight.to(x.dtype)`), the 16-bit base weight cast to fp32 (`weight.to(x.dtype)`), and the B x T x out
+    fp32 product `(m / ||W + s BA|| - 1) * base_result`, under autocast with the fp32 copy of the bf16 base_result
+    the mixed-dtype multiply makes (CPU TensorIterator promotion). Measured: bench/lora_checkpoint.py."""
+    n_in, n_out, rank = node.in_features, node.out_features, node.rank
+    low = 2 if autocast else 4
+    lora_weight = n_in * n_in * low + n_in * rank * low + n_in * n_out * low
+    lora_weight += n_in * n_out * 4 if autocast else 0  # the bf16 product cast back to fp32
+    base_cast = n_out * n_in * 4 if base_bytes != 4 else 0
+    return lora_weight + base_cast + (2 if autocast else 1) * tokens * n_out * 4

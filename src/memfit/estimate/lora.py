@@ -436,6 +436,7 @@ def checkpointed_moments(step, moments: dict) -> dict:
     recompute = [term("temporaries/recompute_locals", locals_, "the layer's forward locals still alive when the "
                       "recompute stops at its last saved tensor"),
                  term("temporaries/incoming_gradient", incoming, "the gradient flowing into the block")]
+    recompute += lora_checkpoint.dora_recompute(step, down)
     # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
     freed = 0
     if down is not None:

@@ -100,6 +100,7 @@ def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
     recompute = [term("temporaries/recompute_locals", locals_, "the block's forward locals alive in its recompute "
                       "(branch output, MLP input, activation output, base_layer(x), peft's casts)"),
                  term("temporaries/incoming_gradient", incoming, "the residual gradient flowing into the block")]
+    recompute += dora_recompute(step, down)
     # B: the down projection's input gradient, the block's saved tensors less what its backward has freed
     freed = n * h * cmp if _residual_dropout(spec) else 0  # the residual dropout's mask
     if down is not None:
@@ -123,3 +124,20 @@ def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
         "end of backward": (Phase.BACKWARD, with_rng(first + recompute, 2)),
         "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + mlp_backward, 1)),
     }
+
+
+def dora_recompute(step, down) -> list:
+    """Under DoRA the recompute peaks in the adapted down projection's DoRA forward (memfit.estimate.dora
+    recompute_locals_bytes): nothing when DoRA is off or the down projection is not adapted."""
+    from . import dora
+    from .result import Category, Term
+
+    setup = step.setup
+    if not setup.finetune.dora or down is None:
+        return []
+    base = setup.finetune.base_storage(setup.precision.compute_dtype)
+    num_bytes = dora.recompute_locals_bytes(down, step.tokens, autocast=step.dtypes.autocast,
+                                            base_bytes=4 if base.value == "fp32" else 2)
+    return [Term("temporaries/dora_recompute", Category.TEMPORARIES, num_bytes, "the down projection's DoRA forward "
+                 "in the recompute: get_lora_weight's graph and product, the fp32 weight, the two B x T x out "
+                 "products of result_dora", dora.SOURCE)]
