@@ -595,8 +595,8 @@ class TrainingSetup:
             problems.append(f"a fused loss with {self.finetune.method} is not sized yet (the frozen head's casts "
                             "under the fused kernel are not measured): use loss chunked or standard")
         if self.finetune.dora and self.sharding.stage >= 2:
-            problems.append("DoRA is sized without FSDP / ZeRO-2+ sharding (measured there, with or without "
-                            "checkpointing): use --zero none or zero1")
+            problems.append("DoRA under FSDP / ZeRO-2+ sharding is not sized yet (measured unsharded, with or "
+                            "without checkpointing): use --zero none or zero1")
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
         if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
