@@ -150,12 +150,13 @@ def test_dora_is_an_option_an_emitted_flag_and_refused_where_not_measured():
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["estimate", "llama-3.1-8b", "--method", "lora",
                                                             "--dora", "--gpu", "H100"])
     assert result.exit_code == 0 and "DoRA" in result.output, result.output
-    with pytest.raises(ConfigError, match="DoRA on a quantized base"):
-        Finetune(method="qlora", dora=True)
+    assert Finetune(method="qlora", dora=True).dora  # sized on a 4-bit base: test_the_measured_4bit_dora_rows
+    with pytest.raises(ConfigError, match="DoRA on an int8 base"):
+        Finetune(method="qlora", base="int8", dora=True)
     assert setup.replace(checkpointing="full").finetune.dora  # sized: test_the_measured_checkpointed_dora_matrix
     with pytest.raises(ConfigError, match="DoRA under FSDP / ZeRO-2"):
         setup.replace(num_gpus=8, sharding="zero3", engine="torch")
-    bad = CliRunner().invoke(app, ["estimate", "llama-3.1-8b", "--method", "qlora", "--dora"])
+    bad = CliRunner().invoke(app, ["estimate", "llama-3.1-8b", "--method", "qlora", "--base", "int8", "--dora"])
     assert bad.exit_code == 2 and "DoRA" in bad.output
 
 
