@@ -268,7 +268,8 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
                 kept.append(Saved(group, node.in_features, _mask(d)))
             kept.append(Saved(group, node.rank, low))  # lora_A's output, kept by lora_B
     if ft.dora:
-        kept += dora.saved_rows(roles, _GROUP_OF_ROLE, low)
+        kept += dora.saved_rows(roles, _GROUP_OF_ROLE, low,
+                                ft.base_storage(setup.precision.compute_dtype).quantized)
     return kept
 
 
@@ -416,7 +417,10 @@ def checkpointed_moments(step, moments: dict) -> dict:
         return Term(name, category, int(num_bytes), formula, "torch.utils.checkpoint recompute, peft lora.Linear")
 
     def without_layer_temps(name: str) -> list[Term]:
-        return [t for t in moments[name][1] if t.name != "temporaries/layer_backward"]
+        # under checkpointing the autocast copies are the head's cast alone (autocast_copies), freed by the head's
+        # backward before any block's
+        gone = ("temporaries/layer_backward", "activations/autocast_weight_copies")
+        return [t for t in moments[name][1] if t.name not in gone]
 
     first_norm = n * h * res if res == 4 else 0
     # R: the recompute's own peak, inside down_proj's adapter (or at the frozen down_proj)
@@ -429,6 +433,9 @@ def checkpointed_moments(step, moments: dict) -> dict:
         locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast else 0  # the dropout output (its cast is saved)
         locals_ -= 2 * down.rank * h if d.autocast else 0  # lora_B's cast, not made yet
         incoming = n * h * res + n * h * cmp  # the residual gradient and lora_B's output gradient
+        if ft.dora:  # DoRA's product m / ||W + s BA|| * lora_result starts the recompute: result_dora's fp32
+            # gradient and its product's, and a 16-bit stream's own residual gradient (the add's promotion)
+            incoming = 2 * n * h * 4 + (n * h * res if res != 4 else 0)
     else:
         locals_ += n * h * res  # the MLP input (frozen gate/up keep nothing)
         locals_ += 0 if base.four_bit else n * inter * mlp  # the product (a 4-bit down_proj packs nothing)

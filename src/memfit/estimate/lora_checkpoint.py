@@ -80,7 +80,9 @@ def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
     first_norm = n * h * res if _pre_norm(spec) else 0
 
     def block_part(name: str, checkpoint_counted: bool) -> list:
-        terms = [t for t in moments[name][1] if t.name not in ("temporaries/layer_backward", "activations/rng_states")]
+        # the autocast copies are the head's cast alone under checkpointing, freed by the head's backward
+        gone = ("temporaries/layer_backward", "activations/rng_states", "activations/autocast_weight_copies")
+        terms = [t for t in moments[name][1] if t.name not in gone]
         if not first_norm or not checkpoint_counted:
             return terms
         return [replace(t, num_bytes=t.num_bytes - first_norm) if t.name == "activations/recomputed_block" else t
@@ -136,8 +138,10 @@ def dora_recompute(step, down) -> list:
     if not setup.finetune.dora or down is None:
         return []
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
-    num_bytes = dora.recompute_locals_bytes(down, step.tokens, autocast=step.dtypes.autocast,
-                                            base_bytes=4 if base.value == "fp32" else 2)
+    d = step.dtypes
+    num_bytes = dora.recompute_locals_bytes(down, step.tokens, autocast=d.autocast,
+                                            base_bytes=4 if base.value == "fp32" else 2,
+                                            base_out_bytes=d.residual if d.mlp_in_residual else d.compute)
     return [Term("temporaries/dora_recompute", Category.TEMPORARIES, num_bytes, "the down projection's DoRA forward "
                  "in the recompute: get_lora_weight's graph and product, the fp32 weight, the two B x T x out "
                  "products of result_dora", dora.SOURCE)]
