@@ -154,8 +154,9 @@ def test_dora_is_an_option_an_emitted_flag_and_refused_where_not_measured():
     with pytest.raises(ConfigError, match="DoRA on an int8 base"):
         Finetune(method="qlora", base="int8", dora=True)
     assert setup.replace(checkpointing="full").finetune.dora  # sized: test_the_measured_checkpointed_dora_matrix
-    with pytest.raises(ConfigError, match="DoRA under FSDP / ZeRO-2"):
-        setup.replace(num_gpus=8, sharding="zero3", engine="torch")
+    assert setup.replace(num_gpus=8, sharding="zero3", engine="torch").finetune.dora  # FSDP2: bench/lora_fsdp.py
+    with pytest.raises(ConfigError, match="DoRA under DeepSpeed ZeRO-2/3"):
+        setup.replace(num_gpus=8, sharding="zero3", engine="deepspeed")
     bad = CliRunner().invoke(app, ["estimate", "llama-3.1-8b", "--method", "qlora", "--base", "int8", "--dora"])
     assert bad.exit_code == 2 and "DoRA" in bad.output
 
