@@ -103,18 +103,18 @@ def forward_moment(step, forward: list) -> list:
 
 
 def recompute_locals_bytes(node: LoraLinear, tokens: int, *, autocast: bool, base_bytes: int,
-                           base_out_bytes: int) -> int:
+                           base_out_bytes: int, on_cpu: bool) -> int:
     """What one DoRA Linear's forward holds when it computes `result_dora` (DoraLinearLayer.forward), alive on top
     of a checkpointed block's recompute: get_lora_weight's graph (lora_A keeps x_eye, in x in, in bf16 under
     autocast; lora_B keeps lora_A's in x r output), its in x out product in x's fp32 (`lora_weight.to(x.dtype)`),
     the 16-bit base weight cast to fp32 (`weight.to(x.dtype)`), and the B x T x out
-    fp32 product `(m / ||W + s BA|| - 1) * base_result`, with the fp32 copy of a 16-bit base_result the
-    mixed-dtype multiply makes (CPU TensorIterator promotion; `base_out_bytes`: base_result's element size, the
-    compute dtype's, or a bitsandbytes base's input dtype). Measured: bench/lora_checkpoint.py."""
+    fp32 product `(m / ||W + s BA|| - 1) * base_result`, on CPU with the fp32 copy of a 16-bit base_result the
+    mixed-dtype multiply makes there (TensorIterator promotion; `base_out_bytes`: base_result's element size, the
+    compute dtype's, or a bitsandbytes base's input dtype). Measured on CPU: bench/lora_checkpoint.py."""
     n_in, n_out, rank = node.in_features, node.out_features, node.rank
     low = 2 if autocast else 4
     # x_eye (its bf16 cast under autocast) kept by lora_A, lora_A's output kept by lora_B, the product in fp32 (under
     # autocast the bf16 product is gone once cast)
     lora_weight = n_in * n_in * low + n_in * rank * low + n_in * n_out * 4
     base_cast = n_out * n_in * 4 if base_bytes != 4 else 0
-    return lora_weight + base_cast + (1 if base_out_bytes == 4 else 2) * tokens * n_out * 4
+    return lora_weight + base_cast + (2 if on_cpu and base_out_bytes != 4 else 1) * tokens * n_out * 4

@@ -141,7 +141,8 @@ def dora_recompute(step, down) -> list:
     d = step.dtypes
     num_bytes = dora.recompute_locals_bytes(down, step.tokens, autocast=d.autocast,
                                             base_bytes=4 if base.value == "fp32" else 2,
-                                            base_out_bytes=d.residual if d.mlp_in_residual else d.compute)
+                                            base_out_bytes=d.residual if d.mlp_in_residual else d.compute,
+                                            on_cpu=d.on_cpu)
     return [Term("temporaries/dora_recompute", Category.TEMPORARIES, num_bytes, "the down projection's DoRA forward "
                  "in the recompute: get_lora_weight's graph and product, the fp32 weight, the two B x T x out "
                  "products of result_dora", dora.SOURCE)]
