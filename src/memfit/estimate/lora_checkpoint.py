@@ -1,7 +1,8 @@
-"""Checkpointed LoRA steps of a block with a plain (ungated) MLP and LayerNorms (GPT-2's pre-norm block, BERT's
-post-norm one): what the last block's recompute and its MLP's backward hold beyond the block's saved tensors.
+"""Checkpointed LoRA steps: what a block's recompute and its MLP's backward hold beyond the block's saved tensors,
+for the Llama family's gated RMSNorm block (checkpointed_moments) and for a block with a plain (ungated) MLP and
+LayerNorms (GPT-2's pre-norm block, BERT's post-norm one: ungated_moments).
 
-Read on allocation timelines of real checkpointed peft steps (torch.profiler memory events, each allocation named
+The LayerNorm block, read on allocation timelines of real checkpointed peft steps (torch.profiler memory events, each allocation named
 by its module and autograd node; tiny GPT-2 and BERT of tests/tiny_configs.py, bench/lora_checkpoint.py prints
 them):
 
@@ -24,6 +25,118 @@ from __future__ import annotations
 from dataclasses import replace
 
 SOURCE = "torch.utils.checkpoint recompute, peft lora.Linear.forward, autograd of a plain MLP"
+
+
+# --- checkpointed LoRA steps: what a block's recompute and its frozen MLP's backward hold ---------------------------
+# Measured on allocation timelines of real checkpointed peft steps (profiler memory events, module-labelled):
+# - torch.utils.checkpoint (non-reentrant, preserve_rng_state=True) keeps the CPU generator state per layer until
+#   that layer's backward (torch.get_rng_state(): the mt19937 state, 5,056 bytes) and takes one more in each
+#   recompute; it lives on the device only when the device is the CPU.
+# - the recompute stops early (_StopRecomputationError once the last saved tensor is packed), so the Python locals
+#   of the decoder layer, its MLP and peft's lora.Linear.forward are still alive at that moment: the residual sum,
+#   the MLP input, down_proj's input, base_layer(x), peft's fp32 cast of x, the dropout output;
+# - a frozen gated MLP's backward holds the product's gradient and both factors' (3 x B x T x I) with the
+#   residual gradient, all of the block's saved tensors still alive;
+# - with an fp32 residual stream the first RMSNorm's x.to(float32) is x itself: the checkpoint, not a new tensor;
+# - peft's enable_input_require_grads makes the embedding output a leaf that autograd keeps to the end of backward.
+
+def checkpointed_moments(step, moments: dict) -> dict:
+    """The backward moments of a checkpointed LoRA step of a gated-MLP decoder (the Llama family's recipe):
+    the last block's recompute (R) and frozen-MLP backward (B), and the same for block 0 once every other
+    block's adapters have their gradients; the loss backward with the RNG states. A LayerNorm block with a plain
+    MLP: ungated_moments; other blocks keep the generic moments with the embedding leaf."""
+    from .activations import rms_gated_layer
+    from .analytic import CPU_RNG_STATE_BYTES
+    from .lora import adapted_roles
+    from .result import Category, Phase, Term
+
+    spec, setup, d = step.spec, step.setup, step.dtypes
+    if not rms_gated_layer(spec):
+        # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
+        # makes is a tensor of its own, kept to the end of backward
+        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
+                    "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
+                    "torch autograd AccumulateGrad")
+        with_leaf = {name: (phase, list(terms) + [leaf]) for name, (phase, terms) in moments.items()
+                     if phase is Phase.BACKWARD and terms}
+        if layer_norm_block(spec):  # GPT-2 / BERT: their recompute and plain-MLP backward
+            rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
+            with_leaf.update(ungated_moments(step, with_leaf, adapted_roles, rng))
+        return with_leaf
+    ft = setup.finetune
+    n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
+    res, cmp = d.residual, d.compute
+    mlp = res if d.mlp_in_residual else cmp
+    base = ft.base_storage(setup.precision.compute_dtype)
+    shares_x = not d.autocast and cmp == 4 and res == 4 and ft.dropout == 0
+    roles = adapted_roles(spec)
+    down = roles.get("down", [None])[0]
+    rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
+
+    def term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES) -> Term:
+        return Term(name, category, int(num_bytes), formula, "torch.utils.checkpoint recompute, peft lora.Linear")
+
+    def without_layer_temps(name: str) -> list[Term]:
+        # under checkpointing the autocast copies are the head's cast alone (autocast_copies), freed by the head's
+        # backward before any block's
+        gone = ("temporaries/layer_backward", "activations/autocast_weight_copies")
+        return [t for t in moments[name][1] if t.name not in gone]
+
+    first_norm = n * h * res if res == 4 else 0
+    # R: the recompute's own peak, inside down_proj's adapter (or at the frozen down_proj)
+    locals_ = n * h * res if res == 2 else 0  # the post-attention residual sum (an fp32 one the norm saves)
+    if down is not None:
+        if not shares_x:
+            locals_ += n * h * res + n * inter * mlp  # the MLP input, down_proj's input
+        locals_ += n * h * mlp  # base_layer(x)
+        locals_ += n * inter * 4 if mlp != 4 else 0  # peft's fp32 cast of x
+        locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast else 0  # the dropout output (its cast is saved)
+        locals_ -= 2 * down.rank * h if d.autocast else 0  # lora_B's cast, not made yet
+        incoming = n * h * res + n * h * cmp  # the residual gradient and lora_B's output gradient
+        if ft.dora:  # DoRA's product m / ||W + s BA|| * lora_result starts the recompute: result_dora's fp32
+            # gradient and its product's, and a 16-bit stream's own residual gradient (the add's promotion)
+            incoming = 2 * n * h * 4 + (n * h * res if res != 4 else 0)
+    else:
+        locals_ += n * h * res  # the MLP input (frozen gate/up keep nothing)
+        locals_ += 0 if base.four_bit else n * inter * mlp  # the product (a 4-bit down_proj packs nothing)
+        incoming = n * h * res
+    recompute = [term("temporaries/recompute_locals", locals_, "the layer's forward locals still alive when the "
+                      "recompute stops at its last saved tensor"),
+                 term("temporaries/incoming_gradient", incoming, "the gradient flowing into the block")]
+    recompute += dora_recompute(step, down)
+    # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
+    freed = 0
+    if down is not None:
+        freed = n * down.rank * (2 if d.autocast else 4) + (n * inter * 4 if ft.dropout > 0 and d.on_cpu else 0)
+        freed += 0 if shares_x else n * inter * (2 if d.autocast else 4)
+    mlp_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 3 * n * inter * mlp - freed,
+                         "B x T x h residual gradient + 3 x B x T x I: the gradients of act * up and of both "
+                         "factors, in the MLP's dtype")]
+
+    def with_rng(terms: list[Term], states: int) -> list[Term]:
+        terms = [t for t in terms if t.name != "activations/rng_states"]  # the generic moments' count, replaced
+        if not states:
+            return terms
+        return terms + [term("activations/rng_states", states * rng, f"{states} x {rng} B: torch.get_rng_state() "
+                             "kept per checkpointed layer (CPU device)", Category.ACTIVATIONS)]
+
+    def minus_first_norm(terms: list[Term]) -> list[Term]:
+        if not first_norm:
+            return terms
+        return [replace(t, num_bytes=t.num_bytes - first_norm) if t.name == "activations/recomputed_block" else t
+                for t in terms]
+
+    last = minus_first_norm(without_layer_temps("first block backward"))
+    first = minus_first_norm(without_layer_temps("end of backward"))
+    leaf = [term("activations/embedding_leaf", n * h * res, "the embedding output, a leaf autograd keeps to the "
+                 "end (peft enable_input_require_grads)", Category.ACTIVATIONS)]
+    return {
+        "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
+        "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),
+        "first block MLP backward": (Phase.BACKWARD, with_rng(last + mlp_backward, layers)),
+        "end of backward": (Phase.BACKWARD, with_rng(first + leaf + recompute, 2)),
+        "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + leaf + mlp_backward, 1)),
+    }
 
 
 def layer_norm_block(spec) -> bool:
