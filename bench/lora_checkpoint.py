@@ -28,7 +28,7 @@ CASES = (
     # DoRA: block 0's recompute peaks in down_proj's DoRA forward
     LoraCase(family="llama", rank=8, alpha=16, targets="all-linear", checkpointing=True, base_dtype="bf16",
              precision="amp-bf16", dora=True),
-    # not modelled: block 0's recompute peaks inside CPU SDPA's math path (autocast, attention dropout)
+    # block 0's recompute peaks inside CPU SDPA's math path (autocast, attention dropout)
     LoraCase(family="bert", rank=64, alpha=128, targets="attention", checkpointing=True, base_dtype="bf16",
              precision="amp-bf16"),
 )

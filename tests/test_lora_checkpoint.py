@@ -54,8 +54,8 @@ def test_checkpointed_layer_norm_lora_matches_a_real_step(case):
 
 def test_the_measured_matrix_checkpointed_gpt2_and_bert():
     """Every checkpointed GPT-2 / BERT row of bench/results/lora_measured.json (rank, targets, dropout, fp32 /
-    bf16 / amp, NF4): median under 1.5%. The worst rows are BERT with a bf16 base under autocast, adapters on
-    attention only, where block 0's recompute peaks inside CPU SDPA's math path (not modelled: up to 7.2% low)."""
+    bf16 / amp, NF4, DoRA): median under 1%, every row within 3.5% (they were 1-11% low, DoRA refused). BERT's bf16
+    attention-only rows peak in block 0's recompute inside CPU SDPA's math path (attention dropout)."""
     from bench_scripts import load_bench
 
     accuracy = load_bench("lora_accuracy")
@@ -63,10 +63,28 @@ def test_the_measured_matrix_checkpointed_gpt2_and_bert():
              if c["checkpointing"] and c["family"] in ("gpt2", "bert")]
     rows = [r for r in accuracy.rows(cases) if r[2] is not None]
     errors = {label: (p - m) / m for label, m, p, _ in rows}
-    assert len(errors) >= 35
-    assert statistics.median(abs(e) for e in errors.values()) < 0.015
+    assert len(errors) >= 45
+    assert statistics.median(abs(e) for e in errors.values()) < 0.01
     worst = max(errors, key=lambda k: abs(errors[k]))
-    assert abs(errors[worst]) < 0.075, (worst, errors[worst])
-    others = [abs(e) for label, e in errors.items() if not (label.startswith("bert") and "/attention/" in label
-                                                            and "amp-bf16" in label)]
-    assert max(others) < 0.035
+    assert abs(errors[worst]) < 0.035, (worst, errors[worst])
+
+
+def test_sdpa_math_path_copies_match_a_real_call():
+    """CPU SDPA with dropout on HF's transposed q / k / v views under autocast: what the call holds at its peak
+    beyond its saved tensors and output is 5 x B x T x h_q fp32 + B x H x T x T bf16 (lora_checkpoint.
+    attention_recompute's transient)."""
+    import torch
+
+    from lora_truth import alloc_trace
+
+    batch, heads, seq, head_dim = 2, 4, 32, 8
+    inputs = [torch.randn(batch, seq, heads * head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+
+    def call():
+        q, k, v = (x.view(batch, seq, heads, head_dim).transpose(1, 2) for x in inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    trace = alloc_trace(call)
+    tokens = batch * seq
+    assert trace["peak"] - trace["end"] == 5 * tokens * heads * head_dim * 4 + batch * heads * seq * seq * 2

@@ -181,8 +181,7 @@ def test_the_measured_dora_matrix():
 def test_the_measured_checkpointed_dora_matrix():
     """DoRA with the Trainer's checkpointing (llama / qwen2 / gpt2 / bert, attention / all-linear, fp32 /
     amp-bf16, dropout): the recompute runs each adapted Linear's weight norm again inside backward
-    (memfit.estimate.dora.recompute_locals_bytes). Median under 1%; every row within 3% but BERT's bf16
-    attention-only row, whose block 0 recompute peaks inside CPU SDPA's math path (5.1% low, as plain LoRA)."""
+    (memfit.estimate.dora.recompute_locals_bytes). Median under 1%, every row within 3.5%."""
     import json
     import statistics
     from pathlib import Path
@@ -196,8 +195,7 @@ def test_the_measured_checkpointed_dora_matrix():
     errors = {label: abs(p - m) / m for label, m, p, _ in rows}
     assert len(errors) >= 17
     assert statistics.median(errors.values()) < 0.01
-    assert max(errors.values()) < 0.055
-    assert max(e for label, e in errors.items() if not label.startswith("bert/r8/attention")) < 0.03
+    assert max(errors.values()) < 0.035, max(errors, key=errors.get)
 
 
 def test_the_measured_4bit_dora_rows():

@@ -232,13 +232,55 @@ def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
                                  Category.GRADIENTS))
     # block 0's input is no checkpoint term of the end-of-backward moment: its first norm's copy is counted
     last, first = block_part("first block backward", True), block_part("end of backward", False)
-    return {
+    out = {
         "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
         "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),
         "first block MLP backward": (Phase.BACKWARD, with_rng(last + mlp_backward, layers)),
         "end of backward": (Phase.BACKWARD, with_rng(first + recompute, 2)),
         "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + mlp_backward, 1)),
     }
+    if sdpa_math_path(spec, setup, d):
+        out["first block attention recompute"] = (Phase.BACKWARD, with_rng(
+            attention_recompute(step, last, incoming, term), layers + 1))
+        out["block 0 attention recompute"] = (Phase.BACKWARD, with_rng(
+            attention_recompute(step, first, incoming, term), 2))
+    return out
+
+
+def sdpa_math_path(spec, setup, d) -> bool:
+    """CPU SDPA with attention dropout runs torch's composite math kernel (_scaled_dot_product_attention_math),
+    which materialises the B x H x T x T scores."""
+    from ..graph import Dropout
+    from ..setup import Attention
+    from .activations import _nodes_of
+
+    return (d.on_cpu and setup.attention is Attention.SDPA
+            and any(n.where == "attention" and n.p > 0 for n in _nodes_of(spec, Dropout)))
+
+
+def attention_recompute(step, terms: list, incoming: int, term) -> list:
+    """A block's recompute at its SDPA (the math path): the block's saved tensors but its MLP's and norms', the
+    q / k / v projections' outputs (the attention's locals), the SDPA output and the math kernel's own C++ locals
+    beyond what it saves: under autocast its fp32 q / k / v copies and the contiguous copies of the transposed
+    views (5 x B x T x h_q fp32) and the bf16 probabilities for the last matmul (B x H x T x T x 2 B), in fp32 one
+    B x T x h_q copy. Measured: SDPA alone on HF's transposed views, and a BERT step (bench/lora_checkpoint.py)."""
+    spec, setup, d = step.spec, step.setup, step.dtypes
+    n, seq = step.tokens, setup.seq_len
+    heads = spec.num_attention_heads
+    q_width = heads * (spec.head_dim or spec.hidden_size // heads)
+    kv_width = spec.kv_dim
+    # not made yet: the MLP's and the norms' saved tensors (the output projection's adapter rows and every
+    # adapter's bf16 weight casts stay counted: a little high)
+    later = step.per_layer["mlp"] + step.per_layer["norms"]
+    kept = [replace(t, num_bytes=t.num_bytes - later) if t.name == "activations/recomputed_block" else t
+            for t in terms]
+    scores = (n // seq) * heads * seq * seq
+    transient = 5 * n * q_width * 4 + scores * 2 if d.autocast else n * q_width * 4
+    local = n * (q_width + 2 * kv_width) * d.compute + n * q_width * d.compute
+    return kept + [term("temporaries/attention_recompute", local + transient,
+                        "q / k / v outputs and the SDPA output (B x T x (h_q + 2 h_kv + h_q)) + the math kernel's "
+                        "copies (autocast: 5 x B x T x h_q x 4 B + B x H x T x T x 2 B; fp32: B x T x h_q x 4 B)"),
+                   term("temporaries/incoming_gradient", incoming, "the residual gradient flowing into the block")]
 
 
 def dora_recompute(step, down) -> list:
