@@ -53,6 +53,13 @@ def cases() -> dict[str, tuple[dict, TrainingSetup]]:
         out[f"qlora-{sharding}-{precision}-ckpt_{ckpt}-v512"] = (dict(TINY_LLAMA), dict(
             sharding=sharding, precision=precision, checkpointing=ckpt, seq_len=128,
             finetune=dict(LORA, method="qlora")))
+    for sharding, precision, ckpt in (("zero2", "fp32", "none"), ("zero3", "fp32", "none"),
+                                      ("zero3", "amp-bf16", "none"), ("zero3", "amp-bf16", "full")):
+        out[f"dora-{sharding}-{precision}-ckpt_{ckpt}-v512"] = (dict(TINY_LLAMA), dict(
+            sharding=sharding, precision=precision, checkpointing=ckpt, seq_len=128, finetune=dict(LORA, dora=True)))
+    out["dora-qlora-zero3-amp-bf16-ckpt_none-v512"] = (dict(TINY_LLAMA), dict(
+        sharding="zero3", precision="amp-bf16", checkpointing="none", seq_len=128,
+        finetune=dict(LORA, method="qlora", dora=True)))
     return {name: (config, TrainingSetup(micro_batch_size=2, optimizer="adamw", engine="torch", num_gpus=RANKS,
                                          **fields)) for name, (config, fields) in out.items()}
 

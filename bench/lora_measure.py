@@ -92,6 +92,23 @@ def extra_rows() -> list[LoraCase]:
                              base_dtype=base, precision=precision, dora=True))
     rows.append(LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", base_dtype="bf16", precision="bf16",
                          dora=True))
+    # DoRA with (Trainer's non-reentrant) checkpointing: the weight norm is recomputed in each block's recompute
+    for family, targets, (base, precision) in itertools.product(("llama", "qwen2", "gpt2", "bert"),
+                                                                ("attention", "all-linear"),
+                                                                (("fp32", "fp32"), ("bf16", "amp-bf16"))):
+        rows.append(LoraCase(family=family, rank=8, alpha=16, targets=targets, base_dtype=base, precision=precision,
+                             checkpointing=True, dora=True))
+    rows.append(LoraCase(family="llama", rank=8, alpha=16, targets="all-linear", dropout=0.1, checkpointing=True,
+                         dora=True))
+    # DoRA on a bitsandbytes 4-bit base: peft dequantizes each weight for its norm (dequantize_module_weight)
+    for family, targets, ckpt in itertools.product(("llama", "qwen2", "gpt2"), ("attention", "all-linear"),
+                                                   (False, True)):
+        rows.append(LoraCase(family=family, rank=8, alpha=16, targets=targets, base_dtype="nf4", double_quant=True,
+                             precision="amp-bf16", checkpointing=ckpt, dora=True))
+    rows.append(LoraCase(family="llama", rank=8, alpha=16, targets="all-linear", base_dtype="fp4",
+                         precision="amp-bf16", dora=True))
+    rows.append(LoraCase(family="llama", rank=8, alpha=16, targets="all-linear", base_dtype="nf4", double_quant=True,
+                         precision="fp32", dora=True))
     for batch, seq in ((1, 128), (4, 32), (2, 256)):
         rows.append(LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", batch=batch, seq=seq))
         rows.append(LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", batch=batch, seq=seq,

@@ -148,7 +148,7 @@ def _quant_state_bytes(model) -> int:
 def test_the_measured_matrix_checkpointed_llama_family():
     """Checkpointed steps of the Llama-family recipe (llama, qwen2, mistral; 16-bit and 4-bit bases): the
     recompute's live locals, the frozen MLP's backward, RNG states and the embedding leaf are modelled
-    (memfit.estimate.lora.checkpointed_moments). GPT-2 / BERT checkpointed LoRA steps are not yet (README)."""
+    (memfit.estimate.lora_checkpoint). GPT-2 / BERT: tests/test_lora_checkpoint.py."""
     from bench_scripts import load_bench
 
     accuracy = load_bench("lora_accuracy")

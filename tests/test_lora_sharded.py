@@ -36,6 +36,8 @@ JOBS = {  # ZeRO-3 in fp32 (the frozen base fp32), ZeRO-2 under amp-bf16 (a bf16
     "qlora-zero3-fp32": dict(sharding="zero3", precision="fp32", finetune=QLORA),
     # FSDP2 mixed precision all-gathers the fp32 norms in bf16: a bf16 residual stream over the 4-bit base
     "qlora-zero3-amp-bf16": dict(sharding="zero3", precision="amp-bf16", finetune=QLORA),
+    # DoRA: FSDP2 gathers each block's weights, so the weight norm is the unsharded one; the magnitudes shard
+    "dora-zero3-amp-bf16": dict(sharding="zero3", precision="amp-bf16", finetune=dict(LORA, dora=True)),
 }
 
 

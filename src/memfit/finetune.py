@@ -138,9 +138,9 @@ class Finetune:
             out.append(f"LoRA alpha must be a positive number, got {self.alpha!r}")
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
             out.append(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dora and self.method is Method.QLORA or self.dora and self.base.quantized:
-            out.append("DoRA on a quantized base is not sized yet (peft dequantizes each weight for its norm): "
-                       "use --method lora with a bf16 / fp32 base, or plain QLoRA")
+        if self.dora and self.base is BaseWeights.INT8:
+            out.append("DoRA on an int8 base is not sized (peft's DoRA fails on a bitsandbytes int8 weight on CPU, "
+                       "so it was not measured): use an nf4 / fp4 base, or plain LoRA on int8")
         if self.torchtune and self.base in (BaseWeights.INT8, BaseWeights.FP4):
             out.append(f"torchtune quantizes a LoRA base to torchao NF4 only (quantize_base): base {self.base} is "
                        "bitsandbytes', use --lora-recipe peft or base nf4")

@@ -594,9 +594,9 @@ class TrainingSetup:
         if self.loss is Loss.FUSED:
             problems.append(f"a fused loss with {self.finetune.method} is not sized yet (the frozen head's casts "
                             "under the fused kernel are not measured): use loss chunked or standard")
-        if self.finetune.dora and (self.checkpointing is not Checkpointing.NONE or self.sharding.stage >= 2):
-            problems.append("DoRA is sized without checkpointing and without FSDP / ZeRO-2+ sharding (measured "
-                            "there): use --checkpointing none and --zero none or zero1")
+        if self.finetune.dora and self.sharding.stage >= 2 and self.engine is Engine.DEEPSPEED:
+            problems.append("DoRA under DeepSpeed ZeRO-2/3 is not sized yet (measured unsharded and under FSDP2): "
+                            "use --engine torch, or --zero none / zero1")
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
         if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")

@@ -34,15 +34,19 @@ def magnitude_tensors(trainable: list[ParamTensor], rank: int) -> list[ParamTens
     return out
 
 
-def saved_rows(roles: dict[str, list[LoraLinear]], group_of_role: dict[str, str], low: str) -> list:
+def saved_rows(roles: dict[str, list[LoraLinear]], group_of_role: dict[str, str], low: str,
+               quantized: bool = False) -> list:
     """Per adapted Linear: the base output and lora_B's output, each B x T x out, kept by DoRA's two products.
-    `low`: the adapters' compute dtype class ('f32', or 'c16' under autocast / FSDP2's bf16 adapters)."""
+    `low`: the adapters' compute dtype class ('f32', or 'c16' under autocast / FSDP2's bf16 adapters). A
+    bitsandbytes base returns its input's dtype (Linear4bit.forward: `.to(inp_dtype)`), so q/k/v's base output is
+    in the (fp32, after prepare_model_for_kbit_training) residual dtype."""
     from .activations import Saved
 
     rows = []
     for role, linears in roles.items():
+        base_dtype = "res" if quantized and role == "qkv" else "cmp"
         for node in linears:
-            rows.append(Saved(group_of_role[role], node.out_features, "cmp"))  # base_result, the base's output
+            rows.append(Saved(group_of_role[role], node.out_features, base_dtype))  # base_result
             rows.append(Saved(group_of_role[role], node.out_features, low))  # lora_B(lora_A(x))
     return rows
 
@@ -96,3 +100,21 @@ def forward_moment(step, forward: list) -> list:
         "in x in identity through lora_A, lora_B (in x r, in x out) + W + s BA and s BA (2 x out x in, fp32): "
         "the largest adapted Linear's weight norm", SOURCE)]
 
+
+
+def recompute_locals_bytes(node: LoraLinear, tokens: int, *, autocast: bool, base_bytes: int,
+                           base_out_bytes: int, on_cpu: bool) -> int:
+    """What one DoRA Linear's forward holds when it computes `result_dora` (DoraLinearLayer.forward), alive on top
+    of a checkpointed block's recompute: get_lora_weight's graph (lora_A keeps x_eye, in x in, in bf16 under
+    autocast; lora_B keeps lora_A's in x r output), its in x out product in x's fp32 (`lora_weight.to(x.dtype)`),
+    the 16-bit base weight cast to fp32 (`weight.to(x.dtype)`), and the B x T x out
+    fp32 product `(m / ||W + s BA|| - 1) * base_result`, on CPU with the fp32 copy of a 16-bit base_result the
+    mixed-dtype multiply makes there (TensorIterator promotion; `base_out_bytes`: base_result's element size, the
+    compute dtype's, or a bitsandbytes base's input dtype). Measured on CPU: bench/lora_checkpoint.py."""
+    n_in, n_out, rank = node.in_features, node.out_features, node.rank
+    low = 2 if autocast else 4
+    # x_eye (its bf16 cast under autocast) kept by lora_A, lora_A's output kept by lora_B, the product in fp32 (under
+    # autocast the bf16 product is gone once cast)
+    lora_weight = n_in * n_in * low + n_in * rank * low + n_in * n_out * 4
+    base_cast = n_out * n_in * 4 if base_bytes != 4 else 0
+    return lora_weight + base_cast + (2 if on_cpu and base_out_bytes != 4 else 1) * tokens * n_out * 4

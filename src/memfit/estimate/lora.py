@@ -36,7 +36,7 @@ from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2Se
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, fsdp2_mixed_precision
-from . import dora
+from . import dora, lora_checkpoint
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
 BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
@@ -300,7 +300,8 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
                 kept.append(Saved(group, node.in_features, _mask(setup, d)))
             kept.append(Saved(group, node.rank, low))  # lora_A's output, kept by lora_B
     if ft.dora:
-        kept += dora.saved_rows(roles, _GROUP_OF_ROLE, low)
+        kept += dora.saved_rows(roles, _GROUP_OF_ROLE, low,
+                                ft.base_storage(setup.precision.compute_dtype).quantized)
     return kept
 
 
@@ -436,139 +437,9 @@ def recomputed_casts(spec: ModelSpec, setup: TrainingSetup) -> int:
     return 2 * (adapters + (frozen if base is BaseWeights.FP32 else 0))
 
 
-# --- checkpointed LoRA steps: what a block's recompute and its frozen MLP's backward hold ---------------------------
-# Measured on allocation timelines of real checkpointed peft steps (profiler memory events, module-labelled):
-# - torch.utils.checkpoint (non-reentrant, preserve_rng_state=True) keeps the CPU generator state per layer until
-#   that layer's backward (torch.get_rng_state(): the mt19937 state, 5,056 bytes) and takes one more in each
-#   recompute; it lives on the device only when the device is the CPU.
-# - the recompute stops early (_StopRecomputationError once the last saved tensor is packed), so the Python locals
-#   of the decoder layer, its MLP and peft's lora.Linear.forward are still alive at that moment: the residual sum,
-#   the MLP input, down_proj's input, base_layer(x), peft's fp32 cast of x, the dropout output;
-# - a frozen gated MLP's backward holds the product's gradient and both factors' (3 x B x T x I) with the
-#   residual gradient, all of the block's saved tensors still alive;
-# - with an fp32 residual stream the first RMSNorm's x.to(float32) is x itself: the checkpoint, not a new tensor;
-# - peft's enable_input_require_grads makes the embedding output a leaf that autograd keeps to the end of backward.
-
-CPU_RNG_STATE_BYTES = 5056
-"""torch.get_rng_state() on the CPU generator: the mt19937 state as a uint8 tensor."""
-
-
 def checkpointed_moments(step, moments: dict) -> dict:
-    """The backward moments of a checkpointed LoRA step of a gated-MLP decoder (the Llama family's recipe):
-    the last block's recompute (R) and frozen-MLP backward (B), and the same for block 0 once every other
-    block's adapters have their gradients; the loss backward with the RNG states. Other families keep the
-    generic moments (bench/lora_accuracy.py lists how close they are)."""
-    from .activations import rms_gated_layer
-    from .result import Category, Phase, Term
-
-    spec, setup, d = step.spec, step.setup, step.dtypes
-    asks = setup.finetune.asks_input_gradient()
-    if not rms_gated_layer(spec):
-        if not asks:
-            return {}
-        # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
-        # makes is a tensor of its own, kept to the end of backward (the rest of their recompute is not modelled)
-        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
-                    "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
-                    "torch autograd AccumulateGrad")
-        return {name: (phase, list(terms) + [leaf]) for name, (phase, terms) in moments.items()
-                if phase is Phase.BACKWARD and terms}
-    ft = setup.finetune
-    n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
-    res, cmp = d.residual, d.compute
-    mlp = res if d.mlp_in_residual else cmp
-    base = ft.base_storage(setup.precision.compute_dtype)
-    shares_x, low = adapter_reads(setup, d)
-    low_bytes = 2 if low == "c16" else 4
-    fp32_adapters = ft.adapter_bytes(setup.precision.compute_dtype) == 4
-    roles = adapted_roles(spec)
-    down = roles.get("down", [None])[0]
-    rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
-
-    def term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES) -> Term:
-        return Term(name, category, int(num_bytes), formula, "torch.utils.checkpoint recompute, peft lora.Linear")
-
-    def without_layer_temps(name: str) -> list[Term]:
-        return [t for t in moments[name][1] if t.name != "temporaries/layer_backward"]
-
-    first_norm = n * h * res if res == 4 else 0
-    # R: the recompute's own peak, inside down_proj's adapter (or at the frozen down_proj)
-    locals_ = n * h * res if res == 2 else 0  # the post-attention residual sum (an fp32 one the norm saves)
-    if down is not None:
-        if not shares_x:
-            locals_ += n * h * res + n * inter * mlp  # the MLP input, down_proj's input
-        locals_ += n * h * mlp  # base_layer(x)
-        locals_ += n * inter * 4 if mlp != 4 and fp32_adapters else 0  # peft's fp32 cast of x
-        # the fp32 dropout output (its autocast cast is what is saved); lora_B's cast, not made yet
-        locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast and fp32_adapters else 0
-        locals_ -= 2 * down.rank * h if d.autocast and fp32_adapters else 0
-        incoming = n * h * res + n * h * cmp  # the residual gradient and lora_B's output gradient
-    else:
-        locals_ += n * h * res  # the MLP input (frozen gate/up keep nothing)
-        locals_ += 0 if base.four_bit else n * inter * mlp  # the product (a 4-bit down_proj packs nothing)
-        incoming = n * h * res
-    recompute = [term("temporaries/recompute_locals", locals_, "the layer's forward locals still alive when the "
-                      "recompute stops at its last saved tensor"),
-                 term("temporaries/incoming_gradient", incoming, "the gradient flowing into the block")]
-    # torchao's linear_nf4 dequantizes each weight again in the recompute: down_proj's before its output and its
-    # adapter's saved tensors exist
-    dequantized = dequantized_weight_bytes(spec, setup) if ft.torchtune else 0
-    not_yet = 0
-    if down is not None:
-        not_yet = n * h * mlp + n * down.rank * low_bytes + (0 if shares_x else n * inter * low_bytes)
-        not_yet += n * inter * (2 if _mask(setup, d) == "c16" else 4) if ft.dropout > 0 and d.on_cpu else 0
-    recompute_dequantizing = [term("temporaries/recompute_locals", locals_, "the layer's forward locals"),
-                              recompute[1],
-                              term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight being "
-                                   "dequantized in the recompute's forward (torchao NF4Tensor.get_original_weight)")]
-    # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
-    freed = 0
-    if down is not None:
-        mask = n * inter * (2 if _mask(setup, d) == "c16" else 4) if ft.dropout > 0 and d.on_cpu else 0
-        freed = n * down.rank * low_bytes + mask
-        freed += 0 if shares_x else n * inter * low_bytes
-    mlp_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 3 * n * inter * mlp - freed,
-                         "B x T x h residual gradient + 3 x B x T x I: the gradients of act * up and of both "
-                         "factors, in the MLP's dtype")]
-    # torchao's NF4 backward dequantizes gate / up's weight for their input gradient, once the product's gradient
-    # is gone (measured: the two factors' gradients and the residual gradient alive at that moment)
-    dequantized_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 2 * n * inter * mlp - freed,
-                                 "B x T x h residual gradient + 2 x B x T x I: both factors' gradients"),
-                            term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight dequantized "
-                                 "for a frozen MLP projection's input gradient (NF4Tensor.get_original_weight)")]
-
-    def with_rng(terms: list[Term], states: int) -> list[Term]:
-        if not states:
-            return terms
-        return terms + [term("activations/rng_states", states * rng, f"{states} x {rng} B: torch.get_rng_state() "
-                             "kept per checkpointed layer (CPU device)", Category.ACTIVATIONS)]
-
-    def minus_first_norm(terms: list[Term]) -> list[Term]:
-        if not first_norm:
-            return terms
-        return [replace(t, num_bytes=t.num_bytes - first_norm) if t.name == "activations/recomputed_block" else t
-                for t in terms]
-
-    last = minus_first_norm(without_layer_temps("first block backward"))
-    first = minus_first_norm(without_layer_temps("end of backward"))
-    leaf = [term("activations/embedding_leaf", n * h * res, "the embedding output, a leaf autograd keeps to the "
-                 "end (peft enable_input_require_grads)", Category.ACTIVATIONS)] if asks else []
-    def before_down(terms: list[Term]) -> list[Term]:  # down_proj's output and adapter tensors not made yet
-        return [replace(t, num_bytes=t.num_bytes - not_yet) if t.name == "activations/recomputed_block" else t
-                for t in terms]
-
-    dequantizing = {} if not dequantized else {
-        "first block recompute, dequantizing": (Phase.BACKWARD,
-                                                with_rng(before_down(last) + recompute_dequantizing, layers + 1)),
-        "first block MLP input gradient": (Phase.BACKWARD, with_rng(last + dequantized_backward, layers)),
-        "block 0 MLP input gradient": (Phase.BACKWARD, with_rng(first + leaf + dequantized_backward, 1))}
-    return dequantizing | {
-        "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
-        "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),
-        "first block MLP backward": (Phase.BACKWARD, with_rng(last + mlp_backward, layers)),
-        "end of backward": (Phase.BACKWARD, with_rng(first + leaf + recompute, 2)),
-        "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + leaf + mlp_backward, 1)),
-    }
+    """The backward moments of a checkpointed LoRA step (memfit.estimate.lora_checkpoint)."""
+    return lora_checkpoint.checkpointed_moments(step, moments)
 
 
 def int8_keeps_inputs(setup: TrainingSetup, d) -> bool:
