@@ -7,6 +7,7 @@ from .base import Context, Proposal, Skip, Technique, register
 @register
 class FlashAttention(Technique):
     key = "flash_attention"
+    cuts_static = False
     title = "FlashAttention / SDPA"
 
     def propose(self, ctx: Context) -> Proposal | Skip:

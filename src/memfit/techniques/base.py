@@ -8,11 +8,12 @@ from typing import Callable, ClassVar
 
 from ..diagnose import Bottleneck, Diagnosis, diagnose
 from ..estimate.analytic import estimate
-from ..estimate.result import MemoryEstimate
+from ..estimate.result import Category, MemoryEstimate
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..errors import ConfigError
 from ..setup import Engine, FieldChange, TrainingSetup, setup_changes
+from ..units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class Technique:
     beyond_seed: ClassVar[bool] = False
     """A change of method rather than of how the same training runs (LoRA, QLoRA): proposed only when no rung of
     the seed's ladder is left."""
+    cuts_static: ClassVar[bool] = True
+    """Whether the rung can shrink static memory (parameters, gradients, optimizer states). A rung that only cuts
+    activations is passed over while static memory alone is over the budget (`static_over_budget`)."""
 
     def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
         raise NotImplementedError
@@ -109,6 +113,29 @@ def with_engine_that_can(setup: TrainingSetup, **changes) -> TrainingSetup:
     except ConfigError:
         return setup.replace(**changes, engine=Engine.DEEPSPEED)
 
+
+def static_floor_bytes(estimate: MemoryEstimate) -> int:
+    """What no activation saving can shrink: parameters, gradients, optimizer states and the runtime's fixed
+    overhead (CUDA context, cuBLAS workspaces, NCCL). The allocator's reserve and rounding are left out: they follow
+    the whole step's allocations, activations included (memfit.estimate.device)."""
+    from ..estimate.device import RESERVE, ROUNDING
+    fixed = sum(t.num_bytes for t in estimate.terms
+                if t.category is Category.OVERHEAD and t.name not in (RESERVE, ROUNDING))
+    return estimate.static_bytes + fixed
+
+
+def static_over_budget(estimate: MemoryEstimate, diagnosis: Diagnosis) -> str | None:
+    """Why no activation rung can help, or None: static memory alone is at or over the budget, so the seed's static
+    rungs (mixed precision, 8-bit Adam, ZeRO, offload) must come first. The one place this rule lives:
+    plan._next_proposal asks it for every rung whose `cuts_static` is False."""
+    floor = static_floor_bytes(estimate)
+    if floor < diagnosis.budget_bytes:
+        return None
+    return (f"{STATIC_OVER} ({format_bytes(floor)} of {format_bytes(diagnosis.budget_bytes)} usable): no activation "
+            "saving could make the step fit")
+
+
+STATIC_OVER = "passed over while static memory alone was over the budget"
 
 REGISTRY: dict[str, Technique] = {}
 
