@@ -12,7 +12,7 @@ from ..estimate.result import Category, MemoryEstimate
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..errors import ConfigError
-from ..setup import Engine, FieldChange, TrainingSetup, setup_changes
+from ..setup import Checkpointing, Engine, FieldChange, TrainingSetup, setup_changes
 from ..units import format_bytes
 
 
@@ -56,12 +56,29 @@ class Context:
 
     def pick(self, candidates: list[TrainingSetup]) -> TrainingSetup | Skip:
         """Of a rung's candidates (least change first): drop those that change a pinned field, prefer those that
-        leave the user's explicit choices alone, and take the first that fits, else the last (the most saving)."""
+        leave the user's explicit choices alone, and take the first that fits, else the last (the most saving).
+        While static memory alone is over the budget (`static_over_budget`) a candidate fits when it would with the
+        activations at their least (`least_activations`): the activation rungs after it do the rest."""
         allowed = [c for c in candidates if not self.pinned_changes(c)]
         if not allowed:
             return Skip(pin_reason(self.pinned_changes(candidates[-1])))
         group = [c for c in allowed if not self.explicit_changes(c)] or allowed
+        if static_over_budget(self.estimate, self.diagnosis):  # static rungs first: judged with activations least
+            return next((c for c in group if self.fits(self.least_activations(c))), group[-1])
         return self.first_fitting(group) or group[-1]
+
+    def least_activations(self, setup: TrainingSetup) -> TrainingSetup:
+        """`setup` as the activation rungs after a static one would leave it at most: full checkpointing and
+        micro-batch 1 (the same effective batch), where --keep does not pin them."""
+        changes = {}
+        if "checkpointing" not in self.keep:
+            changes["checkpointing"] = Checkpointing.FULL
+        if not {"micro_batch_size", "grad_accum_steps"} & self.keep:
+            changes.update(micro_batch_size=1, grad_accum_steps=setup.grad_accum_steps * setup.micro_batch_size)
+        try:
+            return setup.replace(**changes)
+        except ConfigError:
+            return setup
 
 
 @dataclass(frozen=True)
