@@ -38,7 +38,6 @@ class PlanStep:
                 "setup": self.setup.to_dict(), "estimate": self.estimate.to_dict()}
 
 
-
 @dataclass(frozen=True)
 class Walked:
     """Where a walk ended: its steps, the rungs passed over (key -> why), and the last setup with its estimate."""

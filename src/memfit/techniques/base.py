@@ -144,7 +144,8 @@ def static_floor_bytes(estimate: MemoryEstimate) -> int:
 def static_over_budget(estimate: MemoryEstimate, diagnosis: Diagnosis) -> str | None:
     """Why no activation rung can help, or None: static memory alone is at or over the budget, so the seed's static
     rungs (mixed precision, 8-bit Adam, ZeRO, offload) must come first. The one place this rule lives:
-    plan._next_proposal asks it for every rung whose `cuts_static` is False."""
+    memfit.ladder asks it for every rung whose `cuts_static` is False, and measures a rung's saving on
+    static memory while it holds; Context.pick judges a static rung's candidates by it."""
     floor = static_floor_bytes(estimate)
     if floor < diagnosis.budget_bytes:
         return None
