@@ -175,6 +175,7 @@ LADDERS: dict[Bottleneck, tuple[str, ...]] = {
 optimizer step in backward follows 8-bit AdamW and precedes ZeRO: one GPU, no communication, but no accumulation
 or clipping. Activation offloading follows the loss rungs: it costs host RAM and PCIe bandwidth rather than
 compute, and pairs with checkpointing (memfit.techniques.activation_offload). LoRA and QLoRA come after every seed
-rung (the combined ladder ends with them): they change what is trained, not only how (memfit.techniques.lora)."""
+rung (the combined ladder ends with them): they change what is trained, not only how (memfit.techniques.lora).
+While static memory alone is over the budget, every rung whose `cuts_static` is False waits (static_over_budget)."""
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]
