@@ -45,6 +45,7 @@ from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
 from memfit.setup import (Attention, Checkpointing, Engine, Float8, Loss, Offload, Optimizer, Padding,  # noqa: E402
                           Precision, Sharding, TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
+from memfit.sources.task import SEQUENCE_CLASSIFICATION, with_task  # noqa: E402
 from memfit.units import GiB  # noqa: E402
 
 # Which memfit figure each measured metric is compared with (metric_group -> (figure key, description)).
@@ -353,9 +354,9 @@ def _map_loss(m: Mapped, loss) -> dict:
         return {}
     if loss == "chunked_ce":  # torchtune CEWithChunkedOutputLoss
         return {"loss": Loss.CHUNKED}
-    if loss == "classification_head":
-        m.approx.append("the source trains a 2-label classification head; memfit sizes BERT's MLM head over the "
-                        "vocabulary")
+    if loss == "classification_head":  # AutoModelForSequenceClassification: memfit.sources.task
+        if m.spec is not None:
+            m.spec = with_task(m.spec, SEQUENCE_CLASSIFICATION, int(m.norm["model"].get("num_labels") or 2))
     else:
         m.missing.append((OTHER, f"loss {loss}"))
     return {}

@@ -49,7 +49,7 @@ class ModelSpec:
     vocab_size: int = 0
     max_position_embeddings: int = 0
     is_decoder: bool = True
-    """Causal LM (logits over the vocabulary at every position) vs encoder (BERT: MLM head)."""
+    """Decoder-only, causal attention (a causal LM, or a Llama-family sequence classifier) vs encoder (BERT)."""
     gated_mlp: bool = True
     """SwiGLU/GeGLU (gate, up, down) vs a plain two-matrix MLP."""
     hidden_act: str = "silu"
@@ -102,11 +102,21 @@ class ModelSpec:
     @property
     def auto_class(self) -> str:
         """The transformers Auto class that builds this model for training, as emitted loading code names it: an
-        encoder-decoder LM (T5, BART) or an image classifier (ViT, DINOv2) for a model sized per stack, a masked LM
-        for an encoder (BERT), a causal LM otherwise (what memfit._torch.step builds for each)."""
+        encoder-decoder LM (T5, BART) or an image classifier (ViT, DINOv2) for a model sized per stack, a sequence
+        classifier for a text model with a classification head, a masked LM for an encoder (BERT), a causal LM
+        otherwise (what memfit._torch.step builds for each)."""
         if "stacks" in self.extra:
             return "AutoModelForImageClassification" if not self.vocab_size else "AutoModelForSeq2SeqLM"
+        if self.num_labels:
+            return "AutoModelForSequenceClassification"
         return "AutoModelForCausalLM" if self.is_decoder else "AutoModelForMaskedLM"
+
+    @property
+    def num_labels(self) -> int:
+        """The classes of a text sequence classifier's head (BertForSequenceClassification,
+        LlamaForSequenceClassification: memfit.sources.with_task), else 0."""
+        head = getattr(self.graph, "head", None)
+        return head.num_labels if self.vocab_size and getattr(head, "pool", "") in ("first", "last") else 0
 
     @property
     def kv_dim(self) -> int:

@@ -15,36 +15,18 @@ from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
 from .hardware import Hardware, check_precision, gpu_catalog
 from .model_spec import ModelSpec
-from .search import MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit
-from .setup import FIELD_LABELS, Checkpointing, TrainingSetup, setup_changes
-from .techniques import LADDERS, REGISTRY, Context, Proposal, Skip
-from .techniques.base import EstimateFn, keep_name, pin_reason
+from .ladder import PlanStep, explain, walk  # noqa: F401  (PlanStep, explain: re-exported)
+from .search import GPUS_PER_NODE, MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit, scaled_out
+from .setup import FIELD_LABELS, Checkpointing, TrainingSetup
+from .techniques import REGISTRY, Context
+from .techniques.base import EstimateFn, keep_name, static_floor_bytes, static_over_budget
 from .throughput import relative_step_time
-from .errors import ConfigError
 from .units import format_bytes
 
 NOT_SIZED = "not sized by memfit yet: sequence / context parallelism (each GPU holds a slice of every sequence)"
 FUSED_LOSS_HINT = ("a fused cross-entropy (--loss fused, Liger; pinned here) never holds the whole B x T x V "
                    "logits, log-softmax and their gradients{loss}")
 NO_GPU_COUNT = "it does not fit even on"
-
-
-@dataclass(frozen=True)
-class PlanStep:
-    technique: str
-    title: str
-    setup: TrainingSetup
-    estimate: MemoryEstimate
-    diagnosis: Diagnosis
-    change: str
-    cost: str
-    why: str
-
-    def to_dict(self) -> dict:
-        return {"technique": self.technique, "title": self.title, "change": self.change, "cost": self.cost,
-                "why": self.why, "total_bytes": self.estimate.total_bytes,
-                "bottleneck_after": self.diagnosis.bottleneck.value, "fits": self.diagnosis.fits,
-                "setup": self.setup.to_dict(), "estimate": self.estimate.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -107,35 +89,15 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
     explicit, keep = frozenset(explicit or ()), frozenset(keep or ())
     _check_fields(explicit | keep)
 
+    est = estimator(spec, setup, hardware)
+    initial = (est, diagnose(est, hardware, margin=margin))
+    walked = walk(spec, setup, hardware, initial, margin=margin, estimator=estimator, explicit=explicit, keep=keep)
+    steps, skipped = walked.steps, walked.skipped
+    current, est, diag = walked.setup, walked.estimate, walked.diagnosis
+
     def context(current: TrainingSetup, est: MemoryEstimate, diag: Diagnosis) -> Context:
         return Context(spec, hardware, current, est, diag, margin, estimator, explicit, keep)
 
-    current = setup
-    est = estimator(spec, current, hardware)
-    diag = diagnose(est, hardware, margin=margin)
-    initial = (est, diag)
-    steps: list[PlanStep] = []
-    skipped: dict[str, str] = {}
-    tried: set[str] = set()
-    no_gain: set[str] = set()  # rungs that saved nothing at this point: asked again once another step is taken
-    while not diag.fits:
-        proposal = _next_proposal(context(current, est, diag), tried | no_gain, skipped)
-        if proposal is None:
-            break
-        key, prop = proposal
-        tried.discard(key)
-        after = estimator(spec, prop.setup, hardware)
-        after_diag = diagnose(after, hardware, margin=margin)
-        if after_diag.required_bytes >= diag.required_bytes:  # a rung that saves nothing here is no step
-            skipped[key] = (f"saves nothing here: {format_bytes(diag.required_bytes)} -> "
-                            f"{format_bytes(after_diag.required_bytes)}")
-            no_gain.add(key)
-            continue
-        tried.add(key)
-        no_gain.clear()
-        why = explain(current, prop.setup, prop.why, explicit)
-        current, est, diag = prop.setup, after, after_diag
-        steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, why))
     suggestions: tuple[str, ...] = ()
     if not diag.fits:
         ctx = context(current, est, diag)
@@ -155,78 +117,55 @@ def _check_fields(fields: frozenset[str]) -> None:
         raise ConfigError(f"unknown TrainingSetup field(s) {', '.join(unknown)}: choose from {', '.join(FIELD_LABELS)}")
 
 
-def explain(before: TrainingSetup, after: TrainingSetup, why: str, explicit: frozenset[str]) -> str:
-    """A step's `why`: the rung's reason, led by "you asked for X; this rung changes it to Y because" when it changes
-    a field the user set, and followed by every field it changes (from the setup diff, so none goes unsaid)."""
-    changes = setup_changes(before, after)
-    asked = [c for c in changes if c.field in explicit]
-    if asked:
-        why = (f"you asked for {_join(f'{c.label} {c.old}' for c in asked)}; this rung changes "
-               f"{'it' if len(asked) == 1 else 'them'} to {_join(str(c.new) for c in asked)} because {why}")
-    return f"{why} (changes {_join(c.text for c in changes)})" if changes else why
-
-
-def _join(parts) -> str:
-    parts = list(parts)
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tuple[str, Proposal] | None:
-    """The first rung of the ladder that proposes a change no pin forbids; one that changes a field the user set is
-    kept back while a rung that leaves them alone is left, and one beyond the seed (LoRA, QLoRA: another method)
-    until no seed rung is left."""
-    own = LADDERS[ctx.diagnosis.bottleneck]
-    ladder = own + tuple(k for k in LADDERS[Bottleneck.BOTH] if k not in own)
-    deferred: tuple[str, Proposal] | None = None
-    beyond: tuple[str, Proposal] | None = None
-    for key in ladder:
-        if key in tried:
-            continue
-        try:
-            result = REGISTRY[key].propose(ctx)
-        except ConfigError as error:  # the rung's change does not combine with the setup as it now is
-            result = Skip(str(error))
-        if isinstance(result, Proposal) and ctx.pinned_changes(result.setup):
-            result = Skip(pin_reason(ctx.pinned_changes(result.setup)))
-        if isinstance(result, Skip):
-            skipped.setdefault(key, result.reason)
-            continue
-        if ctx.explicit_changes(result.setup):
-            deferred = deferred or (key, result)
-            continue
-        if REGISTRY[key].beyond_seed:
-            beyond = beyond or (key, result)
-            continue
-        tried.add(key)
-        skipped.pop(key, None)
-        return key, result
-    chosen = deferred or beyond
-    if chosen is not None:
-        tried.add(chosen[0])
-        skipped.pop(chosen[0], None)
-    return chosen
-
-
 def _more_gpus(ctx: Context) -> str:
     """The one answer to "how many GPUs would it take", for the plan's final setup (search.gpus_to_fit): the ZeRO
-    rung's reason and the suggestion both print it."""
+    rung's reason and the suggestion both print it. When static memory alone is still over the budget, the ladder
+    took no activation rung, so each GPU count is walked again from that setup with ZeRO-3 (`_walked_gpus`)."""
     hw = ctx.hardware
     if "num_gpus" in ctx.keep:
         return f"more GPUs: not considered, --keep gpus pins {ctx.setup.num_gpus}"
-    found: GpusToFit | None = gpus_to_fit(ctx.spec, ctx.setup, hw, margin=ctx.margin, estimator=ctx.estimator,
-                                          keep=ctx.keep)
+    if static_over_budget(ctx.estimate, ctx.diagnosis):
+        found = _walked_gpus(ctx.spec, ctx.setup, hw, margin=ctx.margin, estimator=ctx.estimator, keep=ctx.keep,
+                             explicit=ctx.explicit)
+    else:
+        found = gpus_to_fit(ctx.spec, ctx.setup, hw, margin=ctx.margin, estimator=ctx.estimator, keep=ctx.keep)
     if found is not None:
         return "more GPUs: " + found.text("the final setup")
     return (f"more GPUs: {NO_GPU_COUNT} {MAX_GPUS} x {hw.gpu.name} with ZeRO-3 added to the final setup "
             f"({describe_techniques(ctx.setup)})")
 
 
+def _walked_gpus(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float,
+                 estimator: EstimateFn, keep: frozenset[str], explicit: frozenset[str] = frozenset()
+                 ) -> GpusToFit | None:
+    """The fewest GPUs (powers of two, as gpus_to_fit) on which `setup` with ZeRO-3, then the ladder's rungs, fits:
+    a count whose static memory alone is over the budget is passed over without a walk."""
+    n = 2
+    while n <= MAX_GPUS and "num_gpus" not in keep:
+        if n > hardware.world_size:
+            hw = dataclasses.replace(hardware, gpus_per_node=min(n, GPUS_PER_NODE),
+                                     num_nodes=max(1, n // GPUS_PER_NODE))
+            candidate = scaled_out(setup, n, keep=keep)
+            if candidate is None:
+                return None
+            est = estimator(spec, candidate, hw)
+            diag = diagnose(est, hw, margin=margin)
+            if static_floor_bytes(est) < diag.budget_bytes:
+                walked = walk(spec, candidate, hw, (est, diag), margin=margin, estimator=estimator,
+                              explicit=explicit, keep=keep)
+                if walked.diagnosis.fits:
+                    return GpusToFit(n, walked.setup, hw, walked.estimate, setup)
+        n *= 2
+    return None
+
+
 def _suggestions(ctx: Context, more_gpus: str) -> list[str]:
-    """What would fit, for the final bottleneck: activations -> what cuts activations (sized where memfit can);
-    static memory -> more GPUs and LoRA; either -> a larger GPU."""
+    """What would fit, for the final bottleneck: activations -> what cuts activations (sized where memfit can), unless
+    static memory alone is over the budget; static memory -> more GPUs and LoRA; either -> a larger GPU."""
     bottleneck = ctx.diagnosis.bottleneck
-    static = bottleneck in (Bottleneck.STATIC, Bottleneck.BOTH)
-    activations = bottleneck in (Bottleneck.ACTIVATIONS, Bottleneck.BOTH)
+    static_over = static_over_budget(ctx.estimate, ctx.diagnosis) is not None  # no activation saving can help
+    static = static_over or bottleneck in (Bottleneck.STATIC, Bottleneck.BOTH)
+    activations = not static_over and bottleneck in (Bottleneck.ACTIVATIONS, Bottleneck.BOTH)
     out = []
     if activations:
         out += _activation_suggestions(ctx)

@@ -80,7 +80,8 @@ def hf_config_from_dict(config: Mapping):
 def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_backend="inductor"):
     """A transformers model with random weights from an HF config dict, set up the way `setup` trains it.
 
-    Causal LM (masked LM for encoder-only types such as bert), attention implementation from `setup.attention`,
+    Causal LM (masked LM for encoder-only types such as bert; a sequence classifier when the config's
+    architectures name one, memfit.sources.task), attention implementation from `setup.attention`,
     `use_cache=False` (a cache keeps every layer's K/V alive), pure bf16 parameters for bf16 / bf16-master (the fp32
     master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, LoRA / QLoRA
     adapters on a base stored as planned (memfit._torch.lora), torchao Float8Linear for `setup.float8`
@@ -93,7 +94,8 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
         config = {**config, "image_size": setup.image_size}
     hf_config = hf_config_from_dict(config)
     hf_config.use_cache = False
-    auto = (transformers.AutoModelForMaskedLM if hf_config.model_type in MASKED_LM_TYPES
+    auto = (transformers.AutoModelForSequenceClassification if sequence_labels(config)
+            else transformers.AutoModelForMaskedLM if hf_config.model_type in MASKED_LM_TYPES
             else transformers.AutoModelForImageClassification if is_image_classifier(config)
             else transformers.AutoModelForSeq2SeqLM if getattr(hf_config, "is_encoder_decoder", False)
             else transformers.AutoModelForCausalLM)
@@ -109,6 +111,8 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
             raise
         raise ConfigError(f"transformers cannot build {hf_config.model_type} with attention "
                           f"'{setup.attention}': use --attention eager") from None
+    if auto is transformers.AutoModelForSequenceClassification:  # as save_pretrained writes it: batches read it
+        model.config.architectures = [type(model).__name__]
     if model_device(model) != torch.device(device):  # no-op `.to` skipped: on fake tensors it swaps every tensor
         model.to(device)
     if setup.float8.is_on:  # before checkpointing and compile, as torchtitan converts the model first
@@ -267,7 +271,7 @@ def make_batch(config_or_spec, setup: TrainingSetup, *, device="cpu", generator:
 
     Causal LMs: labels are a copy of the ids (HF shifts them inside the loss). Masked LMs (bert): every position is
     labelled; a real MLM collator labels ~15%, but the logits and the loss are computed at every position either way,
-    so the memory is the same.
+    so the memory is the same. Sequence classifiers: one label per sequence.
     """
     if is_image_classifier(config_or_spec):
         return pixel_batch(config_or_spec, setup, device=device, generator=generator)
@@ -279,6 +283,11 @@ def make_batch(config_or_spec, setup: TrainingSetup, *, device="cpu", generator:
     input_ids = torch.randint(0, int(vocab_size), shape, generator=generator,
                               device=device if on_device else generator.device)
     input_ids = input_ids.to(device)
+    labels = sequence_labels(config_or_spec)
+    if labels:  # one class per sequence (transformers' classifiers take B labels)
+        targets = torch.randint(0, labels, (setup.micro_batch_size,), generator=generator,
+                                device=device if on_device else generator.device)
+        return {"input_ids": input_ids, "labels": targets.to(device)}
     if is_encoder_decoder(config_or_spec):
         if not setup.target_len:
             raise ConfigError("an encoder-decoder batch needs the decoder length: set target_len (--target-len)")
@@ -314,6 +323,20 @@ def is_image_classifier(config_or_spec) -> bool:
     return (model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
             and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
             and model_type not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+
+def sequence_labels(config_or_spec) -> int:
+    """num_labels of a sequence classifier (a config whose architectures name a ...ForSequenceClassification, a
+    ModelSpec with such a head, a built classifier), else 0."""
+    if isinstance(config_or_spec, torch.nn.Module):
+        name = type(config_or_spec).__name__
+        return int(config_or_spec.config.num_labels) if name.endswith("ForSequenceClassification") else 0
+    if hasattr(config_or_spec, "num_labels") and hasattr(config_or_spec, "graph"):  # a ModelSpec
+        return int(config_or_spec.num_labels)
+    archs = _field(config_or_spec, "architectures") or ()
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return 0
+    return int(_field(config_or_spec, "num_labels") or len(_field(config_or_spec, "id2label") or ()) or 2)
 
 
 def is_encoder_decoder(config_or_spec) -> bool:

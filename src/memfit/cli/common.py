@@ -96,7 +96,7 @@ def resolve(model: str, opts):
     # huggingface_hub logs each retry of an unreachable Hub; the failure itself becomes one error line.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
-    spec = resolve_model(model)
+    spec = opts.with_task(resolve_model(model))
     hardware = opts.hardware()
     return spec, opts.setup(spec, hardware), hardware
 

@@ -176,6 +176,15 @@ TargetOpt = Annotated[Optional[int], _option(
     "--target-len", "--target", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
     help="Encoder-decoders (T5, BART): decoder (target) length in tokens; --seq is the encoder's (source). "
          "Required for them, refused for other models.")]
+TaskOpt = Annotated[Optional[str], _option(
+    "--task", panel=MODEL_PANEL, metavar="TASK",
+    help="lm or sequence-classification: train the model's own head (causal LM; BERT: masked LM), or a sequence "
+         "classifier over --num-labels classes (BertForSequenceClassification's pooler + classifier, "
+         "LlamaForSequenceClassification's score on the last token; bert, llama, mistral, qwen2, qwen3). "
+         "Default: lm, or what the config's architectures name.")]
+NumLabelsOpt = Annotated[Optional[int], _option(
+    "--num-labels", panel=MODEL_PANEL, parser=whole_number(1_000_000), metavar="N",
+    help="Classes of --task sequence-classification (given alone, it implies that task). Default: 2.")]
 ImageSizeOpt = Annotated[Optional[int], _option(
     "--image-size", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="PIXELS",
     help="Vision models (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image "
@@ -402,6 +411,8 @@ class SetupOptions:
     lora_recipe: LoraRecipe | None = None
     ep: int | None = None
     capacity_factor: float | None = None
+    task: str | None = None
+    num_labels: int | None = None
     keep: frozenset[str] | None = None
     """TrainingSetup fields pinned with --keep (planning commands only)."""
     config: tuple[str, ...] | None = None
@@ -412,6 +423,14 @@ class SetupOptions:
     @property
     def margin_fraction(self) -> float:
         return DEFAULT_MARGIN if self.margin is None else self.margin
+
+    def with_task(self, spec: ModelSpec) -> ModelSpec:
+        """`spec` as --task / --num-labels ask (memfit.sources.task); unchanged when neither was given."""
+        if self.task is None and self.num_labels is None:
+            return spec
+        from ..sources.task import SEQUENCE_CLASSIFICATION, with_task
+
+        return with_task(spec, self.task or SEQUENCE_CLASSIFICATION, self.num_labels or 2)
 
     def hardware(self) -> Hardware:
         return make_hardware(self.gpu or DEFAULT_GPU, gpus_per_node=self.gpus or 1, num_nodes=self.nodes or 1,
@@ -538,6 +557,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "lora_recipe": LoraRecipeOpt,
     "ep": EpOpt, "capacity_factor": CapacityOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
+    "task": TaskOpt, "num_labels": NumLabelsOpt,
 }
 _PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}
 """Options only the commands that walk the ladder take."""

@@ -19,9 +19,13 @@ DeviceOpt = Annotated[Optional[str], typer.Option(
     help="Where `measure` runs the real step (default: cuda when available, else cpu).")]
 
 
-def _model_config(model: str) -> dict:
+def _model_config(model: str, spec) -> dict:
+    """The config the real model is built from: a sequence classifier's as --task rewrote it (its graph's), else
+    the reference's."""
     from ..sources import hf_config_dict
 
+    if spec.num_labels and isinstance(getattr(spec.graph, "config", None), dict):
+        return dict(spec.graph.config)
     return hf_config_dict(model)  # a catalog name, a config.json (or its folder) or a hub id, like resolve_model
 
 
@@ -41,7 +45,7 @@ def run_trace(model: str, spec, setup, hardware, *, steps: int = 2, progress: bo
     _require_torch("memfit trace")
     from ..trace import traced_estimator
 
-    config = _model_config(model)
+    config = _model_config(model, spec)
     if not progress:
         return traced_estimator(config, steps=steps)(spec, setup, hardware)
     from rich.progress import Progress
@@ -119,7 +123,7 @@ def measure_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, de
             check_host_ram(spec, setup)
         hardware = make_hardware(cpu_device(host_ram()))
     measured = _with_status(f"building {spec.name} and running {steps} real training steps on {where}",
-                            not json_output, lambda: measure(_model_config(model), setup, steps=steps, device=where))
+                            not json_output, lambda: measure(_model_config(model, spec), setup, steps=steps, device=where))
     predicted = estimate(spec, setup, hardware)
     diagnosis = diagnose(measured, hardware, margin=opts.margin_fraction)
     if json_output:

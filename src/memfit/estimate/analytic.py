@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, float8, fsdp2, lora, lora_sharded,
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, float8, fsdp2, heads, lora, lora_sharded,
                moe, offload_activations, padding, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
@@ -42,6 +42,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     if not spec.is_transformer:
         raise ConfigError(f"'{spec.name}' has no transformer shape memfit can size analytically: "
                           "use `memfit trace` (memfit.trace.trace) for arbitrary nn.Modules")
+    heads.check(spec, setup)  # a sequence classifier: the plain step only
     if setup.loss is not Loss.STANDARD and (not spec.is_decoder or spec.logit_softcap):
         raise ConfigError(f"a {setup.loss} loss is sized for causal LMs without final logit softcapping; "
                           f"'{spec.name}' needs loss standard")
@@ -243,11 +244,16 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
             terms.append(Term(f"activations/{label}", Category.ACTIVATIONS, total, formula, ENGINE_SOURCE))
     fused = setup.loss is Loss.FUSED
     head = act.head_saved_bytes(spec, setup, tokens, head_input=not fused)["head"]
-    emb = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu) + 2 * 8 * tokens  # + input_ids and labels
+    # + input_ids and labels (one per token, one per sequence for a classifier)
+    emb = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu) + 8 * (tokens + heads.label_elems(spec, setup))
     terms.append(Term("activations/embeddings", Category.ACTIVATIONS, emb,
                       "token ids, labels, position tables", ENGINE_SOURCE))
     terms.append(Term("activations/head", Category.ACTIVATIONS, head,
-                      "final norm" + ("" if fused else " and LM-head input (BERT: MLM transform)"), ENGINE_SOURCE))
+                      "final norm" + ("" if fused else " and LM-head input (BERT: MLM transform)")
+                      if heads.classifier(spec) is None else "final norm and the classification head's inputs "
+                      "(BERT: pooler, dropout, classifier)", ENGINE_SOURCE))
+    if heads.classifier(spec) is not None:
+        return terms + _classifier_terms(spec, setup, d)
     vocab = spec.vocab_size * tokens
     if fused:
         terms += _fused_loss_terms(spec, setup, d)
@@ -295,6 +301,27 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
     return terms
 
 
+def _classifier_terms(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes) -> list[Term]:
+    """A sequence classifier's logits and loss: B x num_labels each (log-softmax in fp32 under autocast), the labels
+    counted with the embeddings; its weights' autocast casts, all of them saved for backward."""
+    logits = heads.logits_elems(spec, setup)
+    loss_bytes = _loss_elem_bytes(spec, setup)
+    terms = [Term("activations/logits", Category.ACTIVATIONS, logits * d.compute,
+                  f"B x num_labels x {d.compute} B, until the loss is computed", CLASSIFIER_SOURCE),
+             Term("activations/loss", Category.ACTIVATIONS, logits * loss_bytes,
+                  f"B x num_labels x {loss_bytes} B log-softmax", CLASSIFIER_SOURCE)]
+    if setup.precision.is_autocast:
+        wrapped = setup.checkpointing.checkpointed_blocks(spec.num_layers)
+        head_weight = heads.head_weight_elems(spec)
+        blocks = (_linear_weight_elems(spec, setup) - head_weight) * (spec.num_layers - wrapped) // spec.num_layers
+        terms.append(Term("activations/autocast_weight_copies", Category.ACTIVATIONS, 2 * (head_weight + blocks),
+                          "2 B x Linear weights: bf16 casts cached by autocast, saved for backward",
+                          "torch.autocast weight cast cache"))
+    return terms
+
+
+CLASSIFIER_SOURCE = ("transformers BertForSequenceClassification (CrossEntropyLoss) / GenericForSequenceClassification"
+                     " (loss_utils.ForSequenceClassificationLoss -> fixed_cross_entropy)")
 CHUNKED_SOURCE = ("torchtune CEWithChunkedOutputLoss (num_output_chunks=8: head per sequence chunk, "
                   "F.cross_entropy(chunk.float(), reduction='sum') per chunk); memfit._torch.step.chunked_loss")
 FUSED_SOURCE = ("Liger LigerFusedLinearCrossEntropyFunction (ops/fused_linear_cross_entropy.py: gradients made in "
@@ -333,7 +360,7 @@ def _head_grads(spec: ModelSpec, static: ShardedStatic) -> int:
     """Gradient bytes of the LM head, the first weight whose gradient backward makes (none for a frozen head)."""
     if spec.frozen:
         return 0
-    return static.grads_bytes * spec.vocab_size * spec.hidden_size // max(spec.num_params, 1)
+    return static.grads_bytes * heads.head_weight_elems(spec) // max(spec.num_params, 1)
 
 
 def _linear_weight_elems(spec: ModelSpec, setup: TrainingSetup | None = None) -> int:
@@ -477,7 +504,9 @@ def _moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_
         "root reduce-scatter": (Phase.BACKWARD, _root_reduce(step)),
         "optimizer step": (Phase.OPTIMIZER, _optimizer_step(step, step_temp)),
     }
-    if setup.loss is Loss.FUSED:
+    if setup.loss is Loss.FUSED or getattr(heads.classifier(spec), "pool", "") == "last":
+        # no B x T x V logits gradient before it (fused loss, a classifier's B x num_labels): the final norm's
+        # backward chain can be the peak
         moments["final norm backward"] = (Phase.BACKWARD, _final_norm_backward(step, early_grads))
     if setup.optimizer_in_backward:
         moments.update(_in_backward_moments(step))
@@ -507,8 +536,8 @@ def _loss_forward(step: _Step, forward: list[Term]) -> list[Term]:
     spec, setup = step.spec, step.setup
     if setup.loss is Loss.FUSED:
         return _fused_loss_forward(step, forward)
-    if not spec.is_decoder or step.dtypes.compute == 4:
-        return []
+    if not spec.is_decoder or step.dtypes.compute == 4 or heads.classifier(spec) is not None:
+        return []  # only ForCausalLMLoss upcasts the logits
     upcast = spec.vocab_size * (max(_chunk_tokens(setup)) if setup.loss is Loss.CHUNKED else step.tokens) * 4
     if compiled_loss.applies(setup):
         upcast = 0  # read inside inductor's fused reduction kernels, never written (memfit.estimate.compiled_loss)
@@ -561,8 +590,10 @@ def _loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
                         "_nll_loss_and_log_softmax_backward (torch 2.13), measured on 2 gloo ranks")
         return [t for t in forward if t.name != "activations/logits"] + [loss_tmp]
     loss_tmp = Term("temporaries/loss_backward", Category.TEMPORARIES,
-                    2 * step.spec.vocab_size * step.tokens * loss_bytes,
-                    f"2 x B x T x V x {loss_bytes} B: gradients of log-softmax and of the logits",
+                    2 * heads.logits_elems(step.spec, step.setup) * loss_bytes,
+                    f"2 x B x T x V x {loss_bytes} B: gradients of log-softmax and of the logits"
+                    if heads.classifier(step.spec) is None else
+                    f"2 x B x num_labels x {loss_bytes} B: gradients of log-softmax and of the logits",
                     "aten log_softmax_backward")
     return [t for t in forward if t.name != "activations/logits"] + [loss_tmp]
 
@@ -647,7 +678,9 @@ def _final_norm_backward(step: _Step, early_grads: int) -> list[Term]:
     spec, static = step.spec, step.static
     head = 0 if step.setup.optimizer_in_backward and not spec.tie_word_embeddings else _head_grads(spec, static)
     count = 5 if spec.norm != "layernorm" else 3
-    acts = [replace(t, num_bytes=t.num_bytes - step.tokens * spec.hidden_size * step.dtypes.residual,
+    # a classifier's `score` has run its backward: its saved input is gone (the fused loss never saved one)
+    head_saved = act.head_saved_bytes(spec, step.setup, step.tokens, head_input=False)["head"]
+    acts = [replace(t, num_bytes=head_saved - step.tokens * spec.hidden_size * step.dtypes.residual,
                     formula="final norm's saved tensors, once `weight * x` has run its backward")
             if t.name == "activations/head" else t
             for t in step.acts_except("activations/logits", "activations/loss", "gradients/fused_head")]
@@ -733,7 +766,7 @@ def _end_of_backward(step: _Step) -> list[Term]:
     if detailed and step.setup.checkpointing is Checkpointing.FULL and step.setup.precision.is_autocast:
         # the recompute casts block 0's Linear weights to bf16 again and keeps them for its backward: that rebuilt
         # block, before its first gradient, is the moment (measured on the tiny llama, amp-bf16)
-        block_weights = _linear_weight_elems(spec, step.setup) - spec.vocab_size * spec.hidden_size
+        block_weights = _linear_weight_elems(spec, step.setup) - heads.head_weight_elems(spec)
         casts = 2 * max(block_weights, 0) // max(spec.num_layers, 1)
         rebuilt = replace(rebuilt, num_bytes=rebuilt.num_bytes + casts,
                           formula=rebuilt.formula + "; its Linear weights' bf16 casts, made again in the recompute")

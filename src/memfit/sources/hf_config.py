@@ -41,7 +41,8 @@ def _numbers(graph: ModelGraph, config: Mapping[str, Any]) -> dict[str, Any]:
                 num_attention_heads=attention.q_heads, num_kv_heads=attention.kv_heads, head_dim=attention.head_dim,
                 intermediate_size=mlp.intermediate, vocab_size=graph.embed.num_embeddings,
                 max_position_embeddings=reader.first_int("max_position_embeddings", "n_positions"),
-                is_decoder=isinstance(graph.head, LMHead), gated_mlp=mlp.gated, hidden_act=mlp.act,
+                is_decoder=isinstance(graph.head, LMHead) or getattr(graph.head, "pool", "") == "last",
+                gated_mlp=mlp.gated, hidden_act=mlp.act,
                 norm="rmsnorm" if norm.kind == "rms" else "layernorm",
                 tie_word_embeddings=bool(getattr(graph.head, "tied", False)))
 

@@ -22,14 +22,12 @@ class ActivationOffload(Technique):
     compute only as far as the link keeps up), where the rungs before it cost a little compute or nothing."""
 
     key = "activation_offload"
+    cuts_static = False
     title = "activation offloading to the CPU"
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.activation_offload:
             return Skip("already offloading activations")
-        if ctx.diagnosis.static_bytes >= ctx.diagnosis.budget_bytes:  # host RAM and PCIe time for nothing
-            return Skip(f"static memory alone ({format_bytes(ctx.diagnosis.static_bytes)}) is over the budget: "
-                        "offloading activations cannot make it fit")
         if ctx.setup.loss is Loss.FUSED:  # setup.replace would turn the fused loss back: keep it instead
             return Skip("not sized with the fused loss, which already keeps no logits")
         modes = [ctx.setup.checkpointing]

@@ -7,6 +7,7 @@ from .base import Context, Proposal, Skip, Technique, register
 @register
 class FlashAttention(Technique):
     key = "flash_attention"
+    cuts_static = False
     title = "FlashAttention / SDPA"
 
     def propose(self, ctx: Context) -> Proposal | Skip:
@@ -15,6 +16,6 @@ class FlashAttention(Technique):
         if ctx.spec.extra.get("supports_sdpa") is False:  # e.g. gpt_oss (attention sinks): eager only
             return Skip(f"transformers has no sdpa attention for {ctx.spec.model_type} (eager only)")
         return Proposal(ctx.setup.replace(attention=Attention.SDPA),
-                        "AutoModelForCausalLM.from_pretrained(..., attn_implementation=\"sdpa\")",
+                        f"{ctx.spec.auto_class}.from_pretrained(..., attn_implementation=\"sdpa\")",
                         "none: usually faster than eager attention",
                         "drops the B x H x T x T softmax every layer keeps for backward")

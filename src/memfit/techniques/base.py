@@ -8,11 +8,12 @@ from typing import Callable, ClassVar
 
 from ..diagnose import Bottleneck, Diagnosis, diagnose
 from ..estimate.analytic import estimate
-from ..estimate.result import MemoryEstimate
+from ..estimate.result import Category, MemoryEstimate
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..errors import ConfigError
-from ..setup import Engine, FieldChange, TrainingSetup, setup_changes
+from ..setup import Checkpointing, Engine, FieldChange, TrainingSetup, setup_changes
+from ..units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,29 @@ class Context:
 
     def pick(self, candidates: list[TrainingSetup]) -> TrainingSetup | Skip:
         """Of a rung's candidates (least change first): drop those that change a pinned field, prefer those that
-        leave the user's explicit choices alone, and take the first that fits, else the last (the most saving)."""
+        leave the user's explicit choices alone, and take the first that fits, else the last (the most saving).
+        While static memory alone is over the budget (`static_over_budget`) a candidate fits when it would with the
+        activations at their least (`least_activations`): the activation rungs after it do the rest."""
         allowed = [c for c in candidates if not self.pinned_changes(c)]
         if not allowed:
             return Skip(pin_reason(self.pinned_changes(candidates[-1])))
         group = [c for c in allowed if not self.explicit_changes(c)] or allowed
+        if static_over_budget(self.estimate, self.diagnosis):  # static rungs first: judged with activations least
+            return next((c for c in group if self.fits(self.least_activations(c))), group[-1])
         return self.first_fitting(group) or group[-1]
+
+    def least_activations(self, setup: TrainingSetup) -> TrainingSetup:
+        """`setup` as the activation rungs after a static one would leave it at most: full checkpointing and
+        micro-batch 1 (the same effective batch), where --keep does not pin them."""
+        changes = {}
+        if "checkpointing" not in self.keep:
+            changes["checkpointing"] = Checkpointing.FULL
+        if not {"micro_batch_size", "grad_accum_steps"} & self.keep:
+            changes.update(micro_batch_size=1, grad_accum_steps=setup.grad_accum_steps * setup.micro_batch_size)
+        try:
+            return setup.replace(**changes)
+        except ConfigError:
+            return setup
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,9 @@ class Technique:
     beyond_seed: ClassVar[bool] = False
     """A change of method rather than of how the same training runs (LoRA, QLoRA): proposed only when no rung of
     the seed's ladder is left."""
+    cuts_static: ClassVar[bool] = True
+    """Whether the rung can shrink static memory (parameters, gradients, optimizer states). A rung that only cuts
+    activations is passed over while static memory alone is over the budget (`static_over_budget`)."""
 
     def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
         raise NotImplementedError
@@ -109,6 +130,30 @@ def with_engine_that_can(setup: TrainingSetup, **changes) -> TrainingSetup:
     except ConfigError:
         return setup.replace(**changes, engine=Engine.DEEPSPEED)
 
+
+def static_floor_bytes(estimate: MemoryEstimate) -> int:
+    """What no activation saving can shrink: parameters, gradients, optimizer states and the runtime's fixed
+    overhead (CUDA context, cuBLAS workspaces, NCCL). The allocator's reserve and rounding are left out: they follow
+    the whole step's allocations, activations included (memfit.estimate.device)."""
+    from ..estimate.device import RESERVE, ROUNDING
+    fixed = sum(t.num_bytes for t in estimate.terms
+                if t.category is Category.OVERHEAD and t.name not in (RESERVE, ROUNDING))
+    return estimate.static_bytes + fixed
+
+
+def static_over_budget(estimate: MemoryEstimate, diagnosis: Diagnosis) -> str | None:
+    """Why no activation rung can help, or None: static memory alone is at or over the budget, so the seed's static
+    rungs (mixed precision, 8-bit Adam, ZeRO, offload) must come first. The one place this rule lives:
+    memfit.ladder asks it for every rung whose `cuts_static` is False, and measures a rung's saving on
+    static memory while it holds; Context.pick judges a static rung's candidates by it."""
+    floor = static_floor_bytes(estimate)
+    if floor < diagnosis.budget_bytes:
+        return None
+    return (f"{STATIC_OVER} ({format_bytes(floor)} of {format_bytes(diagnosis.budget_bytes)} usable): no activation "
+            "saving could make the step fit")
+
+
+STATIC_OVER = "passed over while static memory alone was over the budget"
 
 REGISTRY: dict[str, Technique] = {}
 
@@ -130,6 +175,7 @@ LADDERS: dict[Bottleneck, tuple[str, ...]] = {
 optimizer step in backward follows 8-bit AdamW and precedes ZeRO: one GPU, no communication, but no accumulation
 or clipping. Activation offloading follows the loss rungs: it costs host RAM and PCIe bandwidth rather than
 compute, and pairs with checkpointing (memfit.techniques.activation_offload). LoRA and QLoRA come after every seed
-rung (the combined ladder ends with them): they change what is trained, not only how (memfit.techniques.lora)."""
+rung (the combined ladder ends with them): they change what is trained, not only how (memfit.techniques.lora).
+While static memory alone is over the budget, every rung whose `cuts_static` is False waits (static_over_budget)."""
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]

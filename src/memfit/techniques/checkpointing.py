@@ -37,6 +37,7 @@ def _cost(ctx: Context, setup: TrainingSetup) -> str:
 @register
 class GradientCheckpointing(Technique):
     key = "checkpointing"
+    cuts_static = False
     title = "gradient checkpointing"
 
     def propose(self, ctx: Context) -> Proposal | Skip:

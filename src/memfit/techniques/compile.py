@@ -23,6 +23,7 @@ class Compile(Technique):
     bench/compile.py measures, less than checkpointing, and its cost is compile time and the risk of graph breaks."""
 
     key = "compile"
+    cuts_static = False
     title = "torch.compile (per block)"
 
     def propose(self, ctx: Context) -> Proposal | Skip:

@@ -15,6 +15,7 @@ class ChunkedOrFusedLoss(Technique):
     costs a little compute and the fused one an extra package, and both only touch the head's B x T x V share."""
 
     key = "fused_loss"
+    cuts_static = False
     title = "chunked / fused cross-entropy"
 
     def propose(self, ctx: Context) -> Proposal | Skip:

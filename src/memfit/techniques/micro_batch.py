@@ -8,6 +8,7 @@ class MicroBatchAccumulation(Technique):
     """Smaller micro-batch, more accumulation steps: the same effective batch, less activation memory."""
 
     key = "micro_batch"
+    cuts_static = False
     title = "smaller micro-batch + gradient accumulation"
 
     def propose(self, ctx: Context) -> Proposal | Skip:

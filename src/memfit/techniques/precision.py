@@ -31,7 +31,7 @@ class MixedPrecision(Technique):
         if wants_static and current in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16,
                                          Precision.BF16_MASTER) and ctx.setup.offload is Offload.NONE:
             return Proposal(ctx.setup.replace(precision=Precision.BF16),
-                            f"model = AutoModelForCausalLM.from_pretrained(..., {_dtype_keyword()}=torch.bfloat16)"
+                            f"model = {ctx.spec.auto_class}.from_pretrained(..., {_dtype_keyword()}=torch.bfloat16)"
                             "  # pure bf16",
                             "none in compute; bf16 weight updates lose small steps: prefer stochastic rounding or "
                             "Kahan summation for long runs",

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...errors import ModelSourceError
 from ..model import ModelGraph
-from .common import Cfg
+from .common import SEQUENCE_CLASSIFIERS, Cfg, sequence_labels
 
 Builder = Callable[[Cfg, str], ModelGraph]
 _BUILDERS: dict[str, tuple[Builder, dict[str, Any]]] = {}
@@ -63,6 +63,9 @@ def graph_from_config(config: Any, *, name: str | None = None, source: str = "co
         cfg.check(source)  # a bad value usually caused it: name the key
         raise
     cfg.check(source)
+    if sequence_labels(cfg) is not None and model_type not in SEQUENCE_CLASSIFIERS:
+        raise ModelSourceError(f"{source}: a {model_type} sequence classifier is not modelled (memfit builds "
+                               f"{', '.join(SEQUENCE_CLASSIFIERS.values())}); trace the built module instead")
     return replace(graph, model_type=model_type, config=dict(config))
 
 

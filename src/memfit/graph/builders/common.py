@@ -8,7 +8,7 @@ from typing import Any
 
 from ...errors import ModelSourceError
 from ..kinds.attention import Attention, LatentKV
-from ..kinds.heads import LMHead
+from ..kinds.heads import ClassificationHead, LMHead
 from ..kinds.linear import Linear
 from ..kinds.mlp import MLP
 from ..kinds.norm import Dropout, Norm
@@ -193,3 +193,33 @@ def window(c: Cfg, *, gated_by: str | None = None) -> int | None:
         return None
     value = c.raw("sliding_window")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+SEQUENCE_CLASSIFIERS = {"bert": "BertForSequenceClassification", "llama": "LlamaForSequenceClassification",
+                        "mistral": "MistralForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+                        "qwen3": "Qwen3ForSequenceClassification"}
+"""The transformers sequence classifiers a graph is built for (config `architectures`), by model_type."""
+
+
+def num_labels(c: Cfg) -> int:
+    """The config's num_labels, else the size of its id2label, else transformers' default 2."""
+    labels = c.raw("num_labels")
+    if isinstance(labels, int) and not isinstance(labels, bool) and labels >= 0:
+        return labels
+    id2label = c.raw("id2label")
+    return len(id2label) if isinstance(id2label, (dict, list)) and id2label else 2
+
+
+def sequence_labels(c: Cfg) -> int | None:
+    """num_labels when the config's `architectures` names a ...ForSequenceClassification class (what a fine-tuned
+    classifier's config.json says, and what memfit.sources.with_task writes), else None."""
+    archs = c.config.get("architectures")
+    if isinstance(archs, (list, tuple)) and any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return num_labels(c)
+    return None
+
+
+def score_head(c: Cfg, hidden: int, labels: int) -> ClassificationHead:
+    """GenericForSequenceClassification (transformers modeling_layers): `score`, a Linear without bias over every
+    token; the last non-pad token's logits are the sequence's."""
+    return ClassificationHead(Linear("score", hidden, labels, False), pool="last")

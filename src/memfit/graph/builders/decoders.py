@@ -13,7 +13,8 @@ from ..kinds.embedding import Embedding
 from ..kinds.norm import Norm
 from ..model import Block, ModelGraph
 from . import builder
-from .common import Cfg, attention, decoder_dims, dropouts, gated_mlp, lm_head, plain_mlp, stacks, window
+from .common import (Cfg, attention, decoder_dims, dropouts, gated_mlp, lm_head, plain_mlp, score_head, sequence_labels,
+                     stacks, window)
 
 
 def llama_like(c: Cfg, name: str, *, attn: Callable[[int], Attention], mlp: Callable[[int], Any],
@@ -49,7 +50,8 @@ def llama_like(c: Cfg, name: str, *, attn: Callable[[int], Attention], mlp: Call
         embed=Embedding(vocab, hidden, name="model.embed_tokens"),
         stacks=layer_stacks,
         final_norm=n(final_norm),
-        head=lm_head(hidden, vocab, c.flag("tie_word_embeddings"), bias=head_bias, softcap=softcap),
+        head=(score_head(c, hidden, labels) if (labels := sequence_labels(c)) is not None
+              else lm_head(hidden, vocab, c.flag("tie_word_embeddings"), bias=head_bias, softcap=softcap)),
     )
 
 

@@ -1,4 +1,5 @@
-"""Encoder-only families: bert (BertForMaskedLM) and vit (ViTForImageClassification), as in transformers 5."""
+"""Encoder-only families: bert (BertForMaskedLM, or BertForSequenceClassification) and vit
+(ViTForImageClassification), as in transformers 5."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ..kinds.mlp import MLP
 from ..kinds.norm import Norm
 from ..model import Block, ModelGraph, Stack
 from . import builder
-from .common import Cfg, attention, dropouts, plain_mlp
+from .common import Cfg, attention, dropouts, num_labels, plain_mlp, sequence_labels
 
 
 def _ln(dim: int, name: str) -> Norm:
@@ -23,7 +24,8 @@ def _ln(dim: int, name: str) -> Norm:
 def bert(c: Cfg, name: str) -> ModelGraph:
     """BertForMaskedLM: word + position + token-type embeddings and a LayerNorm, post-norm encoder layers, the MLM
     head (transform, LayerNorm, decoder tied to the word embeddings, its bias in cls.predictions.bias); no
-    pooler."""
+    pooler. BertForSequenceClassification when the config's architectures name it: the pooler and a classifier
+    over num_labels instead of the MLM head."""
     hidden, layers, heads = c.int("hidden_size"), c.int("num_hidden_layers"), c.int("num_attention_heads")
     vocab, inter, act = c.int("vocab_size"), c.int("intermediate_size"), c.text("hidden_act", "gelu")
     c.divides("num_attention_heads", heads, "hidden_size", hidden)
@@ -34,9 +36,16 @@ def bert(c: Cfg, name: str) -> ModelGraph:
               Linear("output.dense", inter, hidden, True), name="")
     drops = dropouts(attention=c.number("attention_probs_dropout_prob"), residual=c.number("hidden_dropout_prob"))
     block = Block((att, _ln(hidden, "attention.output.LayerNorm"), mlp, _ln(hidden, "output.LayerNorm"), *drops))
-    tied = c.flag("tie_word_embeddings", True)
-    head = MaskedLMHead(Linear("transform.dense", hidden, hidden, True), _ln(hidden, "transform.LayerNorm"),
-                        Linear("decoder", hidden, vocab, True), Param("bias", (vocab,)), tied=tied, act=act)
+    labels = sequence_labels(c)
+    if labels is not None:  # BertForSequenceClassification: BertPooler (dense + tanh), dropout, classifier
+        drop = c.number("classifier_dropout")
+        head = ClassificationHead(Linear("classifier", hidden, labels, True),
+                                  Linear("bert.pooler.dense", hidden, hidden, True), pool="first",
+                                  dropout=drop if drop is not None else (c.number("hidden_dropout_prob") or 0.0))
+    else:
+        head = MaskedLMHead(Linear("transform.dense", hidden, hidden, True), _ln(hidden, "transform.LayerNorm"),
+                            Linear("decoder", hidden, vocab, True), Param("bias", (vocab,)),
+                            tied=c.flag("tie_word_embeddings", True), act=act)
     return ModelGraph(
         name=name,
         embed=Embedding(vocab, hidden, name="bert.embeddings.word_embeddings"),
@@ -57,14 +66,6 @@ def _pair(value: object) -> tuple[int, int] | None:
     return None
 
 
-def _num_labels(c: Cfg) -> int:
-    labels = c.raw("num_labels")
-    if isinstance(labels, int) and not isinstance(labels, bool) and labels >= 0:
-        return labels
-    id2label = c.raw("id2label")
-    return len(id2label) if isinstance(id2label, (dict, list)) and id2label else 2
-
-
 @builder("vit", defaults=dict(hidden_act="gelu", image_size=224, patch_size=16, num_channels=3, qkv_bias=True))
 def vit(c: Cfg, name: str) -> ModelGraph:
     """ViTForImageClassification: Conv2d patch embedding, CLS token and learned positions (Parameters), pre-norm
@@ -82,7 +83,7 @@ def vit(c: Cfg, name: str) -> ModelGraph:
     drops = dropouts(attention=c.number("attention_probs_dropout_prob"), residual=c.number("hidden_dropout_prob"))
     block = Block((_ln(hidden, "layernorm_before"), att, _ln(hidden, "layernorm_after"),
                    plain_mlp(hidden, inter, act), *drops))
-    labels = _num_labels(c)
+    labels = num_labels(c)
     return ModelGraph(
         name=name,
         embed=PatchEmbedding(c.int("num_channels"), patch, hidden, name="vit.embeddings.patch_embeddings.projection"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..registry import (GraphTensor, Node, children_params, children_tensors, field_children, handler, join,
                         tensors_of)
-from ..saved import Saved, SavedCtx, saved_by
+from ..saved import NotModelledError, Saved, SavedCtx, saved_by
 from .embedding import Param
 from .linear import Linear, LoraLinear, linear_rows
 from .norm import Norm
@@ -123,11 +123,19 @@ def _mlm_params(node: MaskedLMHead) -> int:
 
 @dataclass(frozen=True)
 class ClassificationHead(Node):
-    """`pooler` (hidden -> hidden, optional) then `proj` (hidden -> num_labels)."""
+    """`pooler` (hidden -> hidden, optional) then `proj` (hidden -> num_labels). `pool`: which positions the head
+    reads: 'first' (BertForSequenceClassification: BertPooler's dense + tanh on the CLS token, dropout, classifier),
+    'last' (transformers' GenericForSequenceClassification, the Llama family: `score` on every token, then the last
+    non-pad token's logits picked), '' (not measured: ViT's, sized by memfit.derive). `dropout`: the classifier
+    dropout's probability (BERT's classifier_dropout, else hidden_dropout_prob)."""
 
     proj: Linear | LoraLinear
     pooler: Linear | LoraLinear | None = None
+    pool: str = ""
+    dropout: float = 0.0
     name: str = field(default="", kw_only=True)
+    logits_upcast: bool = field(default=False, kw_only=True)
+    """The classification losses (CrossEntropyLoss, transformers' fixed_cross_entropy) keep the logits' dtype."""
 
     @property
     def num_labels(self) -> int:
@@ -141,3 +149,29 @@ def _cls_children(node: ClassificationHead, path: str):
 
 handler("params", ClassificationHead)(children_params)
 handler("tensors", ClassificationHead)(children_tensors)
+
+
+@handler("saved", ClassificationHead)
+def _cls_saved(node: ClassificationHead, ctx: SavedCtx) -> list[Saved]:
+    """Per token, though most of it is per sequence (elements / seq_len). 'last' (GenericForSequenceClassification,
+    transformers modeling_layers): `score` keeps its input, the final norm's B x T x h output, as an LM head would;
+    its B x T x num_labels logits are indexed at one token per sequence (IndexBackward keeps the B indices), so
+    only the B x num_labels pick lives on. 'first' (BertPooler, modeling_bert): `hidden_states[:, 0]` is a view, so
+    without autocast the dense layer's saved input keeps the whole B x T x h last hidden state alive (under
+    autocast it saves its own B x h bf16 cast); tanh keeps its B x h output, dropout its mask, the classifier its
+    B x h input."""
+    per_sequence = 1 / max(ctx.seq_len, 1)
+    h = node.proj.in_features
+    if node.pool == "last":
+        return [Saved("norms", h, "lin", role="head")]
+    if node.pool != "first" or node.pooler is None:
+        raise NotModelledError(f"a classification head pooling '{node.pool or 'unknown'}' has no measured formula")
+    if ctx.d.autocast:
+        rows = [Saved("norms", h * per_sequence, "c16", role="head")]
+    else:
+        rows = [Saved("norms", h, "res", role="head")]  # the view keeps the whole last hidden state
+    rows.append(Saved("norms", node.pooler.out_features * per_sequence, "cmp"))  # tanh's output
+    if node.dropout <= 0:  # the classifier reads tanh's output, kept once
+        return rows
+    return rows + [Saved("norms", h * per_sequence, ctx.d.mask),  # the mask, then the classifier's input
+                   Saved("norms", h * per_sequence, "cmp", role="head")]
