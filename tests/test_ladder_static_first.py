@@ -9,7 +9,8 @@ from memfit.plan import plan
 from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
 from memfit.techniques import REGISTRY
-from memfit.techniques.base import STATIC_OVER, static_floor_bytes
+from memfit.diagnose import static_floor_bytes
+from memfit.techniques.base import STATIC_OVER
 from memfit.units import format_bytes
 
 ACTIVATION_RUNGS = {k for k, t in REGISTRY.items() if not t.cuts_static}

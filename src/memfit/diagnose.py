@@ -31,10 +31,13 @@ class Diagnosis:
     """capacity x (1 - margin): what the plan must stay under."""
     required_bytes: int
     static_bytes: int
-    """Parameters + gradients + optimizer states (+ the runtime overhead that is there from the start)."""
+    """Parameters + gradients + optimizer states + the runtime's fixed overhead (static_floor_bytes)."""
     activation_bytes: int
     """Activations + temporaries at the peak."""
     margin: float
+    cache_bytes: int = 0
+    """The caching allocator's reserve and rounding: they follow the whole step's allocations, activations
+    included, so they are neither static nor activation memory."""
     allocated_bytes: int = 0
     """Predicted torch.cuda.max_memory_allocated."""
     reserved_bytes: int = 0
@@ -73,7 +76,7 @@ class Diagnosis:
         return {"bottleneck": self.bottleneck.value, "capacity_bytes": self.capacity_bytes,
                 "budget_bytes": self.budget_bytes, "required_bytes": self.required_bytes,
                 "headroom_bytes": self.headroom_bytes, "static_bytes": self.static_bytes,
-                "activation_bytes": self.activation_bytes, "margin": self.margin,
+                "activation_bytes": self.activation_bytes, "cache_bytes": self.cache_bytes, "margin": self.margin,
                 "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
                 "outside_allocator_bytes": self.outside_allocator_bytes, "evictable_bytes": self.evictable_bytes,
                 "required_is": "reserved + outside the allocator (device used), less evictable paged states"}
@@ -83,6 +86,17 @@ PAGED_STATES = "optimizer/paged_states"
 """The term of paged optimizer states (memfit.estimate.analytic), evictable by the driver."""
 
 
+def static_floor_bytes(estimate: MemoryEstimate) -> int:
+    """Static memory: what no activation saving can shrink. Parameters, gradients, optimizer states and the
+    runtime's fixed overhead (CUDA context, cuBLAS workspaces, NCCL); not the allocator's reserve and rounding,
+    which follow the whole step's allocations, activations included (memfit.estimate.device)."""
+    from .estimate.device import RESERVE, ROUNDING
+
+    fixed = sum(t.num_bytes for t in estimate.terms
+                if t.category is Category.OVERHEAD and t.name not in (RESERVE, ROUNDING))
+    return estimate.static_bytes + fixed
+
+
 def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> Diagnosis:
     """The step fits when what it holds on the device stays within the budget: the caching allocator's reserved
     segments + the memory outside it (CUDA context, NCCL), i.e. the predicted device-used figure; allocated alone
@@ -90,9 +104,9 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
 
     A component is a bottleneck when it alone takes more than half of the budget: then no change to the other
     can make the step fit. Over budget, at least one of the two always does."""
-    cats = estimate.by_category()
-    static = estimate.static_bytes + cats[Category.OVERHEAD]
+    static = static_floor_bytes(estimate)
     activ = estimate.activation_bytes
+    cache = estimate.by_category()[Category.OVERHEAD] - (static - estimate.static_bytes)
     capacity = hardware.gpu.memory_bytes
     budget = int(capacity * (1 - margin))
     reserved, outside = estimate.reserved_bytes, estimate.outside_allocator_bytes
@@ -105,6 +119,6 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
         bottleneck = (Bottleneck.BOTH if static_heavy and act_heavy else
                       Bottleneck.STATIC if static_heavy else Bottleneck.ACTIVATIONS)
     return Diagnosis(bottleneck=bottleneck, capacity_bytes=capacity, budget_bytes=budget, required_bytes=required,
-                     static_bytes=static, activation_bytes=activ, margin=margin,
+                     static_bytes=static, activation_bytes=activ, margin=margin, cache_bytes=cache,
                      allocated_bytes=estimate.allocated_bytes, reserved_bytes=reserved, outside_allocator_bytes=outside,
                      evictable_bytes=evictable)

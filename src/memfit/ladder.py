@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .diagnose import Bottleneck, Diagnosis, diagnose
+from .diagnose import Bottleneck, Diagnosis, diagnose, static_floor_bytes
 from .errors import ConfigError
 from .estimate.result import MemoryEstimate
 from .hardware import Hardware
 from .model_spec import ModelSpec
 from .setup import TrainingSetup, setup_changes
 from .techniques import LADDERS, REGISTRY, Context, Proposal, Skip
-from .techniques.base import STATIC_OVER, EstimateFn, pin_reason, static_floor_bytes, static_over_budget
+from .techniques.base import STATIC_OVER, EstimateFn, pin_reason, static_over_budget
 from .units import format_bytes
 
 

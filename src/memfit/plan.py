@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .diagnose import DEFAULT_MARGIN, Bottleneck, Diagnosis, diagnose
+from .diagnose import DEFAULT_MARGIN, Bottleneck, Diagnosis, diagnose, static_floor_bytes
 from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
 from .hardware import Hardware, check_precision, gpu_catalog
@@ -19,7 +19,7 @@ from .ladder import PlanStep, explain, walk  # noqa: F401  (PlanStep, explain: r
 from .search import GPUS_PER_NODE, MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit, scaled_out
 from .setup import FIELD_LABELS, Checkpointing, TrainingSetup
 from .techniques import REGISTRY, Context
-from .techniques.base import EstimateFn, keep_name, static_floor_bytes, static_over_budget
+from .techniques.base import EstimateFn, keep_name, static_over_budget
 from .throughput import relative_step_time
 from .units import format_bytes
 

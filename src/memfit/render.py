@@ -147,8 +147,9 @@ def peak_and_diagnosis(console: Console, estimate: MemoryEstimate, diagnosis: Di
         rows.append(("", f"needs = reserved {gib(diagnosis.reserved_bytes)} GiB + outside the allocator "
                          f"{gib(diagnosis.outside_allocator_bytes)} GiB (CUDA context, NCCL){paged}: what a CUDA OOM "
                          "is decided on"))
-    rows.append(("", f"static {gib(diagnosis.static_bytes)} GiB (params + grads + optimizer + runtime), "
-                     f"activations {gib(diagnosis.activation_bytes)} GiB, headroom "
+    cache = f", allocator cache {gib(diagnosis.cache_bytes)} GiB" if diagnosis.cache_bytes else ""
+    rows.append(("", f"static {gib(diagnosis.static_bytes)} GiB (params + grads + optimizer + fixed runtime), "
+                     f"activations {gib(diagnosis.activation_bytes)} GiB{cache}, headroom "
                      f"{gib(diagnosis.headroom_bytes)} GiB"))
     console.print()
     _fields(console, rows)

@@ -8,7 +8,7 @@ from typing import Callable, ClassVar
 
 from ..diagnose import Bottleneck, Diagnosis, diagnose
 from ..estimate.analytic import estimate
-from ..estimate.result import Category, MemoryEstimate
+from ..estimate.result import MemoryEstimate
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..errors import ConfigError
@@ -131,22 +131,12 @@ def with_engine_that_can(setup: TrainingSetup, **changes) -> TrainingSetup:
         return setup.replace(**changes, engine=Engine.DEEPSPEED)
 
 
-def static_floor_bytes(estimate: MemoryEstimate) -> int:
-    """What no activation saving can shrink: parameters, gradients, optimizer states and the runtime's fixed
-    overhead (CUDA context, cuBLAS workspaces, NCCL). The allocator's reserve and rounding are left out: they follow
-    the whole step's allocations, activations included (memfit.estimate.device)."""
-    from ..estimate.device import RESERVE, ROUNDING
-    fixed = sum(t.num_bytes for t in estimate.terms
-                if t.category is Category.OVERHEAD and t.name not in (RESERVE, ROUNDING))
-    return estimate.static_bytes + fixed
-
-
 def static_over_budget(estimate: MemoryEstimate, diagnosis: Diagnosis) -> str | None:
     """Why no activation rung can help, or None: static memory alone is at or over the budget, so the seed's static
     rungs (mixed precision, 8-bit Adam, ZeRO, offload) must come first. The one place this rule lives:
     memfit.ladder asks it for every rung whose `cuts_static` is False, and measures a rung's saving on
     static memory while it holds; Context.pick judges a static rung's candidates by it."""
-    floor = static_floor_bytes(estimate)
+    floor = diagnosis.static_bytes  # memfit.diagnose.static_floor_bytes
     if floor < diagnosis.budget_bytes:
         return None
     return (f"{STATIC_OVER} ({format_bytes(floor)} of {format_bytes(diagnosis.budget_bytes)} usable): no activation "
