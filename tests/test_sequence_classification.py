@@ -64,7 +64,10 @@ def test_formulas_and_trace_match_a_measured_step(family, precision, checkpointi
     # head's rows); every other case is within the 2% asked
     tolerance = 0.04 if (family, precision, checkpointing) == ("bert", "fp32", "full") else 0.02
     assert abs(predicted - measured) <= tolerance * measured, f"formulas {predicted:,} vs measured {measured:,}"
-    if (family, precision, checkpointing) != ("llama", "amp-bf16", "full"):  # see the report: trace 2% low there
+    # Llama amp-bf16 + full: the measured peak is a CPU bf16 matmul's oneDNN scratch inside aten::mm in a block's
+    # backward (an 820,992 B allocation freed in the same op on a 3-block toy), which no CUDA step has and the
+    # trace does not emulate: the trace is 2% low on CPU there
+    if (family, precision, checkpointing) != ("llama", "amp-bf16", "full"):
         traced = trace(config, setup, kernels="cpu").tensor_bytes
         assert abs(traced - measured) <= 0.005 * measured, f"trace {traced:,} vs measured {measured:,}"
 
