@@ -445,7 +445,7 @@ def checkpointed_moments(step, moments: dict) -> dict:
 def int8_keeps_inputs(setup: TrainingSetup, d) -> bool:
     """bitsandbytes' CPU int8 matmul (MatMul8bitFp, used in training on CPU) keeps its input as `ctx.A`, outside
     save_for_backward, even for a frozen weight: every int8 Linear's input stays alive (checkpointing cannot drop
-    it). Measured on CPU without autocast; the autocast and CUDA LLM.int8 paths are not modelled."""
+    it). Measured on CPU; the CUDA LLM.int8 path is not modelled."""
     return (d.on_cpu and not d.autocast
             and setup.finetune.base_storage(setup.precision.compute_dtype) is BaseWeights.INT8)
 
@@ -454,7 +454,11 @@ def int8_checkpointed_inputs(spec: ModelSpec, setup: TrainingSetup, tokens: int,
     """Under checkpointing, the int8 inputs (int8_keeps_inputs) of every layer, which the recompute cannot free."""
     from .activations import projection_input_rows
 
-    if not int8_keeps_inputs(setup, d):
+    if not int8_keeps_inputs(setup, replace(d, autocast=False)):
         return 0
-    rows = projection_input_rows(spec, setup, seq_len, d)
-    return int(spec.num_layers * tokens * sum(d.bytes_of(r) for r in rows))
+    # autocast casts no input of a custom autograd Function: ctx.A is the tensor the layer was given, in the
+    # residual stream's dtype, one per distinct input (measured under amp-bf16: fp32 norm outputs, kept to the
+    # loss backward)
+    plain = replace(d, autocast=False)
+    rows = projection_input_rows(spec, setup, seq_len, plain)
+    return int(spec.num_layers * tokens * sum(plain.bytes_of(r) for r in rows))
