@@ -581,10 +581,6 @@ class TrainingSetup:
     def _adapter_problems(self) -> list[str]:
         """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
         problems = []
-        if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED:
-            problems.append(f"{self.finetune.method} under DeepSpeed zero3 is not sized yet: use --engine torch "
-                            "(FSDP2 shards the frozen base and the adapters, memfit.estimate.lora_sharded), or "
-                            "zero2, whose frozen base is replicated")
         if self.offload is not Offload.NONE and self.engine is not Engine.DEEPSPEED:
             problems.append(f"{self.finetune.method} with CPU offload is sized on DeepSpeed ZeRO-Offload (only the "
                             "adapters' partitions and states on the host): use --engine deepspeed")
