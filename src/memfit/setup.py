@@ -596,6 +596,9 @@ class TrainingSetup:
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
         if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
+        if quantized and self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED:
+            problems.append(f"{self.finetune.method} (a quantized base) under DeepSpeed zero3 is not sized yet: use "
+                            "--engine torch (FSDP2 shards the packed base, memfit.estimate.lora_sharded) or zero2")
         return problems
 
     def _tensor_parallel_problems(self) -> list[str]:
@@ -875,3 +878,12 @@ def fsdp2_mixed_precision(setup: TrainingSetup, engine: Engine | None = None) ->
     overrides the setup's (a trace always runs FSDP2)."""
     return ((engine or setup.engine) is Engine.TORCH and setup.sharding.stage >= 2
             and (setup.precision.is_autocast or setup.precision.master_weights))
+
+
+def deepspeed_casts_module(setup: TrainingSetup) -> bool:
+    """Whether DeepSpeed runs the setup in its bf16 / fp16 mode (the config memfit emits under ZeRO or offload:
+    bf16.enabled / fp16.enabled): the engine casts the whole module, LoRA adapters included, to the 16-bit dtype
+    (runtime/engine.py _configure_distributed_model: module.bfloat16() / .half()) and keeps fp32 master partitions
+    of the trainable tensors in its ZeRO optimizer, with no autocast."""
+    return (setup.engine is Engine.DEEPSPEED and setup.precision is not Precision.FP32
+            and (setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE))

@@ -118,7 +118,7 @@ def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[
     if not setup.precision.is_autocast:
         return setup, ()
     deepspeed = layout is Engine.DEEPSPEED and (setup.sharding is not Sharding.NONE or setup.offload.value != "none")
-    if deepspeed and not setup.finetune.adapters:
+    if deepspeed:  # adapters too: memfit.setup.deepspeed_casts_module
         return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
             f"{setup.precision} under DeepSpeed runs as its {setup.precision.compute_dtype} mode (the config memfit "
             f"emits: {setup.precision.compute_dtype}.enabled): the engine casts the model to "

@@ -30,7 +30,7 @@ from ..graph import Linear, LoraLinear, with_lora
 from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
-from ..setup import TrainingSetup, fsdp2_mixed_precision
+from ..setup import TrainingSetup, deepspeed_casts_module, fsdp2_mixed_precision
 from . import dora
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
@@ -73,9 +73,10 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     save_names = _modules_to_save(adapted, ft.modules_to_save)
     other_bytes = 4 if base.quantized else _dtype_bytes(base)  # prepare_model_for_kbit_training upcasts to fp32
     trainable, frozen = [], []
+    adapter_bytes = 2 if deepspeed_casts_module(setup) else ADAPTER_BYTES  # DeepSpeed casts the adapters too
     for t in adapted.tensors():
         if t.trainable:
-            trainable.append(ParamTensor(t.name, t.numel, t.count, ADAPTER_BYTES * t.numel))
+            trainable.append(ParamTensor(t.name, t.numel, t.count, adapter_bytes * t.numel))
             continue
         if t.name in quantizable and base.quantized:
             rows = quantizable[t.name]
@@ -246,7 +247,7 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
     ft = setup.finetune
     roles = adapted_roles(spec)
     # FSDP2's MixedPrecisionPolicy casts the gathered adapters to the compute dtype: peft's cast of x is then a no-op
-    in_compute = fsdp2_mixed_precision(setup)
+    in_compute = fsdp2_mixed_precision(setup) or deepspeed_casts_module(setup)  # (DeepSpeed: a 16-bit module)
     shares_x = ft.dropout == 0 and (in_compute or (not d.autocast and d.compute == 4 and d.residual == 4))
     low = "c16" if d.autocast or in_compute else "f32"
     kept = []
