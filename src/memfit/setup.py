@@ -596,9 +596,11 @@ class TrainingSetup:
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
         if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
-        if quantized and self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED:
-            problems.append(f"{self.finetune.method} (a quantized base) under DeepSpeed zero3 is not sized yet: use "
-                            "--engine torch (FSDP2 shards the packed base, memfit.estimate.lora_sharded) or zero2")
+        if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED and (quantized or self.offload.value
+                                                                                    != "none"):
+            problems.append(f"{self.finetune.method} under DeepSpeed zero3 is sized for a 16/32-bit base without "
+                            "offload: use --engine torch (FSDP2 shards a packed base, memfit.estimate.lora_sharded), "
+                            "or zero2 (ZeRO-Offload of the adapters)")
         return problems
 
     def _tensor_parallel_problems(self) -> list[str]:

@@ -49,11 +49,10 @@ def _elems(spec: ModelSpec, tensors, *, whole_persistent: bool = True) -> int:
     return sum(t.numel * t.count for t in tensors if whole_persistent or not persistent(spec, t))
 
 
-def _embedding_names(spec: ModelSpec) -> set[str]:
+def _names(node) -> set[str]:
     from ..graph import tensors_of
 
-    embed = getattr(spec.graph, "embed", None)
-    return {t.name for t in tensors_of(embed, getattr(embed, "name", ""))} if embed is not None else set()
+    return {t.name for t in tensors_of(node, getattr(node, "name", ""))} if node is not None else set()
 
 
 def _first_block_inputs_frozen(spec: ModelSpec) -> set[str]:
@@ -73,20 +72,26 @@ def _first_block_inputs_frozen(spec: ModelSpec) -> set[str]:
     return names if adapted else set()
 
 
-def _units(spec: ModelSpec) -> tuple[list[ParamTensor], list[ParamTensor], list[ParamTensor]]:
-    """(embeddings, one block's tensors, the rest: final norm, head, extra parameters), trainable and frozen."""
+def _units(spec: ModelSpec) -> tuple[list[ParamTensor], list[ParamTensor], list[ParamTensor], list[ParamTensor]]:
+    """(the token embedding, the other tensors used before the blocks (position tables), one block's tensors every
+    layer, what runs after the blocks: final norm and head, a tied head's embedding matrix), trainable and frozen."""
+    graph = spec.graph
     tensors = [*spec.params, *spec.frozen]
-    embed = _embedding_names(spec)
-    block = [t for t in tensors if ".*." in t.name]
+    embed = _names(getattr(graph, "embed", None))
+    after = _names(getattr(graph, "final_norm", None)) | _names(getattr(graph, "head", None))
+    if spec.tie_word_embeddings:
+        after |= embed  # the head multiplies by the embedding matrix right before the loss
     root = [t for t in tensors if ".*." not in t.name]
-    return [t for t in root if t.name in embed], block, [t for t in root if t.name not in embed]
+    return ([t for t in root if t.name in embed and t.name not in after], [t for t in root if t.name not in embed
+            and t.name not in after], [t for t in tensors if ".*." in t.name], [t for t in root if t.name in after])
 
 
 def gathered_elems(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Non-persistent elements gathered at the start of backward (the LM head's backward, the loss's peak):
-    the root after the blocks (final norm, head: used now), every block whose forward-to-backward reuse distance
-    is under stage3_max_reuse_distance, and the embedding if it is used again in backward."""
-    embed, block, tail = _units(spec)
+    the final norm and head (used now), every block whose forward-to-backward reuse distance is under
+    stage3_max_reuse_distance, and a tensor used before the blocks only if it is fetched again in backward (it is
+    trained, or it is the token embedding under checkpointing with adapters: peft's enable_input_require_grads)."""
+    embed, before, block, tail = _units(spec)
     layers = spec.num_layers
     ckpt = setup.checkpointing is not Checkpointing.NONE
     block_numel = _elems(spec, block) // max(layers, 1)
@@ -94,17 +99,16 @@ def gathered_elems(spec: ModelSpec, setup: TrainingSetup) -> int:
     gathered = _elems(spec, tail, whole_persistent=False)
     block_kept = _elems(spec, block, whole_persistent=False) // max(layers, 1)
     uses = 3 if ckpt else 2  # forward + backward (+ the recompute) of each later block lie in between
-    for i in range(layers):
-        distance = uses * (layers - 1 - i) * block_numel + 2 * tail_numel
-        if distance < DS_MAX_REUSE_DISTANCE:
-            gathered += block_kept
+    kept_blocks = sum(_reuse(uses * (layers - 1 - i) * block_numel + 2 * tail_numel) for i in range(layers))
+    gathered += block_kept * max(kept_blocks, min(layers, 1))  # at least the block backward is computing
     unfetched = set() if ckpt or not spec.frozen else _first_block_inputs_frozen(spec)
-    if layers and _reuse(uses * layers * block_numel + 2 * tail_numel):
+    whole = uses * layers * block_numel + 2 * tail_numel  # from before the blocks to the end of backward
+    if layers and _reuse(whole):
         gathered -= sum(t.numel for t in block if t.name in unfetched and not persistent(spec, t))
-    trainable_embed = any(t.name in {e.name for e in embed} for t in spec.params)
-    embed_back = trainable_embed or (ckpt and bool(spec.frozen))  # peft enable_input_require_grads
-    if embed_back and _reuse((uses * layers) * block_numel + 2 * tail_numel):
-        gathered += _elems(spec, embed, whole_persistent=False)
+    trained = {p.name for p in spec.params}
+    if _reuse(whole):
+        gathered += sum(t.numel * t.count for t in (*embed, *before) if not persistent(spec, t)
+                        and (t.name in trained or (t in embed and ckpt and spec.frozen)))
     return gathered
 
 
