@@ -95,7 +95,8 @@ def distance(predicted: int, rank: dict) -> float:
 
 def table(chosen: dict, results: dict) -> str:
     hardware = make_hardware(cpu_device(64 * 1024**3), gpus_per_node=RANKS)
-    lines = ["| setup | measured peak B (per rank) | memfit B | error | memfit moment | gathered B (memfit) | 1 process |",
+    lines = ["| setup | measured peak B (per rank) | memfit B | error | memfit moment | gathered B (memfit) "
+             "| 1 process |",
              "| --- | --- | ---: | ---: | --- | ---: | ---: |"]
     errors, singles = [], {}
     for name, (config, setup) in chosen.items():

@@ -21,8 +21,8 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, compiled_loss, context_parallel, deepspeed_zero3, dora, float8, fsdp2, lora, lora_sharded,
-               moe, offload_activations, padding, pipeline, tensor_parallel)
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, deepspeed_zero3, dora, float8, fsdp2, lora,
+               lora_sharded, moe, offload_activations, padding, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -70,7 +70,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         moments = {name: (ph, t + [ring] if any(x.name == "temporaries/layer_backward" for x in t) else t)
                    for name, (ph, t) in moments.items()}
     moments = float8.with_backward_term(moments, spec, sized, hardware.is_cpu)  # memfit.estimate.float8
-    moments = deepspeed_zero3.with_head_input(moments, spec, sized, act.dtypes(spec, sized, hardware.is_cpu).compute)
+    compute_bytes = act.dtypes(spec, sized, hardware.is_cpu).compute
+    moments = deepspeed_zero3.adjust_moments(moments, spec, sized, compute_bytes)  # memfit.estimate.deepspeed_zero3
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))

@@ -137,21 +137,48 @@ def layout(spec: ModelSpec, setup: TrainingSetup, static, elem_bytes: int, bucke
                    comm_buffers_bytes=elem_bytes * bucket_elems)
 
 
-def with_head_input(moments: dict, spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> dict:
-    """Every moment where the head's input is alive (it holds 'activations/head') gets the frozen head's input that
-    DeepSpeed's ZeRO-3 linear saves; unchanged off DeepSpeed ZeRO-3 or with a trained head."""
-    term = _head_input_term(spec, setup, compute_bytes)
-    if term is None:
+def adjust_moments(moments: dict, spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> dict:
+    """DeepSpeed ZeRO-3's moment-specific terms (unchanged elsewhere): every moment where the head's input is alive
+    (it holds 'activations/head') gets the frozen head's input ZeRO-3's linear saves; a recomputed block's moment
+    holds one frozen tensor of the block, not all of them (`recompute_released_bytes`)."""
+    if not _zero3(setup) or not spec.frozen:
         return moments
-    return {name: (ph, t + [term] if any(x.name == "activations/head" for x in t) else t)
-            for name, (ph, t) in moments.items()}
+    head = _head_input_term(spec, setup, compute_bytes)
+    released = recompute_released_bytes(spec, setup)
+    out = {}
+    for name, (phase, terms) in moments.items():
+        names = {t.name for t in terms}
+        if head is not None and "activations/head" in names:
+            terms = [*terms, head]
+        if released and "activations/recomputed_block" in names:
+            terms = [replace(t, num_bytes=max(t.num_bytes - released, 0), formula=t.formula + "; the recomputed "
+                             "block's frozen tensors released but the one its backward uses (DeepSpeed recompute "
+                             "attribution)") if t.name == "parameters/gathered" else t for t in terms]
+        out[name] = (phase, terms)
+    return out
+
+
+def recompute_released_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Under checkpointing the recompute fetches a block's frozen parameters again and attributes them to the module
+    whose backward triggered it (partitioned_param_coordinator.py _fetch_sub_module_impl update_recompute_parameters);
+    they are released when that module's backward ends (release_sub_module, ds_recompute_parameters), and each is
+    fetched alone again by its own module's backward: the block's frozen non-persistent bytes but the largest."""
+    if setup.checkpointing is Checkpointing.NONE:
+        return 0
+    sizes = [t.numel * (t.nbytes // t.numel if t.nbytes else 2) for t in spec.frozen
+             if ".*." in t.name and not persistent(spec, t)]
+    return sum(sizes) - max(sizes, default=0)
+
+
+def _zero3(setup: TrainingSetup) -> bool:
+    from ..setup import Engine
+
+    return setup.engine is Engine.DEEPSPEED and setup.sharding.stage >= 3
 
 
 def _head_input_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> Term | None:
     """The frozen LM head's input, saved by LinearFunctionForZeroStage3 (a trainable head saves it anyway)."""
-    from ..setup import Engine
-
-    if setup.engine is not Engine.DEEPSPEED or setup.sharding.stage < 3 or not spec.frozen or not spec.is_decoder:
+    if not spec.is_decoder:
         return None
     if any(p.name.endswith(("lm_head.weight", "lm_head.modules_to_save.weight")) for p in spec.params):
         return None
