@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
-                     fsdp2_mixed_precision)
+                     deepspeed_casts_module, fsdp2_mixed_precision)
 from . import activations as act
 from . import (bnb_cpu, compiled, compiled_loss, context_parallel, deepspeed_zero3, dora, float8, fsdp2, lora,
                lora_sharded, moe, offload_activations, padding, pipeline, tensor_parallel)
@@ -145,8 +145,10 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
+        cast = deepspeed_casts_module(setup)  # DeepSpeed's 16-bit module: the adapters too
         terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
-                      f"trainable P={spec.num_params:,} (LoRA adapters) x 4 B (fp32)",
+                      f"trainable P={spec.num_params:,} (LoRA adapters) x {'2 B (16-bit)' if cast else '4 B (fp32)'}",
+                      "DeepSpeed engine module.bfloat16() / .half()" if cast else
                       "peft get_peft_model(autocast_adapter_dtype=True): adapters upcast to fp32"),
                  Term("parameters/frozen", Category.PARAMETERS, static.frozen_bytes,
                       f"{spec.num_frozen_params:,} frozen base parameters as stored "
@@ -163,17 +165,22 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     if static.param_working_set_bytes:
         what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
                 "unsharded root (embeddings, head) + the block being computed")
-        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set_bytes, what,
-                          "FSDP2 all-gather / DeepSpeed ZeRO-3 prefetch"))
+        source = "FSDP2 all-gather"
+        if setup.engine is Engine.DEEPSPEED:
+            what = ("what is fetched again in backward within stage3_max_reuse_distance (1e9 elements) of its "
+                    "forward, at least the block being computed, besides the persistent parameters")
+            source = "DeepSpeed partitioned_param_coordinator.py __params_to_release (memfit.estimate.deepspeed_zero3)"
+        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set_bytes, what, source))
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""
-        g_bytes = 4 if spec.frozen else p_bytes
+        g_bytes = 4 if spec.frozen and not deepspeed_casts_module(setup) else p_bytes
         terms.append(Term("gradients", Category.GRADIENTS, grads, f"P x {g_bytes} B{g_note}", "ZeRO paper sec. 3.1"))
     if static.comm_buffers_bytes:
         terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers_bytes,
                           "DDP gradient buckets (1 x gradients)" if setup.engine.value == "torch" else
                           "DeepSpeed reduce bucket: hidden^2 elements (HF 'auto')",
-                          "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2, measured on 2 gloo ranks"))
+                          "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2 (ZeRO-3: its ipg bucket, stage3.py), "
+                          "measured on 2 gloo ranks"))
     if static.optimizer_bytes:
         o_note = f" / {n} ranks" if setup.sharding.stage >= 1 else ""
         shards = n if setup.sharding.stage >= 1 else 1

@@ -36,8 +36,6 @@ from .static import DS_PERSISTENCE_FACTOR
 
 DS_MAX_REUSE_DISTANCE = 1_000_000_000
 """stage3_max_reuse_distance: DeepSpeed's default (runtime/zero/config.py), which memfit's config leaves alone."""
-SOURCE = ("DeepSpeed 0.19 runtime/zero: partitioned_param_coordinator.py __params_to_release (stage3_max_reuse_"
-          "distance), parameter_offload.py mark_persistent_parameters, stage3.py ipg bucket")
 
 
 def persistent(spec: ModelSpec, t: ParamTensor) -> bool:
