@@ -179,8 +179,8 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
         terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers_bytes,
                           "DDP gradient buckets (1 x gradients)" if setup.engine.value == "torch" else
                           "DeepSpeed reduce bucket: hidden^2 elements (HF 'auto')",
-                          "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2 (ZeRO-3: its ipg bucket, stage3.py), "
-                          "measured on 2 gloo ranks"))
+                          "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2 (ZeRO-3: its ipg bucket, "
+                          "stage3.py), measured on 2 gloo ranks"))
     if static.optimizer_bytes:
         o_note = f" / {n} ranks" if setup.sharding.stage >= 1 else ""
         shards = n if setup.sharding.stage >= 1 else 1
