@@ -65,3 +65,53 @@ def test_only_the_adapters_are_reduced_and_gathered(ranks):
 def test_lora_offload_on_the_torch_engine_says_where_it_is_sized():
     with pytest.raises(ConfigError, match="use --engine deepspeed"):
         SETUP.replace(engine="torch")
+
+
+# ---- ZeRO-3 (frozen base partitioned, kept gathered into backward) and DeepSpeed's bf16 mode (16-bit adapters)
+
+ZERO3 = {"zero2-bf16": SETUP.replace(offload="none", precision="amp-bf16"),
+         "zero3-fp32": SETUP.replace(sharding="zero3", offload="none"),
+         "zero3-bf16": SETUP.replace(sharding="zero3", offload="none", precision="amp-bf16")}
+
+
+@pytest.fixture(scope="module")
+def zero3_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """One 2-rank job per setup: a ZeRO-3 job changes its process for the next one (zero.Init replaces
+    torch.nn.functional.linear for good; a later job in the same process measured 2-3% higher). 3 steps: DeepSpeed
+    records its module trace in step 1 and releases by reuse distance from step 2 on."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("peft")
+    out = {}
+    for name, setup in ZERO3.items():
+        fields = {name: {k: v for k, v in setup.to_dict().items() if k != "notes"}}
+        folder = run_ranks(REPO / "tests" / "lora_fsdp_worker.py", TINY_LLAMA, tmp_path_factory.mktemp(name),
+                           json.dumps(fields), "3", ranks=RANKS, timeout=600)
+        out[name] = rank_results(folder / name, RANKS)
+    return out
+
+
+@pytest.mark.parametrize("name", list(ZERO3))
+def test_zero3_and_bf16_peaks_match_the_formulas(zero3_ranks, name):
+    """ZeRO-2 within 2%. A ZeRO-3 rank's peak moves by up to 3% between runs of the very same job on gloo (the
+    bf16 one here: 3,398,797 to 3,472,797 B on rank 0 over six runs; bench/results/lora_deepspeed.md), which the
+    formulas do not model: ZeRO-3 is held to 5% per rank."""
+    predicted = estimate(SPEC, ZERO3[name], HARDWARE).tensor_bytes
+    tolerance = 0.05 if ZERO3[name].sharding.stage == 3 else 0.02
+    for rank in zero3_ranks[name]:
+        low, high = rank["peak_bytes"] - rank["unseen_at_peak_bytes"], rank["peak_bytes"]
+        print(f"{name} rank {rank['rank']}: measured {low:,}..{high:,} B, predicted {predicted:,} B")
+        assert low * (1 - tolerance) <= predicted <= high * (1 + tolerance)
+
+
+def test_zero3_keeps_what_is_reused_in_backward_gathered():
+    """The tiny model is far under stage3_max_reuse_distance: all of it stays gathered at the head's backward but
+    the persistent tensors (whole anyway), the frozen embedding and block 0's q/k/v bases (no gradient reaches
+    them); measured on 2 ranks: 120,128 elements AVAILABLE there, 11,584 of them persistent."""
+    from memfit.estimate.deepspeed_zero3 import gathered_elems, persistent_elems
+
+    spec = adapted_spec(SPEC, ZERO3["zero3-fp32"])
+    assert persistent_elems(spec, (*spec.params, *spec.frozen)) == 11_584
+    assert gathered_elems(spec, ZERO3["zero3-fp32"]) == 120_128 - 11_584
+    everything = spec.num_params + spec.num_frozen_params
+    checkpointed = ZERO3["zero3-bf16"].replace(checkpointing="full")
+    assert gathered_elems(spec, checkpointed) == everything - 11_584  # the recompute fetches them all (measured)

@@ -186,7 +186,7 @@ def test_axolotl_fsdp_qlora_reads_as_the_sharded_setup(tmp_path, monkeypatch):
 
 def test_what_is_not_sized_is_refused_with_the_way_out():
     with pytest.raises(ConfigError, match="--engine torch"):
-        _setup("zero3", "amp-bf16", engine="deepspeed")
+        _setup("zero3", "amp-bf16", engine="deepspeed", finetune=QLORA)  # LoRA there: tests/test_lora_deepspeed.py
     with pytest.raises(ConfigError, match="a quantized base has no master weights"):
         _setup("none", "bf16-master", finetune=QLORA, num_gpus=1)
 

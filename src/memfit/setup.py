@@ -581,10 +581,6 @@ class TrainingSetup:
     def _adapter_problems(self) -> list[str]:
         """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
         problems = []
-        if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED:
-            problems.append(f"{self.finetune.method} under DeepSpeed zero3 is not sized yet: use --engine torch "
-                            "(FSDP2 shards the frozen base and the adapters, memfit.estimate.lora_sharded), or "
-                            "zero2, whose frozen base is replicated")
         if self.offload is not Offload.NONE and self.engine is not Engine.DEEPSPEED:
             problems.append(f"{self.finetune.method} with CPU offload is sized on DeepSpeed ZeRO-Offload (only the "
                             "adapters' partitions and states on the host): use --engine deepspeed")
@@ -600,6 +596,11 @@ class TrainingSetup:
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
         if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
+        if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED and (quantized or self.offload.value
+                                                                                    != "none"):
+            problems.append(f"{self.finetune.method} under DeepSpeed zero3 is sized for a 16/32-bit base without "
+                            "offload: use --engine torch (FSDP2 shards a packed base, memfit.estimate.lora_sharded), "
+                            "or zero2 (ZeRO-Offload of the adapters)")
         return problems
 
     def _tensor_parallel_problems(self) -> list[str]:
@@ -879,3 +880,12 @@ def fsdp2_mixed_precision(setup: TrainingSetup, engine: Engine | None = None) ->
     overrides the setup's (a trace always runs FSDP2)."""
     return ((engine or setup.engine) is Engine.TORCH and setup.sharding.stage >= 2
             and (setup.precision.is_autocast or setup.precision.master_weights))
+
+
+def deepspeed_casts_module(setup: TrainingSetup) -> bool:
+    """Whether DeepSpeed runs the setup in its bf16 / fp16 mode (the config memfit emits under ZeRO or offload:
+    bf16.enabled / fp16.enabled): the engine casts the whole module, LoRA adapters included, to the 16-bit dtype
+    (runtime/engine.py _configure_distributed_model: module.bfloat16() / .half()) and keeps fp32 master partitions
+    of the trainable tensors in its ZeRO optimizer, with no autocast."""
+    return (setup.engine is Engine.DEEPSPEED and setup.precision is not Precision.FP32
+            and (setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE))

@@ -19,10 +19,10 @@ from ..errors import ConfigError
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
-                     fsdp2_mixed_precision)
+                     deepspeed_casts_module, fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, compiled_loss, context_parallel, dora, float8, fsdp2, heads, lora, lora_sharded,
-               moe, offload_activations, padding, pipeline, tensor_parallel)
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, deepspeed_zero3, dora, float8, fsdp2, heads,
+               lora, lora_sharded, moe, offload_activations, padding, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
 from .result import Category, MemoryEstimate, Phase, Term
@@ -71,6 +71,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         moments = {name: (ph, t + [ring] if any(x.name == "temporaries/layer_backward" for x in t) else t)
                    for name, (ph, t) in moments.items()}
     moments = float8.with_backward_term(moments, spec, sized, hardware.is_cpu)  # memfit.estimate.float8
+    compute_bytes = act.dtypes(spec, sized, hardware.is_cpu).compute
+    moments = deepspeed_zero3.adjust_moments(moments, spec, sized, compute_bytes)  # memfit.estimate.deepspeed_zero3
     phase_peaks = {phase: max(_total(t) for name, (ph, t) in moments.items() if ph is phase)
                    for phase in Phase if any(ph is phase for ph, _ in moments.values())}
     peak_name = max(moments, key=lambda n: _total(moments[n][1]))
@@ -118,7 +120,7 @@ def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[
     if not setup.precision.is_autocast:
         return setup, ()
     deepspeed = layout is Engine.DEEPSPEED and (setup.sharding is not Sharding.NONE or setup.offload.value != "none")
-    if deepspeed and not setup.finetune.adapters:
+    if deepspeed:  # adapters too: memfit.setup.deepspeed_casts_module
         return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
             f"{setup.precision} under DeepSpeed runs as its {setup.precision.compute_dtype} mode (the config memfit "
             f"emits: {setup.precision.compute_dtype}.enabled): the engine casts the model to "
@@ -144,10 +146,11 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
-        a_bytes = setup.finetune.adapter_bytes(setup.precision.compute_dtype)
+        a_bytes = lora.adapter_bytes(setup)
         terms = [Term("parameters", Category.PARAMETERS, static.params_bytes,
                       f"trainable P={spec.num_params:,} (LoRA adapters) x {a_bytes} B "
-                      f"({'fp32' if a_bytes == 4 else setup.precision.compute_dtype})",
+                      f"({'fp32' if a_bytes == 4 else '16-bit'})",
+                      "DeepSpeed engine module.bfloat16() / .half()" if deepspeed_casts_module(setup) else
                       "torchtune LoRALinear: adapters in the model's dtype" if setup.finetune.torchtune else
                       "peft get_peft_model(autocast_adapter_dtype=True): adapters upcast to fp32"),
                  Term("parameters/frozen", Category.PARAMETERS, static.frozen_bytes,
@@ -165,17 +168,22 @@ def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, 
     if static.param_working_set_bytes:
         what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
                 "unsharded root (embeddings, head) + the block being computed")
-        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set_bytes, what,
-                          "FSDP2 all-gather / DeepSpeed ZeRO-3 prefetch"))
+        source = "FSDP2 all-gather"
+        if setup.engine is Engine.DEEPSPEED:
+            what = ("what is fetched again in backward within stage3_max_reuse_distance (1e9 elements) of its "
+                    "forward, at least the block being computed, besides the persistent parameters")
+            source = "DeepSpeed partitioned_param_coordinator.py __params_to_release (memfit.estimate.deepspeed_zero3)"
+        terms.append(Term("parameters/gathered", Category.PARAMETERS, static.param_working_set_bytes, what, source))
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""
-        g_bytes = setup.finetune.adapter_bytes(setup.precision.compute_dtype) if spec.frozen else p_bytes
+        g_bytes = lora.adapter_bytes(setup) if spec.frozen else p_bytes
         terms.append(Term("gradients", Category.GRADIENTS, grads, f"P x {g_bytes} B{g_note}", "ZeRO paper sec. 3.1"))
     if static.comm_buffers_bytes:
         terms.append(Term("gradients/comm_buffers", Category.GRADIENTS, static.comm_buffers_bytes,
                           "DDP gradient buckets (1 x gradients)" if setup.engine.value == "torch" else
                           "DeepSpeed reduce bucket: hidden^2 elements (HF 'auto')",
-                          "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2, measured on 2 gloo ranks"))
+                          "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2 (ZeRO-3: its ipg bucket, "
+                          "stage3.py), measured on 2 gloo ranks"))
     if static.optimizer_bytes:
         o_note = f" / {n} ranks" if setup.sharding.stage >= 1 else ""
         shards = n if setup.sharding.stage >= 1 else 1

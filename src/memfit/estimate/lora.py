@@ -35,7 +35,7 @@ from ..graph import Linear, LoraLinear, with_lora
 from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
-from ..setup import TrainingSetup, fsdp2_mixed_precision
+from ..setup import TrainingSetup, deepspeed_casts_module, fsdp2_mixed_precision
 from . import dora, lora_checkpoint
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
@@ -79,11 +79,11 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     quantizable = _quantizable_weights(adapted)
     save_names = _modules_to_save(adapted, ft.modules_to_save)
     other_bytes = unquantized_bytes(ft, base, compute)
-    adapter_bytes = ft.adapter_bytes(compute)
     trainable, frozen = [], []
+    a_bytes = adapter_bytes(setup)
     for t in adapted.tensors():
         if t.trainable:
-            trainable.append(ParamTensor(t.name, t.numel, t.count, adapter_bytes * t.numel))
+            trainable.append(ParamTensor(t.name, t.numel, t.count, a_bytes * t.numel))
             continue
         if t.name in quantizable and base.quantized:
             rows = quantizable[t.name]
@@ -99,6 +99,14 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     if ft.dora:  # one trainable magnitude vector per adapted Linear (memfit.estimate.dora)
         trainable += dora.magnitude_tensors(trainable, ft.rank)
     return replace(spec, params=tuple(trainable), frozen=tuple(frozen), graph=adapted)
+
+
+def adapter_bytes(setup: TrainingSetup) -> int:
+    """Bytes per adapter element as the run holds them: peft's fp32, torchtune's model dtype
+    (Finetune.adapter_bytes), or 16-bit where DeepSpeed's engine casts the whole module (deepspeed_casts_module)."""
+    if deepspeed_casts_module(setup):
+        return 2
+    return setup.finetune.adapter_bytes(setup.precision.compute_dtype)
 
 
 def is_adapted(graph) -> bool:
@@ -312,7 +320,7 @@ def adapter_reads(setup: TrainingSetup, d) -> tuple[bool, str]:
     in: fp32 adapters on an fp32 stream without autocast; 16-bit adapters (torchtune, or FSDP2's MixedPrecisionPolicy
     casting the gathered adapters) on a 16-bit stream."""
     ft = setup.finetune
-    in_compute = fsdp2_mixed_precision(setup) or ft.adapter_bytes(setup.precision.compute_dtype) == 2
+    in_compute = fsdp2_mixed_precision(setup) or adapter_bytes(setup) == 2
     if in_compute:
         same = d.compute == 2 and d.residual == 2 or fsdp2_mixed_precision(setup)
     else:
@@ -340,7 +348,7 @@ def _mask(setup: TrainingSetup, d) -> str:
     cast to the adapters' dtype (fp32, or 16-bit under torchtune); on CUDA native_dropout's bool mask."""
     if not d.on_cpu:
         return "u8"
-    return "c16" if setup.finetune.adapter_bytes(setup.precision.compute_dtype) == 2 else "f32"
+    return "c16" if adapter_bytes(setup) == 2 else "f32"
 
 
 def dequantized_weight_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
@@ -378,7 +386,7 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
     fp32 LM head prepare_model_for_kbit_training left; under checkpointing only the head's outlives its block."""
     ft = setup.finetune
     # no matmul takes a magnitude; a 16-bit adapter (torchtune) is already in autocast's dtype: no copy
-    fp32_adapters = ft.adapter_bytes(setup.precision.compute_dtype) == 4
+    fp32_adapters = adapter_bytes(setup) == 4
     adapters = sum(p.total for p in spec.params if dora.MAGNITUDE not in p.name) if fp32_adapters else 0
     extra = dora.autocast_copies(spec, setup)
     base = ft.base_storage(setup.precision.compute_dtype)
@@ -433,7 +441,7 @@ def recomputed_casts(spec: ModelSpec, setup: TrainingSetup) -> int:
             frozen += node.weight_numel
     ft = setup.finetune
     base = ft.base_storage(setup.precision.compute_dtype)
-    adapters *= ft.adapter_bytes(setup.precision.compute_dtype) == 4  # 16-bit adapters are not cast
+    adapters *= adapter_bytes(setup) == 4  # 16-bit adapters are not cast
     return 2 * (adapters + (frozen if base is BaseWeights.FP32 else 0))
 
 

@@ -47,7 +47,7 @@ def checkpointed_moments(step, moments: dict) -> dict:
     MLP: ungated_moments; other blocks keep the generic moments with the embedding leaf."""
     from .activations import rms_gated_layer
     from .analytic import CPU_RNG_STATE_BYTES
-    from .lora import _mask, adapter_reads, adapted_roles, dequantized_weight_bytes
+    from .lora import _mask, adapted_roles, adapter_bytes, adapter_reads, dequantized_weight_bytes
     from .result import Category, Phase, Term
 
     spec, setup, d = step.spec, step.setup, step.dtypes
@@ -73,7 +73,7 @@ def checkpointed_moments(step, moments: dict) -> dict:
     base = ft.base_storage(setup.precision.compute_dtype)
     shares_x, low = adapter_reads(setup, d)
     low_bytes = 2 if low == "c16" else 4
-    fp32_adapters = ft.adapter_bytes(setup.precision.compute_dtype) == 4
+    fp32_adapters = adapter_bytes(setup) == 4
     mask_bytes = 2 if _mask(setup, d) == "c16" else 4
     roles = adapted_roles(spec)
     down = roles.get("down", [None])[0]

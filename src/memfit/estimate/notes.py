@@ -51,7 +51,9 @@ def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     notes = []
     ft = setup.finetune
     if ft.adapters:
-        sixteen = ft.adapter_bytes(setup.precision.compute_dtype) == 2
+        from .lora import adapter_bytes
+
+        sixteen = adapter_bytes(setup) == 2
         notes.append(LORA_ACTIVATIONS_16 if sixteen else LORA_ACTIVATIONS)
         if ft.base_storage(setup.precision.compute_dtype).four_bit:
             notes.append(QLORA_TORCHAO if ft.torchtune else QLORA_BITS)

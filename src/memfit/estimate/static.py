@@ -269,9 +269,13 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
     if stage in (0, 1, 2):
         # reduce_bucket_size = hidden^2 elements, the value HF's "auto" fills in (memfit emits "auto")
         comm = min(spec.hidden_size**2, spec.num_params) * full.param_bytes_per_elem
-    working = full.param_bytes_per_elem * _root_plus_block(spec) if stage == 3 else 0
-    return replace(s, optimizer_bytes=optimizer, comm_buffers_bytes=comm, param_working_set_bytes=working,
-                   grads_preallocated=stage == 3, notes=tuple(notes))
+    s = replace(s, optimizer_bytes=optimizer, comm_buffers_bytes=comm, grads_preallocated=stage == 3,
+                notes=tuple(notes))
+    if stage == 3:  # frozen partitions, persistent parameters, what stays gathered, the ipg bucket
+        from . import deepspeed_zero3
+
+        s = deepspeed_zero3.layout(spec, setup, s, full.param_bytes_per_elem, deepspeed_reduce_bucket_elems(spec))
+    return s
 
 
 def _torch_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
@@ -357,7 +361,7 @@ def deepspeed_reduce_bucket_elems(spec: ModelSpec) -> int:
 def deepspeed_persistent_params(spec: ModelSpec) -> int:
     """Parameters ZeRO-3 keeps whole on every device: those under stage3_param_persistence_threshold (norms)."""
     threshold = DS_PERSISTENCE_FACTOR * spec.hidden_size
-    return sum(p.numel * p.count for p in spec.params if p.numel < threshold)
+    return sum(p.numel * p.count for p in spec.params if p.numel <= threshold)  # mark_persistent_parameters
 
 
 def _deepspeed_offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:

@@ -1,0 +1,186 @@
+"""DeepSpeed ZeRO-3 (stage3.py + parameter_offload.py + partitioned_param_coordinator.py, DeepSpeed 0.19): what a rank
+holds beyond its partitions, for full fine-tunes and for a frozen base with LoRA adapters.
+
+- Every parameter of the module is partitioned, frozen ones included (parameter_offload.py
+  DeepSpeedZeRoOffload._convert_to_zero_parameters runs zero.Init(module=...) over module.parameters()): a frozen
+  tensor keeps ceil(numel / N) elements of its dtype as `ds_tensor`. Only the trainable ones (the optimizer's groups)
+  get fp32 master partitions and a slot in grad_partitions_flat_buffer (stage3.py _setup_for_real_optimizer).
+- A parameter of at most stage3_param_persistence_threshold elements (memfit and HF "auto": 10 x hidden) is marked
+  ds_persist (mark_persistent_parameters, `ds_numel <= threshold`) and stays whole on every rank for the whole run,
+  beside its partition.
+- After its module's forward a parameter is released only if the module is not used again within
+  stage3_max_reuse_distance elements (1e9 by default) of the recorded trace
+  (PartitionedParameterCoordinator.__params_to_release, from the second step on, once the trace is complete):
+  the trace is forward + backward (+ each checkpointed block's recompute), so every module that is fetched again in
+  backward and whose reuse lies within 1e9 elements stays gathered from its forward into its backward. A module is
+  fetched in backward when its forward output requires grad (parameter_offload.py _post_forward_module_hook
+  registers the pre-backward hook on such outputs): under LoRA without checkpointing the frozen embedding and the
+  frozen input projections of block 0 (their input needs no gradient) are released after forward; with
+  checkpointing peft's enable_input_require_grads and the recompute bring them back. Checked: the parameters whose
+  ds_status is AVAILABLE at the LM head's backward on a 2-rank run equal this set exactly.
+- ZeRO-3 keeps one reduce (ipg) bucket of reduce_bucket_size elements in the model dtype from initialisation
+  (stage3.py, `bucket.buffer = torch.empty(self.reduce_bucket_size)` under contiguous_gradients).
+- zero.Init replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (runtime/zero/linear.py,
+  memory_efficient_linear=True by default), which saves its input for every Linear whose output needs a gradient,
+  frozen weight or not: a frozen LM head keeps its B x T x h input, which autograd's own linear would not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..model_spec import ModelSpec, ParamTensor
+from ..setup import Checkpointing, TrainingSetup
+from .result import Category, Term
+from .static import DS_PERSISTENCE_FACTOR
+
+DS_MAX_REUSE_DISTANCE = 1_000_000_000
+"""stage3_max_reuse_distance: DeepSpeed's default (runtime/zero/config.py), which memfit's config leaves alone."""
+
+
+def persistent(spec: ModelSpec, t: ParamTensor) -> bool:
+    return t.numel <= DS_PERSISTENCE_FACTOR * spec.hidden_size
+
+
+def _elems(spec: ModelSpec, tensors, *, whole_persistent: bool = True) -> int:
+    """Elements of `tensors` (each counted `count` times), the persistent ones left out unless asked."""
+    return sum(t.numel * t.count for t in tensors if whole_persistent or not persistent(spec, t))
+
+
+def _names(node) -> set[str]:
+    from ..graph import tensors_of
+
+    return {t.name for t in tensors_of(node, getattr(node, "name", ""))} if node is not None else set()
+
+
+def _first_block_inputs_frozen(spec: ModelSpec) -> set[str]:
+    """Block 0's frozen attention input projections (q/k/v or fused qkv) when LoRA adapts one of them: their input
+    (the normed embedding output) needs no gradient, so DeepSpeed never fetches them in backward."""
+    from ..graph import tensors_of, walk
+    from ..graph.kinds.linear import LoraLinear
+
+    if spec.graph is None or not spec.graph.stacks:
+        return set()
+    stack = spec.graph.stacks[0]
+    names, adapted = set(), False
+    for path, node, parents in walk(stack.block):
+        if parents and type(parents[-1][0]).__name__ == "Attention" and parents[-1][1] == "qkv":
+            adapted |= isinstance(node, LoraLinear)
+            names |= {t.name for t in tensors_of(node, f"{stack.name}.*.{path}") if not t.trainable}
+    return names if adapted else set()
+
+
+def _units(spec: ModelSpec) -> tuple[list[ParamTensor], list[ParamTensor], list[ParamTensor], list[ParamTensor]]:
+    """(the token embedding, the other tensors used before the blocks (position tables), one block's tensors every
+    layer, what runs after the blocks: final norm and head, a tied head's embedding matrix), trainable and frozen."""
+    graph = spec.graph
+    tensors = [*spec.params, *spec.frozen]
+    embed = _names(getattr(graph, "embed", None))
+    after = _names(getattr(graph, "final_norm", None)) | _names(getattr(graph, "head", None))
+    if spec.tie_word_embeddings:
+        after |= embed  # the head multiplies by the embedding matrix right before the loss
+    root = [t for t in tensors if ".*." not in t.name]
+    return ([t for t in root if t.name in embed and t.name not in after], [t for t in root if t.name not in embed
+            and t.name not in after], [t for t in tensors if ".*." in t.name], [t for t in root if t.name in after])
+
+
+def gathered_elems(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Non-persistent elements gathered at the start of backward (the LM head's backward, the loss's peak):
+    the final norm and head (used now), every block whose forward-to-backward reuse distance is under
+    stage3_max_reuse_distance, and a tensor used before the blocks only if it is fetched again in backward (it is
+    trained, or it is the token embedding under checkpointing with adapters: peft's enable_input_require_grads)."""
+    embed, before, block, tail = _units(spec)
+    layers = spec.num_layers
+    ckpt = setup.checkpointing is not Checkpointing.NONE
+    block_numel = _elems(spec, block) // max(layers, 1)
+    tail_numel = _elems(spec, tail)
+    gathered = _elems(spec, tail, whole_persistent=False)
+    block_kept = _elems(spec, block, whole_persistent=False) // max(layers, 1)
+    uses = 3 if ckpt else 2  # forward + backward (+ the recompute) of each later block lie in between
+    kept_blocks = sum(_reuse(uses * (layers - 1 - i) * block_numel + 2 * tail_numel) for i in range(layers))
+    gathered += block_kept * max(kept_blocks, min(layers, 1))  # at least the block backward is computing
+    unfetched = set() if ckpt or not spec.frozen else _first_block_inputs_frozen(spec)
+    whole = uses * layers * block_numel + 2 * tail_numel  # from before the blocks to the end of backward
+    if layers and _reuse(whole):
+        gathered -= sum(t.numel for t in block if t.name in unfetched and not persistent(spec, t))
+    trained = {p.name for p in spec.params}
+    if _reuse(whole):
+        gathered += sum(t.numel * t.count for t in (*embed, *before) if not persistent(spec, t)
+                        and (t.name in trained or (t in embed and ckpt and spec.frozen)))
+    return gathered
+
+
+def _reuse(distance: int) -> bool:
+    return distance < DS_MAX_REUSE_DISTANCE
+
+
+def persistent_elems(spec: ModelSpec, tensors) -> int:
+    return sum(t.numel * t.count for t in tensors if persistent(spec, t))
+
+
+def frozen_partition_bytes(spec: ModelSpec, n: int, elem_bytes: int) -> int:
+    """A frozen base under ZeRO-3: each tensor's ceil(numel / N) partition in its dtype, a persistent one whole
+    besides."""
+    return sum(t.count * (-(-t.numel // n) + (t.numel if persistent(spec, t) else 0))
+               * (t.nbytes // t.numel if t.nbytes else elem_bytes) for t in spec.frozen)
+
+
+def layout(spec: ModelSpec, setup: TrainingSetup, static, elem_bytes: int, bucket_elems: int):
+    """`static` (memfit.estimate.static's ZeRO-3 split of the trainable tensors) with DeepSpeed's ZeRO-3 buffers:
+    the frozen partitions, the persistent parameters whole, what stays gathered into backward, the ipg bucket."""
+    n = setup.shard_size
+    params = static.params_bytes + elem_bytes * persistent_elems(spec, spec.params)
+    return replace(static, params_bytes=params, frozen_bytes=frozen_partition_bytes(spec, n, elem_bytes),
+                   param_working_set_bytes=elem_bytes * gathered_elems(spec, setup),
+                   comm_buffers_bytes=elem_bytes * bucket_elems)
+
+
+def adjust_moments(moments: dict, spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> dict:
+    """DeepSpeed ZeRO-3's moment-specific terms (unchanged elsewhere): every moment where the head's input is alive
+    (it holds 'activations/head') gets the frozen head's input ZeRO-3's linear saves; a recomputed block's moment
+    holds one frozen tensor of the block, not all of them (`recompute_released_bytes`)."""
+    if not _zero3(setup) or not spec.frozen:
+        return moments
+    head = _head_input_term(spec, setup, compute_bytes)
+    released = recompute_released_bytes(spec, setup)
+    out = {}
+    for name, (phase, terms) in moments.items():
+        names = {t.name for t in terms}
+        if head is not None and "activations/head" in names:
+            terms = [*terms, head]
+        if released and "activations/recomputed_block" in names:
+            terms = [replace(t, num_bytes=max(t.num_bytes - released, 0), formula=t.formula + "; the recomputed "
+                             "block's frozen tensors released but the one its backward uses (DeepSpeed recompute "
+                             "attribution)") if t.name == "parameters/gathered" else t for t in terms]
+        out[name] = (phase, terms)
+    return out
+
+
+def recompute_released_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Under checkpointing the recompute fetches a block's frozen parameters again and attributes them to the module
+    whose backward triggered it (partitioned_param_coordinator.py _fetch_sub_module_impl update_recompute_parameters);
+    they are released when that module's backward ends (release_sub_module, ds_recompute_parameters), and each is
+    fetched alone again by its own module's backward: the block's frozen non-persistent bytes but the largest."""
+    if setup.checkpointing is Checkpointing.NONE:
+        return 0
+    sizes = [t.numel * (t.nbytes // t.numel if t.nbytes else 2) for t in spec.frozen
+             if ".*." in t.name and not persistent(spec, t)]
+    return sum(sizes) - max(sizes, default=0)
+
+
+def _zero3(setup: TrainingSetup) -> bool:
+    from ..setup import Engine
+
+    return setup.engine is Engine.DEEPSPEED and setup.sharding.stage >= 3
+
+
+def _head_input_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> Term | None:
+    """The frozen LM head's input, saved by LinearFunctionForZeroStage3 (a trainable head saves it anyway)."""
+    if not spec.is_decoder:
+        return None
+    if any(p.name.endswith(("lm_head.weight", "lm_head.modules_to_save.weight")) for p in spec.params):
+        return None
+    return Term("activations/zero3_head_input", Category.ACTIVATIONS,
+                setup.tokens_per_micro_step * spec.hidden_size * compute_bytes,
+                "B x T x h: the frozen LM head's input, saved by DeepSpeed's ZeRO-3 linear",
+                "DeepSpeed runtime/zero/linear.py LinearFunctionForZeroStage3 (memory_efficient_linear)")
