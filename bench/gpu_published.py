@@ -430,7 +430,7 @@ def _torchtitan_compiles_its_loss(point: dict) -> bool:
 
 
 def _map_parallel(m: Mapped, par: dict, off: dict) -> dict:
-    engine = (par.get("engine") or "none").lower()
+    engine = (par.get("engine") or "none").lower().split()[0]  # "fsdp (torchtune)" is FSDP
     tp, pp, cp = (int(par.get(k) or 1) for k in ("tp", "pp", "cp"))
     replicate = int(par.get("dp_replicate") or 1)
     world = int(par.get("world_size") or 1)
