@@ -60,14 +60,17 @@ def test_lora_qlora_and_paged_rows_map_to_memfit(points):
 
     lora = gp.map_point(points["P020"])
     assert lora.expressible and lora.setup.activation_offload and lora.setup.finetune.method is Method.LORA
-    assert any("torchtune keeps the adapters" in a for a in lora.approx)
+    assert lora.setup.finetune.torchtune  # torchtune's LoRALinear: bf16 adapters, nothing upcast
     ft = gp._map_lora(gp.Mapped(points["P020"]), points["P020"]["normalized"]["lora"])["finetune"]
-    assert (ft.method, ft.rank, ft.alpha) == (Method.LORA, 64, 128.0)
+    assert (ft.method, ft.rank, ft.alpha, ft.recipe.value) == (Method.LORA, 64, 128.0, "torchtune")
     assert set(ft.targets) == {"q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     qlora = gp.map_point(points["P021"])
     assert qlora.expressible and qlora.setup.activation_offload
     assert gp._map_lora(gp.Mapped(points["P021"]), points["P021"]["normalized"]["lora"])["finetune"].base \
         is BaseWeights.NF4
+    # the recipe, not a fitted factor, is what closes them: +10.7% / +81.5% under peft's layout
+    for pid, bound in (("P020", 6), ("P021", 10)):
+        assert abs(gp.predict(gp.map_point(points[pid])).err_pct) < bound, pid
     eight_bit = gp.map_point(points["P019"])  # its states are in the measured active bytes: not paged
     assert eight_bit.expressible and eight_bit.setup.optimizer is Optimizer.ADAMW_8BIT
     assert eight_bit.setup.optimizer_in_backward  # the table is cumulative (the point's techniques say so)

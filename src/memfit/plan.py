@@ -16,7 +16,7 @@ from .estimate.result import MemoryEstimate
 from .hardware import Hardware, check_precision, gpu_catalog
 from .model_spec import ModelSpec
 from .ladder import PlanStep, explain, walk  # noqa: F401  (PlanStep, explain: re-exported)
-from .search import GPUS_PER_NODE, MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit, scaled_out
+from .search import MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit, scaled_out_setups
 from .setup import FIELD_LABELS, Checkpointing, TrainingSetup
 from .techniques import REGISTRY, Context
 from .techniques.base import EstimateFn, keep_name, static_over_budget
@@ -140,22 +140,14 @@ def _walked_gpus(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, m
                  ) -> GpusToFit | None:
     """The fewest GPUs (powers of two, as gpus_to_fit) on which `setup` with ZeRO-3, then the ladder's rungs, fits:
     a count whose static memory alone is over the budget is passed over without a walk."""
-    n = 2
-    while n <= MAX_GPUS and "num_gpus" not in keep:
-        if n > hardware.world_size:
-            hw = dataclasses.replace(hardware, gpus_per_node=min(n, GPUS_PER_NODE),
-                                     num_nodes=max(1, n // GPUS_PER_NODE))
-            candidate = scaled_out(setup, n, keep=keep)
-            if candidate is None:
-                return None
-            est = estimator(spec, candidate, hw)
-            diag = diagnose(est, hw, margin=margin)
-            if static_floor_bytes(est) < diag.budget_bytes:
-                walked = walk(spec, candidate, hw, (est, diag), margin=margin, estimator=estimator,
-                              explicit=explicit, keep=keep)
-                if walked.diagnosis.fits:
-                    return GpusToFit(n, walked.setup, hw, walked.estimate, setup)
-        n *= 2
+    for n, candidate, hw in scaled_out_setups(setup, hardware, keep=keep):
+        est = estimator(spec, candidate, hw)
+        diag = diagnose(est, hw, margin=margin)
+        if static_floor_bytes(est) < diag.budget_bytes:
+            walked = walk(spec, candidate, hw, (est, diag), margin=margin, estimator=estimator,
+                          explicit=explicit, keep=keep)
+            if walked.diagnosis.fits:
+                return GpusToFit(n, walked.setup, hw, walked.estimate, setup)
     return None
 
 

@@ -105,13 +105,12 @@ def scaled_out(setup: TrainingSetup, num_gpus: int, *, keep: frozenset[str] = fr
     return candidate
 
 
-def gpus_to_fit(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
-                estimator: EstimateFn = estimate, keep: frozenset[str] = frozenset(),
-                limit: int = MAX_GPUS) -> GpusToFit | None:
-    """The fewest GPUs, a power of two above the current count (8 per node), on which `scaled_out(setup, n)` fits
-    the GPU's budget; None up to `limit` or when --keep pins the GPU count or forbids sharding."""
+def scaled_out_setups(setup: TrainingSetup, hardware: Hardware, *, keep: frozenset[str] = frozenset(),
+                      limit: int = MAX_GPUS):
+    """(n, scaled_out(setup, n), the hardware of n GPUs) for each power of two n above the current count (8 per
+    node) up to `limit`, until the setup cannot scale; nothing when --keep pins the GPU count."""
     if "num_gpus" in keep:
-        return None
+        return
     n = 2
     while n <= limit:
         if n > hardware.world_size:
@@ -119,11 +118,20 @@ def gpus_to_fit(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, ma
                                      num_nodes=max(1, n // GPUS_PER_NODE))
             candidate = scaled_out(setup, n, keep=keep)
             if candidate is None:
-                return None
-            est = estimator(spec, candidate, hw)
-            if diagnose(est, hw, margin=margin).fits:
-                return GpusToFit(n, candidate, hw, est, setup)
+                return
+            yield n, candidate, hw
         n *= 2
+
+
+def gpus_to_fit(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
+                estimator: EstimateFn = estimate, keep: frozenset[str] = frozenset(),
+                limit: int = MAX_GPUS) -> GpusToFit | None:
+    """The fewest GPUs on which `scaled_out(setup, n)` fits the GPU's budget (scaled_out_setups); None up to
+    `limit` or when --keep pins the GPU count or forbids sharding."""
+    for n, candidate, hw in scaled_out_setups(setup, hardware, keep=keep, limit=limit):
+        est = estimator(spec, candidate, hw)
+        if diagnose(est, hw, margin=margin).fits:
+            return GpusToFit(n, candidate, hw, est, setup)
     return None
 
 
