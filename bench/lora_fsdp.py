@@ -60,6 +60,15 @@ def cases() -> dict[str, tuple[dict, TrainingSetup]]:
     out["dora-qlora-zero3-amp-bf16-ckpt_none-v512"] = (dict(TINY_LLAMA), dict(
         sharding="zero3", precision="amp-bf16", checkpointing="none", seq_len=128,
         finetune=dict(LORA, method="qlora", dora=True)))
+    # torchtune's recipe (lora_finetune_distributed: bf16 model and adapters, no MixedPrecisionPolicy, torchao NF4
+    # base, whose NF4Tensor FSDP2 shards and gathers itself); shapes a multiple of 2 x to_nf4's 16,384 elements
+    tune = dict(TINY_LLAMA, hidden_size=256, intermediate_size=512, num_key_value_heads=4)
+    # (an even number of quantization factors per weight: nf4_split gives each rank an equal share)
+    for method, sharding, ckpt in (("lora", "zero3", "none"), ("qlora", "zero2", "none"), ("qlora", "zero3", "none"),
+                                   ("qlora", "zero3", "full")):
+        out[f"torchtune-{method}-{sharding}-bf16-ckpt_{ckpt}-v512"] = (tune, dict(
+            sharding=sharding, precision="bf16", checkpointing=ckpt, seq_len=128,
+            finetune=dict(LORA, method=method, recipe="torchtune")))
     return {name: (config, TrainingSetup(micro_batch_size=2, optimizer="adamw", engine="torch", num_gpus=RANKS,
                                          **fields)) for name, (config, fields) in out.items()}
 

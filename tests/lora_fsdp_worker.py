@@ -17,6 +17,7 @@ def run(config: dict, setup, steps: int) -> dict:
     from memfit._torch.engine import prepare
     from memfit._torch.rank_memory import PeakMeter
     from memfit._torch.step import build_hf_model
+    from memfit._torch.storage import storage_nbytes
     torch.manual_seed(0)
     batches = token_batches(config, setup, steps)
     with PeakMeter() as meter:
@@ -31,8 +32,7 @@ def run(config: dict, setup, steps: int) -> dict:
         local = {}
         for name, param in prepared.module.named_parameters():
             shard = param.to_local() if hasattr(param, "to_local") else param
-            local[name] = {"numel": shard.numel(), "bytes": shard.untyped_storage().nbytes(),
-                           "trainable": param.requires_grad}
+            local[name] = {"numel": shard.numel(), "bytes": storage_nbytes(shard), "trainable": param.requires_grad}
         quant = quant_state_bytes(prepared.module)
         states = sum((v.to_local() if hasattr(v, "to_local") else v).untyped_storage().nbytes()
                      for state in prepared.optimizer.state.values() for v in state.values()

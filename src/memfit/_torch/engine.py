@@ -279,9 +279,12 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
     """Start every rank from rank 0's weights (as DDP does), whatever each rank's seed was."""
     import torch.distributed as dist
 
+    from .storage import storage_tensors
+
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
-            dist.broadcast(tensor, src=0)
+            for plain in storage_tensors(tensor):  # an NF4Tensor has no collective of its own
+                dist.broadcast(plain, src=0)
 
 
 def _zero_redundancy_optimizer(model: nn.Module, setup: TrainingSetup, lr: float | None):

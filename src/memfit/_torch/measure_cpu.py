@@ -10,6 +10,7 @@ import torch
 from torch._C._profiler import _EventType
 
 from .replay import Allocation, Mark, Replay, replay
+from .storage import all_storage_tensors
 from .step import training_step
 
 MARK_PREFIX = "memfit::mark/"
@@ -47,7 +48,7 @@ def storage_baseline(model, optimizer, batches) -> list[tuple[int, int, str]]:
     seen: dict[int, tuple[int, int, str]] = {}
 
     def add(tensors, term: str) -> None:
-        for tensor in _plain_tensors(tensors):
+        for tensor in all_storage_tensors(tensors):
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in seen and tensor.device.type == "cpu" and storage.nbytes() > 0:
                 seen[storage.data_ptr()] = (storage.data_ptr(), storage.nbytes(), term)
@@ -59,16 +60,6 @@ def storage_baseline(model, optimizer, batches) -> list[tuple[int, int, str]]:
         add(pointers_tensors, term)
     add(_tensors_in(batches), "inputs")
     return list(seen.values())
-
-
-def _plain_tensors(tensors) -> Iterator[torch.Tensor]:
-    """The tensors holding storage: a wrapper subclass (torchao's NF4Tensor) owns none itself, its inner tensors
-    (`__tensor_flatten__`) do."""
-    for tensor in tensors:
-        if hasattr(type(tensor), "__tensor_flatten__"):
-            yield from _plain_tensors(getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
-        else:
-            yield tensor
 
 
 def optimizer_tags(optimizer) -> dict[str, tuple[int, ...]]:

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from ..setup import Engine, Offload
+from .storage import all_storage_tensors
 
 if TYPE_CHECKING:
     from .engine import Prepared
@@ -23,9 +24,8 @@ def local_bytes(prepared: Prepared) -> dict:
     totals = dict.fromkeys(("parameters", "optimizer", "optimizer_scalars", "master_weights", "gradient_buffers"), 0)
 
     def add(term: str, tensors) -> None:
-        for tensor in tensors:
-            local = _local(tensor)
-            if local is None or local.device.type == "meta":
+        for local in all_storage_tensors(tensors):
+            if local.device.type == "meta":
                 continue
             storage = local.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
@@ -83,8 +83,8 @@ def offload_inventory(module, optimizer) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"offload_device": {}, "offload_host": {}}
 
     def add(where: str, name: str, tensors) -> None:
-        for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        for tensor in all_storage_tensors(tensors):
+            if tensor.device.type == "meta":
                 continue
             storage = tensor.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
@@ -107,13 +107,6 @@ def offload_inventory(module, optimizer) -> dict[str, dict[str, int]]:
     persistent = [p.data for p in module.parameters() if getattr(p, "ds_persist", False) and p.data.numel()]
     add("device", "persistent_params", persistent)
     return out
-
-
-def _local(tensor):
-    if tensor is None:
-        return None
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def _param_ids(optimizer) -> set[int]:
@@ -186,7 +179,7 @@ class PeakMeter:
         [peak_bytes - unseen_at_peak_bytes, peak_bytes]."""
         if self._window is None:
             return 0
-        real = {storage.data_ptr() for storage in (_local(t).untyped_storage() for t in live if t is not None)}
+        real = {t.untyped_storage().data_ptr() for t in all_storage_tensors(live)}
         self.peak_bytes, self.end_bytes, self.unseen_at_peak_bytes = _replay(self._events, self._window, real)
         return self.unseen_at_peak_bytes
 

@@ -45,9 +45,16 @@ def _packed_bytes(spec: ModelSpec, setup: TrainingSetup, t: ParamTensor) -> int 
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     if not base.four_bit or not t.nbytes or t.nbytes >= 2 * t.numel:
         return None
-    if setup.finetune.torchtune:  # torchao NF4Tensor.fsdp_pre_all_gather: its codes, scalers and factors, all
-        return t.nbytes  # sharded on dim 0 and gathered (the 16-entry table and the mean are a few bytes)
+    if setup.finetune.torchtune:  # torchao NF4Tensor (nf4_split, fsdp_pre_all_gather): its codes, scalers and
+        # factors sharded on dim 0 and gathered; the 16-entry table and the scalers' mean stay whole on each rank
+        return t.nbytes - _nf4_whole_bytes(setup)
     return -(-t.numel // 2)
+
+
+def _nf4_whole_bytes(setup: TrainingSetup) -> int:
+    from .lora import BNB_4BIT_CODE
+
+    return (BNB_4BIT_CODE + 1) * (4 if setup.precision.compute_dtype == "fp32" else 2)
 
 
 def frozen_shard_bytes(spec: ModelSpec, setup: TrainingSetup, n: int) -> int:
@@ -56,11 +63,26 @@ def frozen_shard_bytes(spec: ModelSpec, setup: TrainingSetup, n: int) -> int:
     total = 0
     for t in spec.frozen:
         packed = _packed_bytes(spec, setup, t)
+        if packed is not None and setup.finetune.torchtune:
+            _check_nf4_split(t, n)
         if packed is None:
             total += t.count * -(-t.nbytes // n)
         else:
             total += t.count * (-(-packed // n) + t.nbytes - packed)
     return total
+
+
+def _check_nf4_split(t: ParamTensor, n: int) -> None:
+    """torchao's NF4Tensor splits each inner tensor into n equal chunks (nf4_tensor.py nf4_split): its one
+    quantization factor per 16,384 weights must divide by the ranks."""
+    from ..errors import ConfigError
+    from .lora import TORCHAO_NF4_BLOCK, TORCHAO_NF4_SCALER_BLOCK
+
+    factors = t.numel // (TORCHAO_NF4_BLOCK * TORCHAO_NF4_SCALER_BLOCK)
+    if factors % n:
+        raise ConfigError(f"FSDP2 cannot shard torchao's NF4 {t.name} over {n} ranks: its {factors} quantization "
+                          f"factors (one per 16,384 weights) do not divide by {n} (torchao nf4_split); use fewer "
+                          "ranks, or --lora-recipe peft")
 
 
 def _gathered_bytes(spec: ModelSpec, setup: TrainingSetup, tensors, compute_bytes: int) -> int:

@@ -521,18 +521,14 @@ def _storage_of(tensor: torch.Tensor):
 
 
 def _holds_inner_tensors(tensor) -> bool:
-    """A wrapper tensor subclass other than DTensor (torchao's NF4Tensor): its own storage is a placeholder of the
-    outer shape and dtype, the bytes are its inner tensors' (`__tensor_flatten__`)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    return is_traceable_wrapper_subclass(tensor) and not hasattr(tensor, "_local_tensor")
+    """A wrapper tensor subclass other than DTensor (torchao's NF4Tensor): memfit._torch.storage."""
+    return hasattr(type(tensor), "__tensor_flatten__") and not hasattr(tensor, "_local_tensor")
 
 
 def _inner_tensors(tensor):
-    for name in tensor.__tensor_flatten__()[0]:
-        inner = getattr(tensor, name)
-        if isinstance(inner, torch.Tensor):
-            yield inner
+    from .._torch.storage import storage_tensors
+
+    return storage_tensors(tensor)
 
 
 def _local(tensor):
