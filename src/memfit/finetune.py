@@ -83,6 +83,12 @@ class LoraRecipe(Choice):
         return "LoRA recipe"
 
 
+TORCHTUNE_ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+"""torchtune's lora_attn_modules -> the module names of memfit's (Hugging Face) architectures (the reader reads it,
+the emitter writes it back)."""
+TORCHTUNE_MLP = ("gate_proj", "up_proj", "down_proj")
+"""apply_lora_to_mlp: torchtune's w1 / w3 / w2 are these projections, adapted together."""
+
 ALL_LINEAR = "all-linear"
 """peft's target_modules shortcut: every Linear except the output head."""
 

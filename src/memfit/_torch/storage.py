@@ -12,12 +12,17 @@ from collections.abc import Iterable, Iterator
 import torch
 
 
+def is_wrapper(tensor: torch.Tensor) -> bool:
+    """A wrapper subclass other than DTensor (torchao's NF4Tensor): its own storage is a placeholder."""
+    return hasattr(type(tensor), "__tensor_flatten__") and not hasattr(tensor, "_local_tensor")
+
+
 def storage_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     """`tensor` itself, a DTensor's local shard, or a wrapper subclass's inner tensors (recursively)."""
     local = getattr(tensor, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         yield from storage_tensors(local)
-    elif hasattr(type(tensor), "__tensor_flatten__"):
+    elif is_wrapper(tensor):
         for name in tensor.__tensor_flatten__()[0]:
             inner = getattr(tensor, name)
             if isinstance(inner, torch.Tensor):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..finetune import ALL_LINEAR, BaseWeights
+from ..finetune import ALL_LINEAR, TORCHTUNE_ATTENTION, TORCHTUNE_MLP, BaseWeights
 from ..setup import Engine, TrainingSetup
 from .emitted import EmittedConfig
 
@@ -58,30 +58,25 @@ def base_dtype(setup: TrainingSetup) -> str | None:
     return None if base.quantized else _TORCH_DTYPES[base.value]
 
 
-TORCHTUNE_ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "output_proj"}
-"""memfit's (Hugging Face) attention projections -> torchtune's lora_attn_modules names."""
-TORCHTUNE_MLP = frozenset({"gate_proj", "up_proj", "down_proj"})
-
-
 def torchtune_model_fields(setup: TrainingSetup) -> dict:
     """The `model:` fields of a torchtune LoRA / QLoRA recipe config that give the sized adapters (the builder,
     `model._component_`, is the recipe's own lora_ / qlora_ builder of the model)."""
     from ..errors import ConfigError
 
     ft = setup.finetune
-    targets = set(ft.targets)
+    targets, mlp_names = set(ft.targets), set(TORCHTUNE_MLP)
     if not targets or ALL_LINEAR in targets:
-        attention, mlp = list(TORCHTUNE_ATTENTION.values()), True
+        attention, mlp = list(TORCHTUNE_ATTENTION), True
     else:
-        unknown = sorted(targets - set(TORCHTUNE_ATTENTION) - TORCHTUNE_MLP)
+        unknown = sorted(targets - set(TORCHTUNE_ATTENTION.values()) - mlp_names)
         if unknown:
             raise ConfigError(f"torchtune's LoRA builders adapt q/k/v/output projections and the MLP, not "
                               f"{', '.join(unknown)}: use --lora-recipe peft for those targets")
-        if targets & TORCHTUNE_MLP and not TORCHTUNE_MLP <= targets:
+        if targets & mlp_names and not mlp_names <= targets:
             raise ConfigError("torchtune's apply_lora_to_mlp adapts gate_proj, up_proj and down_proj together: "
                               "target all three or none")
-        attention = [TORCHTUNE_ATTENTION[t] for t in TORCHTUNE_ATTENTION if t in targets]
-        mlp = bool(targets & TORCHTUNE_MLP)
+        attention = [tune for tune, name in TORCHTUNE_ATTENTION.items() if name in targets]
+        mlp = bool(targets & mlp_names)
     return {"lora_attn_modules": attention, "apply_lora_to_mlp": mlp, "apply_lora_to_output": False,
             "lora_rank": ft.rank, "lora_alpha": ft.alpha, "lora_dropout": ft.dropout,
             "quantize_base": ft.base_storage(setup.precision.compute_dtype).quantized}

@@ -198,10 +198,6 @@ def _modules_to_save(graph, names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _dtype_bytes(base: BaseWeights) -> int:
-    return 4 if base is BaseWeights.FP32 else 2
-
-
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -209,7 +205,7 @@ def unquantized_bytes(ft: Finetune, base: BaseWeights, compute_dtype: str) -> in
     """Bytes per element of what the base does not quantize (embeddings, norms, head): fp32 after peft's
     prepare_model_for_kbit_training, else the model's dtype; a 16/32-bit base: its dtype."""
     if not base.quantized:
-        return _dtype_bytes(base)
+        return _DTYPE_BYTES[base.value]
     return 4 if ft.upcasts_unquantized() else _DTYPE_BYTES[compute_dtype]
 
 

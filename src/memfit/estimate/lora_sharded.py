@@ -52,9 +52,9 @@ def _packed_bytes(spec: ModelSpec, setup: TrainingSetup, t: ParamTensor) -> int 
 
 
 def _nf4_whole_bytes(setup: TrainingSetup) -> int:
-    from .lora import BNB_4BIT_CODE
+    from .lora import _DTYPE_BYTES, BNB_4BIT_CODE
 
-    return (BNB_4BIT_CODE + 1) * (4 if setup.precision.compute_dtype == "fp32" else 2)
+    return (BNB_4BIT_CODE + 1) * _DTYPE_BYTES[setup.precision.compute_dtype]
 
 
 def frozen_shard_bytes(spec: ModelSpec, setup: TrainingSetup, n: int) -> int:

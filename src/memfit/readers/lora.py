@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from ..finetune import ALL_LINEAR, BaseWeights, Finetune, LoraRecipe, Method
+from ..finetune import ALL_LINEAR, TORCHTUNE_ATTENTION, TORCHTUNE_MLP, BaseWeights, Finetune, LoraRecipe, Method
 from ._reader import _MISSING, NOT_RELEVANT, NOT_SIZED, Reader, _positive
 
 FIELD = "finetune"
@@ -383,10 +383,6 @@ def _llamafactory_quantized(read: Reader, data: Mapping, parts: LoraParts, bits:
 
 # ------------------------------------------------------------------------------------------------- torchtune
 
-TORCHTUNE_NAMES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
-"""torchtune's lora_attn_modules -> the module names of memfit's (Hugging Face) architectures."""
-TORCHTUNE_MLP = ("gate_proj", "up_proj", "down_proj")
-"""apply_lora_to_mlp: torchtune's w1 / w3 / w2 are these projections."""
 TORCHTUNE_NF4 = ("torchtune's recipe: every block Linear stored as torchao's NF4Tensor (block 64, scaler block 256), "
                  "adapters, embeddings, norms and head in the recipe's dtype (memfit --lora-recipe torchtune)")
 TORCHTUNE_LORA = "torchtune's recipe: adapters in the recipe's dtype (memfit --lora-recipe torchtune)"
@@ -419,11 +415,11 @@ def _torchtune(read: Reader, model: Mapping, component: str, parts: LoraParts) -
     attn = model["lora_attn_modules"]
     if not isinstance(attn, (list, tuple)) or not all(isinstance(n, str) for n in attn):
         parts.refuse("model.lora_attn_modules", attn, "not a list of module names")
-    unknown = [n for n in attn if n not in TORCHTUNE_NAMES]
+    unknown = [n for n in attn if n not in TORCHTUNE_ATTENTION]
     if unknown:
         parts.refuse("model.lora_attn_modules", attn, f"{', '.join(unknown)}: torchtune's attention modules are "
                                                       "q_proj, k_proj, v_proj and output_proj")
-    names = [TORCHTUNE_NAMES[n] for n in attn]
+    names = [TORCHTUNE_ATTENTION[n] for n in attn]
     mlp = _on(model.get("apply_lora_to_mlp"))
     if mlp is None:
         parts.refuse("model.apply_lora_to_mlp", model["apply_lora_to_mlp"], "not true or false")

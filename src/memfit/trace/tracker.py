@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._torch.storage import is_wrapper, storage_tensors
 from ..estimate.result import Category, Phase
 from .timeline import Sample, TraceProgress
 
@@ -140,8 +141,8 @@ class StepTracker(TorchDispatchMode):
 
     def register(self, tensor: torch.Tensor, kind: _Kind) -> None:
         """Count a tensor that exists already (or reclassify it if it is known)."""
-        if _holds_inner_tensors(tensor):
-            for inner in _inner_tensors(tensor):
+        if is_wrapper(tensor):  # its bytes are its inner tensors' (memfit._torch.storage)
+            for inner in storage_tensors(tensor):
                 self.register(inner, kind)
             return
         storage = _storage_of(tensor)
@@ -378,8 +379,8 @@ class StepTracker(TorchDispatchMode):
     def _see(self, tensor: torch.Tensor) -> None:
         if self._shape_only:
             return
-        if _holds_inner_tensors(tensor):
-            for inner in _inner_tensors(tensor):
+        if is_wrapper(tensor):
+            for inner in storage_tensors(tensor):
                 self._see(inner)
             return
         try:
@@ -518,17 +519,6 @@ def _storage_of(tensor: torch.Tensor):
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-
-
-def _holds_inner_tensors(tensor) -> bool:
-    """A wrapper tensor subclass other than DTensor (torchao's NF4Tensor): memfit._torch.storage."""
-    return hasattr(type(tensor), "__tensor_flatten__") and not hasattr(tensor, "_local_tensor")
-
-
-def _inner_tensors(tensor):
-    from .._torch.storage import storage_tensors
-
-    return storage_tensors(tensor)
 
 
 def _local(tensor):
