@@ -400,10 +400,13 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
         error = abs(predicted - measured)
         scale = max(abs(measured), sum(abs(v) for v in held["block"].values()))
         if error > TOLERANCE * scale + 512:
+            part = what.removeprefix("block ")
+            traced = ", ".join(f"{b}x{t}: {(s['block'][part] if what.startswith('block ') else s[part]):,} B"
+                               for (b, t), s in zip(fit_shapes, per_shape))
             raise ModelSourceError(
                 f"model_type '{config.get('model_type')}': what a block keeps is not linear in batch and sequence "
-                f"({what}: fit {predicted:,} B vs traced {measured:,} B at batch {check_b} x seq {check_t}); "
-                "use `memfit trace` for this model")
+                f"({what}: fit {predicted:,} B vs traced {measured:,} B at batch {check_b} x seq {check_t}; traced "
+                f"at the fit shapes {traced}); use `memfit trace` for this model")
         worst = max(worst, error / max(scale, 1))
     predicted_peak = max(t(check_b * check_t, check_t) for t in temporaries)
     measured_peak = max(held["window"]) if held["window"] else 0
