@@ -69,6 +69,26 @@ def test_total_equals_the_profilers_own_peak_to_the_byte(family):
     assert measured.phase_peaks[measured.peak_phase] == measured.total_bytes
 
 
+def test_onednn_scratch_is_its_own_term_and_the_tensor_figures_are_the_same_on_every_cpu():
+    """A bf16 matmul runs through oneDNN where the CPU has native bf16 (AVX512-BF16, AMX), with a scratchpad inside
+    the op, and through ATen's own gemm without one elsewhere (AVX2 only; here: oneDNN switched off). The tensor
+    figures are those of the step without the scratch, to the byte either way; the scratch is the overhead term that
+    brings the total to the profiler's own peak."""
+    setup = FP32_ADAMW.replace(precision="bf16")
+    config = TINY_CONFIGS["llama"]
+    with_onednn = measure(config, setup)
+    with torch.backends.mkldnn.flags(enabled=False):
+        without = measure(config, setup)
+    names = {t.name for t in without.terms}
+    assert "overhead/onednn_scratch" not in names
+    assert {t.name: t.num_bytes for t in with_onednn.terms if t.name != "overhead/onednn_scratch"} == {
+        t.name: t.num_bytes for t in without.terms}
+    assert with_onednn.tensor_bytes == without.tensor_bytes == without.total_bytes
+    assert with_onednn.total_bytes == _profiler_peak(config, setup)
+    scratch = sum(t.num_bytes for t in with_onednn.terms if t.name == "overhead/onednn_scratch")
+    assert with_onednn.allocated_bytes == with_onednn.tensor_bytes + scratch
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "bert"])
 def test_parameters_and_adamw_state_are_exact(family):
     model = build_hf_model(TINY_CONFIGS[family], FP32_ADAMW)

@@ -23,6 +23,7 @@ TERM_CATEGORIES: dict[str, Category] = {
     "temporaries": Category.TEMPORARIES,
     "temporaries/preexisting": Category.TEMPORARIES,
     "overhead/allocator_reserve": Category.OVERHEAD,
+    "overhead/onednn_scratch": Category.OVERHEAD,
 }
 ALWAYS_SHOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
@@ -37,6 +38,8 @@ TERM_FORMULAS = {
     "temporaries": "every other allocation alive at the peak",
     "temporaries/preexisting": "live before the step, owned by nobody memfit knows, freed during it",
     "overhead/allocator_reserve": "max_memory_reserved - max_memory_allocated",
+    "overhead/onednn_scratch": "what a bf16 matmul's oneDNN scratchpad added to the CPU peak (ISA-dependent: none "
+                               "with AVX2 only; not in the tensor figures, as a CUDA step has no such buffer)",
 }
 
 

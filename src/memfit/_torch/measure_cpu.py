@@ -1,6 +1,13 @@
 """Real steps on CPU under torch.profiler(profile_memory=True): every allocation and free, replayed on top of what
 was live before profiling (parameters, buffers, optimizer state, the batches), is the ground truth (FACTS: profiler
-events, MemoryProfile and MemTracker agree to the byte). Marks let replay.py give each byte a term."""
+events, MemoryProfile and MemTracker agree to the byte). Marks let replay.py give each byte a term.
+
+oneDNN's scratchpad is kept apart: on a CPU with native bf16 (AVX512-BF16, AMX) PyTorch runs a bf16 matmul through
+oneDNN (aten/src/ATen/native/mkldnn/Matmul.cpp, use_mkldnn_bf16_matmul), whose brgemm kernels take a scratch buffer
+from the CPU allocator for the op's duration (ideep's user scratchpad, IDeepRegistration.cpp); with AVX2 only the same
+op runs ATen's own gemm with none. Its size depends on the ISA, the blocking and the thread count, and no CUDA step
+has it (cuBLAS's workspace is fixed, estimate/device.py), so the tensor figures are the step without it, the same on
+every x86 CPU, and the scratch is one labelled overhead term: what it added to the profiler's peak on this machine."""
 
 from __future__ import annotations
 
@@ -40,7 +47,15 @@ def measure_cpu_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=N
             position.update(step=step, micro=0)
             losses.append(training_step(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=on_phase))
             mark(tags=optimizer_tags(optimizer))
-    return replay(baseline, _events(prof, marks)), losses
+    events, scratch = _events(prof, marks)
+    result = replay(baseline, events)
+    if scratch:
+        result.scratch_bytes = max(0, _peak(replay(baseline, scratch)) - _peak(result))
+    return result, losses
+
+
+def _peak(result: Replay) -> int:
+    return result.bytes_at(result.peak_point)
 
 
 def storage_baseline(model, optimizer, batches) -> list[tuple[int, int, str]]:
@@ -100,18 +115,48 @@ def _grad_pointers(model) -> Iterator[int]:
             yield param.grad.untyped_storage().data_ptr()
 
 
-def _events(prof, marks: dict[str, Mark]) -> list[Allocation | Mark]:
-    timed = []
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+                        "aten::_addmm_activation"})
+"""The ops whose oneDNN bf16 path allocates a scratchpad (mkldnn_matmul, called from their CPU kernels): an
+allocation freed inside the matmul op that made it is that scratch (an op's outputs outlive it)."""
+
+
+def _events(prof, marks: dict[str, Mark]) -> tuple[list[Allocation | Mark], list[Allocation | Mark]]:
+    """The step's events in time order without oneDNN's scratch, and all of them when there was any scratch."""
+    timed, opened, scratch = [], {}, set()
     for order, event in enumerate(_walk(prof.profiler.kineto_results.experimental_event_tree())):
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
             if fields.device.type == "cpu":
+                op = _matmul_op(event.parent)
+                if fields.alloc_size > 0:
+                    opened[fields.ptr] = (op, order)
+                elif op is not None and opened.get(fields.ptr, (None,))[0] == op:  # freed in the op that made it
+                    scratch |= {opened.pop(fields.ptr)[1], order}
                 timed.append((event.start_time_ns, order,
                               Allocation(fields.ptr, fields.alloc_size, fields.total_allocated)))
         elif event.name in marks:
             timed.append((event.start_time_ns, order, marks[event.name]))
     timed.sort(key=lambda item: (item[0], item[1]))
-    return [item for _, _, item in timed]
+    everything = [item[2] for item in timed]
+    if not scratch:
+        return everything, []
+    kept, live = [], 0
+    for _, order, event in timed:  # the profiler's running totals lose the scratch live at each event too
+        if order in scratch:
+            live += event.size_bytes
+        elif live and isinstance(event, Allocation) and event.running_total_bytes is not None:
+            kept.append(Allocation(event.ptr, event.size_bytes, event.running_total_bytes - live))
+        else:
+            kept.append(event)
+    return kept, everything
+
+
+def _matmul_op(op) -> tuple | None:
+    """The matmul op an allocation happened directly in, as a key (None: not a matmul)."""
+    if op is None or op.name not in MATMUL_OPS:
+        return None
+    return op.name, op.start_time_ns, op.end_time_ns
 
 
 def _walk(nodes) -> Iterator:

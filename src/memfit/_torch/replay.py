@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 BEFORE_FIRST_EVENT = -1
 NEVER = 1 << 62
 
+SCRATCH_TERM = "overhead/onednn_scratch"
+"""A CPU bf16 matmul's scratch beyond the step's tensor peak (memfit._torch.measure_cpu)."""
 PREEXISTING_TERM = "temporaries/preexisting"
 """Bytes live before profiling that nobody named (freed during the step, so the replay had to count them)."""
 
@@ -74,6 +76,8 @@ class Replay:
     segments: list[Segment]
     counter_mismatches: int = 0
     """Events where the running sum disagreed with the profiler's own counter (0 when the replay is exact)."""
+    scratch_bytes: int = 0
+    """What oneDNN's matmul scratch, left out of the events, added to the peak (measure_cpu)."""
 
     def bytes_at(self, point: int) -> int:
         return self.baseline_bytes + (0 if point == BEFORE_FIRST_EVENT else self.relative_bytes[point])
@@ -196,8 +200,12 @@ def summarise(result: Replay) -> MeasuredSteps:
         value = result.bytes_at(segment_peak)
         phase_peaks[segment.phase] = max(phase_peaks.get(segment.phase, 0), value)
         step_peaks[segment.step] = max(step_peaks.get(segment.step, 0), value)
-    notes = []
+    notes, peak_terms = [], result.bytes_by_term(peak)
+    if result.scratch_bytes:
+        peak_terms[SCRATCH_TERM] = result.scratch_bytes
+        notes.append(f"oneDNN's bf16 matmul scratch raised this CPU's peak by {result.scratch_bytes:,} B (it depends "
+                     "on the CPU's instruction set; the tensor figures leave it out)")
     if result.counter_mismatches:
         notes.append(f"{result.counter_mismatches} allocator events disagreed with the profiler's running total")
-    return MeasuredSteps(result.bytes_by_term(peak), result.segment_of(peak).phase, phase_peaks, tuple(timeline),
+    return MeasuredSteps(peak_terms, result.segment_of(peak).phase, phase_peaks, tuple(timeline),
                          tuple(step_peaks[s] for s in sorted(step_peaks)), tuple(notes))

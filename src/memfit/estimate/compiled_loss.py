@@ -18,9 +18,9 @@ compiled.cross_entropy_saved, on fake tensors):
 
 Measured on CPU with inductor (gcc): bench/compile.py's compiled-loss rows, tests/test_compile.py (chunked) and
 tests/test_compiled_loss.py (whole: forward 8 B per token, backward 2 B per logit, where the eager loss holds 8 B per
-logit in each). A whole CPU step of the tiny Llama then peaks in the LM head's backward, where oneDNN's bf16 matmul
-adds a scratch buffer (821 KB there) that CUDA's fixed cuBLAS workspace does not: that step measures 6.7% above the
-estimate, which sizes the CUDA side.
+logit in each). On a CPU with native bf16, oneDNN's matmul adds a scratch buffer in the LM head's backward (821 KB
+in a whole-loss step of the tiny Llama) that CUDA's fixed cuBLAS workspace does not: the measurement keeps it out of
+the tensor figures as its own overhead term (memfit._torch.measure_cpu).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def backward_terms(base: list[Term], logits: Term, saved: Term, chunk_tokens: li
     2. each chunk's LM-head matmul backward: the logits gradients not yet consumed, a chunk x h input gradient, and a
        V x h weight gradient added into autograd's buffer for the head weight (the first contribution is a
        transposed view, TBackward of F.linear's weight, so the second is added out of place, InputBuffer::accumulate:
-       three V x h at once; later ones in place). The finished chunks' input gradients wait for tensor_split's
-       backward (as in eager)."""
+       three V x h at once, after that chunk's logits gradient is released with its node; later ones in place).
+       The finished chunks' input gradients wait for tensor_split's backward (as in eager)."""
     tokens = sum(chunk_tokens)
     rows = tokens * vocab * compute_bytes
     largest = max(chunk_tokens, default=0)
@@ -82,9 +82,12 @@ def backward_terms(base: list[Term], logits: Term, saved: Term, chunk_tokens: li
                 f"the largest chunk's logits gradient beside its kept logits (chunk x V x {compute_bytes} B)")]
     done = 0
     for index, n in enumerate(chunk_tokens):
-        head = head_grad * (1 if index == 0 else 3 if index == 1 else 2)
-        moments.append(((tokens - done) * vocab * compute_bytes, n * hidden * compute_bytes, head,
-                        done * hidden * residual_bytes, 0, "the chunk x h input gradient its head matmul makes"))
+        moments.append(((tokens - done) * vocab * compute_bytes, n * hidden * compute_bytes,
+                        head_grad * (1 if index == 0 else 2), done * hidden * residual_bytes, 0,
+                        "the chunk x h input gradient its head matmul makes"))
+        if index == 1:  # the out-of-place add runs once the node is done: its logits gradient is already released
+            moments.append(((tokens - done - n) * vocab * compute_bytes, 0, 3 * head_grad,
+                            (done + n) * hidden * residual_bytes, 0, "none: the head weight's gradients are added"))
         done += n
     kept, temp, head, finished, stats, what = max(moments, key=lambda m: sum(m[:5]))
     return base + [

@@ -62,7 +62,7 @@ class Term:
 
 
 _OVERHEAD_FIGURES = {"overhead/allocator_reserve": "reserved", "overhead/allocator_rounding": "allocated",
-                     "overhead/cublas_workspace": "allocated"}
+                     "overhead/cublas_workspace": "allocated", "overhead/onednn_scratch": "allocated"}
 """Overhead terms without an explicit figure (a measured step's reserve: max_memory_reserved - allocated)."""
 
 DEVICE_FIGURES = ("allocated", "reserved", "device_used")
