@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -143,7 +144,8 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     names = {id(m): n for n, m in model.named_modules()}
     last = blocks[-1][1]
     first = blocks[0][1]
-    edges: dict[str, int] = {}
+    edges: dict[str, weakref.ref] = {}
+    edge_bytes: dict[str, int] = {}
 
     def first_call(module, _args):
         name = names.get(id(module))
@@ -159,7 +161,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     def first_in(_module, args, kwargs):
         hidden = _hidden(args, kwargs)
         if isinstance(hidden, torch.Tensor):
-            edges.setdefault("in", id(hidden.untyped_storage()))
+            edges.setdefault("in", weakref.ref(hidden.untyped_storage()))
 
     def block_in(_module, args, kwargs):
         hidden = _hidden(args, kwargs)
@@ -169,20 +171,17 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     def block_out(_module, _args, _kwargs, output):
         out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
         if isinstance(out, torch.Tensor):
-            edges["out"] = id(out.untyped_storage())
+            edges["out"] = weakref.ref(out.untyped_storage())
             if out.requires_grad:
                 out.register_hook(lambda g: marks.setdefault("start", tracker.events) and None)
 
     def head_out(_module, _args, output):
         if isinstance(output, torch.Tensor):
-            edges["logits"] = id(output.untyped_storage())
+            edges["logits"] = weakref.ref(output.untyped_storage())
 
     def forward_end(phase):
-        if str(phase) == "backward" and "in_bytes" not in edges:
-            for edge in ("in", "out", "logits"):
-                record = tracker._records.get(edges.get(edge, -1))
-                alive = record is not None and record.kind is _Kind.ACTIVATIONS
-                edges[f"{edge}_bytes"] = record.nbytes if alive else 0
+        if str(phase) == "backward" and not edge_bytes:
+            edge_bytes.update({edge: activation_bytes(tracker, edges.get(edge)) for edge in ("in", "out", "logits")})
         tracker.mark(phase)
 
     output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -214,9 +213,25 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     backward_at = next(e for e, _s, phase in tracker.marks if str(getattr(phase, "value", phase)) == "backward")
     start, end = marks.get("start", backward_at), marks.get("end", tracker.events)
     return {"forward_end": live(backward_at), "saved": dict(tracker.saved_by_module), "order": order,
-            "blocks": [n for n, _ in blocks], "in_bytes": edges.get("in_bytes", 0),
-            "out_bytes": edges.get("out_bytes", 0), "logits_bytes": edges.get("logits_bytes", 0),
+            "blocks": [n for n, _ in blocks], "in_bytes": edge_bytes.get("in", 0),
+            "out_bytes": edge_bytes.get("out", 0), "logits_bytes": edge_bytes.get("logits", 0),
             "lm_head": lm_head_name, "window": [live(i) for i in range(max(start, 1), max(end, start) + 1)]}
+
+
+def activation_bytes(tracker, storage: weakref.ref | None) -> int:
+    """The bytes of a storage the tracker counts as an activation, 0 when it is dead or something else. Held by a
+    weak reference, not by id(): the hidden state entering the first block or leaving the last (and a 16-bit
+    logits tensor the loss upcasts) is often freed before backward (a norm that upcasts saves its fp32 copy), and
+    CPython then gives its address to another object, so an id looked up later could name an unrelated live
+    storage: how much depends on what the process allocated before (a fit that came out non-linear in its
+    embedding group only after other tests, under CI's -n 2)."""
+    from ..trace.tracker import _Kind
+
+    alive = storage() if storage is not None else None
+    if alive is None:
+        return 0
+    record = tracker._records.get(id(alive))
+    return record.nbytes if record is not None and record.kind is _Kind.ACTIVATIONS else 0
 
 
 def _split(measure: dict[str, Any], block_index: int) -> dict[str, int]:
