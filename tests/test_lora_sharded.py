@@ -62,6 +62,7 @@ def job(request, jobs) -> tuple[TrainingSetup, list[dict]]:
     return _setup(**JOBS[request.param]), rank_results(jobs / request.param, RANKS)
 
 
+@pytest.mark.slow
 def test_each_rank_holds_the_frozen_base_and_adapter_shards_the_formulas_give(job):
     """Each parameter's local shard, by storage; a 4-bit base's QuantState (not a parameter) whole on each rank."""
     setup, ranks = job
@@ -81,6 +82,7 @@ def test_each_rank_holds_the_frozen_base_and_adapter_shards_the_formulas_give(jo
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
     """As in tests/test_tensor_parallel.py: gloo's worker threads free some buffers where the profiler cannot see,
     so the meter gives an interval [peak - unseen, peak] and the formulas must be within 2% of it on every rank."""
@@ -95,6 +97,7 @@ def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
         assert high >= predicted * (1 - PEAK_TOLERANCE), (high, predicted)
 
 
+@pytest.mark.slow
 def test_only_the_adapters_gradients_are_reduce_scattered(job):
     """The collectives each rank issued (memfit._torch.comm_count) against memfit.estimate.comm: the frozen base is
     all-gathered with the adapters, but only the adapters' gradients are reduce-scattered. (A 4-bit base's gather

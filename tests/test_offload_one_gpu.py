@@ -205,6 +205,7 @@ def runs(cpu_adam, tmp_path_factory) -> dict:
     return {name: _run(tmp_path_factory.mktemp(name), setup) for name, setup in RUNS.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_one_rank_buffers_equal_the_formulas(name, runs):
     setup = RUNS[name]
@@ -237,6 +238,7 @@ def test_one_rank_buffers_equal_the_formulas(name, runs):
     assert abs(error) <= 0.10
 
 
+@pytest.mark.slow
 def test_the_offload_runs_train_the_same_model(runs):
     zero2 = runs["zero2"]["losses"]
     assert all(loss == loss for loss in zero2)

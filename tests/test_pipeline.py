@@ -45,6 +45,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return {name: rank_results(out, RANKS, prefix=f"{name}_") for name in SCHEDULES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_gloo_stages_peak_within_two_percent_of_the_formulas(runs, schedule):
     """Each rank's measured peak (the interval PeakMeter allows for buffers gloo's thread freed unseen) against
@@ -66,6 +67,7 @@ def test_two_gloo_stages_peak_within_two_percent_of_the_formulas(runs, schedule)
         assert rank["recv_buffer_bytes"] == terms["activations/p2p_buffers"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_p2p_bytes_per_step_are_the_communication_model(runs, schedule):
     setup = _setup(schedule)
@@ -75,6 +77,7 @@ def test_p2p_bytes_per_step_are_the_communication_model(runs, schedule):
     assert comm_volume(SPEC, setup).pipeline_parallel_bytes == CHUNKS * MICRO * SEQ * TINY_LLAMA["hidden_size"] * 4
 
 
+@pytest.mark.slow
 def test_schedules_give_the_same_losses(runs):
     """The two schedules compute the same step (same data, same initial weights): their losses agree."""
     for gpipe, one_f_one_b in zip(runs["gpipe"][1]["losses"], runs["1f1b"][1]["losses"]):

@@ -51,6 +51,7 @@ def _pattern(name: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in parts)
 
 
+@pytest.mark.slow
 def test_per_rank_parameters_are_the_real_local_shards(job):
     """Every parameter's local DTensor shard has the element count graph.param_tensors(per_rank=True) gives."""
     _, ranks, _ = job
@@ -62,6 +63,7 @@ def test_per_rank_parameters_are_the_real_local_shards(job):
     assert ranks[0]["param_bytes"] < 4 * SPEC.num_params * 0.6  # every projection, embedding and head halved
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
     """With checkpointing each block keeps its sequence-sharded input: L x B x T/t x h per rank."""
     sp, ranks, checkpointing = job
