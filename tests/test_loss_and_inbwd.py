@@ -34,37 +34,15 @@ def setup_of(**changes) -> TrainingSetup:
     return TrainingSetup(**{**base, **changes})
 
 
-# (family, setup changes, tolerance). 1% where the formulas model every tensor at the peak; 3% for amp-bf16 moments
-# that are the peak once the loss no longer is (block 0's recompute under checkpointing, the fused reference's chunk
-# loop): there the CPU profiler sees 70-120 KiB of bf16 kernel scratch that no tensor holds (the fake-tensor trace,
-# which counts every tensor, misses it too), so these are checked against the trace as well, within 2%.
+# One case of each technique against a real measured step (bench/loss_inbwd.py runs the full matrix, 23 cases):
+# (family, setup changes, tolerance). 1% where the formulas model every tensor at the peak; 3% for an amp-bf16 moment
+# that is the peak once the loss no longer is (block 0's recompute under checkpointing).
 ACCURACY = [
     ("llama", dict(loss="chunked"), 0.01),
-    ("llama", dict(loss="chunked", precision="amp-bf16"), 0.01),
-    ("llama", dict(loss="chunked", checkpointing="full"), 0.01),
-    ("qwen2", dict(loss="chunked"), 0.01),
-    ("qwen2", dict(loss="chunked", precision="amp-bf16"), 0.01),
-    ("llama", dict(loss="fused"), 0.01),
-    ("qwen2", dict(loss="fused"), 0.01),
-    ("llama", dict(loss="fused", checkpointing="full"), 0.01),
-    ("qwen2", dict(loss="chunked", checkpointing="full"), 0.01),
     ("qwen2", dict(loss="fused", optimizer_in_backward=True, checkpointing="full"), 0.01),
-    ("llama", dict(loss="fused", optimizer_in_backward=True), 0.01),
     ("llama", dict(loss="chunked", precision="amp-bf16", checkpointing="full"), 0.03),
-    ("qwen2", dict(loss="chunked", precision="amp-bf16", checkpointing="full"), 0.03),
-    ("llama", dict(loss="fused", precision="amp-bf16"), 0.03),
-    ("llama", dict(optimizer_in_backward=True), 0.01),
     ("qwen2", dict(optimizer_in_backward=True, precision="amp-bf16"), 0.01),
-    ("llama", dict(optimizer_in_backward=True, checkpointing="full"), 0.01),
-    ("llama", dict(optimizer_in_backward=True, loss="chunked"), 0.01),
-    ("llama", dict(optimizer_in_backward=True, loss="fused", micro_batch_size=1, seq_len=32), 0.01),
-    ("llama", dict(loss="fused", micro_batch_size=1, seq_len=32), 0.01),
-    # LoRA with torchtune's chunked loss (its LoRA recipes' default): the frozen, tied head is no autocast-cached leaf
     ("qwen2", dict(loss="chunked", finetune=Finetune(method="lora", rank=8)), 0.01),
-    ("qwen2", dict(loss="chunked", precision="amp-bf16", checkpointing="full", finetune=Finetune(method="lora", rank=8)),
-     0.03),
-    ("llama", dict(loss="chunked", precision="bf16",
-                   finetune=Finetune(method="lora", rank=16, targets=("all-linear",), dropout=0.1)), 0.01),
 ]
 
 

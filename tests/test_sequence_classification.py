@@ -49,8 +49,9 @@ def test_bert_large_two_labels_is_the_published_count():
     assert spec.num_params == 335_143_938 and not spec.is_decoder
 
 
-CASES = [(family, precision, checkpointing) for family in TINY for precision in ("fp32", "amp-bf16")
-         for checkpointing in ("none", "full")]
+CASES = [("bert", "fp32", "none"), ("llama", "amp-bf16", "full")]
+"""Two of the 8 family x precision x checkpointing cases (bench/seq_classification.py measures all of them, at two
+shapes): both families, both precisions, with and without checkpointing."""
 
 
 @pytest.mark.parametrize("family,precision,checkpointing", CASES, ids=["-".join(c) for c in CASES])
@@ -60,12 +61,10 @@ def test_formulas_and_trace_match_a_measured_step(family, precision, checkpointi
                           optimizer="adamw", attention="sdpa")
     measured = measure(config, setup, steps=2).tensor_bytes
     predicted = estimate(resolve_model(config), setup, CPU).tensor_bytes
-    # BERT fp32 + full checkpointing: the block's checkpointed backward is 3% high on BertForMaskedLM too (not the
-    # head's rows); Llama amp-bf16 + full: the recomputed block's moment is 3.0% high (oneDNN's bf16 matmul scratch,
-    # in the measured peak on CPUs with native bf16 until it became its own overhead term, hid it); every other case
-    # is within the 2% asked
-    wider = {("bert", "fp32", "full"): 0.04, ("llama", "amp-bf16", "full"): 0.035}
-    tolerance = wider.get((family, precision, checkpointing), 0.02)
+    # Llama amp-bf16 + full: the recomputed block's moment is 3.0% high (oneDNN's bf16 matmul scratch, in the measured
+    # peak on CPUs with native bf16 until it became its own overhead term, hid it); bench/seq_classification.py has the
+    # BERT fp32 + full rows at +3.3% (the block's checkpointed backward, as on BertForMaskedLM)
+    tolerance = 0.035 if (family, precision, checkpointing) == ("llama", "amp-bf16", "full") else 0.02
     assert abs(predicted - measured) <= tolerance * measured, f"formulas {predicted:,} vs measured {measured:,}"
     # the trace on CPU kernels is the measured step's tensor peak (oneDNN's bf16 matmul scratch, which depends on the
     # CPU's instruction set, is the measurement's own overhead term, not in tensor_bytes)
