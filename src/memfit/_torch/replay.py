@@ -203,8 +203,8 @@ def summarise(result: Replay) -> MeasuredSteps:
     notes, peak_terms = [], result.bytes_by_term(peak)
     if result.scratch_bytes:
         peak_terms[SCRATCH_TERM] = result.scratch_bytes
-        notes.append(f"oneDNN's bf16 matmul scratch raised this CPU's peak by {result.scratch_bytes:,} B (it depends "
-                     "on the CPU's instruction set; the tensor figures leave it out)")
+        notes.append(f"oneDNN's bf16 matmul scratch raised this CPU's peak by {result.scratch_bytes:,} B (it depends on "
+                     "the instruction set and the thread count; the tensor figures leave it out)")
     if result.counter_mismatches:
         notes.append(f"{result.counter_mismatches} allocator events disagreed with the profiler's running total")
     return MeasuredSteps(peak_terms, result.segment_of(peak).phase, phase_peaks, tuple(timeline),
