@@ -65,11 +65,15 @@ def test_an_eager_cast_peaks_at_nine_bytes_per_element():
 
 @pytest.mark.parametrize("m, k, n", [(384, 160, 224), (320, 768, 96), (96, 768, 384)])
 def test_cpu_scaled_mm_bytes_match_the_formula(m, k, n):
-    """Each of the CPU kernel's three moments dominates one shape (the product, the first, the second operand)."""
+    """Each of the CPU kernel's three moments dominates one shape (the product, the first, the second operand). The
+    kernel is ATen's emulated fallback (fp32 copies): where the CPU supports it (AMX here) ATen's CPU _scaled_mm
+    runs oneDNN's float8 matmul instead (aten/src/ATen/native/mkldnn; 36 KB of scratch on the first shape), so
+    oneDNN is switched off to size the same kernel on every x86 CPU."""
     a = torch.randn(m, k).to(torch.float8_e4m3fn)
     b = torch.randn(n, k).to(torch.float8_e4m3fn).t()
     one = torch.tensor(1.0)
-    peak = _peak_growth(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    with torch.backends.mkldnn.flags(enabled=False):
+        peak = _peak_growth(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
     assert peak - 2 * m * n == pytest.approx(float8.cpu_gemm_bytes(m, k, n), abs=16)  # + the scales' reciprocals
 
 
