@@ -207,3 +207,25 @@ def test_a_block_edge_freed_before_backward_counts_nothing_where_its_address_is_
     assert activation_bytes(tracker, ref) == 0
     assert activation_bytes(tracker, weakref.ref(live.untyped_storage())) == live.nbytes
     assert activation_bytes(tracker, None) == 0
+
+
+def test_shipped_fits_keep_whole_bytes_on_the_embedding_and_head_sides():
+    """What the embedding and head sides keep is whole tensors: bytes per token, per position, per token x position
+    and a constant come out whole. A fit with fractions or a negative coefficient there was traced with a stale
+    storage id (the bug above: mixtral-8x7b, gemma-3-12b-text and gemma-3-27b-text shipped such fits)."""
+    from importlib import resources
+
+    folder = resources.files("memfit").joinpath("data/derived")
+    checked = 0
+    for entry in folder.iterdir():
+        if not entry.name.endswith(".json"):
+            continue
+        fit = json.loads(entry.read_text(encoding="utf-8")).get("fit") or {}
+        for part in (fit, fit.get("beyond") or {}):
+            for side in ("embedding", "head"):
+                values = part.get(side)
+                if values is None:
+                    continue
+                checked += 1
+                assert all(v >= 0 and v == int(v) for v in values), (entry.name, side, values)
+    assert checked > 40
