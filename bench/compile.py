@@ -108,12 +108,14 @@ def run_loss_case(family: str, precision: str, checkpointing: str, tied: bool, f
     predicted = estimate(spec, setup, hw).tensor_bytes
     from memfit.estimate import compiled_loss
 
-    original = compiled_loss.applies
-    compiled_loss.applies = lambda _setup: False  # the same step sized with the eager loss's formulas
+    originals = {name: getattr(compiled_loss, name) for name in ("applies", "chunks", "whole")}
+    for name in originals:  # the same step sized with the eager loss's formulas (analytic asks all three)
+        setattr(compiled_loss, name, lambda _setup: False)
     try:
         eager_loss = estimate(spec, setup, hw).tensor_bytes
     finally:
-        compiled_loss.applies = original
+        for name, function in originals.items():
+            setattr(compiled_loss, name, function)
     torch._dynamo.reset()
     measured = measure(build_hf_model(config, setup, compile_backend="partitioned"), setup, steps=2).tensor_bytes
     return {"case": f"{family} {precision} ckpt {checkpointing}{' tied' if tied else ''}", "pred": predicted,
