@@ -645,8 +645,8 @@ def test_write_all_refuses_a_file_path_and_foreign_files(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,offload,state_dtype", [
-    ("bf16-master", "optimizer", "float32"),  # CPU Adam: JIT-compiles ~1-2 min on first use, then cached
-    ("bf16", "none", "bfloat16"),  # DeepSpeed's CPU shm comm op: ~35 s on first use
+    ("bf16-master", "optimizer", "float32"),  # CPU Adam (built by scripts/build_deepspeed_ops.py, else JIT: minutes)
+    ("bf16", "none", "bfloat16"),  # DeepSpeed's CPU shm comm op (likewise; ~35 s JIT)
 ])
 def test_deepspeed_initialize_runs_emitted_config(precision, offload, state_dtype, monkeypatch, process_group):
     _engines("torch", "deepspeed")

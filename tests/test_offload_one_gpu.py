@@ -4,8 +4,9 @@ ladder's offload rung with its PCIe and CPU-step cost, the emitted DeepSpeed con
 1-rank DeepSpeed runs on CPU (gloo) whose buffers, sorted by where DeepSpeed puts them, equal the formulas.
 
 On a CPU-only run the 'device' is host memory too, so the comparison reads DeepSpeed's own buffers by the device it
-allocates them on (memfit._torch.rank_memory.offload_inventory). DeepSpeedCPUAdam JIT-compiles its C++ op on first
-use (about a minute on 2 cores, then cached); the runs are skipped when it cannot be built.
+allocates them on (memfit._torch.rank_memory.offload_inventory). DeepSpeedCPUAdam's C++ op is built once by the test
+command (scripts/build_deepspeed_ops.py; else JIT-compiled on first use, minutes); the runs are skipped when it cannot
+be built.
 """
 
 from __future__ import annotations
