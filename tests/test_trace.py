@@ -55,25 +55,22 @@ def _live_before(session) -> int:
 
 
 def measured_peak(session, steps: int = STEPS) -> int:
-    """Peak live tensor bytes of `steps` real steps on CPU, from the profiler's allocation events."""
+    """Peak live tensor bytes of `steps` real steps on CPU, from the profiler's allocation events, without oneDNN's
+    bf16 matmul scratch (on CPUs with native bf16 only; memfit._torch.measure_cpu.matmul_scratch)."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
+
+    from memfit._torch.measure_cpu import _walk, matmul_scratch
 
     before = _live_before(session)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
             session.run(lambda phase: None)
-    events = []
-
-    def walk(nodes):
-        for node in nodes:
-            kind, fields = node.typed
-            if str(kind).endswith("Allocation"):
-                events.append((node.start_time_ns, fields.alloc_size))
-            walk(node.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
+    walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    scratch = matmul_scratch(walked)
     live = peak = 0
-    for _, size in sorted(events):
+    for _, size in sorted((node.start_time_ns, node.extra_fields.alloc_size) for order, node in enumerate(walked)
+                          if node.tag == _EventType.Allocation and order not in scratch):
         live += size
         peak = max(peak, live)
     return before + peak

@@ -123,16 +123,13 @@ allocation freed inside the matmul op that made it is that scratch (an op's outp
 
 def _events(prof, marks: dict[str, Mark]) -> tuple[list[Allocation | Mark], list[Allocation | Mark]]:
     """The step's events in time order without oneDNN's scratch, and all of them when there was any scratch."""
-    timed, opened, scratch = [], {}, set()
-    for order, event in enumerate(_walk(prof.profiler.kineto_results.experimental_event_tree())):
+    walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    scratch = matmul_scratch(walked)
+    timed = []
+    for order, event in enumerate(walked):
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
             if fields.device.type == "cpu":
-                op = _matmul_op(event.parent)
-                if fields.alloc_size > 0:
-                    opened[fields.ptr] = (op, order)
-                elif op is not None and opened.get(fields.ptr, (None,))[0] == op:  # freed in the op that made it
-                    scratch |= {opened.pop(fields.ptr)[1], order}
                 timed.append((event.start_time_ns, order,
                               Allocation(fields.ptr, fields.alloc_size, fields.total_allocated)))
         elif event.name in marks:
@@ -150,6 +147,22 @@ def _events(prof, marks: dict[str, Mark]) -> tuple[list[Allocation | Mark], list
         else:
             kept.append(event)
     return kept, everything
+
+
+def matmul_scratch(walked: list) -> set[int]:
+    """Positions in `walked` (the profiler's event tree, walked) of oneDNN's matmul scratch: each CPU allocation
+    freed inside the matmul op that made it, and its free. The rank meter (rank_memory) leaves them out too."""
+    opened, scratch = {}, set()
+    for order, event in enumerate(walked):
+        if event.tag != _EventType.Allocation or event.extra_fields.device.type != "cpu":
+            continue
+        fields = event.extra_fields
+        op = _matmul_op(event.parent)
+        if fields.alloc_size > 0:
+            opened[fields.ptr] = (op, order)
+        elif op is not None and opened.get(fields.ptr, (None,))[0] == op:  # freed in the op that made it
+            scratch |= {opened.pop(fields.ptr)[1], order}
+    return scratch
 
 
 def _matmul_op(op) -> tuple | None:

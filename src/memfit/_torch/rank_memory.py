@@ -185,13 +185,18 @@ class PeakMeter:
 
 
 def _allocation_events(prof, window: str) -> tuple[list[tuple[int, int, int, int]], tuple[int, int]]:
-    """The CPU allocation events (time, order, address, +-bytes) in time order and the last `window` range."""
+    """The CPU allocation events (time, order, address, +-bytes) in time order, without oneDNN's matmul scratch, and
+    the last `window` range."""
     from torch._C._profiler import _EventType
 
-    from .measure_cpu import _walk
+    from .measure_cpu import _walk, matmul_scratch
 
     allocations, windows = [], []
-    for order, event in enumerate(_walk(prof.profiler.kineto_results.experimental_event_tree())):
+    walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    scratch = matmul_scratch(walked)  # oneDNN's bf16 matmul scratch: ISA-dependent, not a tensor (measure_cpu)
+    for order, event in enumerate(walked):
+        if order in scratch:
+            continue
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
             fields = event.extra_fields
             allocations.append((event.start_time_ns, order, fields.ptr, fields.alloc_size))
