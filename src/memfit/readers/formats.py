@@ -107,6 +107,16 @@ def finish(read: Reader, data: Mapping, table: Mapping[str, str], *, file: str |
             read.ignore(key, value, why)
 
 
+def _section(read: Reader, data: Mapping, key: str, field_: str) -> Mapping:
+    """The block of settings at `key` ({} when absent or empty); a value that is not a mapping is unmappable."""
+    value = data.get(key)
+    if isinstance(value, Mapping):
+        return value
+    if value not in (None, "", [], False):
+        read.unmappable(field_, key, value, "not a mapping of settings")
+    return {}
+
+
 def _truthy(value: Any) -> bool:
     return _value(value) in (True, "true", "True", "auto") or (isinstance(value, int) and not isinstance(value, bool)
                                                                and value > 0)
@@ -263,7 +273,7 @@ def map_accelerate(read: Reader, data: dict, ctx: Context) -> None:
     elif kind == "DEEPSPEED":
         _accelerate_deepspeed(read, data, ctx, mp, dtype, world)
     elif kind == "FSDP":
-        fsdp = data.get("fsdp_config") or {}
+        fsdp = _section(read, data, "fsdp_config", "sharding")
         if mp is not None:
             read_mixed_precision(read, mp, dtype)
         read.defer("distributed_type", kind, "FSDP")
@@ -285,7 +295,7 @@ def map_accelerate(read: Reader, data: dict, ctx: Context) -> None:
 
 
 def _accelerate_deepspeed(read: Reader, data: dict, ctx: Context, mp: Any, dtype: str, world: int | None) -> None:
-    section = data.get("deepspeed_config") or {}
+    section = _section(read, data, "deepspeed_config", "sharding")
     read.defer("distributed_type", "DEEPSPEED", "DeepSpeed")
     with read.scope(read.file, "deepspeed_config."):
         ds, file, prefix = ctx.deepspeed(read, section.get("deepspeed_config_file"), "deepspeed_config_file")

@@ -37,13 +37,20 @@ def deepspeed_config(value: Any) -> dict | None:
         return None
     if isinstance(value, Mapping):
         return dict(value)
+    from .files import check_shape, read_bounded
+
     path = Path(str(value)).expanduser()
+    shown = f"the DeepSpeed config '{value}'"
     try:
-        return json.loads(path.read_text())
+        data = json.loads(read_bounded(path, shown))
     except OSError as error:
-        raise ConfigError(f"cannot read the DeepSpeed config '{value}': {error.strerror or error}") from None
+        raise ConfigError(f"cannot read {shown}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
-        raise ConfigError(f"the DeepSpeed config '{value}' is not JSON: {error}") from None
+        raise ConfigError(f"{shown} is not JSON: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"{shown} nests too deeply: not a DeepSpeed config") from None
+    check_shape(data, shown)
+    return data
 
 
 def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | None = None,

@@ -80,20 +80,18 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
     return spec
 
 
-_MAX_CONFIG_BYTES = 16 * 1024 * 1024
-"""A config.json is a few kB; anything this large is some other file."""
+_MAX_CONFIG_VALUES = 1_000_000
+"""A config.json holds hundreds of values (tens of thousands with a large id2label); more is some other file."""
 
 
 def from_config_file(path: str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
     """A ModelSpec from a config.json file, or from a folder that holds one (a downloaded checkpoint)."""
+    from ..readers.files import check_shape, read_bounded
+
     try:
         path = Path(path).expanduser()
         file = path / "config.json" if path.is_dir() else path
-        if file.exists() and not file.is_file():  # a device or a FIFO would be read forever
-            raise ModelSourceError(f"cannot read {file}: not a regular file")
-        if file.exists() and file.stat().st_size > _MAX_CONFIG_BYTES:
-            raise ModelSourceError(f"{file} is {file.stat().st_size:,} bytes: not a config.json")
-        text = file.read_text(encoding="utf-8")
+        text = read_bounded(file, str(file), ModelSourceError).decode("utf-8")
     except UnicodeDecodeError:
         raise ModelSourceError(f"cannot read {file}: not a UTF-8 text file") from None
     except (ValueError, RuntimeError) as exc:  # an embedded NUL, an unknown ~user
@@ -105,6 +103,9 @@ def from_config_file(path: str | os.PathLike[str], *, name: str | None = None) -
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno}, column {exc.colno}"
         raise ModelSourceError(f"{file} is not valid JSON: {exc.msg} at {where}") from None
+    except RecursionError:
+        raise ModelSourceError(f"{file} nests too deeply: not a config.json") from None
+    check_shape(config, str(file), ModelSourceError, max_values=_MAX_CONFIG_VALUES)
     default_name = file.parent.name if file.name == "config.json" and file.parent.name else file.stem
     return from_hf_config(config, name=name or default_name, source=str(file))
 
