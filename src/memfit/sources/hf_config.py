@@ -47,6 +47,49 @@ def _numbers(graph: ModelGraph, config: Mapping[str, Any]) -> dict[str, Any]:
                 tie_word_embeddings=bool(getattr(graph.head, "tied", False)))
 
 
+_BOUNDS: tuple[tuple[tuple[str, ...], int, str], ...] = (
+    (("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "encoder_layers",
+      "decoder_layers"), 2_048, "layers (the deepest real models have ~100)"),
+    (("hidden_size", "n_embd", "d_model", "dim"), 262_144, "a hidden size (the widest real models: ~25,000)"),
+    (("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+      "moe_intermediate_size", "shared_expert_intermediate_size"), 1_048_576,
+     "an MLP width (real models: under 100,000)"),
+    (("vocab_size",), 16_777_216, "a vocabulary (real models: under 300,000 tokens)"),
+    (("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "encoder_attention_heads",
+      "decoder_attention_heads"), 8_192, "attention heads (real models: under 200)"),
+    (("head_dim", "d_kv"), 16_384, "a head dimension (real models: under 1,000)"),
+    (("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 16_384,
+     "experts (real models: under 1,000)"),
+    (("max_position_embeddings", "n_positions", "n_ctx"), 1 << 27, "positions (real models: under 20 million)"),
+)
+"""Sanity bounds on a config's sizes, far above any real model: a hostile or mistyped config (10^9 layers: a graph
+block each; hidden 2^40) is refused in one line naming the bound instead of taking minutes to size nonsense."""
+MAX_PARAMS = 10 ** 14
+"""Parameters of the whole model: 50x the largest real model."""
+
+
+def check_sizes(config: Mapping[str, Any], source: str, *, _depth: int = 0) -> None:
+    """ModelSourceError naming the first size in `config` (or a sub-config: text_config, encoder...) above its
+    bound in _BOUNDS."""
+    for keys, bound, what in _BOUNDS:
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+                raise ModelSourceError(f"{source}: {key}={value:,} is above memfit's bound of {bound:,} for {what}: "
+                                       "not a real model's config")
+    if _depth < 3:
+        for value in config.values():
+            if isinstance(value, Mapping):
+                check_sizes(value, source, _depth=_depth + 1)
+
+
+def _check_params(spec: ModelSpec, source: str) -> ModelSpec:
+    if spec.num_params > MAX_PARAMS:
+        raise ModelSourceError(f"{source}: {spec.num_params:,} parameters is above memfit's bound of "
+                               f"{MAX_PARAMS:,} (50x the largest real model): not a real model's config")
+    return spec
+
+
 def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> ModelSpec:
     """A ModelSpec from a Hugging Face config dict: its typed graph (exact per-tensor parameters, the family details
     the activation estimator reads) and the architecture numbers read off it. Raises ModelSourceError (one line)
@@ -56,21 +99,24 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
     built on fake tensors, needs torch); one whose graph has a node no `saved` handler sizes (qwen3, gemma) gets its
     activations derived the same way, on first use."""
     model_type = config.get("model_type") if isinstance(config, Mapping) else None
+    if isinstance(config, Mapping):
+        check_sizes(config, source)
     if isinstance(model_type, str) and model_type and model_type not in SUPPORTED_MODEL_TYPES:
         from ..derive import derived_spec
 
         try:
-            return derived_spec(dict(config), name=name, source=source)
+            derived = derived_spec(dict(config), name=name, source=source)
         except ModelSourceError as error:
             raise ModelSourceError(f"{error}; memfit reads configs of {', '.join(SUPPORTED_MODEL_TYPES)}, or "
                                    "pass the built nn.Module (memfit reads its tensors)") from None
+        return _check_params(derived, source)
     if not isinstance(config, Mapping):
         raise ModelSourceError(f"{source}: a model config must be a JSON object, got {type(config).__name__}")
     from ..graph import graph_from_config
 
     graph = graph_from_config(config, name=name, source=source)  # every tensor and number, one builder per family
-    spec = ModelSpec(name=name, model_type=graph.model_type, params=graph.param_tensors(), source=source, graph=graph,
-                     **_numbers(graph, config))
+    spec = _check_params(ModelSpec(name=name, model_type=graph.model_type, params=graph.param_tensors(),
+                                   source=source, graph=graph, **_numbers(graph, config)), source)
     from ..estimate.activations import saved_problem
 
     if saved_problem(spec.graph) is not None:  # nodes no `saved` formula sizes: derive them, never borrow Llama's
