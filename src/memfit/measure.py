@@ -206,6 +206,16 @@ def check_host_ram(spec, setup: TrainingSetup) -> int:
     from .units import GiB
 
     available = available_host_ram()
+    if available is not None:  # the weights, gradients and optimizer states first: arithmetic, no derive
+        from .estimate.static import full_static
+
+        static = full_static(spec, setup)
+        floor = (static.params_bytes + static.grads_bytes + static.states_bytes + static.master_bytes
+                 + static.frozen_bytes)
+        if floor > available:
+            raise ConfigError(f"measuring {spec.name} on the CPU needs over {floor / GiB:.1f} GiB of host RAM "
+                              f"(weights, gradients and optimizer states alone), {available / GiB:.1f} GiB "
+                              "available; use a smaller model or `memfit trace` (fake tensors, no RAM for the model)")
     needed = estimate(spec, setup, make_hardware(cpu_device(max(host_ram(), 1)))).total_bytes
     if available is not None and needed > available:
         raise ConfigError(f"measuring {spec.name} on the CPU needs ~{needed / GiB:.1f} GiB of host RAM, "

@@ -308,13 +308,20 @@ def optimize(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margi
     """Search every combination of the techniques (search.candidate_setups; fields in `keep` fixed), sized with
     `estimator` like plan(); return the fitting setup with the best modelled throughput. A difference in a field the
     user set (`explicit`) says what was asked."""
+    from .graph.saved import NotModelledError
     from .search import candidate_setups
 
     check_precision(setup.precision, hardware.gpu)
     best = None
     explicit = frozenset(explicit or ())
-    for cand in candidate_setups(setup, hardware, keep=frozenset(keep or ())):
-        est = estimator(spec, cand, hardware)
+    keep = frozenset(keep or ())
+    if spec.extra.get("supports_sdpa") is False:  # e.g. gpt_oss (attention sinks): transformers builds eager only
+        keep |= {"attention"}
+    for cand in candidate_setups(setup, hardware, keep=keep):
+        try:
+            est = estimator(spec, cand, hardware)
+        except NotModelledError:  # e.g. selective checkpointing of a derived model (no graph): not a candidate
+            continue
         if not diagnose(est, hardware, margin=margin).fits:
             continue
         t = relative_step_time(spec, cand, hardware)

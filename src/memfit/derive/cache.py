@@ -14,10 +14,12 @@ import json
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..errors import MemfitError, ModelSourceError
 from .model import KindFit
 
 FORMAT = 1
@@ -140,6 +142,33 @@ def _shipped(config: dict[str, Any], kind: str) -> KindFit | None:
 _MEMORY: dict[str, KindFit] = {}
 
 
+@contextmanager
+def one_line_failure(config: dict[str, Any], label: str = ""):
+    """Any failure while the copies of a model are built and traced is one ModelSourceError line: transformers
+    reads config attributes a hand-made config.json may not set (T5's decoder_start_token_id builds the decoder's
+    inputs in transformers/models/t5/modeling_t5.py `_shift_right`), and then the line names the attribute."""
+    what = label or str(config.get("model_type"))
+    try:
+        yield
+    except MemfitError:
+        raise
+    except AttributeError as error:
+        name = getattr(error, "name", None)
+        if name and "config" in type(getattr(error, "obj", None)).__name__.lower():
+            raise ModelSourceError(f"{what}: the config lacks '{name}', which transformers reads to run "
+                                   f"model_type '{config.get('model_type')}': add it to the config") from None
+        raise ModelSourceError(f"{what}: deriving the memory model failed ({first_line(error)})") from None
+    except Exception as error:  # noqa: BLE001 - a config transformers cannot run: one line, never a traceback
+        raise ModelSourceError(f"{what}: deriving the memory model failed ({first_line(error)})") from None
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """An exception's first line, whitespace collapsed and cut to `limit`: how a derive failure quotes it."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tuple[KindFit, str]:
     """(fit, where it is stored): from this process, the shipped data, the disk cache, or derived now."""
     shipped = _shipped(config, kind)
@@ -161,7 +190,8 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
     from .fit import derive_kind
 
     started = time.perf_counter()
-    with reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress:
+    with reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress, \
+            one_line_failure(config, label):
         fit = derive_kind(config, kind, progress=progress)
     _MEMORY[key] = fit
     payload = {"key": key, "format": FIT_FORMAT, "kind": kind, "model_type": config.get("model_type"),

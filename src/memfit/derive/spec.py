@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ..errors import ModelSourceError
 from ..model_spec import ModelSpec, ParamTensor
 from .cache import cache_path, read_json, shipped_data, write_json
+from .cache import first_line as _first_line
 from .model import DerivedModel
 
 PARAMS_KIND = "params"
@@ -34,12 +34,6 @@ def _hf_config(config: dict[str, Any], source: str):
     except (ConfigError, TypeError, KeyError) as error:
         raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' "
                                f"offline ({_first_line(error)})") from None
-
-
-def _first_line(error: BaseException, limit: int = 160) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    text = re.sub(r"\s+", " ", text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[list[ParamTensor], dict[str, Any]]:

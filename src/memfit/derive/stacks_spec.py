@@ -23,6 +23,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
 
     from ..setup import Attention, TrainingSetup
     from ..trace.session import build_hf_model
+    from .cache import first_line
     from .fit import quiet_transformers
 
     try:
@@ -30,7 +31,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
             model = build_hf_model(dict(config), TrainingSetup(attention=Attention.EAGER), [])
     except Exception as error:  # noqa: BLE001 - any failure to build means: cannot size this config
         raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' offline "
-                               f"from this config ({str(error).strip().splitlines()[0][:160]})") from None
+                               f"from this config ({first_line(error)})") from None
     rows: dict[tuple[str, int], int] = {}
     for name, param in model.named_parameters():
         key = (_INDEX.sub("*", name), int(param.numel()))
