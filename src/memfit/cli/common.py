@@ -18,6 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..errors import ConfigError, MemfitError
+from . import interrupt
 
 try:  # typer >= 0.2x vendors click; its parser errors derive from TyperException
     from typer import TyperException as CommandLineError
@@ -40,18 +41,25 @@ class OneLineErrors(TyperGroup):
     Unexpected exceptions (bugs) still raise, so they are reported with their traceback."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra) -> Any:
-        try:
-            result = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                                  standalone_mode=False, **extra)
-        except CommandLineError as error:
-            if type(error).__name__ == "NoArgsIsHelpError":
-                return _finish(OK, standalone_mode)  # typer printed the help while the error was built
-            result = report_error(error.format_message(), _help_hint(error))
-        except MemfitError as error:
-            result = report_error(str(error))
-        except typer.Abort:
-            typer.echo("aborted", err=True)
-            result = 1
+        with interrupt.handling():
+            try:
+                result = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                      standalone_mode=False, **extra)
+            except CommandLineError as error:
+                if type(error).__name__ == "NoArgsIsHelpError":
+                    return _finish(OK, standalone_mode)  # typer printed the help while the error was built
+                result = report_error(error.format_message(), _help_hint(error))
+            except MemfitError as error:
+                result = report_error(str(error))
+            except typer.Abort:
+                typer.echo("aborted", err=True)
+                result = 1
+            except BaseException:  # an import cut by Ctrl-C can fail in any way: the interrupt is the cause
+                if not interrupt.interrupted():
+                    raise
+                result = interrupt.INTERRUPTED
+            if interrupt.interrupted() and result == interrupt.INTERRUPTED:
+                typer.echo("interrupted", err=True)
         return _finish(result, standalone_mode)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from contextlib import contextmanager
 from importlib import resources
@@ -92,29 +91,15 @@ def read_json(path: Path, key: str, format_version: int = FORMAT) -> dict[str, A
 
 
 def write_json(path: Path, data: dict[str, Any]) -> bool:
-    """Atomic write; False (and nothing left behind) when the folder is not writable."""
+    """Atomic write (memfit.atomic); False (and nothing left behind) when the folder is not writable."""
+    from ..atomic import write_files
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(data, handle, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with _suppress():
-                os.unlink(tmp)
-            raise
+        write_files([(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))])
     except OSError:
         return False
     return True
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 def shipped_data(config: dict[str, Any], kind: str) -> dict[str, Any] | None:
