@@ -46,10 +46,13 @@ def write_files(files: list[tuple[Path, bytes]]) -> None:
     """Write every (path, content) or none: temporary files first (removed on any failure, OSError or interrupt,
     which is then raised), then the renames."""
     temps: list[tuple[str, Path]] = []
+    mode = _file_mode()
     try:
         for path, data in files:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             temps.append((tmp, path))
+            if hasattr(os, "fchmod"):
+                os.fchmod(fd, mode)  # mkstemp's 0600 -> what open() would give (0666 less the umask)
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
         with critical():
@@ -62,6 +65,12 @@ def write_files(files: list[tuple[Path, bytes]]) -> None:
             except OSError:
                 pass  # already renamed
         raise
+
+
+def _file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_text(path: str | Path, text: str) -> Path:
