@@ -53,8 +53,7 @@ def write_files(files: list[tuple[Path, bytes]]) -> None:
             temps.append((tmp, path))
             if hasattr(os, "fchmod"):
                 os.fchmod(fd, mode)  # mkstemp's 0600 -> what open() would give (0666 less the umask)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
+            _write(fd, data)
         with critical():
             for tmp, path in temps:
                 os.replace(tmp, path)
@@ -65,6 +64,11 @@ def write_files(files: list[tuple[Path, bytes]]) -> None:
             except OSError:
                 pass  # already renamed
         raise
+
+
+def _write(fd: int, data: bytes) -> None:
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
 
 
 def _file_mode() -> int:
