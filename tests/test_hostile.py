@@ -295,3 +295,33 @@ def test_optimize_keeps_the_attention_a_catalog_model_can_run():
     assert result.exit_code in (0, 1), result.output
     optimized = json.loads(result.stdout)["optimized"]
     assert optimized["setup"]["attention"] == "eager"
+
+
+def test_ctrl_c_during_launch_hands_the_job_sigint_instead_of_killing_it(tmp_path):
+    """torchrun stops its workers on SIGINT; subprocess.run would SIGKILL it and orphan them. Here memfit is
+    interrupted while it waits (an itimer raising KeyboardInterrupt), and the job records the SIGINT it got."""
+    from memfit.cli.launch import _run
+
+    seen = tmp_path / "seen"
+    job = (f"import signal, sys, time\n"
+           f"def stop(*a):\n    open({str(seen)!r}, 'w').write('SIGINT')\n    sys.exit(0)\n"
+           f"signal.signal(signal.SIGINT, stop)\nopen({str(seen)!r} + '.ready', 'w').close()\ntime.sleep(60)\n")
+
+    def interrupt(signum, frame):
+        if not Path(str(seen) + ".ready").exists():  # the job's handler is not installed yet: look again soon
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            return
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            _run([sys.executable, "-c", job], dict(os.environ))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    deadline = time.monotonic() + 30
+    while not seen.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen.read_text() == "SIGINT"

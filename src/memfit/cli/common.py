@@ -32,8 +32,13 @@ USER_ERROR = 2
 """A mistake in the command line or its inputs: one `error: ...` line on stderr."""
 
 
-def _one_line(text: str) -> str:
-    return re.sub(r"\s+", " ", str(text)).strip()
+MAX_ERROR_CHARS = 2000
+"""An error line is cut here: a message that quotes user input (a path, a value) never floods the terminal."""
+
+
+def _one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    text = re.sub(r"\s+", " ", str(text)[: 4 * limit]).strip()  # cut first: the regex never sees megabytes
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class OneLineErrors(TyperGroup):

@@ -8,6 +8,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
+from .. import atomic
 from ..errors import ConfigError
 from .common import DOES_NOT_FIT, app, console, examples, print_json, resolve
 from .options import (MAX_MICRO_BATCH, MAX_SEQ_LEN, OUTPUT_PANEL, JsonOpt, ModelArg, SetupOptions,
@@ -317,7 +318,7 @@ def _write(path: Path | None, text: str, option: str) -> None:
     if path is None:
         return
     try:
-        path.write_text(text, encoding="utf-8")
+        atomic.write_text(path, text)  # all or nothing: a full disk or a Ctrl-C leaves no partial file
     except OSError as error:
         raise ConfigError(f"{option} {path}: cannot write it: {error.strerror or error}") from None
 

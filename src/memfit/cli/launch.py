@@ -76,8 +76,22 @@ def launch_command(script: ScriptArg, opts: SetupOptions, script_args: ScriptArg
     command = local_command(plan.setup, plan.hardware.gpus_per_node, script, args, engine=plan.engine,
                             python=sys.executable)
     typer.echo(f"memfit launch: {command.shell()}", err=True)
-    done = subprocess.run(list(command.argv), env={**os.environ, **dict(command.env)})
-    raise typer.Exit(done.returncode)
+    raise typer.Exit(_run(list(command.argv), {**os.environ, **dict(command.env)}))
+
+
+def _run(argv: list[str], env: dict[str, str]) -> int:
+    """The job's exit code. On Ctrl-C the job gets SIGINT (a `kill -INT` of memfit alone reaches it too) and stops
+    its workers itself, as torchrun does on SIGINT: memfit ends (exit 130) without killing it, which
+    subprocess.run would do a quarter second later, leaving torchrun's workers orphaned."""
+    import signal
+
+    job = subprocess.Popen(argv, env=env)
+    try:
+        return job.wait()
+    except KeyboardInterrupt:
+        if job.poll() is None:
+            job.send_signal(signal.SIGINT)
+        raise
 
 
 def _spec(model: Optional[str]):
