@@ -263,7 +263,8 @@ def test_a_non_mapping_fsdp_config_is_one_line(tmp_path):
     assert line.endswith("acc.yaml: fsdp_config=5: not a mapping of settings")
 
 
-def test_a_t5_config_without_decoder_start_token_id_is_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize("command", ["estimate", "trace"])
+def test_a_t5_config_without_decoder_start_token_id_is_one_line_naming_it(tmp_path, command):
     """transformers' T5 reads config.decoder_start_token_id to shift the labels right; a hand-made config.json
     without it cannot be traced, and the derive says so in one line."""
     transformers = pytest.importorskip("transformers")
@@ -272,7 +273,7 @@ def test_a_t5_config_without_decoder_start_token_id_is_one_line_naming_it(tmp_pa
     assert getattr(transformers.T5Config(**{k: v for k, v in config.items() if k != "model_type"}),
                    "decoder_start_token_id", None) is None
     (tmp_path / "t5.json").write_text(json.dumps(config))
-    line = _one_error_line(_invoke("estimate", str(tmp_path / "t5.json"), "--target-len", "64")[0])
+    line = _one_error_line(_invoke(command, str(tmp_path / "t5.json"), "--target-len", "64")[0])
     assert "the config lacks 'decoder_start_token_id'" in line
 
 

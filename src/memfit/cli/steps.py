@@ -45,12 +45,17 @@ def run_trace(model: str, spec, setup, hardware, *, steps: int = 2, progress: bo
     _require_torch("memfit trace")
     from ..trace import traced_estimator
 
+    from ..derive.cache import one_line_failure
+
     config = _model_config(model, spec)
-    if not progress:
-        return traced_estimator(config, steps=steps)(spec, setup, hardware)
+    shown = console(stderr=True)
+    if not progress or not shown.is_terminal:  # a bar on a pipe only leaves a blank line before an error line
+        with one_line_failure(config, spec.name, everything=False):  # a config attribute the model reads: one line
+            return traced_estimator(config, steps=steps)(spec, setup, hardware)
     from rich.progress import Progress
 
-    with Progress(transient=True, console=console(stderr=True)) as bar:
+    with Progress(transient=True, console=shown) as bar, \
+            one_line_failure(config, spec.name, everything=False):
         task = bar.add_task("tracing on fake tensors", total=1.0)
 
         def advance(event) -> None:

@@ -128,10 +128,11 @@ _MEMORY: dict[str, KindFit] = {}
 
 
 @contextmanager
-def one_line_failure(config: dict[str, Any], label: str = ""):
-    """Any failure while the copies of a model are built and traced is one ModelSourceError line: transformers
+def one_line_failure(config: dict[str, Any], label: str = "", *, everything: bool = True):
+    """A failure while the copies of a model are built and traced is one ModelSourceError line: transformers
     reads config attributes a hand-made config.json may not set (T5's decoder_start_token_id builds the decoder's
-    inputs in transformers/models/t5/modeling_t5.py `_shift_right`), and then the line names the attribute."""
+    inputs in transformers/models/t5/modeling_t5.py `_shift_right`), and then the line names the attribute.
+    `everything`: any other exception too (a derive); else (`memfit trace`) only the missing attribute."""
     what = label or str(config.get("model_type"))
     try:
         yield
@@ -142,8 +143,12 @@ def one_line_failure(config: dict[str, Any], label: str = ""):
         if name and "config" in type(getattr(error, "obj", None)).__name__.lower():
             raise ModelSourceError(f"{what}: the config lacks '{name}', which transformers reads to run "
                                    f"model_type '{config.get('model_type')}': add it to the config") from None
+        if not everything:
+            raise
         raise ModelSourceError(f"{what}: deriving the memory model failed ({first_line(error)})") from None
     except Exception as error:  # noqa: BLE001 - a config transformers cannot run: one line, never a traceback
+        if not everything:
+            raise
         raise ModelSourceError(f"{what}: deriving the memory model failed ({first_line(error)})") from None
 
 
