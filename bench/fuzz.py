@@ -475,8 +475,10 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory(prefix="memfit-hostile-") as tmp:
             hostile = fuzz_hostile.run(Path(tmp))
+            count, wrong = fuzz_hostile.run_wrong_types(ROOT / "tests" / "data" / "configs", Path(tmp))
         print(fuzz_hostile.format_report(hostile))
-        problems += hostile.problems
+        print(f"wrong-typed values in the test configs: {count} cases, {len(wrong)} not refused in one line")
+        problems += hostile.problems + len(wrong)
     return 1 if problems else 0
 
 

@@ -7,7 +7,8 @@ config.json. Each must be refused with one `error:` line and exit 2, within BUDG
 The files: a YAML "billion laughs" (nested aliases, as a list and as a mapping under `deepspeed:`), JSON / YAML
 nested 100,000 levels, /dev/zero and a FIFO as --config and as the DeepSpeed file a config names, an accelerate
 config whose fsdp_config / deepspeed_config is not a mapping, a config.json with 10^9 layers, one with absurd sizes
-(hidden 2^40, vocabulary 10^15), one nested 100,000 levels, and a sparse 17 MiB file. The cases run in one child
+(hidden 2^40, vocabulary 10^15), one nested 100,000 levels, and a sparse 17 MiB file; and every value of the
+test configs (tests/data/configs) swapped for a wrong type (run_wrong_types, in process). The cases run in one child
 process (imported once), each timed in process and stopped by SIGALRM after TIMEOUT_S; a case that does not
 return even then (a C call that never checks for signals) is found by the parent's deadline, recorded as a hang,
 and the child restarted after it.
@@ -211,6 +212,56 @@ def _run_child(root: Path, env: dict, todo: list[list[str]], timeout: float) -> 
     return records
 
 
+WRONG_TYPES = (5, [1], {"x": 1}, "x", None, True, -1, 1e308)
+"""What every value of a real config is replaced by, in turn, for run_wrong_types."""
+
+
+def _value_paths(data, prefix: tuple = ()):
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        yield prefix + (key,), value
+        yield from _value_paths(value, prefix + (key,))
+
+
+def run_wrong_types(configs: Path, out: Path, wrong: tuple = WRONG_TYPES) -> tuple[int, list[str]]:
+    """Every value of every config in `configs` (the test configs) replaced by each of `wrong`, read with
+    memfit.readers.read_config in process: (cases, problems), a problem being any exception but a MemfitError
+    (a `fsdp_config: 5` once raised AttributeError)."""
+    import copy
+    import traceback
+
+    import yaml
+
+    from memfit.errors import MemfitError
+    from memfit.readers import read_config
+    from memfit.readers.files import load_mapping
+
+    count, problems = 0, []
+    for source in sorted(configs.iterdir()):
+        if source.suffix not in (".json", ".yaml", ".yml"):
+            continue
+        data = load_mapping(source)
+        for path, _ in list(_value_paths(data)):
+            for bad in wrong:
+                changed = copy.deepcopy(data)
+                holder = changed
+                for key in path[:-1]:
+                    holder = holder[key]
+                holder[path[-1]] = bad
+                target = out / source.name
+                target.write_text(json.dumps(changed) if source.suffix == ".json" else yaml.safe_dump(changed))
+                count += 1
+                try:
+                    read_config(target)
+                except MemfitError:
+                    pass
+                except Exception as error:  # noqa: BLE001 - what the fuzzer is there to find
+                    frame = traceback.extract_tb(error.__traceback__)[-1]
+                    problems.append(f"{source.name}: {'.'.join(map(str, path))}={bad!r}: {type(error).__name__} at "
+                                    f"{Path(frame.filename).name}:{frame.lineno}: {str(error)[:100]}")
+    return count, problems
+
+
 def format_report(report: HostileReport) -> str:
     lines = [f"hostile files: {len(report.results)} cases, "
              f"slowest {max((r['seconds'] for r in report.results), default=0):.2f} s (budget {BUDGET_S} s)"]
@@ -222,10 +273,14 @@ def format_report(report: HostileReport) -> str:
 
 
 def main() -> int:
+    sys.path.insert(0, str(ROOT / "src"))
     with tempfile.TemporaryDirectory(prefix="memfit-hostile-") as tmp:
         report = run(Path(tmp))
+        count, wrong = run_wrong_types(ROOT / "tests" / "data" / "configs", Path(tmp))
     print(format_report(report))
-    return 1 if report.problems else 0
+    print(f"wrong-typed values in the test configs: {count} cases, {len(wrong)} not refused in one line")
+    print("\n".join(f"         {problem}" for problem in wrong[:10]))
+    return 1 if report.problems or wrong else 0
 
 
 if __name__ == "__main__":

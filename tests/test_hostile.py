@@ -66,6 +66,13 @@ def test_the_hostile_fuzzer_reports_a_hang_and_a_traceback(tmp_path, monkeypatch
     assert len(report.tracebacks) == 1 and "RuntimeError" in report.tracebacks[0], hostile.format_report(report)
 
 
+def test_every_value_of_the_test_configs_swapped_for_a_wrong_type_is_refused_in_one_line(tmp_path):
+    """An int or a list where a mapping of settings belongs (accelerate's fsdp_config, DeepSpeed's offload_param),
+    an int among peft's target_modules...: a ConfigError, never an AttributeError or a TypeError."""
+    count, problems = hostile.run_wrong_types(ROOT / "tests" / "data" / "configs", tmp_path, wrong=(5, [1]))
+    assert count > 500 and not problems, "\n".join(problems[:10])
+
+
 def test_quoting_a_value_in_an_error_is_bounded():
     """reprlib formats only what fits: an alias-bomb-sized value is quoted in microseconds, cut to the limit."""
     from memfit.readers._reader import show

@@ -226,6 +226,15 @@ def read_checkpointing(read: Reader, args: Any) -> None:
                 read.set("checkpointing", Checkpointing.NONE, name, _get(args, name))
 
 
+def _offload_device(read: Reader, zero: Mapping, key: str) -> Any:
+    """zero_optimization.<key>.device ('none' when absent); a block that is not a mapping is unmappable."""
+    block = zero.get(key) or {}
+    if not isinstance(block, Mapping):
+        read.unmappable("offload", f"zero_optimization.{key}", block, "not a mapping of offload settings")
+        return "none"
+    return block.get("device", "none")
+
+
 def read_sharding(read: Reader, args: Any, ds: dict | None, world: int | None) -> None:
     """ZeRO stage, offload and optimizer from a DeepSpeed config, or FSDP from `fsdp` / `fsdp_config`."""
     if ds is not None:
@@ -236,8 +245,8 @@ def read_sharding(read: Reader, args: Any, ds: dict | None, world: int | None) -
             if not isinstance(zero, Mapping):
                 read.unmappable("sharding", "zero_optimization", zero, "not a mapping of ZeRO settings")
                 zero = {}
-            opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none")
-            par_dev = (zero.get("offload_param") or {}).get("device", "none")
+            opt_dev = _offload_device(read, zero, "offload_optimizer")
+            par_dev = _offload_device(read, zero, "offload_param")
             read_zero(read, _value(zero.get("stage", 0)), opt_dev, par_dev, world,
                       keys=("zero_optimization.stage", "zero_optimization.offload_optimizer.device",
                             "zero_optimization.offload_param.device"), has_stage="stage" in zero)
