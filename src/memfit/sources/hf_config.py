@@ -54,7 +54,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
       "moe_intermediate_size", "shared_expert_intermediate_size"), 1_048_576,
      "an MLP width (real models: under 100,000)"),
-    (("vocab_size",), 16_777_216, "a vocabulary (real models: under 300,000 tokens)"),
+    (("vocab_size", "type_vocab_size"), 16_777_216, "a vocabulary (real models: under 300,000 tokens)"),
     (("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "encoder_attention_heads",
       "decoder_attention_heads"), 8_192, "attention heads (real models: under 200)"),
     (("head_dim", "d_kv"), 16_384, "a head dimension (real models: under 1,000)"),
