@@ -180,7 +180,12 @@ def ladder(console: Console, plan) -> None:
     """One row per PlanStep, then each step's change and why, then the rungs passed over."""
     _heading(console, "Ladder (cheapest change first, re-estimated after each step)")
     if not plan.steps:
-        console.print(Text(" nothing to change: the step fits as given", style="green"))
+        if plan.fits:
+            console.print(Text(" nothing to change: the step fits as given", style="green"))
+            return
+        console.print(Text(" no rung could be taken: each one below is passed over or saves nothing here",
+                           style="red"))
+        _skipped(console, plan)
         return
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("#", justify="right", no_wrap=True)
@@ -201,6 +206,10 @@ def ladder(console: Console, plan) -> None:
         grid.add_row("change", Text(step.change, style="cyan"))
         grid.add_row("why", Text(step.why))
         console.print(Padding(grid, (0, 0, 0, 4)))
+    _skipped(console, plan)
+
+
+def _skipped(console: Console, plan) -> None:
     if plan.skipped:
         _heading(console, "Rungs passed over")
         _bullets(console, [f"{title}: {reason}" for title, reason in plan.skipped])

@@ -501,6 +501,12 @@ class TrainingSetup:
         elif self.num_gpus % self.expert_parallel:
             problems.append(f"expert_parallel {self.expert_parallel} does not divide num_gpus {self.num_gpus}: the "
                             "EP group is a slice of the data-parallel ranks")
+        elif self.expert_parallel > 1 and self.sharding is not Sharding.NONE:
+            # the engines shard each expert over its expert-data-parallel group (num_gpus / ep ranks: DeepSpeed-MoE's
+            # expert_data_parallel_group), the rest over all ranks; memfit's layouts shard everything over all ranks
+            problems.append(f"expert parallelism with {self.sharding} is not sized yet (the experts shard over the "
+                            f"{self.num_gpus // self.expert_parallel} ranks of their expert-data-parallel group, not "
+                            "over all of them): use --zero none with --ep, or --ep 1")
         c = self.capacity_factor
         if isinstance(c, bool) or not isinstance(c, (int, float)) or c != c or c < 0 or c == float("inf"):
             problems.append(f"capacity_factor must be 0 (dropless) or a number >= 1, got {c!r}")
@@ -594,13 +600,18 @@ class TrainingSetup:
             problems.append("DoRA under DeepSpeed ZeRO-2/3 is not sized yet (measured unsharded and under FSDP2): "
                             "use --engine torch, or --zero none / zero1")
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
-        if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
+        if quantized and deepspeed_casts_module(self) and self.sharding is not Sharding.ZERO3:
+            # DeepSpeed's bf16 / fp16 engine casts the module (the fp32 norms and embeddings that peft's k-bit
+            # preparation made, the adapters) and keeps fp32 master partitions: not measured with a packed base
+            problems.append(f"{self.finetune.method} under DeepSpeed's {self.precision.compute_dtype} engine (ZeRO or "
+                            "offload) is not sized yet: use --engine torch (FSDP2 shards a packed base, "
+                            "memfit.estimate.lora_sharded), or --zero none")
+        elif quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED and (quantized or self.offload.value
                                                                                     != "none"):
             problems.append(f"{self.finetune.method} under DeepSpeed zero3 is sized for a 16/32-bit base without "
-                            "offload: use --engine torch (FSDP2 shards a packed base, memfit.estimate.lora_sharded), "
-                            "or zero2 (ZeRO-Offload of the adapters)")
+                            "offload: use --engine torch (FSDP2 shards a packed base, memfit.estimate.lora_sharded)")
         return problems
 
     def _tensor_parallel_problems(self) -> list[str]:
