@@ -9,6 +9,7 @@ from enum import Enum
 
 from .choice import Choice as _Choice
 from .errors import ConfigError
+from .zero_knobs import ZeroKnobs
 from .finetune import Finetune
 
 
@@ -410,6 +411,10 @@ class TrainingSetup:
     """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
     bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
     on engine torch with zero2 / zero3 only."""
+    # -- DeepSpeed's ZeRO buffers as the user's config sets them (memfit.zero_knobs) --
+    zero_knobs: ZeroKnobs = ZeroKnobs()
+    """engine deepspeed: reduce_bucket_size, stage3_param_persistence_threshold and stage3_max_reuse_distance as the
+    JSON sets them (a key left out takes DeepSpeed's default); all None / default: the HF "auto" values memfit emits."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -423,6 +428,8 @@ class TrainingSetup:
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
         elif isinstance(self.finetune, dict):
             object.__setattr__(self, "finetune", Finetune(**self.finetune))
+        if isinstance(self.zero_knobs, dict):
+            object.__setattr__(self, "zero_knobs", ZeroKnobs(**self.zero_knobs))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp", "pp",
                                  "pp_virtual_stages", "cp")
@@ -797,7 +804,8 @@ class TrainingSetup:
     def to_dict(self) -> dict:
         return {f.name: (getattr(self, f.name).value if isinstance(getattr(self, f.name), Enum)
                          else list(getattr(self, f.name)) if f.name == "notes"
-                         else getattr(self, f.name).to_dict() if f.name == "finetune" else getattr(self, f.name))
+                         else getattr(self, f.name).to_dict() if f.name in ("finetune", "zero_knobs")
+                         else getattr(self, f.name))
                 for f in dataclasses.fields(self)}
 
 
@@ -812,7 +820,7 @@ FIELD_LABELS: dict[str, str] = {
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
     "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",
     "compile": "torch.compile", "padding": "padding", "longest_sample_len": "longest sample", "float8": "float8",
-    "float8_all_gather": "float8 all-gather"}
+    "float8_all_gather": "float8 all-gather", "zero_knobs": "DeepSpeed buckets"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 

@@ -485,7 +485,13 @@ class SetupOptions:
                     cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
                     image_size=self.image_size, compile=self.compile, padding=self.padding,
                     longest_sample_len=self.longest_sample, float8=self.float8,
-                    float8_all_gather=self.float8_all_gather)
+                    float8_all_gather=self.float8_all_gather, **self._read_only_fields())
+
+    def _read_only_fields(self) -> dict[str, Any]:
+        """Setup fields only a --config file sets (no option spells them): DeepSpeed's ZeRO buffer sizes."""
+        if self.reading is None:
+            return {}
+        return {name: self.reading.overrides[name] for name in _READ_ONLY_FIELDS if name in self.reading.overrides}
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -512,6 +518,9 @@ class SetupOptions:
         if self.gpus is not None or self.nodes is not None:
             given.add("num_gpus")
         return frozenset(given)
+
+
+_READ_ONLY_FIELDS = ("zero_knobs",)
 
 
 def _finetune_options(ft: Finetune) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..optimizers import hf_optim_names
 from ..setup import Checkpointing, Engine, Offload, Optimizer, Padding, Precision, Sharding
+from ..zero_knobs import DEEPSPEED_DEFAULTS, ZeroKnobs
 from ._reader import NOT_SIZED, Reader, _get, _positive, _value
 
 OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()}
@@ -234,6 +235,7 @@ def read_sharding(read: Reader, args: Any, ds: dict | None, world: int | None) -
             read_zero(read, _value(zero.get("stage", 0)), opt_dev, par_dev, world,
                       keys=("zero_optimization.stage", "zero_optimization.offload_optimizer.device",
                             "zero_optimization.offload_param.device"), has_stage="stage" in zero)
+            read_zero_knobs(read, zero)
             read_deepspeed_optimizer(read, ds)
             if not read.strict:
                 for key in ds:
@@ -492,3 +494,37 @@ def read_mixed_precision(read: Reader, mp: Any, dtype: str, *, key: str = "mixed
     else:
         read.unmappable("precision", key, mp, "memfit sizes mixed_precision no, bf16 and fp16",
                         fallback=NOT_SIZED)
+
+
+_KNOBS = {"reduce_bucket_size": "reduce_bucket_size",
+          "stage3_param_persistence_threshold": "param_persistence_threshold",
+          "stage3_max_reuse_distance": "max_reuse_distance"}
+"""DeepSpeed keys -> memfit.zero_knobs.ZeroKnobs fields: the buffers memfit sizes as the config sets them."""
+
+
+def read_zero_knobs(read: Reader, zero: Mapping) -> None:
+    """The ZeRO buffer sizes memfit sizes (memfit.zero_knobs): a number as given, "auto" as the HF Trainer fills
+    it, a key left out as DeepSpeed's own default (5e8-element reduce bucket, 1e5 persistence, 1e9 reuse)."""
+    knobs: dict[str, int | None] = {}
+    stage3 = zero.get("stage") == 3
+    for name, attr in _KNOBS.items():
+        key = f"zero_optimization.{name}"
+        if name not in zero:  # a stage-3 knob means nothing below stage 3: left at memfit's default there
+            knobs[attr] = getattr(DEEPSPEED_DEFAULTS if stage3 or not name.startswith("stage3_") else ZeroKnobs(),
+                                  attr)
+            continue
+        value = zero[name]
+        if value == "auto":
+            knobs[attr] = getattr(ZeroKnobs(), attr)
+            read.defer(key, value, "'auto': the HF Trainer / accelerate fill it from the model (hidden^2, 10 x "
+                                   "hidden), as memfit sizes it")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == int(value):
+            knobs[attr] = int(value)
+            read.set_part("zero_knobs", attr, int(value), key, value)
+        else:
+            read.unmappable("zero_knobs", key, value, "not a whole number of elements")
+    found = ZeroKnobs(**knobs)
+    if not found.is_auto:
+        absent = [name for name in _KNOBS if name not in zero and (stage3 or not name.startswith("stage3_"))]
+        read.set("zero_knobs", found, "zero_optimization", {name: zero.get(name, "left out") for name in _KNOBS},
+                 note=f"{', '.join(absent)} left out: DeepSpeed's default" if absent else "")
