@@ -45,6 +45,22 @@ def run(config: dict, setup, steps: int) -> dict:
             "comm_payload_bytes": comm}
 
 
+def host_side_bytes(rank: dict) -> int:
+    """Under FSDP2's CPUOffloadPolicy, what a rank's result says is on the host: every parameter shard, the optimizer
+    states and one gradient shard per trainable shard (fp32 adapters: the same bytes)."""
+    shards = sum(p["bytes"] for p in rank["local"].values())
+    return shards + rank["optimizer_bytes"] + sum(p["bytes"] for p in rank["local"].values() if p["trainable"])
+
+
+def compute_side_interval(rank: dict) -> tuple[int, int]:
+    """On a CPU run the host and the "device" are one memory: the compute side of the peak is the peak less the
+    host-side tensors, an interval because gloo frees some buffers unseen (`unseen_at_peak_bytes`), the peak may
+    fall in the first step before the optimizer states exist, and some gradient shards may not exist yet at it."""
+    shards = sum(p["bytes"] for p in rank["local"].values())
+    return (rank["peak_bytes"] - rank["unseen_at_peak_bytes"] - host_side_bytes(rank),
+            rank["peak_bytes"] - shards)
+
+
 def quant_state_bytes(model) -> int:
     """bitsandbytes' QuantState tensors (absmax, codes, offset), each storage once: Linear4bit keeps its own
     reference (module.quant_state) beside the weight's, which FSDP2 replaces by its shard."""

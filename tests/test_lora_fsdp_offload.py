@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_fsdp_worker import compute_side_interval, host_side_bytes
 from tiny_configs import TINY_LLAMA
 from torchrun_job import rank_results, run_ranks
 
@@ -67,14 +68,6 @@ def job(request, jobs):
     return offloaded(**JOBS[request.param]), rank_results(jobs / request.param, RANKS)
 
 
-def _host(rank: dict) -> int:
-    """What FSDP2's CPUOffloadPolicy keeps on the host: every parameter shard, the optimizer states and a gradient
-    shard per trainable shard (fp32 adapters: the same bytes)."""
-    shards = sum(p["bytes"] for p in rank["local"].values())
-    grads = sum(p["bytes"] for p in rank["local"].values() if p["trainable"])
-    return shards + rank["optimizer_bytes"] + grads
-
-
 def _term(predicted, name: str) -> int:
     return sum(t.num_bytes for t in predicted.terms if t.name == name)
 
@@ -83,7 +76,7 @@ def test_the_host_holds_exactly_the_shards_states_and_gradients_memfit_moves(job
     setup, ranks = job
     predicted = estimate(SPEC, setup, HARDWARE)
     for rank in ranks:
-        assert _host(rank) == predicted.cpu_bytes
+        assert host_side_bytes(rank) == predicted.cpu_bytes
         assert rank["quant_state_bytes"] == _term(predicted, "parameters/frozen")  # 0 for a 16-bit base
         assert _term(predicted, "parameters") == _term(predicted, "optimizer/states") == 0
     assert (_term(predicted, "parameters/frozen") > 0) == (setup.finetune.method.value == "qlora")
@@ -94,9 +87,7 @@ def test_the_rest_of_each_rank_peak_is_memfit_device_peak(job):
     setup, ranks = job
     device = estimate(SPEC, setup, HARDWARE).tensor_bytes
     for rank in ranks:
-        shards = sum(p["bytes"] for p in rank["local"].values())
-        low = rank["peak_bytes"] - rank["unseen_at_peak_bytes"] - _host(rank)
-        high = rank["peak_bytes"] - shards
+        low, high = compute_side_interval(rank)
         print(f"{setup.finetune.method} {setup.precision} ckpt {setup.checkpointing} rank {rank['rank']}: compute "
               f"side {low:,}..{high:,} B, memfit device {device:,} B")
         assert low * (1 - TOLERANCE) <= device <= high * (1 + TOLERANCE), (low, device, high)
