@@ -149,9 +149,9 @@ def table(chosen: dict, results: dict) -> str:
             "`bench/lora_fsdp.py`. " + summary + ". The frozen shards (QuantState included) are exact; at a 64-token "
             "vocabulary the peak moves from the loss into the blocks, where the one-process LoRA formulas are low "
             "already (`1 process`): that gap is not FSDP2's. `offload` rows run CPUOffloadPolicy: on a CPU the host "
-            "and the device are one memory, so their measured figure is the compute side, the peak less each rank's "
-            "parameter shards, optimizer states and gradient shards (an interval: the peak may come before the "
-            "states exist), against memfit's device peak; their frozen column is the QuantState left on the "
+            "and the device are one memory, so their measured figure is the compute side, the last step's peak less each "
+            "rank's parameter shards, optimizer states and gradient shards (an interval: some gradient shards may "
+            "not exist yet at the peak), against memfit's device peak; their frozen column is the QuantState left on the "
             "device.\n\n" + "\n".join(lines) + "\n")
 
 

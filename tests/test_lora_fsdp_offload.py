@@ -6,9 +6,9 @@ On a CPU run "device" and "host" are one memory, so the split cannot be read off
 - the host side by identity: each rank's parameter shards (frozen packed 4-bit shards, norms, fp32 adapter shards),
   the AdamW states and the fp32 gradient shards (the size of the adapter shards) must equal memfit's cpu_bytes to the
   byte, and the QuantState (an attribute FSDP never moves) is what memfit leaves of the base on the device;
-- the compute side as the rest: the rank's peak (profiler events, memfit's PeakMeter) minus those host tensors lies
-  within 2% of memfit's device peak (an interval: gloo frees some buffers unseen, the peak may fall in the first step,
-  before the states exist, and some gradient shards may not exist yet at it).
+- the compute side as the rest: the rank's peak over the last step (profiler events, memfit's PeakMeter; the states
+  exist all through it) minus those host tensors lies within 2% of memfit's device peak (an interval: gloo frees some
+  buffers unseen, and some gradient shards may not exist yet at the peak).
 It does not prove the timing of FSDP2's host-to-device copies on a GPU (each shard's `.to(device)` in
 FSDPParam.all_gather_inputs is a transient of the all-gather copy-in, freed before the unit computes): on CPU that
 copy is a no-op.
