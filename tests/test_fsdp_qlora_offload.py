@@ -109,3 +109,27 @@ def test_70b_qlora_fits_two_rtx_3090_with_fsdp_checkpointing_and_offload():
     moved = frozen_shard_bytes(adapted, recipe, 2) - frozen_kept_on_device_bytes(adapted, recipe)
     assert moved > 16 * 1024**3  # half of the packed 4-bit base, on the host
     assert kept.tensor_bytes - offloaded.tensor_bytes >= moved
+
+
+def test_the_trace_of_fsdp2_offload_agrees_on_the_device():
+    """memfit's trace runs FSDP2 with CPUOffloadPolicy on fake tensors over a fake process group: its device peak
+    (shards, gradients and states kept as host kinds) is the estimate's, and the QuantStates stay on its device."""
+    import pytest
+
+    pytest.importorskip("bitsandbytes")
+    from tiny_configs import TINY_LLAMA
+
+    from memfit.trace.run import trace
+
+    setup = TrainingSetup(micro_batch_size=2, seq_len=128, optimizer="adamw", engine="torch", num_gpus=2,
+                          sharding="zero3", offload="optimizer+params", precision="amp-bf16",
+                          finetune={"method": "qlora", "rank": 8, "alpha": 16, "targets": ["all-linear"]})
+    traced = trace(TINY_LLAMA, setup)
+    spec = resolve_model(TINY_LLAMA)
+    predicted = estimate(spec, setup, make_hardware("H100", gpus_per_node=2))
+    assert abs(traced.tensor_bytes / predicted.tensor_bytes - 1) < 0.005
+    kept = frozen_kept_on_device_bytes(adapted_spec(spec, setup), setup)
+    head_dim = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
+    rotary = 2 * 4 * head_dim // 2  # the rotary inv_freq and original_inv_freq buffers, which the spec leaves out
+    assert traced.term("parameters/buffers").num_bytes == kept + rotary
+    assert "parameters" not in {t.name for t in traced.terms}  # every shard on the host
