@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from memfit.errors import ConfigError
 from memfit.setup import TrainingSetup
 
-FLAGS = {"engine": "engine", "zero": "sharding", "offload": "offload"}
+FLAGS = {"engine": "engine", "zero": "sharding", "offload": "offload", "gpus": "num_gpus"}
 GRID = dict(engine=["torch", "deepspeed"], sharding=["none", "zero1", "zero2", "zero3"],
             offload=["none", "optimizer", "optimizer+params"], method=["full", "lora", "qlora", "dora"],
             precision=["amp-bf16", "bf16-master", "fp32"], optimizer=["adamw", "adamw-8bit"], num_gpus=[1, 2, 4],
@@ -22,15 +22,16 @@ GRID = dict(engine=["torch", "deepspeed"], sharding=["none", "zero1", "zero2", "
 
 
 def suggested_changes(message: str) -> list[dict]:
-    """Each alternative after ': use ' that is spelled as --engine / --zero / --offload flags, as field changes."""
+    """Each alternative after ': use ' that is spelled as --engine / --zero / --offload / --gpus flags, as field
+    changes."""
     found = []
     for problem in message.split("; "):
         if ": use " not in problem:
             continue
         for alternative in problem.split(": use ", 1)[1].split(", or "):
-            pairs = re.findall(r"--(engine|zero|offload) ([a-z0-9+]+)", alternative.split(" (")[0])
+            pairs = re.findall(r"--(engine|zero|offload|gpus) ([a-z0-9+]+)", alternative.split(" (")[0])
             if alternative.startswith("--") and pairs:
-                found.append({FLAGS[flag]: value for flag, value in pairs})
+                found.append({FLAGS[flag]: int(value) if flag == "gpus" else value for flag, value in pairs})
     return found
 
 

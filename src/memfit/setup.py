@@ -599,7 +599,7 @@ class TrainingSetup:
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED and (quantized or self.offload.value
                                                                                     != "none"):
-            torch_way = engine_way_out(self, Engine.TORCH)
+            torch_way = engine_way_out(self, Engine.TORCH, more_gpus=False)  # one GPU: ZeRO-2 offload keeps it
             zero2 = checked(self, sharding=Sharding.ZERO2, offload=Offload.OPTIMIZER if self.offload.value != "none"
                             else Offload.NONE)
             problems.append(refusal(

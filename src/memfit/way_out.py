@@ -3,8 +3,8 @@
 A refusal such as "use --engine torch" used to be a fixed sentence: the engine it named could refuse the same setup
 for another reason and point back ("use --engine deepspeed"), and the user went round. Here the suggestion is built
 by trying it: the setup on the other engine, then with the fewest changes that engine needs (FSDP2 offloads only
-optimizer+params at zero3; DeepSpeed's ZeRO-Offload of LoRA adapters is zero2 + offload optimizer), and only a
-candidate that TrainingSetup accepts is named. tests/test_refusals.py reads every such suggestion back from the
+optimizer+params at zero3, over 2+ ranks; DeepSpeed's ZeRO-Offload of LoRA adapters is zero2 + offload optimizer),
+and only a candidate that TrainingSetup accepts is named. tests/test_refusals.py reads every such suggestion back from the
 message and checks the command it spells is accepted.
 """
 
@@ -17,11 +17,11 @@ from .errors import ConfigError
 
 _PROBING = threading.local()
 
-_FLAGS = {"engine": "--engine", "sharding": "--zero", "offload": "--offload"}
+_FLAGS = {"engine": "--engine", "sharding": "--zero", "offload": "--offload", "num_gpus": "--gpus"}
 """The CLI flag of each field a way out may change (memfit plan / estimate)."""
 
 
-def _candidates(setup, engine) -> list[dict]:
+def _candidates(setup, engine, more_gpus: bool) -> list[dict]:
     from .setup import Engine, Offload, Sharding
 
     base = {"engine": engine}
@@ -29,6 +29,8 @@ def _candidates(setup, engine) -> list[dict]:
         extra = [{"sharding": Sharding.ZERO3}]
         if setup.offload is not Offload.NONE:
             extra.insert(0, {"offload": Offload.OPTIMIZER_AND_PARAMS, "sharding": Sharding.ZERO3})
+        if setup.num_gpus == 1 and more_gpus:  # FSDP2 shards over 2+ ranks
+            extra += [{**e, "num_gpus": 2} for e in extra]
     else:
         extra = [{"sharding": Sharding.ZERO2}]
         if setup.offload is not Offload.NONE:
@@ -51,10 +53,11 @@ def checked(setup, **changes) -> str:
     return " ".join(f"{_FLAGS[k]} {v}" for k, v in changes.items())
 
 
-def engine_way_out(setup, engine) -> str:
-    """'--engine X [--zero Y] [--offload Z]' for the first candidate on `engine` that is accepted, else ''. Inside a
-    probe (a candidate being validated) nothing is tried again: only whether it raises matters there."""
-    return next((way for way in (checked(setup, **c) for c in _candidates(setup, engine)) if way), "")
+def engine_way_out(setup, engine, *, more_gpus: bool = True) -> str:
+    """'--engine X [--zero Y] [--offload Z] [--gpus 2]' for the first candidate on `engine` that is accepted, else
+    ''; `more_gpus=False` where another way keeps the user's one GPU. Inside a probe (a candidate being validated)
+    nothing is tried again: only whether it raises matters there."""
+    return next((way for way in (checked(setup, **c) for c in _candidates(setup, engine, more_gpus)) if way), "")
 
 
 def refusal(reason: str, *ways: str) -> str:
