@@ -64,8 +64,10 @@ def test_only_the_adapters_are_reduced_and_gathered(ranks):
 
 
 def test_lora_offload_on_the_torch_engine_says_where_it_is_sized():
-    with pytest.raises(ConfigError, match="use --engine deepspeed"):
+    """FSDP2 offloads the optimizer only with the parameters: both ways out are setups memfit sizes."""
+    with pytest.raises(ConfigError, match=r"use --offload optimizer\+params --zero zero3, or --engine deepspeed"):
         SETUP.replace(engine="torch")
+    assert SETUP.replace(engine="torch", offload="optimizer+params", sharding="zero3").offload.value != "none"
 
 
 # ---- ZeRO-3 (frozen base partitioned, kept gathered into backward) and DeepSpeed's bf16 mode (16-bit adapters)

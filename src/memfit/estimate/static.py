@@ -185,7 +185,8 @@ def _adafactor_bytes(spec: ModelSpec, s_bytes: int) -> int:
 def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
     """Transient memory of the optimizer step on the device (0 when the step runs on the CPU)."""
     if setup.offload is not Offload.NONE:
-        return 0, "step runs on the CPU (DeepSpeed CPU Adam)"
+        return 0, ("step runs on the CPU (FSDP2 CPUOffloadPolicy: the optimizer steps the host shards)"
+                   if setup.engine is Engine.TORCH else "step runs on the CPU (DeepSpeed CPU Adam)")
     p_bytes = 4 if setup.precision.master_weights else param_elem_bytes(setup.precision)
     largest = _largest_bytes(spec, p_bytes)
     opt = setup.optimizer
@@ -343,9 +344,15 @@ def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: Shar
         cpu += params
         params = 0
     grads = s.grads_bytes
+    frozen = s.frozen_bytes
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         grads = 0
-    return replace(s, optimizer_bytes=0, cpu_bytes=cpu, params_bytes=params, grads_bytes=grads)
+        if spec.frozen and s.fsdp is not None:  # a frozen base's shards go to the host too (FSDP-QLoRA + offload)
+            from .lora_sharded import frozen_kept_on_device_bytes
+
+            frozen = frozen_kept_on_device_bytes(spec, setup)
+            cpu += s.frozen_bytes - frozen
+    return replace(s, optimizer_bytes=0, cpu_bytes=cpu, params_bytes=params, grads_bytes=grads, frozen_bytes=frozen)
 
 
 def deepspeed_reduce_bucket_elems(spec: ModelSpec, setup: TrainingSetup) -> int:

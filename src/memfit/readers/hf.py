@@ -427,7 +427,7 @@ def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *, key: s
         read.ignore(*cfg["offload_params"], "TrainingArguments reads fsdp_config cpu_offload, not offload_params: "
                                             "the Trainer does not offload with it")
     read_fsdp_plan(read, stage, key, raw, world, offload=offload, checkpointing=cfg.get("activation_checkpointing"),
-                   version=version or cfg.get("version"))
+                   version=version or cfg.get("version"), default_version=2 if trainer else 1)
 
 
 def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
@@ -447,8 +447,10 @@ def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
 
 def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | None, *,
                    offload: tuple[str, Any] | None = None, checkpointing: tuple[str, Any] | None = None,
-                   version: tuple[str, Any] | None = None) -> None:
-    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2)."""
+                   version: tuple[str, Any] | None = None, default_version: int = 2) -> None:
+    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2).
+    `default_version`: the FSDP the framework runs when the config names none (transformers 5's Trainer: 2;
+    accelerate's FSDP plugin and axolotl: 1)."""
     if version is not None and str(_value(version[1])) == "1":
         read.ignore(version[0], version[1], f"FSDP1's flat parameters are {NOT_SIZED}: sized as FSDP2 (memfit's torch "
                                             "engine)")
@@ -468,7 +470,10 @@ def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | No
         read.set("engine", Engine.TORCH, key, raw, "FSDP2")
     if offload is not None:
         if stage == 3 and sharded:
-            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], "FSDP CPU offload")
+            fsdp1 = str(_value(version[1]) if version is not None else default_version) == "1"
+            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], (
+                f"FSDP1 CPUOffload(offload_params=True), sized as FSDP2's CPUOffloadPolicy (FSDP1's flat parameters "
+                f"are {NOT_SIZED})" if fsdp1 else "FSDP2 CPUOffloadPolicy: shards, gradients and the step on the host"))
         else:
             read.ignore(offload[0], offload[1], f"FSDP CPU offload without full sharding over 2+ GPUs: {NOT_SIZED}")
     if checkpointing is not None:
