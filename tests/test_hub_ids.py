@@ -209,3 +209,12 @@ def test_a_cached_hub_config_still_resolves_offline(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["2", "64", "512", "128"]
+
+
+def test_torchtune_builders_of_llama_3_and_3_3_name_their_catalog_entries():
+    """torchtune's llama3 builders are Llama 3 (8192 context, no rope scaling); llama3_3's 70B is 3.1's config."""
+    from memfit.readers.formats import torchtune_model
+
+    assert torchtune_model("torchtune.models.llama3.lora_llama3_8b") == "llama-3-8b"
+    assert torchtune_model("torchtune.models.llama3_1.lora_llama3_1_8b") == "llama-3.1-8b"
+    assert torchtune_model("torchtune.models.llama3_3.qlora_llama3_3_70b") == "llama-3.1-70b"
