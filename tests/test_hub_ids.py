@@ -218,3 +218,26 @@ def test_torchtune_builders_of_llama_3_and_3_3_name_their_catalog_entries():
     assert torchtune_model("torchtune.models.llama3.lora_llama3_8b") == "llama-3-8b"
     assert torchtune_model("torchtune.models.llama3_1.lora_llama3_1_8b") == "llama-3.1-8b"
     assert torchtune_model("torchtune.models.llama3_3.qlora_llama3_3_70b") == "llama-3.1-70b"
+
+
+def test_hub_probe_goes_through_the_https_proxy_unless_no_proxy_names_the_hub(monkeypatch):
+    """Behind a proxy the Hub is reached through it (huggingface_hub uses requests, which honours HTTPS_PROXY and
+    NO_PROXY): the probe connects where the request would go."""
+    from huggingface_hub import constants
+
+    tried = []
+
+    def connect(address, timeout):
+        tried.append(address)
+        raise OSError("refused")
+
+    monkeypatch.setattr(socket, "create_connection", connect)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://huggingface.co")
+    monkeypatch.delenv("https_proxy", raising=False)  # the lower-case spelling wins where both are set
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert hub._hub_reachable(timeout_s=0.5) is False
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    assert hub._hub_reachable(timeout_s=0.5) is False
+    assert tried == [("proxy.example", 3128), ("huggingface.co", 443)]

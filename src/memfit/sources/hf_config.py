@@ -174,6 +174,8 @@ def _hub_reachable(timeout_s: float = 1.5) -> bool:
     except Exception:  # noqa: BLE001 - no hub client: let transformers report it
         return True
     proxy = urllib.request.getproxies().get(endpoint.scheme)
+    if proxy and urllib.request.proxy_bypass(endpoint.hostname or ""):  # NO_PROXY names the Hub: direct
+        proxy = None
     target = urlparse(proxy if "://" in (proxy or "") else f"http://{proxy}") if proxy else endpoint
     host, port = target.hostname, target.port or (443 if target.scheme == "https" else 80)
     answer: list[bool] = []
