@@ -302,8 +302,10 @@ def emitted(console: Console, paths: Sequence[str], notes: Sequence[str] = ()) -
 def plan_report(console: Console, plan, *, verbose: bool = False, optimize_requested: bool = False,
                 optimized_choice=None, config_snippets: Mapping[str, str] | None = None,
                 config_title: str = "Configuration for the final setup", show_config: bool | None = None,
-                emitted_paths: Sequence[str] = (), emitted_notes: Sequence[str] = ()) -> None:
-    """The whole plan. `show_config` (default: the plan fits) prints `config_snippets` under `config_title`."""
+                emitted_paths: Sequence[str] = (), emitted_notes: Sequence[str] = (),
+                setup_file: str | None = None) -> None:
+    """The whole plan. `show_config` (default: the plan fits) prints `config_snippets` under `config_title`. The
+    launch commands read the setup from `setup_file` (the memfit_setup.json --emit wrote; None: not written)."""
     header(console, "plan", plan.spec, plan.initial_setup, plan.hardware, plan.margin)
     breakdown(console, plan.initial_estimate, verbose=verbose)
     peak_and_diagnosis(console, plan.initial_estimate, plan.initial_diagnosis)
@@ -317,20 +319,23 @@ def plan_report(console: Console, plan, *, verbose: bool = False, optimize_reque
     if emitted_paths:
         emitted(console, emitted_paths, emitted_notes)
     if plan.hardware.world_size > 1:
-        launch_and_communication(console, plan, optimized_choice.setup if optimized_choice is not None else None)
+        launch_and_communication(console, plan, optimized_choice.setup if optimized_choice is not None else None,
+                                 setup_file=setup_file)
 
 
 MAX_NODE_COMMANDS = 4
 """More nodes than this: the first two commands and the last are printed (the others differ in --node-rank)."""
 
 
-def launch_and_communication(console: Console, plan, setup: TrainingSetup | None = None) -> None:
+def launch_and_communication(console: Console, plan, setup: TrainingSetup | None = None, *,
+                             setup_file: str | None = None) -> None:
     """'Launch (per node)' and 'Communication per step' for a plan over more than one GPU (memfit.launch), for
-    `setup` (the --optimize choice) when given, else the plan's final setup."""
-    from .launch import engine_description
+    `setup` (the --optimize choice) when given, else the plan's final setup. The commands name the setup's file
+    (`setup_file`, written by --emit; None: memfit_setup.json, not written yet) instead of carrying its JSON."""
+    from .launch import SETUP_FILE, engine_description
     from .plan_output import launch_section_for
 
-    section = launch_section_for(plan, setup)
+    section = launch_section_for(plan, setup, setup_file)
     if section is None:
         return
     hardware, comm = section.hardware, section.comm
@@ -347,8 +352,10 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
         if len(shown) < len(nodes) and node is shown[1]:
             console.print(Text(f" nodes 2 to {len(nodes) - 2}: the same command with --node-rank 2 to "
                                f"{len(nodes) - 2} (all of them: --json)", style="dim"))
-    if section.notes:
-        _bullets(console, section.notes)
+    unwritten = [f"{SETUP_FILE} is not written yet: `memfit plan ... --emit DIR` writes it (--json: launch.files)"
+                 ] if setup_file is None else []
+    if section.notes or unwritten:
+        _bullets(console, [*section.notes, *unwritten])
     _heading(console, "Communication per step")
     lines = [f"per rank: {format_bytes(comm.per_rank_bytes)} ({comm.psi_multiple:g} x Psi, ZeRO paper sec. 7)"]
     if comm.tp > 1:

@@ -74,20 +74,33 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
                              run_trace(model, spec, result.final_setup, hardware, progress=not json_output),
                              margin=opts.margin_fraction)
     reports = write_reports(result, report, png, trace=traced.traced if traced is not None else None)
+    setup_file = _setup_file(emit, written)
     if json_output:
         print_json(plan_json(result, optimized=choice if optimize else NOT_SEARCHED, verified=traced,
                              emitted=written if emit is not None else None, reports=reports, emitted_setup=which,
-                             emitted_warning=warning))
+                             emitted_warning=warning, setup_file=setup_file))
     else:
         _print_plan(result, chosen, which, optimize=optimize, choice=choice, verbose=verbose, emit_dir=emit,
-                    written=written, unmarked=unmarked, warning=warning, reports=reports, traced=traced)
+                    written=written, unmarked=unmarked, warning=warning, reports=reports, traced=traced,
+                    setup_file=setup_file)
     if not fits:
         raise typer.Exit(DOES_NOT_FIT)
 
 
+def _setup_file(emit: Path | None, written: list[str]) -> str | None:
+    """How the launch commands name the memfit_setup.json --emit wrote (relative to where memfit runs), or None."""
+    from ..launch import SETUP_FILE
+
+    if emit is None or not any(Path(path).name == SETUP_FILE for path in written):
+        return None
+    from ..emit import config_path
+
+    return config_path(emit, SETUP_FILE)
+
+
 def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: bool, emit_dir: Path | None,
                 written: list[str], unmarked: dict[str, str], warning: str | None, reports: list[str],
-                traced) -> None:
+                traced, setup_file: str | None) -> None:
     from .. import render
 
     out = console()
@@ -107,7 +120,7 @@ def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: 
                        config_snippets=_snippets(chosen, render, emitted=emit_dir,
                                                         auto_class=result.spec.auto_class), config_title=title,
                        show_config=result.fits or which == "optimized", emitted_paths=written + reports,
-                       emitted_notes=notes)
+                       emitted_notes=notes, setup_file=setup_file)
     if traced is not None:
         render.verification(out, traced)
 
