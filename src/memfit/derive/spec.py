@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ModelSourceError
 from ..model_spec import ModelSpec, ParamTensor
-from .cache import cache_path, read_json, shipped_data, write_json
+from .cache import cache_path, failures_cached, read_json, shipped_data, write_json
 from .model import DerivedModel
 
 PARAMS_KIND = "params"
@@ -189,7 +189,8 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
         arch = arch_numbers(config, source)
         from .fit import quiet_transformers
 
-        with quiet_transformers():
+        with (failures_cached(path, path.stem, PARAMS_FORMAT, kind=PARAMS_KIND, model_type=config.get("model_type")),
+              quiet_transformers()):
             rows, facts = _param_rows(config, arch["num_layers"], source)
         write_json(path, {"key": path.stem, "format": PARAMS_FORMAT, "kind": PARAMS_KIND,
                           "model_type": config.get("model_type"),
