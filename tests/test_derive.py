@@ -183,6 +183,33 @@ def test_a_failed_derivation_is_cached_with_its_reason_until_the_code_changes(mo
     assert len(calls) == 3
 
 
+def test_a_derivation_reports_progress_through_the_installed_reporter(monkeypatch):
+    """The library never draws: derive_kind gets the callback of whatever reporter is installed (the CLI's bar)."""
+    import contextlib
+
+    from memfit.derive import fit as derive_fit
+    from memfit.derive import progress as derive_progress
+
+    seen = []
+
+    @contextlib.contextmanager
+    def reporter(title):
+        yield lambda message, fraction: seen.append((title, message, fraction))
+
+    def derive(config, kind, *, progress=None):
+        progress("1-block copy, batch 2 x seq 16", 0.5)
+        raise ModelSourceError("stop here")
+
+    monkeypatch.setattr(derive_fit, "derive_kind", derive)
+    previous = derive_progress.set_reporter(reporter)
+    try:
+        with pytest.raises(ModelSourceError):
+            DerivedModel(dict(NO_RECIPE["qwen3"], hidden_size=40, head_dim=10), label="q").fit(TrainingSetup(), True)
+    finally:
+        derive_progress.set_reporter(previous)
+    assert seen == [(f"deriving q ({setup_kind(TrainingSetup(), True)})", "1-block copy, batch 2 x seq 16", 0.5)]
+
+
 def test_cache_key_covers_config_versions_and_kind():
     config = NO_RECIPE["qwen3"]
     key = derive_cache.cache_key(config, "fp32/sdpa/cuda")
