@@ -31,9 +31,7 @@ def _model_config(model: str, spec) -> dict:
 
 
 def _require_torch(feature: str) -> None:
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # config warnings would break the one-screen output
+    # transformers' config warnings stay off stderr unless `memfit --verbose` (common.quiet_libraries)
     try:
         import torch  # noqa: F401
     except ImportError:
