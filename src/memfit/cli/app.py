@@ -36,16 +36,21 @@ ForceOpt = Annotated[bool, typer.Option(
 
 @app.callback()
 def global_options(
+        ctx: typer.Context,
         verbose: Annotated[bool, typer.Option(
             "--verbose", help="Also show the libraries' own warnings and logs (torch, transformers, torchao) on "
-                              "stderr: memfit keeps them out by default.")] = False,
+                              "stderr: memfit keeps them out by default. A command's own --verbose / -v does "
+                              "too.")] = False,
         quiet: Annotated[bool, typer.Option(
             "--quiet", "-q", help="No progress bars on stderr (they are drawn only on a terminal, and never with "
                                   "--json).")] = False) -> None:
-    # No docstring: typer would print it instead of the app's help. Runs before every command.
+    # No docstring: typer would print it instead of the app's help. Runs before every command, before the command's
+    # own options are parsed: its --verbose is looked for in the command line (OneLineErrors.main keeps it).
     progress.hide(quiet)
     progress.install()
-    if not verbose:
+    argv = getattr(ctx.command, "argv", [])
+    options = argv[:argv.index("--")] if "--" in argv else argv
+    if not (verbose or "--verbose" in options or "-v" in options):
         quiet_libraries()
 
 

@@ -42,6 +42,7 @@ class OneLineErrors(TyperGroup):
     Unexpected exceptions (bugs) still raise, so they are reported with their traceback."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra) -> Any:
+        self.argv = list(sys.argv[1:] if args is None else args)  # the global options' callback reads it
         try:
             result = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                   standalone_mode=False, **extra)
