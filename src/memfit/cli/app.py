@@ -12,7 +12,9 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import ConfigError, MemfitError
-from .common import DOES_NOT_FIT, app, check_report_paths, console, examples, print_json, resolve, write_reports
+from . import progress
+from .common import (DOES_NOT_FIT, app, check_report_paths, console, examples, print_json, quiet_libraries, resolve,
+                     write_reports)
 from .options import OUTPUT_PANEL, JsonOpt, ModelArg, PngOpt, ReportOpt, SetupOptions, VerboseOpt, with_setup_options
 
 OptimizeOpt = Annotated[bool, typer.Option(
@@ -30,6 +32,26 @@ VerifyOpt = Annotated[bool, typer.Option(
 ForceOpt = Annotated[bool, typer.Option(
     "--force", rich_help_panel=OUTPUT_PANEL,
     help="With --emit: overwrite files in DIR that memfit did not write.")]
+
+
+@app.callback()
+def global_options(
+        ctx: typer.Context,
+        verbose: Annotated[bool, typer.Option(
+            "--verbose", help="Also show the libraries' own warnings and logs (torch, transformers, torchao) on "
+                              "stderr: memfit keeps them out by default. A command's own --verbose / -v does "
+                              "too.")] = False,
+        quiet: Annotated[bool, typer.Option(
+            "--quiet", "-q", help="No progress bars on stderr (they are drawn only on a terminal, and never with "
+                                  "--json).")] = False) -> None:
+    # No docstring: typer would print it instead of the app's help. Runs before every command, before the command's
+    # own options are parsed: its --verbose is looked for in the command line (OneLineErrors.main keeps it).
+    progress.hide(quiet)
+    progress.install()
+    argv = getattr(ctx.command, "argv", [])
+    options = argv[:argv.index("--")] if "--" in argv else argv
+    if not (verbose or "--verbose" in options or "-v" in options):
+        quiet_libraries()
 
 
 @app.command("plan", epilog=examples(

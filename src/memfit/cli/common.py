@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ class OneLineErrors(TyperGroup):
     Unexpected exceptions (bugs) still raise, so they are reported with their traceback."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra) -> Any:
+        self.argv = list(sys.argv[1:] if args is None else args)  # the global options' callback reads it
         try:
             result = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                   standalone_mode=False, **extra)
@@ -82,6 +85,25 @@ app = typer.Typer(
          "accumulation -> FlashAttention; CPU offload).",
     epilog="Start with: [bold]memfit plan llama-3.1-8b --gpu A100-80GB[/bold]",
 )
+
+
+LIBRARY_LOGGERS = ("torchao", "torch", "torch.utils._pytree", "torch._dynamo", "torch.distributed", "peft",
+                   "accelerate", "bitsandbytes", "DeepSpeed", "deepspeed", "huggingface_hub")
+"""Loggers of the libraries a step imports that write to stderr on their own: torchao's "Failed to load ...so" for
+kernels built for other CUDA / Python versions (torchao/__init__.py), torch's pytree deprecations
+(torch/utils/_pytree.py), DeepSpeed's op-builder notes. transformers is quieted through its own variable."""
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' own warnings and logs off stderr (memfit's output, progress and `error:` lines stay):
+    set up once, before any of them is imported; `memfit --verbose` skips it."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read by transformers/utils/logging.py on import
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's C++ "STAGE:" / "USDT: profiler_start" lines
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].logging.set_verbosity_error()
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")  # memfit's command line says what it has to say itself, never through warnings
 
 
 def examples(*lines: str) -> str:

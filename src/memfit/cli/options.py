@@ -29,6 +29,7 @@ from ..model_spec import ModelSpec
 from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Float8, Loss, Offload, Optimizer,
                      Padding, PipelineSchedule, Precision, Sharding, TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
+from .progress import hidden
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
 DEFAULT_GPU = "A100-80GB"
@@ -591,6 +592,10 @@ def with_setup_options(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        with hidden(bool(kwargs.get("json_output"))):  # --json: stdout is for scripts, keep stderr clean too
+            return _run(*args, **kwargs)
+
+    def _run(*args, **kwargs):
         collected = {name: kwargs.pop(name) for name in options}
         if collected.get("config") is not None:
             collected["config"] = tuple(collected["config"]) or None

@@ -9,14 +9,19 @@ versions they record).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from .. import errors
 
 from .model import KindFit
 
@@ -161,7 +166,9 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
     from .fit import derive_kind
 
     started = time.perf_counter()
-    with reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress:
+    with (failures_cached(path, key, FIT_FORMAT, kind=kind, model_type=config.get("model_type"),
+                          versions=library_versions()),
+          reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress):
         fit = derive_kind(config, kind, progress=progress)
     _MEMORY[key] = fit
     payload = {"key": key, "format": FIT_FORMAT, "kind": kind, "model_type": config.get("model_type"),
@@ -169,6 +176,51 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
                "derive_seconds": round(time.perf_counter() - started, 3), "fit": fit.to_dict()}
     stored = write_json(path, payload)
     return fit, str(path) if stored else "memory only (cache folder not writable)"
+
+
+# ---- failures -----------------------------------------------------------------------------------------------------
+# A derivation that fails (an architecture transformers builds but memfit cannot fit) fails again the same way with
+# the same config, libraries and memfit code, after the same minutes of tracing: its error is cached beside the
+# success file, keyed like it plus a fingerprint of memfit's own source, so any code change derives again.
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of memfit's Python sources (an edit, a new release: failures cached before it are derived again)."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for source in sorted(root.rglob("*.py")):
+        digest.update(source.relative_to(root).as_posix().encode())
+        with contextlib.suppress(OSError):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def failure_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.failed.json")
+
+
+@contextlib.contextmanager
+def failures_cached(path: Path, key: str, format_version: int = FORMAT, **fields: Any) -> Iterator[None]:
+    """Around a derivation whose success is stored at `path` under `key`: first raise the error it cached, if it
+    failed before with this key and this code; then, if the block raises a MemfitError (other than a missing
+    dependency, which an install fixes), cache it with `fields` before it propagates."""
+    failed = failure_path(path)
+    data = read_json(failed, key, format_version)
+    if data is not None and data.get("code") == code_fingerprint() and isinstance(data.get("error"), str):
+        cls = getattr(errors, str(data.get("error_type")), None)
+        raise (cls if isinstance(cls, type) and issubclass(cls, errors.MemfitError) else errors.ModelSourceError)(
+            data["error"])
+    started = time.perf_counter()
+    try:
+        yield
+    except errors.MissingDependencyError:
+        raise
+    except errors.MemfitError as error:
+        write_json(failed, {"key": key, "format": format_version, "code": code_fingerprint(),
+                            "error_type": type(error).__name__, "error": str(error),
+                            "derive_seconds": round(time.perf_counter() - started, 3), **fields})
+        raise
 
 
 def clear_memory() -> None:
