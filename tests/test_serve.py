@@ -140,10 +140,22 @@ def test_the_options_are_memfits_own_vocabularies(client):
         assert fields[name]["kind"] == "text"
     assert fields["precision"]["default"] == "amp-bf16" and fields["gpu"]["default"] == "A100-80GB"
     assert "config" not in fields and options["initial"]["model"] in catalog_names()
-    # every option of `memfit plan` in the setup and hardware panels is on the page, in --help order
-    from memfit.cli.options import _PLANNING_OPTIONS, _SHARED_OPTIONS
+    # every option of `memfit plan` in the setup and hardware panels is on the page: model, GPU and method first,
+    # then GPUs, micro-batch and sequence length; the rest folded by section, each section in --help order
+    from memfit.cli.options import option_parameters
 
-    assert list(fields) == ["model", *[n for n in [*_SHARED_OPTIONS, *_PLANNING_OPTIONS] if n != "config"]]
+    help_order = ["model", *[p.name for p in option_parameters(planning=True) if p.name != "config"]]
+    assert sorted(fields) == sorted(help_order)
+    assert list(fields)[:6] == ["model", "gpu", "method", "gpus", "batch", "seq"]
+    sections = [s["name"] for s in options["sections"]]
+    assert [s["open"] for s in options["sections"]] == [True] + [False] * (len(sections) - 1)
+    assert {f["section"] for f in fields.values()} == set(sections)
+    assert [f["section"] for f in fields.values()] == sorted((f["section"] for f in fields.values()),
+                                                             key=sections.index)
+    for section in sections[1:]:
+        names = [n for n, f in fields.items() if f["section"] == section]
+        assert names == [n for n in help_order if n in names]
+    assert {f["panel"] for f in fields.values()} == set(options["panels"])
 
 
 def test_the_page_and_its_scripts_are_served_locally(client):

@@ -9,6 +9,7 @@ versions they record).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -48,6 +49,13 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def library_versions() -> dict[str, str]:
+    return dict(_library_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _library_versions() -> tuple[tuple[str, str], ...]:
+    """Read once per process: package metadata is parsed from files (~5 ms per read, on every estimate's cache
+    key), and what is installed does not change under a running process."""
     from importlib.metadata import PackageNotFoundError, version
 
     from .. import __version__
@@ -58,7 +66,7 @@ def library_versions() -> dict[str, str]:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = "missing"
-    return out
+    return tuple(out.items())
 
 
 def cache_key(config: dict[str, Any], kind: str, versions: dict[str, str] | None = None,
