@@ -110,8 +110,9 @@ def _value_type(annotation: Any) -> Any:
 
 
 def _default_text(help_text: str) -> str:
-    """'amp-bf16' from '... Default: amp-bf16.', '2048' from 'Default: 2048, or the model's maximum if shorter.'"""
-    match = re.search(r"Default: (.+?)\.?(?:\s|$)", help_text or "")
+    """'amp-bf16' from '... Default: amp-bf16.', '2048' from 'Default: 2048, or the model's maximum if shorter.',
+    'the compute dtype for LoRA' from 'Default: the compute dtype for LoRA, nf4 for QLoRA.'"""
+    match = re.search(r"Default: (.+?)(?:\.\s|\.?$)", help_text or "")
     if not match:
         return ""
     return re.split(r" \(|[;,]", match.group(1), maxsplit=1)[0].strip()
