@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,24 +43,21 @@ SEQS = ("512", "1024", "2048", "4096")
 SHARED = [{"model": "llama-3.1-8b", "gpu": gpu, "batch": batch}
           for gpu in ("A100-80GB", "RTX-4090", "H100-80GB") for batch in ("1", "2", "4")]
 
-_SERVER = """
-import sys
-from memfit.serve.web import serve
-serve("127.0.0.1", 0, on_ready=lambda url: print(url, flush=True))
-"""
 
 
 def start_server(src: str | None) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = str(Path(src).resolve())
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    url = proc.stdout.readline().strip()
-    if not url.startswith("http://127.0.0.1:"):
+    env["PYTHONUNBUFFERED"] = "1"
+    # `memfit serve` itself, as a user starts it
+    proc = subprocess.Popen([sys.executable, "-c", "from memfit.cli import main; main()", "serve", "--port", "0",
+                             "--no-browser"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    if not line.startswith("memfit serve: http://127.0.0.1:"):
         proc.kill()
-        raise SystemExit(f"the server did not start: {url}{proc.stderr.read()[-2000:]}")
-    return proc, url
+        raise SystemExit(f"the server did not start: {line}{proc.stderr.read()[-2000:]}")
+    return proc, line.split()[2]
 
 
 def post(conn: http.client.HTTPConnection, values: dict) -> tuple[int, float]:
@@ -128,8 +126,8 @@ def bench(src: str | None, clients: int, requests: int, pace: float) -> dict[str
         return {"distinct": run_round(url, distinct), "shared": run_round(url, shared),
                 "paced": run_round(url, paced, pace)}
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, as a user stops it
+        proc.wait(timeout=60)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -35,6 +36,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 MAX_BODY_BYTES = 64 * 1024
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+MAX_WORKERS = 4
 log = logging.getLogger("memfit.serve")
 
 # plotly draws with inline styles; everything else, scripts included, comes from this server only.
@@ -195,13 +197,45 @@ def host_name(host_header: str) -> str | None:
     return name
 
 
-def create_app(*, allowed_hosts: Sequence[str] | None = None) -> Starlette:
-    """The application. `allowed_hosts`: the Host names it answers (RequestGuard); None answers any."""
+def _encoded_plan(argv: list[str]) -> bytes:
+    return _encode(core.plan_for(argv))
+
+
+def _worker_start() -> None:
+    # Ctrl-C in a terminal signals the whole process group; the server shuts its workers down itself, so a worker
+    # prints no KeyboardInterrupt traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class Workers:
+    """Plans computed in `count` worker processes, so that as many cores answer at once (threads share one
+    interpreter lock, and a plan is pure Python). Spawned, not forked: the server runs threads. A worker holds
+    ~50 MB; an answer comes back as its JSON bytes."""
+
+    def __init__(self, count: int):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self._pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_worker_start)
+        for _ in range(count):  # start them all now (each imports memfit, ~1 s), not on the first busy moment
+            self._pool.submit(core.form_fields)
+
+    def __call__(self, argv: list[str]) -> bytes:
+        return self._pool.submit(_encoded_plan, argv).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def create_app(*, allowed_hosts: Sequence[str] | None = None, workers: Workers | None = None) -> Starlette:
+    """The application. `allowed_hosts`: the Host names it answers (RequestGuard); None answers any. `workers`:
+    where plans are computed (default: in this process, on the server's threads)."""
     middleware = [Middleware(RequestGuard, allowed_hosts=allowed_hosts)]
     routes = [Route("/", _index), Route("/static/{name}", _static), Route("/api/options", _options),
               Route("/api/plan", _plan, methods=["POST"])]
     app = Starlette(routes=routes, middleware=middleware)
-    app.state.answers = core.Answers(encode=_encode)
+    app.state.answers = core.Answers(workers or _encoded_plan)
     return app
 
 
@@ -239,26 +273,40 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{shown}:{port}/"
 
 
-def make_server(sock: socket.socket):
+def make_server(sock: socket.socket, workers: Workers | None = None):
     import uvicorn
 
     host = sock.getsockname()[0]
     allowed = [*LOOPBACK_NAMES, host] if is_loopback(host) else None
-    config = uvicorn.Config(create_app(allowed_hosts=allowed), log_level="warning", access_log=False,
-                            lifespan="off", server_header=False)
+    app = create_app(allowed_hosts=allowed, workers=workers)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False)
     return uvicorn.Server(config)
 
 
-def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, on_ready=None) -> None:
-    """Serve the page until interrupted (Ctrl-C). `on_ready(url)` is called once the socket listens."""
-    sock = bind(host, port)
-    server = make_server(sock)
-    if on_ready is not None:
-        on_ready(url_of(sock))
+def _warm(app: Starlette) -> None:
+    """Compute the page's first plan (every visitor's first update) while the server starts."""
     try:
+        app.state.answers.get(core.options()["initial"])
+    except Exception:  # the page will show the same failure as one line when asked
+        pass
+
+
+def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, on_ready=None, workers: int = 0) -> None:
+    """Serve the page until interrupted (Ctrl-C). `on_ready(url)` is called once the socket listens. `workers`:
+    processes computing plans (0: the server's own threads; `memfit serve` uses one per core, up to
+    MAX_WORKERS). With workers, call this under `if __name__ == "__main__":` in a script (they are spawned)."""
+    sock = bind(host, port)
+    pool = Workers(workers) if workers > 0 else None
+    try:
+        server = make_server(sock, pool)
+        threading.Thread(target=_warm, args=(server.config.app,), name="memfit-warm", daemon=True).start()
+        if on_ready is not None:
+            on_ready(url_of(sock))
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if pool is not None:
+            pool.close()
 
 
 @contextlib.contextmanager
