@@ -108,9 +108,10 @@ def _drive(app, headers: dict[str, str], chunks, *, method: str = "POST", path: 
              "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
              "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8765)}
     asyncio.run(app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, json.loads(body), pulled[0]
+    _drive.headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
+    return start["status"], json.loads(body), pulled[0]
 
 
 def _endless(chunk_bytes: int = 64 * 1024, total: int = 50 * 2**20):
@@ -122,6 +123,7 @@ def test_a_body_declared_over_the_cap_is_refused_unread():
     status, answer, pulled = _drive(web.create_app(), {"host": "127.0.0.1:8765", "content-type": "application/json",
                                                        "content-length": str(50 * 2**20)}, _endless())
     assert (status, pulled) == (413, 0) and "64 KiB" in answer["error"]
+    assert _drive.headers["connection"] == "close"  # the server hangs up: the rest is never read
 
 
 def test_a_body_streamed_past_the_cap_is_refused_at_the_cap():

@@ -115,8 +115,10 @@ async def _plan(request: Request) -> Response:
         return _error("send the form's values as JSON (Content-Type: application/json)", status=415)
     try:
         body = await _body(request)
-    except _TooLarge:
-        return _error(f"the request is over {MAX_BODY_BYTES // 1024} KiB", status=413)
+    except _TooLarge:  # and close the connection, so the rest of the body is never read
+        response = _error(f"the request is over {MAX_BODY_BYTES // 1024} KiB", status=413)
+        response.headers["Connection"] = "close"
+        return response
     except ClientDisconnect:
         return _error("the request ended before its body did")
     values = _json_object(body)
