@@ -87,8 +87,12 @@ async def _body(request: Request) -> bytes:
     """The request's body, refused (_TooLarge) past MAX_BODY_BYTES: by its Content-Length before a byte is read,
     and while it streams in (a body sent in chunks, or longer than it said), so a large post never sits in memory."""
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.strip().isdigit() or int(declared) > MAX_BODY_BYTES):
-        raise _TooLarge
+    if declared is not None:
+        text = declared.strip()
+        if not (text.isascii() and text.isdigit()):
+            raise ValueError("the request's Content-Length is not a number of bytes")
+        if int(text) > MAX_BODY_BYTES:
+            raise _TooLarge
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -121,6 +125,8 @@ async def _plan(request: Request) -> Response:
         return response
     except ClientDisconnect:
         return _error("the request ended before its body did")
+    except ValueError as error:
+        return _error(str(error))
     values = _json_object(body)
     if values is None:
         return _error(_NOT_AN_OBJECT)
