@@ -9,7 +9,6 @@ versions they record).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -49,24 +48,25 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def library_versions() -> dict[str, str]:
-    return dict(_library_versions())
+    """memfit's, torch's and transformers' versions, read once per process: package metadata is parsed from files
+    (~5 ms per read, on every estimate's cache key), and what is installed does not change under a running
+    process."""
+    if not _VERSIONS:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from .. import __version__
+
+        out = {"memfit": __version__}
+        for name in ("torch", "transformers"):
+            try:
+                out[name] = version(name)
+            except PackageNotFoundError:
+                out[name] = "missing"
+        _VERSIONS.update(out)
+    return dict(_VERSIONS)
 
 
-@functools.lru_cache(maxsize=1)
-def _library_versions() -> tuple[tuple[str, str], ...]:
-    """Read once per process: package metadata is parsed from files (~5 ms per read, on every estimate's cache
-    key), and what is installed does not change under a running process."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from .. import __version__
-
-    out = {"memfit": __version__}
-    for name in ("torch", "transformers"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "missing"
-    return tuple(out.items())
+_VERSIONS: dict[str, str] = {}
 
 
 def cache_key(config: dict[str, Any], kind: str, versions: dict[str, str] | None = None,

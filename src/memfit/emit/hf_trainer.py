@@ -4,7 +4,6 @@ for the installed transformers: `activation_checkpointing*` on 5.x (or when tran
 
 from __future__ import annotations
 
-import functools
 import sys
 
 from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
@@ -12,16 +11,20 @@ from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
 # TrainingArguments.optim names (transformers.training_args.OptimizerNames).
-@functools.lru_cache(maxsize=None)
 def _installed_version(name: str) -> str | None:
     """The installed distribution's version, read once per process: reading package metadata parses files (~10 ms,
     three times per plan shown), and what is installed does not change under a running process."""
-    from importlib import metadata
+    if name not in _INSTALLED:
+        from importlib import metadata
 
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+        try:
+            _INSTALLED[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            _INSTALLED[name] = None
+    return _INSTALLED[name]
+
+
+_INSTALLED: dict[str, str | None] = {}
 
 
 def transformers_version() -> tuple[int, int] | None:
