@@ -60,6 +60,26 @@ def start_server(src: str | None) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[2]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) of the server and of its worker processes so far; None off Linux. On a shared
+    machine the latencies depend on what else runs; the CPU an update costs much less."""
+    def own(stat_path: Path) -> tuple[int, float]:
+        fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    if not Path(f"/proc/{pid}/stat").exists():
+        return None
+    total = own(Path(f"/proc/{pid}/stat"))[1]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent, seconds = own(stat)
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            total += seconds
+    return total
+
+
 def post(conn: http.client.HTTPConnection, values: dict) -> tuple[int, float]:
     body = json.dumps(values).encode()
     start = time.perf_counter()
@@ -123,8 +143,15 @@ def bench(src: str | None, clients: int, requests: int, pace: float) -> dict[str
         distinct = [setups[i:clients * requests:clients] for i in range(clients)]
         paced = [setups[clients * requests + i::clients][:requests] for i in range(clients)]
         shared = [[SHARED[(i + k) % len(SHARED)] for k in range(requests)] for i in range(clients)]
-        return {"distinct": run_round(url, distinct), "shared": run_round(url, shared),
-                "paced": run_round(url, paced, pace)}
+        rounds = {}
+        for name, plans, round_pace in (("distinct", distinct, 0.0), ("shared", shared, 0.0),
+                                        ("paced", paced, pace)):
+            before = cpu_seconds(proc.pid)
+            rounds[name] = run_round(url, plans, round_pace)
+            after = cpu_seconds(proc.pid)
+            rounds[name]["cpu_ms"] = (None if before is None or after is None
+                                      else 1000 * (after - before) / rounds[name]["requests"])
+        return rounds
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C, as a user stops it
         proc.wait(timeout=60)
@@ -140,13 +167,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"memfit serve under load: {args.clients} clients x {args.requests} updates per round "
           f"(paced: one per {args.pace:g} s), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
-    print("| server | round | requests | p50 ms | p99 ms | requests/s | statuses |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| server | round | requests | p50 ms | p99 ms | requests/s | server CPU ms / update | statuses |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for src in args.src or [None]:
         for name, row in bench(src, args.clients, args.requests, args.pace).items():
             statuses = ", ".join(f"{code}: {n}" for code, n in sorted(row["statuses"].items()))
+            cpu = "n/a" if row["cpu_ms"] is None else f"{row['cpu_ms']:.1f}"
             print(f"| {src or 'installed'} | {name} | {row['requests']} | {row['p50_ms']:.0f} | {row['p99_ms']:.0f} "
-                  f"| {row['per_s']:.1f} | {statuses} |", flush=True)
+                  f"| {row['per_s']:.1f} | {cpu} | {statuses} |", flush=True)
 
 
 if __name__ == "__main__":
