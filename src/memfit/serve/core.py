@@ -325,11 +325,7 @@ def view(result) -> dict:
                "bottleneck": s.diagnosis.bottleneck.value, "cost": s.cost, "change": s.change, "why": s.why}
               for n, s in enumerate(result.steps, 1)]
     changes = len(result.steps)
-    if result.fits:
-        lead = "as given" if not changes else f"after {changes} change{'s' if changes > 1 else ''}"
-        verdict = f"fits {lead}: {final.summary().removeprefix('fits: ')}"
-    else:
-        verdict = "does not fit: nothing on the ladder makes it fit: " + final.summary().removeprefix("does not fit: ")
+    verdict = ("fits " if result.fits else "does not fit: ") + render.verdict_text(result)
     world = f"{result.hardware.world_size} x " if result.hardware.world_size > 1 else ""
     return {
         "title": f"{result.spec.name} on {world}{result.hardware.gpu.name}",
