@@ -254,3 +254,16 @@ def test_a_failure_inside_memfit_is_one_line_in_the_log_and_the_answer(monkeypat
     assert reply.status_code == 500 and "KeyError" in reply.json()["error"]
     records = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(records) == 1 and records[0].exc_info is None and "\n" not in records[0].getMessage()
+
+
+def test_the_page_computes_with_the_library_not_a_cli_command():
+    """An update imports no CLI command (memfit.cli.app and the modules it registers): only the options'
+    declarations (memfit.cli.options) and the one-line error type (memfit.cli.common)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from memfit.serve import core; core.plan_page({'model': 'gpt2', 'method': 'lora'}); "
+            "print(sorted(m for m in sys.modules if m.startswith('memfit.cli')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['memfit.cli', 'memfit.cli.common', 'memfit.cli.options']"
