@@ -242,7 +242,7 @@ def test_malformed_input_is_a_4xx_with_one_line_and_a_quiet_log(client, body, ca
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-def test_a_failure_inside_memfit_is_one_line_in_the_log_and_the_answer(monkeypatch, caplog):
+def test_a_failure_inside_memfit_is_one_line_in_the_log_and_the_answer(caplog):
     """A bug (not the caller's mistake) is a 500 whose body and log entry are one line each, never a traceback."""
     def broken(argv):
         raise KeyError("boom")
