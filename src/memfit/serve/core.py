@@ -366,14 +366,13 @@ def figure(result) -> dict:
 # ---- answers, computed once --------------------------------------------------------------------------------------
 
 class Answers:
-    """The page's answers by command line, computed once each: an LRU of the last `size` (serialized by
-    `encode`), and a request for a command line already being computed waits for that computation instead of
-    starting a second one. A plan depends on its command line only (catalog models, no files), so a cached answer
+    """The page's answers by command line, computed once each by `compute` (plan_for, or its JSON bytes): an LRU
+    of the last `size`, and a request for a command line already being computed waits for that computation instead
+    of starting a second one. A plan depends on its command line only (catalog models, no files), so a kept answer
     is the answer; an InputError is not kept."""
 
-    def __init__(self, compute: Callable[[list[str]], Any] = plan_for, *, size: int = 256,
-                 encode: Callable[[Any], Any] = lambda answer: answer):
-        self._compute, self._encode, self._size = compute, encode, size
+    def __init__(self, compute: Callable[[list[str]], Any] = plan_for, *, size: int = 256):
+        self._compute, self._size = compute, size
         self._done: OrderedDict[tuple[str, ...], Any] = OrderedDict()
         self._running: dict[tuple[str, ...], Future] = {}
         self._lock = threading.Lock()
@@ -391,7 +390,7 @@ class Answers:
         if not mine:
             return future.result()
         try:
-            answer = self._encode(self._compute(list(key)))
+            answer = self._compute(list(key))
         except BaseException as error:
             future.set_exception(error)
             with self._lock:
