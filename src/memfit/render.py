@@ -215,19 +215,26 @@ def _skipped(console: Console, plan) -> None:
         _bullets(console, [f"{title}: {reason}" for title, reason in plan.skipped])
 
 
-def verdict(console: Console, plan) -> None:
+def verdict_text(plan) -> str:
+    """The verdict's words after its label ('fits' or 'no fit'): 'after 2 changes: needs X of Y usable (...)', or
+    'nothing on the ladder makes it fit: needs ...'. The terminal and the page both show it."""
     final = plan.final_diagnosis
+    if plan.fits:
+        changes = len(plan.steps)
+        lead = "as given" if not changes else f"after {changes} change{'s' if changes > 1 else ''}"
+        return f"{lead}: {final.summary().removeprefix('fits: ')}"
+    return "nothing on the ladder makes it fit: " + final.summary().removeprefix("does not fit: ")
+
+
+def verdict(console: Console, plan) -> None:
     _heading(console, "Verdict")
-    changes = len(plan.steps)
     rows: list[tuple[str, str | Text]] = []
     if plan.fits:
-        lead = "as given" if not changes else f"after {changes} change{'s' if changes > 1 else ''}"
-        rows.append(("fits", Text(f"{lead}: {final.summary().removeprefix('fits: ')}", style="bold green")))
-        if changes:
+        rows.append(("fits", Text(verdict_text(plan), style="bold green")))
+        if plan.steps:
             rows.append(("final setup", describe_setup(plan.final_setup)))
     else:
-        rows.append(("no fit", Text("nothing on the ladder makes it fit: "
-                                    + final.summary().removeprefix("does not fit: "), style="bold red")))
+        rows.append(("no fit", Text(verdict_text(plan), style="bold red")))
     cpu = plan.final_estimate.cpu_bytes
     if cpu:
         per_node = cpu * plan.hardware.gpus_per_node  # cpu_bytes is one rank's; the node's RAM serves all its ranks

@@ -113,14 +113,9 @@ def examples(*lines: str) -> str:
 
 def resolve(model: str, opts):
     """(ModelSpec, TrainingSetup, Hardware) for a command's MODEL argument and shared options."""
-    from ..sources import resolve_model
-
     # huggingface_hub logs each retry of an unreachable Hub; the failure itself becomes one error line.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-
-    spec = opts.with_task(resolve_model(model))
-    hardware = opts.hardware()
-    return spec, opts.setup(spec, hardware), hardware
+    return opts.resolve(model)
 
 
 def print_json(data: dict) -> None:

@@ -433,6 +433,15 @@ class SetupOptions:
 
         return with_task(spec, self.task or SEQUENCE_CLASSIFICATION, self.num_labels or 2)
 
+    def resolve(self, model: str) -> tuple[ModelSpec, TrainingSetup, Hardware]:
+        """(ModelSpec, TrainingSetup, Hardware) for MODEL (a catalog name, config.json or hub id) and these
+        options: what every sizing command and the page compute from."""
+        from ..sources import resolve_model
+
+        spec = self.with_task(resolve_model(model))
+        hardware = self.hardware()
+        return spec, self.setup(spec, hardware), hardware
+
     def hardware(self) -> Hardware:
         return make_hardware(self.gpu or DEFAULT_GPU, gpus_per_node=self.gpus or 1, num_nodes=self.nodes or 1,
                              cpu_ram=self.cpu_ram)
@@ -574,6 +583,14 @@ _PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}
 _PLANNING_COMMANDS = frozenset({"plan_command"})
 
 
+def option_parameters(*, planning: bool = False) -> list[inspect.Parameter]:
+    """The shared options (and, with `planning`, --keep) as keyword parameters, in --help order: what
+    with_setup_options adds to a command, and the fields of `memfit serve`'s form."""
+    options = {**_SHARED_OPTIONS, **(_PLANNING_OPTIONS if planning else {})}
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+            for name, annotation in options.items()]
+
+
 def with_setup_options(command: Callable) -> Callable:
     """Replace the command's `opts: SetupOptions` parameter by the shared options, and call it with them collected
     into a SetupOptions. Typer reads the signature, so `--help` lists the options in their panels."""
@@ -586,9 +603,8 @@ def with_setup_options(command: Callable) -> Callable:
               for p in list(signature.parameters.values())[:at]]
     positional_model = any(_is_model_argument(p) for p in list(signature.parameters.values())[:at])
     after = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in list(signature.parameters.values())[at + 1:]]
-    options = {**_SHARED_OPTIONS, **(_PLANNING_OPTIONS if command.__name__ in _PLANNING_COMMANDS else {})}
-    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-              for name, annotation in options.items()]
+    shared = option_parameters(planning=command.__name__ in _PLANNING_COMMANDS)
+    options = [p.name for p in shared]
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):

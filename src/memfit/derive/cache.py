@@ -53,17 +53,25 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    """memfit's, torch's and transformers' versions, read once per process: package metadata is parsed from files
+    (~5 ms per read, on every estimate's cache key), and what is installed does not change under a running
+    process."""
+    if not _VERSIONS:
+        from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
+        from .. import __version__
 
-    out = {"memfit": __version__}
-    for name in ("torch", "transformers"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "missing"
-    return out
+        out = {"memfit": __version__}
+        for name in ("torch", "transformers"):
+            try:
+                out[name] = version(name)
+            except PackageNotFoundError:
+                out[name] = "missing"
+        _VERSIONS.update(out)
+    return dict(_VERSIONS)
+
+
+_VERSIONS: dict[str, str] = {}
 
 
 def cache_key(config: dict[str, Any], kind: str, versions: dict[str, str] | None = None,
