@@ -54,11 +54,13 @@ def launch_command(script: ScriptArg, opts: SetupOptions, script_args: ScriptArg
 
     Without --dry-run it runs the local node's command (one node only); with it, it prints every node's command.
     """
-    from ..launch import DEFAULT_MASTER, launch_plan, local_command
+    from ..launch import DEFAULT_MASTER, SETUP_FILE, launch_plan, local_command
 
     args = list(script_args or [])
+    # Printed commands name memfit_setup.json (printed once, above them); the local run passes the setup inline.
     plan = launch_plan(*_setup(model, opts), script, spec=_spec(model), launcher=launcher,
-                       master_addr=master_addr or DEFAULT_MASTER, master_port=master_port, script_args=args)
+                       master_addr=master_addr or DEFAULT_MASTER, master_port=master_port, script_args=args,
+                       setup_file=SETUP_FILE if dry_run else None)
     if dry_run:
         if json_output:
             print_json(plan.to_dict())

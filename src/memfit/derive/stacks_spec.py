@@ -42,7 +42,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
 
 
 def stacked_spec(config: dict[str, Any], *, name: str, source: str) -> ModelSpec:
-    from .cache import cache_path, read_json, shipped_data, write_json
+    from .cache import cache_path, failures_cached, read_json, shipped_data, write_json
 
     path = cache_path(config, PARAMS_KIND)
     data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)
@@ -50,7 +50,8 @@ def stacked_spec(config: dict[str, Any], *, name: str, source: str) -> ModelSpec
         rows = [ParamTensor(str(n), int(k), int(c)) for n, k, c in data["params"]]
         facts = data.get("facts", {})
     else:
-        rows, facts = _param_rows(config, source)
+        with failures_cached(path, path.stem, kind=PARAMS_KIND, model_type=config.get("model_type")):
+            rows, facts = _param_rows(config, source)
         write_json(path, {"key": path.stem, "format": 1, "kind": PARAMS_KIND, "model_type": config.get("model_type"),
                           "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
     get = config.get

@@ -11,17 +11,28 @@ from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
 # TrainingArguments.optim names (transformers.training_args.OptimizerNames).
-def transformers_version() -> tuple[int, int] | None:
-    """The installed transformers' (major, minor): its `__version__` when already imported, else the installed
-    distribution's version, read without importing it (importing transformers takes seconds); None without it."""
-    version = getattr(sys.modules.get("transformers"), "__version__", None)
-    if version is None:
+def _installed_version(name: str) -> str | None:
+    """The installed distribution's version, read once per process: reading package metadata parses files (~10 ms,
+    three times per plan shown), and what is installed does not change under a running process."""
+    if name not in _INSTALLED:
         from importlib import metadata
 
         try:
-            version = metadata.version("transformers")
+            _INSTALLED[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            return None
+            _INSTALLED[name] = None
+    return _INSTALLED[name]
+
+
+_INSTALLED: dict[str, str | None] = {}
+
+
+def transformers_version() -> tuple[int, int] | None:
+    """The installed transformers' (major, minor): its `__version__` when already imported, else the installed
+    distribution's version, read without importing it (importing transformers takes seconds); None without it."""
+    version = getattr(sys.modules.get("transformers"), "__version__", None) or _installed_version("transformers")
+    if version is None:
+        return None
     parts = str(version).split(".")
     try:
         return int(parts[0]), int("".join(c for c in (parts[1] if len(parts) > 1 else "0") if c.isdigit()) or 0)

@@ -61,10 +61,27 @@ def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *, 
         skipped["fsdp2_shard.py"] = skipped["accelerate_fsdp2.yaml"] = reason
     else:
         files += [fsdp2_file(setup), accelerate_file(setup, hardware, backend="fsdp", filename="accelerate_fsdp2.yaml")]
+    launch_setup = _launch_setup_file(setup)
+    if launch_setup is not None:
+        files.append(launch_setup)
     if warning:
         files = [replace(f, warning=warning) for f in files]
     files.append(_readme(setup, files, skipped, deepspeed_path, warning))
     return files, skipped
+
+
+def _launch_setup_file(setup: TrainingSetup) -> EmittedConfig | None:
+    """memfit_setup.json when `memfit plan` prints launch commands for the setup: they name it (MEMFIT_SETUP_FILE)
+    instead of repeating ~1,000 characters of JSON on every node's line."""
+    from ..launch import ENV_SETUP_FILE, SETUP_FILE, launches, setup_file_text
+
+    if not launches(setup, setup.num_gpus):
+        return None
+    # The text, not a dict: its keys are TrainingSetup's fields (README and `memfit plan` say what each is).
+    return EmittedConfig(SETUP_FILE, setup_file_text(setup),
+                         summary=f"the setup every rank reads: the launch commands `memfit plan` prints name it "
+                                 f"({ENV_SETUP_FILE}; memfit.launch.prepare reads it)",
+                         unmarkable="memfit.launch reads it as TrainingSetup fields, which has no warning field")
 
 
 def unmarked_files(files: list[EmittedConfig]) -> dict[str, str]:

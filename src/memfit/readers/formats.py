@@ -140,7 +140,6 @@ def _whole(read: Reader, field_: str, data: Mapping, key: str, note: str = "") -
 DEEPSPEED_TABLE = {
     "_memfit_warning": f"{NOT_RELEVANT} (memfit's does-not-fit warning)",
     "zero_optimization.stage3_max_live_parameters": NOT_SIZED,
-    "zero_optimization.stage3_max_reuse_distance": NOT_SIZED,
     "zero_optimization.sub_group_size": NOT_SIZED,
     "zero_optimization.overlap_comm": f"{NOT_SIZED} (overlapped buckets)",
     "zero_optimization.contiguous_gradients": NOT_SIZED,
@@ -161,10 +160,8 @@ DEEPSPEED_TABLE = {
     "tensor_parallel.": NOT_SIZED,
     "compression_training.": NOT_SIZED,
 }
-_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-            "stage3_param_persistence_threshold")
-
-
+_BUCKETS = ("allgather_bucket_size", "stage3_prefetch_bucket_size")
+"""Buckets memfit does not size: read for their "auto", a fixed size is said not to be followed."""
 def _deepspeed_buckets(read: Reader, ds: Mapping) -> None:
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, Mapping):
@@ -174,10 +171,9 @@ def _deepspeed_buckets(read: Reader, ds: Mapping) -> None:
             continue
         key, value = f"zero_optimization.{name}", zero[name]
         if value == "auto":
-            read.defer(key, value, "'auto': the HF Trainer / accelerate size it from hidden_size, as memfit does")
+            read.defer(key, value, "'auto': the HF Trainer / accelerate size it from hidden_size")
         else:
-            read.ignore(key, value, f"{NOT_SIZED}: memfit sizes the 'auto' bucket (hidden_size^2 elements); a fixed "
-                                    "size is not followed")
+            read.ignore(key, value, f"{NOT_SIZED}: a fixed {name} is not followed")
 
 
 def _finish_deepspeed(read: Reader, ds: dict | None, file: str, prefix: str) -> None:

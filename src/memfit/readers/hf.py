@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..optimizers import hf_optim_names
 from ..setup import Checkpointing, Engine, Offload, Optimizer, Padding, Precision, Sharding
+from ..zero_knobs import DEEPSPEED_DEFAULTS, ZeroKnobs
 from ._reader import NOT_SIZED, Reader, _get, _positive, _value
 
 OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()}
@@ -250,6 +251,7 @@ def read_sharding(read: Reader, args: Any, ds: dict | None, world: int | None) -
             read_zero(read, _value(zero.get("stage", 0)), opt_dev, par_dev, world,
                       keys=("zero_optimization.stage", "zero_optimization.offload_optimizer.device",
                             "zero_optimization.offload_param.device"), has_stage="stage" in zero)
+            read_zero_knobs(read, zero)
             read_deepspeed_optimizer(read, ds)
             if not read.strict:
                 for key in ds:
@@ -441,7 +443,7 @@ def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *, key: s
         read.ignore(*cfg["offload_params"], "TrainingArguments reads fsdp_config cpu_offload, not offload_params: "
                                             "the Trainer does not offload with it")
     read_fsdp_plan(read, stage, key, raw, world, offload=offload, checkpointing=cfg.get("activation_checkpointing"),
-                   version=version or cfg.get("version"))
+                   version=version or cfg.get("version"), default_version=2 if trainer else 1)
 
 
 def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
@@ -461,8 +463,10 @@ def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
 
 def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | None, *,
                    offload: tuple[str, Any] | None = None, checkpointing: tuple[str, Any] | None = None,
-                   version: tuple[str, Any] | None = None) -> None:
-    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2)."""
+                   version: tuple[str, Any] | None = None, default_version: int = 2) -> None:
+    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2).
+    `default_version`: the FSDP the framework runs when the config names none (transformers 5's Trainer: 2;
+    accelerate's FSDP plugin and axolotl: 1)."""
     if version is not None and str(_value(version[1])) == "1":
         read.ignore(version[0], version[1], f"FSDP1's flat parameters are {NOT_SIZED}: sized as FSDP2 (memfit's torch "
                                             "engine)")
@@ -482,7 +486,10 @@ def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | No
         read.set("engine", Engine.TORCH, key, raw, "FSDP2")
     if offload is not None:
         if stage == 3 and sharded:
-            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], "FSDP CPU offload")
+            fsdp1 = str(_value(version[1]) if version is not None else default_version) == "1"
+            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], (
+                f"FSDP1 CPUOffload(offload_params=True), sized as FSDP2's CPUOffloadPolicy (FSDP1's flat parameters "
+                f"are {NOT_SIZED})" if fsdp1 else "FSDP2 CPUOffloadPolicy: shards, gradients and the step on the host"))
         else:
             read.ignore(offload[0], offload[1], f"FSDP CPU offload without full sharding over 2+ GPUs: {NOT_SIZED}")
     if checkpointing is not None:
@@ -508,3 +515,37 @@ def read_mixed_precision(read: Reader, mp: Any, dtype: str, *, key: str = "mixed
     else:
         read.unmappable("precision", key, mp, "memfit sizes mixed_precision no, bf16 and fp16",
                         fallback=NOT_SIZED)
+
+
+_KNOBS = {"reduce_bucket_size": "reduce_bucket_size",
+          "stage3_param_persistence_threshold": "param_persistence_threshold",
+          "stage3_max_reuse_distance": "max_reuse_distance"}
+"""DeepSpeed keys -> memfit.zero_knobs.ZeroKnobs fields: the buffers memfit sizes as the config sets them."""
+
+
+def read_zero_knobs(read: Reader, zero: Mapping) -> None:
+    """The ZeRO buffer sizes memfit sizes (memfit.zero_knobs): a number as given, "auto" as the HF Trainer fills
+    it, a key left out as DeepSpeed's own default (5e8-element reduce bucket, 1e5 persistence, 1e9 reuse)."""
+    knobs: dict[str, int | None] = {}
+    stage3 = zero.get("stage") == 3
+    for name, attr in _KNOBS.items():
+        key = f"zero_optimization.{name}"
+        if name not in zero:  # a stage-3 knob means nothing below stage 3: left at memfit's default there
+            knobs[attr] = getattr(DEEPSPEED_DEFAULTS if stage3 or not name.startswith("stage3_") else ZeroKnobs(),
+                                  attr)
+            continue
+        value = zero[name]
+        if value == "auto":
+            knobs[attr] = getattr(ZeroKnobs(), attr)
+            read.defer(key, value, "'auto': the HF Trainer / accelerate fill it from the model (hidden^2, 10 x "
+                                   "hidden), as memfit sizes it")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == int(value):
+            knobs[attr] = int(value)
+            read.set_part("zero_knobs", attr, int(value), key, value)
+        else:
+            read.unmappable("zero_knobs", key, value, "not a whole number of elements")
+    found = ZeroKnobs(**knobs)
+    if not found.is_auto:
+        absent = [name for name in _KNOBS if name not in zero and (stage3 or not name.startswith("stage3_"))]
+        read.set("zero_knobs", found, "zero_optimization", {name: zero.get(name, "left out") for name in _KNOBS},
+                 note=f"{', '.join(absent)} left out: DeepSpeed's default" if absent else "")

@@ -162,30 +162,56 @@ def _env_offline() -> bool:
 
 
 def from_hub(repo_id: str, *, name: str | None = None, alternatives: list[str] | None = None) -> ModelSpec:
-    """A ModelSpec from a Hub repository's config.json, through transformers.AutoConfig (cached files only when
-    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set). Never runs remote code."""
-    hint = f"try {', '.join(repr(a) for a in alternatives)} or " if alternatives else "use a catalog name or "
+    """A ModelSpec from a Hub repository's config.json (hub_config). Never runs remote code."""
+    return from_hf_config(hub_config(repo_id, alternatives), name=name or repo_id, source=f"hub:{repo_id}")
+
+
+def hub_config(repo_id: str, alternatives: list[str] | None = None) -> dict[str, Any]:
+    """A Hub repository's config values through transformers.AutoConfig: cached files only when HF_HUB_OFFLINE /
+    TRANSFORMERS_OFFLINE is set or the Hub does not answer. Offline and not cached fails at once, before
+    transformers is imported (seconds on a loaded machine), with one line saying what to pass instead."""
+    hint = (f"pass a catalog name ({', '.join(repr(a) for a in alternatives)}) or a local config.json path"
+            if alternatives else "pass a catalog name (`memfit models` lists them) or a local config.json path")
+    offline = "HF_HUB_OFFLINE is set" if _env_offline() else None if _hub_reachable() else "the Hub is unreachable"
+    if offline and not _in_hub_cache(repo_id):
+        raise ModelSourceError(f"cannot get the config of '{repo_id}': offline ({offline}) and not in the local "
+                               f"Hugging Face cache; {hint}")
     try:
         from transformers import AutoConfig
     except ImportError:
         raise MissingDependencyError(
-            f"resolving hub id '{repo_id}' needs transformers (pip install 'memfit[hf]'); "
-            f"{hint}pass a local config.json"
+            f"resolving hub id '{repo_id}' needs transformers (pip install 'memfit[hf]'); {hint}"
         ) from None
-    offline = _env_offline() or not _hub_reachable()
     try:
-        config = AutoConfig.from_pretrained(repo_id, local_files_only=offline, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(repo_id, local_files_only=bool(offline), trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - hub, network and parsing failures all mean "not resolvable here"
-        reason = "offline and not in the local cache" if offline else _first_line(exc)
+        reason = f"offline ({offline})" if offline else _first_line(exc)
         raise ModelSourceError(f"cannot get the config of '{repo_id}' from the Hugging Face Hub ({reason}); "
-                               f"{hint}pass a local config.json") from None
-    return from_hf_config(config.to_dict(), name=name or repo_id, source=f"hub:{repo_id}")
+                               f"{hint}") from None
+    return config.to_dict()
 
 
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    """One quick TCP connect to the Hub endpoint. Without it, huggingface_hub retries an unreachable host five
-    times with back-off (~35 s) before failing; with it an offline machine falls back to the cache at once."""
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds the repository's config.json (the file transformers would read
+    offline). huggingface_hub answers from the cache folder alone (file_download.try_to_load_from_cache)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # no hub client: let transformers report it
+        return True
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an id the cache cannot hold is not cached
+        return False
+
+
+def _hub_reachable(timeout_s: float = 1.5) -> bool:
+    """One quick TCP connect to the Hub endpoint (or to the HTTPS proxy when one is set), DNS lookup included,
+    within `timeout_s` in all. Without it, huggingface_hub retries an unreachable host with back-off (~35-55 s)
+    before failing; with it an offline machine falls back to the cache at once. socket.create_connection's
+    timeout does not bound the name lookup, so the probe runs in a daemon thread that is abandoned at the deadline."""
     import socket
+    import threading
+    import urllib.request
     from urllib.parse import urlparse
 
     try:
@@ -194,12 +220,24 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
         endpoint = urlparse(constants.ENDPOINT)
     except Exception:  # noqa: BLE001 - no hub client: let transformers report it
         return True
-    host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    proxy = urllib.request.getproxies().get(endpoint.scheme)
+    if proxy and urllib.request.proxy_bypass(endpoint.hostname or ""):  # NO_PROXY names the Hub: direct
+        proxy = None
+    target = urlparse(proxy if "://" in (proxy or "") else f"http://{proxy}") if proxy else endpoint
+    host, port = target.hostname, target.port or (443 if target.scheme == "https" else 80)
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                answer.append(True)
+        except (OSError, ValueError):
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, name="memfit-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answer and answer[0])
 
 
 def _first_line(exc: BaseException, limit: int = 160) -> str:
