@@ -33,6 +33,8 @@ GRACE_S = 1.0
 class _State:
     def __init__(self) -> None:
         self.hit = False
+        self.awaited = False
+        """The command stops on Ctrl-C by design (serve): no watchdog, its own exit code."""
         self.done = threading.Event()
 
 
@@ -68,7 +70,7 @@ def _watch(receiver: socket.socket, state: _State) -> None:
             break
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline or atomic.in_critical():
-        if state.done.wait(0.05):
+        if state.done.wait(0.05) or state.awaited:
             return
     try:
         os.write(2, b"\ninterrupted\n")
@@ -101,6 +103,15 @@ def handling() -> Iterator[None]:
         sender.close()  # the watcher's recv returns b"": it ends
         watcher.join(1.0)
         receiver.close()
+
+
+@contextmanager
+def awaited() -> Iterator[None]:
+    """Around a command whose normal stop is Ctrl-C (`memfit serve`): it handles the KeyboardInterrupt itself
+    and exits 0; the watchdog leaves it alone."""
+    if _state is not None:
+        _state.awaited = True
+    yield
 
 
 def exit_now(code: int) -> None:
