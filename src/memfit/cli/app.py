@@ -198,6 +198,7 @@ def _snippets(setup, render, *, emitted: Path | None, auto_class: str = "AutoMod
              "model loading:": render.python_call(f"{auto_class}.from_pretrained", hf_model_kwargs(setup))}
     if setup.finetune.adapters:
         items.update(_adapter_snippets(setup, render, auto_class))
+    items.update(_apply_snippet(setup, emitted))
     if uses_deepspeed(setup):
         try:
             items["deepspeed.json:"] = render.compact_json(deepspeed_config(setup, hf_auto=True))
@@ -206,6 +207,20 @@ def _snippets(setup, render, *, emitted: Path | None, auto_class: str = "AutoMod
     if emitted is None:
         items["all engine files (accelerate, FSDP2, README):"] = "memfit plan ... --emit DIR"
     return items
+
+
+def _apply_snippet(setup, emitted: Path | None) -> dict[str, str]:
+    """What TrainingArguments cannot carry but the plan sized (selective checkpointing, activation offloading):
+    the line that puts it on the loaded model (memfit.emit.apply_file); without it the step is another one."""
+    from ..emit import config_path
+    from ..emit.apply_file import APPLY_FILE, apply_call, apply_summary
+
+    line = apply_call(setup, config_path(emitted, APPLY_FILE) if emitted is not None else None)
+    if line is None:
+        return {}
+    title = (f"{apply_summary(setup)}: sized, but TrainingArguments cannot express it; on the loaded model, before "
+             "Trainer(...):")
+    return {title: f"import memfit\n{line}"}
 
 
 def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
@@ -169,8 +170,9 @@ def selective_checkpointing_note(setup: TrainingSetup) -> str:
     titan = {Checkpointing.SELECTIVE_OP: 'mode = "selective", selective_ac_option = "op"'}.get(
         mode, f'mode = "selective", selective_ac_option = "{mode.every}"' if mode.every else None)
     text = (f"checkpointing {mode}: TrainingArguments cannot express it (transformers' gradient_checkpointing / "
-            "activation_checkpointing recompute whole blocks only), so training_args.json leaves checkpointing off; "
-            "call memfit.apply_(model, setup) on the model before Trainer(...), or use the FSDP2 code memfit emits "
+            "activation_checkpointing recompute whole blocks only), so training_args.json leaves checkpointing off "
+            f"and memfit_apply.json holds it: call `{apply_call(setup, APPLY_FILE)}` on the loaded model before "
+            "Trainer(...) (without it the step keeps every activation), or use the FSDP2 code memfit emits "
             "(fsdp2_shard.py, enable_checkpointing)")
     if titan:
         text += f"; torchtitan TOML: [activation_checkpoint] {titan}"
@@ -202,10 +204,11 @@ def _activation_offload_part(setup: TrainingSetup, **_):
     OffloadActivations hooks, and memfit.apply_ installs the same hooks on a live model."""
     if not setup.activation_offload:
         return {}, {}, []
-    return {}, {}, ["Activation offloading: TRL `SFTConfig(activation_offloading=True)`, axolotl "
-                    "`activation_offloading: true`, torchtune `enable_activation_offloading: True`; with a plain "
-                    "Trainer, `memfit.apply_(model, setup)` installs the same saved-tensor hooks. It needs CUDA and "
-                    "pinned host RAM."]
+    return {}, {}, [f"Activation offloading: TrainingArguments has no such option, so memfit_apply.json holds it: "
+                    f"`{apply_call(setup, APPLY_FILE)}` on the loaded model installs torchtune's saved-tensor hooks "
+                    "before Trainer(...) (TRL `SFTConfig(activation_offloading=True)`, axolotl "
+                    "`activation_offloading: true` and torchtune `enable_activation_offloading: True` are the same "
+                    "hooks). It needs CUDA and pinned host RAM."]
 
 
 def _compile_part(setup: TrainingSetup, **_):
