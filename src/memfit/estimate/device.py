@@ -268,9 +268,8 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
                 add((("g", b), shape.gathered_block))
             for i, size in enumerate(shape.saved_per_block):
                 add((("s", b, i), size))
-            for i, size in enumerate(shape.offloaded_per_block):  # created, then copied to the host and freed
+            for i, size in enumerate(shape.offloaded_per_block):  # created, copied to the host, freed (one by one)
                 add((("x", i), size))
-            for i in range(len(shape.offloaded_per_block)):
                 add((("x", i), alloc.FREE))
             if shape.gathered_block:
                 add((("g", b), alloc.FREE))
