@@ -226,7 +226,7 @@ def _apply_snippet(setup, emitted: Path | None) -> dict[str, str]:
 def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:
     """LoRA / QLoRA: how to load the base (dtype, or BitsAndBytesConfig) and the LoraConfig, as memfit sized them."""
     from ..emit import hf_model_kwargs
-    from ..emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs
+    from ..emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs, prepare_line
 
     bnb = bnb_config_kwargs(setup)
     model = dict(hf_model_kwargs(setup))
@@ -238,7 +238,7 @@ def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:
         model["dtype"] = base_dtype(setup)
     loading.append(render.python_call(f"model = {auto_class}.from_pretrained", model))
     if bnb:
-        loading.append("model = prepare_model_for_kbit_training(model)  # the rest -> fp32")
+        loading.append(prepare_line(setup))
     loading.append("model = get_peft_model(model, " + render.python_call("LoraConfig", lora_config_kwargs(setup))
                    .replace("\n", "\n    ") + ")")
     return {"model loading:": "\n".join(loading)}
