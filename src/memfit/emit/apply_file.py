@@ -57,7 +57,7 @@ def apply_file(setup: TrainingSetup, *, path: str = APPLY_FILE) -> EmittedConfig
                                                    "host RAM; needs CUDA"}
     comments = {k: v for k, v in comments.items() if k.split(".", 1)[1] in items}
     notes = (f"`{apply_call(setup, path)}` on the loaded model (after get_peft_model, before Trainer(...)): "
-             f"{apply_summary(setup)} were sized, and TrainingArguments cannot express them; without this line the "
+             f"memfit sized {apply_summary(setup)}, which TrainingArguments cannot express; without this line the "
              "step is not the one memfit sized.",)
     return EmittedConfig(APPLY_FILE, {APPLY_KEY: items}, comments, notes,
                          summary="`memfit.apply_(model, path)`: what training_args.json cannot express, applied "
