@@ -309,7 +309,10 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     for key, device in ((opt_key, opt_dev), (par_key, par_dev)):
         if device not in ("none", "cpu", "nvme") and read.strict:
             read.unmappable("offload", key, device, "DeepSpeed offloads to none, cpu or nvme")
-    sharded = world is None or world >= 2
+    opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
+    # one rank: a stage shards nothing, but with offload it is DeepSpeed's ZeRO-Offload / ZeRO-Infinity, which
+    # memfit sizes (TrainingSetup._one_gpu_sharding_problems)
+    sharded = world is None or world >= 2 or opt or par
     if stage and not sharded:
         read.ignore(stage_key, stage, f"DeepSpeed ZeRO stage {stage} over {world} GPU shards nothing: sized "
                                       "unsharded (give the GPU count, --gpus N / num_gpus=, for the per-rank size)")
@@ -319,8 +322,7 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     elif has_stage and read.strict:
         read.set("sharding", Sharding.NONE, stage_key, stage)
     nvme = " (nvme: sized like cpu, the GPU holds the same)"
-    opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
-    if par and stage == 3 and sharded:
+    if par and stage == 3:
         read.set("offload", Offload.OPTIMIZER_AND_PARAMS, par_key, par_dev, nvme.strip() if par_dev == "nvme" else "")
         read.set("engine", Engine.DEEPSPEED, par_key, par_dev, "DeepSpeed ZeRO-Infinity")
         read.consume(opt_key)
@@ -337,7 +339,7 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     else:
         read.consume(opt_key)
     if par:
-        read.ignore(par_key, par_dev, "parameter offload needs ZeRO-3 over 2+ GPUs in memfit: sized "
+        read.ignore(par_key, par_dev, "parameter offload needs ZeRO-3 in memfit: sized "
                                       + ("as optimizer offload" if opt else "without offload"))
     else:
         read.consume(par_key)
