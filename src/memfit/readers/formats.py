@@ -193,7 +193,7 @@ TRAINING_ARGS_TABLE = {
     "fp16_full_eval": EVAL,
     "auto_find_batch_size": f"{NOT_SIZED} (the Trainer halves the batch after an out-of-memory error)",
     "torch_compile_backend": COMPILE, "torch_compile_mode": COMPILE,
-    "use_liger_kernel": NOT_SIZED, "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
+    "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
     "gradient_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "activation_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "optim_args": f"{NOT_RELEVANT} (optimizer hyperparameters)",

@@ -11,8 +11,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..optimizers import hf_optim_names
-from ..setup import Checkpointing, Engine, Offload, Optimizer, Padding, Precision, Sharding
-from ._reader import NOT_SIZED, Reader, _get, _positive, _value
+from ..setup import Checkpointing, Engine, Loss, Offload, Optimizer, Padding, Precision, Sharding
+from ._reader import NOT_SIZED, OFF, Reader, _get, _positive, _value
 
 OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()}
 """HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
@@ -20,7 +20,7 @@ OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()
 PAGED = ("paged: the states of tensors >= 1e5 elements in CUDA unified memory, outside torch's caching allocator "
          "(sized as device memory outside the allocator)")
 
-NOT_MODELLED = ("use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
+NOT_MODELLED = ("gradient_checkpointing_kwargs", "optim_args",
                 "neftune_noise_alpha", "torch_empty_cache_steps")
 """TrainingArguments that change memory in ways the estimate does not follow, listed when set."""
 
@@ -59,11 +59,24 @@ def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | N
         read_optimizer(read, args)
         read_checkpointing(read, args)
         read_compile(read, args)
+        read_liger(read, args)
         read_group_by_length(read, args)
         for name in NOT_MODELLED if not read.strict else ():  # files: every field left over is listed
             value = _get(args, name)
             if value:
                 read.ignore(name, value, NOT_SIZED)
+
+
+def read_liger(read: Reader, args: Any) -> None:
+    """use_liger_kernel: the Trainer patches the model with Liger's kernels, whose fused linear cross-entropy
+    (on by default in liger_kernel.transformers apply_liger_kernel_to_*) computes the head and the loss chunk by
+    chunk: memfit's loss fused, which the emitter writes this way."""
+    value = _get(args, "use_liger_kernel")
+    if value:
+        read.set("loss", Loss.FUSED, "use_liger_kernel", value, "Liger's fused linear cross-entropy: no B x T x V "
+                                                                "logits")
+    elif value is not None and read.strict:
+        read.ignore("use_liger_kernel", value, OFF)
 
 
 def read_group_by_length(read: Reader, args: Any) -> None:
