@@ -31,6 +31,8 @@ PLANS = {
     "8b-full-4xa100-40-deepspeed": ["llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4"],
     "8b-full-4xa100-40-fsdp": ["llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--engine", "torch",
                                "--zero", "zero3"],
+    "7b-full-4090-zero3-offload-one-gpu": ["qwen2.5-7b", "--gpu", "RTX-4090", "-s", "8192"],
+    "7b-full-4x4090-fused-loss": ["qwen2.5-7b", "--gpu", "RTX-4090", "--gpus", "4", "-s", "8192"],
     "70b-qlora-a100": ["llama-3.1-70b", "--gpu", "A100-80GB", "--method", "qlora", "-b", "1", "-s", "2048"],
     "70b-qlora-2x48-fsdp-offload": ["llama-3.1-70b", "--gpu", "48GB", "--gpus", "2", "--method", "qlora", "-b", "1",
                                     "-s", "2048", "--engine", "torch", "--zero", "zero3", "--checkpointing", "full",
@@ -73,6 +75,17 @@ def test_emitted_files_re_estimate_to_the_printed_figure(name, tmp_path, monkeyp
     assert estimate(spec, setup, hardware).total_bytes == _sized_bytes(data), (name, reading.overrides)
     if sized["checkpointing"] not in ("none", "full") or sized["activation_offload"]:
         assert (Path("out") / "memfit_apply.json").exists()  # what TrainingArguments cannot carry is written
+
+
+def test_a_loss_the_trainer_cannot_run_is_said_with_the_config():
+    """torchtune's chunked loss has no TrainingArguments switch and no apply_ item, so its plan cannot round-trip
+    through the Trainer's files (they re-size with the standard loss): the printed config says so, and where the
+    loss is expressed instead."""
+    result = CliRunner(env=NARROW).invoke(app, ["plan", "llama-3.2-1b", "--gpu", "RTX-4090", "-s", "8192", "--json"])
+    assert json.loads(result.stdout)["final_setup"]["loss"] == "chunked"
+    text = " ".join(CliRunner(env=NARROW).invoke(app, ["plan", "llama-3.2-1b", "--gpu", "RTX-4090", "-s", "8192"])
+                    .output.split())
+    assert "the HF Trainer cannot run it" in text and "CEWithChunkedOutputLoss" in text
 
 
 def test_the_optimize_choice_that_training_arguments_cannot_carry_is_printed_with_the_line_that_applies_it():

@@ -215,12 +215,21 @@ def _apply_snippet(setup, emitted: Path | None) -> dict[str, str]:
     from ..emit import config_path
     from ..emit.apply_file import APPLY_FILE, apply_call, apply_summary
 
+    from ..emit.hf_trainer import trainer_cannot_express
+
+    items = {}
     line = apply_call(setup, config_path(emitted, APPLY_FILE) if emitted is not None else None)
-    if line is None:
-        return {}
-    title = (f"{apply_summary(setup)}: sized, but TrainingArguments cannot express it; on the loaded model, before "
-             "Trainer(...):")
-    return {title: f"import memfit\n{line}"}
+    if line is not None:
+        title = (f"{apply_summary(setup)}: sized, but TrainingArguments cannot express it; on the loaded model, "
+                 "before Trainer(...):")
+        items[title] = f"import memfit\n{line}"
+    notes = trainer_cannot_express(setup)
+    if notes:  # the chunked loss, the step in backward: torchtune's, said where they are
+        import textwrap
+
+        items["sized, but the HF Trainer cannot run it (the figure assumes it):"] = "\n".join(
+            "# " + line for note in notes for line in textwrap.wrap(note, width=72))
+    return items
 
 
 def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:

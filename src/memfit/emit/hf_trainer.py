@@ -181,6 +181,12 @@ def selective_checkpointing_note(setup: TrainingSetup) -> str:
     return text + "."
 
 
+def trainer_cannot_express(setup: TrainingSetup) -> list[str]:
+    """What the plan sized that neither TrainingArguments nor memfit_apply.json can carry (torchtune's chunked loss,
+    the optimizer step in backward): the notes that say where it is expressed instead."""
+    return _loss_part(setup)[2]
+
+
 def _loss_part(setup: TrainingSetup, **_):
     """The fused loss is Liger's (TrainingArguments.use_liger_kernel patches the model's forward with its fused
     linear cross-entropy); the chunked loss and the optimizer step in backward are torchtune's, said in notes."""
