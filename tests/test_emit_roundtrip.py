@@ -29,6 +29,7 @@ PLANS = {
     "8b-lora-4090-long": ["llama-3.1-8b", "--gpu", "RTX-4090", "--method", "lora", "-s", "8192"],
     "8b-qlora-4090-long": ["llama-3.1-8b", "--gpu", "RTX-4090", "--method", "qlora", "-s", "8192"],
     "8b-full-4xa100-40-deepspeed": ["llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4"],
+    "1b-full-4xh100-data-parallel": ["llama-3.2-1b", "--gpu", "H100", "--gpus", "4"],
     "8b-full-4xa100-40-fsdp": ["llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--engine", "torch",
                                "--zero", "zero3"],
     "7b-full-4090-zero3-offload-one-gpu": ["qwen2.5-7b", "--gpu", "RTX-4090", "-s", "8192"],
