@@ -467,8 +467,8 @@ def _readback_expected(setup: TrainingSetup) -> TrainingSetup:
         out = out.replace(precision="amp-bf16")  # the Trainer has no bf16-weights + fp32 master mode
     if setup.optimizer is Optimizer.ADAMW and (not deepspeed or setup.offload is not Offload.NONE):
         out = out.replace(optimizer="adamw-foreach")  # no optim name for single-tensor AdamW; CPU Adam offloaded
-    if deepspeed and setup.sharding is Sharding.NONE and setup.offload is not Offload.NONE and setup.num_gpus > 1:
-        out = out.replace(sharding="zero1")  # DeepSpeed offloads only under ZeRO: stage 1 is written
+    if deepspeed and setup.sharding is Sharding.NONE and setup.offload is not Offload.NONE:
+        out = out.replace(sharding="zero1")  # DeepSpeed offloads only under ZeRO: stage 1 is written (one GPU too)
     if not deepspeed and setup.sharding is Sharding.NONE and setup.num_gpus > 1:
         out = out.replace(engine="torch")  # no DeepSpeed file: the Trainer / accelerate run DDP
     return out

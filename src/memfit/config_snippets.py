@@ -25,6 +25,7 @@ def config_snippets(setup, *, emitted: Path | None = None, auto_class: str = "Au
              "model loading:": render.python_call(f"{auto_class}.from_pretrained", hf_model_kwargs(setup))}
     if setup.finetune.adapters:
         items.update(_adapter_snippets(setup, render, auto_class))
+    items.update(_apply_snippet(setup, emitted))
     if uses_deepspeed(setup):
         try:
             items["deepspeed.json:"] = render.compact_json(deepspeed_config(setup, hf_auto=True))
@@ -35,10 +36,32 @@ def config_snippets(setup, *, emitted: Path | None = None, auto_class: str = "Au
     return items
 
 
+def _apply_snippet(setup, emitted: Path | None) -> dict[str, str]:
+    """What TrainingArguments cannot carry but the plan sized (selective checkpointing, activation offloading):
+    the line that puts it on the loaded model (memfit.emit.apply_file); without it the step is another one."""
+    import textwrap
+
+    from .emit import config_path
+    from .emit.apply_file import APPLY_FILE, apply_call, apply_summary
+    from .emit.hf_trainer import trainer_cannot_express
+
+    items = {}
+    line = apply_call(setup, config_path(emitted, APPLY_FILE) if emitted is not None else None)
+    if line is not None:
+        title = (f"{apply_summary(setup)}: sized, but TrainingArguments cannot express it; on the loaded model, "
+                 "before Trainer(...):")
+        items[title] = f"import memfit\n{line}"
+    notes = trainer_cannot_express(setup)
+    if notes:  # the chunked loss, the step in backward: torchtune's, said where they are
+        items["sized, but the HF Trainer cannot run it (the figure assumes it):"] = "\n".join(
+            "# " + line for note in notes for line in textwrap.wrap(note, width=72))
+    return items
+
+
 def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:
     """LoRA / QLoRA: how to load the base (dtype, or BitsAndBytesConfig) and the LoraConfig, as memfit sized them."""
     from .emit import hf_model_kwargs
-    from .emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs
+    from .emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs, prepare_line
 
     bnb = bnb_config_kwargs(setup)
     model = dict(hf_model_kwargs(setup))
@@ -50,7 +73,7 @@ def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:
         model["dtype"] = base_dtype(setup)
     loading.append(render.python_call(f"model = {auto_class}.from_pretrained", model))
     if bnb:
-        loading.append("model = prepare_model_for_kbit_training(model)  # the rest -> fp32")
+        loading.append(prepare_line(setup))
     loading.append("model = get_peft_model(model, " + render.python_call("LoraConfig", lora_config_kwargs(setup))
                    .replace("\n", "\n    ") + ")")
     return {"model loading:": "\n".join(loading)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
@@ -180,14 +181,21 @@ def selective_checkpointing_note(setup: TrainingSetup) -> str:
     titan = {Checkpointing.SELECTIVE_OP: 'mode = "selective", selective_ac_option = "op"'}.get(
         mode, f'mode = "selective", selective_ac_option = "{mode.every}"' if mode.every else None)
     text = (f"checkpointing {mode}: TrainingArguments cannot express it (transformers' gradient_checkpointing / "
-            "activation_checkpointing recompute whole blocks only), so training_args.json leaves checkpointing off; "
-            "call memfit.apply_(model, setup) on the model before Trainer(...), or use the FSDP2 code memfit emits "
+            "activation_checkpointing recompute whole blocks only), so training_args.json leaves checkpointing off "
+            f"and memfit_apply.json holds it: call `{apply_call(setup, APPLY_FILE)}` on the loaded model before "
+            "Trainer(...) (without it the step keeps every activation), or use the FSDP2 code memfit emits "
             "(fsdp2_shard.py, enable_checkpointing)")
     if titan:
         text += f"; torchtitan TOML: [activation_checkpoint] {titan}"
     elif mode is Checkpointing.ATTENTION:
         text += "; Megatron-LM: --recompute-granularity selective (core attention)"
     return text + "."
+
+
+def trainer_cannot_express(setup: TrainingSetup) -> list[str]:
+    """What the plan sized that neither TrainingArguments nor memfit_apply.json can carry (torchtune's chunked loss,
+    the optimizer step in backward): the notes that say where it is expressed instead."""
+    return _loss_part(setup)[2]
 
 
 def _loss_part(setup: TrainingSetup, **_):
@@ -213,10 +221,11 @@ def _activation_offload_part(setup: TrainingSetup, **_):
     OffloadActivations hooks, and memfit.apply_ installs the same hooks on a live model."""
     if not setup.activation_offload:
         return {}, {}, []
-    return {}, {}, ["Activation offloading: TRL `SFTConfig(activation_offloading=True)`, axolotl "
-                    "`activation_offloading: true`, torchtune `enable_activation_offloading: True`; with a plain "
-                    "Trainer, `memfit.apply_(model, setup)` installs the same saved-tensor hooks. It needs CUDA and "
-                    "pinned host RAM."]
+    return {}, {}, [f"Activation offloading: TrainingArguments has no such option, so memfit_apply.json holds it: "
+                    f"`{apply_call(setup, APPLY_FILE)}` on the loaded model installs torchtune's saved-tensor hooks "
+                    "before Trainer(...) (TRL `SFTConfig(activation_offloading=True)`, axolotl "
+                    "`activation_offloading: true` and torchtune `enable_activation_offloading: True` are the same "
+                    "hooks). It needs CUDA and pinned host RAM."]
 
 
 def _compile_part(setup: TrainingSetup, **_):

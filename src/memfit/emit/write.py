@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..hardware import Hardware
 from ..setup import TrainingSetup
 from .accelerate import accelerate_file
+from .apply_file import APPLY_FILE, apply_file
 from .deepspeed import deepspeed_file
 from .emitted import EmittedConfig, describe, uses_deepspeed
 from .fsdp import fsdp2_file, fsdp2_unsupported
@@ -48,6 +49,9 @@ def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *, 
     adapters = peft_file(setup)
     if adapters is not None:
         files.append(adapters)
+    applied = apply_file(setup, path=config_path(directory, APPLY_FILE))
+    if applied is not None:  # what TrainingArguments cannot carry (selective checkpointing, activation offload)
+        files.append(applied)
     if uses_deepspeed(setup):
         try:
             files.append(deepspeed_file(setup))

@@ -81,8 +81,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     phase, terms = moments[peak_name]
     terms = [t for t in terms if t.num_bytes > 0]
     in_allocator = [t for t in terms if t.device_figure == "allocated"]
-    terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator)
     offloaded = _activation_host(spec, sized, hardware.is_cpu)
+    terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator,
+                                    offload=offloaded)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=asked, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu_bytes + offloaded.host_bytes,

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
-from ..setup import Engine, Offload, Optimizer, Precision, TrainingSetup
+from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 from . import float8, muon
 from .fsdp2 import Fsdp2Units
 
@@ -250,7 +250,10 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     params = full.params_bytes // n if stage >= 3 else full.params_bytes
     grads = full.grads_bytes // n if stage >= 2 else full.grads_bytes
     optimizer = (full.states_bytes + full.master_bytes) // n if stage >= 1 else full.states_bytes + full.master_bytes
-    engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED else _torch_layout
+    # DeepSpeed lays the step out only where it runs it: sharding or offload (the route memfit.emit writes, and the
+    # one analytic._as_run sizes the precision for). Plain data parallelism is the Trainer's / accelerate's DDP.
+    deepspeed_runs = setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE
+    engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED and deepspeed_runs else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0, frozen_bytes=full.frozen_bytes))
     return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
 

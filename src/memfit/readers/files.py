@@ -22,6 +22,7 @@ FORMATS = {
     "torchtune": "torchtune recipe",
     "from_pretrained": "from_pretrained kwargs",
     "peft": "peft LoraConfig (adapter_config.json / peft.json)",
+    "memfit_apply": "memfit_apply.json (memfit.apply_)",
 }
 """Format key -> what it is called in messages."""
 
@@ -181,6 +182,8 @@ def detect_format(data: Mapping) -> str | None:
     axolotl their own keys (checked before TrainingArguments, whose keys they
     also carry), TrainingArguments its own field names, from_pretrained kwargs only loading keys."""
     keys = {str(k) for k in data}
+    if "memfit_apply" in keys:  # memfit.emit.apply_file
+        return "memfit_apply"
     if "_component_" in keys or any(isinstance(v, Mapping) and "_component_" in v for v in data.values()):
         return "torchtune"
     if "peft_type" in keys or isinstance(data.get("lora_config"), Mapping):

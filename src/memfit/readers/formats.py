@@ -17,6 +17,7 @@ from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fs
                  read_compile, read_precision, read_sharding, read_training_args, read_zero)
 from . import lora
 from .float8 import axolotl_float8, torchtune_float8
+from .memfit_apply import map_memfit_apply
 
 ADAPTER = f"{NOT_SIZED} (LoRA / QLoRA adapter setting)"
 QUANTIZED = f"{NOT_SIZED} (quantized base weights)"
@@ -198,7 +199,7 @@ TRAINING_ARGS_TABLE = {
     "fp16_full_eval": EVAL,
     "auto_find_batch_size": f"{NOT_SIZED} (the Trainer halves the batch after an out-of-memory error)",
     "torch_compile_backend": COMPILE, "torch_compile_mode": COMPILE,
-    "use_liger_kernel": NOT_SIZED, "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
+    "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
     "gradient_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "activation_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "optim_args": f"{NOT_RELEVANT} (optimizer hyperparameters)",
@@ -739,7 +740,7 @@ def map_peft(read: Reader, data: dict, ctx: Context) -> None:
 MAPPERS: dict[str, Callable[[Reader, dict, Context], None]] = {
     "training_args": map_training_args, "deepspeed": map_deepspeed, "accelerate": map_accelerate,
     "axolotl": map_axolotl, "llamafactory": map_llamafactory, "torchtune": map_torchtune,
-    "from_pretrained": map_from_pretrained, "peft": map_peft,
+    "from_pretrained": map_from_pretrained, "peft": map_peft, "memfit_apply": map_memfit_apply,
 }
 
 __all__ = ["ConfigFile", "Context", "MAPPERS", "load_dtype", "read_deepspeed_optimizer", "torchtune_model"]

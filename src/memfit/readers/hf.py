@@ -11,9 +11,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..optimizers import hf_optim_names
-from ..setup import Checkpointing, Engine, Offload, Optimizer, Padding, Precision, Sharding
+from ..setup import Checkpointing, Engine, Loss, Offload, Optimizer, Padding, Precision, Sharding
 from ..zero_knobs import DEEPSPEED_DEFAULTS, ZeroKnobs
-from ._reader import NOT_SIZED, Reader, _get, _positive, _value
+from ._reader import NOT_SIZED, OFF, Reader, _get, _positive, _value
 
 OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()}
 """HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
@@ -21,7 +21,7 @@ OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()
 PAGED = ("paged: the states of tensors >= 1e5 elements in CUDA unified memory, outside torch's caching allocator "
          "(sized as device memory outside the allocator)")
 
-NOT_MODELLED = ("use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
+NOT_MODELLED = ("gradient_checkpointing_kwargs", "optim_args",
                 "neftune_noise_alpha", "torch_empty_cache_steps")
 """TrainingArguments that change memory in ways the estimate does not follow, listed when set."""
 
@@ -67,11 +67,24 @@ def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | N
         read_optimizer(read, args)
         read_checkpointing(read, args)
         read_compile(read, args)
+        read_liger(read, args)
         read_group_by_length(read, args)
         for name in NOT_MODELLED if not read.strict else ():  # files: every field left over is listed
             value = _get(args, name)
             if value:
                 read.ignore(name, value, NOT_SIZED)
+
+
+def read_liger(read: Reader, args: Any) -> None:
+    """use_liger_kernel: the Trainer patches the model with Liger's kernels, whose fused linear cross-entropy
+    (on by default in liger_kernel.transformers apply_liger_kernel_to_*) computes the head and the loss chunk by
+    chunk: memfit's loss fused, which the emitter writes this way."""
+    value = _get(args, "use_liger_kernel")
+    if value:
+        read.set("loss", Loss.FUSED, "use_liger_kernel", value, "Liger's fused linear cross-entropy: no B x T x V "
+                                                                "logits")
+    elif value is not None and read.strict:
+        read.ignore("use_liger_kernel", value, OFF)
 
 
 def read_group_by_length(read: Reader, args: Any) -> None:
@@ -327,7 +340,10 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     for key, device in ((opt_key, opt_dev), (par_key, par_dev)):
         if device not in ("none", "cpu", "nvme") and read.strict:
             read.unmappable("offload", key, device, "DeepSpeed offloads to none, cpu or nvme")
-    sharded = world is None or world >= 2
+    opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
+    # one rank: a stage shards nothing, but with offload it is DeepSpeed's ZeRO-Offload / ZeRO-Infinity, which
+    # memfit sizes (TrainingSetup._one_gpu_sharding_problems)
+    sharded = world is None or world >= 2 or opt or par
     if stage and not sharded:
         read.ignore(stage_key, stage, f"DeepSpeed ZeRO stage {stage} over {world} GPU shards nothing: sized "
                                       "unsharded (give the GPU count, --gpus N / num_gpus=, for the per-rank size)")
@@ -337,8 +353,7 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     elif has_stage and read.strict:
         read.set("sharding", Sharding.NONE, stage_key, stage)
     nvme = " (nvme: sized like cpu, the GPU holds the same)"
-    opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
-    if par and stage == 3 and sharded:
+    if par and stage == 3:
         read.set("offload", Offload.OPTIMIZER_AND_PARAMS, par_key, par_dev, nvme.strip() if par_dev == "nvme" else "")
         read.set("engine", Engine.DEEPSPEED, par_key, par_dev, "DeepSpeed ZeRO-Infinity")
         read.consume(opt_key)
@@ -355,7 +370,7 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     else:
         read.consume(opt_key)
     if par:
-        read.ignore(par_key, par_dev, "parameter offload needs ZeRO-3 over 2+ GPUs in memfit: sized "
+        read.ignore(par_key, par_dev, "parameter offload needs ZeRO-3 in memfit: sized "
                                       + ("as optimizer offload" if opt else "without offload"))
     else:
         read.consume(par_key)
