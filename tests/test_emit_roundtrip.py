@@ -42,7 +42,8 @@ PLANS = {
 
 # Files another route uses instead of the Trainer's (accelerate_fsdp2.yaml is the FSDP2 alternative to
 # accelerate.yaml; fsdp2_shard.py is code); README.md is prose.
-NOT_READ = {"README.md", "fsdp2_shard.py", "accelerate_fsdp2.yaml", ".memfit-emit.json"}
+NOT_READ = {"README.md", "fsdp2_shard.py", "accelerate_fsdp2.yaml", ".memfit-emit.json", "memfit_setup.json"}
+"""memfit_setup.json is the launch commands' copy of the setup itself (memfit.launch reads it): checked apart."""
 
 
 def _emit(args: list[str], directory: Path) -> dict:
@@ -74,6 +75,12 @@ def test_emitted_files_re_estimate_to_the_printed_figure(name, tmp_path, monkeyp
     hardware = make_hardware(args[args.index("--gpu") + 1], gpus_per_node=data["world_size"])
     setup = reading.setup(spec, hardware, seq_len=sized["seq_len"])
     assert estimate(spec, setup, hardware).total_bytes == _sized_bytes(data), (name, reading.overrides)
+    launched = Path("out") / "memfit_setup.json"
+    if launched.exists():  # what every node's command runs is the sized setup, field for field
+        from memfit.launch import setup_from_env
+
+        assert setup_from_env({"MEMFIT_SETUP_FILE": str(launched)}).to_dict() == {
+            **TrainingSetup(**{k: v for k, v in sized.items() if k != "notes"}).to_dict(), "notes": []}
     if sized["checkpointing"] not in ("none", "full") or sized["activation_offload"]:
         assert (Path("out") / "memfit_apply.json").exists()  # what TrainingArguments cannot carry is written
 
