@@ -5,6 +5,8 @@ answer exit 0; never a traceback, and with --json stdout is one JSON object.
     python bench/fuzz.py                     # 3000 cases, seed 0
     python bench/fuzz.py --cases 20000 --seed 7
     python bench/fuzz.py --heavy             # also real `trace` / `measure` runs on a tiny config (needs torch)
+    python bench/fuzz.py --hostile           # then the hostile files (bench/fuzz_hostile.py): alias bombs, deep
+                                             # nesting, /dev/zero, FIFOs, absurd model sizes, each within 2 s
 
 Without --heavy, `trace` and `measure` are fuzzed only with inputs refused before torch is imported (an unknown
 model, a bad number, a bad --device or --png, a model too large for this machine's RAM), and `plan --verify`,
@@ -12,8 +14,9 @@ valid --report/--png paths and `launch` without --dry-run are not generated: eac
 step, thousands of times. `launch` always gets --dry-run (or a script that does not exist). Hub ids are resolved
 with HF_HUB_OFFLINE=1, so nothing reaches the network.
 
-Prints the tracebacks grouped by exception type and the memfit frame that raised, malformed JSON, exit codes
-outside {0, 1, 2}, error output that is not one line, and the slowest cases; exits 1 when any of these is found.
+Prints the tracebacks grouped by exception type and the memfit frame that raised, the hangs (a case still running
+after --timeout seconds is stopped by SIGALRM and counted), malformed JSON, exit codes outside {0, 1, 2}, error
+output that is not one line, and the slowest cases; exits 1 when any of these is found.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -320,11 +324,22 @@ class Report:
     bad_json: list = field(default_factory=list)
     bad_exit: list = field(default_factory=list)
     bad_error_output: list = field(default_factory=list)
+    hangs: list = field(default_factory=list)
     slowest: list = field(default_factory=list)
 
     @property
     def problems(self) -> int:
-        return sum(self.tracebacks.values()) + len(self.bad_json) + len(self.bad_exit) + len(self.bad_error_output)
+        return (sum(self.tracebacks.values()) + len(self.bad_json) + len(self.bad_exit) + len(self.bad_error_output)
+                + len(self.hangs))
+
+
+class Hang(BaseException):
+    """Raised by SIGALRM in a case that runs past the per-case timeout (a BaseException: no `except Exception`
+    in the command swallows it)."""
+
+
+def _alarm(signum, frame) -> None:
+    raise Hang()
 
 
 def _where(exc_info) -> str:
@@ -349,6 +364,9 @@ def check(args: list[str], result, report: Report) -> None:
     code = result.exit_code
     report.exit_codes[code] += 1
     report.by_command[command][code] += 1
+    if isinstance(result.exception, Hang):
+        report.hangs.append(_show(args))
+        return
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         key = f"{type(result.exception).__name__} at {_where(result.exc_info)}"
         report.tracebacks[key] += 1
@@ -370,8 +388,13 @@ def check(args: list[str], result, report: Report) -> None:
             report.bad_json.append((_show(args), f"{error}: {result.stdout[:120]!r}"))
 
 
-def run(cases: int = 3000, seed: int = 0, *, heavy: bool = False, progress: bool = False) -> Report:
-    """Generate and run `cases` seeded cases in a temporary working directory; return what was found."""
+def run(cases: int = 3000, seed: int = 0, *, heavy: bool = False, progress: bool = False,
+        timeout: float = 60.0) -> Report:
+    """Generate and run `cases` seeded cases in a temporary working directory; return what was found. A case still
+    running after `timeout` seconds is stopped (SIGALRM, in the main thread) and counted as a hang; one stuck in
+    a C call that never checks for signals is not: bench/fuzz_hostile.py runs its cases in a guarded child."""
+    import signal
+
     from typer.testing import CliRunner
 
     from memfit.cli.app import app
@@ -380,16 +403,24 @@ def run(cases: int = 3000, seed: int = 0, *, heavy: bool = False, progress: bool
     rng = random.Random(seed)
     report = Report()
     started = time.perf_counter()
-    previous = os.getcwd()
+    alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGALRM, _alarm) if alarm else None
     with tempfile.TemporaryDirectory(prefix="memfit-fuzz-") as tmp:
         ws = Workspace.create(Path(tmp))
+        here = os.getcwd()
         os.chdir(tmp)
         try:
             for index in range(cases):
                 args = make_case(rng, ws, heavy=heavy)
                 columns = rng.choice(WIDTHS)
                 begin = time.perf_counter()
-                result = runner.invoke(app, args, prog_name="memfit", env={"COLUMNS": columns})
+                if alarm:
+                    signal.setitimer(signal.ITIMER_REAL, timeout)
+                try:
+                    result = runner.invoke(app, args, prog_name="memfit", env={"COLUMNS": columns})
+                finally:
+                    if alarm:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
                 elapsed = time.perf_counter() - begin
                 check(args, result, report)
                 report.slowest = sorted(report.slowest + [(elapsed, _show(args))], reverse=True)[:5]
@@ -397,7 +428,9 @@ def run(cases: int = 3000, seed: int = 0, *, heavy: bool = False, progress: bool
                 if progress and (index + 1) % 500 == 0:
                     print(f"  {index + 1} cases, {report.problems} problems", file=sys.stderr)
         finally:
-            os.chdir(previous)
+            os.chdir(here)
+            if alarm:
+                signal.signal(signal.SIGALRM, previous)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -409,6 +442,8 @@ def format_report(report: Report, *, seed: int, heavy: bool) -> str:
              "exit codes: " + ", ".join(f"{code}: {n}" for code, n in sorted(report.exit_codes.items())),
              "by command: " + "; ".join(f"{name} " + "/".join(f"{c}:{n}" for c, n in sorted(codes.items()))
                                         for name, codes in sorted(report.by_command.items()))]
+    lines.append(f"hangs (over the per-case timeout): {len(report.hangs)}")
+    lines += [f"         {example}" for example in report.hangs[:5]]
     lines.append(f"tracebacks: {sum(report.tracebacks.values())}")
     for key, count in report.tracebacks.most_common():
         example, message = report.traceback_examples[key]
@@ -428,10 +463,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heavy", action="store_true", help="also run real trace/measure steps on a tiny config")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds after which a case is a hang")
+    parser.add_argument("--hostile", action="store_true", help="then the hostile files (bench/fuzz_hostile.py)")
     options = parser.parse_args(argv)
-    report = run(options.cases, options.seed, heavy=options.heavy, progress=True)
+    report = run(options.cases, options.seed, heavy=options.heavy, progress=True, timeout=options.timeout)
     print(format_report(report, seed=options.seed, heavy=options.heavy))
-    return 1 if report.problems else 0
+    problems = report.problems
+    if options.hostile:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import fuzz_hostile
+
+        with tempfile.TemporaryDirectory(prefix="memfit-hostile-") as tmp:
+            hostile = fuzz_hostile.run(Path(tmp))
+            count, wrong = fuzz_hostile.run_wrong_types(ROOT / "tests" / "data" / "configs", Path(tmp))
+        print(fuzz_hostile.format_report(hostile))
+        print(f"wrong-typed values in the test configs: {count} cases, {len(wrong)} not refused in one line")
+        problems += hostile.problems + len(wrong)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ rank holds and its peak memory as one JSON line per rank.
     memfit launch examples/sharded_train.py --gpus 2 --zero zero2 --engine deepspeed -b 2 -s 128
     python examples/sharded_train.py            # one process, no sharding: the reference run
 
-memfit launch puts the setup and engine in the environment (MEMFIT_SETUP, MEMFIT_ENGINE); run under plain torchrun
-or the deepspeed launcher, pass them with --setup/--engine instead. Every rank builds the same model from the same
+memfit launch puts the setup and engine in the environment (MEMFIT_SETUP, MEMFIT_ENGINE); the commands `memfit plan`
+prints name the memfit_setup.json that `--emit DIR` writes instead (MEMFIT_SETUP_FILE). Run under plain torchrun or
+the deepspeed launcher without either, pass them with --setup/--engine. Every rank builds the same model from the same
 seed and trains on its slice of the same global batch, so the loss equals a one-process run on the whole batch.
 Each rank also reports the bytes its collectives covered in every step (memfit._torch.comm_count), which
 tests/test_launch.py compares with memfit's communication model (memfit.estimate.comm).

@@ -92,7 +92,12 @@ def test_check_reads_a_deepspeed_config(tmp_path):
     assert result.estimate.total_bytes == estimate(as_spec("llama-3.1-8b"), s, result.hardware).total_bytes
     assert any("'steps_per_print'" in i for i in result.ignored)
     one = check("llama-3.1-8b", {"deepspeed": ds, "bf16": True}, gpu="H100", seq_len=2048)
-    assert one.setup.sharding is Sharding.NONE and any("shards nothing" in i for i in one.ignored)
+    # one rank: ZeRO-3 with optimizer offload is DeepSpeed's ZeRO-Offload, which memfit sizes on one GPU
+    assert (one.setup.sharding, one.setup.offload) == (Sharding.ZERO3, Offload.OPTIMIZER)
+    assert one.estimate.total_bytes == estimate(as_spec("llama-3.1-8b"), one.setup, one.hardware).total_bytes
+    plain = dict(ds, zero_optimization={"stage": 3})
+    assert check("llama-3.1-8b", {"deepspeed": plain, "bf16": True}, gpu="H100", seq_len=2048).setup.sharding \
+        is Sharding.NONE  # without offload a stage on one GPU shards nothing
     fsdp = check("llama-3.1-8b", {"fsdp": "full_shard auto_wrap"}, gpu="H100", num_gpus=4, seq_len=1024)
     assert (fsdp.setup.sharding, fsdp.setup.engine) == (Sharding.ZERO3, Engine.TORCH)
     with pytest.raises(ConfigError, match="DeepSpeed config"):

@@ -381,6 +381,7 @@ def test_optimize_emit_writes_the_optimized_setup_and_says_so(tmp_path):
 
 @pytest.mark.parametrize("options", [(), ("--gpus", "8"), ("--gpu", "T4")])
 def test_json_is_exactly_plan_json(options, tmp_path):
+    from memfit.emit import config_path
     from memfit.plan import optimize
     from memfit.plan_output import NOT_SEARCHED, plan_json
 
@@ -391,9 +392,11 @@ def test_json_is_exactly_plan_json(options, tmp_path):
         assert result.exit_code in (0, 1), (result.output, result.exception)
         choice = optimize(spec, setup, hardware, reference=ladder.final_setup, **asked) if extra else NOT_SEARCHED
         emitted = json.loads(result.stdout).get("emitted")  # the paths come from the run
+        setup_file = next((config_path(tmp_path / "out", "memfit_setup.json") for path in emitted or ()
+                           if path.endswith("memfit_setup.json")), None)  # the launch commands name it
         expected = plan_json(ladder, optimized=choice, emitted=emitted,
                              emitted_setup="optimized" if choice not in (None, NOT_SEARCHED) else "final",
-                             emitted_warning=json.loads(result.stdout).get("emitted_warning"))
+                             emitted_warning=json.loads(result.stdout).get("emitted_warning"), setup_file=setup_file)
         assert json.loads(result.stdout) == json.loads(json.dumps(expected)), extra
         assert ("emitted" in expected) == ("--emit" in extra) and ("optimized" in expected) == bool(extra)
 
@@ -418,7 +421,8 @@ def test_launch_commands_print_whole_on_an_80_column_console():
     commands = [c["shell"] for c in json.loads(ok(*args, "--json").stdout)["launch"]["commands"]]
     assert len(commands) == 2
     for command in commands:
-        assert command.startswith("MEMFIT_ENGINE=") and "MEMFIT_SETUP='{" in command and len(command) > 80
+        assert command.startswith("MEMFIT_ENGINE=") and " MEMFIT_SETUP_FILE=memfit_setup.json " in command
+        assert len(command) > 80
         assert command in lines, command  # on one line, not wrapped mid-token
     assert widest_prose_line(result.stdout) <= 80  # everything else still fits
 

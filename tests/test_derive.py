@@ -135,6 +135,81 @@ def test_cache_is_hit_and_a_corrupt_file_is_rebuilt(monkeypatch):
     assert json.loads(path.read_text())["fit"] == first.to_dict()
 
 
+def test_a_failed_derivation_is_cached_with_its_reason_until_the_code_changes(monkeypatch):
+    """A derivation that fails (Mamba2: its block bytes are not linear, after a minute of tracing) answers the next
+    call at once with the same error, from a file keyed like a success plus memfit's code fingerprint."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from memfit.cli.app import app
+    from memfit.derive import fit as derive_fit
+
+    config = dict(NO_RECIPE["qwen3"], hidden_size=48, head_dim=12)
+    setup = TrainingSetup(precision=Precision.FP32)
+    reason = "model_type 'qwen3': what a block keeps is not linear in batch and sequence (a test)"
+    calls = []
+
+    def fails(*args, **kwargs):
+        calls.append(args[1])
+        raise ModelSourceError(reason)
+
+    monkeypatch.setattr(derive_fit, "derive_kind", fails)
+    for _ in range(2):
+        derive_cache.clear_memory()
+        with pytest.raises(ModelSourceError) as failed:
+            DerivedModel(config).fit(setup, True)
+        assert str(failed.value) == reason
+    assert calls == [setup_kind(setup, True)]
+    stored = derive_cache.failure_path(derive_cache.cache_path(config, calls[0], derive_cache.FIT_FORMAT))
+    assert json.loads(stored.read_text())["error"] == reason
+
+    # the CLI: the same one line, exit 2, in well under a second, nothing derived
+    path = Path(derive_cache.cache_dir()).parent / "failing-qwen3.json"
+    path.write_text(json.dumps(config))
+    runner = CliRunner()
+    first = runner.invoke(app, ["estimate", str(path), "--precision", "fp32"])
+    started = time.perf_counter()
+    second = runner.invoke(app, ["estimate", str(path), "--precision", "fp32"])
+    assert time.perf_counter() - started < 1.0
+    assert first.exit_code == second.exit_code == 2
+    assert first.output == second.output and second.output.count("error:") == 1 and reason in second.output
+    assert len(calls) == 2  # the CLI's kind (fp32 on a GPU) once, then cached
+
+    monkeypatch.setattr(derive_cache, "code_fingerprint", lambda: "memfit's code changed")
+    derive_cache.clear_memory()
+    with pytest.raises(ModelSourceError):
+        DerivedModel(config).fit(setup, True)
+    assert len(calls) == 3
+
+
+def test_a_derivation_reports_progress_through_the_installed_reporter(monkeypatch):
+    """The library never draws: derive_kind gets the callback of whatever reporter is installed (the CLI's bar)."""
+    import contextlib
+
+    from memfit.derive import fit as derive_fit
+    from memfit.derive import progress as derive_progress
+
+    seen = []
+
+    @contextlib.contextmanager
+    def reporter(title):
+        yield lambda message, fraction: seen.append((title, message, fraction))
+
+    def derive(config, kind, *, progress=None):
+        progress("1-block copy, batch 2 x seq 16", 0.5)
+        raise ModelSourceError("stop here")
+
+    monkeypatch.setattr(derive_fit, "derive_kind", derive)
+    previous = derive_progress.set_reporter(reporter)
+    try:
+        with pytest.raises(ModelSourceError):
+            DerivedModel(dict(NO_RECIPE["qwen3"], hidden_size=40, head_dim=10), label="q").fit(TrainingSetup(), True)
+    finally:
+        derive_progress.set_reporter(previous)
+    assert seen == [(f"deriving q ({setup_kind(TrainingSetup(), True)})", "1-block copy, batch 2 x seq 16", 0.5)]
+
+
 def test_cache_key_covers_config_versions_and_kind():
     config = NO_RECIPE["qwen3"]
     key = derive_cache.cache_key(config, "fp32/sdpa/cuda")

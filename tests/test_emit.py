@@ -489,7 +489,7 @@ def test_write_all_writes_and_protects_user_files(tmp_path, monkeypatch):
     paths = emit.write_all(setup, HARDWARE, out)
     names = {p.name for p in paths}
     assert names == {"training_args.json", "model_kwargs.json", "deepspeed.json", "accelerate.yaml",
-                     "accelerate_fsdp2.yaml", "fsdp2_shard.py", "README.md"}
+                     "accelerate_fsdp2.yaml", "fsdp2_shard.py", "memfit_setup.json", "README.md"}
     readme = (out / "README.md").read_text()
     assert all(f"`{name}`" in readme for name in names - {"README.md"})
     training_args = json.loads((out / "training_args.json").read_text())
@@ -545,18 +545,18 @@ def test_warning_is_stamped_into_every_file_that_can_hold_it(tmp_path):
     setup = TrainingSetup(precision="bf16-master", sharding="zero3", num_gpus=8, checkpointing="full")
     paths = {p.name: p for p in emit.write_all(setup, HARDWARE, tmp_path / "out", warning=WARNING)}
     assert set(paths) == {"training_args.json", "model_kwargs.json", "deepspeed.json", "accelerate.yaml",
-                          "accelerate_fsdp2.yaml", "fsdp2_shard.py", "README.md"}
+                          "accelerate_fsdp2.yaml", "fsdp2_shard.py", "memfit_setup.json", "README.md"}
     for name in ("accelerate.yaml", "accelerate_fsdp2.yaml", "fsdp2_shard.py"):
         assert paths[name].read_text().startswith(f"# WARNING: {WARNING}"), name
     compile(paths["fsdp2_shard.py"].read_text(), "fsdp2_shard.py", "exec")  # still valid Python
     readme = paths["README.md"].read_text()
     assert readme.startswith(f"> **WARNING: {WARNING}**")
     assert json.loads(paths["deepspeed.json"].read_text())[emit.WARNING_KEY] == WARNING
-    for name in ("training_args.json", "model_kwargs.json"):  # their readers refuse unknown keys
+    for name in ("training_args.json", "model_kwargs.json", "memfit_setup.json"):  # their readers refuse unknown keys
         assert emit.WARNING_KEY not in json.loads(paths[name].read_text())
         assert f"- `{name}`: " in readme.split("| File |")[0], name
     files, _ = emit.emitted_files(setup, HARDWARE, tmp_path / "out", warning=WARNING)
-    assert set(emit.unmarked_files(files)) == {"training_args.json", "model_kwargs.json"}
+    assert set(emit.unmarked_files(files)) == {"training_args.json", "model_kwargs.json", "memfit_setup.json"}
     plain = {p.name: p.read_text() for p in emit.write_all(setup, HARDWARE, tmp_path / "plain")}
     assert not any("WARNING" in text or emit.WARNING_KEY in text for text in plain.values())
 

@@ -20,6 +20,7 @@ from memfit.estimate.comm import comm_volume
 from memfit.estimate.lora import adapted_spec
 from memfit.hardware import cpu_device, make_hardware
 from memfit.setup import TrainingSetup
+from memfit.zero_knobs import ZeroKnobs
 from memfit.sources import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,15 +66,21 @@ def test_only_the_adapters_are_reduced_and_gathered(ranks):
 
 
 def test_lora_offload_on_the_torch_engine_says_where_it_is_sized():
-    with pytest.raises(ConfigError, match="use --engine deepspeed"):
+    """FSDP2 offloads the optimizer only with the parameters: both ways out are setups memfit sizes."""
+    with pytest.raises(ConfigError, match=r"use --offload optimizer\+params --zero zero3, or --engine deepspeed"):
         SETUP.replace(engine="torch")
+    assert SETUP.replace(engine="torch", offload="optimizer+params", sharding="zero3").offload.value != "none"
 
 
 # ---- ZeRO-3 (frozen base partitioned, kept gathered into backward) and DeepSpeed's bf16 mode (16-bit adapters)
 
 ZERO3 = {"zero2-bf16": SETUP.replace(offload="none", precision="amp-bf16"),
          "zero3-fp32": SETUP.replace(sharding="zero3", offload="none"),
-         "zero3-bf16": SETUP.replace(sharding="zero3", offload="none", precision="amp-bf16")}
+         "zero3-bf16": SETUP.replace(sharding="zero3", offload="none", precision="amp-bf16"),
+         # the user's own buffer sizes (memfit.zero_knobs): a 200k-element reduce bucket (hidden^2 is 4,096 here),
+         # no persistent tensors, and a reuse distance of 0 (every module released after its forward)
+         "zero3-fp32-knobs": SETUP.replace(sharding="zero3", offload="none", zero_knobs=ZeroKnobs(
+             reduce_bucket_size=200_000, param_persistence_threshold=0, max_reuse_distance=0))}
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +117,11 @@ def test_zero3_keeps_what_is_reused_in_backward_gathered():
     """The tiny model is far under stage3_max_reuse_distance: all of it stays gathered at the head's backward but
     the persistent tensors (whole anyway), the frozen embedding and block 0's q/k/v bases (no gradient reaches
     them); measured on 2 ranks: 120,128 elements AVAILABLE there, 11,584 of them persistent."""
-    from memfit.estimate.deepspeed_zero3 import gathered_elems, persistent_elems
+    from memfit.estimate.deepspeed_zero3 import gathered_elems, persistence_threshold, persistent_elems
 
     spec = adapted_spec(SPEC, ZERO3["zero3-fp32"])
-    assert persistent_elems(spec, (*spec.params, *spec.frozen)) == 11_584
+    threshold = persistence_threshold(spec, ZERO3["zero3-fp32"])
+    assert persistent_elems(threshold, (*spec.params, *spec.frozen)) == 11_584
     assert gathered_elems(spec, ZERO3["zero3-fp32"]) == 120_128 - 11_584
     everything = spec.num_params + spec.num_frozen_params
     checkpointed = ZERO3["zero3-bf16"].replace(checkpointing="full")

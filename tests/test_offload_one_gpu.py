@@ -50,7 +50,7 @@ def test_one_gpu_allows_zero_with_offload_on_deepspeed_only():
     assert ZERO2.num_gpus == 1 and ZERO3.num_gpus == 1
     with pytest.raises(ConfigError, match="needs at least 2 .*saves nothing unless it offloads"):
         TrainingSetup(sharding="zero2", num_gpus=1)
-    with pytest.raises(ConfigError, match="use engine deepspeed"):
+    with pytest.raises(ConfigError, match="use --engine deepspeed"):
         TrainingSetup(sharding="zero3", offload="optimizer+params", num_gpus=1, engine="torch")
     with pytest.raises(ConfigError, match="needs zero3"):
         TrainingSetup(sharding="zero2", offload="optimizer+params", num_gpus=1)

@@ -24,6 +24,7 @@ from memfit.errors import ConfigError, MissingDependencyError
 from memfit.estimate.analytic import estimate
 from memfit.finetune import ALL_LINEAR, Finetune
 from memfit.hardware import make_hardware
+from memfit.zero_knobs import ZeroKnobs
 from memfit.readers import NOT_RELEVANT, NOT_SIZED, detect_format, read_config
 from memfit.setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 
@@ -45,6 +46,10 @@ class Example:
     not_sized: str
     other: str
     quiet: str
+
+
+OFFLOAD_KNOBS = ZeroKnobs(reduce_bucket_size=50_000_000, param_persistence_threshold=100_000)
+"""deepspeed_zero3_offload.json's buffer sizes (its stage3_max_reuse_distance left out: DeepSpeed's 1e9)."""
 
 
 EXAMPLES = {
@@ -88,11 +93,11 @@ EXAMPLES = {
               "deepspeed_zero3:train_batch_size disable_gradient_checkpointing "
               "deepspeed_zero3:zero_optimization.reduce_bucket_size "
               "deepspeed_zero3:zero_optimization.stage3_prefetch_bucket_size "
-              "deepspeed_zero3:zero_optimization.stage3_param_persistence_threshold"),
+              "deepspeed_zero3:zero_optimization.stage3_param_persistence_threshold "
+              "deepspeed_zero3:zero_optimization.stage3_max_reuse_distance"),
         not_sized=("deepspeed_zero3:zero_optimization.contiguous_gradients "
                    "deepspeed_zero3:zero_optimization.sub_group_size "
-                   "deepspeed_zero3:zero_optimization.stage3_max_live_parameters "
-                   "deepspeed_zero3:zero_optimization.stage3_max_reuse_distance"),
+                   "deepspeed_zero3:zero_optimization.stage3_max_live_parameters"),
         other="deepspeed_zero3:zero_optimization.stage",
         quiet=("trust_remote_code do_train dataset template max_samples overwrite_cache preprocessing_num_workers "
                "output_dir logging_steps save_steps plot_loss overwrite_output_dir report_to learning_rate "
@@ -204,16 +209,16 @@ EXAMPLES = {
     "training_args.json": Example(
         "training_args", None,
         dict(micro_batch_size=2, grad_accum_steps=8, precision='bf16-master', num_gpus=8, sharding='zero3',
-             engine='deepspeed', offload='optimizer+params', checkpointing='full'),
+             engine='deepspeed', offload='optimizer+params', checkpointing='full', zero_knobs=OFFLOAD_KNOBS),
         read=("deepspeed per_device_train_batch_size gradient_accumulation_steps "
               "deepspeed_zero3_offload:bf16.enabled bf16 deepspeed_zero3_offload:train_micro_batch_size_per_gpu "
               "deepspeed_zero3_offload:gradient_accumulation_steps deepspeed_zero3_offload:train_batch_size "
               "deepspeed_zero3_offload:zero_optimization.stage "
               "deepspeed_zero3_offload:zero_optimization.offload_param.device "
-              "deepspeed_zero3_offload:optimizer.type activation_checkpointing"),
-        not_sized=("deepspeed_zero3_offload:zero_optimization.reduce_bucket_size "
-                   "deepspeed_zero3_offload:zero_optimization.stage3_prefetch_bucket_size "
-                   "deepspeed_zero3_offload:zero_optimization.stage3_param_persistence_threshold "
+              "deepspeed_zero3_offload:optimizer.type activation_checkpointing "
+              "deepspeed_zero3_offload:zero_optimization deepspeed_zero3_offload:zero_optimization.reduce_bucket_size "
+              "deepspeed_zero3_offload:zero_optimization.stage3_param_persistence_threshold"),
+        not_sized=("deepspeed_zero3_offload:zero_optimization.stage3_prefetch_bucket_size "
                    "deepspeed_zero3_offload:zero_optimization.overlap_comm "
                    "deepspeed_zero3_offload:zero_optimization.contiguous_gradients"),
         other="",
@@ -243,11 +248,11 @@ EXAMPLES = {
     "deepspeed_zero3_offload.json": Example(
         "deepspeed", None,
         dict(precision='bf16-master', micro_batch_size=2, grad_accum_steps=8, num_gpus=8, sharding='zero3',
-             engine='deepspeed', offload='optimizer+params'),
+             engine='deepspeed', offload='optimizer+params', zero_knobs=OFFLOAD_KNOBS),
         read=("bf16.enabled train_micro_batch_size_per_gpu gradient_accumulation_steps train_batch_size "
-              "zero_optimization.stage zero_optimization.offload_param.device optimizer.type"),
-        not_sized=("zero_optimization.reduce_bucket_size zero_optimization.stage3_prefetch_bucket_size "
-                   "zero_optimization.stage3_param_persistence_threshold zero_optimization.overlap_comm "
+              "zero_optimization.stage zero_optimization.offload_param.device optimizer.type zero_optimization "
+              "zero_optimization.reduce_bucket_size zero_optimization.stage3_param_persistence_threshold"),
+        not_sized=("zero_optimization.stage3_prefetch_bucket_size zero_optimization.overlap_comm "
                    "zero_optimization.contiguous_gradients"),
         other="",
         quiet=("gradient_clipping steps_per_print optimizer.params.lr optimizer.params.betas optimizer.params.eps "
@@ -462,8 +467,8 @@ def _readback_expected(setup: TrainingSetup) -> TrainingSetup:
         out = out.replace(precision="amp-bf16")  # the Trainer has no bf16-weights + fp32 master mode
     if setup.optimizer is Optimizer.ADAMW and (not deepspeed or setup.offload is not Offload.NONE):
         out = out.replace(optimizer="adamw-foreach")  # no optim name for single-tensor AdamW; CPU Adam offloaded
-    if deepspeed and setup.sharding is Sharding.NONE and setup.offload is not Offload.NONE and setup.num_gpus > 1:
-        out = out.replace(sharding="zero1")  # DeepSpeed offloads only under ZeRO: stage 1 is written
+    if deepspeed and setup.sharding is Sharding.NONE and setup.offload is not Offload.NONE:
+        out = out.replace(sharding="zero1")  # DeepSpeed offloads only under ZeRO: stage 1 is written (one GPU too)
     if not deepspeed and setup.sharding is Sharding.NONE and setup.num_gpus > 1:
         out = out.replace(engine="torch")  # no DeepSpeed file: the Trainer / accelerate run DDP
     return out
@@ -847,3 +852,40 @@ def test_axolotl_loss_switches_set_the_loss(tmp_path, key, loss):
     read = read_config(path)
     assert str(read.overrides["loss"]) == loss
     assert key in {e.field for e in read.read}
+
+
+# ---- DeepSpeed's ZeRO buffer sizes as the user's JSON sets them (memfit.zero_knobs) --------------------------------
+
+
+def test_deepspeed_bucket_sizes_are_read_as_given_and_defaulted_as_deepspeed_does(tmp_path):
+    from memfit.zero_knobs import DEEPSPEED_DEFAULTS, ZeroKnobs
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7,
+                                                      "stage3_param_persistence_threshold": "auto"}}))
+    knobs = read_config(str(path), num_gpus=2).overrides["zero_knobs"]
+    # a number as given, "auto" as the HF Trainer fills it, a key left out as DeepSpeed's own default
+    assert knobs == ZeroKnobs(reduce_bucket_size=50_000_000, param_persistence_threshold=None,
+                              max_reuse_distance=DEEPSPEED_DEFAULTS.max_reuse_distance)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    # below stage 3 only the reduce bucket means anything: DeepSpeed's 5e8 elements
+    assert read_config(str(path), num_gpus=2).overrides["zero_knobs"] == ZeroKnobs(
+        reduce_bucket_size=DEEPSPEED_DEFAULTS.reduce_bucket_size)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                      "stage3_param_persistence_threshold": "auto"}}))
+    assert "zero_knobs" not in read_config(str(path), num_gpus=2).overrides  # memfit's own emitted file
+
+
+def test_a_read_bucket_size_is_what_the_estimate_and_the_emitted_config_use(tmp_path):
+    from memfit.emit import deepspeed_config
+    from memfit.estimate.analytic import estimate
+    from memfit.hardware import make_hardware
+    from memfit.setup import TrainingSetup
+    from memfit.sources import resolve_model
+    from memfit.zero_knobs import ZeroKnobs
+
+    spec, hw = resolve_model("llama-3.2-1b"), make_hardware("H100", gpus_per_node=2)
+    setup = TrainingSetup(num_gpus=2, sharding="zero2", zero_knobs=ZeroKnobs(reduce_bucket_size=500_000_000))
+    bucket = estimate(spec, setup, hw).term("gradients/comm_buffers").num_bytes
+    assert bucket == 500_000_000 * 2  # bf16 under DeepSpeed's bf16 engine: 1 GB, not hidden^2's 8 MiB
+    assert deepspeed_config(setup)["zero_optimization"]["reduce_bucket_size"] == 500_000_000

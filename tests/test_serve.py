@@ -140,10 +140,22 @@ def test_the_options_are_memfits_own_vocabularies(client):
         assert fields[name]["kind"] == "text"
     assert fields["precision"]["default"] == "amp-bf16" and fields["gpu"]["default"] == "A100-80GB"
     assert "config" not in fields and options["initial"]["model"] in catalog_names()
-    # every option of `memfit plan` in the setup and hardware panels is on the page, in --help order
-    from memfit.cli.options import _PLANNING_OPTIONS, _SHARED_OPTIONS
+    # every option of `memfit plan` in the setup and hardware panels is on the page: model, GPU and method first,
+    # then GPUs, micro-batch and sequence length; the rest folded by section, each section in --help order
+    from memfit.cli.options import option_parameters
 
-    assert list(fields) == ["model", *[n for n in [*_SHARED_OPTIONS, *_PLANNING_OPTIONS] if n != "config"]]
+    help_order = ["model", *[p.name for p in option_parameters(planning=True) if p.name != "config"]]
+    assert sorted(fields) == sorted(help_order)
+    assert list(fields)[:6] == ["model", "gpu", "method", "gpus", "batch", "seq"]
+    sections = [s["name"] for s in options["sections"]]
+    assert [s["open"] for s in options["sections"]] == [True] + [False] * (len(sections) - 1)
+    assert {f["section"] for f in fields.values()} == set(sections)
+    assert [f["section"] for f in fields.values()] == sorted((f["section"] for f in fields.values()),
+                                                             key=sections.index)
+    for section in sections[1:]:
+        names = [n for n, f in fields.items() if f["section"] == section]
+        assert names == [n for n in help_order if n in names]
+    assert {f["panel"] for f in fields.values()} == set(options["panels"])
 
 
 def test_the_page_and_its_scripts_are_served_locally(client):
@@ -246,6 +258,13 @@ _FIRST_JS = """
   return document.body.dataset.state;
 })()
 """
+# The form as a person sees it: the inputs shown (not folded away), in page order, and the folded sections.
+_FORM_JS = """(() => ({
+  shown: [...document.querySelectorAll('#fields input, #fields select')]
+           .filter(n => n.checkVisibility()).map(n => n.name),
+  all: [...document.querySelectorAll('#fields input, #fields select')].map(n => n.name),
+  folded: [...document.querySelectorAll('#fields details')].filter(d => !d.open)
+           .map(d => d.querySelector('summary').textContent)}))()"""
 _CHART_JS = "JSON.stringify(document.getElementById('memfit-breakdown').data.map(t => [t.name, t.y, t.x]))"
 _ERROR_JS = """(() => { const box = document.getElementById('form-error');
   return {shown: !box.hidden && box.offsetHeight > 0, text: box.textContent,
@@ -267,6 +286,13 @@ def test_the_page_in_a_browser(browser):
         assert plot["bars_drawn"] > 0 and plot["shapes"] == 2  # stacked bars, the capacity and budget lines
         assert "fits after" in first.text and "Ladder" in first.text and "TrainingArguments" in first.text
         chart = tab.evaluate(_CHART_JS)
+
+        # model, GPU and method first, then GPUs, micro-batch and sequence length; nothing else shown until opened
+        form = tab.evaluate(_FORM_JS)
+        assert form["shown"] == ["model", "gpu", "method", "gpus", "batch", "seq"] == form["all"][:6]
+        assert form["all"] == [f["name"] for f in core.form_fields()]
+        sections = [s["name"] for s in core.options()["sections"][1:]]
+        assert [text.rsplit(" (", 1)[0] for text in form["folded"]] == sections
 
         assert change(tab, "batch", "2") == "ready"
         smaller = tab.evaluate(_CHART_JS)
@@ -290,11 +316,14 @@ def test_the_page_in_a_browser(browser):
             change(tab, field, {"batch": "2", "model": "gpt2"}[field])  # put it back before the next mistake
 
         assert tab.evaluate(_ERROR_JS)["shown"] is False
+        assert change(tab, "accum", "0") == "error"  # a mistake in a folded section opens it, marked
+        assert tab.evaluate(_ERROR_JS)["invalid"] == ["accum"] and "accum" in tab.evaluate(_FORM_JS)["shown"]
+        assert change(tab, "accum", "") == "ready"
         assert tab.evaluate(_CHART_JS) == other_model
         last = tab.report()
         # the only console lines: Chromium's own note on each 400 answer
         assert [m for m in last.console_errors if "status of 400" not in m] == []
-        assert sum("status of 400" in m for m in last.console_errors) == 2
+        assert sum("status of 400" in m for m in last.console_errors) == 3
         assert last.exceptions == last.external_requests == last.failed_requests == last.dialogs == []
         requests = tab.requests()
         assert requests and all(origin_of(r) == origin_of(url) for r in requests)

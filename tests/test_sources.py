@@ -70,6 +70,8 @@ PUBLISHED_ROUNDED = {
     # the model cards' exact figures: GPT-J's (counted on the JAX checkpoint) is 2,498,560 above the HF layout;
     # StableLM 2's is 98,304 = 24 layers x 2 x 2048 below it (two of the three q/k/v bias vectors per layer)
     "gpt-j-6b": (6_053_381_344, 0.0005), "stablelm-2-1.6b": (1_644_417_024, 0.0001),
+    # Llama 3: the 3.1 tensors (8.03B, 70.6B); Mistral 7B v0.3: v0.1's layers with 768 more vocabulary rows
+    "llama-3-8b": (8.03e9, 0.001), "llama-3-70b": (70.6e9, 0.001), "mistral-7b-v0.3": (7.25e9, 0.001),
 }
 # Gemma 3 text towers: the technical report's non-embedding counts (Table 1), which match to the million; its
 # embedding column is 4-6M above vocab x hidden, so the totals are checked this way.
@@ -472,7 +474,7 @@ def test_hub_id_offline_fails_fast_naming_alternatives(monkeypatch):
     assert time.monotonic() - started < 10
     assert "someone-else/Llama-3.1-8B-finetuned" in message and "offline" in message
     assert "'llama-3.1-8b'" in message and "local config.json" in message and "\n" not in message
-    with pytest.raises(ModelSourceError, match="catalog name or pass a local config.json"):
+    with pytest.raises(ModelSourceError, match="pass a catalog name .* or a local config.json path"):
         resolve_model("acme/widget-xyz")
 
 

@@ -5,20 +5,65 @@
     >>> p.initial_diagnosis.bottleneck, [s.title for s in p.steps]
 """
 
-from .apply import AppliedChanges, apply_
-from .fit import FitLoop, FitOutOfMemoryError, fit_steps
-from .launch import launch_plan, prepare, shard
-from .measure import measure
-from .callbacks import CheckResult, check
-from .solve import cheapest_gpu, fewest_gpus, max_micro_batch, max_seq_len, sweep
-from .api import as_hardware, as_spec, diagnose_memory, estimate_memory, plan_memory, typical_setup
-from .diagnose import Bottleneck, Diagnosis
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import ConfigError, MemfitError, ModelSourceError, UnknownNameError
-from .estimate.result import Category, MemoryEstimate, Phase, Term
-from .hardware import GPU, Hardware, get_gpu, make_hardware
-from .model_spec import ModelSpec, ParamTensor
-from .plan import Plan, PlanStep, optimize
-from .setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
+from .measure import measure  # eager: the function must win over the submodule memfit.measure, imported or not
+
+if TYPE_CHECKING:
+    from .api import as_hardware, as_spec, diagnose_memory, estimate_memory, plan_memory, typical_setup
+    from .apply import AppliedChanges, apply_
+    from .callbacks import CheckResult, check
+    from .diagnose import Bottleneck, Diagnosis
+    from .estimate.result import Category, MemoryEstimate, Phase, Term
+    from .fit import FitLoop, FitOutOfMemoryError, fit_steps
+    from .hardware import GPU, Hardware, get_gpu, make_hardware
+    from .launch import launch_plan, prepare, shard
+    from .model_spec import ModelSpec, ParamTensor
+    from .plan import Plan, PlanStep, optimize
+    from .setup import Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
+    from .solve import cheapest_gpu, fewest_gpus, max_micro_batch, max_seq_len, sweep
+
+_LAZY = {
+    "api": ("as_hardware", "as_spec", "diagnose_memory", "estimate_memory", "plan_memory", "typical_setup"),
+    "apply": ("AppliedChanges", "apply_"),
+    "callbacks": ("CheckResult", "check"),
+    "diagnose": ("Bottleneck", "Diagnosis"),
+    "estimate.result": ("Category", "MemoryEstimate", "Phase", "Term"),
+    "fit": ("FitLoop", "FitOutOfMemoryError", "fit_steps"),
+    "hardware": ("GPU", "Hardware", "get_gpu", "make_hardware"),
+    "launch": ("launch_plan", "prepare", "shard"),
+    "model_spec": ("ModelSpec", "ParamTensor"),
+    "plan": ("Plan", "PlanStep", "optimize"),
+    "setup": ("Attention", "Checkpointing", "Engine", "Offload", "Optimizer", "Precision", "Sharding",
+              "TrainingSetup"),
+    "solve": ("cheapest_gpu", "fewest_gpus", "max_micro_batch", "max_seq_len", "sweep"),
+}
+"""Where each public name lives: imported on first use (PEP 562), so `import memfit` and every CLI command load
+only the modules they use (the planner, readers and callbacks are most of memfit's import time)."""
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name from its module; a submodule (memfit.plan, memfit.estimate...) imported on first access."""
+    if name in _HOME:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
 
 __version__ = "0.1.0"
 

@@ -72,18 +72,21 @@ class AppliedChanges:
 
 
 def apply_(model, plan_or_setup) -> AppliedChanges:
-    """Change `model` (an HF PreTrainedModel or any nn.Module) in place to train as the setup says."""
+    """Change `model` (an HF PreTrainedModel or any nn.Module) in place to train as the setup says.
+
+    `plan_or_setup`: a Plan (its final setup), a TrainingSetup (every item), or only some items: a mapping of
+    setup fields ({'checkpointing': 'selective-op', 'activation_offload': True}) or the path of the
+    memfit_apply.json `memfit plan --emit` writes for what TrainingArguments cannot express; then only those items
+    are applied and the rest of the model is left as it is."""
     import torch
 
     from ._torch import step as torch_step
 
-    setup = getattr(plan_or_setup, "final_setup", plan_or_setup)
-    if not isinstance(setup, TrainingSetup):
-        raise ConfigError(f"apply_ needs a TrainingSetup or a Plan, got {type(plan_or_setup).__name__}")
+    setup, handlers = _what_to_apply(plan_or_setup)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"apply_ changes an nn.Module, got {type(model).__name__}")
     is_hf = torch_step.is_hf_model(model)
-    changes = [handler(model, setup, is_hf) for handler in _HANDLERS]
+    changes = [handler(model, setup, is_hf) for handler in handlers]
     autocast = torch_step.autocast_factory(setup, torch_step.model_device(model).type)
     return AppliedChanges(setup, tuple(c for c in changes if c is not None), autocast)
 
@@ -241,6 +244,30 @@ def _float8(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
 
 _HANDLERS = (_precision, _finetune, _float8, _attention, _checkpointing, _optimizer, _batching, _engine,
              _activation_offload)
+_ITEM_HANDLERS = {"checkpointing": _checkpointing, "activation_offload": _activation_offload}
+"""The setup items apply_ takes alone (a mapping or memfit_apply.json): what only code can put on a model."""
+
+
+def _what_to_apply(given) -> tuple[TrainingSetup, tuple]:
+    """(setup, handlers): every handler for a Plan / TrainingSetup; the named items' for a mapping or a file."""
+    import os
+    from collections.abc import Mapping
+
+    setup = getattr(given, "final_setup", given)
+    if isinstance(setup, TrainingSetup):
+        return setup, _HANDLERS
+    if isinstance(given, (str, os.PathLike)):
+        from .readers import read_config
+
+        given = {name: value for name, value in read_config(given).overrides.items() if name != "num_gpus"}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"apply_ needs a TrainingSetup, a Plan, a mapping of setup items or the path of "
+                          f"memfit_apply.json, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(_ITEM_HANDLERS))
+    if unknown:
+        raise ConfigError(f"apply_ takes {', '.join(_ITEM_HANDLERS)} alone, not {', '.join(unknown)}: pass the whole "
+                          "TrainingSetup for the rest")
+    return TrainingSetup(**given), tuple(h for name, h in _ITEM_HANDLERS.items() if name in given)
 
 
 def _selective_checkpointing(model, setup: TrainingSetup, is_hf: bool) -> Change:

@@ -70,7 +70,26 @@ class Diagnosis:
         what = {Bottleneck.STATIC: "static memory (parameters + gradients + optimizer states)",
                 Bottleneck.ACTIVATIONS: "activation memory",
                 Bottleneck.BOTH: "both static and activation memory"}[self.bottleneck]
-        return f"does not fit: needs {need} of {budget} usable (over by {over}); the bottleneck is {what}" + paged
+        return (f"does not fit: needs {need} of {budget} usable (over by {over}); the bottleneck is {what}; "
+                f"{self.what_to_cut()}" + paged)
+
+    def what_to_cut(self) -> str:
+        """What a change must cut for the step to fit, in the seed's two components: static memory first while it
+        alone is over the budget (no activation saving can help then), else whichever of the two can close the gap
+        alone (the activations, or static memory, by the amount over)."""
+        over = -self.headroom_bytes
+        if over <= 0:
+            return ""
+        static, activ = format_bytes(self.static_bytes), format_bytes(self.activation_bytes)
+        if self.static_bytes >= self.budget_bytes:
+            return (f"static memory alone ({static}) is over the budget: cut it by at least "
+                    f"{format_bytes(self.static_bytes - self.budget_bytes)} first, as no activation saving can")
+        can = [f"activations ({activ})" if self.activation_bytes >= over else None,
+               f"static memory ({static})" if self.static_bytes >= over else None]
+        can = [c for c in can if c]
+        if not can:
+            return f"static memory ({static}) and activations ({activ}) together must shrink by {format_bytes(over)}"
+        return f"cutting {' or '.join(can)} by {format_bytes(over)} makes it fit"
 
     def to_dict(self) -> dict:
         return {"bottleneck": self.bottleneck.value, "capacity_bytes": self.capacity_bytes,

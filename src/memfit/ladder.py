@@ -127,7 +127,7 @@ def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tu
         try:
             result = REGISTRY[key].propose(ctx)
         except ConfigError as error:  # the rung's change does not combine with the setup as it now is
-            result = Skip(str(error))
+            result = Skip(rung_reason(str(error)))
         if isinstance(result, Proposal) and ctx.pinned_changes(result.setup):
             result = Skip(pin_reason(ctx.pinned_changes(result.setup)))
         if isinstance(result, Skip):
@@ -149,3 +149,12 @@ def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tu
     return chosen
 
 
+
+
+def rung_reason(message: str) -> str:
+    """A setup's refusal as the reason a rung was passed over: the advice to drop an option ("...: drop
+    --activation-offload") is for a user who gave it, and the rung's change is what set it here, so it goes."""
+    for lead in (": drop --", "; drop --", ", or drop --"):
+        if lead in message:
+            return message[:message.index(lead)]
+    return message

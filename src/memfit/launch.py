@@ -3,7 +3,9 @@
 Pure: no torch. `launch_plan(plan_or_setup, hardware, script)` gives a `MultiNodePlan` with the per-rank memory
 (the estimator's), one command per node and the communication volume per step (memfit.estimate.comm, the one model
 of it). The running script learns its setup from the environment the commands set (MEMFIT_SETUP, which carries the
-engine; MEMFIT_ENGINE repeats it for scripts that read only that) and calls `prepare(model, setup)` on every rank;
+engine; MEMFIT_ENGINE repeats it for scripts that read only that), or from the file MEMFIT_SETUP_FILE names (the
+printed per-node commands: one short line each, the setup in memfit_setup.json), and calls `prepare(model, setup)`
+on every rank;
 that imports memfit._torch.engine lazily, and the torch side never imports this module.
 
 Engines are `setup.Engine`: "torch" runs torch.distributed (DDP-style all-reduce without sharding,
@@ -21,6 +23,7 @@ import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import ConfigError
 from .estimate import comm
@@ -31,7 +34,11 @@ from .setup import Engine, Offload, Sharding, TrainingSetup
 
 LAUNCHERS = ("torchrun", "deepspeed")
 ENV_SETUP = "MEMFIT_SETUP"
+ENV_SETUP_FILE = "MEMFIT_SETUP_FILE"
 ENV_ENGINE = "MEMFIT_ENGINE"
+SETUP_FILE = "memfit_setup.json"
+"""The file `memfit plan --emit DIR` writes and the printed commands name (MEMFIT_SETUP_FILE): the setup as JSON,
+~1,000 characters that would otherwise be repeated on every node's command line."""
 DEFAULT_PORT = 29500
 DEFAULT_MASTER = "NODE0_HOST"
 """Placeholder for node 0's address in printed commands: replace it with the host name or IP of node 0."""
@@ -40,30 +47,47 @@ DEFAULT_MASTER = "NODE0_HOST"
 # ------------------------------------------------------------------------------------- setup over the environment
 
 
-def setup_env(setup: TrainingSetup, engine: Engine | str | None = None) -> dict[str, str]:
+def setup_fields(setup: TrainingSetup) -> dict:
+    """The TrainingSetup fields a launched script rebuilds its setup from (MEMFIT_SETUP, memfit_setup.json)."""
+    return {key: value for key, value in setup.to_dict().items() if key != "notes"}
+
+
+def setup_env(setup: TrainingSetup, engine: Engine | str | None = None, *,
+              setup_file: str | None = None) -> dict[str, str]:
     """The environment a launched script reads its setup (and so its engine) from: `setup_from_env`,
-    `engine_from_env`. `engine` replaces the setup's."""
+    `engine_from_env`. `engine` replaces the setup's. With `setup_file`, the environment names that file
+    (MEMFIT_SETUP_FILE, which must hold `setup_fields` as JSON) instead of carrying the JSON itself."""
     setup = on_engine(setup, engine)
-    data = {key: value for key, value in setup.to_dict().items() if key != "notes"}
-    return {ENV_ENGINE: setup.engine.value, ENV_SETUP: json.dumps(data, separators=(",", ":"))}
+    if setup_file is not None:
+        return {ENV_ENGINE: setup.engine.value, ENV_SETUP_FILE: setup_file}
+    return {ENV_ENGINE: setup.engine.value, ENV_SETUP: json.dumps(setup_fields(setup), separators=(",", ":"))}
 
 
 def setup_from_env(environ: Mapping[str, str] | None = None) -> TrainingSetup | None:
-    """The TrainingSetup `memfit launch` passed to this process, or None when it was not launched by memfit."""
-    text = (os.environ if environ is None else environ).get(ENV_SETUP)
+    """The TrainingSetup `memfit launch` / `memfit plan`'s commands passed to this process (MEMFIT_SETUP, else the
+    file MEMFIT_SETUP_FILE names), or None when it was not launched by memfit."""
+    environ = os.environ if environ is None else environ
+    text, where = environ.get(ENV_SETUP), ENV_SETUP
+    if not text and environ.get(ENV_SETUP_FILE):
+        where = f"{ENV_SETUP_FILE} ({environ[ENV_SETUP_FILE]})"
+        try:
+            text = Path(environ[ENV_SETUP_FILE]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"cannot read {where}: {getattr(error, 'strerror', None) or error}: put the "
+                              f"{SETUP_FILE} that memfit plan --emit wrote there on every node") from None
     if not text:
         return None
     try:
         data = json.loads(text)
     except ValueError as error:
-        raise ConfigError(f"{ENV_SETUP} is not JSON ({error}): relaunch with memfit launch") from None
+        raise ConfigError(f"{where} is not JSON ({error}): relaunch with memfit launch") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{ENV_SETUP} must be a JSON object of TrainingSetup fields")
+        raise ConfigError(f"{where} must be a JSON object of TrainingSetup fields")
     data.pop("notes", None)
     try:
         return TrainingSetup(**data)
     except TypeError as error:
-        raise ConfigError(f"{ENV_SETUP} has a field TrainingSetup does not know ({error})") from None
+        raise ConfigError(f"{where} has a field TrainingSetup does not know ({error})") from None
 
 
 def engine_from_env(environ: Mapping[str, str] | None = None, default: Engine | str | None = Engine.TORCH
@@ -223,10 +247,12 @@ class MultiNodePlan:
 def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "train.py", *,
                 spec: ModelSpec | None = None, engine: Engine | str | None = None, launcher: str = "torchrun",
                 master_addr: str = DEFAULT_MASTER, master_port: int = DEFAULT_PORT,
-                script_args: Sequence[str] = (), hostnames: Sequence[str] = ()) -> MultiNodePlan:
+                script_args: Sequence[str] = (), hostnames: Sequence[str] = (),
+                setup_file: str | None = None) -> MultiNodePlan:
     """How to launch a setup (or a Plan's final setup) on `hardware`: per-rank memory, one command per node, and
     the communication volume per step. `spec` is needed with a setup (a Plan carries its own); `engine` replaces
-    the setup's own (refused when it cannot run the setup)."""
+    the setup's own (refused when it cannot run the setup). With `setup_file`, the commands name that file
+    (MEMFIT_SETUP_FILE) instead of carrying the setup's JSON, and `files` holds its text."""
     from .estimate.analytic import estimate
 
     setup, hardware, spec, per_rank = _resolve_plan(plan_or_setup, hardware, spec)
@@ -239,14 +265,17 @@ def launch_plan(plan_or_setup, hardware: Hardware | None = None, script: str = "
         raise ConfigError(f"unknown launcher '{launcher}': choose one of {', '.join(LAUNCHERS)}")
     if per_rank is None and spec.is_transformer:
         per_rank = estimate(spec, setup, hardware)
-    env = setup_env(setup)
-    files: dict[str, str] = {}
+    env = setup_env(setup, setup_file=setup_file)
+    files: dict[str, str] = {} if setup_file is None else {setup_file: setup_file_text(setup)}
     notes = [f"replace {DEFAULT_MASTER} with node 0's host name or IP"] if (
         hardware.num_nodes > 1 and master_addr == DEFAULT_MASTER) else []
+    if setup_file is not None:
+        notes.append(f"every rank reads the setup from {setup_file} ({ENV_SETUP_FILE}, relative to where the command "
+                     "runs): the same file on every node")
     if launcher == "deepspeed":
         commands = deepspeed_commands(hardware, script, script_args, env=env, master_addr=master_addr,
                                       master_port=master_port)
-        files = deepspeed_files(hardware, env, hostnames=hostnames)
+        files.update(deepspeed_files(hardware, env, hostnames=hostnames))
         notes.append("run the one command on node 0; it starts the other nodes over ssh (pdsh) from the hostfile")
     else:
         commands = torchrun_commands(hardware, script, script_args, env=env, master_addr=master_addr,
@@ -296,6 +325,17 @@ def pipeline_notes(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) ->
     return notes
 
 
+def setup_file_text(setup: TrainingSetup) -> str:
+    """memfit_setup.json's text: `setup_fields` as JSON (what setup_from_env reads through MEMFIT_SETUP_FILE)."""
+    return json.dumps(setup_fields(setup), indent=2) + "\n"
+
+
+def launches(setup: TrainingSetup, world_size: int) -> bool:
+    """Whether `memfit plan` prints launch commands for the setup on `world_size` ranks: more than one rank, or
+    one GPU whose setup runs DeepSpeed's ZeRO with CPU offload (one process under a launcher)."""
+    return world_size > 1 or one_gpu_offload(setup)
+
+
 def one_gpu_offload(setup: TrainingSetup) -> bool:
     """A one-GPU setup that DeepSpeed runs as ZeRO-Offload / ZeRO-Infinity (memfit.setup allows ZeRO on one GPU only
     with offload, and only on DeepSpeed)."""
@@ -318,14 +358,14 @@ def _resolve_plan(plan_or_setup, hardware: Hardware | None, spec: ModelSpec | No
             plan_or_setup.final_estimate if same else None)
 
 
-def launch_section(plan, *, script: str = "train.py") -> MultiNodePlan | None:
+def launch_section(plan, *, script: str = "train.py", setup_file: str | None = SETUP_FILE) -> MultiNodePlan | None:
     """The launch part of `memfit plan` for more than one rank, or for one GPU whose final setup runs DeepSpeed's
     ZeRO with CPU offload (one process under a launcher: `deepspeed.initialize` joins a one-rank group). None
-    otherwise, or when no engine runs the plan's final setup."""
-    if plan.hardware.world_size < 2 and not one_gpu_offload(plan.final_setup):
+    otherwise, or when no engine runs the plan's final setup. The commands read the setup from `setup_file`."""
+    if not launches(plan.final_setup, plan.hardware.world_size):
         return None
     try:
-        return launch_plan(plan, script=script)
+        return launch_plan(plan, script=script, setup_file=setup_file)
     except ConfigError:
         return None
 

@@ -6,7 +6,7 @@ torch is imported inside the function only: importing memfit never imports torch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .errors import ConfigError
 from .estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoint
@@ -43,8 +43,14 @@ TERM_FORMULAS = {
 }
 
 
+Progress = Callable[[str, float], None]
+"""progress(what is happening, fraction done in [0, 1]): the CLI draws it on stderr; the library never prints."""
+
+PHASE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
+
+
 def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=None, batches=None, optimizer=None,
-            loss_fn=None) -> MemoryEstimate:
+            loss_fn=None, progress: Progress | None = None) -> MemoryEstimate:
     """Run `steps` real optimizer steps and return their peak memory, broken down at the moment of the peak.
 
     `model_or_config`: an nn.Module (measured as it is: call `apply_` first to change it) or an HF config dict (built
@@ -56,17 +62,29 @@ def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=Non
     The first step creates the optimizer state; the result is the peak over all steps (normally step 2's, the
     steady state) and its notes give each step's peak. On CPU the numbers come from torch.profiler's allocation
     events and the total equals the profiler's peak of live bytes exactly; on CUDA from the caching allocator.
+    A CPU step runs on the cores other processes leave free (memfit._torch.threads: a loaded machine's busy cores
+    stall every parallel kernel). `progress(message, fraction)` is called as the model is built and each phase of
+    each step begins.
     """
     setup = getattr(setup, "final_setup", setup)
     if not isinstance(setup, TrainingSetup):
         raise ConfigError(f"measure needs a TrainingSetup (or a Plan), got {type(setup).__name__}")
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
+    from ._torch.threads import step_threads
+
+    report = progress or (lambda message, fraction: None)
+    with step_threads():
+        model, name, notes = _resolve_model(model_or_config, setup, device, report)
+        return _measure_model(model, name, notes, setup, steps, batches, optimizer, loss_fn, report)
+
+
+def _measure_model(model, name: str, notes: list[str], setup: TrainingSetup, steps: int, batches, optimizer,
+                   loss_fn, report: Progress) -> MemoryEstimate:
     import torch
 
     from ._torch import step as torch_step
 
-    model, name, notes = _resolve_model(model_or_config, setup, device)
     where = torch_step.model_device(model)
     if where.type not in ("cpu", "cuda"):
         raise ConfigError(f"measure reads memory on cpu (torch.profiler) and cuda (the caching allocator), not on "
@@ -76,6 +94,10 @@ def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=Non
     if optimizer is None:
         optimizer = torch_step.make_optimizer(model, setup)
     notes += list(getattr(optimizer, "memfit_notes", ()))
+
+    def on_phase(step: int, phase: str) -> None:
+        report(f"measuring step {step} of {steps}: {phase}", (step - 1 + PHASE_ORDER.get(phase, 0) / 3) / steps)
+
     was_training = model.training
     model.train()
     try:
@@ -83,13 +105,15 @@ def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=Non
             from ._torch.measure_cuda import measure_cuda_steps
 
             measured, losses = measure_cuda_steps(model, optimizer, batches, setup, steps=steps, loss_fn=loss_fn,
-                                                  device=where)
+                                                  device=where, on_phase=on_phase)
             device_name = torch.cuda.get_device_name(where)
         else:
             from ._torch.measure_cpu import measure_cpu_steps
             from ._torch.replay import summarise
 
-            result, losses = measure_cpu_steps(model, optimizer, batches, setup, steps=steps, loss_fn=loss_fn)
+            result, losses = measure_cpu_steps(model, optimizer, batches, setup, steps=steps, loss_fn=loss_fn,
+                                               on_phase=on_phase)
+            report("replaying the profiler's allocation events", 1.0)
             measured = summarise(result)
             device_name = str(where)
     finally:
@@ -101,13 +125,14 @@ def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=Non
     return _estimate(measured, setup, notes, name, device_name)
 
 
-def _resolve_model(model_or_config, setup: TrainingSetup, device) -> tuple[object, str, list[str]]:
+def _resolve_model(model_or_config, setup: TrainingSetup, device, report: Progress) -> tuple[object, str, list[str]]:
     import torch
 
     from ._torch import step as torch_step
 
     if isinstance(model_or_config, Mapping):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        report(f"building the model with random weights on {device}", 0.0)
         model = torch_step.build_hf_model(dict(model_or_config), setup, device=device)
         name = model_or_config.get("_name_or_path") or model_or_config.get("model_type", "model")
         return model, str(name), [f"built from a config with random weights ({model.__class__.__name__})"]
@@ -209,6 +234,16 @@ def check_host_ram(spec, setup: TrainingSetup) -> int:
     from .units import GiB
 
     available = available_host_ram()
+    if available is not None:  # the weights, gradients and optimizer states first: arithmetic, no derive
+        from .estimate.static import full_static
+
+        static = full_static(spec, setup)
+        floor = (static.params_bytes + static.grads_bytes + static.states_bytes + static.master_bytes
+                 + static.frozen_bytes)
+        if floor > available:
+            raise ConfigError(f"measuring {spec.name} on the CPU needs over {floor / GiB:.1f} GiB of host RAM "
+                              f"(weights, gradients and optimizer states alone), {available / GiB:.1f} GiB "
+                              "available; use a smaller model or `memfit trace` (fake tensors, no RAM for the model)")
     needed = estimate(spec, setup, make_hardware(cpu_device(max(host_ram(), 1)))).total_bytes
     if available is not None and needed > available:
         raise ConfigError(f"measuring {spec.name} on the CPU needs ~{needed / GiB:.1f} GiB of host RAM, "

@@ -17,7 +17,7 @@ from .hardware import Hardware, check_precision, gpu_catalog
 from .model_spec import ModelSpec
 from .ladder import PlanStep, explain, walk  # noqa: F401  (PlanStep, explain: re-exported)
 from .search import MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit, scaled_out_setups
-from .setup import FIELD_LABELS, Checkpointing, TrainingSetup
+from .setup import FIELD_LABELS, Checkpointing, Sharding, TrainingSetup, setup_changes
 from .techniques import REGISTRY, Context
 from .techniques.base import EstimateFn, keep_name, static_over_budget
 from .throughput import relative_step_time
@@ -46,6 +46,8 @@ class Plan:
     """TrainingSetup fields the user set."""
     keep: frozenset[str] = frozenset()
     """TrainingSetup fields pinned with --keep."""
+    more_gpus: GpusToFit | None = None
+    """When nothing fits: the fewest GPUs on which memfit plans the step to a fit (the "more GPUs" suggestion)."""
 
     @property
     def final_setup(self) -> TrainingSetup:
@@ -72,7 +74,10 @@ class Plan:
                 "initial_diagnosis": self.initial_diagnosis.to_dict(), "steps": [s.to_dict() for s in self.steps],
                 "skipped": [{"technique": t, "reason": r} for t, r in self.skipped],
                 "final_setup": self.final_setup.to_dict(), "final_diagnosis": self.final_diagnosis.to_dict(),
-                "suggestions": list(self.suggestions)}
+                "suggestions": list(self.suggestions),
+                "more_gpus": None if self.more_gpus is None else {
+                    "num_gpus": self.more_gpus.num_gpus, "setup": self.more_gpus.setup.to_dict(),
+                    "total_bytes": self.more_gpus.estimate.total_bytes}}
 
 
 def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
@@ -99,14 +104,16 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
         return Context(spec, hardware, current, est, diag, margin, estimator, explicit, keep)
 
     suggestions: tuple[str, ...] = ()
+    found = None
     if not diag.fits:
         ctx = context(current, est, diag)
-        more = _more_gpus(ctx)
+        more, found = _more_gpus(ctx, setup)
         if "zero" in skipped and hardware.world_size < 2:
             skipped["zero"] += "; " + more
         suggestions = tuple(_suggestions(ctx, more))
     return Plan(spec, hardware, setup, initial[0], initial[1], tuple(steps),
-                tuple((REGISTRY[k].title, r) for k, r in skipped.items()), suggestions, margin, explicit, keep)
+                tuple((REGISTRY[k].title, r) for k, r in skipped.items()), suggestions, margin, explicit, keep,
+                found)
 
 
 def _check_fields(fields: frozenset[str]) -> None:
@@ -117,22 +124,28 @@ def _check_fields(fields: frozenset[str]) -> None:
         raise ConfigError(f"unknown TrainingSetup field(s) {', '.join(unknown)}: choose from {', '.join(FIELD_LABELS)}")
 
 
-def _more_gpus(ctx: Context) -> str:
-    """The one answer to "how many GPUs would it take", for the plan's final setup (search.gpus_to_fit): the ZeRO
-    rung's reason and the suggestion both print it. When static memory alone is still over the budget, the ladder
-    took no activation rung, so each GPU count is walked again from that setup with ZeRO-3 (`_walked_gpus`)."""
+def _more_gpus(ctx: Context, given: TrainingSetup) -> tuple[str, GpusToFit | None]:
+    """The one answer to "how many GPUs would it take" (search.gpus_to_fit): the ZeRO rung's reason and the
+    suggestion both print it. From the plan's final setup first: scaled out as it is, or, when static memory alone is
+    still over the budget (the ladder took no activation rung), walked again on each GPU count (`_walked_gpus`).
+    When the final setup cannot scale out (a rung it took does not shard: 8-bit AdamW on FSDP2 with a packed base),
+    the ladder is walked again from the setup as given, so the answer is one memfit itself plans to a fit."""
     hw = ctx.hardware
     if "num_gpus" in ctx.keep:
-        return f"more GPUs: not considered, --keep gpus pins {ctx.setup.num_gpus}"
+        return f"more GPUs: not considered, --keep gpus pins {ctx.setup.num_gpus}", None
+    kwargs = dict(margin=ctx.margin, estimator=ctx.estimator, keep=ctx.keep)
     if static_over_budget(ctx.estimate, ctx.diagnosis):
-        found = _walked_gpus(ctx.spec, ctx.setup, hw, margin=ctx.margin, estimator=ctx.estimator, keep=ctx.keep,
-                             explicit=ctx.explicit)
+        found = _walked_gpus(ctx.spec, ctx.setup, hw, explicit=ctx.explicit, **kwargs)
     else:
-        found = gpus_to_fit(ctx.spec, ctx.setup, hw, margin=ctx.margin, estimator=ctx.estimator, keep=ctx.keep)
+        found = gpus_to_fit(ctx.spec, ctx.setup, hw, **kwargs)
     if found is not None:
-        return "more GPUs: " + found.text("the final setup")
-    return (f"more GPUs: {NO_GPU_COUNT} {MAX_GPUS} x {hw.gpu.name} with ZeRO-3 added to the final setup "
-            f"({describe_techniques(ctx.setup)})")
+        return "more GPUs: " + found.text("the final setup"), found
+    if given != ctx.setup:
+        found = _walked_gpus(ctx.spec, given, hw, explicit=ctx.explicit, **kwargs)
+        if found is not None:
+            return "more GPUs: " + found.text("the setup as given"), found
+    return (f"more GPUs: {NO_GPU_COUNT} {MAX_GPUS} x {hw.gpu.name} with ZeRO-3 and the ladder's rungs added to the "
+            f"final setup ({describe_techniques(ctx.setup)})"), None
 
 
 def _walked_gpus(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float,
@@ -166,6 +179,9 @@ def _suggestions(ctx: Context, more_gpus: str) -> list[str]:
     tensor_parallel = _tensor_parallel_suggestion(ctx) if static else None
     if tensor_parallel:
         out.append(tensor_parallel)
+    expert_parallel = _expert_parallel_suggestion(ctx) if static else None
+    if expert_parallel:
+        out.append(expert_parallel)
     larger = _larger_gpu(ctx)
     if larger:
         out.append(larger)
@@ -207,13 +223,51 @@ def _tensor_parallel_suggestion(ctx: Context) -> str | None:
     return None
 
 
+def _expert_parallel_suggestion(ctx: Context) -> str | None:
+    """Expert parallelism for a mixture-of-experts model on several GPUs: each rank keeps 1/ep of the experts whole
+    instead of all-gathering every expert of a layer under ZeRO-3. Offered, not walked (like tensor parallelism, it
+    changes the job's parallel layout and adds all-to-alls of the routed tokens), at the largest degree that
+    divides the GPUs and the experts; where memfit does not size it for the model (DeepSeek's latent attention and
+    experts are derived, with no expert-parallel layout), it is still named, with why it is not sized."""
+    from .errors import ConfigError
+    from .estimate import moe
+
+    setup, n = ctx.setup, ctx.hardware.world_size
+    if not moe.has_experts(ctx.spec) or setup.expert_parallel > 1 or n < 2 or "expert_parallel" in ctx.keep:
+        return None
+    nodes = moe.experts_nodes(ctx.spec)
+    experts = nodes[0].num_experts if nodes else None
+    degree = 1
+    while degree * 2 <= n and n % (degree * 2) == 0 and (experts is None or experts % (degree * 2) == 0):
+        degree *= 2
+    flag = f"--ep {degree}" + (" --zero none" if setup.sharding is not Sharding.NONE else "")
+    try:
+        est = ctx.size(setup.replace(expert_parallel=degree, sharding=Sharding.NONE))
+    except ConfigError as error:
+        return f"expert parallelism ({flag}): not sized here: {error}"
+    fits = diagnose(est, ctx.hardware, margin=ctx.margin).fits
+    share = f"{experts // degree} of {experts}" if experts else f"1/{degree}"
+    zero = (" (memfit does not size EP combined with ZeRO yet, whose expert-data-parallel groups would shard the rest)"
+            if setup.sharding is not Sharding.NONE else "")
+    return (f"expert parallelism ({flag}): {format_bytes(est.total_bytes)} per GPU, {'fits' if fits else 'still over'}"
+            f"{zero}: each rank keeps {share} experts per layer whole; all-to-all of the routed tokens every layer, "
+            "so it is offered, not walked")
+
+
 def _larger_gpu(ctx: Context) -> str | None:
+    """The smallest catalog GPU with more memory on which the ladder, walked again from the final setup, fits: on a
+    larger GPU static memory may fit, and the activation rungs passed over here open there."""
     for gpu in sorted(gpu_catalog().values(), key=lambda g: g.memory_bytes):
         if gpu.memory_bytes <= ctx.hardware.gpu.memory_bytes or not _runs_on(ctx.setup, gpu):
             continue
         hw = dataclasses.replace(ctx.hardware, gpu=gpu)
-        if ctx.fits_on(ctx.setup, hw):
-            return f"a larger GPU: it fits on {gpu.name} ({format_bytes(gpu.memory_bytes)})"
+        est = ctx.size(ctx.setup, hw)
+        walked = walk(ctx.spec, ctx.setup, hw, (est, diagnose(est, hw, margin=ctx.margin)), margin=ctx.margin,
+                      estimator=ctx.estimator, explicit=ctx.explicit, keep=ctx.keep)
+        if walked.diagnosis.fits:
+            added = [c.text for c in setup_changes(ctx.setup, walked.setup)]
+            return (f"a larger GPU: it fits on {gpu.name} ({format_bytes(gpu.memory_bytes)})"
+                    + (f" with {', '.join(added)} added" if added else ""))
     return None
 
 
@@ -308,13 +362,20 @@ def optimize(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margi
     """Search every combination of the techniques (search.candidate_setups; fields in `keep` fixed), sized with
     `estimator` like plan(); return the fitting setup with the best modelled throughput. A difference in a field the
     user set (`explicit`) says what was asked."""
+    from .graph.saved import NotModelledError
     from .search import candidate_setups
 
     check_precision(setup.precision, hardware.gpu)
     best = None
     explicit = frozenset(explicit or ())
-    for cand in candidate_setups(setup, hardware, keep=frozenset(keep or ())):
-        est = estimator(spec, cand, hardware)
+    keep = frozenset(keep or ())
+    if spec.extra.get("supports_sdpa") is False:  # e.g. gpt_oss (attention sinks): transformers builds eager only
+        keep |= {"attention"}
+    for cand in candidate_setups(setup, hardware, keep=keep):
+        try:
+            est = estimator(spec, cand, hardware)
+        except NotModelledError:  # e.g. selective checkpointing of a derived model (no graph): not a candidate
+            continue
         if not diagnose(est, hardware, margin=margin).fits:
             continue
         t = relative_step_time(spec, cand, hardware)

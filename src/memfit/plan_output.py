@@ -20,11 +20,12 @@ NOT_SEARCHED = _NotSearched()
 
 def plan_json(plan, *, optimized=NOT_SEARCHED, verified=None, emitted: Sequence[str] | None = None,
               reports: Sequence[str] | None = None, emitted_setup: str = "final",
-              emitted_warning: str | None = None) -> dict:
+              emitted_warning: str | None = None, setup_file: str | None = None) -> dict:
     """`plan.to_dict()` with:
 
     - "launch": per-rank memory, per-node commands and communication per step (more than one GPU), else None;
-      for the setup the configs hold: the --optimize choice when there is one, else the ladder's final setup;
+      for the setup the configs hold: the --optimize choice when there is one, else the ladder's final setup; the
+      commands read it from `setup_file` (default memfit_setup.json; launch.files holds its text);
     - "optimized": the --optimize choice (an OptimizedChoice, or None when nothing fits), only when searched;
     - "verified": `verified`, a memfit.verify.CrossCheck of the final setup (trace, formulas like for like and
       on the setup's own engine, which figure memfit trusts and why);
@@ -44,7 +45,8 @@ def plan_json(plan, *, optimized=NOT_SEARCHED, verified=None, emitted: Sequence[
         data["emitted_setup"] = emitted_setup
         if emitted_warning:
             data["emitted_warning"] = emitted_warning
-    data["launch"] = launch_dict(plan, optimized.setup if isinstance(optimized, OptimizedChoice) else None)
+    data["launch"] = launch_dict(plan, optimized.setup if isinstance(optimized, OptimizedChoice) else None,
+                                 setup_file=setup_file)
     if verified is not None:
         data["verified"] = verified.to_dict()
     if reports:
@@ -52,25 +54,27 @@ def plan_json(plan, *, optimized=NOT_SEARCHED, verified=None, emitted: Sequence[
     return data
 
 
-def launch_section_for(plan, setup=None):
+def launch_section_for(plan, setup=None, setup_file: str | None = None):
     """memfit.launch's launch section for `setup` (default: the plan's final setup) on the plan's hardware: None
-    for one GPU, or when no engine runs the setup."""
+    for one GPU, or when no engine runs the setup. Its commands read the setup from `setup_file` (default
+    memfit_setup.json, the file --emit writes)."""
     from .errors import ConfigError
-    from .launch import launch_plan, launch_section
+    from .launch import SETUP_FILE, launch_plan, launch_section
 
+    setup_file = setup_file or SETUP_FILE
     if setup is None or setup == plan.final_setup:
-        return launch_section(plan)
+        return launch_section(plan, setup_file=setup_file)
     if plan.hardware.world_size < 2:
         return None
     try:
-        return launch_plan(setup, plan.hardware, spec=plan.spec)
+        return launch_plan(setup, plan.hardware, spec=plan.spec, setup_file=setup_file)
     except ConfigError:
         return None
 
 
-def launch_dict(plan, setup=None) -> dict | None:
+def launch_dict(plan, setup=None, setup_file: str | None = None) -> dict | None:
     """Per-rank memory, per-node commands and communication per step for more than one GPU (memfit.launch)."""
-    section = launch_section_for(plan, setup)
+    section = launch_section_for(plan, setup, setup_file)
     return section.to_dict() if section is not None else None
 
 

@@ -180,7 +180,12 @@ def ladder(console: Console, plan) -> None:
     """One row per PlanStep, then each step's change and why, then the rungs passed over."""
     _heading(console, "Ladder (cheapest change first, re-estimated after each step)")
     if not plan.steps:
-        console.print(Text(" nothing to change: the step fits as given", style="green"))
+        if plan.fits:
+            console.print(Text(" nothing to change: the step fits as given", style="green"))
+            return
+        console.print(Text(" no rung could be taken: each one below is passed over or saves nothing here",
+                           style="red"))
+        _skipped(console, plan)
         return
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("#", justify="right", no_wrap=True)
@@ -201,24 +206,35 @@ def ladder(console: Console, plan) -> None:
         grid.add_row("change", Text(step.change, style="cyan"))
         grid.add_row("why", Text(step.why))
         console.print(Padding(grid, (0, 0, 0, 4)))
+    _skipped(console, plan)
+
+
+def _skipped(console: Console, plan) -> None:
     if plan.skipped:
         _heading(console, "Rungs passed over")
         _bullets(console, [f"{title}: {reason}" for title, reason in plan.skipped])
 
 
-def verdict(console: Console, plan) -> None:
+def verdict_text(plan) -> str:
+    """The verdict's words after its label ('fits' or 'no fit'): 'after 2 changes: needs X of Y usable (...)', or
+    'nothing on the ladder makes it fit: needs ...'. The terminal and the page both show it."""
     final = plan.final_diagnosis
+    if plan.fits:
+        changes = len(plan.steps)
+        lead = "as given" if not changes else f"after {changes} change{'s' if changes > 1 else ''}"
+        return f"{lead}: {final.summary().removeprefix('fits: ')}"
+    return "nothing on the ladder makes it fit: " + final.summary().removeprefix("does not fit: ")
+
+
+def verdict(console: Console, plan) -> None:
     _heading(console, "Verdict")
-    changes = len(plan.steps)
     rows: list[tuple[str, str | Text]] = []
     if plan.fits:
-        lead = "as given" if not changes else f"after {changes} change{'s' if changes > 1 else ''}"
-        rows.append(("fits", Text(f"{lead}: {final.summary().removeprefix('fits: ')}", style="bold green")))
-        if changes:
+        rows.append(("fits", Text(verdict_text(plan), style="bold green")))
+        if plan.steps:
             rows.append(("final setup", describe_setup(plan.final_setup)))
     else:
-        rows.append(("no fit", Text("nothing on the ladder makes it fit: "
-                                    + final.summary().removeprefix("does not fit: "), style="bold red")))
+        rows.append(("no fit", Text(verdict_text(plan), style="bold red")))
     cpu = plan.final_estimate.cpu_bytes
     if cpu:
         per_node = cpu * plan.hardware.gpus_per_node  # cpu_bytes is one rank's; the node's RAM serves all its ranks
@@ -293,8 +309,10 @@ def emitted(console: Console, paths: Sequence[str], notes: Sequence[str] = ()) -
 def plan_report(console: Console, plan, *, verbose: bool = False, optimize_requested: bool = False,
                 optimized_choice=None, config_snippets: Mapping[str, str] | None = None,
                 config_title: str = "Configuration for the final setup", show_config: bool | None = None,
-                emitted_paths: Sequence[str] = (), emitted_notes: Sequence[str] = ()) -> None:
-    """The whole plan. `show_config` (default: the plan fits) prints `config_snippets` under `config_title`."""
+                emitted_paths: Sequence[str] = (), emitted_notes: Sequence[str] = (),
+                setup_file: str | None = None) -> None:
+    """The whole plan. `show_config` (default: the plan fits) prints `config_snippets` under `config_title`. The
+    launch commands read the setup from `setup_file` (the memfit_setup.json --emit wrote; None: not written)."""
     header(console, "plan", plan.spec, plan.initial_setup, plan.hardware, plan.margin)
     breakdown(console, plan.initial_estimate, verbose=verbose)
     peak_and_diagnosis(console, plan.initial_estimate, plan.initial_diagnosis)
@@ -308,20 +326,23 @@ def plan_report(console: Console, plan, *, verbose: bool = False, optimize_reque
     if emitted_paths:
         emitted(console, emitted_paths, emitted_notes)
     if plan.hardware.world_size > 1:
-        launch_and_communication(console, plan, optimized_choice.setup if optimized_choice is not None else None)
+        launch_and_communication(console, plan, optimized_choice.setup if optimized_choice is not None else None,
+                                 setup_file=setup_file)
 
 
 MAX_NODE_COMMANDS = 4
 """More nodes than this: the first two commands and the last are printed (the others differ in --node-rank)."""
 
 
-def launch_and_communication(console: Console, plan, setup: TrainingSetup | None = None) -> None:
+def launch_and_communication(console: Console, plan, setup: TrainingSetup | None = None, *,
+                             setup_file: str | None = None) -> None:
     """'Launch (per node)' and 'Communication per step' for a plan over more than one GPU (memfit.launch), for
-    `setup` (the --optimize choice) when given, else the plan's final setup."""
-    from .launch import engine_description
+    `setup` (the --optimize choice) when given, else the plan's final setup. The commands name the setup's file
+    (`setup_file`, written by --emit; None: memfit_setup.json, not written yet) instead of carrying its JSON."""
+    from .launch import SETUP_FILE, engine_description
     from .plan_output import launch_section_for
 
-    section = launch_section_for(plan, setup)
+    section = launch_section_for(plan, setup, setup_file)
     if section is None:
         return
     hardware, comm = section.hardware, section.comm
@@ -338,8 +359,10 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
         if len(shown) < len(nodes) and node is shown[1]:
             console.print(Text(f" nodes 2 to {len(nodes) - 2}: the same command with --node-rank 2 to "
                                f"{len(nodes) - 2} (all of them: --json)", style="dim"))
-    if section.notes:
-        _bullets(console, section.notes)
+    unwritten = [f"{SETUP_FILE} is not written yet: `memfit plan ... --emit DIR` writes it (--json: launch.files)"
+                 ] if setup_file is None else []
+    if section.notes or unwritten:
+        _bullets(console, [*section.notes, *unwritten])
     _heading(console, "Communication per step")
     lines = [f"per rank: {format_bytes(comm.per_rank_bytes)} ({comm.psi_multiple:g} x Psi, ZeRO paper sec. 7)"]
     if comm.tp > 1:

@@ -16,6 +16,7 @@ from .hardware import Hardware
 from .model_spec import ModelSpec
 from .setup import (Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup,
                     needs_bf16, setup_changes)
+from .techniques.base import with_engine_that_can
 from .techniques.micro_batch import divisors
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]
@@ -89,20 +90,15 @@ MAX_GPUS = 1024
 
 def scaled_out(setup: TrainingSetup, num_gpus: int, *, keep: frozenset[str] = frozenset()) -> TrainingSetup | None:
     """The one setup the GPU count is searched over: `setup` with ZeRO-3 (the stage that shards the most) over
-    `num_gpus`, on the same engine when it can, else DeepSpeed; pinned fields stay. None when the pins forbid it."""
+    `num_gpus`, on the same engine when it can, else on the first other engine that can (QLoRA's packed base shards
+    on FSDP2, not on DeepSpeed ZeRO-3); pinned fields stay. None when the pins forbid it or no engine can."""
     sharding = setup.sharding if "sharding" in keep else Sharding.ZERO3
     if sharding is Sharding.NONE:
         return None
     try:
-        candidate = setup.replace(sharding=sharding, num_gpus=num_gpus)
+        return with_engine_that_can(setup, keep=keep, sharding=sharding, num_gpus=num_gpus)
     except ConfigError:
-        if "engine" in keep:
-            return None
-        try:
-            candidate = setup.replace(sharding=sharding, num_gpus=num_gpus, engine=Engine.DEEPSPEED)
-        except ConfigError:
-            return None
-    return candidate
+        return None
 
 
 def scaled_out_setups(setup: TrainingSetup, hardware: Hardware, *, keep: frozenset[str] = frozenset(),

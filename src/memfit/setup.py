@@ -9,7 +9,9 @@ from enum import Enum
 
 from .choice import Choice as _Choice
 from .errors import ConfigError
+from .zero_knobs import ZeroKnobs
 from .finetune import Finetune
+from .way_out import checked, engine_way_out, refusal
 
 
 class Precision(_Choice):
@@ -410,6 +412,10 @@ class TrainingSetup:
     """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
     bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
     on engine torch with zero2 / zero3 only."""
+    # -- DeepSpeed's ZeRO buffers as the user's config sets them (memfit.zero_knobs) --
+    zero_knobs: ZeroKnobs = ZeroKnobs()
+    """engine deepspeed: reduce_bucket_size, stage3_param_persistence_threshold and stage3_max_reuse_distance as the
+    JSON sets them (a key left out takes DeepSpeed's default); all None / default: the HF "auto" values memfit emits."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
@@ -423,6 +429,8 @@ class TrainingSetup:
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
         elif isinstance(self.finetune, dict):
             object.__setattr__(self, "finetune", Finetune(**self.finetune))
+        if isinstance(self.zero_knobs, dict):
+            object.__setattr__(self, "zero_knobs", ZeroKnobs(**self.zero_knobs))
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp", "pp",
                                  "pp_virtual_stages", "cp")
@@ -465,8 +473,8 @@ class TrainingSetup:
         if self.pp > 1:
             problems.append("float8 training with pipeline parallelism is not sized yet: use --float8 off")
         if self.float8_all_gather and (self.engine is not Engine.TORCH or self.sharding.stage < 2):
-            problems.append("float8 all-gather is FSDP2's (torchao enable_fsdp_float8_all_gather): use --engine "
-                            "torch with zero2 or zero3, or drop --float8-all-gather")
+            problems.append(refusal("float8 all-gather is FSDP2's (torchao enable_fsdp_float8_all_gather)",
+                                    engine_way_out(self, Engine.TORCH), "drop --float8-all-gather"))
         if self.float8_all_gather and self.float8 is not Float8.TENSORWISE:
             problems.append("float8 all-gather supports tensorwise scaling only (torchao Float8LinearConfig): use "
                             "--float8 tensorwise")
@@ -501,6 +509,12 @@ class TrainingSetup:
         elif self.num_gpus % self.expert_parallel:
             problems.append(f"expert_parallel {self.expert_parallel} does not divide num_gpus {self.num_gpus}: the "
                             "EP group is a slice of the data-parallel ranks")
+        elif self.expert_parallel > 1 and self.sharding is not Sharding.NONE:
+            # the engines shard each expert over its expert-data-parallel group (num_gpus / ep ranks: DeepSpeed-MoE's
+            # expert_data_parallel_group), the rest over all ranks; memfit's layouts shard everything over all ranks
+            problems.append(f"expert parallelism with {self.sharding} is not sized yet (the experts shard over the "
+                            f"{self.num_gpus // self.expert_parallel} ranks of their expert-data-parallel group, not "
+                            "over all of them): use --zero none with --ep, or --ep 1")
         c = self.capacity_factor
         if isinstance(c, bool) or not isinstance(c, (int, float)) or c != c or c < 0 or c == float("inf"):
             problems.append(f"capacity_factor must be 0 (dropless) or a number >= 1, got {c!r}")
@@ -581,9 +595,8 @@ class TrainingSetup:
     def _adapter_problems(self) -> list[str]:
         """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
         problems = []
-        if self.offload is not Offload.NONE and self.engine is not Engine.DEEPSPEED:
-            problems.append(f"{self.finetune.method} with CPU offload is sized on DeepSpeed ZeRO-Offload (only the "
-                            "adapters' partitions and states on the host): use --engine deepspeed")
+        # engine torch: FSDP2's CPUOffloadPolicy (optimizer+params at zero3, the frozen base's shards on the host
+        # too: memfit.estimate.lora_sharded); its other offloads are refused with the engine's own limits
         if self.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
             problems.append(f"checkpointing {self.checkpointing} with {self.finetune.method} is not sized yet: use "
                             "full or none")
@@ -591,16 +604,30 @@ class TrainingSetup:
             problems.append(f"a fused loss with {self.finetune.method} is not sized yet (the frozen head's casts "
                             "under the fused kernel are not measured): use loss chunked or standard")
         if self.finetune.dora and self.sharding.stage >= 2 and self.engine is Engine.DEEPSPEED:
-            problems.append("DoRA under DeepSpeed ZeRO-2/3 is not sized yet (measured unsharded and under FSDP2): "
-                            "use --engine torch, or --zero none / zero1")
+            problems.append(refusal("DoRA under DeepSpeed ZeRO-2/3 is not sized yet (measured unsharded and under "
+                                    "FSDP2)", engine_way_out(self, Engine.TORCH),
+                                    checked(self, sharding=Sharding.ZERO1) or checked(self, sharding=Sharding.NONE)))
         quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
-        if quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
+        if quantized and deepspeed_casts_module(self) and self.sharding is not Sharding.ZERO3:
+            # DeepSpeed's bf16 / fp16 engine casts the module (the fp32 norms and embeddings that peft's k-bit
+            # preparation made, the adapters) and keeps fp32 master partitions: not measured with a packed base
+            torch_way = engine_way_out(self, Engine.TORCH)
+            problems.append(refusal(
+                f"{self.finetune.method} under DeepSpeed's {self.precision.compute_dtype} engine (ZeRO or offload) is "
+                "not sized yet", torch_way and torch_way + " (FSDP2 shards a packed base, memfit.estimate.lora_sharded)",
+                checked(self, sharding=Sharding.NONE, offload=Offload.NONE)))
+        elif quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
             problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
         if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED and (quantized or self.offload.value
                                                                                     != "none"):
-            problems.append(f"{self.finetune.method} under DeepSpeed zero3 is sized for a 16/32-bit base without "
-                            "offload: use --engine torch (FSDP2 shards a packed base, memfit.estimate.lora_sharded), "
-                            "or zero2 (ZeRO-Offload of the adapters)")
+            zero2 = checked(self, sharding=Sharding.ZERO2, offload=Offload.OPTIMIZER if self.offload.value != "none"
+                            else Offload.NONE)
+            # one GPU: ZeRO-2 offload keeps it where DeepSpeed sizes it (not a packed base: then 2 GPUs of FSDP2)
+            torch_way = engine_way_out(self, Engine.TORCH, more_gpus=not zero2)
+            problems.append(refusal(
+                f"{self.finetune.method} under DeepSpeed zero3 is sized for a 16/32-bit base without offload",
+                torch_way and torch_way + " (FSDP2 shards a packed base, memfit.estimate.lora_sharded)",
+                zero2 and zero2 + " (ZeRO-Offload of the adapters)" * (self.offload.value != "none")))
         return problems
 
     def _tensor_parallel_problems(self) -> list[str]:
@@ -612,9 +639,9 @@ class TrainingSetup:
             return [f"tensor parallel degree {self.tp} must divide the GPU count ({self.num_gpus})"]
         problems = []
         if self.engine is not Engine.TORCH:
-            problems.append("tensor parallelism runs on engine torch (DTensor, as torchtitan does): DeepSpeed "
-                            "trains with TP only through Megatron-DeepSpeed or its AutoTP, which memfit does not "
-                            "size; use --engine torch")
+            problems.append(refusal("tensor parallelism runs on engine torch (DTensor, as torchtitan does): "
+                                    "DeepSpeed trains with TP only through Megatron-DeepSpeed or its AutoTP, which "
+                                    "memfit does not size", engine_way_out(self, Engine.TORCH)))
         if self.sharding is Sharding.ZERO1:
             problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) cannot step tensor-parallel (DTensor) "
                             "parameters: use zero2 or zero3 (FSDP2 over the data-parallel groups) or none")
@@ -633,8 +660,9 @@ class TrainingSetup:
             return [f"pipeline degree {self.pp} x tensor degree {self.tp} must divide the GPU count ({self.num_gpus})"]
         problems = []
         if self.engine is not Engine.TORCH:
-            problems.append("pipeline parallelism runs on engine torch (torch.distributed.pipelining, as torchtitan "
-                            "does); DeepSpeed's PipelineModule is not sized: use --engine torch")
+            problems.append(refusal("pipeline parallelism runs on engine torch (torch.distributed.pipelining, as "
+                                    "torchtitan does); DeepSpeed's PipelineModule is not sized",
+                                    engine_way_out(self, Engine.TORCH)))
         if self.pp_schedule.interleaved != (self.pp_virtual_stages > 1):
             problems.append("interleaved-1f1b holds 2 or more stages per rank (--pp-virtual-stages 2); gpipe and "
                             "1f1b hold one" if self.pp_schedule.interleaved or self.pp_virtual_stages == 1 else
@@ -661,8 +689,8 @@ class TrainingSetup:
                     f"({self.num_gpus})"]
         problems = []
         if self.engine is not Engine.TORCH:
-            problems.append("context parallelism runs on engine torch (torch context_parallel, as torchtitan does): "
-                            "use --engine torch")
+            problems.append(refusal("context parallelism runs on engine torch (torch context_parallel, as "
+                                    "torchtitan does)", engine_way_out(self, Engine.TORCH)))
         if self.attention is not Attention.SDPA:
             problems.append("context parallelism replaces the flash / memory-efficient SDPA kernels with ring "
                             "attention; eager attention cannot run it: use --attention sdpa")
@@ -685,8 +713,8 @@ class TrainingSetup:
                     "(num_gpus / (tp x pp))"]
         problems = []
         if self.engine is not Engine.TORCH or self.sharding.stage < 2:
-            problems.append("HSDP (a shard group) is FSDP2 on a 2D mesh: use --engine torch with zero2 or zero3; "
-                            "DeepSpeed's MiCS / ZeRO++ hpZ are not sized")
+            problems.append(refusal("HSDP (a shard group) is FSDP2 on a 2D mesh with zero2 or zero3 (DeepSpeed's "
+                                    "MiCS / ZeRO++ hpZ are not sized)", engine_way_out(self, Engine.TORCH)))
         if self.offload is not Offload.NONE:
             problems.append("CPU offload with HSDP is not sized yet")
         return problems
@@ -702,22 +730,25 @@ class TrainingSetup:
                     "GPU it saves nothing unless it offloads to the CPU (--offload optimizer, or optimizer+params "
                     "with zero3)"]
         if self.engine is not Engine.DEEPSPEED:
-            return [f"{self.sharding} with CPU offload on one GPU runs on DeepSpeed (ZeRO-Offload): use engine "
-                    "deepspeed, or 2+ GPUs for torch's FSDP2"]
+            return [refusal(f"{self.sharding} with CPU offload on one GPU runs on DeepSpeed (ZeRO-Offload)",
+                            engine_way_out(self, Engine.DEEPSPEED), "2+ GPUs for torch's FSDP2")]
         return []
 
     def _torch_engine_problems(self) -> list[str]:
         """What torch's own engines cannot express (checked against torch 2.13 FSDP2 / ZeroRedundancyOptimizer)."""
         problems = []
         if self.offload is Offload.OPTIMIZER:
-            problems.append("FSDP2 offloads parameters with the optimizer step, never the optimizer alone: use "
-                            "offload optimizer+params with zero3, or engine deepspeed (ZeRO-Offload)")
+            params = checked(self, offload=Offload.OPTIMIZER_AND_PARAMS, sharding=Sharding.ZERO3)
+            deepspeed = engine_way_out(self, Engine.DEEPSPEED)
+            problems.append(refusal("FSDP2 offloads parameters with the optimizer step, never the optimizer alone",
+                                    params, deepspeed and deepspeed + " (ZeRO-Offload)"))
         if self.sharding.stage >= 2 and self.optimizer.kind.fsdp2:
-            problems.append(f"{self.optimizer} cannot step FSDP2's sharded (DTensor) parameters: use engine deepspeed")
+            problems.append(refusal(f"{self.optimizer} cannot step FSDP2's sharded (DTensor) parameters",
+                                    engine_way_out(self, Engine.DEEPSPEED)))
         if self.sharding is Sharding.ZERO1 and (not self.optimizer.kind.zero1
                                                  or self.precision.master_weights):
-            problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) covers AdamW and SGD without an fp32 master "
-                            "copy: use engine deepspeed")
+            problems.append(refusal("torch's ZeRO-1 (ZeroRedundancyOptimizer) covers AdamW and SGD without an fp32 "
+                                    "master copy", engine_way_out(self, Engine.DEEPSPEED)))
         return problems
 
     def replace(self, **changes) -> "TrainingSetup":
@@ -786,7 +817,8 @@ class TrainingSetup:
     def to_dict(self) -> dict:
         return {f.name: (getattr(self, f.name).value if isinstance(getattr(self, f.name), Enum)
                          else list(getattr(self, f.name)) if f.name == "notes"
-                         else getattr(self, f.name).to_dict() if f.name == "finetune" else getattr(self, f.name))
+                         else getattr(self, f.name).to_dict() if f.name in ("finetune", "zero_knobs")
+                         else getattr(self, f.name))
                 for f in dataclasses.fields(self)}
 
 
@@ -801,7 +833,7 @@ FIELD_LABELS: dict[str, str] = {
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
     "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",
     "compile": "torch.compile", "padding": "padding", "longest_sample_len": "longest sample", "float8": "float8",
-    "float8_all_gather": "float8 all-gather"}
+    "float8_all_gather": "float8 all-gather", "zero_knobs": "DeepSpeed buckets"}
 """How each TrainingSetup field (notes aside) is named in what memfit prints."""
 
 

@@ -132,9 +132,29 @@ def _start(setup: TrainingSetup, *searched: str) -> dict[str, Any]:
 
 
 def describe_held(held: dict[str, Any]) -> str:
-    """'accum 1, attention sdpa, ...': what a result held fixed, for a sentence."""
+    """'micro-batch 8, seq 2048, ..., GPU H100-80GB': what a result held fixed, for one sentence. Fields at
+    TrainingSetup's default that do not shape a plain step (no pipeline, no float8, ...) are left out, and the
+    fine-tuning method reads as the plan prints it ('full', 'qlora r=16')."""
     labels = {**FIELD_LABELS, "gpu": "GPU", "margin": "margin"}
-    return ", ".join(f"{labels.get(name, name)} {value}" for name, value in held.items())
+    defaults = TrainingSetup().to_dict()
+    parts = []
+    for name, value in held.items():
+        if name not in _ALWAYS_SAID and name in defaults and value == defaults[name]:
+            continue
+        if name == "finetune" and isinstance(value, dict):
+            value = _method_text(value)
+        parts.append(f"{labels.get(name, name)} {value}")
+    return ", ".join(parts)
+
+
+_ALWAYS_SAID = frozenset({"micro_batch_size", "seq_len", "grad_accum_steps", "precision", "optimizer", "checkpointing",
+                          "sharding", "engine", "finetune", "num_gpus"})
+"""The fields a "held fixed" sentence always names: those that decide most of a step's memory."""
+
+
+def _method_text(finetune: dict[str, Any]) -> str:
+    method = finetune.get("method", "full")
+    return method if method == "full" else f"{method} r={finetune.get('rank')}"
 
 
 # ------------------------------------------------------------------------------------- largest batch / longest seq
@@ -221,14 +241,14 @@ def _largest_multiple(fits: Callable[[int], bool], top: int) -> int:
 
 def _largest(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, name: str, *, step: int, limit: int,
              margin: float, estimator: EstimateFn, with_ladder: bool, explicit: frozenset[str] | None,
-             fallback_below_step: bool) -> Largest:
+             fallback_below_step: bool, keep: frozenset[str] = frozenset()) -> Largest:
     if not isinstance(step, int) or step < 1:
         raise ConfigError(f"the search step must be a positive whole number, got {step!r}")
     if not isinstance(limit, int) or limit < 1:
         raise ConfigError(f"the search limit must be a positive whole number, got {limit!r}")
     check_precision(setup.precision, hardware.gpu)
     sizer = _Sizer(spec, margin=margin, estimator=estimator, with_ladder=with_ladder,
-                   explicit=frozenset(explicit or ()), keep=frozenset({name}))
+                   explicit=frozenset(explicit or ()), keep=frozenset(keep) | {name})
     notes: list[str] = []
     held = _held_fixed(setup, hardware, margin, name, with_ladder=with_ladder)
 
@@ -266,22 +286,26 @@ def _largest(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, name: st
 
 def max_micro_batch(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
                     estimator: EstimateFn = estimate, with_ladder: bool = False, step: int = 1,
-                    limit: int = MAX_BATCH, explicit: frozenset[str] | None = None) -> Largest:
+                    limit: int = MAX_BATCH, explicit: frozenset[str] | None = None,
+                    keep: frozenset[str] = frozenset()) -> Largest:
     """The largest micro-batch (a multiple of `step`) with which `setup` fits; every other field held fixed
-    (accumulation included). `with_ladder`: with the plan's changes, micro-batch pinned."""
+    (accumulation included). `with_ladder`: with the plan's changes, micro-batch and the fields in `keep` pinned."""
     return _largest(spec, setup, hardware, "micro_batch_size", step=step, limit=limit, margin=margin,
-                    estimator=estimator, with_ladder=with_ladder, explicit=explicit, fallback_below_step=False)
+                    estimator=estimator, with_ladder=with_ladder, explicit=explicit, fallback_below_step=False,
+                    keep=keep)
 
 
 def max_seq_len(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
                 estimator: EstimateFn = estimate, with_ladder: bool = False, step: int = DEFAULT_SEQ_STEP,
-                limit: int | None = None, explicit: frozenset[str] | None = None) -> Largest:
+                limit: int | None = None, explicit: frozenset[str] | None = None,
+                keep: frozenset[str] = frozenset()) -> Largest:
     """The longest sequence (a multiple of `step`, 64 by default; 1 for exact) with which `setup` fits. The search
     stops at `limit`, by default the model's context (max_position_embeddings). When not even `step` tokens fit,
     it goes on below in steps of 1."""
     context = spec.max_position_embeddings
     result = _largest(spec, setup, hardware, "seq_len", step=step, limit=limit or context or MAX_SEQ, margin=margin,
-                      estimator=estimator, with_ladder=with_ladder, explicit=explicit, fallback_below_step=True)
+                      estimator=estimator, with_ladder=with_ladder, explicit=explicit, fallback_below_step=True,
+                      keep=keep)
     if limit is None and context and result.limited_by == "limit":
         result = dataclasses.replace(result, notes=result.notes + (
             f"stopped at the model's context ({context:,} tokens, max_position_embeddings)",))
@@ -346,14 +370,14 @@ def _on_one_gpu(setup: TrainingSetup) -> TrainingSetup | None:
 
 def fewest_gpus(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
                 estimator: EstimateFn = estimate, with_ladder: bool = False, limit: int = MAX_GPUS,
-                explicit: frozenset[str] | None = None) -> FewestGpus:
+                explicit: frozenset[str] | None = None, keep: frozenset[str] = frozenset()) -> FewestGpus:
     """The fewest GPUs of `hardware`'s kind on which `setup` fits. One GPU runs the setup unsharded; above one, the
     counts are powers of two (8 per node) and the setup shards with its own stage, or ZeRO-3 when it has none: the
     same search the plan's "how many GPUs" answer runs (search.gpus_to_fit). `with_ladder`: each count is planned
     (GPU count pinned), and the ladder picks the ZeRO stage."""
     check_precision(setup.precision, hardware.gpu)
     sizer = _Sizer(spec, margin=margin, estimator=estimator, with_ladder=with_ladder,
-                   explicit=frozenset(explicit or ()), keep=frozenset({"num_gpus"}))
+                   explicit=frozenset(explicit or ()), keep=frozenset(keep) | {"num_gpus"})
     held = _held_fixed(setup, hardware, margin, "num_gpus", "sharding", with_ladder=with_ladder)
     counts = [1] + [2**k for k in range(1, limit.bit_length()) if 2**k <= limit]
     one = _on_one_gpu(setup)
@@ -456,12 +480,12 @@ def catalog_by_memory(gpus: Iterable[GPU] | None = None) -> list[GPU]:
 
 def cheapest_gpu(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN,
                  estimator: EstimateFn = estimate, with_ladder: bool = False, gpus: Iterable[GPU] | None = None,
-                 explicit: frozenset[str] | None = None) -> CheapestGpu:
+                 explicit: frozenset[str] | None = None, keep: frozenset[str] = frozenset()) -> CheapestGpu:
     """The smallest-memory GPU of the catalog (or `gpus`) on which `setup` fits with `hardware`'s GPU count. The
     catalog has no prices, so memory stands in for cost (`GPU_ORDER`). A GPU that cannot run the setup's precision
     (bf16 on a T4) is passed over, saying so."""
     sizer = _Sizer(spec, margin=margin, estimator=estimator, with_ladder=with_ladder,
-                   explicit=frozenset(explicit or ()), keep=frozenset())
+                   explicit=frozenset(explicit or ()), keep=frozenset(keep))
     held = _held_fixed(setup, hardware, margin, "gpu", with_ladder=with_ladder)
     rejected: list[Rejected] = []
     for gpu in catalog_by_memory(gpus):

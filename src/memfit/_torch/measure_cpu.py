@@ -23,8 +23,10 @@ from .step import training_step
 MARK_PREFIX = "memfit::mark/"
 
 
-def measure_cpu_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=None) -> tuple[Replay, list[float]]:
-    """Run `steps` optimizer steps under the profiler; return the replay and the losses."""
+def measure_cpu_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=None,
+                      on_phase=None) -> tuple[Replay, list[float]]:
+    """Run `steps` optimizer steps under the profiler; return the replay and the losses. `on_phase(step, phase)` is
+    called as each phase begins (progress)."""
     marks: dict[str, Mark] = {}
     position = {"step": 0, "micro": 0}
 
@@ -34,18 +36,21 @@ def measure_cpu_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=N
         with torch.profiler.record_function(name):
             pass
 
-    def on_phase(phase: str) -> None:
+    def phase_mark(phase: str) -> None:
+        if on_phase is not None:
+            on_phase(position["step"], phase)
         position["micro"] += phase == "forward"
         tags = {"gradients": tuple(_grad_pointers(model))} if phase == "optimizer" else {}
         mark(phase=phase, step=position["step"], micro=position["micro"], tags=tags)
 
     baseline = storage_baseline(model, optimizer, batches)
     losses = []
+    # Shapes and stacks are not read (the replay needs allocations and marks only); recording them costs time.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                                record_shapes=True, with_stack=False) as prof:
+                                record_shapes=False, with_stack=False) as prof:
         for step in range(1, steps + 1):
             position.update(step=step, micro=0)
-            losses.append(training_step(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=on_phase))
+            losses.append(training_step(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=phase_mark))
             mark(tags=optimizer_tags(optimizer))
     events, scratch = _events(prof, marks)
     result = replay(baseline, events)

@@ -31,8 +31,9 @@ class CudaSegment:
     """Bytes of step-owned tensors per term: the larger of the phase's start and end."""
 
 
-def measure_cuda_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=None, device) -> tuple[MeasuredSteps,
-                                                                                                      list[float]]:
+def measure_cuda_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=None, device,
+                       on_phase=None) -> tuple[MeasuredSteps, list[float]]:
+    """`on_phase(step, phase)` is called as each phase begins (progress)."""
     segments: list[CudaSegment] = []
     open_segment: dict = {}
     losses: list[float] = []
@@ -51,14 +52,16 @@ def measure_cuda_steps(model, optimizer, batches, setup, *, steps: int, loss_fn=
                                     static))
         open_segment.clear()
 
-    def on_phase(phase: str) -> None:
+    def phase_begins(phase: str) -> None:
+        if on_phase is not None:
+            on_phase(len(losses) + 1, phase)
         close()
         torch.cuda.reset_peak_memory_stats(device)
         open_segment.update(phase=phase, label=f"step {len(losses) + 1} {phase}",
                             start=_static_bytes_by_term(model, optimizer, batches))
 
     for _ in range(steps):
-        loss = training_step(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=on_phase)
+        loss = training_step(model, optimizer, batches, setup, loss_fn=loss_fn, phase_callback=phase_begins)
         close()
         losses.append(loss)
     return cuda_breakdown(segments, max(preexisting_bytes, 0), steps), losses

@@ -3,9 +3,20 @@
 
 def main() -> None:
     """Run the memfit command line (console script `memfit`)."""
-    from .app import main as run
+    from .interrupt import INTERRUPTED, exit_now, handling
 
-    run()
+    try:
+        with handling():  # before the commands' modules are imported: Ctrl-C during the imports counts too
+            from .app import main as run
+
+            run()
+    except KeyboardInterrupt:
+        print("interrupted", file=__import__("sys").stderr)
+        exit_now(INTERRUPTED)
+    except SystemExit as done:
+        if done.code == INTERRUPTED:
+            exit_now(INTERRUPTED)  # skip the interpreter's teardown (torch's takes seconds): Ctrl-C ends in 2 s
+        raise
 
 
 __all__ = ["main"]

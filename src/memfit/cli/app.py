@@ -11,8 +11,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import ConfigError, MemfitError
-from .common import DOES_NOT_FIT, app, check_report_paths, console, examples, print_json, resolve, write_reports
+from ..errors import ConfigError
+from . import progress
+from .common import (DOES_NOT_FIT, app, check_report_paths, console, examples, print_json, quiet_libraries, resolve,
+                     write_reports)
 from .options import OUTPUT_PANEL, JsonOpt, ModelArg, PngOpt, ReportOpt, SetupOptions, VerboseOpt, with_setup_options
 
 OptimizeOpt = Annotated[bool, typer.Option(
@@ -30,6 +32,26 @@ VerifyOpt = Annotated[bool, typer.Option(
 ForceOpt = Annotated[bool, typer.Option(
     "--force", rich_help_panel=OUTPUT_PANEL,
     help="With --emit: overwrite files in DIR that memfit did not write.")]
+
+
+@app.callback()
+def global_options(
+        ctx: typer.Context,
+        verbose: Annotated[bool, typer.Option(
+            "--verbose", help="Also show the libraries' own warnings and logs (torch, transformers, torchao) on "
+                              "stderr: memfit keeps them out by default. A command's own --verbose / -v does "
+                              "too.")] = False,
+        quiet: Annotated[bool, typer.Option(
+            "--quiet", "-q", help="No progress bars on stderr (they are drawn only on a terminal, and never with "
+                                  "--json).")] = False) -> None:
+    # No docstring: typer would print it instead of the app's help. Runs before every command, before the command's
+    # own options are parsed: its --verbose is looked for in the command line (OneLineErrors.main keeps it).
+    progress.hide(quiet)
+    progress.install()
+    argv = getattr(ctx.command, "argv", [])
+    options = argv[:argv.index("--")] if "--" in argv else argv
+    if not (verbose or "--verbose" in options or "-v" in options):
+        quiet_libraries()
 
 
 @app.command("plan", epilog=examples(
@@ -74,21 +96,35 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
                              run_trace(model, spec, result.final_setup, hardware, progress=not json_output),
                              margin=opts.margin_fraction)
     reports = write_reports(result, report, png, trace=traced.traced if traced is not None else None)
+    setup_file = _setup_file(emit, written)
     if json_output:
         print_json(plan_json(result, optimized=choice if optimize else NOT_SEARCHED, verified=traced,
                              emitted=written if emit is not None else None, reports=reports, emitted_setup=which,
-                             emitted_warning=warning))
+                             emitted_warning=warning, setup_file=setup_file))
     else:
         _print_plan(result, chosen, which, optimize=optimize, choice=choice, verbose=verbose, emit_dir=emit,
-                    written=written, unmarked=unmarked, warning=warning, reports=reports, traced=traced)
+                    written=written, unmarked=unmarked, warning=warning, reports=reports, traced=traced,
+                    setup_file=setup_file)
     if not fits:
         raise typer.Exit(DOES_NOT_FIT)
 
 
+def _setup_file(emit: Path | None, written: list[str]) -> str | None:
+    """How the launch commands name the memfit_setup.json --emit wrote (relative to where memfit runs), or None."""
+    from ..launch import SETUP_FILE
+
+    if emit is None or not any(Path(path).name == SETUP_FILE for path in written):
+        return None
+    from ..emit import config_path
+
+    return config_path(emit, SETUP_FILE)
+
+
 def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: bool, emit_dir: Path | None,
                 written: list[str], unmarked: dict[str, str], warning: str | None, reports: list[str],
-                traced) -> None:
+                traced, setup_file: str | None) -> None:
     from .. import render
+    from ..config_snippets import config_snippets
 
     out = console()
     title = ("Configuration for the --optimize setup" if which == "optimized" else
@@ -104,10 +140,10 @@ def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: 
                      + ": README.md says it for them")
         notes.append(note)
     render.plan_report(out, result, verbose=verbose, optimize_requested=optimize, optimized_choice=choice,
-                       config_snippets=_snippets(chosen, render, emitted=emit_dir,
-                                                        auto_class=result.spec.auto_class), config_title=title,
+                       config_snippets=config_snippets(chosen, emitted=emit_dir, auto_class=result.spec.auto_class),
+                       config_title=title,
                        show_config=result.fits or which == "optimized", emitted_paths=written + reports,
-                       emitted_notes=notes)
+                       emitted_notes=notes, setup_file=setup_file)
     if traced is not None:
         render.verification(out, traced)
 
@@ -182,58 +218,6 @@ def _emit(setup, hardware, directory: Path, force: bool, warning: str | None,
     unmarked = unmarked_files(emitted_files(setup, hardware, directory, warning=warning,
                                                auto_class=auto_class)[0]) if warning else {}
     return paths, unmarked
-
-
-def _snippets(setup, render, *, emitted: Path | None, auto_class: str = "AutoModelForCausalLM") -> dict[str, str]:
-    """HF kwargs always; the DeepSpeed JSON when the setup shards or offloads. Empty without memfit.emit. With
-    --emit DIR, the kwargs name DIR's deepspeed.json as training_args.json does. `auto_class`: the transformers
-    class that loads the model (ModelSpec.auto_class)."""
-    try:
-        from ..emit import config_path, deepspeed_config, hf_model_kwargs, hf_trainer_kwargs, uses_deepspeed
-    except ImportError:
-        return {}
-    deepspeed_path = config_path(emitted, "deepspeed.json") if emitted is not None else "deepspeed.json"
-    items = {"transformers.TrainingArguments (add output_dir, schedule):":
-             render.python_call("TrainingArguments", hf_trainer_kwargs(setup, deepspeed_path=deepspeed_path)),
-             "model loading:": render.python_call(f"{auto_class}.from_pretrained", hf_model_kwargs(setup))}
-    if setup.finetune.adapters:
-        items.update(_adapter_snippets(setup, render, auto_class))
-    if uses_deepspeed(setup):
-        try:
-            items["deepspeed.json:"] = render.compact_json(deepspeed_config(setup, hf_auto=True))
-        except MemfitError as error:
-            items["deepspeed.json: not expressible"] = str(error)
-    if emitted is None:
-        items["all engine files (accelerate, FSDP2, README):"] = "memfit plan ... --emit DIR"
-    return items
-
-
-def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:
-    """LoRA / QLoRA: how to load the base (dtype, or BitsAndBytesConfig) and the LoraConfig, as memfit sized them."""
-    from ..emit import hf_model_kwargs
-    from ..emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs
-
-    bnb = bnb_config_kwargs(setup)
-    model = dict(hf_model_kwargs(setup))
-    loading = []
-    if bnb:
-        loading.append(render.python_call("bnb = BitsAndBytesConfig", bnb))
-        model["quantization_config"] = _Code("bnb")
-    else:
-        model["dtype"] = base_dtype(setup)
-    loading.append(render.python_call(f"model = {auto_class}.from_pretrained", model))
-    if bnb:
-        loading.append("model = prepare_model_for_kbit_training(model)  # the rest -> fp32")
-    loading.append("model = get_peft_model(model, " + render.python_call("LoraConfig", lora_config_kwargs(setup))
-                   .replace("\n", "\n    ") + ")")
-    return {"model loading:": "\n".join(loading)}
-
-
-class _Code(str):
-    """A name printed as code, not as a string literal, inside python_call."""
-
-    def __repr__(self) -> str:
-        return str(self)
 
 
 def main() -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..errors import ConfigError, MemfitError
+from . import interrupt
 
 try:  # typer >= 0.2x vendors click; its parser errors derive from TyperException
     from typer import TyperException as CommandLineError
@@ -31,8 +34,13 @@ USER_ERROR = 2
 """A mistake in the command line or its inputs: one `error: ...` line on stderr."""
 
 
-def _one_line(text: str) -> str:
-    return re.sub(r"\s+", " ", str(text)).strip()
+MAX_ERROR_CHARS = 2000
+"""An error line is cut here: a message that quotes user input (a path, a value) never floods the terminal."""
+
+
+def _one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    text = re.sub(r"\s+", " ", str(text)[: 4 * limit]).strip()  # cut first: the regex never sees megabytes
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class OneLineErrors(TyperGroup):
@@ -40,18 +48,26 @@ class OneLineErrors(TyperGroup):
     Unexpected exceptions (bugs) still raise, so they are reported with their traceback."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra) -> Any:
-        try:
-            result = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                                  standalone_mode=False, **extra)
-        except CommandLineError as error:
-            if type(error).__name__ == "NoArgsIsHelpError":
-                return _finish(OK, standalone_mode)  # typer printed the help while the error was built
-            result = report_error(error.format_message(), _help_hint(error))
-        except MemfitError as error:
-            result = report_error(str(error))
-        except typer.Abort:
-            typer.echo("aborted", err=True)
-            result = 1
+        self.argv = list(sys.argv[1:] if args is None else args)  # the global options' callback reads it
+        with interrupt.handling():
+            try:
+                result = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                      standalone_mode=False, **extra)
+            except CommandLineError as error:
+                if type(error).__name__ == "NoArgsIsHelpError":
+                    return _finish(OK, standalone_mode)  # typer printed the help while the error was built
+                result = report_error(error.format_message(), _help_hint(error))
+            except MemfitError as error:
+                result = report_error(str(error))
+            except typer.Abort:
+                typer.echo("aborted", err=True)
+                result = 1
+            except BaseException:  # an import cut by Ctrl-C can fail in any way: the interrupt is the cause
+                if not interrupt.interrupted():
+                    raise
+                result = interrupt.INTERRUPTED
+            if interrupt.interrupted() and result == interrupt.INTERRUPTED:
+                typer.echo("interrupted", err=True)
         return _finish(result, standalone_mode)
 
 
@@ -84,6 +100,25 @@ app = typer.Typer(
 )
 
 
+LIBRARY_LOGGERS = ("torchao", "torch", "torch.utils._pytree", "torch._dynamo", "torch.distributed", "peft",
+                   "accelerate", "bitsandbytes", "DeepSpeed", "deepspeed", "huggingface_hub")
+"""Loggers of the libraries a step imports that write to stderr on their own: torchao's "Failed to load ...so" for
+kernels built for other CUDA / Python versions (torchao/__init__.py), torch's pytree deprecations
+(torch/utils/_pytree.py), DeepSpeed's op-builder notes. transformers is quieted through its own variable."""
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' own warnings and logs off stderr (memfit's output, progress and `error:` lines stay):
+    set up once, before any of them is imported; `memfit --verbose` skips it."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read by transformers/utils/logging.py on import
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's C++ "STAGE:" / "USDT: profiler_start" lines
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].logging.set_verbosity_error()
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")  # memfit's command line says what it has to say itself, never through warnings
+
+
 def examples(*lines: str) -> str:
     """An epilog typer prints one example per line (its rich mode joins single newlines)."""
     return "[bold]Examples[/bold]\n\n" + "\n\n".join(f"  [cyan]{line}[/cyan]" for line in lines)
@@ -91,14 +126,9 @@ def examples(*lines: str) -> str:
 
 def resolve(model: str, opts):
     """(ModelSpec, TrainingSetup, Hardware) for a command's MODEL argument and shared options."""
-    from ..sources import resolve_model
-
     # huggingface_hub logs each retry of an unreachable Hub; the failure itself becomes one error line.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-
-    spec = opts.with_task(resolve_model(model))
-    hardware = opts.hardware()
-    return spec, opts.setup(spec, hardware), hardware
+    return opts.resolve(model)
 
 
 def print_json(data: dict) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
+from .. import atomic
 from ..errors import ConfigError
 from .common import DOES_NOT_FIT, app, console, examples, print_json, resolve
 from .options import (MAX_MICRO_BATCH, MAX_SEQ_LEN, OUTPUT_PANEL, JsonOpt, ModelArg, SetupOptions,
@@ -183,15 +184,21 @@ def _solve(model: str, opts: SetupOptions, quantity: Quantity, ladder: bool, ste
     notes = [f"{flag} {_given(opts, name)} is ignored: it is what --max {quantity.value} searches"
              for name, flag in _IGNORED[quantity] if getattr(opts, name) is not None]
     spec, setup, hardware = resolve(model, opts)
-    common = dict(margin=opts.margin_fraction, with_ladder=ladder, explicit=opts.explicit)
-    if quantity is Quantity.BATCH:
-        result = solve.max_micro_batch(spec, setup, hardware, step=step or 1, **common)
-    elif quantity is Quantity.SEQ:
-        result = solve.max_seq_len(spec, setup, hardware, step=step or solve.DEFAULT_SEQ_STEP, **common)
-    elif quantity is Quantity.GPUS:
-        result = solve.fewest_gpus(spec, setup, hardware, **common)
-    else:
-        result = solve.cheapest_gpu(spec, setup, hardware, **common)
+    keep = frozenset(opts.keep or ())
+
+    def run(with_ladder: bool, keep: frozenset[str]):
+        common = dict(margin=opts.margin_fraction, with_ladder=with_ladder, explicit=opts.explicit, keep=keep)
+        if quantity is Quantity.BATCH:
+            return solve.max_micro_batch(spec, setup, hardware, step=step or 1, **common)
+        if quantity is Quantity.SEQ:
+            return solve.max_seq_len(spec, setup, hardware, step=step or solve.DEFAULT_SEQ_STEP, **common)
+        if quantity is Quantity.GPUS:
+            return solve.fewest_gpus(spec, setup, hardware, **common)
+        return solve.cheapest_gpu(spec, setup, hardware, **common)
+
+    result = run(ladder, keep)
+    if not result.fits and not ladder:
+        notes.append(_with_the_ladder(run(True, keep | {"finetune"}), quantity))
     notes += _assumed_without(setup.notes, _SEARCHED_LABELS[quantity])
     if json_output:
         print_json({"model": spec.name, "num_params": spec.num_params, "max": quantity.value,
@@ -200,6 +207,18 @@ def _solve(model: str, opts: SetupOptions, quantity: Quantity, ladder: bool, ste
         _print_solved(spec, quantity, result, notes)
     if not result.fits:
         raise typer.Exit(DOES_NOT_FIT)
+
+
+def _with_the_ladder(result, quantity: Quantity) -> str:
+    """One line on what would change a held-fixed answer that does not fit: the same question with the plan's rungs
+    walked at each candidate (--ladder), the fine-tuning method kept (LoRA / QLoRA change what is trained)."""
+    if not result.fits:
+        return (f"with the ladder's rungs (--ladder; the fine-tuning method kept) it does not fit either: "
+                f"{result.text()}")
+    from ..render import describe_setup
+
+    return (f"what changes the answer: the setup above is held fixed; with the ladder's rungs (--ladder, the "
+            f"fine-tuning method kept): {result.text()}, as {describe_setup(result.best.setup)}")
 
 
 _SEARCHED_LABELS = {Quantity.BATCH: ("micro-batch",), Quantity.SEQ: ("seq",), Quantity.GPUS: (), Quantity.GPU: ()}
@@ -317,7 +336,7 @@ def _write(path: Path | None, text: str, option: str) -> None:
     if path is None:
         return
     try:
-        path.write_text(text, encoding="utf-8")
+        atomic.write_text(path, text)  # all or nothing: a full disk or a Ctrl-C leaves no partial file
     except OSError as error:
         raise ConfigError(f"{option} {path}: cannot write it: {error.strerror or error}") from None
 

@@ -54,11 +54,13 @@ def launch_command(script: ScriptArg, opts: SetupOptions, script_args: ScriptArg
 
     Without --dry-run it runs the local node's command (one node only); with it, it prints every node's command.
     """
-    from ..launch import DEFAULT_MASTER, launch_plan, local_command
+    from ..launch import DEFAULT_MASTER, SETUP_FILE, launch_plan, local_command
 
     args = list(script_args or [])
+    # Printed commands name memfit_setup.json (printed once, above them); the local run passes the setup inline.
     plan = launch_plan(*_setup(model, opts), script, spec=_spec(model), launcher=launcher,
-                       master_addr=master_addr or DEFAULT_MASTER, master_port=master_port, script_args=args)
+                       master_addr=master_addr or DEFAULT_MASTER, master_port=master_port, script_args=args,
+                       setup_file=SETUP_FILE if dry_run else None)
     if dry_run:
         if json_output:
             print_json(plan.to_dict())
@@ -76,8 +78,22 @@ def launch_command(script: ScriptArg, opts: SetupOptions, script_args: ScriptArg
     command = local_command(plan.setup, plan.hardware.gpus_per_node, script, args, engine=plan.engine,
                             python=sys.executable)
     typer.echo(f"memfit launch: {command.shell()}", err=True)
-    done = subprocess.run(list(command.argv), env={**os.environ, **dict(command.env)})
-    raise typer.Exit(done.returncode)
+    raise typer.Exit(_run(list(command.argv), {**os.environ, **dict(command.env)}))
+
+
+def _run(argv: list[str], env: dict[str, str]) -> int:
+    """The job's exit code. On Ctrl-C the job gets SIGINT (a `kill -INT` of memfit alone reaches it too) and stops
+    its workers itself, as torchrun does on SIGINT: memfit ends (exit 130) without killing it, which
+    subprocess.run would do a quarter second later, leaving torchrun's workers orphaned."""
+    import signal
+
+    job = subprocess.Popen(argv, env=env)
+    try:
+        return job.wait()
+    except KeyboardInterrupt:
+        if job.poll() is None:
+            job.send_signal(signal.SIGINT)
+        raise
 
 
 def _spec(model: Optional[str]):

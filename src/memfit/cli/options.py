@@ -29,6 +29,7 @@ from ..model_spec import ModelSpec
 from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Float8, Loss, Offload, Optimizer,
                      Padding, PipelineSchedule, Precision, Sharding, TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
+from .progress import hidden
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
 DEFAULT_GPU = "A100-80GB"
@@ -432,6 +433,15 @@ class SetupOptions:
 
         return with_task(spec, self.task or SEQUENCE_CLASSIFICATION, self.num_labels or 2)
 
+    def resolve(self, model: str) -> tuple[ModelSpec, TrainingSetup, Hardware]:
+        """(ModelSpec, TrainingSetup, Hardware) for MODEL (a catalog name, config.json or hub id) and these
+        options: what every sizing command and the page compute from."""
+        from ..sources import resolve_model
+
+        spec = self.with_task(resolve_model(model))
+        hardware = self.hardware()
+        return spec, self.setup(spec, hardware), hardware
+
     def hardware(self) -> Hardware:
         return make_hardware(self.gpu or DEFAULT_GPU, gpus_per_node=self.gpus or 1, num_nodes=self.nodes or 1,
                              cpu_ram=self.cpu_ram)
@@ -485,7 +495,13 @@ class SetupOptions:
                     cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
                     image_size=self.image_size, compile=self.compile, padding=self.padding,
                     longest_sample_len=self.longest_sample, float8=self.float8,
-                    float8_all_gather=self.float8_all_gather)
+                    float8_all_gather=self.float8_all_gather, **self._read_only_fields())
+
+    def _read_only_fields(self) -> dict[str, Any]:
+        """Setup fields only a --config file sets (no option spells them): DeepSpeed's ZeRO buffer sizes."""
+        if self.reading is None:
+            return {}
+        return {name: self.reading.overrides[name] for name in _READ_ONLY_FIELDS if name in self.reading.overrides}
 
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
@@ -512,6 +528,9 @@ class SetupOptions:
         if self.gpus is not None or self.nodes is not None:
             given.add("num_gpus")
         return frozenset(given)
+
+
+_READ_ONLY_FIELDS = ("zero_knobs",)
 
 
 def _finetune_options(ft: Finetune) -> dict[str, Any]:
@@ -564,6 +583,14 @@ _PLANNING_OPTIONS: dict[str, object] = {"keep": KeepOpt}
 _PLANNING_COMMANDS = frozenset({"plan_command"})
 
 
+def option_parameters(*, planning: bool = False) -> list[inspect.Parameter]:
+    """The shared options (and, with `planning`, --keep) as keyword parameters, in --help order: what
+    with_setup_options adds to a command, and the fields of `memfit serve`'s form."""
+    options = {**_SHARED_OPTIONS, **(_PLANNING_OPTIONS if planning else {})}
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+            for name, annotation in options.items()]
+
+
 def with_setup_options(command: Callable) -> Callable:
     """Replace the command's `opts: SetupOptions` parameter by the shared options, and call it with them collected
     into a SetupOptions. Typer reads the signature, so `--help` lists the options in their panels."""
@@ -576,12 +603,15 @@ def with_setup_options(command: Callable) -> Callable:
               for p in list(signature.parameters.values())[:at]]
     positional_model = any(_is_model_argument(p) for p in list(signature.parameters.values())[:at])
     after = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in list(signature.parameters.values())[at + 1:]]
-    options = {**_SHARED_OPTIONS, **(_PLANNING_OPTIONS if command.__name__ in _PLANNING_COMMANDS else {})}
-    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-              for name, annotation in options.items()]
+    shared = option_parameters(planning=command.__name__ in _PLANNING_COMMANDS)
+    options = [p.name for p in shared]
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        with hidden(bool(kwargs.get("json_output"))):  # --json: stdout is for scripts, keep stderr clean too
+            return _run(*args, **kwargs)
+
+    def _run(*args, **kwargs):
         collected = {name: kwargs.pop(name) for name in options}
         if collected.get("config") is not None:
             collected["config"] = tuple(collected["config"]) or None

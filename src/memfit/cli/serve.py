@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ConfigError
+from . import interrupt
 from .common import app, examples
 
 SERVE_PANEL = "Server"
@@ -50,7 +51,7 @@ def serve_command(host: HostOpt = "127.0.0.1", port: PortOpt = 8765, no_browser:
     missing = _missing()
     if missing:
         raise ConfigError(f"memfit serve needs {', '.join(missing)}: pip install 'memfit[serve]'")
-    from ..serve.web import is_loopback, serve
+    from ..serve.web import MAX_WORKERS, is_loopback, serve
 
     def ready(url: str) -> None:
         typer.echo(f"memfit serve: {url} (Ctrl-C stops it)")
@@ -66,6 +67,7 @@ def serve_command(host: HostOpt = "127.0.0.1", port: PortOpt = 8765, no_browser:
                 pass
 
     try:
-        serve(host, port, on_ready=ready)
+        with interrupt.awaited():  # Ctrl-C is how the page stops: exit 0 once its workers end, no watchdog
+            serve(host, port, on_ready=ready, workers=min(MAX_WORKERS, os.cpu_count() or 1))
     except KeyboardInterrupt:
         pass

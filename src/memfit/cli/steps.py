@@ -8,6 +8,7 @@ import typer
 
 from ..errors import ConfigError, MissingDependencyError
 from .common import app, check_report_paths, console, examples, print_json, resolve, write_reports
+from .progress import progress_bar
 from .options import (OUTPUT_PANEL, JsonOpt, ModelArg, PngOpt, ReportOpt, SetupOptions, VerboseOpt, whole_number,
                       with_setup_options)
 
@@ -30,9 +31,7 @@ def _model_config(model: str, spec) -> dict:
 
 
 def _require_torch(feature: str) -> None:
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # config warnings would break the one-screen output
+    # transformers' config warnings stay off stderr unless `memfit --verbose` (common.quiet_libraries)
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -41,21 +40,17 @@ def _require_torch(feature: str) -> None:
 
 def run_trace(model: str, spec, setup, hardware, *, steps: int = 2, progress: bool = True):
     """Trace `model` (a CLI model reference) under `setup`, with the device's runtime overhead added like any other
-    estimate (memfit.trace.traced_estimator); a progress bar on stderr while it runs."""
+    estimate (memfit.trace.traced_estimator); a progress bar on stderr while it runs (unless `progress` is False,
+    or memfit.cli.progress hides it)."""
     _require_torch("memfit trace")
     from ..trace import traced_estimator
 
+    from ..derive.cache import one_line_failure
+
     config = _model_config(model, spec)
-    if not progress:
-        return traced_estimator(config, steps=steps)(spec, setup, hardware)
-    from rich.progress import Progress
-
-    with Progress(transient=True, console=console(stderr=True)) as bar:
-        task = bar.add_task("tracing on fake tensors", total=1.0)
-
-        def advance(event) -> None:
-            bar.update(task, completed=event.fraction, description=f"tracing: {event.message}")
-
+    with progress_bar("tracing on fake tensors") as bar, one_line_failure(config, spec.name, everything=False):
+        report = bar if progress else None  # one_line_failure: a config attribute the model reads is one line
+        advance = (lambda event: report(event.message, event.fraction)) if report is not None else None
         return traced_estimator(config, steps=steps, progress=advance)(spec, setup, hardware)
 
 
@@ -122,8 +117,8 @@ def measure_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, de
         if device is None:
             check_host_ram(spec, setup)
         hardware = make_hardware(cpu_device(host_ram()))
-    measured = _with_status(f"building {spec.name} and running {steps} real training steps on {where}",
-                            not json_output, lambda: measure(_model_config(model, spec), setup, steps=steps, device=where))
+    with progress_bar(f"measuring {spec.name} on {where}") as bar:
+        measured = measure(_model_config(model, spec), setup, steps=steps, device=where, progress=bar)
     predicted = estimate(spec, setup, hardware)
     diagnosis = diagnose(measured, hardware, margin=opts.margin_fraction)
     if json_output:
@@ -134,13 +129,3 @@ def measure_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, de
     from .. import render
 
     render.measure_report(console(), spec, setup, hardware, measured, predicted, diagnosis)
-
-
-def _with_status(what: str, show: bool, run):
-    """`run()`, with a spinner on stderr saying `what` while it works (real steps take seconds to minutes)."""
-    if not show:
-        return run()
-    from rich.console import Console
-
-    with Console(stderr=True).status(what):
-        return run()

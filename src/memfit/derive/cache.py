@@ -9,14 +9,18 @@ versions they record).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
-import tempfile
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from .. import errors
 
 from .model import KindFit
 
@@ -48,17 +52,25 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    """memfit's, torch's and transformers' versions, read once per process: package metadata is parsed from files
+    (~5 ms per read, on every estimate's cache key), and what is installed does not change under a running
+    process."""
+    if not _VERSIONS:
+        from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
+        from .. import __version__
 
-    out = {"memfit": __version__}
-    for name in ("torch", "transformers"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "missing"
-    return out
+        out = {"memfit": __version__}
+        for name in ("torch", "transformers"):
+            try:
+                out[name] = version(name)
+            except PackageNotFoundError:
+                out[name] = "missing"
+        _VERSIONS.update(out)
+    return dict(_VERSIONS)
+
+
+_VERSIONS: dict[str, str] = {}
 
 
 def cache_key(config: dict[str, Any], kind: str, versions: dict[str, str] | None = None,
@@ -90,29 +102,15 @@ def read_json(path: Path, key: str, format_version: int = FORMAT) -> dict[str, A
 
 
 def write_json(path: Path, data: dict[str, Any]) -> bool:
-    """Atomic write; False (and nothing left behind) when the folder is not writable."""
+    """Atomic write (memfit.atomic); False (and nothing left behind) when the folder is not writable."""
+    from ..atomic import write_files
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(data, handle, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with _suppress():
-                os.unlink(tmp)
-            raise
+        write_files([(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))])
     except OSError:
         return False
     return True
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 def shipped_data(config: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -140,6 +138,38 @@ def _shipped(config: dict[str, Any], kind: str) -> KindFit | None:
 _MEMORY: dict[str, KindFit] = {}
 
 
+@contextlib.contextmanager
+def one_line_failure(config: dict[str, Any], label: str = "", *, everything: bool = True):
+    """A failure while the copies of a model are built and traced is one ModelSourceError line: transformers
+    reads config attributes a hand-made config.json may not set (T5's decoder_start_token_id builds the decoder's
+    inputs in transformers/models/t5/modeling_t5.py `_shift_right`), and then the line names the attribute.
+    `everything`: any other exception too (a derive); else (`memfit trace`) only the missing attribute."""
+    what = label or str(config.get("model_type"))
+    try:
+        yield
+    except errors.MemfitError:
+        raise
+    except AttributeError as error:
+        name = getattr(error, "name", None)
+        if name and "config" in type(getattr(error, "obj", None)).__name__.lower():
+            raise errors.ModelSourceError(f"{what}: the config lacks '{name}', which transformers reads to run "
+                                   f"model_type '{config.get('model_type')}': add it to the config") from None
+        if not everything:
+            raise
+        raise errors.ModelSourceError(f"{what}: deriving the memory model failed ({first_line(error)})") from None
+    except Exception as error:  # noqa: BLE001 - a config transformers cannot run: one line, never a traceback
+        if not everything:
+            raise
+        raise errors.ModelSourceError(f"{what}: deriving the memory model failed ({first_line(error)})") from None
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """An exception's first line, whitespace collapsed and cut to `limit`: how a derive failure quotes it."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tuple[KindFit, str]:
     """(fit, where it is stored): from this process, the shipped data, the disk cache, or derived now."""
     shipped = _shipped(config, kind)
@@ -161,7 +191,10 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
     from .fit import derive_kind
 
     started = time.perf_counter()
-    with reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress:
+    with (failures_cached(path, key, FIT_FORMAT, kind=kind, model_type=config.get("model_type"),
+                          versions=library_versions()),
+          reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress,
+          one_line_failure(config, label)):
         fit = derive_kind(config, kind, progress=progress)
     _MEMORY[key] = fit
     payload = {"key": key, "format": FIT_FORMAT, "kind": kind, "model_type": config.get("model_type"),
@@ -169,6 +202,51 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
                "derive_seconds": round(time.perf_counter() - started, 3), "fit": fit.to_dict()}
     stored = write_json(path, payload)
     return fit, str(path) if stored else "memory only (cache folder not writable)"
+
+
+# ---- failures -----------------------------------------------------------------------------------------------------
+# A derivation that fails (an architecture transformers builds but memfit cannot fit) fails again the same way with
+# the same config, libraries and memfit code, after the same minutes of tracing: its error is cached beside the
+# success file, keyed like it plus a fingerprint of memfit's own source, so any code change derives again.
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of memfit's Python sources (an edit, a new release: failures cached before it are derived again)."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for source in sorted(root.rglob("*.py")):
+        digest.update(source.relative_to(root).as_posix().encode())
+        with contextlib.suppress(OSError):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def failure_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.failed.json")
+
+
+@contextlib.contextmanager
+def failures_cached(path: Path, key: str, format_version: int = FORMAT, **fields: Any) -> Iterator[None]:
+    """Around a derivation whose success is stored at `path` under `key`: first raise the error it cached, if it
+    failed before with this key and this code; then, if the block raises a MemfitError (other than a missing
+    dependency, which an install fixes), cache it with `fields` before it propagates."""
+    failed = failure_path(path)
+    data = read_json(failed, key, format_version)
+    if data is not None and data.get("code") == code_fingerprint() and isinstance(data.get("error"), str):
+        cls = getattr(errors, str(data.get("error_type")), None)
+        raise (cls if isinstance(cls, type) and issubclass(cls, errors.MemfitError) else errors.ModelSourceError)(
+            data["error"])
+    started = time.perf_counter()
+    try:
+        yield
+    except errors.MissingDependencyError:
+        raise
+    except errors.MemfitError as error:
+        write_json(failed, {"key": key, "format": format_version, "code": code_fingerprint(),
+                            "error_type": type(error).__name__, "error": str(error),
+                            "derive_seconds": round(time.perf_counter() - started, 3), **fields})
+        raise
 
 
 def clear_memory() -> None:

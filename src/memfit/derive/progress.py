@@ -1,18 +1,30 @@
-"""Progress of a first (slow) derivation on stderr: a rich progress bar, quiet when asked (--json) or when stderr is
-no terminal."""
+"""Progress of a first (slow) derivation: a hook, so the library never prints. The CLI installs one that draws a
+bar on stderr (memfit.cli.progress); a library user may install their own with `set_reporter`.
+
+A reporter is `reporter(title)`: a context manager that yields `progress(message, fraction)` or None."""
 
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import ContextManager
 
+Progress = Callable[[str, float], None]
+Reporter = Callable[[str], ContextManager["Progress | None"]]
+
+_REPORTER: list[Reporter | None] = [None]
 _QUIET: list[bool] = []
+
+
+def set_reporter(reporter: Reporter | None) -> Reporter | None:
+    """Report derivations through `reporter` from now on (None: silently); returns the previous one."""
+    previous, _REPORTER[0] = _REPORTER[0], reporter
+    return previous
 
 
 @contextlib.contextmanager
 def quiet(enabled: bool = True) -> Iterator[None]:
-    """No progress output inside this block (the CLI's --json)."""
+    """No progress reported inside this block."""
     _QUIET.append(enabled)
     try:
         yield
@@ -20,27 +32,12 @@ def quiet(enabled: bool = True) -> Iterator[None]:
         _QUIET.pop()
 
 
-def _is_quiet() -> bool:
-    if _QUIET:
-        return _QUIET[-1]
-    if "--json" in sys.argv[1:]:  # the CLI's machine-readable mode: stdout is JSON, keep stderr clean too
-        return True
-    return not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
-
-
 @contextlib.contextmanager
-def reporting(title: str):
-    """Yields progress(message, fraction) for derive_kind."""
-    if _is_quiet():
+def reporting(title: str) -> Iterator[Progress | None]:
+    """Yields progress(message, fraction) for derive_kind / derive_stacks, or None when nobody listens."""
+    reporter = _REPORTER[0]
+    if reporter is None or (_QUIET and _QUIET[-1]):
         yield None
         return
-    from rich.console import Console
-    from rich.progress import Progress
-
-    with Progress(transient=True, console=Console(stderr=True)) as bar:
-        task = bar.add_task(title, total=1.0)
-
-        def progress(message: str, fraction: float) -> None:
-            bar.update(task, completed=fraction, description=f"{title}: {message}")
-
+    with reporter(title) as progress:
         yield progress

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ..errors import ModelSourceError
 from ..model_spec import ModelSpec, ParamTensor
-from .cache import cache_path, read_json, shipped_data, write_json
+from .cache import cache_path, failures_cached, read_json, shipped_data, write_json
+from .cache import first_line as _first_line
 from .model import DerivedModel
+from .progress import reporting
 
 PARAMS_KIND = "params"
 PARAMS_FORMAT = 2
@@ -34,12 +35,6 @@ def _hf_config(config: dict[str, Any], source: str):
     except (ConfigError, TypeError, KeyError) as error:
         raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' "
                                f"offline ({_first_line(error)})") from None
-
-
-def _first_line(error: BaseException, limit: int = 160) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    text = re.sub(r"\s+", " ", text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[list[ParamTensor], dict[str, Any]]:
@@ -186,10 +181,15 @@ def derived_spec(config: dict[str, Any], *, name: str, source: str, params: tupl
         # stored with the parameters, so a cached or shipped model plans without importing transformers (or torch)
         arch = data["arch"] if isinstance(data.get("arch"), dict) else arch_numbers(config, source)
     else:
-        arch = arch_numbers(config, source)
         from .fit import quiet_transformers
 
-        with quiet_transformers():
+        with (failures_cached(path, path.stem, PARAMS_FORMAT, kind=PARAMS_KIND, model_type=config.get("model_type")),
+              reporting(f"reading {name}'s parameters") as progress, quiet_transformers()):
+            if progress is not None:
+                progress("loading its configuration class from transformers", 0.0)
+            arch = arch_numbers(config, source)
+            if progress is not None:
+                progress("building 1- and 2-block copies on fake tensors", 0.5)
             rows, facts = _param_rows(config, arch["num_layers"], source)
         write_json(path, {"key": path.stem, "format": PARAMS_FORMAT, "kind": PARAMS_KIND,
                           "model_type": config.get("model_type"),

@@ -43,7 +43,8 @@ class StackedModel:
 
 
 def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tuple[StackFit, str]:
-    from .cache import cache_path, config_hash, library_versions, read_json, shipped_data, write_json
+    from .cache import (cache_path, config_hash, failures_cached, library_versions, one_line_failure, read_json,
+                        shipped_data, write_json)
 
     data = shipped_data(config, kind)
     if data is not None and "fit" in data:
@@ -59,7 +60,9 @@ def load_or_derive(config: dict[str, Any], kind: str, *, label: str = "") -> tup
     from .stacks import derive_stacks
 
     started = time.perf_counter()
-    with reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress:
+    with (failures_cached(path, path.stem, kind=kind, model_type=config.get("model_type")),
+          reporting(f"deriving {label or config.get('model_type')} ({kind})") as progress,
+          one_line_failure(config, label)):
         fit = derive_stacks(config, kind, progress=progress)
     payload = {"key": path.stem, "format": FORMAT, "kind": kind, "model_type": config.get("model_type"),
                "config_hash": config_hash(config), "versions": library_versions(),

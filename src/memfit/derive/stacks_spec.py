@@ -23,6 +23,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
 
     from ..setup import Attention, TrainingSetup
     from ..trace.session import build_hf_model
+    from .cache import first_line
     from .fit import quiet_transformers
 
     try:
@@ -30,7 +31,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
             model = build_hf_model(dict(config), TrainingSetup(attention=Attention.EAGER), [])
     except Exception as error:  # noqa: BLE001 - any failure to build means: cannot size this config
         raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' offline "
-                               f"from this config ({str(error).strip().splitlines()[0][:160]})") from None
+                               f"from this config ({first_line(error)})") from None
     rows: dict[tuple[str, int], int] = {}
     for name, param in model.named_parameters():
         key = (_INDEX.sub("*", name), int(param.numel()))
@@ -41,7 +42,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
 
 
 def stacked_spec(config: dict[str, Any], *, name: str, source: str) -> ModelSpec:
-    from .cache import cache_path, read_json, shipped_data, write_json
+    from .cache import cache_path, failures_cached, read_json, shipped_data, write_json
 
     path = cache_path(config, PARAMS_KIND)
     data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)
@@ -49,7 +50,8 @@ def stacked_spec(config: dict[str, Any], *, name: str, source: str) -> ModelSpec
         rows = [ParamTensor(str(n), int(k), int(c)) for n, k, c in data["params"]]
         facts = data.get("facts", {})
     else:
-        rows, facts = _param_rows(config, source)
+        with failures_cached(path, path.stem, kind=PARAMS_KIND, model_type=config.get("model_type")):
+            rows, facts = _param_rows(config, source)
         write_json(path, {"key": path.stem, "format": 1, "kind": PARAMS_KIND, "model_type": config.get("model_type"),
                           "params": [[p.name, p.numel, p.count] for p in rows], "facts": facts})
     get = config.get

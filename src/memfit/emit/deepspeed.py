@@ -4,6 +4,7 @@ runtime/precision_config.py and runtime/zero/offload_config.py (DeepSpeed 0.19).
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..zero_knobs import DEFAULT_MAX_REUSE_DISTANCE
 from ..setup import Offload, Optimizer, Precision, Sharding, TrainingSetup
 from .emitted import EmittedConfig
 
@@ -103,6 +104,7 @@ def _zero_part(setup: TrainingSetup, hf_auto: bool):
             comments["zero_optimization.stage3_prefetch_bucket_size"] = "auto = 0.9 x hidden_size^2 (HF)"
             comments["zero_optimization.stage3_param_persistence_threshold"] = (
                 "auto = 10 x hidden_size (HF): smaller tensors (norms, biases) stay whole on every rank")
+    _user_buckets(setup, stage, zero, comments)
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         comments["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = (
@@ -230,3 +232,18 @@ def _client_optimizer_part(setup: TrainingSetup, offloaded: bool):
             f"false lets {setup.optimizer} (not DeepSpeed's CPU Adam) step the offloaded states on the CPU; slower "
             "than CPU Adam, same memory")
     return content, comments, notes
+
+
+def _user_buckets(setup: TrainingSetup, stage: int, zero: dict, comments: dict[str, str]) -> None:
+    """The ZeRO buffer sizes the user's config set (memfit.zero_knobs), written back as numbers: the figure was
+    sized with them, so the emitted file keeps them instead of "auto"."""
+    knobs = setup.zero_knobs
+    values = (("reduce_bucket_size", knobs.reduce_bucket_size, 0),
+              ("stage3_param_persistence_threshold", knobs.param_persistence_threshold, 3),
+              ("stage3_max_reuse_distance",
+               None if knobs.max_reuse_distance == DEFAULT_MAX_REUSE_DISTANCE else knobs.max_reuse_distance, 3))
+    for key, value, min_stage in values:
+        if value is None or stage < min_stage:
+            continue
+        zero[key] = value
+        comments[f"zero_optimization.{key}"] = f"{value:,} elements, as your config set it (memfit sized this value)"

@@ -7,21 +7,33 @@ from __future__ import annotations
 import sys
 
 from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
 # TrainingArguments.optim names (transformers.training_args.OptimizerNames).
-def transformers_version() -> tuple[int, int] | None:
-    """The installed transformers' (major, minor): its `__version__` when already imported, else the installed
-    distribution's version, read without importing it (importing transformers takes seconds); None without it."""
-    version = getattr(sys.modules.get("transformers"), "__version__", None)
-    if version is None:
+def _installed_version(name: str) -> str | None:
+    """The installed distribution's version, read once per process: reading package metadata parses files (~10 ms,
+    three times per plan shown), and what is installed does not change under a running process."""
+    if name not in _INSTALLED:
         from importlib import metadata
 
         try:
-            version = metadata.version("transformers")
+            _INSTALLED[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            return None
+            _INSTALLED[name] = None
+    return _INSTALLED[name]
+
+
+_INSTALLED: dict[str, str | None] = {}
+
+
+def transformers_version() -> tuple[int, int] | None:
+    """The installed transformers' (major, minor): its `__version__` when already imported, else the installed
+    distribution's version, read without importing it (importing transformers takes seconds); None without it."""
+    version = getattr(sys.modules.get("transformers"), "__version__", None) or _installed_version("transformers")
+    if version is None:
+        return None
     parts = str(version).split(".")
     try:
         return int(parts[0]), int("".join(c for c in (parts[1] if len(parts) > 1 else "0") if c.isdigit()) or 0)
@@ -169,14 +181,21 @@ def selective_checkpointing_note(setup: TrainingSetup) -> str:
     titan = {Checkpointing.SELECTIVE_OP: 'mode = "selective", selective_ac_option = "op"'}.get(
         mode, f'mode = "selective", selective_ac_option = "{mode.every}"' if mode.every else None)
     text = (f"checkpointing {mode}: TrainingArguments cannot express it (transformers' gradient_checkpointing / "
-            "activation_checkpointing recompute whole blocks only), so training_args.json leaves checkpointing off; "
-            "call memfit.apply_(model, setup) on the model before Trainer(...), or use the FSDP2 code memfit emits "
+            "activation_checkpointing recompute whole blocks only), so training_args.json leaves checkpointing off "
+            f"and memfit_apply.json holds it: call `{apply_call(setup, APPLY_FILE)}` on the loaded model before "
+            "Trainer(...) (without it the step keeps every activation), or use the FSDP2 code memfit emits "
             "(fsdp2_shard.py, enable_checkpointing)")
     if titan:
         text += f"; torchtitan TOML: [activation_checkpoint] {titan}"
     elif mode is Checkpointing.ATTENTION:
         text += "; Megatron-LM: --recompute-granularity selective (core attention)"
     return text + "."
+
+
+def trainer_cannot_express(setup: TrainingSetup) -> list[str]:
+    """What the plan sized that neither TrainingArguments nor memfit_apply.json can carry (torchtune's chunked loss,
+    the optimizer step in backward): the notes that say where it is expressed instead."""
+    return _loss_part(setup)[2]
 
 
 def _loss_part(setup: TrainingSetup, **_):
@@ -202,10 +221,11 @@ def _activation_offload_part(setup: TrainingSetup, **_):
     OffloadActivations hooks, and memfit.apply_ installs the same hooks on a live model."""
     if not setup.activation_offload:
         return {}, {}, []
-    return {}, {}, ["Activation offloading: TRL `SFTConfig(activation_offloading=True)`, axolotl "
-                    "`activation_offloading: true`, torchtune `enable_activation_offloading: True`; with a plain "
-                    "Trainer, `memfit.apply_(model, setup)` installs the same saved-tensor hooks. It needs CUDA and "
-                    "pinned host RAM."]
+    return {}, {}, [f"Activation offloading: TrainingArguments has no such option, so memfit_apply.json holds it: "
+                    f"`{apply_call(setup, APPLY_FILE)}` on the loaded model installs torchtune's saved-tensor hooks "
+                    "before Trainer(...) (TRL `SFTConfig(activation_offloading=True)`, axolotl "
+                    "`activation_offloading: true` and torchtune `enable_activation_offloading: True` are the same "
+                    "hooks). It needs CUDA and pinned host RAM."]
 
 
 def _compile_part(setup: TrainingSetup, **_):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..finetune import ALL_LINEAR, TORCHTUNE_ATTENTION, TORCHTUNE_MLP, BaseWeights
-from ..setup import Engine, TrainingSetup
+from ..setup import Checkpointing, Engine, TrainingSetup
 from .emitted import EmittedConfig
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -94,6 +94,15 @@ def torchtune_file(setup: TrainingSetup, *, filename: str = "torchtune_lora.yaml
                                  "config, as sized.")
 
 
+def prepare_line(setup: TrainingSetup) -> str:
+    """peft's prepare_model_for_kbit_training call for a quantized base: it turns on full gradient checkpointing
+    unless told not to (use_gradient_checkpointing defaults to True), so a plan without full checkpointing says so."""
+    if setup.checkpointing is Checkpointing.FULL:
+        return "model = prepare_model_for_kbit_training(model)  # the rest -> fp32"
+    return ("model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # the rest -> fp32; "
+            f"checkpointing {setup.checkpointing} as planned")
+
+
 def peft_file(setup: TrainingSetup, *, filename: str = "peft.json") -> EmittedConfig | None:
     """peft.json: {"lora_config": LoraConfig kwargs, "model_kwargs": from_pretrained kwargs for the base,
     "prepare_model_for_kbit_training": bool}; None for a full fine-tune. Under torchtune's recipe:
@@ -111,8 +120,11 @@ def peft_file(setup: TrainingSetup, *, filename: str = "peft.json") -> EmittedCo
                        "default for the architecture, which memfit sized",
         "model_kwargs": ("BitsAndBytesConfig(**quantization_config) passed to from_pretrained: the base is stored "
                          "quantized" if bnb else "the frozen base in the compute dtype"),
-        "prepare_model_for_kbit_training": "peft.prepare_model_for_kbit_training(model) before get_peft_model: "
-                                           "it upcasts the unquantized parameters to fp32, as memfit sized",
+        "prepare_model_for_kbit_training": f"`{prepare_line(setup).split(' = ', 1)[1].split('  #')[0]}` before "
+                                           "get_peft_model: it upcasts the unquantized parameters to fp32, as "
+                                           "memfit sized" + ("" if setup.checkpointing is Checkpointing.FULL else
+                                                             "; use_gradient_checkpointing=False, else peft turns "
+                                                             "on full checkpointing, which the plan does not have"),
     }
     notes = ("get_peft_model keeps the adapters in fp32 (autocast_adapter_dtype=True, its default), as sized.",)
     return EmittedConfig(filename, content, comments, notes,

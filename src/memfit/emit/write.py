@@ -10,10 +10,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from ..atomic import write_files
 from ..errors import ConfigError
 from ..hardware import Hardware
 from ..setup import TrainingSetup
 from .accelerate import accelerate_file
+from .apply_file import APPLY_FILE, apply_file
 from .deepspeed import deepspeed_file
 from .emitted import EmittedConfig, describe, uses_deepspeed
 from .fsdp import fsdp2_file, fsdp2_unsupported
@@ -47,6 +49,9 @@ def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *, 
     adapters = peft_file(setup)
     if adapters is not None:
         files.append(adapters)
+    applied = apply_file(setup, path=config_path(directory, APPLY_FILE))
+    if applied is not None:  # what TrainingArguments cannot carry (selective checkpointing, activation offload)
+        files.append(applied)
     if uses_deepspeed(setup):
         try:
             files.append(deepspeed_file(setup))
@@ -60,10 +65,27 @@ def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *, 
         skipped["fsdp2_shard.py"] = skipped["accelerate_fsdp2.yaml"] = reason
     else:
         files += [fsdp2_file(setup), accelerate_file(setup, hardware, backend="fsdp", filename="accelerate_fsdp2.yaml")]
+    launch_setup = _launch_setup_file(setup)
+    if launch_setup is not None:
+        files.append(launch_setup)
     if warning:
         files = [replace(f, warning=warning) for f in files]
     files.append(_readme(setup, files, skipped, deepspeed_path, warning))
     return files, skipped
+
+
+def _launch_setup_file(setup: TrainingSetup) -> EmittedConfig | None:
+    """memfit_setup.json when `memfit plan` prints launch commands for the setup: they name it (MEMFIT_SETUP_FILE)
+    instead of repeating ~1,000 characters of JSON on every node's line."""
+    from ..launch import ENV_SETUP_FILE, SETUP_FILE, launches, setup_file_text
+
+    if not launches(setup, setup.num_gpus):
+        return None
+    # The text, not a dict: its keys are TrainingSetup's fields (README and `memfit plan` say what each is).
+    return EmittedConfig(SETUP_FILE, setup_file_text(setup),
+                         summary=f"the setup every rank reads: the launch commands `memfit plan` prints name it "
+                                 f"({ENV_SETUP_FILE}; memfit.launch.prepare reads it)",
+                         unmarkable="memfit.launch reads it as TrainingSetup fields, which has no warning field")
 
 
 def unmarked_files(files: list[EmittedConfig]) -> dict[str, str]:
@@ -76,45 +98,82 @@ def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *
     """Write the plan's engine files into `directory` (created if missing) and return their paths.
 
     Replaces files memfit wrote there before and nobody changed since; refuses, naming every such file, to replace
-    anything else unless `force`. `warning` is stamped into every file that can carry it (emitted_files)."""
+    anything else unless `force`. Never writes through a symbolic link or into anything but a regular file of
+    `directory` (refused even with `force`). All or nothing (memfit.atomic): every file and the manifest are
+    written under temporary names first, so a full disk or a Ctrl-C leaves the directory as it was.
+    `warning` is stamped into every file that can carry it (emitted_files)."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{directory} is a file, not a directory: choose a directory for the engine configs")
     files, _ = emitted_files(setup, hardware, directory, warning=warning, auto_class=auto_class)
+    _refuse_non_regular(directory, [f.filename for f in files] + [MANIFEST])
     written = _read_manifest(directory)
     if not force:
         _refuse_foreign_files(directory, [f.filename for f in files], written)
-    _remove_stale(directory, {f.filename for f in files}, written)
+    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
-    paths, manifest = [], {}
-    for emitted in files:
-        text = emitted.render()
-        path = directory / emitted.filename
-        path.write_text(text, encoding="utf-8")
-        paths.append(path)
-        manifest[emitted.filename] = _digest(text)
-    (directory / MANIFEST).write_text(json.dumps({"files": manifest}, indent=2) + "\n", encoding="utf-8")
-    return paths
+    texts = {emitted.filename: emitted.render() for emitted in files}
+    manifest = json.dumps({"files": {name: _digest(text) for name, text in texts.items()}}, indent=2) + "\n"
+    try:
+        write_files([(directory / name, text.encode("utf-8")) for name, text in texts.items()]
+                    + [(directory / MANIFEST, manifest.encode("utf-8"))])
+    except BaseException:
+        if created:
+            _remove_empty(directory)
+        raise
+    _remove_stale(directory, set(texts), written)
+    return [directory / name for name in texts]
+
+
+def _refuse_non_regular(directory: Path, names: list[str]) -> None:
+    """A symbolic link (or a folder, a FIFO...) where memfit writes a file: refused, --force or not; writing
+    through a link would change a file outside `directory`."""
+    for name in names:
+        path = directory / name
+        if path.is_symlink():
+            raise ConfigError(f"{path} is a symbolic link: memfit writes only regular files inside {directory}; "
+                              "remove the link or choose another directory")
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{path} is not a regular file: remove it or choose another directory")
+
+
+def _remove_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
 
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+_MAX_OWN_BYTES = 4 * 1024 * 1024
+"""memfit's files are a few kB: a larger file of the same name is not one it wrote (and is not read whole)."""
+
+
+def _regular_text(path: Path) -> str | None:
+    """The text of a regular file of memfit's size (never through a link, never a FIFO or device), else None."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > _MAX_OWN_BYTES:
+            return None
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _read_manifest(directory: Path) -> dict[str, str]:
     try:
-        data = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        data = json.loads(_regular_text(directory / MANIFEST) or "{}")
         return {str(k): str(v) for k, v in data.get("files", {}).items()}
-    except (OSError, ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return {}
 
 
 def _ours(path: Path, written: dict[str, str]) -> bool:
     """Written by memfit and unchanged since."""
-    try:
-        return path.is_file() and written.get(path.name) == _digest(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError):
-        return False
+    text = _regular_text(path)
+    return text is not None and written.get(path.name) == _digest(text)
 
 
 def _refuse_foreign_files(directory: Path, names: list[str], written: dict[str, str]) -> None:
@@ -128,8 +187,11 @@ def _remove_stale(directory: Path, names: set[str], written: dict[str, str]) -> 
     """Files an earlier plan wrote that this plan does not (e.g. deepspeed.json), if nobody edited them."""
     for name in written:
         path = directory / name
-        if name not in names and Path(name).name == name and _ours(path, written):
-            path.unlink()
+        if name not in names and Path(name).name == name and name != MANIFEST and _ours(path, written):
+            try:
+                path.unlink()
+            except OSError:
+                pass  # the new files are written; a stale one left behind is listed in no manifest
 
 
 def _readme(setup: TrainingSetup, files: list[EmittedConfig], skipped: dict[str, str], deepspeed_path: str,

@@ -49,7 +49,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     spec = lora.adapted_spec(spec, setup)
     moe.check(spec, setup)
     offload_activations.check(spec, setup)
-    spec = moe.ep_local_spec(moe.as_recipe(spec, setup), setup)  # MoE: formulas, not the derived model; experts / ep
+    # MoE: formulas, not the derived model, where they size the precision the engine runs (amp-* under DeepSpeed or
+    # FSDP2 runs with 16-bit parameters: _as_run); experts / ep
+    spec = moe.ep_local_spec(moe.as_recipe(spec, _as_run(setup, layout or setup.engine)[0]), setup)
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
     # the step that sets the run's peak (padded batches: the longest sample's), then one context-parallel rank's
     asked, setup = setup, context_parallel.rank_setup(padding.peak_setup(setup))
@@ -79,8 +81,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     phase, terms = moments[peak_name]
     terms = [t for t in terms if t.num_bytes > 0]
     in_allocator = [t for t in terms if t.device_figure == "allocated"]
-    terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator)
     offloaded = _activation_host(spec, sized, hardware.is_cpu)
+    terms += runtime_overhead_terms(_total(in_allocator), setup, hardware, spec=spec, terms=in_allocator,
+                                    offload=offloaded)
     return MemoryEstimate(
         terms=tuple(terms), peak_phase=phase, method="analytic", setup=asked, phase_peaks=phase_peaks,
         cpu_bytes=static.cpu_bytes + offloaded.host_bytes,

@@ -32,19 +32,20 @@ from dataclasses import replace
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import Checkpointing, TrainingSetup
 from .result import Category, Term
-from .static import DS_PERSISTENCE_FACTOR
-
-DS_MAX_REUSE_DISTANCE = 1_000_000_000
-"""stage3_max_reuse_distance: DeepSpeed's default (runtime/zero/config.py), which memfit's config leaves alone."""
 
 
-def persistent(spec: ModelSpec, t: ParamTensor) -> bool:
-    return t.numel <= DS_PERSISTENCE_FACTOR * spec.hidden_size
+def persistence_threshold(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """stage3_param_persistence_threshold in elements as the run sets it (memfit.zero_knobs)."""
+    return setup.zero_knobs.persistence_threshold(spec.hidden_size)
 
 
-def _elems(spec: ModelSpec, tensors, *, whole_persistent: bool = True) -> int:
+def persistent(threshold: int, t: ParamTensor) -> bool:
+    return t.numel <= threshold  # mark_persistent_parameters: ds_numel <= param_persistence_threshold
+
+
+def _elems(threshold: int, tensors, *, whole_persistent: bool = True) -> int:
     """Elements of `tensors` (each counted `count` times), the persistent ones left out unless asked."""
-    return sum(t.numel * t.count for t in tensors if whole_persistent or not persistent(spec, t))
+    return sum(t.numel * t.count for t in tensors if whole_persistent or not persistent(threshold, t))
 
 
 def _names(node) -> set[str]:
@@ -90,38 +91,36 @@ def gathered_elems(spec: ModelSpec, setup: TrainingSetup) -> int:
     stage3_max_reuse_distance, and a tensor used before the blocks only if it is fetched again in backward (it is
     trained, or it is the token embedding under checkpointing with adapters: peft's enable_input_require_grads)."""
     embed, before, block, tail = _units(spec)
-    layers = spec.num_layers
+    layers, th = spec.num_layers, persistence_threshold(spec, setup)
     ckpt = setup.checkpointing is not Checkpointing.NONE
-    block_numel = _elems(spec, block) // max(layers, 1)
-    tail_numel = _elems(spec, tail)
-    gathered = _elems(spec, tail, whole_persistent=False)
-    block_kept = _elems(spec, block, whole_persistent=False) // max(layers, 1)
+    block_numel = _elems(th, block) // max(layers, 1)
+    tail_numel = _elems(th, tail)
+    gathered = _elems(th, tail, whole_persistent=False)
+    block_kept = _elems(th, block, whole_persistent=False) // max(layers, 1)
     uses = 3 if ckpt else 2  # forward + backward (+ the recompute) of each later block lie in between
-    kept_blocks = sum(_reuse(uses * (layers - 1 - i) * block_numel + 2 * tail_numel) for i in range(layers))
+    reuse = setup.zero_knobs.max_reuse_distance
+    kept_blocks = sum(uses * (layers - 1 - i) * block_numel + 2 * tail_numel < reuse for i in range(layers))
     gathered += block_kept * max(kept_blocks, min(layers, 1))  # at least the block backward is computing
     unfetched = set() if ckpt or not spec.frozen else _first_block_inputs_frozen(spec)
     whole = uses * layers * block_numel + 2 * tail_numel  # from before the blocks to the end of backward
-    if layers and _reuse(whole):
-        gathered -= sum(t.numel for t in block if t.name in unfetched and not persistent(spec, t))
+    if layers and whole < reuse:
+        gathered -= sum(t.numel for t in block if t.name in unfetched and not persistent(th, t))
     trained = {p.name for p in spec.params}
-    if _reuse(whole):
-        gathered += sum(t.numel * t.count for t in (*embed, *before) if not persistent(spec, t)
+    if whole < reuse:
+        gathered += sum(t.numel * t.count for t in (*embed, *before) if not persistent(th, t)
                         and (t.name in trained or (t in embed and ckpt and spec.frozen)))
     return gathered
 
 
-def _reuse(distance: int) -> bool:
-    return distance < DS_MAX_REUSE_DISTANCE
+def persistent_elems(threshold: int, tensors) -> int:
+    return sum(t.numel * t.count for t in tensors if persistent(threshold, t))
 
 
-def persistent_elems(spec: ModelSpec, tensors) -> int:
-    return sum(t.numel * t.count for t in tensors if persistent(spec, t))
-
-
-def frozen_partition_bytes(spec: ModelSpec, n: int, elem_bytes: int) -> int:
+def frozen_partition_bytes(spec: ModelSpec, setup: TrainingSetup, n: int, elem_bytes: int) -> int:
     """A frozen base under ZeRO-3: each tensor's ceil(numel / N) partition in its dtype, a persistent one whole
     besides."""
-    return sum(t.count * (-(-t.numel // n) + (t.numel if persistent(spec, t) else 0))
+    th = persistence_threshold(spec, setup)
+    return sum(t.count * (-(-t.numel // n) + (t.numel if persistent(th, t) else 0))
                * (t.nbytes // t.numel if t.nbytes else elem_bytes) for t in spec.frozen)
 
 
@@ -129,8 +128,8 @@ def layout(spec: ModelSpec, setup: TrainingSetup, static, elem_bytes: int, bucke
     """`static` (memfit.estimate.static's ZeRO-3 split of the trainable tensors) with DeepSpeed's ZeRO-3 buffers:
     the frozen partitions, the persistent parameters whole, what stays gathered into backward, the ipg bucket."""
     n = setup.shard_size
-    params = static.params_bytes + elem_bytes * persistent_elems(spec, spec.params)
-    return replace(static, params_bytes=params, frozen_bytes=frozen_partition_bytes(spec, n, elem_bytes),
+    params = static.params_bytes + elem_bytes * persistent_elems(persistence_threshold(spec, setup), spec.params)
+    return replace(static, params_bytes=params, frozen_bytes=frozen_partition_bytes(spec, setup, n, elem_bytes),
                    param_working_set_bytes=elem_bytes * gathered_elems(spec, setup),
                    comm_buffers_bytes=elem_bytes * bucket_elems)
 
@@ -164,7 +163,7 @@ def recompute_released_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     if setup.checkpointing is Checkpointing.NONE:
         return 0
     sizes = [t.numel * (t.nbytes // t.numel if t.nbytes else 2) for t in spec.frozen
-             if ".*." in t.name and not persistent(spec, t)]
+             if ".*." in t.name and not persistent(persistence_threshold(spec, setup), t)]
     return sum(sizes) - max(sizes, default=0)
 
 

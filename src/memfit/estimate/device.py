@@ -21,12 +21,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Optimizer, TrainingSetup
 from . import allocator as alloc
 from .result import Category, Term
+
+if TYPE_CHECKING:
+    from .offload_activations import OffloadSizes
 
 ROUNDING = "overhead/allocator_rounding"
 WORKSPACE = "overhead/cublas_workspace"
@@ -50,17 +54,19 @@ class DeviceReplay:
 
 def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *,
                            spec: ModelSpec | None = None, terms: Sequence[Term] = (),
-                           events: Sequence[tuple[object, int]] | None = None) -> list[Term]:
+                           events: Sequence[tuple[object, int]] | None = None,
+                           offload: "OffloadSizes | None" = None) -> list[Term]:
     """The terms that turn a tensor peak into the three device figures (empty on a CPU device).
 
     `events`: a traced step's allocation stream (StepTracker.allocation_events). Else `spec` and the peak's `terms`
     build the formulas' representative stream. With neither, only the peak itself is replayed (one block: the
-    rounding of one request, no fragmentation) and the reserve term says so."""
+    rounding of one request, no fragmentation) and the reserve term says so. `offload`: what activation offloading
+    moves (memfit.estimate.offload_activations.sizes), for the device buffers it allocates on the way."""
     if hardware.is_cpu:
         return []
     constants = hardware.device
     workspaces = constants.cublas_workspaces * constants.cublas_workspace_bytes
-    replay = device_replay(tensor_peak, setup, hardware, spec=spec, terms=terms, events=events)
+    replay = device_replay(tensor_peak, setup, hardware, spec=spec, terms=terms, events=events, offload=offload)
     out = []
     if workspaces:
         out.append(Term(WORKSPACE, Category.OVERHEAD, workspaces,
@@ -91,7 +97,8 @@ def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Har
 
 
 def device_replay(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *, spec: ModelSpec | None = None,
-                  terms: Sequence[Term] = (), events: Sequence[tuple[object, int]] | None = None) -> DeviceReplay:
+                  terms: Sequence[Term] = (), events: Sequence[tuple[object, int]] | None = None,
+                  offload: "OffloadSizes | None" = None) -> DeviceReplay:
     constants = hardware.device
     workspace = constants.cublas_workspace_bytes
     workspaces = (workspace,) * constants.cublas_workspaces
@@ -105,7 +112,7 @@ def device_replay(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *,
         result = alloc.replay([(i, s) for i, s in enumerate((*workspaces, tensor_peak)) if s], config)
         return DeviceReplay(result.peak_allocated - result.peak_requested,
                             result.peak_reserved - result.peak_allocated, "peak only", config.describe())
-    shape = _shape(spec, setup, terms, workspaces)
+    shape = _shape(spec, setup, terms, workspaces, offload)
     rounding, reserve = _extended(shape, config, spec.num_layers, tensor_peak)
     return DeviceReplay(rounding, reserve, "formulas", config.describe())
 
@@ -141,6 +148,11 @@ class _Shape:
     """Frozen parameters (a LoRA base) outside the blocks, in bytes: allocated once, no gradients or states."""
     frozen_block: tuple[int, ...] = ()
     """One block's frozen parameters, in bytes."""
+    offloaded_per_block: tuple[int, ...] = ()
+    """Activation offload: one block's saved tensors, created on the device in forward and freed once copied to
+    pinned host RAM (the host copies are not device memory: they take no segment)."""
+    in_flight: tuple[int, ...] = ()
+    """Activation offload: one block's saved tensors, copied back into new device buffers for its backward."""
 
 
 def _units(total: int, unit: int, cap: int = 16) -> list[int]:
@@ -154,7 +166,8 @@ def _units(total: int, unit: int, cap: int = 16) -> list[int]:
     return [unit] * count + ([rest] if rest else [])
 
 
-def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspaces: tuple[int, ...]) -> _Shape:
+def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspaces: tuple[int, ...],
+           offload: "OffloadSizes | None" = None) -> _Shape:
     by = {t.name: t.num_bytes for t in terms}
     layers = max(spec.num_layers, 1)
     tokens = setup.tokens_per_micro_step
@@ -221,7 +234,9 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
         gathered_root=gathered_root, gathered_block=gathered_block, step_temps=(step,) if step else (),
         step_temp_per_param=per_param, early_grads=setup.grad_accum_steps > 1 or setup.keep_zeroed_grads,
         workspaces=workspaces,
-        frozen_root=tuple(frozen_root), frozen_block=tuple(frozen_block))
+        frozen_root=tuple(frozen_root), frozen_block=tuple(frozen_block),
+        offloaded_per_block=tuple(_units(offload.offloaded_bytes // layers, unit_h)) if offload else (),
+        in_flight=tuple(_units(offload.in_flight_bytes, unit_h)) if offload else ())
 
 
 def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[object, int]]:
@@ -253,6 +268,9 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
                 add((("g", b), shape.gathered_block))
             for i, size in enumerate(shape.saved_per_block):
                 add((("s", b, i), size))
+            for i, size in enumerate(shape.offloaded_per_block):  # created, copied to the host, freed (one by one)
+                add((("x", i), size))
+                add((("x", i), alloc.FREE))
             if shape.gathered_block:
                 add((("g", b), alloc.FREE))
         for i, size in enumerate(shape.head_saved):
@@ -266,6 +284,8 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
         for b in reversed(range(blocks)):  # backward
             if shape.gathered_block:
                 add((("g", b), shape.gathered_block))
+            for i, size in enumerate(shape.in_flight):  # brought back from the host for this block's backward
+                add((("x", i), size))
             for i, size in enumerate(shape.recompute):
                 add((("rc", i), size))
             for i, size in enumerate(shape.block_temps):
@@ -277,6 +297,8 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
                 add((("s", b, i), alloc.FREE))
             for i in range(len(shape.recompute)):
                 add((("rc", i), alloc.FREE))
+            for i in range(len(shape.in_flight)):
+                add((("x", i), alloc.FREE))
             for i in range(len(shape.block_temps)):
                 add((("t", i), alloc.FREE))
             if shape.gathered_block:

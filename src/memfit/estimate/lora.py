@@ -171,12 +171,14 @@ def _check_rank(graph, ft: Finetune) -> None:
 
 def _quantizable_weights(graph) -> dict[str, int]:
     """Weight tensor name -> output rows, for the Linears bitsandbytes quantizes: every nn.Linear but the output
-    head (transformers' bnb integration skips `get_keys_to_not_convert`, the output embeddings)."""
+    head (transformers' bnb integration skips `get_keys_to_not_convert`, the output embeddings) and but a subclass
+    of it, which the loader leaves as it is (Linear.bnb_quantized)."""
     out = {}
     for path, node in _block_linears(graph):
-        out[f"{path}.weight"] = node.out_features
+        if node.bnb_quantized:
+            out[f"{path}.weight"] = node.out_features
     for path, node, parents in walk(graph):  # LoRA bases: <path>.base_layer
-        if isinstance(node, LoraLinear):
+        if isinstance(node, LoraLinear) and node.base.bnb_quantized:
             out[f"{path}.base_layer.weight"] = node.base.out_features
     return out
 

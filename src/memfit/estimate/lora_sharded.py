@@ -72,6 +72,23 @@ def frozen_shard_bytes(spec: ModelSpec, setup: TrainingSetup, n: int) -> int:
     return total
 
 
+def frozen_kept_on_device_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Per-rank bytes of the frozen base left on the device under FSDP2's CPUOffloadPolicy: FSDP2 moves each
+    FSDPParam's shard to the host (_fsdp_param.py: `padded_sharded_param.cpu()`, pinned with pin_memory=True) and
+    copies it back per all-gather (`all_gather_inputs`: `.to(self.device, non_blocking=True)`); a bitsandbytes
+    QuantState is an attribute of the Params4bit, not a parameter, so FSDP never moves it, and Linear4bit.forward
+    dequantizes the gathered weight with it on the compute device: it stays whole there. torchao's NF4Tensor is the
+    parameter itself (its inner tensors are moved with it): nothing stays."""
+    if setup.finetune.torchtune:
+        return 0
+    total = 0
+    for t in spec.frozen:
+        packed = _packed_bytes(spec, setup, t)
+        if packed is not None:
+            total += t.count * (t.nbytes - packed)
+    return total
+
+
 def _check_nf4_split(t: ParamTensor, n: int) -> None:
     """torchao's NF4Tensor splits each inner tensor into n equal chunks (nf4_tensor.py nf4_split): its one
     quantization factor per 16,384 weights must divide by the ranks."""

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
-from ..setup import Engine, Offload, Optimizer, Precision, TrainingSetup
+from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 from . import float8, muon
 from .fsdp2 import Fsdp2Units
 
@@ -185,7 +185,8 @@ def _adafactor_bytes(spec: ModelSpec, s_bytes: int) -> int:
 def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
     """Transient memory of the optimizer step on the device (0 when the step runs on the CPU)."""
     if setup.offload is not Offload.NONE:
-        return 0, "step runs on the CPU (DeepSpeed CPU Adam)"
+        return 0, ("step runs on the CPU (FSDP2 CPUOffloadPolicy: the optimizer steps the host shards)"
+                   if setup.engine is Engine.TORCH else "step runs on the CPU (DeepSpeed CPU Adam)")
     p_bytes = 4 if setup.precision.master_weights else param_elem_bytes(setup.precision)
     largest = _largest_bytes(spec, p_bytes)
     opt = setup.optimizer
@@ -249,7 +250,10 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     params = full.params_bytes // n if stage >= 3 else full.params_bytes
     grads = full.grads_bytes // n if stage >= 2 else full.grads_bytes
     optimizer = (full.states_bytes + full.master_bytes) // n if stage >= 1 else full.states_bytes + full.master_bytes
-    engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED else _torch_layout
+    # DeepSpeed lays the step out only where it runs it: sharding or offload (the route memfit.emit writes, and the
+    # one analytic._as_run sizes the precision for). Plain data parallelism is the Trainer's / accelerate's DDP.
+    deepspeed_runs = setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE
+    engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED and deepspeed_runs else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0, frozen_bytes=full.frozen_bytes))
     return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
 
@@ -268,13 +272,13 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
         notes.append("DeepSpeed keeps an fp32 copy of each rank's parameter partition (+4 B/param / N)")
     if stage in (0, 1, 2):
         # reduce_bucket_size = hidden^2 elements, the value HF's "auto" fills in (memfit emits "auto")
-        comm = min(spec.hidden_size**2, spec.num_params) * full.param_bytes_per_elem
+        comm = deepspeed_reduce_bucket_elems(spec, setup) * full.param_bytes_per_elem
     s = replace(s, optimizer_bytes=optimizer, comm_buffers_bytes=comm, grads_preallocated=stage == 3,
                 notes=tuple(notes))
     if stage == 3:  # frozen partitions, persistent parameters, what stays gathered, the ipg bucket
         from . import deepspeed_zero3
 
-        s = deepspeed_zero3.layout(spec, setup, s, full.param_bytes_per_elem, deepspeed_reduce_bucket_elems(spec))
+        s = deepspeed_zero3.layout(spec, setup, s, full.param_bytes_per_elem, deepspeed_reduce_bucket_elems(spec, setup))
     return s
 
 
@@ -343,24 +347,26 @@ def _offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: Shar
         cpu += params
         params = 0
     grads = s.grads_bytes
+    frozen = s.frozen_bytes
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         grads = 0
-    return replace(s, optimizer_bytes=0, cpu_bytes=cpu, params_bytes=params, grads_bytes=grads)
+        if spec.frozen and s.fsdp is not None:  # a frozen base's shards go to the host too (FSDP-QLoRA + offload)
+            from .lora_sharded import frozen_kept_on_device_bytes
+
+            frozen = frozen_kept_on_device_bytes(spec, setup)
+            cpu += s.frozen_bytes - frozen
+    return replace(s, optimizer_bytes=0, cpu_bytes=cpu, params_bytes=params, grads_bytes=grads, frozen_bytes=frozen)
 
 
-DS_PERSISTENCE_FACTOR = 10
-"""stage3_param_persistence_threshold = 10 x hidden elements: the HF Trainer's "auto" (memfit emits "auto")."""
+def deepspeed_reduce_bucket_elems(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """reduce_bucket_size in elements as the run sets it (memfit.zero_knobs): the HF Trainer's "auto" value hidden^2,
+    which memfit emits (and its engine sets from the model's hidden size), unless the user's JSON says otherwise."""
+    return setup.zero_knobs.reduce_bucket_elems(spec.hidden_size)
 
 
-def deepspeed_reduce_bucket_elems(spec: ModelSpec) -> int:
-    """reduce_bucket_size = hidden^2 elements: the HF Trainer's "auto" value, which memfit emits (and its engine sets
-    from the model's hidden size); DeepSpeed's own default is 5e8."""
-    return min(spec.hidden_size**2, spec.num_params)
-
-
-def deepspeed_persistent_params(spec: ModelSpec) -> int:
+def deepspeed_persistent_params(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Parameters ZeRO-3 keeps whole on every device: those under stage3_param_persistence_threshold (norms)."""
-    threshold = DS_PERSISTENCE_FACTOR * spec.hidden_size
+    threshold = setup.zero_knobs.persistence_threshold(spec.hidden_size)
     return sum(p.numel * p.count for p in spec.params if p.numel <= threshold)  # mark_persistent_parameters
 
 
@@ -389,7 +395,7 @@ def _deepspeed_offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticByte
     pb = full.param_bytes_per_elem
     part = spec.num_params // n
     largest = max((p.numel for p in spec.params), default=0)
-    bucket = deepspeed_reduce_bucket_elems(spec)
+    bucket = deepspeed_reduce_bucket_elems(spec, setup)
     master = 2 if setup.precision is Precision.BF16 else 4  # bf16_master_weights_and_grads keeps them 16-bit
     host = full.states_bytes // n + 2 * master * part  # states + master partition + its gradient
     notes = [f"host: optimizer states + {master} B master + {master} B gradient per parameter of the rank's "
@@ -407,7 +413,7 @@ def _deepspeed_offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticByte
                        notes=tuple(notes))  # the device-side fp32 partition note no longer applies
     host += pb * part  # grad_partitions_flat_buffer, on the host with offload_optimizer
     params = s.params_bytes
-    persistent = pb * deepspeed_persistent_params(spec)
+    persistent = pb * deepspeed_persistent_params(spec, setup)
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
         host += pb * part
         params = persistent

@@ -4,6 +4,7 @@ map is listed) and the files memfit.readers reads (strict: what it cannot map is
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,8 +66,15 @@ def _shown(value: Any) -> Any:
     return _value(value)
 
 
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict, _QUOTE.maxset = 4, 12, 12, 12, 12
+_QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlong = 400, 400, 400
+
+
 def show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    """The value as a message quotes it: repr, cut to `limit` characters. reprlib formats only what fits (a few
+    items per level, a few levels), so quoting a huge value (a YAML alias bomb) costs nothing."""
+    text = _QUOTE.repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -177,7 +185,7 @@ class Reader:
         self.fields[field] = value
         self.sources[field] = (self.file, self.prefix + key)
         (self.weak.add if weak else self.weak.discard)(field)
-        source = text or (key if raw is _MISSING else f"{key}={raw!r}") + (f" ({note})" if note else "")
+        source = text or (key if raw is _MISSING else f"{key}={show(raw, 120)}") + (f" ({note})" if note else "")
         self.mapped.append(f"{source} -> {label(field)} {_value(value)}")
         self._entry(key, raw, ((field, value),), note)
 
@@ -200,7 +208,7 @@ class Reader:
     def ignore(self, key: str, raw: Any, why: str, *, text: str | None = None) -> None:
         self.consume(key)
         self.skipped.append(IgnoredEntry(self.file, self.prefix + key, None if raw is _MISSING else raw, why))
-        self.ignored.append(text or f"{key}={raw!r}: {why}")
+        self.ignored.append(text or f"{key}={show(raw, 120)}: {why}")
 
     def unmappable(self, field: str, key: str, raw: Any, why: str, *, fallback: str = "") -> None:
         """A value memfit cannot map to `field`: a ConfigError when strict (unless the field is overridden)."""
@@ -209,7 +217,7 @@ class Reader:
             return
         if self.strict:
             where = f"{self.file}: " if self.file else ""
-            raise ConfigError(f"{where}{self.prefix}{key}={raw!r}: {why}")
+            raise ConfigError(f"{where}{self.prefix}{key}={show(raw, 120)}: {why}")
         self.ignore(key, raw, why + (f"; {fallback}" if fallback else ""))
 
     def entries(self) -> list[ReadEntry]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, MissingDependencyError
+from ._reader import show
 
 FORMATS = {
     "training_args": "HF TrainingArguments",
@@ -20,6 +22,7 @@ FORMATS = {
     "torchtune": "torchtune recipe",
     "from_pretrained": "from_pretrained kwargs",
     "peft": "peft LoraConfig (adapter_config.json / peft.json)",
+    "memfit_apply": "memfit_apply.json (memfit.apply_)",
 }
 """Format key -> what it is called in messages."""
 
@@ -60,13 +63,59 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""A config file is a few kB; anything this large is some other file."""
+MAX_DEPTH = 64
+"""Real configs nest a few levels; deeper is hostile (the parsers and every walk over it recurse)."""
+MAX_VALUES = 20_000
+"""Values a --config may hold (YAML aliases expanded): real configs hold hundreds. A "billion laughs" file (ten
+lines of nested aliases) holds ~10^9, and every walk over it (the refusal quoting it too) never ends; PyYAML's
+pure-Python parser reads ~10^4 values a second on a slow machine, so the bound also keeps a refusal quick."""
+
+
+def read_bounded(path: Path, shown: str, error: type[Exception] = ConfigError, *,
+                 limit: int = MAX_CONFIG_BYTES) -> bytes:
+    """The bytes of a config file, refused (`error`, one line) when it is not a regular file (a device such as
+    /dev/zero is read until memory runs out, a FIFO blocks forever) or is larger than `limit`. OSErrors (no such
+    file, no permission) are the caller's to word."""
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"cannot read {shown}: not a regular file (a device, FIFO or socket)")
+    if info.st_size > limit:
+        raise error(f"{shown} is {info.st_size:,} bytes: not a config file (memfit reads up to {limit:,})")
+    with open(path, "rb") as handle:
+        raw = handle.read(limit + 1)  # /proc files say size 0: the cap holds whatever stat says
+    if len(raw) > limit:
+        raise error(f"{shown} is over {limit:,} bytes: not a config file")
+    return raw
+
+
+def check_shape(data: Any, shown: str, error: type[Exception] = ConfigError, *, max_depth: int = MAX_DEPTH,
+                max_values: int = MAX_VALUES) -> None:
+    """Refuse a loaded config nested deeper than `max_depth` or holding more than `max_values` values (aliases
+    expanded). Iterative, and it stops at the first bound crossed: it never walks a whole alias bomb."""
+    stack, count = [(data, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > max_values:
+            raise error(f"{shown} holds more than {max_values:,} values (YAML aliases expanded): not a config file")
+        if depth > max_depth:
+            raise error(f"{shown} nests deeper than {max_depth} levels: not a config file")
+        if isinstance(value, Mapping):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
+
+
 def load_mapping(path: Path, shown: str | None = None) -> dict:
-    """The file's top-level mapping; a ConfigError naming the file when it is not a readable JSON / YAML mapping."""
+    """The file's top-level mapping; a ConfigError naming the file when it is not a readable JSON / YAML mapping
+    (or not a regular file, too large, too deep, or too many values: read_bounded, check_shape)."""
     shown = shown or str(path)
     if path.is_dir():
         raise ConfigError(f"{shown} is a directory: give the config file itself")
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, shown)
     except FileNotFoundError:
         raise ConfigError(f"{shown}: no such file") from None
     except OSError as error:
@@ -80,22 +129,50 @@ def load_mapping(path: Path, shown: str | None = None) -> dict:
     if not text.strip():
         raise ConfigError(f"{shown} is empty")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        if path.suffix.lower() == ".json" or text.lstrip()[:1] in "{[":
-            raise ConfigError(f"{shown} is not valid JSON: {error.msg} at line {error.lineno}") from None
-        yaml = yaml_module()
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as yaml_error:
-            mark = getattr(yaml_error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            problem = getattr(yaml_error, "problem", None) or type(yaml_error).__name__
-            raise ConfigError(f"{shown} is neither JSON nor YAML: {problem}{where}") from None
+        data = _parse(text, path, shown)
+    except RecursionError:  # json and PyYAML recurse once per level
+        raise ConfigError(f"{shown} nests deeper than {MAX_DEPTH} levels: not a config file") from None
     if not isinstance(data, Mapping):
         raise ConfigError(f"{shown} holds {type(data).__name__ if data is not None else 'nothing'} at the top, not "
                           "a mapping of settings")
+    check_shape(data, shown)
     return dict(data)
+
+
+def _parse(text: str, path: Path, shown: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        if path.suffix.lower() == ".json" or text.lstrip()[:1] in "{[":
+            raise ConfigError(f"{shown} is not valid JSON: {error.msg} at line {error.lineno}") from None
+    yaml = yaml_module()
+    try:
+        _yaml_budget(yaml, text, shown)
+        return yaml.safe_load(text)
+    except yaml.YAMLError as yaml_error:
+        mark = getattr(yaml_error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(yaml_error, "problem", None) or type(yaml_error).__name__
+        raise ConfigError(f"{shown} is neither JSON nor YAML: {problem}{where}") from None
+
+
+def _yaml_budget(yaml, text: str, shown: str) -> None:
+    """Refuse YAML nested deeper than MAX_DEPTH or with more than MAX_VALUES values before it is built: PyYAML's
+    pure-Python scanner is quadratic in the nesting of [ ] / { } (100,000 brackets: seconds before its
+    RecursionError) and slow on long files. The events come from libyaml when PyYAML has it (C speed, and its
+    syntax errors are PyYAML's, which was written after it); a YAMLError is the caller's to word."""
+    depth = count = 0
+    for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{shown} nests deeper than {MAX_DEPTH} levels: not a config file")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+        elif isinstance(event, yaml.NodeEvent):
+            count += 1
+            if count > MAX_VALUES:
+                raise ConfigError(f"{shown} holds more than {MAX_VALUES:,} values: not a config file")
 
 
 def detect_format(data: Mapping) -> str | None:
@@ -105,6 +182,8 @@ def detect_format(data: Mapping) -> str | None:
     axolotl their own keys (checked before TrainingArguments, whose keys they
     also carry), TrainingArguments its own field names, from_pretrained kwargs only loading keys."""
     keys = {str(k) for k in data}
+    if "memfit_apply" in keys:  # memfit.emit.apply_file
+        return "memfit_apply"
     if "_component_" in keys or any(isinstance(v, Mapping) and "_component_" in v for v in data.values()):
         return "torchtune"
     if "peft_type" in keys or isinstance(data.get("lora_config"), Mapping):
@@ -134,13 +213,13 @@ def resolve_reference(value: Any, base: Path, base_shown: str, key: str) -> Path
     """A file another config names (`deepspeed: ds.json`): next to that config first, then in the current
     directory (where the HF Trainer and accelerate resolve it, and where `memfit plan --emit` names it)."""
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{base_shown}: {key}={value!r}: not a file path or a mapping")
+        raise ConfigError(f"{base_shown}: {key}={show(value, 120)}: not a file path or a mapping")
     path = Path(value).expanduser()
     candidates = [path] if path.is_absolute() else [base.parent / path, Path(path)]
     for candidate in candidates:
         if candidate.exists():
             return candidate
-    raise ConfigError(f"{base_shown}: {key}={str(value)!r}: no such file (looked next to {base.name} and in the "
+    raise ConfigError(f"{base_shown}: {key}={show(str(value), 120)}: no such file (looked next to {base.name} and in the "
                       "current directory)")
 
 

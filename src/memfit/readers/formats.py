@@ -17,6 +17,7 @@ from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fs
                  read_compile, read_precision, read_sharding, read_training_args, read_zero)
 from . import lora
 from .float8 import axolotl_float8, torchtune_float8
+from .memfit_apply import map_memfit_apply
 
 ADAPTER = f"{NOT_SIZED} (LoRA / QLoRA adapter setting)"
 QUANTIZED = f"{NOT_SIZED} (quantized base weights)"
@@ -107,6 +108,16 @@ def finish(read: Reader, data: Mapping, table: Mapping[str, str], *, file: str |
             read.ignore(key, value, why)
 
 
+def _section(read: Reader, data: Mapping, key: str, field_: str) -> Mapping:
+    """The block of settings at `key` ({} when absent or empty); a value that is not a mapping is unmappable."""
+    value = data.get(key)
+    if isinstance(value, Mapping):
+        return value
+    if value not in (None, "", [], False):
+        read.unmappable(field_, key, value, "not a mapping of settings")
+    return {}
+
+
 def _truthy(value: Any) -> bool:
     return _value(value) in (True, "true", "True", "auto") or (isinstance(value, int) and not isinstance(value, bool)
                                                                and value > 0)
@@ -130,7 +141,6 @@ def _whole(read: Reader, field_: str, data: Mapping, key: str, note: str = "") -
 DEEPSPEED_TABLE = {
     "_memfit_warning": f"{NOT_RELEVANT} (memfit's does-not-fit warning)",
     "zero_optimization.stage3_max_live_parameters": NOT_SIZED,
-    "zero_optimization.stage3_max_reuse_distance": NOT_SIZED,
     "zero_optimization.sub_group_size": NOT_SIZED,
     "zero_optimization.overlap_comm": f"{NOT_SIZED} (overlapped buckets)",
     "zero_optimization.contiguous_gradients": NOT_SIZED,
@@ -151,10 +161,8 @@ DEEPSPEED_TABLE = {
     "tensor_parallel.": NOT_SIZED,
     "compression_training.": NOT_SIZED,
 }
-_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-            "stage3_param_persistence_threshold")
-
-
+_BUCKETS = ("allgather_bucket_size", "stage3_prefetch_bucket_size")
+"""Buckets memfit does not size: read for their "auto", a fixed size is said not to be followed."""
 def _deepspeed_buckets(read: Reader, ds: Mapping) -> None:
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, Mapping):
@@ -164,10 +172,9 @@ def _deepspeed_buckets(read: Reader, ds: Mapping) -> None:
             continue
         key, value = f"zero_optimization.{name}", zero[name]
         if value == "auto":
-            read.defer(key, value, "'auto': the HF Trainer / accelerate size it from hidden_size, as memfit does")
+            read.defer(key, value, "'auto': the HF Trainer / accelerate size it from hidden_size")
         else:
-            read.ignore(key, value, f"{NOT_SIZED}: memfit sizes the 'auto' bucket (hidden_size^2 elements); a fixed "
-                                    "size is not followed")
+            read.ignore(key, value, f"{NOT_SIZED}: a fixed {name} is not followed")
 
 
 def _finish_deepspeed(read: Reader, ds: dict | None, file: str, prefix: str) -> None:
@@ -192,7 +199,7 @@ TRAINING_ARGS_TABLE = {
     "fp16_full_eval": EVAL,
     "auto_find_batch_size": f"{NOT_SIZED} (the Trainer halves the batch after an out-of-memory error)",
     "torch_compile_backend": COMPILE, "torch_compile_mode": COMPILE,
-    "use_liger_kernel": NOT_SIZED, "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
+    "neftune_noise_alpha": NOT_SIZED, "torch_empty_cache_steps": NOT_SIZED,
     "gradient_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "activation_checkpointing_kwargs": f"{NOT_RELEVANT} (how checkpointing recomputes, not what it keeps)",
     "optim_args": f"{NOT_RELEVANT} (optimizer hyperparameters)",
@@ -263,7 +270,7 @@ def map_accelerate(read: Reader, data: dict, ctx: Context) -> None:
     elif kind == "DEEPSPEED":
         _accelerate_deepspeed(read, data, ctx, mp, dtype, world)
     elif kind == "FSDP":
-        fsdp = data.get("fsdp_config") or {}
+        fsdp = _section(read, data, "fsdp_config", "sharding")
         if mp is not None:
             read_mixed_precision(read, mp, dtype)
         read.defer("distributed_type", kind, "FSDP")
@@ -285,7 +292,7 @@ def map_accelerate(read: Reader, data: dict, ctx: Context) -> None:
 
 
 def _accelerate_deepspeed(read: Reader, data: dict, ctx: Context, mp: Any, dtype: str, world: int | None) -> None:
-    section = data.get("deepspeed_config") or {}
+    section = _section(read, data, "deepspeed_config", "sharding")
     read.defer("distributed_type", "DEEPSPEED", "DeepSpeed")
     with read.scope(read.file, "deepspeed_config."):
         ds, file, prefix = ctx.deepspeed(read, section.get("deepspeed_config_file"), "deepspeed_config_file")
@@ -733,7 +740,7 @@ def map_peft(read: Reader, data: dict, ctx: Context) -> None:
 MAPPERS: dict[str, Callable[[Reader, dict, Context], None]] = {
     "training_args": map_training_args, "deepspeed": map_deepspeed, "accelerate": map_accelerate,
     "axolotl": map_axolotl, "llamafactory": map_llamafactory, "torchtune": map_torchtune,
-    "from_pretrained": map_from_pretrained, "peft": map_peft,
+    "from_pretrained": map_from_pretrained, "peft": map_peft, "memfit_apply": map_memfit_apply,
 }
 
 __all__ = ["ConfigFile", "Context", "MAPPERS", "load_dtype", "read_deepspeed_optimizer", "torchtune_model"]

@@ -11,8 +11,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..optimizers import hf_optim_names
-from ..setup import Checkpointing, Engine, Offload, Optimizer, Padding, Precision, Sharding
-from ._reader import NOT_SIZED, Reader, _get, _positive, _value
+from ..setup import Checkpointing, Engine, Loss, Offload, Optimizer, Padding, Precision, Sharding
+from ..zero_knobs import DEEPSPEED_DEFAULTS, ZeroKnobs
+from ._reader import NOT_SIZED, OFF, Reader, _get, _positive, _value
 
 OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()}
 """HF `optim` names memfit sizes. adamw_torch is foreach on CUDA (torch's default there)."""
@@ -20,7 +21,7 @@ OPTIMIZERS = {name: Optimizer(value) for name, value in hf_optim_names().items()
 PAGED = ("paged: the states of tensors >= 1e5 elements in CUDA unified memory, outside torch's caching allocator "
          "(sized as device memory outside the allocator)")
 
-NOT_MODELLED = ("use_liger_kernel", "gradient_checkpointing_kwargs", "optim_args",
+NOT_MODELLED = ("gradient_checkpointing_kwargs", "optim_args",
                 "neftune_noise_alpha", "torch_empty_cache_steps")
 """TrainingArguments that change memory in ways the estimate does not follow, listed when set."""
 
@@ -37,13 +38,20 @@ def deepspeed_config(value: Any) -> dict | None:
         return None
     if isinstance(value, Mapping):
         return dict(value)
+    from .files import check_shape, read_bounded
+
     path = Path(str(value)).expanduser()
+    shown = f"the DeepSpeed config '{value}'"
     try:
-        return json.loads(path.read_text())
+        data = json.loads(read_bounded(path, shown))
     except OSError as error:
-        raise ConfigError(f"cannot read the DeepSpeed config '{value}': {error.strerror or error}") from None
+        raise ConfigError(f"cannot read {shown}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
-        raise ConfigError(f"the DeepSpeed config '{value}' is not JSON: {error}") from None
+        raise ConfigError(f"{shown} is not JSON: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"{shown} nests too deeply: not a DeepSpeed config") from None
+    check_shape(data, shown)
+    return data
 
 
 def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | None = None,
@@ -59,11 +67,24 @@ def read_training_args(read: Reader, args: Any, *, dtype: str = "", ds: dict | N
         read_optimizer(read, args)
         read_checkpointing(read, args)
         read_compile(read, args)
+        read_liger(read, args)
         read_group_by_length(read, args)
         for name in NOT_MODELLED if not read.strict else ():  # files: every field left over is listed
             value = _get(args, name)
             if value:
                 read.ignore(name, value, NOT_SIZED)
+
+
+def read_liger(read: Reader, args: Any) -> None:
+    """use_liger_kernel: the Trainer patches the model with Liger's kernels, whose fused linear cross-entropy
+    (on by default in liger_kernel.transformers apply_liger_kernel_to_*) computes the head and the loss chunk by
+    chunk: memfit's loss fused, which the emitter writes this way."""
+    value = _get(args, "use_liger_kernel")
+    if value:
+        read.set("loss", Loss.FUSED, "use_liger_kernel", value, "Liger's fused linear cross-entropy: no B x T x V "
+                                                                "logits")
+    elif value is not None and read.strict:
+        read.ignore("use_liger_kernel", value, OFF)
 
 
 def read_group_by_length(read: Reader, args: Any) -> None:
@@ -219,6 +240,15 @@ def read_checkpointing(read: Reader, args: Any) -> None:
                 read.set("checkpointing", Checkpointing.NONE, name, _get(args, name))
 
 
+def _offload_device(read: Reader, zero: Mapping, key: str) -> Any:
+    """zero_optimization.<key>.device ('none' when absent); a block that is not a mapping is unmappable."""
+    block = zero.get(key) or {}
+    if not isinstance(block, Mapping):
+        read.unmappable("offload", f"zero_optimization.{key}", block, "not a mapping of offload settings")
+        return "none"
+    return block.get("device", "none")
+
+
 def read_sharding(read: Reader, args: Any, ds: dict | None, world: int | None) -> None:
     """ZeRO stage, offload and optimizer from a DeepSpeed config, or FSDP from `fsdp` / `fsdp_config`."""
     if ds is not None:
@@ -229,11 +259,12 @@ def read_sharding(read: Reader, args: Any, ds: dict | None, world: int | None) -
             if not isinstance(zero, Mapping):
                 read.unmappable("sharding", "zero_optimization", zero, "not a mapping of ZeRO settings")
                 zero = {}
-            opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none")
-            par_dev = (zero.get("offload_param") or {}).get("device", "none")
+            opt_dev = _offload_device(read, zero, "offload_optimizer")
+            par_dev = _offload_device(read, zero, "offload_param")
             read_zero(read, _value(zero.get("stage", 0)), opt_dev, par_dev, world,
                       keys=("zero_optimization.stage", "zero_optimization.offload_optimizer.device",
                             "zero_optimization.offload_param.device"), has_stage="stage" in zero)
+            read_zero_knobs(read, zero)
             read_deepspeed_optimizer(read, ds)
             if not read.strict:
                 for key in ds:
@@ -309,7 +340,10 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     for key, device in ((opt_key, opt_dev), (par_key, par_dev)):
         if device not in ("none", "cpu", "nvme") and read.strict:
             read.unmappable("offload", key, device, "DeepSpeed offloads to none, cpu or nvme")
-    sharded = world is None or world >= 2
+    opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
+    # one rank: a stage shards nothing, but with offload it is DeepSpeed's ZeRO-Offload / ZeRO-Infinity, which
+    # memfit sizes (TrainingSetup._one_gpu_sharding_problems)
+    sharded = world is None or world >= 2 or opt or par
     if stage and not sharded:
         read.ignore(stage_key, stage, f"DeepSpeed ZeRO stage {stage} over {world} GPU shards nothing: sized "
                                       "unsharded (give the GPU count, --gpus N / num_gpus=, for the per-rank size)")
@@ -319,8 +353,7 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     elif has_stage and read.strict:
         read.set("sharding", Sharding.NONE, stage_key, stage)
     nvme = " (nvme: sized like cpu, the GPU holds the same)"
-    opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
-    if par and stage == 3 and sharded:
+    if par and stage == 3:
         read.set("offload", Offload.OPTIMIZER_AND_PARAMS, par_key, par_dev, nvme.strip() if par_dev == "nvme" else "")
         read.set("engine", Engine.DEEPSPEED, par_key, par_dev, "DeepSpeed ZeRO-Infinity")
         read.consume(opt_key)
@@ -337,7 +370,7 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
     else:
         read.consume(opt_key)
     if par:
-        read.ignore(par_key, par_dev, "parameter offload needs ZeRO-3 over 2+ GPUs in memfit: sized "
+        read.ignore(par_key, par_dev, "parameter offload needs ZeRO-3 in memfit: sized "
                                       + ("as optimizer offload" if opt else "without offload"))
     else:
         read.consume(par_key)
@@ -425,7 +458,7 @@ def read_fsdp(read: Reader, fsdp: Any, config: Any, world: int | None, *, key: s
         read.ignore(*cfg["offload_params"], "TrainingArguments reads fsdp_config cpu_offload, not offload_params: "
                                             "the Trainer does not offload with it")
     read_fsdp_plan(read, stage, key, raw, world, offload=offload, checkpointing=cfg.get("activation_checkpointing"),
-                   version=version or cfg.get("version"))
+                   version=version or cfg.get("version"), default_version=2 if trainer else 1)
 
 
 def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
@@ -445,8 +478,10 @@ def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
 
 def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | None, *,
                    offload: tuple[str, Any] | None = None, checkpointing: tuple[str, Any] | None = None,
-                   version: tuple[str, Any] | None = None) -> None:
-    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2)."""
+                   version: tuple[str, Any] | None = None, default_version: int = 2) -> None:
+    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2).
+    `default_version`: the FSDP the framework runs when the config names none (transformers 5's Trainer: 2;
+    accelerate's FSDP plugin and axolotl: 1)."""
     if version is not None and str(_value(version[1])) == "1":
         read.ignore(version[0], version[1], f"FSDP1's flat parameters are {NOT_SIZED}: sized as FSDP2 (memfit's torch "
                                             "engine)")
@@ -466,7 +501,10 @@ def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | No
         read.set("engine", Engine.TORCH, key, raw, "FSDP2")
     if offload is not None:
         if stage == 3 and sharded:
-            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], "FSDP CPU offload")
+            fsdp1 = str(_value(version[1]) if version is not None else default_version) == "1"
+            read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], (
+                f"FSDP1 CPUOffload(offload_params=True), sized as FSDP2's CPUOffloadPolicy (FSDP1's flat parameters "
+                f"are {NOT_SIZED})" if fsdp1 else "FSDP2 CPUOffloadPolicy: shards, gradients and the step on the host"))
         else:
             read.ignore(offload[0], offload[1], f"FSDP CPU offload without full sharding over 2+ GPUs: {NOT_SIZED}")
     if checkpointing is not None:
@@ -492,3 +530,37 @@ def read_mixed_precision(read: Reader, mp: Any, dtype: str, *, key: str = "mixed
     else:
         read.unmappable("precision", key, mp, "memfit sizes mixed_precision no, bf16 and fp16",
                         fallback=NOT_SIZED)
+
+
+_KNOBS = {"reduce_bucket_size": "reduce_bucket_size",
+          "stage3_param_persistence_threshold": "param_persistence_threshold",
+          "stage3_max_reuse_distance": "max_reuse_distance"}
+"""DeepSpeed keys -> memfit.zero_knobs.ZeroKnobs fields: the buffers memfit sizes as the config sets them."""
+
+
+def read_zero_knobs(read: Reader, zero: Mapping) -> None:
+    """The ZeRO buffer sizes memfit sizes (memfit.zero_knobs): a number as given, "auto" as the HF Trainer fills
+    it, a key left out as DeepSpeed's own default (5e8-element reduce bucket, 1e5 persistence, 1e9 reuse)."""
+    knobs: dict[str, int | None] = {}
+    stage3 = zero.get("stage") == 3
+    for name, attr in _KNOBS.items():
+        key = f"zero_optimization.{name}"
+        if name not in zero:  # a stage-3 knob means nothing below stage 3: left at memfit's default there
+            knobs[attr] = getattr(DEEPSPEED_DEFAULTS if stage3 or not name.startswith("stage3_") else ZeroKnobs(),
+                                  attr)
+            continue
+        value = zero[name]
+        if value == "auto":
+            knobs[attr] = getattr(ZeroKnobs(), attr)
+            read.defer(key, value, "'auto': the HF Trainer / accelerate fill it from the model (hidden^2, 10 x "
+                                   "hidden), as memfit sizes it")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == int(value):
+            knobs[attr] = int(value)
+            read.set_part("zero_knobs", attr, int(value), key, value)
+        else:
+            read.unmappable("zero_knobs", key, value, "not a whole number of elements")
+    found = ZeroKnobs(**knobs)
+    if not found.is_auto:
+        absent = [name for name in _KNOBS if name not in zero and (stage3 or not name.startswith("stage3_"))]
+        read.set("zero_knobs", found, "zero_optimization", {name: zero.get(name, "left out") for name in _KNOBS},
+                 note=f"{', '.join(absent)} left out: DeepSpeed's default" if absent else "")

@@ -501,7 +501,7 @@ def _peft(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
             read.defer(prefix + "target_modules", None, "peft's default targets for the architecture")
     else:
         if isinstance(targets, (list, tuple)) and not emitted:
-            targets = sorted(targets)  # peft saves a set: its order says nothing
+            targets = sorted(targets, key=str)  # peft saves a set: its order says nothing (names() refuses non-str)
         parts.targets(parts.names(targets, prefix + "target_modules"), prefix + "target_modules",
                       config["target_modules"])
     saved = config.get("modules_to_save")

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..setup import FIELD_LABELS
-from ._reader import IgnoredEntry, ReadEntry, Reader, _value, jsonable, label
+from ._reader import IgnoredEntry, ReadEntry, Reader, _value, jsonable, label, show
 from .files import FORMATS, detect_format, display_path, load_mapping, unknown_format
 from .formats import MAPPERS, ConfigFile, Context, load_dtype
 from .lora import same_as_auto, with_base
@@ -194,8 +194,8 @@ def _merge(readers: list[Reader]) -> tuple[dict[str, Any], str | None, int | Non
                                   f"{OPTION_OF_FIELD.get(name, name)}")
         if read.model is not None:
             if model is not None and read.model[0] != model:
-                raise ConfigError(f"{model_at[0]}: {model_at[1]} names the model {model!r} but {read.model[1]}: "
-                                  f"{read.model[2]} names {read.model[0]!r}")
+                raise ConfigError(f"{model_at[0]}: {model_at[1]} names the model {show(model, 100)} but "
+                                  f"{read.model[1]}: {read.model[2]} names {show(read.model[0], 100)}")
             model, model_at = read.model[0], read.model[1:]
         nodes = read.num_nodes or nodes
     return values, model, nodes

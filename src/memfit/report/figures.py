@@ -178,38 +178,50 @@ def _layout(title: str, **extra) -> dict:
 
 def breakdown_figure(data: ReportData):
     """Stacked bars by category for each column, with the capacity and the margin (budget) lines."""
-    go = _plotly()
+    return _plotly().Figure(breakdown_spec(data))
+
+
+def breakdown_spec(data: ReportData) -> dict:
+    """breakdown_figure as plotly's plain {data, layout} (layout.template by name): what `memfit serve` sends the
+    page, built without plotly's per-property validation (most of a page update's time otherwise)."""
     top = max([c.estimate.total_bytes for c in data.columns] + [data.capacity_bytes if data.limits_on_scale else 0])
     unit, size = display_unit(top)
     labels = ["<br>".join(html.escape(part) for part in wrap_label(c.label)) for c in data.columns]
-    fig = go.Figure()
+    traces = []
     for cat in breakdown_categories(data.columns):
         values = [c.estimate.by_category()[cat] for c in data.columns]
         hover = [_bar_hover(c, cat, v) for c, v in zip(data.columns, values)]
-        fig.add_trace(go.Bar(name=cat.value, x=labels, y=[v / size for v in values], marker_color=CATEGORY_COLORS[cat],
-                             hovertext=hover, hoverinfo="text"))
-    for label, column in zip(labels, data.columns):
-        total = column.estimate.total_bytes
-        fig.add_annotation(x=label, y=total / size, text=format_bytes(total), showarrow=False, yshift=10)
+        traces.append(dict(type="bar", name=cat.value, x=labels, y=[v / size for v in values],
+                           marker=dict(color=CATEGORY_COLORS[cat]), hovertext=hover, hoverinfo="text"))
+    annotations = [dict(x=label, y=column.estimate.total_bytes / size, text=format_bytes(column.estimate.total_bytes),
+                        showarrow=False, yshift=10) for label, column in zip(labels, data.columns)]
+    shapes = []
     if data.capacity_bytes and not data.limits_on_scale:
-        fig.add_annotation(xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", showarrow=False,
-                           text=f"off the scale: {data.limits_text()}", font=dict(color=CAPACITY_COLOR))
+        annotations.append(dict(xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", showarrow=False,
+                                text=f"off the scale: {data.limits_text()}", font=dict(color=CAPACITY_COLOR)))
     elif data.capacity_bytes:
-        _limit_line(fig, data.capacity_bytes / size, CAPACITY_COLOR, "solid", "bottom",
-                    f"capacity {format_bytes(data.capacity_bytes)}")
-        _limit_line(fig, data.budget_bytes / size, BUDGET_COLOR, "dash", "top",
-                    f"budget {format_bytes(data.budget_bytes)}<br>({data.margin:.0%} margin)")
-    fig.update_layout(**_layout("Memory per device: breakdown at the peak", barmode="stack",
-                                yaxis_title=f"{unit} per device", height=520))
-    fig.update_layout(margin_r=150, xaxis_range=list(column_range(len(labels))))
-    return fig
+        for num_bytes, color, dash, yanchor, text in (
+                (data.capacity_bytes, CAPACITY_COLOR, "solid", "bottom", f"capacity {format_bytes(data.capacity_bytes)}"),
+                (data.budget_bytes, BUDGET_COLOR, "dash", "top",
+                 f"budget {format_bytes(data.budget_bytes)}<br>({data.margin:.0%} margin)")):
+            shape, label = _limit_line(num_bytes / size, color, dash, yanchor, text)
+            shapes.append(shape)
+            annotations.append(label)
+    layout = _layout("Memory per device: breakdown at the peak", barmode="stack", yaxis=dict(title=dict(
+        text=f"{unit} per device")), height=520, annotations=annotations, shapes=shapes)
+    layout["margin"] = {**layout["margin"], "r": 150}
+    layout["xaxis"] = dict(range=list(column_range(len(labels))))
+    return {"data": traces, "layout": layout}
 
 
-def _limit_line(fig, y: float, color: str, dash: str, yanchor: str, text: str) -> None:
-    """A horizontal line across the plot, labelled in the right margin (clear of the bars' own labels)."""
-    fig.add_hline(y=y, line_color=color, line_dash=dash, line_width=2)
-    fig.add_annotation(xref="paper", x=1.005, xanchor="left", y=y, yanchor=yanchor, text=text, showarrow=False,
-                       font=dict(color=color), align="left")
+def _limit_line(y: float, color: str, dash: str, yanchor: str, text: str) -> tuple[dict, dict]:
+    """A horizontal line across the plot (plotly's add_hline shape), labelled in the right margin (clear of the
+    bars' own labels)."""
+    shape = dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=y, y1=y,
+                 line=dict(color=color, dash=dash, width=2))
+    label = dict(xref="paper", x=1.005, xanchor="left", y=y, yanchor=yanchor, text=text, showarrow=False,
+                 font=dict(color=color), align="left")
+    return shape, label
 
 
 def _bar_hover(column: Column, category: Category, num_bytes: int) -> str:

@@ -54,10 +54,9 @@ def write_html(obj: Plan | MemoryEstimate, path: str | Path, *, trace: MemoryEst
 
     `trace`: a traced estimate whose timeline and top modules are shown next to a Plan. `hardware` gives a bare
     MemoryEstimate its capacity line and diagnosis."""
-    path = Path(path)
-    text = render_html(obj, trace=trace, hardware=hardware, margin=margin)
-    path.write_text(text, encoding="utf-8")
-    return path
+    from ..atomic import write_text
+
+    return write_text(path, render_html(obj, trace=trace, hardware=hardware, margin=margin))  # all or nothing
 
 
 def render_sweep_html(sweep, *, model: str) -> str:

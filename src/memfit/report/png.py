@@ -48,8 +48,14 @@ def write_png(obj: Plan | MemoryEstimate, path: str | Path, *, trace: MemoryEsti
     if not data.has_timeline:
         fig.text(0.01, 0.1 / height_in, "No trace: the timeline and per-module charts need a traced step "
                  "(memfit trace).", fontsize=9, color="#555", style="italic")
+    import io
+
+    from ..atomic import write_files
+
+    image = io.BytesIO()
+    fig.savefig(image, dpi=dpi, format="png")
     path = Path(path)
-    fig.savefig(path, dpi=dpi, format="png")
+    write_files([(path, image.getvalue())])  # all or nothing
     return path
 
 

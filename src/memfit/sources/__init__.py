@@ -15,12 +15,13 @@ from ..errors import ModelSourceError, suggest
 from ..model_spec import ModelSpec
 from .graphs import with_graph
 from .catalog import catalog_config, catalog_entry, catalog_names, catalog_spec, close_names, find_entry
-from .hf_config import SUPPORTED_MODEL_TYPES, from_config_file, from_hf_config, from_hub
+from .hf_config import SUPPORTED_MODEL_TYPES, from_config_file, from_hf_config, from_hub, hub_config
 from .module import from_module, from_pretrained_config, is_hf_config, is_module
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "catalog_config", "catalog_entry", "catalog_names", "from_config_file",
-    "from_hf_config", "from_hub", "from_module", "from_pretrained_config", "hf_config_dict", "resolve_model",
+    "from_hf_config", "from_hub", "from_module", "from_pretrained_config", "hf_config_dict", "hub_config",
+    "resolve_model",
 ]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", re.ASCII)
@@ -119,6 +120,4 @@ def hf_config_dict(ref: str | os.PathLike | Mapping) -> dict[str, Any]:
         except (OSError, ValueError) as error:
             raise ModelSourceError(f"cannot read {path}: {error}") from None
     spec = _resolve_text(text, None)  # raises the usual one-line errors for unknown names and bad paths
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(spec.extra.get("hub_id", text)).to_dict()
+    return hub_config(spec.extra.get("hub_id", text))

@@ -33,6 +33,12 @@ def _index() -> dict[str, dict[str, Any]]:
     for entry in _entries():
         for spelling in (entry["name"], entry["hub_id"], *entry.get("aliases", ())):
             index[_key(spelling)] = entry
+    for entry in _entries():  # a listed hub id also answers to its repository name alone ('Meta-Llama-3-8B-Instruct')
+        namespace = entry["hub_id"].split("/", 1)[0].lower()
+        for spelling in (entry["hub_id"], *entry.get("aliases", ())):
+            owner, _, repo = spelling.partition("/")
+            if repo and owner.lower() == namespace:  # a hub id of the entry's own org, not 'vit-b/16'
+                index.setdefault(_key(repo), entry)
     return index
 
 

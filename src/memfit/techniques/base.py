@@ -122,13 +122,19 @@ class Technique:
         raise NotImplementedError
 
 
-def with_engine_that_can(setup: TrainingSetup, **changes) -> TrainingSetup:
-    """`setup` with `changes`; when torch's engines cannot express the result (optimizer-only offload, 8-bit Adam on
-    FSDP2 shards...), the same with DeepSpeed, which can. The step's `why` then names the engine."""
-    try:
-        return setup.replace(**changes)
-    except ConfigError:
-        return setup.replace(**changes, engine=Engine.DEEPSPEED)
+def with_engine_that_can(setup: TrainingSetup, *, keep: frozenset[str] = frozenset(), **changes) -> TrainingSetup:
+    """`setup` with `changes` on its own engine when that engine can express the result, else on the first other
+    engine that can: DeepSpeed for optimizer-only offload or 8-bit Adam on shards, torch's FSDP2 for a packed 4-bit
+    base under ZeRO-3. The step's `why` then names the engine. When none can (or --keep pins the engine), the
+    ConfigError of DeepSpeed's attempt, else of the setup's own engine."""
+    errors: dict[Engine, ConfigError] = {}
+    others = () if "engine" in keep or "engine" in changes else tuple(e for e in Engine if e is not setup.engine)
+    for engine in (setup.engine, *others):
+        try:
+            return setup.replace(**changes) if engine is setup.engine else setup.replace(**changes, engine=engine)
+        except ConfigError as error:
+            errors[engine] = error
+    raise errors.get(Engine.DEEPSPEED, errors[setup.engine])
 
 
 def static_over_budget(estimate: MemoryEstimate, diagnosis: Diagnosis) -> str | None:

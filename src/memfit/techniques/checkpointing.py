@@ -21,8 +21,9 @@ def _change(ctx: Context, mode: Checkpointing) -> str:
     if mode is Checkpointing.FULL:
         name = "gradient_checkpointing" if legacy_checkpointing_names() else "activation_checkpointing"
         return f"TrainingArguments({name}=True)  # or model.{name}_enable()"
-    return (f"memfit.apply_(model, setup)  # checkpointing {mode}: TrainingArguments' checkpointing is full only; "
-            "the FSDP2 script memfit emits writes it")
+    return (f"memfit.apply_(model, {{'checkpointing': '{mode}'}})  # TrainingArguments' checkpointing is full "
+            "only: this line (or memfit_apply.json, --emit) wraps the blocks; the FSDP2 script memfit emits writes "
+            "it too")
 
 
 def _cost(ctx: Context, setup: TrainingSetup) -> str:

@@ -48,6 +48,8 @@ def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     if setup.offload is Offload.NONE:
         return 0
     n = setup.dp_size if setup.sharding.stage >= 1 else 1
+    if setup.engine is Engine.TORCH and setup.finetune.adapters:
+        return _fsdp2_adapter_offload_traffic(spec, setup)
     if setup.engine is Engine.TORCH:
         shard = setup.dp_size if setup.sharding.stage >= 2 else 1
         traffic = 2 * 2 * spec.num_params // shard
@@ -74,11 +76,28 @@ def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     return down + up
 
 
+def _fsdp2_adapter_offload_traffic(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """FSDP2 CPUOffloadPolicy over a LoRA / QLoRA model (torch _fsdp_param.py all_gather_inputs, _fsdp_collectives
+    foreach_reduce): every all-gather copies the rank's shards up (the frozen base as stored, a 4-bit one packed;
+    twice per micro-step at ZeRO-3: forward and backward), each reduced fp32 adapter gradient shard comes down."""
+    from ..estimate.lora import adapted_spec
+    from ..estimate.lora_sharded import frozen_kept_on_device_bytes, frozen_shard_bytes
+
+    adapted, n = adapted_spec(spec, setup), setup.dp_size
+    shards = frozen_shard_bytes(adapted, setup, n) - frozen_kept_on_device_bytes(adapted, setup)
+    adapters = 4 * adapted.num_params // n
+    return setup.grad_accum_steps * (2 * (shards + adapters) + adapters)
+
+
 def cpu_step_seconds(spec: ModelSpec, setup: TrainingSetup) -> float:
     """Seconds of the optimizer step on the CPU per rank (0 without offload)."""
     if setup.offload is Offload.NONE:
         return 0.0
     n = setup.dp_size if setup.sharding.stage >= 1 else 1
+    if setup.finetune.adapters and setup.engine is Engine.TORCH:  # FSDP2 steps the adapters' shards only
+        from ..estimate.lora import adapted_spec
+
+        spec = adapted_spec(spec, setup)
     return spec.num_params / n / CPU_ADAM_PARAMS_PER_S
 
 

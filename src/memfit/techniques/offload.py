@@ -45,8 +45,8 @@ class CpuOffload(Technique):
                               _on_deepspeed(setup, sharding=Sharding.ZERO3, offload=Offload.OPTIMIZER_AND_PARAMS,
                                             optimizer=optimizer, precision=precision)]
             else:
-                candidates = [with_engine_that_can(setup, offload=Offload.OPTIMIZER, optimizer=optimizer,
-                                                   precision=precision)]
+                candidates = [_fsdp2_adapters(setup) or with_engine_that_can(setup, offload=Offload.OPTIMIZER,
+                                                                             optimizer=optimizer, precision=precision)]
         ram = ctx.hardware.cpu_ram_bytes
         host = {id(c): ctx.size(c).cpu_bytes * ctx.hardware.gpus_per_node for c in candidates}
         within = [c for c in candidates if host[id(c)] <= ram]
@@ -59,6 +59,18 @@ class CpuOffload(Technique):
             return chosen
         return Proposal(chosen, _change(chosen), offload_traffic(ctx.spec, chosen, ctx.hardware),
                         _why(setup, chosen, host[id(chosen)], one_gpu))
+
+
+def _fsdp2_adapters(setup: TrainingSetup) -> TrainingSetup | None:
+    """LoRA / QLoRA at ZeRO-3 on FSDP2: its CPUOffloadPolicy (shards, gradients and step on the host) is the offload
+    memfit sizes there; DeepSpeed's ZeRO-3 with offload is not sized for adapters, and FSDP2 never offloads the
+    optimizer alone. None for any other setup (the DeepSpeed ZeRO-Offload candidate, as before)."""
+    if setup.engine is not Engine.TORCH or setup.sharding is not Sharding.ZERO3 or not setup.finetune.adapters:
+        return None
+    try:
+        return setup.replace(offload=Offload.OPTIMIZER_AND_PARAMS)
+    except ConfigError:
+        return None
 
 
 def _on_deepspeed(setup: TrainingSetup, **changes) -> TrainingSetup:
@@ -77,7 +89,10 @@ def _change(setup: TrainingSetup) -> str:
 
 def _why(before: TrainingSetup, after: TrainingSetup, host_need: int, one_gpu: bool) -> str:
     ram = f"CPU RAM ({format_bytes(host_need)} per node)"
-    if after.offload is Offload.OPTIMIZER_AND_PARAMS:
+    if after.offload is Offload.OPTIMIZER_AND_PARAMS and after.engine is Engine.TORCH and after.finetune.adapters:
+        why = (f"FSDP2's CPUOffloadPolicy keeps every shard, the frozen base's included, in {ram}: each unit's are "
+               "copied up for its all-gather; the adapters' gradients and optimizer step stay on the host")
+    elif after.offload is Offload.OPTIMIZER_AND_PARAMS:
         why = (f"the 16-bit parameters leave the GPU too: each module's are fetched from {ram} when it runs "
                "(ZeRO-Infinity on CPU), beside the fp32 master weights, gradients and optimizer states")
     else:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from ..setup import Sharding
+from ..errors import ConfigError
+from ..setup import Engine, Sharding
 from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
 from .costs import zero_traffic
 
@@ -19,7 +20,14 @@ class ZeroSharding(Technique):
         stages = [s for s in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) if s.stage > ctx.setup.sharding.stage]
         if not stages:
             return Skip("already ZeRO-3")
-        candidates = [with_engine_that_can(ctx.setup, sharding=s, num_gpus=n) for s in stages]
+        candidates, refused = [], ""
+        for stage in stages:
+            try:
+                candidates.append(with_engine_that_can(ctx.setup, keep=ctx.keep, sharding=stage, num_gpus=n))
+            except ConfigError as error:
+                refused = str(error)
+        if not candidates:
+            return Skip(refused)
         chosen = ctx.pick(candidates)
         if isinstance(chosen, Skip):
             return chosen
@@ -30,6 +38,9 @@ class ZeroSharding(Technique):
         what = {1: "optimizer states", 2: "optimizer states and gradients",
                 3: "parameters, gradients and optimizer states"}[stage.stage]
         why = f"{stage} splits {what} over {n} GPUs"
-        if chosen.engine is not ctx.setup.engine:
+        if chosen.engine is Engine.DEEPSPEED and ctx.setup.engine is not Engine.DEEPSPEED:
             why += f" (with DeepSpeed: torch's engines cannot shard this setup, {chosen.optimizer} included)"
+        elif chosen.engine is not ctx.setup.engine:
+            why += (f" (with torch's FSDP2: DeepSpeed cannot shard this setup, "
+                    f"{ctx.setup.finetune.method if ctx.setup.finetune.adapters else chosen.optimizer} included)")
         return Proposal(chosen, change, zero_traffic(ctx.spec, chosen), why)

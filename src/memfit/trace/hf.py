@@ -25,7 +25,7 @@ def resolve_config(model_ref: str | Mapping) -> tuple[dict, str]:
     path = Path(text).expanduser()
     if path.exists():
         return _read_config(path), spec.name
-    return _hub_config(text), spec.name
+    return sources.hub_config(text), spec.name
 
 
 def _read_config(path: Path) -> dict:
@@ -34,12 +34,6 @@ def _read_config(path: Path) -> dict:
         return json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise ModelSourceError(f"cannot read '{file}': {error}") from None
-
-
-def _hub_config(repo_id: str) -> dict:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(repo_id, trust_remote_code=False).to_dict()
 
 
 def block_finder(model: nn.Module) -> list[nn.Module]:

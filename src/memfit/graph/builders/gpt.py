@@ -9,8 +9,14 @@ from ..kinds.embedding import Embedding
 from ..kinds.linear import Linear
 from ..kinds.norm import Norm
 from ..model import Block, ModelGraph, Stack
+from ..transforms import rewrite
 from . import builder
 from .common import Cfg, attention, dropouts, lm_head, plain_mlp
+
+
+def _subclassed_linears(node):
+    """`node` with every Linear in it marked as an nn.Linear subclass (not packed by bitsandbytes' loader)."""
+    return rewrite(node, lambda n, path, parents: replace(n, bnb_quantized=False) if isinstance(n, Linear) else n)
 
 
 def _layer_norm(dim: int, name: str, *, affine: bool = True) -> Norm:
@@ -164,6 +170,9 @@ def falcon(c: Cfg, name: str) -> ModelGraph:
         nodes = (_layer_norm(hidden, "ln_attn"), _layer_norm(hidden, "ln_mlp"), att, mlp)
     else:
         nodes = (_layer_norm(hidden, "input_layernorm"), att, mlp)
+    # every projection of a block is a FalconLinear (modeling_falcon.py), an nn.Linear subclass that transformers'
+    # bitsandbytes loader leaves 16-bit
+    nodes = tuple(_subclassed_linears(n) for n in nodes)
     return ModelGraph(
         name=name,
         embed=Embedding(vocab, hidden, name="transformer.word_embeddings"),

@@ -15,6 +15,12 @@ from .decoders import llama_like
 _MOE = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False)
 
 
+def router(hidden: int, experts: int) -> Linear:
+    """The router's weight: transformers 5 keeps it in a <Family>TopKRouter, an nn.Module with its own Parameter,
+    not an nn.Linear, so the bitsandbytes loader does not pack it."""
+    return Linear("gate", hidden, experts, bnb_quantized=False)
+
+
 def _experts(c: Cfg, hidden: int, inter: int, experts_key: str, *, shared: MLP | None = None,
              shared_gate: Linear | None = None, normalize: bool | None = None, scores_dtype: str = "cmp") -> Experts:
     """`normalize`: None reads norm_topk_prob; `scores_dtype`: 'cmp' where the router casts the top-k weights back
@@ -23,7 +29,7 @@ def _experts(c: Cfg, hidden: int, inter: int, experts_key: str, *, shared: MLP |
     expert = gated_mlp(hidden, inter, c.text("hidden_act", "silu"), fused="gate_up_proj", names=("down_proj",),
                        name="")
     impl = c.raw("experts_implementation", None) or c.raw("_experts_implementation", None) or "grouped_mm"
-    return Experts(experts, c.int("num_experts_per_tok"), expert, Linear("gate", hidden, experts),
+    return Experts(experts, c.int("num_experts_per_tok"), expert, router(hidden, experts),
                    shared_experts=shared, shared_gate=shared_gate,
                    normalize_topk=c.flag("norm_topk_prob", False) if normalize is None else normalize,
                    scores_dtype=scores_dtype, implementation=str(impl), aux_loss=c.flag("output_router_logits"))
@@ -92,7 +98,7 @@ def deepseek_v2(c: Cfg, name: str) -> ModelGraph:
     expert = gated_mlp(hidden, moe_inter, act, fused="gate_up_proj", names=("down_proj",), name="")
     routed = c.int("n_routed_experts")
     shared = gated_mlp(hidden, moe_inter * c.int("n_shared_experts"), act, bias=bias, name="shared_experts")
-    moe = Experts(routed, c.int("num_experts_per_tok", 1), expert, Linear("gate", hidden, routed),
+    moe = Experts(routed, c.int("num_experts_per_tok", 1), expert, router(hidden, routed),
                   shared_experts=shared)
     dense = gated_mlp(hidden, inter, act, bias=bias)
     first_dense = c.int("first_k_dense_replace", zero_ok=True)

@@ -4,7 +4,7 @@ low-rank A and B), with their tensor-parallel split."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..registry import GraphTensor, Node, handler, join
 
@@ -42,6 +42,10 @@ class Linear(Node):
     conv1d: bool = field(default=False, kw_only=True)
     """transformers' Conv1D (GPT-2): the weight is stored in x out and `addmm(bias, x, weight)` saves the
     nn.Parameter itself for backward, not a transposed view of it."""
+    bnb_quantized: bool = field(default=True, kw_only=True)
+    """Whether transformers' bitsandbytes loader packs it (4-bit / 8-bit): replace_with_bnb_linear
+    (integrations/bitsandbytes.py) converts a module whose type is exactly nn.Linear or Conv1D, so a subclass
+    (Falcon's FalconLinear) keeps its 16-bit weight under QLoRA."""
 
     @property
     def weight_numel(self) -> int:
@@ -116,8 +120,7 @@ def lora_shards(shard: Shard | None) -> tuple[Shard | None, Shard | None]:
 def make_lora(base: Linear, rank: int, *, alpha: float = 8.0, adapter: str = "default") -> LoraLinear:
     a_shard, b_shard = lora_shards(base.shard)
     return LoraLinear(
-        base=Linear(base.name, base.in_features, base.out_features, base.bias, False, base.storage, base.shard,
-                    conv1d=base.conv1d),
+        base=replace(base, trainable=False),  # the base as it was, frozen (every field carried over)
         rank=rank,
         a=Linear("lora_A", base.in_features, rank, False, True, None, a_shard),
         b=Linear("lora_B", rank, base.out_features, False, True, None, b_shard),

@@ -51,16 +51,26 @@
     return row;
   }
 
+  // The first section (model, GPU, method, GPUs, micro-batch, sequence) is always shown; the others are folded
+  // (<details>), and open by themselves when the address sets one of their fields or the server marks one.
   function buildForm(options) {
     const params = new URLSearchParams(window.location.search);
     const holder = $("fields");
     holder.replaceChildren();
     state.fields = options.fields;
-    for (const panel of options.panels) {
-      const rows = options.fields.filter((f) => f.panel === panel);
-      if (!rows.length) continue;
-      const initial = (f) => params.get(f.name) ?? options.initial[f.name] ?? "";
-      holder.append(el("fieldset", {}, el("legend", {text: panel}), ...rows.map((f) => fieldRow(f, initial(f)))));
+    const initial = (f) => params.get(f.name) ?? options.initial[f.name] ?? "";
+    for (const section of options.sections) {
+      const fields = options.fields.filter((f) => f.section === section.name);
+      if (!fields.length) continue;
+      const rows = fields.map((f) => fieldRow(f, initial(f)));
+      if (section.open) {
+        holder.append(el("fieldset", {className: "main"}, el("legend", {text: section.name}), ...rows));
+        continue;
+      }
+      const folded = el("details", {className: "section"},
+                        el("summary", {text: `${section.name} (${fields.length})`}), ...rows);
+      folded.open = fields.some((f) => params.get(f.name));
+      holder.append(folded);
     }
   }
 
@@ -136,7 +146,9 @@
     box.textContent = message;
     box.hidden = false;
     const input = field ? $("f-" + field) : null;
-    if (input) {  // the message is at the top of the form; the input it is about is marked
+    if (input) {  // the message is at the top of the form; the input it is about is marked, and shown
+      const folded = input.closest("details");
+      if (folded) folded.open = true;
       input.setAttribute("aria-invalid", "true");
       input.setAttribute("aria-describedby", "form-error");
     }
