@@ -69,7 +69,7 @@ def test_total_equals_the_profilers_own_peak_to_the_byte(family):
     assert measured.phase_peaks[measured.peak_phase] == measured.total_bytes
 
 
-def test_onednn_scratch_is_its_own_term_and_the_tensor_figures_are_the_same_on_every_cpu():
+def test_onednn_scratch_is_its_own_term_and_the_tensor_figures_are_the_same_on_every_cpu(monkeypatch):
     """A bf16 matmul runs through oneDNN where the CPU has native bf16 (AVX512-BF16, AMX), with a scratchpad inside
     the op, and through ATen's own gemm without one elsewhere (AVX2 only; here: oneDNN switched off). The tensor
     figures are those of the step without the scratch, to the byte either way; the scratch is the overhead term that
@@ -81,6 +81,7 @@ def test_onednn_scratch_is_its_own_term_and_the_tensor_figures_are_the_same_on_e
     setup = FP32_ADAMW.replace(precision="amp-bf16", checkpointing="full")
     config = task_config(TINY_CONFIGS["llama"], 2)
     torch.set_num_threads(2)  # the autouse fixture restores the count
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # measure keeps it (memfit._torch.threads), whatever the load
     with_onednn = measure(config, setup)
     with torch.backends.mkldnn.flags(enabled=False):
         without = measure(config, setup)
