@@ -1,5 +1,5 @@
-"""The README's `memfit fit --sweep` example shows what the command prints: every cell of its table (GiB and
-fits / no, per method) equals the same sweep's CSV, run now."""
+"""The docs' `memfit fit --sweep` example (docs/workflows.md) shows what the command prints: every cell of its
+table (GiB and fits / no, per method) equals the same sweep's CSV, run now."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROW = re.compile(r"^ (\d+)\s+(\d+)((?:\s+[\d.]+ (?:fits|no))+)\s*$")
 
 
 def _readme_cells() -> list[tuple[int, int, str, str]]:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "workflows.md").read_text(encoding="utf-8")  # the README links to it
     block = readme.split(f"$ {COMMAND}\n", 1)[1].split("```", 1)[0]
     cells = []
     for line in block.splitlines():
@@ -39,4 +39,4 @@ def test_the_readme_sweep_table_is_the_real_output(tmp_path):
                 for r in rows]
     assert {r["method"] for r in rows} == {"full-bf16-adamw", "full-bf16-adamw8bit-ckpt", "lora-ckpt", "qlora-ckpt"}
     assert _readme_cells() == measured  # same order: by sequence, batch, then method as the columns
-    assert "come when memfit sizes them" not in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "come when memfit sizes them" not in (ROOT / "docs" / "workflows.md").read_text(encoding="utf-8")
