@@ -93,6 +93,7 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
     check_precision(setup.precision, hardware.gpu)
     explicit, keep = frozenset(explicit or ()), frozenset(keep or ())
     _check_fields(explicit | keep)
+    estimator = memoized(estimator)
 
     est = estimator(spec, setup, hardware)
     initial = (est, diagnose(est, hardware, margin=margin))
@@ -114,6 +115,27 @@ def plan(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margin: f
     return Plan(spec, hardware, setup, initial[0], initial[1], tuple(steps),
                 tuple((REGISTRY[k].title, r) for k, r in skipped.items()), suggestions, margin, explicit, keep,
                 found)
+
+
+def memoized(estimator: EstimateFn) -> EstimateFn:
+    """`estimator` remembering its answers for one plan: the ladder's rung picks, the walk's re-estimate of the rung
+    it took, the GPU-count and larger-GPU suggestions and the longest-sequence search ask for the same setups again
+    (half of a plan's estimates). An estimate depends on nothing but its arguments, all frozen values; the setup's
+    notes are in the key because they compare equal but the estimate carries them (its `setup`). The spec is held
+    with its answers, so its id names it for as long as the memo lives. A failure is not remembered: asked again,
+    the estimator raises again."""
+    if getattr(estimator, "memo", None) is not None:
+        return estimator  # a plan inside a plan (the suggestions' walks) shares the outer one's memo
+    memo: dict[tuple, tuple[ModelSpec, MemoryEstimate]] = {}
+
+    def remembered(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> MemoryEstimate:
+        key = (id(spec), setup, setup.notes, hardware)
+        if key not in memo:
+            memo[key] = (spec, estimator(spec, setup, hardware))
+        return memo[key][1]
+
+    remembered.memo = memo  # type: ignore[attr-defined]
+    return remembered
 
 
 def _check_fields(fields: frozenset[str]) -> None:
