@@ -178,6 +178,42 @@ def test_ctrl_c_ends_a_trace_within_2_s_with_exit_130(after_s):
     assert out == ""
 
 
+def test_the_console_script_loads_no_memfit_module_before_its_handler():
+    """`from memfit.cli import main` (the console script's import, before main() installs the SIGINT handler) loads
+    memfit's package, its errors and memfit.cli only: a Ctrl-C has nowhere left to land but the interpreter's start."""
+    code = "import sys; from memfit.cli import main; print(sorted(m for m in sys.modules if m.startswith('memfit')))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                         capture_output=True, text=True, timeout=60).stdout
+    assert out.strip() == "['memfit', 'memfit.cli', 'memfit.errors']"
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.parametrize("after_s", [0.05, 0.1, 0.2, 0.3])
+def test_ctrl_c_while_plan_starts_is_exit_130_without_a_traceback(after_s):
+    """Ctrl-C in a command's first moments (the imports of memfit.cli and its commands): exit 130, one line, no
+    traceback, within 2 s. The delay counts from the interpreter's own SIGINT handler (set before site, seen in
+    /proc), so a loaded machine's slow interpreter start does not land the signal before Python runs any code."""
+    env = {**os.environ, **hostile.ENV, "PYTHONPATH": str(ROOT / "src")}
+    child = subprocess.Popen([sys.executable, "-c", "from memfit.cli import main; main()", "plan", "llama-3.1-8b"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _sigint_handled(child.pid) and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.002)
+        time.sleep(after_s)
+        if child.poll() is not None:
+            pytest.skip(f"the plan ended within {after_s} s of the interpreter's start")
+        child.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = child.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err[-2000:])
+    assert err.strip().splitlines()[-1] == "interrupted" and out == ""
+    assert took < 2.0, took
+
+
 def test_an_interrupt_in_a_critical_section_waits_for_its_end():
     with pytest.raises(KeyboardInterrupt):
         with atomic.critical():

@@ -8,12 +8,17 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import sys
+from types import ModuleType
 
 from .errors import ConfigError, MemfitError, ModelSourceError, UnknownNameError
-from .measure import measure  # eager: the function must win over the submodule memfit.measure, imported or not
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `import memfit` stays a few modules
 
 if TYPE_CHECKING:
+    from typing import Any
+
+    from .measure import measure
     from .api import as_hardware, as_spec, diagnose_memory, estimate_memory, plan_memory, typical_setup
     from .apply import AppliedChanges, apply_
     from .callbacks import CheckResult, check
@@ -47,8 +52,26 @@ only the modules they use (the planner, readers and callbacks are most of memfit
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 
+class _Package(ModuleType):
+    """memfit itself. `memfit.measure` is the function, never the submodule of the same name: importing the
+    submodule binds its name on the package (importlib, after the module ran), and that binding is turned into the
+    function here. So the submodule (estimate.result, setup: a third of import time) loads on first use, and the
+    console script installs its Ctrl-C handler before it (memfit.cli.main)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "measure" and isinstance(value, ModuleType):
+            value = value.measure
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
 def __getattr__(name: str) -> Any:
     """A public name from its module; a submodule (memfit.plan, memfit.estimate...) imported on first access."""
+    if name == "measure":
+        importlib.import_module(f"{__name__}.measure")  # binds the function (_Package.__setattr__)
+        return globals()["measure"]
     if name in _HOME:
         value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
         globals()[name] = value
@@ -62,7 +85,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOME))
+    return sorted(set(globals()) | set(_HOME) | {"measure"})
 
 
 __version__ = "0.1.0"

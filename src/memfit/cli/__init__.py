@@ -1,22 +1,56 @@
-"""The `memfit` command line. `main` is the console script; the commands live in app.py."""
+"""The `memfit` command line. `main` is the console script; the commands live in app.py.
+
+This module and the package above it (memfit/__init__.py, lazy) import nothing heavy: the console script runs
+`from memfit.cli import main; main()`, and until main() installs a SIGINT handler a Ctrl-C gets Python's default
+(a KeyboardInterrupt traceback)."""
+
+import signal
+
+
+def _interrupted_early(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main() -> None:
     """Run the memfit command line (console script `memfit`)."""
-    from .interrupt import INTERRUPTED, exit_now, handling
-
+    # First, before memfit.cli.interrupt and the commands' modules are imported: Ctrl-C during those imports ends
+    # the command as one later does (exit 130, one line), also when started with SIGINT ignored (a background job).
+    previous = _install(_interrupted_early)
     try:
-        with handling():  # before the commands' modules are imported: Ctrl-C during the imports counts too
+        from .interrupt import INTERRUPTED, handling
+
+        with handling():  # the full handler (watchdog, critical sections) while the command runs
             from .app import main as run
 
             run()
     except KeyboardInterrupt:
-        print("interrupted", file=__import__("sys").stderr)
-        exit_now(INTERRUPTED)
+        _stop(announce=True)
     except SystemExit as done:
         if done.code == INTERRUPTED:
-            exit_now(INTERRUPTED)  # skip the interpreter's teardown (torch's takes seconds): Ctrl-C ends in 2 s
+            _stop(announce=False)  # skip the interpreter's teardown (torch's takes seconds): Ctrl-C ends in 2 s
         raise
+    finally:
+        _install(previous)
+
+
+def _install(handler):
+    """Set the SIGINT handler and return the one before; None outside the main thread (main() called from a thread
+    of another program: signals are the main thread's)."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        return None
+
+
+def _stop(*, announce: bool) -> None:
+    _install(signal.SIG_IGN)  # a second Ctrl-C while this ends changes nothing
+    from .interrupt import INTERRUPTED, exit_now
+
+    if announce:
+        print("interrupted", file=__import__("sys").stderr)
+    exit_now(INTERRUPTED)
 
 
 __all__ = ["main"]
