@@ -73,6 +73,8 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
         count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype], storage)
         done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}"
                     + (" (FakeLinear4bit: bitsandbytes' storage and transients on fake tensors)" if fake else ""))
+        if not ft.upcasts_unquantized():  # no prepare_model_for_kbit_training: the rest keeps its dtype
+            return
         for param in model.parameters():  # peft prepare_model_for_kbit_training: the rest in fp32
             if type(param).__name__ == "Params4bit":
                 continue  # a bf16 quant_storage holds packed bytes, which peft leaves alone too
