@@ -160,6 +160,9 @@ class Finetune:
         if self.torchtune and self.dora:
             out.append("torchtune's DoRALinear is not sized (its weight norm and saved tensors are its own): use "
                        "--lora-recipe peft for DoRA, or plain LoRA")
+        if self.kbit_prep is not None and self.method is Method.LORA and not self.base.quantized:
+            out.append("the k-bit preparation (--kbit-prep) applies to a quantized base: use --method qlora or "
+                       "--base nf4 / fp4 / int8")
         if self.torchtune and self.kbit_prep:
             out.append("torchtune does not call peft's prepare_model_for_kbit_training (its norms, embeddings and "
                        "head stay in the recipe dtype): drop --kbit-prep or use --lora-recipe peft")
