@@ -102,8 +102,8 @@ class Finetune:
     (Kalajdzievski 2023, arXiv:2312.03732; peft `use_rslora`) scales the update by alpha / sqrt(r) instead of
     alpha / r: a different float, the same tensors, so the same memory. `kbit_prep`: whether peft's
     `prepare_model_for_kbit_training` runs on a quantized base (None: the peft recipe's default, it does; False:
-    Answer.AI's fsdp_qlora, LitGPT, TRL / axolotl under FSDP keep the embeddings, norms and head in the compute
-    dtype, so the residual stream is 16-bit)."""
+    Answer.AI's fsdp_qlora, LitGPT, axolotl, LLaMA-Factory and TRL's SFTTrainer from v0.27 (before: except under
+    FSDP / ZeRO-3) keep the embeddings, norms and head in the compute dtype, so the residual stream is 16-bit)."""
 
     method: Method = Method.FULL
     rank: int = 8

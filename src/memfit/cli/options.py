@@ -348,7 +348,7 @@ KbitPrepOpt = Annotated[Optional[bool], _option(
     "--kbit-prep/--no-kbit-prep", panel=SETUP_PANEL,
     help="QLoRA under peft: whether prepare_model_for_kbit_training upcasts the embeddings, norms and head to fp32 "
          "(an fp32 residual stream). --no-kbit-prep: they stay in the compute dtype, as Answer.AI's fsdp_qlora, "
-         "LitGPT and TRL / axolotl under FSDP run it. Default: on (peft's recipe).")]
+         "LitGPT, axolotl, LLaMA-Factory and TRL >= 0.27 run it. Default: on (peft's recipe).")]
 
 DoraOpt = Annotated[Optional[bool], _option(
     "--dora/--no-dora", panel=SETUP_PANEL,
