@@ -38,7 +38,8 @@ def setup_of(case: dict) -> TrainingSetup:
     finetune = Finetune(method="qlora" if quantized else "lora", rank=case["rank"], alpha=case["alpha"],
                         dropout=case["dropout"], targets=targets, base=case["base_dtype"],
                         double_quant=case["double_quant"], modules_to_save=tuple(case["modules_to_save"]),
-                        dora=case.get("dora", False))
+                        dora=case.get("dora", False),
+                        kbit_prep=None if case.get("kbit_prep", True) or not quantized else False)
     return TrainingSetup(micro_batch_size=case["batch"], seq_len=case["seq"], precision=case["precision"],
                          optimizer=case["optimizer"], checkpointing="full" if case["checkpointing"] else "none",
                          attention=case["attention"], finetune=finetune)

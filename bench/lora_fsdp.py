@@ -54,6 +54,11 @@ def cases() -> dict[str, tuple[dict, TrainingSetup]]:
         out[f"qlora-{sharding}-{precision}-ckpt_{ckpt}-v512"] = (dict(TINY_LLAMA), dict(
             sharding=sharding, precision=precision, checkpointing=ckpt, seq_len=128,
             finetune=dict(LORA, method="qlora")))
+    # FSDP-QLoRA as axolotl / TRL run it: no prepare_model_for_kbit_training, the norms and embeddings stay bf16
+    for ckpt in ("none", "full"):
+        out[f"qlora-zero3-amp-bf16-ckpt_{ckpt}-v512-no-kbit-prep"] = (dict(TINY_LLAMA), dict(
+            sharding="zero3", precision="amp-bf16", checkpointing=ckpt, seq_len=128,
+            finetune=dict(LORA, method="qlora", kbit_prep=False)))
     for sharding, precision, ckpt in (("zero2", "fp32", "none"), ("zero3", "fp32", "none"),
                                       ("zero3", "amp-bf16", "none"), ("zero3", "amp-bf16", "full")):
         out[f"dora-{sharding}-{precision}-ckpt_{ckpt}-v512"] = (dict(TINY_LLAMA), dict(

@@ -70,6 +70,11 @@ def extra_rows() -> list[LoraCase]:
                          precision="amp-bf16", checkpointing=True, reentrant=True))
     rows.append(LoraCase(family="llama", rank=16, alpha=32, targets="all-linear", base_dtype="nf4", double_quant=True,
                          precision="amp-bf16", optimizer="adamw-8bit", checkpointing=True))
+    # QLoRA without peft's prepare_model_for_kbit_training (fsdp_qlora, LitGPT, axolotl, LLaMA-Factory): the
+    # embeddings, norms and head stay bf16, so the residual stream is bf16
+    for family, ckpt in itertools.product(("llama", "qwen2"), (False, True)):
+        rows.append(LoraCase(family=family, rank=16, alpha=32, targets="all-linear", base_dtype="nf4",
+                             double_quant=True, precision="amp-bf16", checkpointing=ckpt, kbit_prep=False))
     # LLM.int8 base
     for precision, targets, ckpt in itertools.product(("fp32", "amp-bf16"), ("attention", "all-linear"),
                                                       (False, True)):

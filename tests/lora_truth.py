@@ -97,6 +97,9 @@ class LoraCase:
     seed: int = 0
     dora: bool = False
     """peft use_dora: a magnitude vector per adapted Linear and the weight norm recomputed each forward"""
+    kbit_prep: bool = True
+    """quantized base: call peft.prepare_model_for_kbit_training (False: the embeddings, norms and head stay in the
+    bf16 from_pretrained loaded them in, as Answer.AI's fsdp_qlora, LitGPT, axolotl and LLaMA-Factory leave them)"""
 
     def __post_init__(self) -> None:
         if self.family not in TINY_CONFIGS:
@@ -127,6 +130,8 @@ class LoraCase:
             parts.append("save=" + "+".join(self.modules_to_save))
         if self.dora:
             parts.append("dora")
+        if not self.kbit_prep:
+            parts.append("no-kbit-prep")
         return "/".join(parts)
 
     def to_dict(self) -> dict:
@@ -233,7 +238,7 @@ def build_lora_model(case: LoraCase):
 
     with quiet():
         model = build_base_model(case)
-        if case.quantized:
+        if case.quantized and case.kbit_prep:
             kwargs = {} if case.reentrant else {"use_reentrant": False}
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.checkpointing,
                                                          gradient_checkpointing_kwargs=kwargs)

@@ -111,7 +111,8 @@ EXAMPLES = {
         "llamafactory", 'meta-llama/Llama-3.1-8B-Instruct',
         dict(padding='longest', seq_len=4096, micro_batch_size=2, grad_accum_steps=8, precision='amp-bf16',
              optimizer='adamw-foreach', checkpointing='full', attention='sdpa',
-             finetune=Finetune("qlora", rank=8, alpha=16, targets=(ALL_LINEAR,))),  # quantization_bit 4: QLoRA
+             # quantization_bit 4: QLoRA; LLaMA-Factory never calls prepare_model_for_kbit_training
+             finetune=Finetune("qlora", rank=8, alpha=16, targets=(ALL_LINEAR,), kbit_prep=False)),
         read=("model_name_or_path stage cutoff_len packing per_device_train_batch_size gradient_accumulation_steps "
               "bf16 optim disable_gradient_checkpointing flash_attn finetuning_type lora_rank lora_target "
               "quantization_bit"),
@@ -154,7 +155,8 @@ EXAMPLES = {
              micro_batch_size=1, grad_accum_steps=4, seq_len=2048, precision='bf16', optimizer='adamw-8bit',
              checkpointing='full', attention='sdpa',
              finetune=Finetune("qlora", rank=16, alpha=32, dropout=0.05, targets=("q_proj", "k_proj", "v_proj",
-                                                                                   "o_proj"))),
+                                                                                   "o_proj"),
+                               kbit_prep=False)),  # axolotl casts the norms, embeddings and head back to bf16
         read=("pad_to_sequence_len "
               "base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing bf16 optimizer "
               "gradient_checkpointing flash_attention load_in_4bit load_in_8bit adapter "
@@ -724,7 +726,7 @@ def test_lora_reads_say_where_each_part_and_default_came_from(in_configs):
     assert factory["quantization_bit"].sets == (("finetune.base", "nf4"),)
     axolotl = {e.field: e.text for e in read_config("axolotl_qlora.yaml").read}
     assert axolotl["lora_r"] == "lora_r=16 -> LoRA rank 16"
-    assert axolotl["adapter"] == "adapter='qlora' -> method qlora r=16"
+    assert axolotl["adapter"].startswith("adapter='qlora' -> method qlora r=16 no k-bit prep")
 
 
 def test_adapter_config_combines_with_training_arguments_and_a_quantized_base(in_configs, tmp_path):
@@ -801,7 +803,8 @@ def _lora_matrix():
                  Finetune("lora", targets=(ALL_LINEAR,), modules_to_save=("lm_head",)),
                  Finetune("lora", rank=4, base="fp32"), Finetune("lora", rank=8, base="int8"),
                  Finetune("qlora", rank=64, alpha=16, targets=(ALL_LINEAR,)),
-                 Finetune("qlora", base="fp4", double_quant=False, targets=("q_proj", "k_proj", "v_proj"))]
+                 Finetune("qlora", base="fp4", double_quant=False, targets=("q_proj", "k_proj", "v_proj")),
+                 Finetune("qlora", rank=16, targets=(ALL_LINEAR,), kbit_prep=False)]
     for ft, precision, (sharding, gpus) in itertools.product(
             finetunes, ["amp-bf16", "bf16", "fp32", "amp-fp16"], [("none", 1), ("none", 2), ("zero2", 4)]):
         try:

@@ -205,7 +205,8 @@ def _engine(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
 def _finetune(model, setup: TrainingSetup, is_hf: bool) -> Change | None:
     """LoRA / QLoRA: the adapters injected in place (peft.inject_adapter_in_model, which freezes everything else),
     kept in fp32 as get_peft_model does by default; for QLoRA the base's Linears quantized in place to
-    bitsandbytes 4-bit (or 8-bit) first, the rest upcast to fp32 (prepare_model_for_kbit_training)."""
+    bitsandbytes 4-bit (or 8-bit) first, the rest upcast to fp32 (prepare_model_for_kbit_training) unless
+    kbit_prep is False (the rest in the compute dtype)."""
     ft = setup.finetune
     if not ft.adapters:
         return None

@@ -100,7 +100,10 @@ class Finetune:
     copy and the frozen original). `dora`: weight-decomposed LoRA (a magnitude vector per adapted output and the
     weight norm it recomputes each forward: memfit.estimate.dora). `rslora`: rank-stabilized LoRA
     (Kalajdzievski 2023, arXiv:2312.03732; peft `use_rslora`) scales the update by alpha / sqrt(r) instead of
-    alpha / r: a different float, the same tensors, so the same memory."""
+    alpha / r: a different float, the same tensors, so the same memory. `kbit_prep`: whether peft's
+    `prepare_model_for_kbit_training` runs on a quantized base (None: the peft recipe's default, it does; False:
+    Answer.AI's fsdp_qlora, LitGPT, axolotl, LLaMA-Factory and TRL's SFTTrainer from v0.27 (before: except under
+    FSDP / ZeRO-3) keep the embeddings, norms and head in the compute dtype, so the residual stream is 16-bit)."""
 
     method: Method = Method.FULL
     rank: int = 8
@@ -113,6 +116,7 @@ class Finetune:
     dora: bool = False
     rslora: bool = False
     recipe: LoraRecipe = LoraRecipe.PEFT
+    kbit_prep: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -134,6 +138,9 @@ class Finetune:
                 out.append(f"{'DoRA' if self.dora else 'rsLoRA'} shapes LoRA adapters: add --method lora (or qlora)")
             if self.recipe is not LoraRecipe.PEFT:
                 out.append(f"the LoRA recipe '{self.recipe}' shapes LoRA adapters: add --method lora (or qlora)")
+            if self.kbit_prep is not None:
+                out.append("the k-bit preparation (--kbit-prep) applies to a quantized LoRA base: add --method "
+                           "qlora")
             if self.base is not BaseWeights.AUTO:
                 out.append(f"base weights '{self.base}' apply to LoRA/QLoRA; a full fine-tune trains (and stores) "
                            "every weight in the training precision")
@@ -153,6 +160,12 @@ class Finetune:
         if self.torchtune and self.dora:
             out.append("torchtune's DoRALinear is not sized (its weight norm and saved tensors are its own): use "
                        "--lora-recipe peft for DoRA, or plain LoRA")
+        if self.kbit_prep is not None and self.method is Method.LORA and not self.base.quantized:
+            out.append("the k-bit preparation (--kbit-prep) applies to a quantized base: use --method qlora or "
+                       "--base nf4 / fp4 / int8")
+        if self.torchtune and self.kbit_prep:
+            out.append("torchtune does not call peft's prepare_model_for_kbit_training (its norms, embeddings and "
+                       "head stay in the recipe dtype): drop --kbit-prep or use --lora-recipe peft")
         if self.method is Method.QLORA and self.base in (BaseWeights.FP32, BaseWeights.BF16, BaseWeights.FP16):
             out.append(f"QLoRA quantizes the base: base weights {self.base} is plain LoRA (use --method lora), "
                        "or choose nf4 / fp4 / int8")
@@ -173,8 +186,10 @@ class Finetune:
 
     def upcasts_unquantized(self) -> bool:
         """Whether the parameters a quantized base leaves unquantized (embeddings, norms, head) are held in fp32:
-        peft's prepare_model_for_kbit_training does it, torchtune keeps the model's dtype."""
-        return not self.torchtune
+        peft's prepare_model_for_kbit_training does it (peft/utils/other.py: every fp16 / bf16 parameter but
+        Params4bit -> fp32) unless the user's framework skips it (kbit_prep False); torchtune keeps the model's
+        dtype."""
+        return not self.torchtune and self.kbit_prep is not False
 
     def asks_input_gradient(self) -> bool:
         """Whether checkpointing makes the frozen embedding's output need a gradient (peft
@@ -199,10 +214,12 @@ class Finetune:
         text = f"{self.method} r={self.rank}"
         if self.base.quantized:
             text += f" {self.base}"
-        return text + (" DoRA" if self.dora else "") + (" (torchtune)" if self.torchtune else "")
+        return (text + (" DoRA" if self.dora else "") + (" (torchtune)" if self.torchtune else "")
+                + (" no k-bit prep" if self.kbit_prep is False else ""))
 
     def to_dict(self) -> dict:
         return {"method": self.method.value, "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "targets": list(self.targets), "modules_to_save": list(self.modules_to_save),
                 "base": self.base.value, "double_quant": self.double_quant, "dora": self.dora,
-                "rslora": self.rslora, "recipe": self.recipe.value}
+                "rslora": self.rslora, "recipe": self.recipe.value,
+                **({} if self.kbit_prep is None else {"kbit_prep": self.kbit_prep})}

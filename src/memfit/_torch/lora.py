@@ -73,11 +73,16 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
         count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype], storage)
         done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}"
                     + (" (FakeLinear4bit: bitsandbytes' storage and transients on fake tensors)" if fake else ""))
-        for param in model.parameters():  # peft prepare_model_for_kbit_training: the rest in fp32
+        # peft prepare_model_for_kbit_training: the rest (embeddings, norms, head) in fp32; without it (kbit_prep
+        # False) the rest stays in the compute dtype from_pretrained(dtype=...) loads it in
+        upcast = ft.upcasts_unquantized()
+        target = torch.float32 if upcast else _DTYPES[setup.precision.compute_dtype]
+        cast = (torch.float16, torch.bfloat16) if upcast else (torch.float16, torch.bfloat16, torch.float32)
+        for param in model.parameters():
             if type(param).__name__ == "Params4bit":
                 continue  # a bf16 quant_storage holds packed bytes, which peft leaves alone too
-            if param.dtype in (torch.float16, torch.bfloat16) and "lora_" not in _name_of(model, param):
-                param.data = param.data.to(torch.float32)
+            if param.dtype in cast and param.dtype != target and "lora_" not in _name_of(model, param):
+                param.data = param.data.to(target)
 
     if base.quantized and not fake:
         quantize()

@@ -344,6 +344,12 @@ LoraRecipeOpt = Annotated[Optional[LoraRecipe], _option(
     help=f"Which library trains the adapters: {_choices(LoraRecipe)} (peft: fp32 adapters, fp32 embeddings / norms "
          "/ head on a quantized base; torchtune: everything in the model's dtype, torchao NF4 base). Default: peft.")]
 
+KbitPrepOpt = Annotated[Optional[bool], _option(
+    "--kbit-prep/--no-kbit-prep", panel=SETUP_PANEL,
+    help="QLoRA under peft: whether prepare_model_for_kbit_training upcasts the embeddings, norms and head to fp32 "
+         "(an fp32 residual stream). --no-kbit-prep: they stay in the compute dtype, as Answer.AI's fsdp_qlora, "
+         "LitGPT, axolotl, LLaMA-Factory and TRL >= 0.27 run it. Default: on (peft's recipe).")]
+
 DoraOpt = Annotated[Optional[bool], _option(
     "--dora/--no-dora", panel=SETUP_PANEL,
     help="peft use_dora: weight-decomposed LoRA (a magnitude vector per adapted Linear, the weight norm "
@@ -410,6 +416,7 @@ class SetupOptions:
     rslora: bool | None = None
     dora: bool | None = None
     lora_recipe: LoraRecipe | None = None
+    kbit_prep: bool | None = None
     ep: int | None = None
     capacity_factor: float | None = None
     task: str | None = None
@@ -510,7 +517,7 @@ class SetupOptions:
             ("rank", self.lora_rank), ("alpha", self.lora_alpha), ("dropout", self.lora_dropout),
             ("targets", self.lora_targets), ("modules_to_save", self.modules_to_save), ("base", self.base),
             ("double_quant", self.double_quant), ("rslora", self.rslora), ("dora", self.dora),
-            ("recipe", self.lora_recipe)) if value is not None}
+            ("recipe", self.lora_recipe), ("kbit_prep", self.kbit_prep)) if value is not None}
         if self.method is None and not given:
             return None
         method = self.method
@@ -539,6 +546,7 @@ def _finetune_options(ft: Finetune) -> dict[str, Any]:
     if ft.adapters:
         out.update(lora_rank=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, base=ft.base,
                    double_quant=ft.double_quant, rslora=ft.rslora, dora=ft.dora, lora_recipe=ft.recipe,
+                   kbit_prep=ft.kbit_prep,
                    lora_targets=",".join(ft.targets) or None,
                    modules_to_save=",".join(ft.modules_to_save) or None)
     return out
@@ -574,7 +582,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
     "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "lora_recipe": LoraRecipeOpt,
-    "ep": EpOpt, "capacity_factor": CapacityOpt,
+    "kbit_prep": KbitPrepOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
     "task": TaskOpt, "num_labels": NumLabelsOpt,
 }

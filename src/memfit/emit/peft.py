@@ -96,8 +96,17 @@ def torchtune_file(setup: TrainingSetup, *, filename: str = "torchtune_lora.yaml
 
 def prepare_line(setup: TrainingSetup) -> str:
     """peft's prepare_model_for_kbit_training call for a quantized base: it turns on full gradient checkpointing
-    unless told not to (use_gradient_checkpointing defaults to True), so a plan without full checkpointing says so."""
-    if setup.checkpointing is Checkpointing.FULL:
+    unless told not to (use_gradient_checkpointing defaults to True), so a plan without full checkpointing says so.
+    Without the k-bit preparation (kbit_prep False) the line is what the preparation would have done but the
+    upcast: checkpointing and, for a frozen embedding under it, enable_input_require_grads."""
+    full = setup.checkpointing is Checkpointing.FULL
+    if not setup.finetune.upcasts_unquantized():
+        if full:
+            return ("model.gradient_checkpointing_enable(); model.enable_input_require_grads()  # no "
+                    "prepare_model_for_kbit_training: embeddings, norms, head stay in the compute dtype")
+        return ("# no prepare_model_for_kbit_training: embeddings, norms, head stay in the compute dtype; "
+                f"checkpointing {setup.checkpointing} as planned")
+    if full:
         return "model = prepare_model_for_kbit_training(model)  # the rest -> fp32"
     return ("model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # the rest -> fp32; "
             f"checkpointing {setup.checkpointing} as planned")
@@ -113,21 +122,29 @@ def peft_file(setup: TrainingSetup, *, filename: str = "peft.json") -> EmittedCo
         return torchtune_file(setup)
     bnb = bnb_config_kwargs(setup)
     model_kwargs: dict = {"quantization_config": bnb} if bnb else {"dtype": base_dtype(setup)}
+    prep = bnb is not None and setup.finetune.upcasts_unquantized()
     content = {"lora_config": lora_config_kwargs(setup), "model_kwargs": model_kwargs,
-               "prepare_model_for_kbit_training": bnb is not None}
+               "prepare_model_for_kbit_training": prep}
     comments = {
         "lora_config": "peft.LoraConfig(task_type='CAUSAL_LM', **lora_config); target_modules null = peft's "
                        "default for the architecture, which memfit sized",
         "model_kwargs": ("BitsAndBytesConfig(**quantization_config) passed to from_pretrained: the base is stored "
                          "quantized" if bnb else "the frozen base in the compute dtype"),
-        "prepare_model_for_kbit_training": f"`{prepare_line(setup).split(' = ', 1)[1].split('  #')[0]}` before "
-                                           "get_peft_model: it upcasts the unquantized parameters to fp32, as "
-                                           "memfit sized" + ("" if setup.checkpointing is Checkpointing.FULL else
-                                                             "; use_gradient_checkpointing=False, else peft turns "
-                                                             "on full checkpointing, which the plan does not have"),
+        "prepare_model_for_kbit_training": _prepare_comment(setup) if prep else
+        ("not called, as sized: the embeddings, norms and head stay in the compute dtype"
+         + ("; call model.gradient_checkpointing_enable() and model.enable_input_require_grads() instead"
+            if setup.checkpointing is Checkpointing.FULL else "")),
     }
     notes = ("get_peft_model keeps the adapters in fp32 (autocast_adapter_dtype=True, its default), as sized.",)
     return EmittedConfig(filename, content, comments, notes,
                          summary="`LoraConfig(**d['lora_config'])`, `from_pretrained(name, **d['model_kwargs'])` "
                                  "(quantization_config through BitsAndBytesConfig): the adapters and the base as "
                                  "sized.")
+
+
+def _prepare_comment(setup: TrainingSetup) -> str:
+    return (f"`{prepare_line(setup).split(' = ', 1)[1].split('  #')[0]}` before get_peft_model: it upcasts the "
+            "unquantized parameters to fp32, as memfit sized"
+            + ("" if setup.checkpointing is Checkpointing.FULL else
+               "; use_gradient_checkpointing=False, else peft turns on full checkpointing, which the plan does "
+               "not have"))

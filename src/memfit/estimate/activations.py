@@ -21,7 +21,7 @@ def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtype
     """The dtype classes of a step: the precision's, or with a LoRA base stored in 16 bits a 16-bit residual
     stream (the embedding and norms are bf16 too), or with a quantized base an fp32 one (peft's
     prepare_model_for_kbit_training upcasts the embedding and norms; the 4-bit Linears return their input's dtype;
-    torchtune upcasts nothing: a 16-bit one)."""
+    torchtune, and frameworks that skip the preparation (Finetune.kbit_prep False), upcast nothing: a 16-bit one)."""
     d = Dtypes.of(setup.precision, on_cpu)
     if setup.float8.is_on and on_cpu and d.autocast:  # memfit.estimate.float8: CPU autocast leaves the input as is
         return replace(d, float8_hp_input=True)
@@ -33,7 +33,8 @@ def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtype
         # is bf16 too; the 4-bit Linears return their input's dtype (bench/lora_fsdp.py, 2 gloo ranks)
         return Dtypes(residual=2, compute=2, autocast=False, on_cpu=on_cpu, mlp_in_residual=True)
     if base.quantized and not setup.finetune.upcasts_unquantized():
-        # torchtune: the embedding and norms stay in the model's dtype, linear_nf4 dequantizes to its input's dtype
+        # torchtune, or no k-bit preparation: the embedding and norms stay in the model's dtype; linear_nf4 and
+        # bitsandbytes' Linear4bit return their input's dtype
         return Dtypes(residual=2, compute=2, autocast=d.autocast, on_cpu=on_cpu)
     if base.quantized:
         return Dtypes(residual=4, compute=2 if d.autocast else 4, autocast=d.autocast, on_cpu=on_cpu,

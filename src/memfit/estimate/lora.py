@@ -16,8 +16,9 @@ tensors carry their storage bytes:
 - 8-bit base (LLM.int8, Dettmers et al. 2022 arXiv:2208.07339): int8 weights and one fp32 scale per output row
   (bitsandbytes Int8Params.SCB);
 - what bitsandbytes leaves unquantized: the embedding, the LM head (transformers' `get_keys_to_not_convert`), norms
-  and biases; peft's `prepare_model_for_kbit_training` (called by TRL's SFTTrainer, axolotl and the QLoRA
-  reference script for a quantized base) upcasts those to fp32;
+  and biases; peft's `prepare_model_for_kbit_training` (called by the QLoRA reference script, and by TRL's
+  SFTTrainer up to v0.26 outside FSDP / ZeRO-3) upcasts those to fp32, unless Finetune.kbit_prep is False
+  (fsdp_qlora, LitGPT, axolotl, LLaMA-Factory, TRL >= 0.27: the model's dtype);
 - torchtune's 4-bit base (quantize_base): torchao's NF4Tensor (torchao.quantization...nf4_tensor `to_nf4`, block
   64, scaler block 256) for every block Linear, adapted or not (FrozenNF4Linear): the packed codes (0.5 B), an int8
   scaler per 64 elements, one quantization factor per 256 scalers and the scalers' mean in the weight's dtype, and

@@ -46,6 +46,10 @@ QLORA_BITS = ("QLoRA is not 4 bits per weight: the embeddings, LM head and norms
               "(~0.13 bits/weight with double quantization); and the fp32 norms make the residual stream fp32, so "
               "checkpoints and MLP activations are twice LoRA's on a bf16 base.")
 
+QLORA_BITS_16 = ("QLoRA is not 4 bits per weight: the embeddings, LM head and norms stay unquantized (in the compute "
+                 "dtype: no prepare_model_for_kbit_training) and each 64-weight block adds its constants (~0.13 "
+                 "bits/weight with double quantization).")
+
 
 def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     notes = []
@@ -56,7 +60,8 @@ def rule_of_thumb_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
         sixteen = adapter_bytes(setup) == 2
         notes.append(LORA_ACTIVATIONS_16 if sixteen else LORA_ACTIVATIONS)
         if ft.base_storage(setup.precision.compute_dtype).four_bit:
-            notes.append(QLORA_TORCHAO if ft.torchtune else QLORA_BITS)
+            notes.append(QLORA_TORCHAO if ft.torchtune else QLORA_BITS if ft.upcasts_unquantized() else
+                         QLORA_BITS_16)
     elif setup.precision.is_autocast:
         notes.append(AMP_KEEPS_FP32)
     if setup.precision is Precision.BF16_MASTER:

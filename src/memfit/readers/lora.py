@@ -162,6 +162,15 @@ AXOLOTL_TABLE = {
 _AXOLOTL_DROPOUT = "axolotl's default 0.0"
 
 
+AXOLOTL_NO_UPCAST = "axolotl keeps the embeddings, norms and head of a quantized base in torch_dtype"
+"""axolotl src/axolotl/loaders/model.py (ModelLoader): `_prepare_model_for_quantization` calls peft's
+prepare_model_for_kbit_training unless FSDP (`fsdp` / `fsdp_config`) or ZeRO-3 is on, and
+`_configure_embedding_dtypes` then casts every module named "norm" and the embedding / head modules
+(loaders/utils.py get_linear_embedding_layers) back to torch_dtype for any adapter, unless the config is
+qlora under FSDP (where nothing was upcast): either way the residual stream stays 16-bit (only MoE routers,
+`.gate`, stay fp32, and `fp32_norms` keeps norms fp32): memfit's kbit_prep False."""
+
+
 def axolotl_finetune(read: Reader, data: Mapping) -> Finetune | None:
     """adapter / lora_* / load_in_* / bnb_config_kwargs / peft_use_dora -> finetune."""
     return _run(lambda: _axolotl(read, data, LoraParts(read)))
@@ -214,6 +223,8 @@ def _axolotl(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
         parts.refuse(four_key, True, "axolotl builds its 4-bit bitsandbytes config only for adapter: qlora")
     elif eight:
         parts.add("base", BaseWeights.INT8, eight_key, True, "bitsandbytes LLM.int8 base")
+    if four or eight:
+        parts.default("kbit_prep", False, AXOLOTL_NO_UPCAST)
     for key in ("load_in_4bit", "load_in_8bit"):
         if key in data and not _on(data[key]):
             read.defer(key, data[key], "not quantized in this way")
@@ -362,6 +373,7 @@ def _llamafactory_quantized(read: Reader, data: Mapping, parts: LoraParts, bits:
         for key in ("quantization_type", "double_quantization"):
             if key in data:
                 read.defer(key, data[key], "a 4-bit setting: the base is 8-bit")
+        _llamafactory_upcast(data, parts)
         return Method.LORA
     if bits != 4 or isinstance(bits, bool):
         parts.refuse("quantization_bit", bits, "memfit sizes bitsandbytes 4- and 8-bit bases")
@@ -378,7 +390,21 @@ def _llamafactory_quantized(read: Reader, data: Mapping, parts: LoraParts, bits:
         parts.flag("double_quant", data["double_quantization"], "double_quantization")
     else:
         parts.default("double_quant", True, "LLaMA-Factory's default double_quantization true")
+    _llamafactory_upcast(data, parts)
     return Method.QLORA
+
+
+def _llamafactory_upcast(data: Mapping, parts: LoraParts) -> None:
+    """LLaMA-Factory never calls peft's prepare_model_for_kbit_training: its own prepare_model_for_training
+    (src/llamafactory/model/model_utils/checkpointing.py) upcasts only the norm weights, and only with
+    upcast_layernorm (default False, hparams/model_args.py). fp32 norm weights make every norm's output, and from
+    the first block on the residual stream, fp32: closest to peft's upcast, so upcast_layernorm keeps it."""
+    if _on(data.get("upcast_layernorm")):
+        parts.read.defer("upcast_layernorm", data["upcast_layernorm"], "fp32 norms: an fp32 residual stream, "
+                         "sized as peft's upcast (the embedding and head counted in fp32 too)")
+    else:
+        parts.default("kbit_prep", False, "LLaMA-Factory does not call prepare_model_for_kbit_training: the "
+                                          "embeddings, norms and head stay in the compute dtype")
 
 
 # ------------------------------------------------------------------------------------------------- torchtune
@@ -531,10 +557,13 @@ def _peft(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
 def _peft_model_kwargs(read: Reader, data: Mapping, parts: LoraParts) -> Method:
     """peft.json's model_kwargs: a BitsAndBytesConfig (4-bit: QLoRA; 8-bit: LoRA on LLM.int8) or the base dtype."""
     kwargs = data.get("model_kwargs") if isinstance(data.get("model_kwargs"), Mapping) else {}
-    if "prepare_model_for_kbit_training" in data:
+    bnb = kwargs.get("quantization_config")
+    if data.get("prepare_model_for_kbit_training") is False and isinstance(bnb, Mapping):
+        parts.add("kbit_prep", False, "prepare_model_for_kbit_training", False,
+                  "not called: the embeddings, norms and head stay in the compute dtype")
+    elif "prepare_model_for_kbit_training" in data:
         read.defer("prepare_model_for_kbit_training", data["prepare_model_for_kbit_training"],
                    "follows the quantized base")
-    bnb = kwargs.get("quantization_config")
     if isinstance(bnb, Mapping):
         return bnb_base(read, parts, bnb, "model_kwargs.quantization_config.")
     for key in ("dtype", "torch_dtype"):
