@@ -124,3 +124,13 @@ def test_real_torchao_step_holds_what_memfit_says(monkeypatch, mode, precision):
         largest = max(p.nbytes for p in model.parameters() if p.numel() >= torchao_offload.MINIMAL_SIZE)
         assert device_grads == max(live) == s.grads_bytes - largest
     assert full.step_temp_bytes == 0  # fused AdamW: no temporaries for the on-device small tensors
+
+
+def test_hf_trainer_file_says_how_to_pass_the_wrapper():
+    from memfit.emit.hf_trainer import hf_trainer_file
+
+    emitted = hf_trainer_file(BASE.replace(cpu_offload_optimizer="on"))
+    text = "\n".join(emitted.notes)
+    assert "optimizers=(optimizer, None)" in text and torchao_offload.code(
+        BASE.replace(cpu_offload_optimizer="on")) in text
+    assert not any("CPUOffloadOptimizer" in n for n in hf_trainer_file(BASE).notes)
