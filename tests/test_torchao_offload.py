@@ -134,3 +134,21 @@ def test_hf_trainer_file_says_how_to_pass_the_wrapper():
     assert "optimizers=(optimizer, None)" in text and torchao_offload.code(
         BASE.replace(cpu_offload_optimizer="on")) in text
     assert not any("CPUOffloadOptimizer" in n for n in hf_trainer_file(BASE).notes)
+
+
+def test_ladder_takes_it_only_where_deepspeeds_candidates_cannot_be_taken():
+    """Pure bf16 pinned by --keep: DeepSpeed's CPU Adam would need bf16-master, so the rung was passed over; the
+    torchao candidate keeps bf16 and fits. Where a DeepSpeed candidate fits, it stays the rung's choice."""
+    from memfit.hardware import make_hardware
+    from memfit.plan import plan
+
+    spec = resolve_model("llama-3-8b")
+    setup = TrainingSetup(micro_batch_size=1, seq_len=2048, precision="bf16", optimizer="adamw-fused")
+    asked = frozenset({"precision", "optimizer", "micro_batch_size", "seq_len"})  # as the CLI marks them
+    pinned = plan(spec, setup, make_hardware("A100-40GB"), keep=frozenset({"precision"}), explicit=asked)
+    step = next(s for s in pinned.steps if s.technique == "cpu_offload")
+    assert step.setup.cpu_offload_optimizer.value == "grads" and step.setup.precision.value == "bf16"
+    assert "CPUOffloadOptimizer" in step.change
+    free = plan(spec, setup.replace(precision="amp-bf16"), make_hardware("A100-40GB"), explicit=asked)
+    step = next(s for s in free.steps if s.technique == "cpu_offload")  # DeepSpeed's, as before
+    assert step.setup.engine.value == "deepspeed" and step.setup.cpu_offload_optimizer.value == "off"

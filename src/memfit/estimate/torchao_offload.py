@@ -87,6 +87,25 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedS
                                cpu_bytes=host, notes=s.notes + notes)
 
 
+def offloaded_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
+    """The tensors the CPU steps, from a model's spec as the callers hold it (adapters: the adapted one's)."""
+    if setup.finetune.adapters:
+        from .lora import adapted_spec
+
+        spec = adapted_spec(spec, setup)
+    return _part(spec, True)
+
+
+def traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Host<->device bytes per optimizer step: every micro-step's backward hook copies each offloaded gradient down
+    (p_host.grad.copy_), the step copies each offloaded parameter back up (p_device.copy_(p_host)), both in the
+    model's dtype."""
+    from .static import param_elem_bytes, trainable_bytes
+
+    off = trainable_bytes(offloaded_spec(spec, setup), param_elem_bytes(setup.precision))
+    return off * (setup.grad_accum_steps + 1)
+
+
 def step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
     """The device part of the step: `d_opt` on the retained small tensors only (the rest steps on the CPU)."""
     from .static import optimizer_step_temp_bytes
