@@ -152,3 +152,19 @@ def test_ladder_takes_it_only_where_deepspeeds_candidates_cannot_be_taken():
     free = plan(spec, setup.replace(precision="amp-bf16"), make_hardware("A100-40GB"), explicit=asked)
     step = next(s for s in free.steps if s.technique == "cpu_offload")  # DeepSpeed's, as before
     assert step.setup.engine.value == "deepspeed" and step.setup.cpu_offload_optimizer.value == "off"
+
+
+def test_torchtune_recipe_with_the_wrapper_reads_as_it(tmp_path):
+    """torchtune's recipes take `optimizer._component_: torchao.optim.CPUOffloadOptimizer` (its docs' low-memory
+    example): the reader sets the wrapper and its base optimizer, fused as torchao makes it."""
+    from memfit.readers import read_config
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_size: 2\ndtype: bf16\n"
+                      "gradient_accumulation_steps: 1\noptimizer:\n  _component_: torchao.optim.CPUOffloadOptimizer\n"
+                      "  optimizer_class: torch.optim.AdamW\n  offload_gradients: True\n  lr: 2e-5\n")
+    fields = read_config(recipe).overrides
+    assert fields["cpu_offload_optimizer"] == "grads" and fields["optimizer"].value == "adamw-fused"
+    recipe.write_text(recipe.read_text().replace("torch.optim.AdamW", "torch.optim.SGD"))
+    with pytest.raises(ConfigError, match="around torch.optim.AdamW"):
+        read_config(recipe)
