@@ -6,7 +6,9 @@ What its code holds, per trainable parameter tensor of at least `minimal_size` (
 - device: the parameter in the model's dtype, updated in place by a non-blocking H2D copy after the CPU step (no
   device temporary); its gradient until backward's post-accumulate-grad hook has copied it to the host, and with
   offload_gradients=True the hook frees it right after the D2H copy (record_stream keeps it until the copy on the
-  side stream ends: one such gradient in flight at a time is what memfit counts);
+  side stream ends: one such gradient in flight at a time is what memfit counts, which holds while the D2H copies
+  keep pace with backward; where PCIe is slower than backward makes gradients, more wait on the side stream and
+  the device holds more: not modelled, a lower bound there);
 - host: `torch.empty_like(p, device="cpu", pin_memory=True)` for the parameter and the same for its gradient (the
   model's dtype, pinned), and the base optimizer built on that host parameter, whose states therefore have the
   model's dtype too (AdamW: exp_avg and exp_avg_sq, zeros_like(param)); fused CPU AdamW by default.
@@ -81,7 +83,8 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedS
     notes = (f"torchao CPUOffloadOptimizer: tensors of {MINIMAL_SIZE}+ elements have a pinned host copy and host "
              f"gradient in the model's dtype and their {setup.optimizer} states on the host, stepped there; smaller "
              "ones stay on the GPU with their states",
-             "gradients leave for the host in backward and are freed (offload_gradients=True): one in flight"
+             "gradients leave for the host in backward and are freed (offload_gradients=True): one in flight "
+             "counted, more while the PCIe copies fall behind backward"
              if offload_gradients(setup) else "gradients stay on the GPU until zero_grad (offload_gradients=False)")
     return dataclasses.replace(s, grads_bytes=grads, optimizer_bytes=optimizer_state_bytes(device_part, setup)[0],
                                cpu_bytes=host, notes=s.notes + notes)
