@@ -111,6 +111,7 @@ def test_real_torchao_step_holds_what_memfit_says(monkeypatch, mode, precision):
         host = sum(h.nbytes + h.grad.nbytes for h in opt.param_d2h_map.values()) + _state_bytes(
             opt.optim_dict.values())
         device_states = _state_bytes([opt.d_opt] if opt.d_opt else [])
+        mirrored = sum(h.nbytes for h in opt.param_d2h_map.values())
 
     setup = BASE.replace(precision=precision, cpu_offload_optimizer=mode)
     full = full_static(SPEC, setup)
@@ -123,6 +124,10 @@ def test_real_torchao_step_holds_what_memfit_says(monkeypatch, mode, precision):
     else:  # the retained small tensors' gradients, plus one offloaded gradient in flight on a GPU's side stream
         largest = max(p.nbytes for p in model.parameters() if p.numel() >= torchao_offload.MINIMAL_SIZE)
         assert device_grads == max(live) == s.grads_bytes - largest
+    # PCIe per step: each mirrored gradient down in backward, each mirrored parameter up after the CPU step
+    from memfit.techniques.costs import offload_traffic_bytes
+
+    assert offload_traffic_bytes(SPEC, setup) == 2 * mirrored
     assert full.step_temp_bytes == 0  # fused AdamW: no temporaries for the on-device small tensors
 
 
