@@ -51,6 +51,8 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
             + (", optimizer in backward" if setup.optimizer_in_backward else "")
             + (", activation offload" if setup.activation_offload else "")
+            + (f", torchao CPU offload {setup.cpu_offload_optimizer}"
+               if setup.cpu_offload_optimizer.value != "off" else "")
             + (", torch.compile" if setup.compile else "")
             + (f", float8 {setup.float8}" + (" + float8 all-gather" if setup.float8_all_gather else "")
                if setup.float8.is_on else ""))

@@ -310,6 +310,22 @@ class Float8(_Choice):
 
 
 
+class CpuOffloadOptimizer(_Choice):
+    """torchao's CPUOffloadOptimizer on one GPU: states and step on the host (memfit.estimate.torchao_offload)."""
+
+    OFF = "off"
+    ON = "on"  # offload_gradients=False: gradients stay on the GPU until zero_grad
+    GRADS = "grads"  # offload_gradients=True: each gradient freed once copied to the host
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"off": ("none", "no", "false"), "on": ("yes", "true", "torchao"),
+                "grads": ("offload-gradients", "offload_gradients")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "torchao CPU offload"
+
+
 _TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD), ("float8_all_gather", False),
                 ("float8", Float8.OFF))
 """What TrainingSetup.replace turns back, in this order, when a change cannot combine with it."""
@@ -359,6 +375,8 @@ class TrainingSetup:
     forward (torch < 2.0's default for Module / Optimizer.zero_grad, which the HF Trainer's model.zero_grad() used;
     torch 2.0 made set_to_none=True the default, pytorch/pytorch#92731)."""
     # -- activation offloading (memfit.estimate.offload_activations) --
+    cpu_offload_optimizer: CpuOffloadOptimizer = CpuOffloadOptimizer.OFF
+    """torchao.optim.CPUOffloadOptimizer (on: offload_gradients=False; grads: True) on one GPU."""
     activation_offload: bool = False
     """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
     enable_activation_offloading / OffloadActivations, TRL and axolotl activation_offloading); the LM head's and the
@@ -423,7 +441,8 @@ class TrainingSetup:
         for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
                            ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
                            ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule),
-                           ("cp_rotate", CpRotate), ("padding", Padding), ("float8", Float8)):
+                           ("cp_rotate", CpRotate), ("padding", Padding), ("float8", Float8),
+                           ("cpu_offload_optimizer", CpuOffloadOptimizer)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
@@ -447,6 +466,9 @@ class TrainingSetup:
         if not isinstance(self.keep_zeroed_grads, bool):
             problems.append(f"keep_zeroed_grads must be true or false, got {self.keep_zeroed_grads!r}")
         problems += self._activation_offload_problems()
+        from .estimate import torchao_offload
+
+        problems += torchao_offload.problems(self)
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
         if self.longest_sample_len is not None and self.padding is not Padding.LONGEST:
@@ -829,6 +851,7 @@ FIELD_LABELS: dict[str, str] = {
     "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
     "optimizer_in_backward": "optimizer in backward", "keep_zeroed_grads": "gradients kept zeroed",
     "activation_offload": "activation offload",
+    "cpu_offload_optimizer": "torchao CPU offload",
     "pp": "pp", "pp_schedule": "pp schedule",
     "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
     "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",

@@ -40,7 +40,7 @@ def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware
         link = NVLINK_BYTES_PER_S if hardware.num_nodes == 1 else NETWORK_BYTES_PER_S
         comm = 0.5 * zero_traffic_bytes(spec, setup) / link
     offload = 0.0
-    if setup.offload is not Offload.NONE:
+    if setup.offload is not Offload.NONE or setup.cpu_offload_optimizer.value != "off":
         offload = (offload_traffic_bytes(spec, setup) / (hardware.gpu.host_link_gb_per_s * 1e9)
                    + cpu_step_seconds(spec, setup))
     if setup.optimizer.state_bits < 32:

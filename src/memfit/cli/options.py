@@ -26,7 +26,7 @@ from ..errors import ConfigError, MemfitError
 from ..finetune import BaseWeights, Finetune, LoraRecipe, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, Engine, Float8, Loss, Offload, Optimizer,
+from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, CpuOffloadOptimizer, Engine, Float8, Loss, Offload, Optimizer,
                      Padding, PipelineSchedule, Precision, Sharding, TrainingSetup, _Choice, parse_keep)
 from ..units import parse_size
 from .progress import hidden
@@ -291,6 +291,10 @@ ActivationOffloadOpt = Annotated[Optional[bool], _option(
     help="Offload the tensors saved for backward to pinned CPU RAM (torchtune enable_activation_offloading; TRL / "
          "axolotl activation_offloading): the LM head's and the loss's stay. Best with --checkpointing full. "
          "Default: off.")]
+CpuOffloadOptimizerOpt = Annotated[Optional[CpuOffloadOptimizer], _choice_option(
+    "--cpu-offload-optimizer", CpuOffloadOptimizer,
+    help=f"{_choices(CpuOffloadOptimizer)}: torchao.optim.CPUOffloadOptimizer on one GPU, the states and step on the "
+         "host (on: offload_gradients=False; grads: True, no accumulation). Default: off.")]
 KeepZeroedGradsOpt = Annotated[Optional[bool], _option(
     "--keep-zeroed-grads/--no-keep-zeroed-grads", panel=SETUP_PANEL,
     help="zero_grad(set_to_none=False): gradients zeroed, not freed, between steps, so they live through forward "
@@ -402,6 +406,7 @@ class SetupOptions:
     optimizer_in_backward: bool | None = None
     keep_zeroed_grads: bool | None = None
     activation_offload: bool | None = None
+    cpu_offload_optimizer: CpuOffloadOptimizer | None = None
     compile: bool | None = None
     float8: Float8 | None = None
     float8_all_gather: bool | None = None
@@ -496,6 +501,7 @@ class SetupOptions:
                     tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
                     expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
                     optimizer_in_backward=self.optimizer_in_backward, activation_offload=self.activation_offload,
+                    cpu_offload_optimizer=self.cpu_offload_optimizer,
                     keep_zeroed_grads=self.keep_zeroed_grads,
                     pp=self.pp, pp_schedule=self.pp_schedule,
                     pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
@@ -558,6 +564,7 @@ _FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "gra
                     "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
                     "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward",
                     "activation_offload": "activation_offload",
+                    "cpu_offload_optimizer": "cpu_offload_optimizer",
                     "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
                     "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate",
                     "target_len": "target_len", "image_size": "image_size", "compile": "compile",
@@ -578,6 +585,7 @@ _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup pa
     "cp_rotate": CpRotateOpt, "loss": LossOpt,
     "optimizer_in_backward": InBackwardOpt, "keep_zeroed_grads": KeepZeroedGradsOpt,
     "activation_offload": ActivationOffloadOpt,
+    "cpu_offload_optimizer": CpuOffloadOptimizerOpt,
     "compile": CompileOpt, "float8": Float8Opt, "float8_all_gather": Float8AllGatherOpt,
     "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
     "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from ..estimate import torchao_offload
 from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
@@ -133,6 +134,9 @@ def _precision_part(setup: TrainingSetup, **_):
 def _optimizer_part(setup: TrainingSetup, **_):
     optimizer = setup.optimizer
     notes: list[str] = []
+    if torchao_offload.applies(setup):  # TrainingArguments has no name for it: the Trainer takes the built optimizer
+        notes.append("torchao CPU offload: build the optimizer yourself and pass it as Trainer(..., optimizers="
+                     "(optimizer, None)), which overrides `optim`:\n" + torchao_offload.code(setup))
     kind = optimizer.kind
     if kind.hf_optim is None:  # torchao AdamWFp8, torch Muon: no TrainingArguments name
         notes.append(kind.hf_note)

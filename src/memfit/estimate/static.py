@@ -184,6 +184,10 @@ def _adafactor_bytes(spec: ModelSpec, s_bytes: int) -> int:
 
 def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
     """Transient memory of the optimizer step on the device (0 when the step runs on the CPU)."""
+    if setup.cpu_offload_optimizer.value != "off":
+        from . import torchao_offload
+
+        return torchao_offload.step_temp_bytes(spec, setup)
     if setup.offload is not Offload.NONE:
         return 0, ("step runs on the CPU (FSDP2 CPUOffloadPolicy: the optimizer steps the host shards)"
                    if setup.engine is Engine.TORCH else "step runs on the CPU (DeepSpeed CPU Adam)")
@@ -255,6 +259,10 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     deepspeed_runs = setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE
     engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED and deepspeed_runs else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0, frozen_bytes=full.frozen_bytes))
+    if setup.cpu_offload_optimizer.value != "off":
+        from . import torchao_offload
+
+        return torchao_offload.layout(spec, setup, full, out)
     return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
 
 

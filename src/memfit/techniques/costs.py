@@ -6,6 +6,7 @@ from ..estimate.comm import comm_volume, data_parallel_bytes, describe_runtime
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..estimate.static import param_elem_bytes
+from ..estimate import torchao_offload
 from ..setup import Engine, Offload, Precision, TrainingSetup
 from ..units import format_bytes
 
@@ -45,6 +46,8 @@ def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     offload_param, twice per micro-step (fetched for forward and again for backward) and never after the step.
     torch FSDP2 CPUOffloadPolicy: 16-bit gradients down and 16-bit parameters up (ZeRO-Offload, Ren et al. 2021),
     and with parameter offload the parameters twice more."""
+    if torchao_offload.applies(setup):
+        return torchao_offload.traffic_bytes(spec, setup)
     if setup.offload is Offload.NONE:
         return 0
     n = setup.dp_size if setup.sharding.stage >= 1 else 1
@@ -91,6 +94,8 @@ def _fsdp2_adapter_offload_traffic(spec: ModelSpec, setup: TrainingSetup) -> int
 
 def cpu_step_seconds(spec: ModelSpec, setup: TrainingSetup) -> float:
     """Seconds of the optimizer step on the CPU per rank (0 without offload)."""
+    if torchao_offload.applies(setup):
+        return torchao_offload.offloaded_spec(spec, setup).num_params / CPU_ADAM_PARAMS_PER_S
     if setup.offload is Offload.NONE:
         return 0.0
     n = setup.dp_size if setup.sharding.stage >= 1 else 1

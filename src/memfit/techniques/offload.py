@@ -3,7 +3,8 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 from ..units import format_bytes
-from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
+from ..estimate import torchao_offload
+from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
 from .costs import offload_traffic
 
 
@@ -26,6 +27,8 @@ class CpuOffload(Technique):
         setup = ctx.setup
         if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
             return Skip("optimizer states and parameters are offloaded already")
+        if torchao_offload.applies(setup):
+            return Skip("optimizer states are offloaded already (torchao CPUOffloadOptimizer)")
         one_gpu = ctx.hardware.world_size == 1
         if setup.offload is Offload.OPTIMIZER:
             if setup.sharding is not Sharding.ZERO3 and not one_gpu:
@@ -55,10 +58,13 @@ class CpuOffload(Technique):
             return Skip(f"host RAM is the limit: offload needs {format_bytes(least)} of CPU RAM per node, more than "
                         f"the {format_bytes(ram)} given (--cpu-ram)")
         chosen = ctx.pick(within)
+        host_need = host.get(id(chosen), 0)
+        if one_gpu:
+            chosen, host_need = _torchao_where_deepspeed_cannot(ctx, chosen, host_need)
         if isinstance(chosen, Skip):
             return chosen
         return Proposal(chosen, _change(chosen), offload_traffic(ctx.spec, chosen, ctx.hardware),
-                        _why(setup, chosen, host[id(chosen)], one_gpu))
+                        _why(setup, chosen, host_need, one_gpu))
 
 
 def _fsdp2_adapters(setup: TrainingSetup) -> TrainingSetup | None:
@@ -73,12 +79,33 @@ def _fsdp2_adapters(setup: TrainingSetup) -> TrainingSetup | None:
         return None
 
 
+def _torchao_where_deepspeed_cannot(ctx: Context, chosen: TrainingSetup | Skip,
+                                    host_need: int) -> tuple[TrainingSetup | Skip, int]:
+    """One GPU, after DeepSpeed's candidates: torchao's CPUOffloadOptimizer(offload_gradients=True) on the user's
+    own setup (no DeepSpeed, no cast, no master copy: memfit.estimate.torchao_offload), taken only where DeepSpeed's
+    cannot be (--keep pins what they change: the engine, pure bf16, an 8-bit optimizer) or none of them fits and it
+    does. Wherever a DeepSpeed candidate was chosen and fits, the rung's choice stands."""
+    try:
+        alt = ctx.setup.replace(cpu_offload_optimizer="grads")
+    except ConfigError:
+        return chosen, host_need
+    judge = ctx.least_activations if static_over_budget(ctx.estimate, ctx.diagnosis) else (lambda s: s)
+    if ctx.pinned_changes(alt) or (not isinstance(chosen, Skip) and ctx.fits(judge(chosen))):
+        return chosen, host_need
+    alt_host = ctx.size(alt).cpu_bytes * ctx.hardware.gpus_per_node
+    if alt_host > ctx.hardware.cpu_ram_bytes or not ctx.fits(judge(alt)):
+        return chosen, host_need
+    return alt, alt_host
+
+
 def _on_deepspeed(setup: TrainingSetup, **changes) -> TrainingSetup:
     """One GPU: only DeepSpeed runs ZeRO with offload on a single rank (memfit.setup)."""
     return setup.replace(engine=Engine.DEEPSPEED, **changes)
 
 
 def _change(setup: TrainingSetup) -> str:
+    if torchao_offload.applies(setup):
+        return torchao_offload.code(setup).splitlines()[-1]
     if setup.engine is Engine.TORCH:
         return "FSDP2 fully_shard(offload_policy=CPUOffloadPolicy())"
     stage = f"deepspeed zero_optimization.stage={setup.sharding.stage}, " if setup.sharding.stage else "deepspeed "
@@ -89,6 +116,10 @@ def _change(setup: TrainingSetup) -> str:
 
 def _why(before: TrainingSetup, after: TrainingSetup, host_need: int, one_gpu: bool) -> str:
     ram = f"CPU RAM ({format_bytes(host_need)} per node)"
+    if torchao_offload.applies(after):
+        return (f"DeepSpeed's candidates do not fit or change what --keep pins: torchao's CPUOffloadOptimizer keeps the model as it is, mirrors each "
+                f"tensor of {torchao_offload.MINIMAL_SIZE}+ elements with its gradient and optimizer states in pinned "
+                f"{ram}, steps there and frees each gradient once copied")
     if after.offload is Offload.OPTIMIZER_AND_PARAMS and after.engine is Engine.TORCH and after.finetune.adapters:
         why = (f"FSDP2's CPUOffloadPolicy keeps every shard, the frozen base's included, in {ram}: each unit's are "
                "copied up for its all-gather; the adapters' gradients and optimizer step stay on the host")
