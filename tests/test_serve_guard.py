@@ -266,6 +266,6 @@ def test_the_page_computes_with_the_library_not_a_cli_command():
             "print(sorted(m for m in sys.modules if m.startswith('memfit.cli')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    # memfit.cli.progress: the progress reporter cli.common installs (no command)
+    # memfit.cli.progress / .interrupt: the progress reporter and the Ctrl-C handler cli.common installs (no command)
     assert set(eval(result.stdout.strip())) <= {"memfit.cli", "memfit.cli.common", "memfit.cli.options",
-                                                 "memfit.cli.progress"}
+                                                 "memfit.cli.progress", "memfit.cli.interrupt"}
