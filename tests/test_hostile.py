@@ -365,7 +365,7 @@ def test_ctrl_c_during_launch_hands_the_job_sigint_instead_of_killing_it(tmp_pat
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    deadline = time.monotonic() + 30
-    while not seen.exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30  # open(..., 'w') creates the file before the write lands: wait for the text
+    while not (seen.exists() and seen.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert seen.read_text() == "SIGINT"
