@@ -149,6 +149,21 @@ def _sigint_handled(pid: int) -> bool:
     return bool(int(caught, 16) >> (signal.SIGINT - 1) & 1)
 
 
+def _wait_for_sigint_handler(child: subprocess.Popen, *, poll_s: float, limit_s: float = 60) -> None:
+    """Until `child` catches SIGINT (seen in /proc), ends, or `limit_s` passes."""
+    deadline = time.monotonic() + limit_s
+    while not _sigint_handled(child.pid) and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(poll_s)
+
+
+def _interrupt(child: subprocess.Popen, *, timeout: float) -> tuple[str, str, float]:
+    """SIGINT to `child`: its stdout, stderr and the seconds it took to end after the signal."""
+    child.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    out, err = child.communicate(timeout=timeout)
+    return out, err, time.monotonic() - sent
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 @pytest.mark.parametrize("after_s", [0.0, 3.0])
 def test_ctrl_c_ends_a_trace_within_2_s_with_exit_130(after_s):
@@ -160,16 +175,11 @@ def test_ctrl_c_ends_a_trace_within_2_s_with_exit_130(after_s):
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        deadline = time.monotonic() + 60
-        while not _sigint_handled(child.pid) and time.monotonic() < deadline and child.poll() is None:
-            time.sleep(0.02)
+        _wait_for_sigint_handler(child, poll_s=0.02)
         assert _sigint_handled(child.pid), "memfit never installed its SIGINT handler"
         time.sleep(after_s)
         assert child.poll() is None, "the trace ended before the interrupt"
-        child.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        out, err = child.communicate(timeout=30)
-        took = time.monotonic() - sent
+        out, err, took = _interrupt(child, timeout=30)
     finally:
         child.kill()
     assert child.returncode == 130, err[-2000:]
@@ -188,7 +198,7 @@ def test_the_console_script_loads_no_memfit_module_before_its_handler():
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-@pytest.mark.parametrize("after_s", [0.05, 0.1, 0.2, 0.3])
+@pytest.mark.parametrize("after_s", [0.05, 0.1, 0.15, 0.2])  # the imports; the whole plan takes ~0.45 s idle
 def test_ctrl_c_while_plan_starts_is_exit_130_without_a_traceback(after_s):
     """Ctrl-C in a command's first moments (the imports of memfit.cli and its commands): exit 130, one line, no
     traceback, within 2 s. The delay counts from the interpreter's own SIGINT handler (set before site, seen in
@@ -197,18 +207,15 @@ def test_ctrl_c_while_plan_starts_is_exit_130_without_a_traceback(after_s):
     child = subprocess.Popen([sys.executable, "-c", "from memfit.cli import main; main()", "plan", "llama-3.1-8b"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not _sigint_handled(child.pid) and time.monotonic() < deadline and child.poll() is None:
-            time.sleep(0.002)
+        _wait_for_sigint_handler(child, poll_s=0.002)
         time.sleep(after_s)
         if child.poll() is not None:
             pytest.skip(f"the plan ended within {after_s} s of the interpreter's start")
-        child.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        out, err = child.communicate(timeout=60)
-        took = time.monotonic() - sent
+        out, err, took = _interrupt(child, timeout=60)
     finally:
         child.kill()
+    if child.returncode == 0:  # it answered between the poll above and the signal's arrival
+        pytest.skip(f"the plan ended as the signal was sent, {after_s} s after the interpreter's start")
     assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err[-2000:])
     assert err.strip().splitlines()[-1] == "interrupted" and out == ""
     assert took < 2.0, took

@@ -24,22 +24,15 @@ import pytest
 from lora_fsdp_worker import compute_side_interval, host_side_bytes
 from tiny_configs import TINY_LLAMA
 from torchrun_job import rank_results, run_ranks
+# the 2-rank model, hardware, adapters and tolerance of the FSDP2 LoRA tests, shared
+from test_lora_sharded import HARDWARE, LORA, QLORA, RANKS, SPEC, STEPS, WORKER
+from test_lora_sharded import PEAK_TOLERANCE as TOLERANCE
 
 from memfit.estimate.analytic import estimate
-from memfit.hardware import cpu_device, make_hardware
 from memfit.setup import TrainingSetup
-from memfit.sources import resolve_model
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "lora_fsdp_worker.py"
-RANKS, STEPS = 2, 2
-SPEC = resolve_model(TINY_LLAMA)
-HARDWARE = make_hardware(cpu_device(64 * 1024**3), gpus_per_node=RANKS)
-TOLERANCE = 0.02
-LORA = {"method": "lora", "rank": 8, "alpha": 16, "targets": ["all-linear"]}
-QLORA = dict(LORA, method="qlora")
 JOBS = {
     "lora-amp-bf16": dict(precision="amp-bf16", finetune=LORA),
     "qlora-amp-bf16": dict(precision="amp-bf16", finetune=QLORA),

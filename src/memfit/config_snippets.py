@@ -4,21 +4,21 @@ DeepSpeed JSON, as text. The command line and `memfit serve` both print these; t
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
+from . import render
+from .emit import config_path, deepspeed_config, hf_model_kwargs, hf_trainer_kwargs, uses_deepspeed
+from .emit.apply_file import APPLY_FILE, apply_call, apply_summary
+from .emit.hf_trainer import trainer_cannot_express
+from .emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs, prepare_line
 from .errors import MemfitError
 
 
 def config_snippets(setup, *, emitted: Path | None = None, auto_class: str = "AutoModelForCausalLM") -> dict[str, str]:
-    """HF kwargs always; the DeepSpeed JSON when the setup shards or offloads. Empty without memfit.emit. With
+    """HF kwargs always; the DeepSpeed JSON when the setup shards or offloads. With
     --emit DIR, the kwargs name DIR's deepspeed.json as training_args.json does. `auto_class`: the transformers
     class that loads the model (ModelSpec.auto_class)."""
-    from . import render
-
-    try:
-        from .emit import config_path, deepspeed_config, hf_model_kwargs, hf_trainer_kwargs, uses_deepspeed
-    except ImportError:
-        return {}
     deepspeed_path = config_path(emitted, "deepspeed.json") if emitted is not None else "deepspeed.json"
     items = {"transformers.TrainingArguments (add output_dir, schedule):":
              render.python_call("TrainingArguments", hf_trainer_kwargs(setup, deepspeed_path=deepspeed_path)),
@@ -39,12 +39,6 @@ def config_snippets(setup, *, emitted: Path | None = None, auto_class: str = "Au
 def _apply_snippet(setup, emitted: Path | None) -> dict[str, str]:
     """What TrainingArguments cannot carry but the plan sized (selective checkpointing, activation offloading):
     the line that puts it on the loaded model (memfit.emit.apply_file); without it the step is another one."""
-    import textwrap
-
-    from .emit import config_path
-    from .emit.apply_file import APPLY_FILE, apply_call, apply_summary
-    from .emit.hf_trainer import trainer_cannot_express
-
     items = {}
     line = apply_call(setup, config_path(emitted, APPLY_FILE) if emitted is not None else None)
     if line is not None:
@@ -60,9 +54,6 @@ def _apply_snippet(setup, emitted: Path | None) -> dict[str, str]:
 
 def _adapter_snippets(setup, render, auto_class: str) -> dict[str, str]:
     """LoRA / QLoRA: how to load the base (dtype, or BitsAndBytesConfig) and the LoraConfig, as memfit sized them."""
-    from .emit import hf_model_kwargs
-    from .emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs, prepare_line
-
     bnb = bnb_config_kwargs(setup)
     model = dict(hf_model_kwargs(setup))
     loading = []

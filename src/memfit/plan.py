@@ -11,12 +11,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from .diagnose import DEFAULT_MARGIN, Bottleneck, Diagnosis, diagnose, static_floor_bytes
+from .errors import ConfigError
+from .estimate import moe
 from .estimate.analytic import estimate
+from .estimate.comm import comm_volume
 from .estimate.result import MemoryEstimate
+from .graph.saved import NotModelledError
 from .hardware import Hardware, check_precision, gpu_catalog
 from .model_spec import ModelSpec
 from .ladder import PlanStep, explain, walk  # noqa: F401  (PlanStep, explain: re-exported)
-from .search import MAX_GPUS, GpusToFit, describe_techniques, gpus_to_fit, scaled_out_setups
+from .search import MAX_GPUS, GpusToFit, candidate_setups, describe_techniques, gpus_to_fit, scaled_out_setups
 from .setup import FIELD_LABELS, Checkpointing, Sharding, TrainingSetup, setup_changes
 from .techniques import REGISTRY, Context
 from .techniques.base import EstimateFn, keep_name, static_over_budget
@@ -139,8 +143,6 @@ def memoized(estimator: EstimateFn) -> EstimateFn:
 
 
 def _check_fields(fields: frozenset[str]) -> None:
-    from .errors import ConfigError
-
     unknown = sorted(fields - set(FIELD_LABELS))
     if unknown:
         raise ConfigError(f"unknown TrainingSetup field(s) {', '.join(unknown)}: choose from {', '.join(FIELD_LABELS)}")
@@ -219,9 +221,6 @@ def _tensor_parallel_suggestion(ctx: Context) -> str | None:
     job (its model code, its mesh, its launch) and puts per-layer activation collectives on the critical path of
     every forward and backward, which only a node's NVLink-class links carry well. None unless the node's GPUs
     make it fit."""
-    from .estimate.comm import comm_volume
-    from .errors import ConfigError
-
     setup, hw = ctx.setup, ctx.hardware
     if setup.tp > 1 or hw.gpus_per_node < 2 or ctx.spec.graph is None or {"tp", "engine"} & set(ctx.keep):
         return None
@@ -251,9 +250,6 @@ def _expert_parallel_suggestion(ctx: Context) -> str | None:
     changes the job's parallel layout and adds all-to-alls of the routed tokens), at the largest degree that
     divides the GPUs and the experts; where memfit does not size it for the model (DeepSeek's latent attention and
     experts are derived, with no expert-parallel layout), it is still named, with why it is not sized."""
-    from .errors import ConfigError
-    from .estimate import moe
-
     setup, n = ctx.setup, ctx.hardware.world_size
     if not moe.has_experts(ctx.spec) or setup.expert_parallel > 1 or n < 2 or "expert_parallel" in ctx.keep:
         return None
@@ -294,8 +290,6 @@ def _larger_gpu(ctx: Context) -> str | None:
 
 
 def _runs_on(setup: TrainingSetup, gpu) -> bool:
-    from .errors import ConfigError
-
     try:
         check_precision(setup.precision, gpu)
     except ConfigError:
@@ -384,9 +378,6 @@ def optimize(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margi
     """Search every combination of the techniques (search.candidate_setups; fields in `keep` fixed), sized with
     `estimator` like plan(); return the fitting setup with the best modelled throughput. A difference in a field the
     user set (`explicit`) says what was asked."""
-    from .graph.saved import NotModelledError
-    from .search import candidate_setups
-
     check_precision(setup.precision, hardware.gpu)
     best = None
     explicit = frozenset(explicit or ())

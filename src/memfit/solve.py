@@ -142,7 +142,7 @@ def describe_held(held: dict[str, Any]) -> str:
         if name not in _ALWAYS_SAID and name in defaults and value == defaults[name]:
             continue
         if name == "finetune" and isinstance(value, dict):
-            value = _method_text(value)
+            value = Finetune(**value)  # printed as the plan prints it ('full', 'qlora r=16')
         parts.append(f"{labels.get(name, name)} {value}")
     return ", ".join(parts)
 
@@ -150,11 +150,6 @@ def describe_held(held: dict[str, Any]) -> str:
 _ALWAYS_SAID = frozenset({"micro_batch_size", "seq_len", "grad_accum_steps", "precision", "optimizer", "checkpointing",
                           "sharding", "engine", "finetune", "num_gpus"})
 """The fields a "held fixed" sentence always names: those that decide most of a step's memory."""
-
-
-def _method_text(finetune: dict[str, Any]) -> str:
-    method = finetune.get("method", "full")
-    return method if method == "full" else f"{method} r={finetune.get('rank')}"
 
 
 # ------------------------------------------------------------------------------------- largest batch / longest seq

@@ -71,15 +71,9 @@ class ZeroKnobs:
     def __str__(self) -> str:
         if self.is_auto:
             return "auto"
-        parts = [f"reduce bucket {_count(self.reduce_bucket_size)}",
-                 f"persistence {_count(self.param_persistence_threshold)}",
-                 f"reuse distance {_count(self.max_reuse_distance)}"]
-        return ", ".join(parts)
-
-
-def _count(value: int | None) -> str:
-    return "auto" if value is None else f"{value:.0e}".replace("e+0", "e").replace("e+", "e") if value >= 10_000 \
-        else str(value)
+        return ", ".join(f"{what} {'auto' if value is None else f'{value:,}'}" for what, value in (
+            ("reduce bucket", self.reduce_bucket_size), ("persistence", self.param_persistence_threshold),
+            ("reuse distance", self.max_reuse_distance)))
 
 
 DEEPSPEED_DEFAULTS = ZeroKnobs(reduce_bucket_size=500_000_000, param_persistence_threshold=100_000,

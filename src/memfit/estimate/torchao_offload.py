@@ -21,6 +21,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from .lora import adapted_spec
+from .static import (optimizer_state_bytes, optimizer_step_temp_bytes, param_elem_bytes,
+                     trainable_bytes)
+
 if TYPE_CHECKING:
     from ..model_spec import ModelSpec
     from ..setup import TrainingSetup
@@ -71,7 +75,6 @@ def _part(spec: ModelSpec, offloaded: bool) -> ModelSpec:
 def layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
     """Device and host bytes as the wrapper lays them out (module docstring): each part's states as its own optimizer
     keeps them (the host optimizers' scalar `step` counters included)."""
-    from .static import optimizer_state_bytes, trainable_bytes
 
     pb = full.param_bytes_per_elem
     host_part, device_part = _part(spec, True), _part(spec, False)
@@ -93,7 +96,6 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedS
 def offloaded_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     """The tensors the CPU steps, from a model's spec as the callers hold it (adapters: the adapted one's)."""
     if setup.finetune.adapters:
-        from .lora import adapted_spec
 
         spec = adapted_spec(spec, setup)
     return _part(spec, True)
@@ -103,7 +105,6 @@ def traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Host<->device bytes per optimizer step: every micro-step's backward hook copies each offloaded gradient down
     (p_host.grad.copy_), the step copies each offloaded parameter back up (p_device.copy_(p_host)), both in the
     model's dtype."""
-    from .static import param_elem_bytes, trainable_bytes
 
     off = trainable_bytes(offloaded_spec(spec, setup), param_elem_bytes(setup.precision))
     return off * (setup.grad_accum_steps + 1)
@@ -111,7 +112,6 @@ def traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
 
 def step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
     """The device part of the step: `d_opt` on the retained small tensors only (the rest steps on the CPU)."""
-    from .static import optimizer_step_temp_bytes
 
     temp, formula = optimizer_step_temp_bytes(_part(spec, False), dataclasses.replace(setup, cpu_offload_optimizer="off"))
     return temp, f"on-device optimizer of the tensors under {MINIMAL_SIZE} elements: {formula}"
