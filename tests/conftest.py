@@ -107,3 +107,40 @@ def isolated_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
     os.environ.clear()
     os.environ.update(saved)
+
+
+PROCESS_MARKERS = ("processes", "browser")
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request, monkeypatch):
+    """A test that starts another process (the CLI as a user runs it, a torchrun / gloo job, a browser) carries the
+    `processes` (or `browser`) marker, so `-m "not processes"` is a quick in-process run and the marker says the
+    truth: starting one unmarked fails the test. MEMFIT_MARK_AUDIT=FILE lists such tests in FILE instead."""
+    import subprocess
+
+    started: list[str] = []
+    real_init = subprocess.Popen.__init__
+
+    def recording_init(self, args, *a, **kw):
+        started.append(str(args)[:80])
+        real_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
+    yield
+    marked = any(request.node.get_closest_marker(m) for m in PROCESS_MARKERS)
+    if not started or marked:
+        return
+    audit = os.environ.get("MEMFIT_MARK_AUDIT")
+    if audit:
+        with open(audit, "a") as out:
+            out.write(request.node.nodeid + "\n")
+        return
+    pytest.fail(f"started a process ({started[0]}) without @pytest.mark.processes", pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The browser tests are the ones that take the `browser` fixture (tests/browser_check.py starts chromium)."""
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)

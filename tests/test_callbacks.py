@@ -20,6 +20,7 @@ from memfit.setup import Attention, Checkpointing, Engine, Offload, Optimizer, P
 from tiny_configs import TINY_LLAMA
 
 
+@pytest.mark.processes
 def test_import_needs_neither_torch_nor_transformers():
     code = ("import sys; sys.modules['transformers'] = None; sys.modules['torch'] = None\n"
             "import memfit, memfit.callbacks\n"

@@ -79,6 +79,7 @@ def test_shipped_derivations_are_small_and_all_belong_to_the_catalog():
     ("gemma-3-1b", ()),  # sliding-window / global layers
     ("gpt-oss-20b", ("--attention", "eager")),  # attention sinks: transformers has no sdpa path
 ])
+@pytest.mark.processes
 def test_plan_runs_from_the_shipped_derivations(name, extra, tmp_path):
     cache = tmp_path / "cache"
     done = _memfit("plan", name, "--gpu", "H100", "--json", *extra, cache=cache)
@@ -89,6 +90,7 @@ def test_plan_runs_from_the_shipped_derivations(name, extra, tmp_path):
     assert not list(cache.glob("*.json")), "a shipped catalog model was derived again"
 
 
+@pytest.mark.processes
 def test_gpt_oss_plans_with_eager_attention_by_default(tmp_path):
     done = _memfit("plan", "gpt-oss-20b", "--gpu", "H100", "--json", cache=tmp_path / "cache")
     assert done.returncode in (0, 1), done.stderr[-2000:]

@@ -237,6 +237,7 @@ def run_memfit(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([memfit_exe(), *args], capture_output=True, text=True, env=env, timeout=60)
 
 
+@pytest.mark.processes
 def test_console_script_plans_llama_70b_in_80_columns():
     # Speed is shown by bench/speed.py (ratios against Python's start-up), not asserted here: a loaded CI core
     # would make a wall-clock assertion flaky.
@@ -245,17 +246,20 @@ def test_console_script_plans_llama_70b_in_80_columns():
     assert "Verdict" in proc.stdout and widest_prose_line(proc.stdout) <= 80
 
 
+@pytest.mark.processes
 def test_console_script_error_is_one_line_without_traceback():
     proc = run_memfit("plan", "llama-3.1-8x")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.processes
 def test_console_script_json_parses():
     proc = run_memfit("estimate", "gpt2", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["model"] == "gpt2"
 
 
+@pytest.mark.processes
 def test_cli_import_stays_light():
     code = ("import sys, memfit.cli, memfit.cli.app, memfit.cli.common; "
             "heavy = [m for m in ('torch', 'transformers', 'plotly', 'rich') if m in sys.modules]; print(heavy)")
@@ -486,6 +490,7 @@ def test_host_ram_check_and_its_fallbacks(monkeypatch):
 
 # --- module structure ----------------------------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_cli_modules_do_not_import_app():
     """steps.py and launch.py register on common.app and import nothing from app.py: no cycle."""
     import ast

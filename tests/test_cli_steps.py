@@ -70,6 +70,7 @@ def test_step_commands_reject_bad_input_in_one_line(tiny_config):
 
 # --- quiet stderr, progress, threads -----------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_a_command_that_imports_torch_writes_nothing_on_stderr_unless_verbose(tiny_config):
     """torchao's `.so` load failures, torch's pytree deprecations, transformers' notes and kineto's profiler lines
     stay off stderr (a subprocess: the libraries are imported fresh, as a user's shell does)."""
@@ -152,6 +153,7 @@ def test_a_cpu_step_runs_on_the_cores_others_leave_free(torch_cpu, monkeypatch):
         assert used == torch_cpu.get_num_threads() == 2
 
 
+@pytest.mark.processes
 def test_the_library_reports_progress_through_callbacks_and_never_imports_rich():
     import subprocess
     import sys

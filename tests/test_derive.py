@@ -247,6 +247,7 @@ def test_vit_builds_and_traces():
     assert any("initialisation read" in note for note in traced.notes)
 
 
+@pytest.mark.processes
 def test_a_config_transformers_cannot_build_is_one_line_and_exit_2(tmp_path):
     with pytest.raises(ModelSourceError, match="cannot build"):
         resolve_model({"model_type": "no_such_architecture", "hidden_size": 64})

@@ -87,6 +87,7 @@ def test_matrix_covers_every_value():
     assert len(FSDP_CAPABLE) >= 6
 
 
+@pytest.mark.processes
 def test_emit_imports_no_engine():
     code = ("import sys, memfit.emit; "
             "print([m for m in ('torch', 'transformers', 'deepspeed', 'accelerate') if m in sys.modules])")
@@ -401,6 +402,7 @@ def _train_step(namespace: dict, model, loss_of, setup: TrainingSetup):
 
 
 @pytest.mark.parametrize("setup", FSDP_CAPABLE, ids=_id)
+@pytest.mark.processes
 def test_fsdp2_code_shards_and_trains(setup, process_group):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
@@ -644,6 +646,7 @@ def test_write_all_refuses_a_file_path_and_foreign_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("precision,offload,state_dtype", [
     ("bf16-master", "optimizer", "float32"),  # CPU Adam (built by scripts/build_deepspeed_ops.py, else JIT: minutes)
     ("bf16", "none", "bfloat16"),  # DeepSpeed's CPU shm comm op (likewise; ~35 s JIT)

@@ -25,12 +25,14 @@ def _run(script: str) -> str:
     return done.stdout
 
 
+@pytest.mark.processes
 def test_hf_trainer_example_trains_three_steps_with_memfits_setup():
     out = _run("hf_trainer_finetune.py")
     assert re.search(r"^memfit example: Trainer ran 3 steps with \w+, checkpointing on, final loss \d", out, re.M)
     assert "checkpointing: changed - turned on" in out
 
 
+@pytest.mark.processes
 def test_plain_pytorch_example_measures_less_after_apply_and_learns():
     out = _run("plain_pytorch_loop.py")
     line = re.search(r"^memfit example: peak ([\d.]+) MiB -> ([\d.]+) MiB, loss ([\d.]+) -> ([\d.]+)$", out, re.M)

@@ -464,6 +464,7 @@ def test_fit_steps_runs_a_whole_list_and_returns_the_report():
     assert report.summary().startswith(f"{NUM_STEPS} optimizer steps, 0 out-of-memory errors handled")
 
 
+@pytest.mark.processes
 def test_the_example_trains_through_its_out_of_memory_errors():
     """A fresh process, as a user runs it (about 1 s of work after importing torch and transformers; no wall-clock
     assertion, as elsewhere in the suite: the import alone varies with the runner's load)."""

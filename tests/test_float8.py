@@ -153,6 +153,7 @@ def test_torchtitan_emits_the_float8_converter():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_fsdp2_float8_all_gather_on_two_gloo_ranks(tmp_path):
     """Real FSDP2 (memfit's engine) on 2 gloo ranks: the all-gathered bytes of a step equal the communication
     model's; each rank's peak is the estimate's plus the units whose all-gather for backward (prefetched, as gloo's

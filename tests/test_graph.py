@@ -356,6 +356,7 @@ def test_bad_model_type_or_config_is_one_clear_line(config, expected):
     assert "\n" not in str(info.value) and expected in str(info.value)
 
 
+@pytest.mark.processes
 def test_importing_the_graph_imports_neither_torch_nor_transformers():
     code = ("import sys, memfit.graph as g; g.graph_from_config({'model_type': 'llama', 'hidden_size': 8, "
             "'intermediate_size': 16, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'vocab_size': 32}); "

@@ -43,6 +43,7 @@ def _one_error_line(result) -> str:
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/zero").exists(), reason="POSIX files")
+@pytest.mark.processes
 def test_every_hostile_file_is_refused_in_one_line_within_2_s(tmp_path):
     report = hostile.run(tmp_path)
     text = hostile.format_report(report)
@@ -51,6 +52,7 @@ def test_every_hostile_file_is_refused_in_one_line_within_2_s(tmp_path):
     assert all(r["code"] == 2 and r["seconds"] < hostile.BUDGET_S for r in report.results), text
 
 
+@pytest.mark.processes
 def test_the_hostile_fuzzer_reports_a_hang_and_a_traceback(tmp_path, monkeypatch):
     """Its zero counts are a real check: a case that never returns is a hang (found by the parent's deadline
     when SIGALRM cannot stop it) and an exception is a traceback."""
@@ -166,6 +168,7 @@ def _interrupt(child: subprocess.Popen, *, timeout: float) -> tuple[str, str, fl
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 @pytest.mark.parametrize("after_s", [0.0, 3.0])
+@pytest.mark.processes
 def test_ctrl_c_ends_a_trace_within_2_s_with_exit_130(after_s):
     """Started with SIGINT ignored, as a background job of a shell script is: memfit installs its own handler
     (seen in /proc), then a SIGINT during the imports (0 s) or the trace itself ends it within 2 s, exit 130."""
@@ -188,6 +191,7 @@ def test_ctrl_c_ends_a_trace_within_2_s_with_exit_130(after_s):
     assert out == ""
 
 
+@pytest.mark.processes
 def test_the_console_script_loads_no_memfit_module_before_its_handler():
     """`from memfit.cli import main` (the console script's import, before main() installs the SIGINT handler) loads
     memfit's package, its errors and memfit.cli only: a Ctrl-C has nowhere left to land but the interpreter's start."""
@@ -199,6 +203,7 @@ def test_the_console_script_loads_no_memfit_module_before_its_handler():
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 @pytest.mark.parametrize("after_s", [0.05, 0.1, 0.15, 0.2])  # the imports; the whole plan takes ~0.45 s idle
+@pytest.mark.processes
 def test_ctrl_c_while_plan_starts_is_exit_130_without_a_traceback(after_s):
     """Ctrl-C in a command's first moments (the imports of memfit.cli and its commands): exit 130, one line, no
     traceback, within 2 s. The delay counts from the interpreter's own SIGINT handler (set before site, seen in
@@ -348,6 +353,7 @@ def test_optimize_keeps_the_attention_a_catalog_model_can_run():
     assert optimized["setup"]["attention"] == "eager"
 
 
+@pytest.mark.processes
 def test_ctrl_c_during_launch_hands_the_job_sigint_instead_of_killing_it(tmp_path):
     """torchrun stops its workers on SIGINT; subprocess.run would SIGKILL it and orphan them. Here memfit is
     interrupted while it waits (an itimer raising KeyboardInterrupt), and the job records the SIGINT it got."""

@@ -139,6 +139,7 @@ def _run_cli(tmp_path: Path, model: str, **env: str) -> tuple[subprocess.Complet
     {"HF_ENDPOINT": "http://127.0.0.1:9"},  # nothing listens there: the network is unavailable
     {"HF_HUB_OFFLINE": "1"},
 ], ids=["unreachable", "HF_HUB_OFFLINE"])
+@pytest.mark.processes
 def test_unknown_hub_id_offline_fails_in_one_line_at_once(tmp_path, env):
     """A real process: exit 2, one `error:` line, no wait on the network (huggingface_hub's retries alone take
     35-55 s; the bound leaves room for interpreter start-up on a loaded machine, the next test times the call)."""
@@ -179,6 +180,7 @@ def test_hub_probe_is_bounded_even_when_the_name_lookup_hangs(monkeypatch):
     assert time.monotonic() - started < 1
 
 
+@pytest.mark.processes
 def test_offline_hub_id_fails_before_importing_transformers():
     code = ("import sys\nfrom memfit.sources import resolve_model\n"
             "try:\n    resolve_model('acme/widget-xyz')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
@@ -189,6 +191,7 @@ def test_offline_hub_id_fails_before_importing_transformers():
     assert result.stdout.startswith("ModelSourceError cannot get the config of 'acme/widget-xyz': offline")
 
 
+@pytest.mark.processes
 def test_a_cached_hub_config_still_resolves_offline(tmp_path):
     """Offline with the repository's config.json in the Hugging Face cache (its documented layout: refs/main names
     the snapshot): read from the cache through transformers, as before."""

@@ -116,6 +116,7 @@ CASES = [("torch", "none"), ("torch", "zero3"), ("torch", "zero2"), ("torch", "z
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("engine,sharding", CASES, ids=[f"{e}-{s}" for e, s in CASES])
 def test_two_ranks_match_one_process_and_the_estimate(engine, sharding, reference, tmp_path):
     if engine == "deepspeed":
@@ -166,6 +167,7 @@ MICRO_CASES = [("torch", "zero2", "amp-bf16"), ("deepspeed", "zero2", "fp32")]
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("engine,sharding,precision", MICRO_CASES, ids=["-".join(c) for c in MICRO_CASES])
 def test_two_ranks_communicate_per_micro_step_in_the_reduce_dtype(engine, sharding, precision, tmp_path):
     """2 micro-steps: FSDP2 gathers bf16 parameters and reduce-scatters fp32 gradients (MixedPrecisionPolicy
@@ -183,6 +185,7 @@ def test_two_ranks_communicate_per_micro_step_in_the_reduce_dtype(engine, shardi
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_reference_run_matches_its_own_estimate(reference):
     setup = BASE.replace(micro_batch_size=RANKS * MICRO)
     predicted = estimate(SPEC, setup, make_hardware(cpu_device(64 * 1024**3))).tensor_bytes

@@ -43,6 +43,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_offloaded_lora_peak_is_device_plus_host_bytes(ranks):
     predicted = estimate(SPEC, SETUP, HARDWARE)
     trained = adapted_spec(SPEC, SETUP).num_params
@@ -57,6 +58,7 @@ def test_offloaded_lora_peak_is_device_plus_host_bytes(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_only_the_adapters_are_reduced_and_gathered(ranks):
     expected = comm_volume(SPEC, SETUP).payload_bytes()
     assert expected == {"all-reduce": 4 * adapted_spec(SPEC, SETUP).num_params,
@@ -100,6 +102,7 @@ def zero3_ranks(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(ZERO3))
 def test_zero3_and_bf16_peaks_match_the_formulas(zero3_ranks, name):
     """ZeRO-2 within 2%. A ZeRO-3 rank's peak moves by up to 3% between runs of the very same job on gloo (the

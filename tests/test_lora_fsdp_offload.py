@@ -31,7 +31,7 @@ from test_lora_sharded import PEAK_TOLERANCE as TOLERANCE
 from memfit.estimate.analytic import estimate
 from memfit.setup import TrainingSetup
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 JOBS = {
     "lora-amp-bf16": dict(precision="amp-bf16", finetune=LORA),

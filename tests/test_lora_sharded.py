@@ -63,6 +63,7 @@ def job(request, jobs) -> tuple[TrainingSetup, list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_each_rank_holds_the_frozen_base_and_adapter_shards_the_formulas_give(job):
     """Each parameter's local shard, by storage; a 4-bit base's QuantState (not a parameter) whole on each rank."""
     setup, ranks = job
@@ -83,6 +84,7 @@ def test_each_rank_holds_the_frozen_base_and_adapter_shards_the_formulas_give(jo
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
     """As in tests/test_tensor_parallel.py: gloo's worker threads free some buffers where the profiler cannot see,
     so the meter gives an interval [peak - unseen, peak] and the formulas must be within 2% of it on every rank."""
@@ -98,6 +100,7 @@ def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_only_the_adapters_gradients_are_reduce_scattered(job):
     """The collectives each rank issued (memfit._torch.comm_count) against memfit.estimate.comm: the frozen base is
     all-gathered with the adapters, but only the adapters' gradients are reduce-scattered. (A 4-bit base's gather

@@ -107,6 +107,7 @@ def test_bad_moe_input_is_one_line():
 
 
 @pytest.mark.parametrize("args", [["--ep", "3", "--gpus", "4"], ["--capacity-factor", "0.5"]])
+@pytest.mark.processes
 def test_cli_bad_moe_options_exit_2(tmp_path, args):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MOE["mixtral"]))

@@ -207,6 +207,7 @@ def runs(cpu_adam, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(RUNS))
 def test_one_rank_buffers_equal_the_formulas(name, runs):
     setup = RUNS[name]
@@ -240,6 +241,7 @@ def test_one_rank_buffers_equal_the_formulas(name, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_offload_runs_train_the_same_model(runs):
     zero2 = runs["zero2"]["losses"]
     assert all(loss == loss for loss in zero2)

@@ -46,6 +46,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_gloo_stages_peak_within_two_percent_of_the_formulas(runs, schedule):
     """Each rank's measured peak (the interval PeakMeter allows for buffers gloo's thread freed unseen) against
@@ -68,6 +69,7 @@ def test_two_gloo_stages_peak_within_two_percent_of_the_formulas(runs, schedule)
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_p2p_bytes_per_step_are_the_communication_model(runs, schedule):
     setup = _setup(schedule)
@@ -78,6 +80,7 @@ def test_p2p_bytes_per_step_are_the_communication_model(runs, schedule):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_schedules_give_the_same_losses(runs):
     """The two schedules compute the same step (same data, same initial weights): their losses agree."""
     for gpipe, one_f_one_b in zip(runs["gpipe"][1]["losses"], runs["1f1b"][1]["losses"]):

@@ -448,6 +448,7 @@ def test_yaml_needs_pyyaml_said_in_one_line(monkeypatch, in_configs):
     assert read_config("deepspeed_zero3_offload.json").overrides["sharding"] is Sharding.ZERO3  # JSON needs none
 
 
+@pytest.mark.processes
 def test_reading_imports_neither_torch_nor_transformers():
     code = ("import sys; from memfit.readers import read_config; "
             f"read_config({str(CONFIGS / 'axolotl_lora_deepspeed.yaml')!r}); "

@@ -77,6 +77,7 @@ def plan_estimates(p: Plan) -> list[MemoryEstimate]:
 
 # ---- library behaviour (no browser) -----------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_importing_the_report_loads_no_plotting_library():
     code = ("import sys, memfit, memfit.report; "
             "print(sorted(m for m in ('plotly', 'matplotlib', 'numpy', 'torch') if m in sys.modules))")

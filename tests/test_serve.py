@@ -184,6 +184,7 @@ def _python(code: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
                           **kwargs)
 
 
+@pytest.mark.processes
 def test_the_cli_imports_no_web_framework_until_serve_runs():
     result = _python("import sys; import memfit.cli.app, memfit.serve, memfit.serve.core; "
                      "print(sorted(m for m in ('starlette', 'uvicorn', 'plotly') if m in sys.modules))")
@@ -191,6 +192,7 @@ def test_the_cli_imports_no_web_framework_until_serve_runs():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.processes
 def test_serve_without_the_extra_is_one_line_and_exit_2():
     result = _python("import sys; sys.modules['starlette'] = None; sys.argv = ['memfit', 'serve', '--no-browser']; "
                      "from memfit.cli import main; main()")
@@ -199,6 +201,7 @@ def test_serve_without_the_extra_is_one_line_and_exit_2():
     assert len(lines) == 1 and "pip install 'memfit[serve]'" in lines[0] and result.stdout == ""
 
 
+@pytest.mark.processes
 def test_memfit_serve_listens_on_localhost_and_stops_on_ctrl_c():
     proc = subprocess.Popen([sys.executable, "-c", "from memfit.cli import main; main()", "serve", "--port", "0",
                              "--no-browser"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

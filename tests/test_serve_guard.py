@@ -256,6 +256,7 @@ def test_a_failure_inside_memfit_is_one_line_in_the_log_and_the_answer(caplog):
     assert len(records) == 1 and records[0].exc_info is None and "\n" not in records[0].getMessage()
 
 
+@pytest.mark.processes
 def test_the_page_computes_with_the_library_not_a_cli_command():
     """An update imports no CLI command (memfit.cli.app and the modules it registers): only the options'
     declarations (memfit.cli.options) and the one-line error type (memfit.cli.common)."""

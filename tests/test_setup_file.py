@@ -68,6 +68,7 @@ def test_setup_from_env_reads_inline_first_and_says_what_is_wrong_with_the_file(
     assert setup_from_env({}) is None and ENV_SETUP not in setup_env(SETUP, setup_file="x.json")
 
 
+@pytest.mark.processes
 def test_plan_on_16_nodes_prints_short_commands_and_emit_writes_the_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runner = CliRunner(env={"COLUMNS": "80"})

@@ -481,6 +481,7 @@ def test_hub_id_offline_fails_fast_naming_alternatives(monkeypatch):
 # --- import hygiene -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_importing_and_resolving_from_the_catalog_imports_neither_torch_nor_transformers():
     code = ("import sys, memfit.sources as s; s.resolve_model('llama-3.1-8b'); s.catalog_entry('gpt2'); "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
@@ -488,6 +489,7 @@ def test_importing_and_resolving_from_the_catalog_imports_neither_torch_nor_tran
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.processes
 def test_every_catalog_model_plans_without_torch():
     """Derived catalog models (Mixtral, DeepSeek, Gemma 3...) read their architecture numbers and parameters from
     the shipped derivation, so sizing one imports neither torch nor transformers (a CLI plan stays well under 1.5 s)."""

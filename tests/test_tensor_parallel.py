@@ -52,6 +52,7 @@ def _pattern(name: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_per_rank_parameters_are_the_real_local_shards(job):
     """Every parameter's local DTensor shard has the element count graph.param_tensors(per_rank=True) gives."""
     _, ranks, _ = job
@@ -64,6 +65,7 @@ def test_per_rank_parameters_are_the_real_local_shards(job):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_two_gloo_ranks_peak_within_two_percent_of_the_formulas(job):
     """With checkpointing each block keeps its sequence-sharded input: L x B x T/t x h per rank."""
     sp, ranks, checkpointing = job

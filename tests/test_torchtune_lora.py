@@ -160,6 +160,7 @@ def test_bad_torchtune_input_is_one_clear_line():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_fsdp2_shards_torchaos_nf4_base_on_two_gloo_ranks(tmp_path):
     """torchtune's distributed QLoRA: memfit's FSDP2 engine over a torchao NF4 base (NF4Tensor shards and gathers its
     own inner tensors). Each rank's frozen shard is exact (the 16-entry table and the mean stay whole) and its peak

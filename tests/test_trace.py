@@ -275,6 +275,7 @@ def test_zero3_shards_parameters_and_optimizer_state_exactly():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("optimizer,precision", [("adamw", "fp32"), ("adamw-foreach", "fp32"),
                                                  ("adamw-foreach", "bf16"), ("adamw", "bf16")])
 def test_zero3_trace_equals_a_real_two_process_gloo_run(tmp_path, optimizer, precision):
@@ -378,6 +379,7 @@ def test_mistakes_are_one_clear_error():
         trace(SmallCNN, setup_of(), input_builder=images, steps=0)
 
 
+@pytest.mark.processes
 def test_importing_memfit_does_not_import_torch():
     code = "import sys, memfit, memfit.trace; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
