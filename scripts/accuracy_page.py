@@ -1,6 +1,6 @@
 """Writes the summary table of docs/accuracy.md from the tables in bench/results/*.md, so no accuracy figure in the
 manual is copied by hand: each row reads one column of one bench table (every case row), and the page shows how many
-cases, the median |error|, the worst signed error and how many sit within 2% and 5%. tests/test_accuracy_page.py
+cases, the median |error|, the worst signed error and how many sit within 2% and 5%. tests/project/test_accuracy_page.py
 regenerates it in memory and compares.
 
     python scripts/accuracy_page.py            # rewrite the table between the markers in docs/accuracy.md

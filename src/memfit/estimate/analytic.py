@@ -620,7 +620,7 @@ def _chunked_loss_backward(step: _Step, forward: list[Term]) -> list[Term]:
     if not setup.precision.is_autocast and setup.precision.param_dtype == "fp32":
         head_grad = vocab * h * 4
     if spec.frozen and not any(p.name.endswith("lm_head.modules_to_save.weight") for p in spec.params):
-        head_grad = 0  # LoRA: the frozen head has no weight gradient to accumulate (measured, tests/test_lora.py)
+        head_grad = 0  # LoRA: the frozen head has no weight gradient to accumulate (measured, tests/lora/test_lora.py)
     base = [t for t in forward if t.name not in ("activations/logits", "activations/loss")]
     saved_total = next(t for t in forward if t.name == "activations/loss")
     if compiled_loss.chunks(setup):
@@ -703,7 +703,7 @@ def _final_norm_backward(step: _Step, early_grads: int) -> list[Term]:
 def _measured_block_order(spec: ModelSpec) -> bool:
     """Whether the late-backward details (block 0's checkpoint, its down projection's gradient, the recompute's
     casts, a tied head's buffered gradient) were checked on measured steps of this family: the Llama recipe's
-    (tests/test_loss_and_inbwd.py). GPT-2 and BERT keep the earlier, coarser end-of-backward moment."""
+    (tests/estimate/test_loss_and_inbwd.py). GPT-2 and BERT keep the earlier, coarser end-of-backward moment."""
     return act.separate_projections_layer(spec)
 
 

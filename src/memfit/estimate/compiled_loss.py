@@ -16,8 +16,8 @@ compiled.cross_entropy_saved, on fake tensors):
   pass scatter_upon_const_tensor), then the kept logits are released and the LM head's matmul backward runs as in
   eager.
 
-Measured on CPU with inductor (gcc): bench/compile.py's compiled-loss rows, tests/test_compile.py (chunked) and
-tests/test_compiled_loss.py (whole: forward 8 B per token, backward 2 B per logit, where the eager loss holds 8 B per
+Measured on CPU with inductor (gcc): bench/compile.py's compiled-loss rows, tests/estimate/test_compile.py (chunked) and
+tests/estimate/test_compiled_loss.py (whole: forward 8 B per token, backward 2 B per logit, where the eager loss holds 8 B per
 logit in each). On a CPU with native bf16, oneDNN's matmul adds a scratch buffer in the LM head's backward (821 KB
 in a whole-loss step of the tiny Llama) that CUDA's fixed cuBLAS workspace does not: the measurement keeps it out of
 the tensor figures as its own overhead term (memfit._torch.measure_cpu).

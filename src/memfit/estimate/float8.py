@@ -52,7 +52,7 @@ FSDP_SOURCE = "torchao 0.18 float8/fsdp_utils.py WeightWithDynamicFloat8CastTens
 HEAD_NAMES = ("lm_head", "output", "embed_out")
 CAST_PEAK = 9
 """Bytes per element at an eager cast's peak: `x.to(float32) * scale` is still referenced while its clamp (fp32)
-is cast to float8 (two fp32 tensors and the 1-byte result; measured with the profiler, tests/test_float8.py)."""
+is cast to float8 (two fp32 tensors and the 1-byte result; measured with the profiler, tests/estimate/test_float8.py)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def cpu_gemm_bytes(m: int, k: int, n: int) -> int:
     """CPU torch._scaled_mm of an m x k by a k x n float8 matrix, beyond its m x n bf16 output: a 1-byte copy of
     the second operand, then fp32 copies of each operand (`.to(float32)` and its product with the scale, alive
     together), of the product and its cast (ATen's CPU fallback; measured with the profiler on CPU, each of the
-    three moments on shapes where it dominates: tests/test_float8.py). CUDA's cuBLASLt kernel allocates only its
+    three moments on shapes where it dominates: tests/estimate/test_float8.py). CUDA's cuBLASLt kernel allocates only its
     output."""
     return max(8 * m * k + k * n, 4 * m * k + 9 * k * n, 4 * m * k + 5 * k * n + 6 * m * n)
 

@@ -1,7 +1,7 @@
 """What FSDP2 (`fully_shard` per block, then the root) keeps alive during backward, beyond the shards.
 
 Read off torch 2.13 `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` and `_fsdp_collectives.py`, and
-checked to the byte on fake-process-group traces, which equal real 2-rank gloo runs (tests/test_trace.py):
+checked to the byte on fake-process-group traces, which equal real 2-rank gloo runs (tests/trace/test_trace.py):
 
 - a block's gradients are made unsharded, in the compute dtype, until its post-backward reduce-scatter;
 - the reduce-scatter input is a flat copy of them in the reduce dtype (fp32 under MixedPrecisionPolicy(

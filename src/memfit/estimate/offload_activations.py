@@ -18,7 +18,7 @@ The mechanism is torchtune's OffloadActivations (torchtune/training/_activation_
   outer hooks (`_NoopSaveInputs`); the recompute runs in backward, on the device.
 
 Each pack of the rules above was counted with the same hooks on real tiny Llama and GPT-2 steps
-(tests/test_activation_offload.py), byte for byte.
+(tests/estimate/test_activation_offload.py), byte for byte.
 """
 
 from __future__ import annotations
