@@ -6,23 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..setup import TrainingSetup
-
-
-class Category(str, Enum):
-    PARAMETERS = "parameters"
-    GRADIENTS = "gradients"
-    OPTIMIZER = "optimizer"
-    ACTIVATIONS = "activations"
-    TEMPORARIES = "temporaries"
-    OVERHEAD = "overhead"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def is_static(self) -> bool:
-        """The seed's 'static memory': parameters + gradients + optimizer states."""
-        return self in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER)
+from .terms import Category, TermKey
 
 
 class Phase(str, Enum):
@@ -36,9 +20,10 @@ class Phase(str, Enum):
 
 @dataclass(frozen=True)
 class Term:
-    """One named piece of the per-device peak, e.g. 'activations/attention'."""
+    """One named piece of the per-device peak, e.g. 'activations/attention' (TermKey.ATTENTION)."""
 
-    name: str
+    name: TermKey | str
+    """A TermKey; a plain string only for a stacked model's per-stack term (memfit.estimate.terms.stack_blocks)."""
     category: Category
     num_bytes: int
     formula: str = ""
@@ -61,8 +46,8 @@ class Term:
                 "formula": self.formula, "source": self.source, "figure": self.device_figure}
 
 
-_OVERHEAD_FIGURES = {"overhead/allocator_reserve": "reserved", "overhead/allocator_rounding": "allocated",
-                     "overhead/cublas_workspace": "allocated", "overhead/onednn_scratch": "allocated"}
+_OVERHEAD_FIGURES = {TermKey.ALLOCATOR_RESERVE: "reserved", TermKey.ALLOCATOR_ROUNDING: "allocated",
+                     TermKey.CUBLAS_WORKSPACE: "allocated", TermKey.ONEDNN_SCRATCH: "allocated"}
 """Overhead terms without an explicit figure (a measured step's reserve: max_memory_reserved - allocated)."""
 
 DEVICE_FIGURES = ("allocated", "reserved", "device_used")
@@ -166,7 +151,7 @@ class MemoryEstimate:
         cats = self.by_category()
         return cats[Category.ACTIVATIONS] + cats[Category.TEMPORARIES]
 
-    def term(self, name: str) -> Term:
+    def term(self, name: TermKey | str) -> Term:
         for t in self.terms:
             if t.name == name:
                 return t
