@@ -167,6 +167,18 @@ def _units(total: int, unit: int, cap: int = 16) -> list[int]:
     return [unit] * count + ([rest] if rest else [])
 
 
+def _split_by_block(sizes: list[tuple[int, int]], layers: int) -> tuple[list[int], list[int]]:
+    """(size, count) of each tensor as (one block's sizes, the root's sizes): a tensor repeated a multiple of
+    `layers` times is a block's."""
+    block, root = [], []
+    for size, count in sizes:
+        if count >= layers and count % layers == 0:
+            block += [size] * (count // layers)
+        else:
+            root += [size] * count
+    return block, root
+
+
 def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspaces: tuple[int, ...],
            offload: "OffloadSizes | None" = None) -> _Shape:
     by = {t.name: t.num_bytes for t in terms}
@@ -175,19 +187,9 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
     compute = 4 if setup.precision.compute_dtype == "fp32" else 2
     unit_h = tokens * spec.hidden_size * compute
     unit_i = tokens * max(spec.intermediate_size, spec.hidden_size) * compute
-    block, root = [], []
-    for p in spec.params:
-        if p.count >= layers and p.count % layers == 0:
-            block += [p.numel] * (p.count // layers)
-        else:
-            root += [p.numel] * p.count
-    frozen_block, frozen_root = [], []
-    for p in spec.frozen:
-        size = p.total_bytes(compute) // max(p.count, 1)
-        if p.count >= layers and p.count % layers == 0:
-            frozen_block += [size] * (p.count // layers)
-        else:
-            frozen_root += [size] * p.count
+    block, root = _split_by_block([(p.numel, p.count) for p in spec.params], layers)
+    frozen_block, frozen_root = _split_by_block(
+        [(p.total_bytes(compute) // max(p.count, 1), p.count) for p in spec.frozen], layers)
     numel = max(spec.num_params, 1)
     params = by.get(TermKey.PARAMETERS, 0)
     grads = by.get(TermKey.GRADIENTS, 0)
