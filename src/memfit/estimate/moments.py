@@ -119,6 +119,11 @@ class StepMoments:
     def set(self, key: MomentKey, terms: list[Term]) -> None:
         self.moments[key] = Moment(key.phase, list(terms))
 
+    def put(self, label: str, phase: Phase, terms: list[Term]) -> None:
+        """A moment named by its label (a pipeline rank's '<backward>, <what>', a stacked model's stack): the
+        escape for moments that are no MomentKey."""
+        self.moments[_key(label)] = Moment(phase, list(terms))
+
     def update(self, pairs: Mapping[str, tuple[Phase, list[Term]]]) -> None:
         """Add or replace moments given as name -> (phase, terms) (memfit.estimate.lora_checkpoint's, a stacked
         model's); a replaced moment keeps its place."""
@@ -152,9 +157,12 @@ class StepMoments:
         return {phase: max(m.total for m in self.moments.values() if m.phase is phase)
                 for phase in Phase if any(m.phase is phase for m in self.moments.values())}
 
+    def peak_key(self) -> MomentKey | str:
+        """The key of the moment with the largest total (the first of equal ones)."""
+        return max(self.moments, key=lambda k: self.moments[k].total)
+
     def peak(self) -> Moment:
-        """The moment with the largest total (the first of equal ones)."""
-        return self.moments[max(self.moments, key=lambda k: self.moments[k].total)]
+        return self.moments[self.peak_key()]
 
 
 __all__ = ["AddBeside", "Moment", "MomentKey", "ShrinkBeside", "StepChange", "StepMoments"]

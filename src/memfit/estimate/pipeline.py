@@ -24,12 +24,14 @@ The saved tensors per layer, the head's and the embedding's are memfit.estimate.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import PipelineSchedule, TrainingSetup
 from . import activations as act
+from .moments import MomentKey, StepChange, StepMoments
 from .result import Category, Phase, Term
 from .terms import TermKey
 
@@ -232,14 +234,15 @@ def check(spec: ModelSpec, setup: TrainingSetup) -> None:
 
 
 def stage_memories(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False,
-                   block_terms: tuple[Term, ...] = ()) -> list[StageMemory]:
+                   changes: Sequence[StepChange] = ()) -> list[StageMemory]:
     """Every pipeline rank's peak (the estimator's `spec` after LoRA / MoE / tensor-parallel rewrites; `setup` one
-    context-parallel rank's, `block_terms` what its ring attention adds to a block's backward)."""
-    return [stage_memory(spec, setup, rank, on_cpu, block_terms) for rank in range(setup.pp)]
+    context-parallel rank's, `changes` what techniques add to its moments: ring attention's buffers beside a
+    block's backward)."""
+    return [stage_memory(spec, setup, rank, on_cpu, changes) for rank in range(setup.pp)]
 
 
 def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool = False,
-                 block_terms: tuple[Term, ...] = ()) -> StageMemory:
+                 changes: Sequence[StepChange] = ()) -> StageMemory:
     from .static import full_static, shard
     from .step_model import static_terms
 
@@ -253,7 +256,7 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
                    "stages (activations in, gradients in)", "torch stage.py _prepare_forward_infra / "
                    "_create_grad_recv_info")
     casts = _autocast_copies(spec, held, setup)
-    moments = {}
+    moments = StepMoments()
     for name, grads, counts, extra in _backward_moments(spec, setup, held, count, static.grads_bytes, on_cpu):
         base = static_terms(own, setup, static, grads, on_cpu)
         if static.fsdp is not None and name == "second backward":
@@ -261,15 +264,14 @@ def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool 
         for what, temporaries in _backward_temporaries(spec, own, setup, held, on_cpu):
             # in a block's backward the micro-batch being run back has released its head, logits and loss
             acts = micro_batch_terms(spec, setup, held, counts, on_cpu, head_released=what == "block backward")
-            ring = list(block_terms) if what == "block backward" else []
-            moments[f"{name}, {what}"] = (Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra
-                                          + ring)
+            moments.put(f"{name}, {what}", Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra)
     step_temp = full.step_temp_bytes // (setup.shard_size if setup.sharding.stage >= 1 else 1)
-    moments["optimizer step"] = (Phase.OPTIMIZER, static_terms(own, setup, dataclasses.replace(
+    moments.set(MomentKey.OPTIMIZER_STEP, static_terms(own, setup, dataclasses.replace(
         static, param_working_set_bytes=0), static.grads_bytes, on_cpu) + [buffers, Term(
             TermKey.OPTIMIZER_STEP, Category.TEMPORARIES, step_temp, f"{setup.optimizer} step temporaries",
             "torch.optim.adamw")])
-    name = max(moments, key=lambda n: sum(t.num_bytes for t in moments[n][1]))
+    moments = moments.apply(changes)  # ring attention: beside each block's backward (its layer temporaries)
+    name = moments.peak_key()
     phase, terms = moments[name]
     return StageMemory(held, count, tuple(t for t in terms if t.num_bytes > 0), phase, name)
 
@@ -363,9 +365,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, sized: TrainingSetup, hardwa
 
     from . import context_parallel
 
-    ring = tuple(change.term for change in context_parallel.step_changes(
-        spec, setup, act.dtypes(spec, sized, hardware.is_cpu).compute))  # beside each block's backward
-    stages = stage_memories(spec, sized, hardware.is_cpu, ring)
+    changes = context_parallel.step_changes(spec, setup, act.dtypes(spec, sized, hardware.is_cpu).compute)
+    stages = stage_memories(spec, sized, hardware.is_cpu, changes)
     peak = max(stages, key=lambda s: s.tensor_bytes)
     terms = list(peak.terms)
     terms += runtime_overhead_terms(peak.tensor_bytes, setup, hardware, spec=stage_spec(spec, peak.held),
