@@ -126,8 +126,7 @@ def test_context_and_pipeline_parallelism_together():
     est = estimate(spec, both, HW)
     local = cpm.rank_setup(both)
     assert local.seq_len == 4096 and local.pp == 2 and local.shard_size == 4
-    ring = cpm.ring_term(spec, both, 2)
-    memories = ppm.stage_memories(spec, local, block_terms=(ring,))
+    memories = ppm.stage_memories(spec, local, changes=cpm.step_changes(spec, both, 2))
     assert est.tensor_bytes == max(m.tensor_bytes for m in memories)
     assert any("temporaries/ring_attention" == t.name for m in memories for t in m.terms)
     plain_pp = both.replace(cp=1, num_gpus=2, sharding="none")

@@ -61,10 +61,11 @@ def test_linear_weights_are_read_off_the_graph_not_parameter_names():
     nodes), never from fragments of parameter names; checked against the real modules' nn.Linear weights."""
     import inspect
 
-    from memfit.estimate import analytic, moe, pipeline
+    from memfit.estimate import backward_moments, forward_terms, moe, pipeline
 
-    for function in (analytic._linear_weight_elems, moe.expert_weight_elems, moe.in_stacked_experts,
-                     analytic._block_mlp_params, analytic._token_embedding_elems, moe._stacked_expert_names,
+    for function in (forward_terms.linear_weight_elems, moe.expert_weight_elems, moe.in_stacked_experts,
+                     backward_moments.block_mlp_params, backward_moments.token_embedding_elems,
+                     moe._stacked_expert_names,
                      pipeline._embedding_names):
         source = inspect.getsource(function)
         assert "p.name" not in source and "params_matching" not in source, function.__name__
@@ -81,7 +82,7 @@ def test_linear_weights_are_read_off_the_graph_not_parameter_names():
     for config in (TINY_LLAMA, TINY_BART):  # untied LM head; BART's head tied to its shared embedding
         model = build_hf_model(dict(config), TrainingSetup())
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        assert analytic._linear_weight_elems(resolve_model(dict(config))) == linear, config["model_type"]
+        assert forward_terms.linear_weight_elems(resolve_model(dict(config))) == linear, config["model_type"]
 
 
 @dataclass(frozen=True)

@@ -35,3 +35,11 @@ def test_relative_imports_resolve_to_modules():
 def test_the_tree_is_measured(tmp_path):
     figures = _structure().measure(ROOT, timing=False)
     assert figures["modules"] > 100 and figures["function-local memfit imports"] > 0
+
+
+def test_term_names_written_as_strings_are_counted():
+    """A literal term name, a category prefix and an f-string's leading name count; prose and setup fields do not."""
+    s = _structure()
+    code = ('a = "activations/head"\nb = t.name.startswith("optimizer/")\nc = f"activations/{stack}_blocks"\n'
+            'd = "the gradients of activations/head"\ne = {"optimizer": 1}\nf = TermKey.HEAD\n')
+    assert s.term_name_strings(ast.parse(code)) == 3

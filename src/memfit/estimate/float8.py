@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from ..model_spec import ModelSpec
 from ..setup import Float8, TrainingSetup
 from .result import Category, Term
+from .moments import AddBeside
+from .terms import TermKey
 
 SOURCE = ("torchao 0.18 float8/float8_linear.py matmul_with_hp_or_float8_args, float8_scaling_utils.py "
           "hp_tensor_to_float8_dynamic")
@@ -162,19 +164,17 @@ def backward_term(spec: ModelSpec, setup: TrainingSetup, tokens: int, on_cpu: bo
     how = ("CPU: eager casts (9 B per element at their peak) and the emulated _scaled_mm's fp32 copies"
            if on_cpu else "fused casts (1 B results)" if setup.compile else "eager casts (8 B per element at "
            "their peak) and their float8 results")
-    return Term("temporaries/float8_backward", Category.TEMPORARIES,
+    return Term(TermKey.FLOAT8_BACKWARD, Category.TEMPORARIES,
                 backward_extra_bytes(spec, setup, tokens, on_cpu),
                 f"the largest converted Linear's float8 backward beyond a bf16 one's: {how}",
                 SOURCE + ("; " + CPU_GEMM_SOURCE if on_cpu else ""))
 
 
-def with_backward_term(moments: dict, spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> dict:
+def step_changes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> list[AddBeside]:
     """Every block-backward moment gains the float8 backward's transient."""
     if not applies(setup):
-        return moments
-    term = backward_term(spec, setup, setup.tokens_per_micro_step, on_cpu)
-    return {name: (phase, terms + [term] if any(t.name == "temporaries/layer_backward" for t in terms) else terms)
-            for name, (phase, terms) in moments.items()}
+        return []
+    return [AddBeside(backward_term(spec, setup, setup.tokens_per_micro_step, on_cpu), TermKey.LAYER_BACKWARD)]
 
 
 def gathered_saving_per_block(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> int:
