@@ -21,7 +21,7 @@ from ..model_spec import ModelSpec
 from ..setup import (LOSS_CHUNKS, Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup,
                      deepspeed_casts_module, fsdp2_mixed_precision)
 from . import activations as act
-from . import (bnb_cpu, compiled, compiled_loss, context_parallel, deepspeed_zero3, dora, float8, fsdp2, heads,
+from . import (bnb_cpu, compiled, compiled_loss, context_parallel, deepspeed_zero3, dora, fits, float8, fsdp2, heads,
                lora, lora_sharded, moe, offload_activations, padding, pipeline, tensor_parallel)
 from .device import runtime_overhead_terms
 from .notes import rule_of_thumb_notes
@@ -63,7 +63,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
-    from ..derive import stacks_estimate  # encoder-decoder / vision models: their own stacks' moments
+    stacks_estimate = fits.stacked()  # encoder-decoder / vision models: their own stacks' moments (memfit.derive)
 
     step_temp = full.step_temp_bytes + (bnb_cpu.step_scratch_bytes(spec, sized) if hardware.is_cpu else 0)
     moments = (stacks_estimate.moments if stacks_estimate.is_stacked(spec, sized) else _moments)(
@@ -112,7 +112,7 @@ def forward_activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool
 def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
     if spec.derived is None:
         return ()
-    from .. import derive
+    from . import derived as derive
     why = act.saved_problem(spec.graph) if spec.graph is not None else None
     return ((f"no activation formula for its model graph ({why}): derived instead",) if why else ()) + derive.notes(spec)
 
@@ -456,7 +456,7 @@ class _Step:
         then the larger of the MLP's input gradients and (eager) the T x T gradients once the MLP's saved tensors
         are gone. Checked on measured CPU steps (bench/accuracy.py)."""
         if self.spec.derived is not None:
-            from .. import derive
+            from . import derived as derive
             return Term("temporaries/layer_backward", Category.TEMPORARIES, derive.block_temporaries(
                 self.spec, self.setup, self.tokens, self.setup.seq_len, self.dtypes.on_cpu),
                 "peak of one block's backward beyond its saved tensors, fitted from traces", "memfit.derive")
