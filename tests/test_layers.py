@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what a training setup, a GPU and a model are, and their memory by formula: no torch, no file formats
-    ("core", ("memfit._version", "memfit.errors", "memfit.units", "memfit.atomic", "memfit.choice", "memfit.zero_knobs",
-              "memfit.optimizers", "memfit.finetune", "memfit.way_out", "memfit.setup", "memfit.hardware",
+    ("core", ("memfit._version", "memfit.change", "memfit.errors", "memfit.units", "memfit.atomic", "memfit.choice", "memfit.zero_knobs",
+              "memfit.optimizers", "memfit.readers.files", "memfit.readers._reader", "memfit.finetune", "memfit.way_out", "memfit.setup", "memfit.hardware",
               "memfit.model_spec", "memfit.graph", "memfit.graph.*", "memfit.estimate", "memfit.estimate.*",
               "memfit.diagnose", "memfit.derive.model")),
     # a model loaded (catalog, config, hub, nn.Module) and what only a trace can tell (fits, the torch side)
@@ -24,9 +24,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("planning", ("memfit.techniques", "memfit.techniques.*", "memfit.ladder", "memfit.search", "memfit.plan",
                   "memfit.solve", "memfit.throughput", "memfit.verify", "memfit.readers", "memfit.readers.*",
                   "memfit.emit", "memfit.emit.*", "memfit.apply", "memfit.fit", "memfit.measure", "memfit.launch",
-                  "memfit.callbacks")),
+                  "memfit._torch.engine", "memfit._torch.rank_memory", "memfit.api")),
     # the library's face: the public functions and what prints or draws a result
-    ("library", ("memfit", "memfit.api", "memfit.plan_output", "memfit.render", "memfit.report", "memfit.report.*",
+    ("library", ("memfit", "memfit.callbacks", "memfit.plan_output", "memfit.render", "memfit.report", "memfit.report.*",
                  "memfit.config_snippets")),
     # the front ends: they call the library
     ("front", ("memfit.serve", "memfit.serve.*", "memfit.cli", "memfit.cli.*")),
