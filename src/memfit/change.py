@@ -1,5 +1,5 @@
 """What applying one item of a setup to a live model did: memfit.apply_ reports one per item, and the torch side's
-conversions (memfit._torch.lora) return them. A module of its own, below both, so neither imports the other."""
+conversions return them too. A module of its own, below both, so neither imports the other."""
 
 from __future__ import annotations
 
