@@ -30,6 +30,7 @@ NOTE = ("torch.compile per block: each block keeps what AOTAutograd's min-cut pa
         "tensors); embedding, LM head and loss eager (torchtune's chunked loss compiled with the model: "
         "memfit.estimate.compiled_loss); backward temporaries sized as eager's")
 
+
 def compiled_kind(setup: TrainingSetup, on_cpu: bool) -> str:
     return KIND_PREFIX + setup_kind(setup, on_cpu)
 
