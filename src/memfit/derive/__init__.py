@@ -1,8 +1,9 @@
 """memfit.derive: a per-block memory model for any architecture transformers can build, derived by tracing a 1- and
 a 2-block copy on fake tensors at a few small shapes, fitted linearly in (tokens, tokens x seq, seq) and cached.
 
-The estimator's activation functions dispatch here when a ModelSpec carries `derived` (families without a recipe);
-importing this package imports neither torch nor transformers: a derivation imports them when it runs.
+The estimator sizes a ModelSpec that carries `derived` (families without a recipe) from the fits (memfit.estimate.
+derived); importing this package registers where they come from (memfit.estimate.fits: this cache, this tracer) and
+imports neither torch nor transformers: a derivation imports them when it runs.
 """
 
 from __future__ import annotations
