@@ -68,11 +68,9 @@ def _resolve(module: str, node: ast.ImportFrom | ast.Import, is_package: bool) -
     return [f"{base}.{a.name}" for a in node.names]
 
 
-def _imports(modules: dict[str, tuple[Path, ast.Module]]) -> tuple[dict[str, set[str]], int]:
-    """memfit module -> the memfit modules it imports (module level and inside functions), and how many imports sit
-    inside functions."""
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    local = 0
+def _edges(modules: dict[str, tuple[Path, ast.Module]]) -> list[tuple[str, str, int, bool]]:
+    """Every memfit import: (importing module, imported module, line, whether it sits inside a function)."""
+    out = []
     for name, (path, tree) in modules.items():
         is_package = path.name == "__init__.py"
         in_function: set[int] = set()
@@ -83,12 +81,24 @@ def _imports(modules: dict[str, tuple[Path, ast.Module]]) -> tuple[dict[str, set
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             targets = [t for t in _resolve(name, node, is_package) if t]
+            if isinstance(node, ast.ImportFrom) and node.module:  # `from pkg import sub`: the submodule sub
+                targets = [f"{t}.{a.name}" if f"{t}.{a.name}" in modules else t for t in targets for a in node.names]
             targets = [t if t in modules else t.rsplit(".", 1)[0] for t in targets]
-            targets = [t for t in targets if t in modules and t != name]
-            if targets and id(node) in in_function:
-                local += 1
-            graph[name].update(targets)
-    return graph, local
+            for target in sorted({t for t in targets if t in modules and t != name}):
+                out.append((name, target, node.lineno, id(node) in in_function))
+    return out
+
+
+def _imports(modules: dict[str, tuple[Path, ast.Module]]) -> tuple[dict[str, set[str]], int]:
+    """memfit module -> the memfit modules it imports (module level and inside functions), and how many imports sit
+    inside functions (an import statement naming several modules counts once)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    local = set()
+    for name, target, line, in_function in _edges(modules):
+        graph[name].add(target)
+        if in_function:
+            local.add((name, line))
+    return graph, len(local)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -19,7 +19,7 @@ KINDS = ("compile-amp-bf16/sdpa/cuda", "compile-bf16/sdpa/cuda")
 
 def main() -> int:
     from memfit.derive.cache import config_hash, library_versions, shipped_name
-    from memfit.estimate.compiled import fit_kind
+    from memfit.derive.compiled import fit_kind
     from memfit.sources import catalog_config
 
     force = "--force" in sys.argv

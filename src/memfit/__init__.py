@@ -88,7 +88,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_HOME) | {"measure"})
 
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402  (one definition: the derivation cache keys on it)
 
 __all__ = [
     "AppliedChanges", "FitLoop", "FitOutOfMemoryError", "apply_", "fit_steps", "launch_plan", "measure", "prepare",

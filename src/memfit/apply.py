@@ -18,20 +18,9 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .change import Change
 from .errors import ConfigError
 from .setup import Checkpointing, Offload, Precision, Sharding, TrainingSetup
-
-@dataclass(frozen=True)
-class Change:
-    """One item of the setup: `changed` says whether the model was modified; `detail` says what or why not."""
-
-    name: str
-    changed: bool
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.name}: {'changed' if self.changed else 'unchanged'} - {self.detail}"
-
 
 @dataclass(frozen=True)
 class AppliedChanges:

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .emit.deepspeed import deepspeed_config
+from .emit.torchtitan import torchtitan_toml
 from .errors import ConfigError
 from .estimate import comm
 from .estimate.comm import Collective, CommVolume  # noqa: F401  (re-exported: what MultiNodePlan.comm holds)
@@ -106,8 +108,6 @@ def on_engine(setup: TrainingSetup, engine: Engine | str | None) -> TrainingSetu
     try:
         moved = setup if chosen is setup.engine else setup.replace(engine=chosen)
         if chosen is Engine.DEEPSPEED:
-            from .emit import deepspeed_config
-
             deepspeed_config(moved)
     except ConfigError as error:
         raise ConfigError(f"engine '{chosen}' cannot run this setup: {error}") from None
@@ -314,8 +314,6 @@ def pipeline_notes(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) ->
     (memfit.emit.torchtitan)."""
     if setup.pp < 2 and setup.cp < 2 and not setup.dp_shard and not setup.float8.is_on:
         return []
-    from .emit.torchtitan import torchtitan_toml
-
     toml = "; ".join(line for line in torchtitan_toml(setup, spec.num_layers).splitlines() if line)
     notes = [f"torchtitan: {toml}" + (" (pipeline stages on torch.distributed.pipelining; memfit._torch.pipeline "
                                       "cuts a transformers Llama the same way)" if setup.pp > 1 else "")]

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .errors import ConfigError
+from .estimate.result import FIGURE_METRICS
+from .launch import SETUP_FILE, launch_plan, launch_section
 from .plan import OptimizedChoice
 
 
@@ -58,9 +61,6 @@ def launch_section_for(plan, setup=None, setup_file: str | None = None):
     """memfit.launch's launch section for `setup` (default: the plan's final setup) on the plan's hardware: None
     for one GPU, or when no engine runs the setup. Its commands read the setup from `setup_file` (default
     memfit_setup.json, the file --emit writes)."""
-    from .errors import ConfigError
-    from .launch import SETUP_FILE, launch_plan, launch_section
-
     setup_file = setup_file or SETUP_FILE
     if setup is None or setup == plan.final_setup:
         return launch_section(plan, setup_file=setup_file)
@@ -91,7 +91,5 @@ def optimized_dict(choice) -> dict | None:
 def device_memory_dict(plan) -> dict:
     """allocated <= reserved <= device_used for the setup as given and the final one; the verdict compares
     reserved + outside the allocator (= device_used) with the budget."""
-    from .estimate.result import FIGURE_METRICS
-
     return {"initial": plan.initial_estimate.device_figures(), "final": plan.final_estimate.device_figures(),
             "metrics": dict(FIGURE_METRICS), "verdict_uses": "device_used (reserved + outside the allocator)"}

@@ -14,9 +14,11 @@ from rich.table import Table
 from rich.text import Text
 
 from .diagnose import Diagnosis
-from .estimate.result import MemoryEstimate
+from .estimate.result import Category, MemoryEstimate
 from .hardware import GPU, Hardware
+from .launch import SETUP_FILE, engine_description
 from .model_spec import ModelSpec
+from .plan_output import launch_section_for
 from .setup import TrainingSetup
 from .units import GiB, format_bytes
 
@@ -341,9 +343,6 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
     """'Launch (per node)' and 'Communication per step' for a plan over more than one GPU (memfit.launch), for
     `setup` (the --optimize choice) when given, else the plan's final setup. The commands name the setup's file
     (`setup_file`, written by --emit; None: memfit_setup.json, not written yet) instead of carrying its JSON."""
-    from .launch import SETUP_FILE, engine_description
-    from .plan_output import launch_section_for
-
     section = launch_section_for(plan, setup, setup_file)
     if section is None:
         return
@@ -418,8 +417,6 @@ def gpus_table(console: Console, gpus: Sequence[GPU], *, verbose: bool = False) 
 
 def comparison(console: Console, estimates: Mapping[str, MemoryEstimate], *, reference: str) -> None:
     """Several estimates of one step side by side, by category, with each one's error against `reference`."""
-    from .estimate.result import Category
-
     names = list(estimates)
     _heading(console, "Side by side (GiB)")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)

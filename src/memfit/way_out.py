@@ -22,7 +22,7 @@ _FLAGS = {"engine": "--engine", "sharding": "--zero", "offload": "--offload", "n
 
 
 def _candidates(setup, engine, more_gpus: bool) -> list[dict]:
-    from .setup import Engine, Offload, Sharding
+    Engine, Offload, Sharding = type(engine), type(setup.offload), type(setup.sharding)  # setup imports this module
 
     base = {"engine": engine}
     if engine is Engine.TORCH:

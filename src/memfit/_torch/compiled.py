@@ -23,6 +23,12 @@ from typing import Any
 
 import torch
 
+from ..derive.fit import build_short, quiet_transformers
+from ..trace.kernels import device_kernels
+from ..trace.session import make_hf_batch
+from .blocks import named_blocks
+from .step import autocast_factory, chunk_cross_entropy, unpacked_sequences
+
 PARTITION_SOURCE = "torch/_functorch/partitioners.py min_cut_rematerialization_partition(compiler='inductor')"
 
 
@@ -32,8 +38,6 @@ class _Captured(Exception):
 
 def block_inputs(model: torch.nn.Module, block: torch.nn.Module, batch: dict) -> tuple[tuple, dict]:
     """The (args, kwargs) the model's forward passes its first block (hidden state, mask, rotary tables ...)."""
-    from .step import unpacked_sequences
-
     seen: dict[str, Any] = {}
 
     def grab(_module, args, kwargs):
@@ -64,8 +68,6 @@ def partition_block(block: torch.nn.Module, args: tuple, kwargs: dict, *, autoca
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    from .step import unpacked_sequences
 
     graphs: dict[str, list] = {"forward": [], "inputs": []}
     counts: dict[str, int] = {}
@@ -167,12 +169,6 @@ def traced_saved_bytes(config: dict, kind_setup, kernels: str, shapes) -> list[d
     (micro-batch, sequence) of `shapes` under the setup a kind stands for."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..derive.fit import build_short, quiet_transformers
-    from ..trace.kernels import device_kernels
-    from ..trace.session import make_hf_batch
-    from .blocks import named_blocks
-    from .step import autocast_factory
-
     fake_mode = FakeTensorMode()
     with quiet_transformers():
         model, _notes = build_short(config, 1, kind_setup, fake_mode)
@@ -215,8 +211,6 @@ def compile_blocks(model: torch.nn.Module, backend: str | Callable = "inductor")
     """Compile each repeated block in place (`nn.Module.compile`), as torchtune and torchtitan do; returns how many.
     `backend="partitioned"`: AOTAutograd with the min-cut partitioner whose graphs run as they are (no codegen):
     the same saved tensors as inductor's, without a C++ compiler."""
-    from .blocks import named_blocks
-
     from torch._subclasses.fake_tensor import is_fake
 
     on_fake = any(is_fake(p) for p in model.parameters())  # a trace: the partition without codegen, same tensors
@@ -249,8 +243,6 @@ def compiled_cross_entropy() -> Callable:
     Inductor, not the 'partitioned' backend, even on CPU: inductor decomposes log-softmax (its decomposition table)
     before the min-cut partition, so the graph saves the bf16 chunk and two per-row statistics instead of the fp32
     log-softmax, and its fused kernels never write the fp32 upcast; run as is, those graphs would."""
-    from .step import chunk_cross_entropy
-
     if not _COMPILED_CROSS_ENTROPY:
         _COMPILED_CROSS_ENTROPY.append(torch.compile(chunk_cross_entropy, backend="inductor"))
     return _COMPILED_CROSS_ENTROPY[0]
@@ -264,8 +256,6 @@ def cross_entropy_saved(rows: int, vocab: int, dtype: torch.dtype = torch.bfloat
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .step import chunk_cross_entropy
 
     found: dict[str, Any] = {}
 

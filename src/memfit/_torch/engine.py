@@ -32,11 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..emit.deepspeed import deepspeed_config
 from ..errors import ConfigError
 from ..estimate.comm import Runtime, runtime_of
 from ..setup import Checkpointing, Engine, Offload, Precision, Sharding, TrainingSetup
 from . import blocks as block_tools
+from . import rank_memory
 from . import step as torch_step
+from .storage import storage_tensors
 
 DEFAULT_MAX_GRAD_NORM = 1.0
 """Gradient clipping, as the HF Trainer and memfit's DeepSpeed config (gradient_clipping) do by default."""
@@ -132,9 +135,7 @@ class Prepared:
           counters, one per tensor it steps, never sharded);
         - master_weights: DeepSpeed's fp32 partitions (kept even when the model is fp32) or memfit's bf16 master copy;
         - gradient_buffers: DeepSpeed ZeRO-3's flat gradient partition buffer, allocated at initialisation."""
-        from .rank_memory import local_bytes
-
-        return local_bytes(self)
+        return rank_memory.local_bytes(self)
 
 
 # ----------------------------------------------------------------------------------------------- prepare
@@ -279,8 +280,6 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
     """Start every rank from rank 0's weights (as DDP does), whatever each rank's seed was."""
     import torch.distributed as dist
 
-    from .storage import storage_tensors
-
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             for plain in storage_tensors(tensor):  # an NF4Tensor has no collective of its own
@@ -314,8 +313,6 @@ def deepspeed_runtime_config(setup: TrainingSetup, *, lr: float | None, max_grad
     hidden size they are set as the HF Trainer sets their "auto" values (transformers integrations/deepspeed.py):
     hidden^2, 0.9 hidden^2 and 10 hidden.
     """
-    from ..emit import deepspeed_config
-
     config = deepspeed_config(setup)
     config["train_batch_size"] = setup.micro_batch_size * setup.grad_accum_steps * ranks
     config["gradient_clipping"] = float(max_grad_norm or 0.0)

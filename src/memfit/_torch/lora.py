@@ -14,10 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..change import Change
 from ..errors import ConfigError
+from ..estimate.fsdp2 import fsdp2_shards
 from ..estimate.lora import PEFT_DEFAULT_TARGETS
 from ..finetune import ALL_LINEAR, BaseWeights
 from ..setup import TrainingSetup
+from .fake_quant import FakeLinear4bit
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -25,8 +28,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def base_precision_change(model: nn.Module, setup: TrainingSetup):
     """The precision item under LoRA: the frozen base in its planned storage dtype (a quantized base is made by
     apply_adapters); adapters are left to peft (fp32)."""
-    from ..apply import Change
-
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     how = "; wrap forward and loss in `applied.autocast()`" if setup.precision.is_autocast else ""
     if base.quantized:
@@ -67,8 +68,6 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
             count = quantize_torchao_nf4(model, _DTYPES[setup.precision.compute_dtype])
             done.append(f"{count} Linears stored as torchao NF4Tensor (torchtune quantize_base)")
             return
-        from ..emit.peft import fsdp2_shards
-
         storage = torch.bfloat16 if fsdp2_shards(setup) else torch.uint8  # what memfit emits for FSDP-QLoRA
         count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype], storage)
         done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}"
@@ -158,7 +157,6 @@ def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, co
                 if not base.four_bit:
                     raise ConfigError("memfit trace emulates bitsandbytes 4-bit on fake tensors, not int8: size "
                                       "an int8 base with the formulas or `memfit measure`")
-                from .fake_quant import FakeLinear4bit
 
                 setattr(parent, name, FakeLinear4bit(child.in_features, child.out_features,
                                                      bias=child.bias is not None, compute_dtype=compute_dtype,

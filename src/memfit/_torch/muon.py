@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from .blocks import find_blocks
 
 
@@ -24,8 +25,6 @@ class MuonWithAdamW:
     def __init__(self, model: torch.nn.Module, lr: float) -> None:
         matrices, rest = split(model)
         if not matrices:
-            from ..errors import ConfigError
-
             raise ConfigError("muon found no 2-D weights inside repeated blocks: use an AdamW variant")
         self.parts = [torch.optim.Muon(matrices, lr=lr)]
         if rest:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..estimate.pipeline import stage_layers
+
 
 class LlamaStage(nn.Module):
     """Layers [first_layer, first_layer + num_layers) of a transformers Llama-style model; the embedding on the first
@@ -43,8 +45,6 @@ class LlamaStage(nn.Module):
 
 def stage_module(model: nn.Module, stage: int, num_stages: int) -> LlamaStage:
     """Stage `stage` (0-based) of `num_stages`, one stage per rank; the model's other parts are dropped (freed)."""
-    from ..estimate.pipeline import stage_layers
-
     counts = stage_layers(len(model.model.layers), num_stages)
     start = sum(counts[:stage])
     return LlamaStage(model, range(start, start + counts[stage]), first=stage == 0, last=stage == num_stages - 1)

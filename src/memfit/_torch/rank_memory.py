@@ -7,19 +7,17 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
 from ..setup import Engine, Offload
+from .measure_cpu import _walk, matmul_scratch
 from .storage import all_storage_tensors
 
-if TYPE_CHECKING:
-    from .engine import Prepared
 
-
-def local_bytes(prepared: Prepared) -> dict:
+def local_bytes(prepared: Any) -> dict:  # a memfit._torch.engine.Prepared (engine imports this module)
     seen: set[int] = set()
     totals = dict.fromkeys(("parameters", "optimizer", "optimizer_scalars", "master_weights", "gradient_buffers"), 0)
 
@@ -188,8 +186,6 @@ def _allocation_events(prof, window: str) -> tuple[list[tuple[int, int, int, int
     """The CPU allocation events (time, order, address, +-bytes) in time order, without oneDNN's matmul scratch, and
     the last `window` range."""
     from torch._C._profiler import _EventType
-
-    from .measure_cpu import _walk, matmul_scratch
 
     allocations, windows = [], []
     walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))

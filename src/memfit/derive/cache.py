@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
+from .._version import __version__
 
 from .model import KindFit
 
@@ -57,8 +58,6 @@ def library_versions() -> dict[str, str]:
     process."""
     if not _VERSIONS:
         from importlib.metadata import PackageNotFoundError, version
-
-        from .. import __version__
 
         out = {"memfit": __version__}
         for name in ("torch", "transformers"):

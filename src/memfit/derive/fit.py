@@ -23,6 +23,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from .._version import __version__
 from ..errors import ModelSourceError
 from .model import GROUPS, KindFit, Linear, kind_setup
 
@@ -446,8 +447,6 @@ def _vocab_hidden(config: dict[str, Any]) -> tuple[int, int]:
 def versions() -> dict[str, str]:
     import torch
     import transformers
-
-    from .. import __version__
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "memfit": __version__}
 

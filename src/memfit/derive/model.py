@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..estimate import fits
 from ..setup import Precision, TrainingSetup
 
 GROUPS = ("attention", "mlp", "norms")
@@ -133,9 +134,7 @@ class DerivedModel:
         kind = setup_kind(setup, on_cpu)
         found = self._fits.get(kind)
         if found is None:
-            from .cache import load_or_derive
-
-            found, where = load_or_derive(self.config, kind, label=self.label)
+            found, where = fits.derived(self.config, kind, label=self.label)  # memfit.derive.cache's, registered
             self._fits[kind] = found
             self.where[kind] = where
         return found

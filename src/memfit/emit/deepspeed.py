@@ -4,19 +4,12 @@ runtime/precision_config.py and runtime/zero/offload_config.py (DeepSpeed 0.19).
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..estimate.comm.runtime import deepspeed_stage as zero_stage  # the estimator's, one definition
 from ..zero_knobs import DEFAULT_MAX_REUSE_DISTANCE
 from ..setup import Offload, Optimizer, Precision, Sharding, TrainingSetup
 from .emitted import EmittedConfig
 
 AUTO = "auto"  # filled in by the HF Trainer / accelerate from their own arguments
-
-
-def zero_stage(setup: TrainingSetup) -> int:
-    """The setup's ZeRO stage, or 1 when only offload asks for ZeRO: DeepSpeed offloads the optimizer only under
-    ZeRO, and stage 1 is the smallest stage that does, keeping gradients whole on the GPU as planned."""
-    if setup.sharding is Sharding.NONE and setup.offload is not Offload.NONE:
-        return 1
-    return setup.sharding.stage
 
 
 def deepspeed_config(setup: TrainingSetup, *, hf_auto: bool = False) -> dict:

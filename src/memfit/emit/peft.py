@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from ..estimate.fsdp2 import fsdp2_shards  # defined with the runtime it describes (the torch side reads it too)
 from ..finetune import ALL_LINEAR, TORCHTUNE_ATTENTION, TORCHTUNE_MLP, BaseWeights
-from ..setup import Checkpointing, Engine, TrainingSetup
+from ..setup import Checkpointing, TrainingSetup
 from .emitted import EmittedConfig
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -45,11 +46,6 @@ def bnb_config_kwargs(setup: TrainingSetup) -> dict | None:
         # Params4bit out of fully_shard, replicated); memfit sized the bf16 shards (estimate.lora_sharded)
         kwargs["bnb_4bit_quant_storage"] = "bfloat16"
     return kwargs
-
-
-def fsdp2_shards(setup: TrainingSetup) -> bool:
-    """Whether FSDP2 shards the parameters (engine torch, zero2 / zero3, more than one data-parallel rank)."""
-    return setup.engine is Engine.TORCH and setup.sharding.stage >= 2 and setup.dp_size > 1
 
 
 def base_dtype(setup: TrainingSetup) -> str | None:

@@ -15,6 +15,7 @@ from ..graph.saved import (Dtypes, NotModelledError, Saved, SavedCtx,  # noqa: F
                            core_recomputed, saved_by)
 from ..model_spec import ModelSpec
 from ..setup import Attention, Checkpointing, TrainingSetup, fsdp2_mixed_precision
+from . import derived
 
 
 def dtypes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> Dtypes:
@@ -202,8 +203,7 @@ def layer_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, seq_le
     if moe.applies(spec, setup):  # a graph with Experts: the MoE recipe (memfit.estimate.moe), not the derived model
         return moe.layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
     if spec.derived is not None:  # no formula for its nodes: memfit.derive's fit of a traced 1- and 2-block copy
-        from .. import derive
-        return derive.layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
+        return derived.layer_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
     d = dtypes(spec, setup, on_cpu)
     items = layer_rows(spec, setup, seq_len, d)
     if spec.frozen:
@@ -229,8 +229,7 @@ def head_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, *, head
     from . import moe
     spec = moe.as_recipe(spec, setup)
     if spec.derived is not None:
-        from .. import derive
-        return derive.head_saved_bytes(spec, setup, tokens)
+        return derived.head_saved_bytes(spec, setup, tokens)
     d = dtypes(spec, setup)
     graph = _graph(spec)
     ctx = SavedCtx(setup=setup, seq_len=setup.seq_len, d=d, frozen=bool(spec.frozen))
@@ -252,8 +251,7 @@ def embedding_saved_bytes(spec: ModelSpec, setup: TrainingSetup, tokens: int, se
     from . import moe
     spec = moe.as_recipe(spec, setup)
     if spec.derived is not None:
-        from .. import derive
-        return derive.embedding_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
+        return derived.embedding_saved_bytes(spec, setup, tokens, seq_len, on_cpu)
     d = dtypes(spec, setup, on_cpu)
     graph = _graph(spec)
     stack = graph.stacks[0]

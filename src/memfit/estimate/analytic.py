@@ -23,7 +23,7 @@ from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Loss, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
-from . import (bnb_cpu, compiled, context_parallel, deepspeed_zero3, dora, float8, heads, lora, moe,
+from . import (bnb_cpu, compiled, context_parallel, deepspeed_zero3, dora, fits, float8, heads, lora, moe,
                offload_activations, padding, pipeline, tensor_parallel)
 from .backward_moments import (embedding_gradient, end_of_backward, first_block_backward, in_backward_moments,
                                root_reduce, second_block_backward)
@@ -61,7 +61,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
         return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
-    from ..derive import stacks_estimate  # encoder-decoder / vision models: their own stacks' moments
+    stacks_estimate = fits.stacked()  # encoder-decoder / vision models: their own stacks' moments (memfit.derive)
 
     step_temp = full.step_temp_bytes + (bnb_cpu.step_scratch_bytes(spec, sized) if hardware.is_cpu else 0)
     if stacks_estimate.is_stacked(spec, sized):
@@ -125,7 +125,7 @@ def forward_activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool
 def _derived_notes(spec: ModelSpec) -> tuple[str, ...]:
     if spec.derived is None:
         return ()
-    from .. import derive
+    from . import derived as derive
     why = act.saved_problem(spec.graph) if spec.graph is not None else None
     return ((f"no activation formula for its model graph ({why}): derived instead",) if why else ()) + derive.notes(spec)
 

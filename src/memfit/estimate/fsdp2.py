@@ -18,10 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..setup import Engine
 from .result import Category, Term
 from .terms import TermKey
 
 SOURCE = "torch FSDP2 (_fsdp_param_group.post_backward, foreach_reduce, backward prefetch); fake-process-group traces"
+
+
+def fsdp2_shards(setup) -> bool:
+    """Whether FSDP2 shards the parameters (engine torch, zero2 / zero3, more than one data-parallel rank)."""
+    return setup.engine is Engine.TORCH and setup.sharding.stage >= 2 and setup.dp_size > 1
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from ..graph.registry import walk
 from ..model_spec import ModelSpec
 from ..setup import TrainingSetup
 from . import activations as act
+from .lora import adapted_roles
+from .offload_activations import MIN_OFFLOAD_BYTES
 
 _ROLE_OF = {("Attention", "qkv"): "qkv", ("Attention", "out"): "out", ("MLP", "up"): "up", ("MLP", "down"): "down"}
 
@@ -95,7 +97,6 @@ def weight_pack_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plai
     """The saved weights that are views of the parameters, packed (copied to the host) when at least
     min_offload_size, with no device saving: without autocast the fp32 adapters' and the base's (in its storage
     dtype); under autocast only a base stored in the compute dtype (autocast casts nothing for it)."""
-    from .offload_activations import MIN_OFFLOAD_BYTES
     base = _base_bytes(setup)
     if d.autocast and base != d.compute:
         return 0
@@ -107,7 +108,6 @@ def weight_pack_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plai
 def saved_casts(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plain_blocks: int) -> tuple[int, int]:
     """(offloaded, kept) bytes of the bf16 weight casts autocast makes that the blocks save: the adapters' (cached)
     and an fp32 base's (a fresh copy per call); one under min_offload_size stays on the device."""
-    from .offload_activations import MIN_OFFLOAD_BYTES
     if not d.autocast:
         return 0, 0
     fp32_base = setup.finetune.base_storage(setup.precision.compute_dtype) is BaseWeights.FP32
@@ -137,7 +137,6 @@ def repacked_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, plain_b
         return norm
     unsaved = first_layer_unsaved(spec, setup)
     total = (2 * plain_blocks - (1 if unsaved else 0) + 1) * norm
-    from .lora import adapted_roles
     roles = adapted_roles(spec)
     if setup.finetune.dropout == 0 and not d.autocast and d.compute == 4 and d.residual == 4:
         for role in ("qkv", "up"):  # the adapters of one norm output: one pack each, the first is the tensor

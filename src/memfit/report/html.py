@@ -6,6 +6,7 @@ import json
 from html import escape
 from pathlib import Path
 
+from ..atomic import write_text
 from ..errors import ConfigError
 from ..estimate.result import MemoryEstimate
 from ..hardware import Hardware
@@ -54,8 +55,6 @@ def write_html(obj: Plan | MemoryEstimate, path: str | Path, *, trace: MemoryEst
 
     `trace`: a traced estimate whose timeline and top modules are shown next to a Plan. `hardware` gives a bare
     MemoryEstimate its capacity line and diagnosis."""
-    from ..atomic import write_text
-
     return write_text(path, render_html(obj, trace=trace, hardware=hardware, margin=margin))  # all or nothing
 
 

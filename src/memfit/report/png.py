@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..atomic import write_files
 from ..estimate.result import Category, MemoryEstimate
 from ..hardware import Hardware
 from ..plan import Plan
@@ -49,8 +50,6 @@ def write_png(obj: Plan | MemoryEstimate, path: str | Path, *, trace: MemoryEsti
         fig.text(0.01, 0.1 / height_in, "No trace: the timeline and per-module charts need a traced step "
                  "(memfit trace).", fontsize=9, color="#555", style="italic")
     import io
-
-    from ..atomic import write_files
 
     image = io.BytesIO()
     fig.savefig(image, dpi=dpi, format="png")

@@ -28,6 +28,13 @@ from enum import Enum
 from typing import Any
 
 from ..errors import MemfitError, suggest
+from ..hardware import gpu_catalog
+from ..plan import plan as make_plan
+from ..plan_output import plan_json
+from ..report.figures import breakdown_spec, report_data
+from ..sources import catalog_entry, catalog_names
+from ..sources.catalog import find_entry
+from ..units import format_bytes
 
 MODEL_FIELD = "model"
 LEFT_OUT = frozenset({"config"})
@@ -121,13 +128,8 @@ def _default_text(help_text: str) -> str:
 def _suggestions(name: str) -> list[dict] | None:
     """Values to offer in a free-text field: the model and GPU catalogs."""
     if name == MODEL_FIELD:
-        from ..sources import catalog_entry, catalog_names
-
         return [{"value": n, "label": f"{catalog_entry(n)['num_params'] / 1e9:.2f} B params"} for n in catalog_names()]
     if name == "gpu":
-        from ..hardware import gpu_catalog
-        from ..units import format_bytes
-
         gpus = sorted(gpu_catalog().values(), key=lambda g: (g.memory_bytes, g.name))
         return [{"value": g.name, "label": f"{format_bytes(g.memory_bytes)} usable"} for g in gpus]
     return None
@@ -185,8 +187,6 @@ def form_fields() -> list[dict]:
 def options() -> dict:
     """What /api/options serves: the fields, the sections they fall in (only the first shown open) and the
     starting model."""
-    from ..sources import catalog_names
-
     names = catalog_names()
     used = {f["section"] for f in _form_fields()}
     return {"fields": form_fields(), "panels": list(_panels()),
@@ -273,9 +273,6 @@ def _pairs(args: list[str]):
 def _catalog_model(text: str) -> str:
     """The model, when the catalog has it; else memfit's own unknown-model line. The page plans catalog models
     only: it never reads a path or asks the Hub."""
-    from ..sources import catalog_names
-    from ..sources.catalog import find_entry
-
     if find_entry(text) is not None:
         return text
     if "/" in text or "\\" in text or text.endswith(".json") or text.startswith((".", "~")):
@@ -295,8 +292,6 @@ def plan_page(values: Mapping[str, Any]) -> dict:
 def plan_for(argv: list[str]) -> dict:
     """plan_page for `memfit plan`'s arguments (command_line's answer)."""
     from ..cli.options import SetupOptions
-    from ..plan import plan as make_plan
-    from ..plan_output import plan_json
 
     params = _parse(argv)
     _catalog_model(params[MODEL_FIELD])
@@ -354,8 +349,6 @@ def _template(name: str) -> dict:
 def figure(result) -> dict:
     """The breakdown chart of `memfit plan --report` (memfit.report), as plotly's JSON {data, layout}: the same
     JSON as the report's plotly figure, built from plain data (plotly's validation took most of an update)."""
-    from ..report.figures import breakdown_spec, report_data
-
     spec = breakdown_spec(report_data(result))
     layout = dict(spec["layout"])
     if isinstance(layout.get("template"), str):

@@ -102,7 +102,7 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
     if isinstance(config, Mapping):
         check_sizes(config, source)
     if isinstance(model_type, str) and model_type and model_type not in SUPPORTED_MODEL_TYPES:
-        from ..derive import derived_spec
+        from ..derive.spec import derived_spec
 
         try:
             derived = derived_spec(dict(config), name=name, source=source)
@@ -120,7 +120,7 @@ def from_hf_config(config: Mapping[str, Any], *, name: str, source: str) -> Mode
     from ..estimate.activations import saved_problem
 
     if saved_problem(spec.graph) is not None:  # nodes no `saved` formula sizes: derive them, never borrow Llama's
-        from ..derive import DerivedModel
+        from ..derive.model import DerivedModel
 
         spec = replace(spec, derived=DerivedModel(dict(config), label=name))
     return spec

@@ -11,7 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
+from ..graph.builders.common import SEQUENCE_CLASSIFIERS
 from ..model_spec import ModelSpec
+from .hf_config import from_hf_config
 
 SEQUENCE_CLASSIFICATION = "sequence-classification"
 TASKS = ("lm", SEQUENCE_CLASSIFICATION)
@@ -23,8 +25,6 @@ def task_config(config: Mapping[str, Any], num_labels: int) -> dict[str, Any]:
     pad_token_id gets its eos_token_id (else 0), as fine-tuning scripts set it: transformers' classifier finds each
     sequence's last non-pad token and refuses batches > 1 without one. ConfigError for a family memfit does not
     build as a classifier."""
-    from ..graph.builders.common import SEQUENCE_CLASSIFIERS
-
     if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
         raise ConfigError(f"--num-labels must be a positive whole number, got {num_labels!r}")
     model_type = config.get("model_type")
@@ -50,7 +50,6 @@ def with_task(spec: ModelSpec, task: str = "lm", num_labels: int = 2) -> ModelSp
     if not isinstance(config, Mapping):
         raise ConfigError(f"'{spec.name}' has no config to build a sequence classifier from: give a catalog name, "
                           "a config.json or a hub id")
-    from .hf_config import from_hf_config
 
     rebuilt = from_hf_config(task_config(config, num_labels), name=spec.name, source=spec.source)
     return replace(rebuilt, extra=dict(spec.extra))

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from torch import nn
 
+from .. import sources
+from .._torch.blocks import find_blocks
 from ..errors import ModelSourceError
 
 
 def resolve_config(model_ref: str | Mapping) -> tuple[dict, str]:
     """(HF config dict, display name) for a catalog name, a config.json path, a hub id or a config dict."""
-    from .. import sources
-
     if isinstance(model_ref, Mapping):
         config = dict(model_ref)
         return config, str(config.get("_name_or_path") or config.get("model_type") or "model")
@@ -39,6 +39,4 @@ def _read_config(path: Path) -> dict:
 def block_finder(model: nn.Module) -> list[nn.Module]:
     """The units FSDP shards one at a time: memfit._torch.blocks.find_blocks, the one finder (HF's repeated
     `_no_split_modules` classes, else repeated children of a ModuleList / Sequential)."""
-    from .._torch.blocks import find_blocks
-
     return find_blocks(model)

@@ -39,6 +39,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+from ..estimate.bnb_cpu import adam_step_scratch_bytes
+
 Kernels = Literal["cuda", "cpu"]
 KERNELS: tuple[str, ...] = ("cuda", "cpu")
 
@@ -117,7 +120,6 @@ def _bnb_scratch(func, args) -> int:
     eight_bit = _BNB_ADAM.get(func.name())
     if eight_bit is None or len(args) < 3 or args[0] not in ("adam", "lamb"):
         return 0
-    from ..estimate.bnb_cpu import adam_step_scratch_bytes
 
     param = args[2]
     return adam_step_scratch_bytes(param.numel(), param.element_size(), eight_bit)
@@ -157,8 +159,6 @@ def device_kernels(kernels: Kernels) -> Iterator[None]:
     TorchFunctionMode: the recomputation of a checkpointed block runs inside backward, where a function mode entered
     around the step is not active, and would then save other tensors than the first forward (CheckpointError)."""
     if kernels not in KERNELS:
-        from ..errors import ConfigError
-
         raise ConfigError(f"unknown kernels '{kernels}': choose one of {', '.join(KERNELS)}")
     if kernels == "cpu":
         yield

@@ -10,6 +10,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import ConfigError
+from ..estimate.padding import peak_setup
 from ..estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoint
 from ..setup import Optimizer, TrainingSetup
 from . import distributed, hf
@@ -43,7 +44,6 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
                           "--compile with `memfit estimate` (the compiled blocks' partition) or drop --compile")
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
-    from ..estimate.padding import peak_setup
 
     setup = peak_setup(setup)  # batches padded to their longest sample: the step of the longest one
     build, name = _builder(model_ref, input_builder, loss_fn)

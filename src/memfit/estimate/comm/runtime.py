@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from ...setup import Engine, Sharding, TrainingSetup
+from ...setup import Engine, Offload, Sharding, TrainingSetup
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = "all-reduce", "reduce-scatter", "all-gather", "broadcast"
 SEND = "send"
@@ -40,10 +40,12 @@ def runtime_of(engine: Engine, sharding: Sharding, world_size: int = 2) -> Runti
 
 
 def deepspeed_stage(setup: TrainingSetup) -> int:
-    """The stage DeepSpeed runs (offload alone runs ZeRO-1): memfit.emit.deepspeed.zero_stage."""
-    from ...emit.deepspeed import zero_stage
-
-    return zero_stage(setup)
+    """The setup's ZeRO stage, or 1 when only offload asks for ZeRO: DeepSpeed offloads the optimizer only under
+    ZeRO, and stage 1 is the smallest stage that does, keeping gradients whole on the GPU as planned (memfit's
+    DeepSpeed JSON says this stage: memfit.emit.deepspeed.zero_stage is this function)."""
+    if setup.sharding is Sharding.NONE and setup.offload is not Offload.NONE:
+        return 1
+    return setup.sharding.stage
 
 
 def describe_runtime(setup: TrainingSetup) -> str:

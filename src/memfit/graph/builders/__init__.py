@@ -3,32 +3,13 @@ An unknown model_type raises ModelSourceError naming it (the caller may then tra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from ...errors import ModelSourceError
 from ..model import ModelGraph
-from .common import SEQUENCE_CLASSIFIERS, Cfg, sequence_labels
-
-Builder = Callable[[Cfg, str], ModelGraph]
-_BUILDERS: dict[str, tuple[Builder, dict[str, Any]]] = {}
-
-
-def builder(*model_types: str, defaults: Mapping[str, Any] | None = None,
-            per_type: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[Builder], Builder]:
-    """Register fn(cfg, name) -> ModelGraph for `model_types`, reading configs with `defaults` (the transformers
-    config class's defaults for the keys the builder reads), overridden per type by `per_type`."""
-
-    def register(fn: Builder) -> Builder:
-        for model_type in model_types:
-            if model_type in _BUILDERS:
-                raise TypeError(f"model_type '{model_type}' already has a graph builder")
-            _BUILDERS[model_type] = (fn, {**(defaults or {}), **(per_type or {}).get(model_type, {})})
-        return fn
-
-    return register
-
+from .common import _BUILDERS, SEQUENCE_CLASSIFIERS, Builder, Cfg, builder, sequence_labels  # noqa: F401
 
 def graph_model_types() -> tuple[str, ...]:
     """The model_types a graph can be built for from a config alone."""

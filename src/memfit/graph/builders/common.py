@@ -3,7 +3,7 @@ transformers config class, so an omitted key means what it means to transformers
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ...errors import ModelSourceError
@@ -12,7 +12,7 @@ from ..kinds.heads import ClassificationHead, LMHead
 from ..kinds.linear import Linear
 from ..kinds.mlp import MLP
 from ..kinds.norm import Dropout, Norm
-from ..model import Block, Stack
+from ..model import Block, ModelGraph, Stack
 
 _MISSING = object()
 
@@ -223,3 +223,24 @@ def score_head(c: Cfg, hidden: int, labels: int) -> ClassificationHead:
     """GenericForSequenceClassification (transformers modeling_layers): `score`, a Linear without bias over every
     token; the last non-pad token's logits are the sequence's."""
     return ClassificationHead(Linear("score", hidden, labels, False), pool="last")
+
+
+# ---- the registry: each family module registers its builders (memfit.graph.builders reads it) ----------------
+
+Builder = Callable[[Cfg, str], ModelGraph]
+_BUILDERS: dict[str, tuple[Builder, dict[str, Any]]] = {}
+
+
+def builder(*model_types: str, defaults: Mapping[str, Any] | None = None,
+            per_type: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[Builder], Builder]:
+    """Register fn(cfg, name) -> ModelGraph for `model_types`, reading configs with `defaults` (the transformers
+    config class's defaults for the keys the builder reads), overridden per type by `per_type`."""
+
+    def register(fn: Builder) -> Builder:
+        for model_type in model_types:
+            if model_type in _BUILDERS:
+                raise TypeError(f"model_type '{model_type}' already has a graph builder")
+            _BUILDERS[model_type] = (fn, {**(defaults or {}), **(per_type or {}).get(model_type, {})})
+        return fn
+
+    return register

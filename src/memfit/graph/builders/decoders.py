@@ -12,9 +12,8 @@ from ..kinds.attention import Attention
 from ..kinds.embedding import Embedding
 from ..kinds.norm import Norm
 from ..model import Block, ModelGraph
-from . import builder
-from .common import (Cfg, attention, decoder_dims, dropouts, gated_mlp, lm_head, plain_mlp, score_head, sequence_labels,
-                     stacks, window)
+from .common import (Cfg, attention, builder, decoder_dims, dropouts, gated_mlp, lm_head, plain_mlp, score_head,
+                     sequence_labels, stacks, window)
 
 
 def llama_like(c: Cfg, name: str, *, attn: Callable[[int], Attention], mlp: Callable[[int], Any],

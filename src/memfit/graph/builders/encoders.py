@@ -11,8 +11,7 @@ from ..kinds.linear import Linear
 from ..kinds.mlp import MLP
 from ..kinds.norm import Norm
 from ..model import Block, ModelGraph, Stack
-from . import builder
-from .common import Cfg, attention, dropouts, num_labels, plain_mlp, sequence_labels
+from .common import Cfg, attention, builder, dropouts, num_labels, plain_mlp, sequence_labels
 
 
 def _ln(dim: int, name: str) -> Norm:

@@ -10,8 +10,7 @@ from ..kinds.linear import Linear
 from ..kinds.norm import Norm
 from ..model import Block, ModelGraph, Stack
 from ..transforms import rewrite
-from . import builder
-from .common import Cfg, attention, dropouts, lm_head, plain_mlp
+from .common import Cfg, attention, builder, dropouts, lm_head, plain_mlp
 
 
 def _subclassed_linears(node):

@@ -8,8 +8,7 @@ from ..kinds.linear import Linear
 from ..kinds.mlp import MLP, Experts
 from ..kinds.norm import Norm
 from ..model import ModelGraph
-from . import builder
-from .common import Cfg, attention, decoder_dims, gated_mlp, mla_attention, window
+from .common import Cfg, attention, builder, decoder_dims, gated_mlp, mla_attention, window
 from .decoders import llama_like
 
 _MOE = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False)

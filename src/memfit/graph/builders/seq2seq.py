@@ -8,8 +8,7 @@ from ..kinds.heads import Seq2SeqLMHead
 from ..kinds.linear import Linear
 from ..kinds.norm import Norm
 from ..model import Block, ModelGraph, Stack
-from . import builder
-from .common import Cfg, attention, dropouts, gated_mlp, plain_mlp
+from .common import Cfg, attention, builder, dropouts, gated_mlp, plain_mlp
 
 
 @builder("t5", defaults=dict(d_kv=64, d_ff=2048, num_heads=8, relative_attention_num_buckets=32,
