@@ -135,6 +135,7 @@ def test_the_layers_are_disjoint_and_ordered():
     assert layer_of("memfit.estimate.comm.runtime") == 0 and layer_of("memfit.cli.app") == len(LAYERS) - 1
 
 
+@pytest.mark.processes
 def test_the_estimator_gets_its_fits_from_the_model_layer_without_torch():
     """Importing the estimator registers memfit.derive's fit sources (its __init__ runs before memfit.derive.model,
     which the estimator imports) and imports neither torch nor transformers: a fresh interpreter's modules."""

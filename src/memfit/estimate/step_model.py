@@ -188,7 +188,7 @@ class StepModel:
         then the larger of the MLP's input gradients and (eager) the T x T gradients once the MLP's saved tensors
         are gone. Checked on measured CPU steps (bench/accuracy.py)."""
         if self.spec.derived is not None:
-            from .. import derive
+            from . import derived as derive
             return Term(TermKey.LAYER_BACKWARD, Category.TEMPORARIES, derive.block_temporaries(
                 self.spec, self.setup, self.tokens, self.setup.seq_len, self.dtypes.on_cpu),
                 "peak of one block's backward beyond its saved tensors, fitted from traces", "memfit.derive")
