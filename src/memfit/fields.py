@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 SECTIONS: tuple[str, ...] = ("batch", "precision", "optimizer", "memory", "parallel", "finetune", "moe", "notes")
 """The setup's sections, in the order `--help` lists their options (fields in declaration order within each)."""
@@ -168,6 +169,37 @@ def options(cls: type) -> tuple[tuple[str, Option], ...]:
     return tuple(out)
 
 
-def plain(value: Any) -> Any:
-    """A field's value as JSON holds it (an enum's value)."""
-    return value.value if isinstance(value, Enum) else value
+@dataclass(frozen=True, eq=True)
+class Section:
+    """A read-only view of one section of a setup: `setup.section("precision").float8`. What a reader or emitter
+    that owns a section reads, and hands back through TrainingSetup.with_section."""
+
+    name: str
+    values: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
+
+    def __getattr__(self, field: str) -> Any:
+        if field.startswith("__"):
+            raise AttributeError(field)
+        try:
+            return self.values[field]
+        except KeyError:
+            raise AttributeError(f"section {self.name!r} has no field {field!r}: it holds "
+                                 f"{', '.join(self.values)}") from None
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section's fields as JSON holds them (enums by value, nested setups by their to_dict)."""
+        return {name: _plain(value) for name, value in self.values.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value.to_dict() if hasattr(value, "to_dict") else value

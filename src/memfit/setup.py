@@ -894,6 +894,22 @@ class TrainingSetup:
                 continue
         return dataclasses.replace(self, **changes)
 
+    def section(self, name: str) -> "_fields.Section":
+        """The fields of one section (memfit.fields.SECTIONS: batch, precision, optimizer, memory, parallel,
+        finetune, moe, notes) and their values, as a read-only view: `setup.section("precision").float8`."""
+        return _fields.Section(name, {f: getattr(self, f) for f in _fields.section_fields(TrainingSetup, name)})
+
+    def with_section(self, name: str, **changes) -> "TrainingSetup":
+        """A copy with `changes` to fields of section `name` (replace's rules: validated, conflicting extras turned
+        back). A field of another section is a ConfigError naming its section, so a reader or emitter that owns
+        one section cannot set another's by mistake."""
+        own = _fields.section_fields(TrainingSetup, name)
+        strays = [f"{f} (section {_fields.meta(TrainingSetup, f).section})" if f in FIELD_LABELS else f
+                  for f in changes if f not in own]
+        if strays:
+            raise ConfigError(f"section {name} holds {', '.join(own)}; not {', '.join(strays)}")
+        return self.replace(**changes)
+
     @property
     def peak_seq_len(self) -> int:
         """The sequence length of the run's highest step. Padded to the longest sample of each batch, a step's length
@@ -959,6 +975,11 @@ class FieldChange:
     @property
     def label(self) -> str:
         return FIELD_LABELS[self.field]
+
+    @property
+    def section(self) -> str:
+        """The setup section the field belongs to (memfit.fields.SECTIONS)."""
+        return _fields.meta(TrainingSetup, self.field).section
 
     @property
     def text(self) -> str:

@@ -146,7 +146,7 @@ def _total(terms: list[Term]) -> int:
 def _static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, grads: int,
                   on_cpu: bool = False) -> list[Term]:
     n = setup.shard_size  # the data-parallel ranks, or the HSDP shard group
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
         a_bytes = lora.adapter_bytes(setup)
@@ -344,7 +344,7 @@ def _fused_loss_terms(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes) -> l
     """What the fused loss keeps from forward to backward: the gradient of the hidden states (their dtype) and of
     the head weight (its dtype), made in forward chunk by chunk; no logits, no log-softmax, no labels."""
     tokens, h = setup.tokens_per_micro_step, spec.hidden_size
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     return [Term("activations/loss", Category.ACTIVATIONS, tokens * h * d.residual,
                  f"B x T x h x {d.residual} B: the hidden states' gradient, made in forward", FUSED_SOURCE),
             Term("gradients/fused_head", Category.GRADIENTS, spec.vocab_size * h * p_bytes,
@@ -714,7 +714,7 @@ def _down_projection_grads(step: _Step) -> int:
     spec = step.spec
     if spec.frozen or spec.derived is not None or step.setup.optimizer_in_backward or not _measured_block_order(spec):
         return 0
-    grad_bytes = 2 if step.setup.precision.param_dtype == "bf16" else 4
+    grad_bytes = step.setup.precision.param_bytes
     return spec.intermediate_size * spec.hidden_size * grad_bytes
 
 
@@ -864,7 +864,7 @@ def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:
 
 def _param_step_temp(spec: ModelSpec, setup: TrainingSetup, numel: int) -> int:
     """Transient bytes of one parameter's own optimizer step (optimizer in backward: one optimizer per parameter)."""
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     if setup.optimizer is Optimizer.ADAMW:
         return 2 * numel * p_bytes  # exp_avg_sq.sqrt() and its division by the bias correction
     if setup.optimizer is Optimizer.ADAMW_FOREACH:
@@ -886,7 +886,7 @@ def _in_backward_moments(step: _Step) -> dict:
     gradient waits in autograd's buffer for the embedding's and steps with it at the end."""
     spec, setup = step.spec, step.setup
     vh = spec.vocab_size * spec.hidden_size
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     d = step.dtypes
     one = lambda name, numel, what: [  # noqa: E731
         Term("gradients/in_backward", Category.GRADIENTS, numel * p_bytes, f"{what}: its gradient", IN_BACKWARD_SOURCE),
