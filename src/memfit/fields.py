@@ -54,6 +54,8 @@ class Option:
     kind: Any = None
     """choice: the Choice enum (the field's default's type)."""
     default: Any = None
+    section: str = ""
+    """The field's section (setting fills it in, with `kind` and `default`): the CLI's help panel follows it."""
 
     @property
     def name(self) -> str:
@@ -107,7 +109,7 @@ def setting(default: Any, *, section: str, label: str | None = None, keep: tuple
         raise ValueError(f"unknown section {section!r}")
     if option is not None:
         kind = type(default) if option.parser == "choice" else None
-        option = dataclasses.replace(option, default=default, kind=kind)
+        option = dataclasses.replace(option, default=default, kind=kind, section=section)
     meta = FieldMeta(section=section, label=label, keep=keep, option=option, nested=nested)
     return dataclasses.field(default=default, metadata={KEY: meta}, **field_options)
 

@@ -1,8 +1,10 @@
 """The options every sizing command shares, parsed into library values at the command-line boundary.
 
-Each option is an `Annotated` alias with its help panel; `with_setup_options` adds the whole set to a command in
-place of its `opts: SetupOptions` parameter, so a new command (trace, measure, launch) takes the same options by
-writing one parameter. Values are checked here, so a bad number is one line naming the option, never a traceback.
+The setup's options are generated from the fields' declarations (memfit.fields: flags, help, parser, bounds, in
+the order of the setup's sections); the others (model, hardware, --config, --keep, output) are `Annotated` aliases
+written here. `with_setup_options` adds the whole set to a command in place of its `opts: SetupOptions` parameter,
+so a new command (trace, measure, launch) takes the same options by writing one parameter. Values are checked
+here, so a bad number is one line naming the option, never a traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import typer
 
 from ..diagnose import DEFAULT_MARGIN
 from ..errors import ConfigError, MemfitError
-from ..fields import MAX_ACCUM, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_NODES, MAX_SEQ_LEN, Option
+from ..fields import MAX_ACCUM, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_NODES, MAX_SEQ_LEN, SECTIONS, Option
 from ..fields import declared
 from ..fields import options as options_of
 from ..finetune import Finetune, Method
@@ -116,19 +118,10 @@ def keep_fields(value: str | frozenset[str]) -> frozenset[str]:
         raise typer.BadParameter(str(error)) from None
 
 
-def _choices(kind: type[_Choice]) -> str:
-    return ", ".join(m.value for m in kind)
-
-
 def _option(*decls: str, panel: str, help: str, parser: Callable | None = None, metavar: str | None = None,
             **extra) -> Any:
     return typer.Option(*decls, help=help, rich_help_panel=panel, parser=parser, metavar=metavar,
                         show_default=False, **extra)
-
-
-def _choice_option(decl: str, kind: type[_Choice], help: str) -> Any:
-    return _option(decl, panel=SETUP_PANEL, parser=choice(kind), metavar=decl.lstrip("-").upper(),
-                   help=help)
 
 
 ModelArg = Annotated[str, typer.Argument(
@@ -193,10 +186,15 @@ _PARSERS: dict[str, Callable[[Option], Callable | None]] = {
 """The parser of each memfit.fields parser kind (a flag, a plain number and text: typer's own conversion)."""
 
 
+SECTION_PANELS: dict[str, str] = dict.fromkeys(SECTIONS, SETUP_PANEL)
+"""The --help panel of each setup section's options: one "Training setup" panel today (what users know); a
+section gets its own panel by changing its entry."""
+
+
 def _setup_option(option: Option) -> Any:
     """The typer parameter of one setup field, as its FieldMeta declares it."""
     return Annotated[Optional[option.value_type], _option(
-        *option.declarations, panel=SETUP_PANEL, parser=_PARSERS[option.parser](option),
+        *option.declarations, panel=SECTION_PANELS[option.section], parser=_PARSERS[option.parser](option),
         metavar=option.shown_metavar, help=option.help_text)]
 
 
