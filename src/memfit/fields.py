@@ -196,10 +196,11 @@ class Section:
 
     def to_dict(self) -> dict[str, Any]:
         """The section's fields as JSON holds them (enums by value, nested setups by their to_dict)."""
-        return {name: _plain(value) for name, value in self.values.items()}
+        return {name: plain(value) for name, value in self.values.items()}
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """A field's value as JSON holds it: an enum by its value, a tuple as a list, a nested setup by its to_dict."""
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, tuple):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from enum import Enum
 
 from . import fields as _fields
 from .choice import Choice as _Choice
@@ -538,11 +537,7 @@ class TrainingSetup:
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
-                           ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
-                           ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule),
-                           ("cp_rotate", CpRotate), ("padding", Padding), ("float8", Float8),
-                           ("cpu_offload_optimizer", CpuOffloadOptimizer)):
+        for name, kind in _CHOICE_FIELDS:  # the enum fields take their values' text and aliases
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
@@ -953,12 +948,12 @@ class TrainingSetup:
         return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     def to_dict(self) -> dict:
-        return {f.name: (getattr(self, f.name).value if isinstance(getattr(self, f.name), Enum)
-                         else list(getattr(self, f.name)) if f.name == "notes"
-                         else getattr(self, f.name).to_dict() if f.name in ("finetune", "zero_knobs")
-                         else getattr(self, f.name))
-                for f in dataclasses.fields(self)}
+        return {f.name: _fields.plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
+
+_CHOICE_FIELDS = tuple((f.name, type(f.default)) for f in dataclasses.fields(TrainingSetup)
+                       if isinstance(f.default, _Choice))
+"""(field, its Choice enum) of every enum field, which __post_init__ parses."""
 
 FIELD_LABELS: dict[str, str] = _fields.labels(TrainingSetup)
 """How each TrainingSetup field (notes aside) is named in what memfit prints (declared on the fields)."""
@@ -997,9 +992,12 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = _fields.keep_names(TrainingSetup)
 """What `--keep` accepts, and the TrainingSetup fields each name pins (declared on the fields)."""
 
 
+_KEEP_NAME = {name: _fields.keep_name_of(TrainingSetup, name) for name in FIELD_LABELS}
+
+
 def keep_name(field: str) -> str:
     """The --keep name a message gives for `field` (micro_batch_size -> micro_batch)."""
-    return _fields.keep_name_of(TrainingSetup, field)
+    return _KEEP_NAME.get(field, field)
 
 
 def parse_keep(text: "str | None | frozenset[str] | set[str] | tuple[str, ...]") -> frozenset[str]:
