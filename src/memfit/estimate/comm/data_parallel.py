@@ -106,7 +106,7 @@ def _fsdp2_dtype_bytes(setup: TrainingSetup) -> tuple[int, int]:
 
 def _deepspeed_dtype_bytes(setup: TrainingSetup) -> int:
     """DeepSpeed's communication_data_type default (runtime/engine.py): fp16 or bf16 when enabled, else fp32."""
-    return 4 if setup.precision is Precision.FP32 else 2
+    return setup.precision.compute_bytes
 
 
 def _notes(runtime: Runtime, setup: TrainingSetup) -> tuple[str, ...]:
