@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 from .choice import Choice
+from .fields import Option, setting
+from .units import DTYPE_BYTES
 
 
 class Method(Choice):
@@ -105,18 +107,44 @@ class Finetune:
     Answer.AI's fsdp_qlora, LitGPT, axolotl, LLaMA-Factory and TRL's SFTTrainer from v0.27 (before: except under
     FSDP / ZeRO-3) keep the embeddings, norms and head in the compute dtype, so the residual stream is 16-bit)."""
 
-    method: Method = Method.FULL
-    rank: int = 8
-    alpha: float = 8.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ()
-    modules_to_save: tuple[str, ...] = ()
-    base: BaseWeights = BaseWeights.AUTO
-    double_quant: bool = True
-    dora: bool = False
-    rslora: bool = False
-    recipe: LoraRecipe = LoraRecipe.PEFT
-    kbit_prep: bool | None = None
+    # The options' help is what `--help` shows; the fields are pinned together with --keep method (the setup's
+    # `finetune` field), so none has a --keep name of its own.
+    method: Method = setting(Method.FULL, section="finetune", label="method", option=Option(
+        ("--method",), "What is trained: {choices} (LoRA: peft adapters on a frozen base; QLoRA: on a 4-bit "
+        "bitsandbytes base). Default: full.", "choice", metavar="METHOD"))
+    rank: int = setting(8, section="finetune", label="LoRA rank", option=Option(
+        ("--lora-rank", "-r"), "LoRA rank (peft r). Default: {default}.", maximum=65_536, metavar="R"))
+    alpha: float = setting(8.0, section="finetune", label="LoRA alpha", option=Option(
+        ("--lora-alpha",), "LoRA alpha. Default: {default:g}.", "number", metavar="ALPHA"))
+    dropout: float = setting(0.0, section="finetune", label="LoRA dropout", option=Option(
+        ("--lora-dropout",), "LoRA dropout (a new copy of each adapter input and its mask when > 0). Default: "
+        "{default:g}.", "fraction", metavar="P"))
+    targets: tuple[str, ...] = setting((), section="finetune", label="LoRA targets", option=Option(
+        ("--lora-targets",), "peft target_modules: a comma list of Linear names (q_proj,v_proj), or all-linear. "
+        "Default: peft's per-architecture default.", "text", metavar="NAMES"))
+    modules_to_save: tuple[str, ...] = setting((), section="finetune", label="modules to save", option=Option(
+        ("--modules-to-save",), "peft modules_to_save: modules trained in full beside the adapters (e.g. "
+        "lm_head,embed_tokens).", "text", metavar="NAMES"))
+    base: BaseWeights = setting(BaseWeights.AUTO, section="finetune", label="base weights", option=Option(
+        ("--base",), "How the frozen base weights are stored: {choices}. Default: the compute dtype for LoRA, nf4 "
+        "for QLoRA.", "choice", metavar="STORAGE"))
+    double_quant: bool = setting(True, section="finetune", label="double quantization", option=Option(
+        ("--double-quant",), "QLoRA: quantize the 4-bit blocks' absmax too (bnb_4bit_use_double_quant). Default: "
+        "on.", "flag"))
+    rslora: bool = setting(False, section="finetune", label="rsLoRA", option=Option(
+        ("--rslora",), "peft use_rslora: scale the update by alpha / sqrt(r). Changes no memory. Default: off.",
+        "flag"))
+    dora: bool = setting(False, section="finetune", label="DoRA", option=Option(
+        ("--dora",), "peft use_dora: weight-decomposed LoRA (a magnitude vector per adapted Linear, the weight norm "
+        "recomputed each forward). Default: off.", "flag"))
+    recipe: LoraRecipe = setting(LoraRecipe.PEFT, section="finetune", label="LoRA recipe", option=Option(
+        ("--lora-recipe",), "Which library trains the adapters: {choices} (peft: fp32 adapters, fp32 embeddings / "
+        "norms / head on a quantized base; torchtune: everything in the model's dtype, torchao NF4 base). Default: "
+        "peft.", "choice", metavar="RECIPE"))
+    kbit_prep: bool | None = setting(None, section="finetune", label="k-bit preparation", option=Option(
+        ("--kbit-prep",), "QLoRA under peft: whether prepare_model_for_kbit_training upcasts the embeddings, norms "
+        "and head to fp32 (an fp32 residual stream). --no-kbit-prep: they stay in the compute dtype, as Answer.AI's "
+        "fsdp_qlora, LitGPT, axolotl, LLaMA-Factory and TRL >= 0.27 run it. Default: on (peft's recipe).", "flag"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -182,7 +210,7 @@ class Finetune:
 
     def adapter_bytes(self, compute_dtype: str) -> int:
         """Bytes per adapter element: fp32 under peft (autocast_adapter_dtype), the model's dtype under torchtune."""
-        return 2 if self.torchtune and compute_dtype in ("bf16", "fp16") else 4
+        return DTYPE_BYTES[compute_dtype if self.torchtune else "fp32"]
 
     def upcasts_unquantized(self) -> bool:
         """Whether the parameters a quantized base leaves unquantized (embeddings, norms, head) are held in fp32:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
+from . import fields as _fields
 from .choice import Choice as _Choice
 from .errors import ConfigError
+from .fields import MAX_ACCUM, MAX_DEGREE, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_SEQ_LEN, Option, setting
+from .units import DTYPE_BYTES
 from .zero_knobs import ZeroKnobs
 from .finetune import Finetune
 from .way_out import checked, engine_way_out, refusal
@@ -48,6 +50,16 @@ class Precision(_Choice):
     def master_weights(self) -> bool:
         """An fp32 copy of the weights lives in the optimizer (4 B/param)."""
         return self is Precision.BF16_MASTER
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the parameters and their gradients (units.DTYPE_BYTES of param_dtype)."""
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of what the step computes in (units.DTYPE_BYTES of compute_dtype)."""
+        return DTYPE_BYTES[self.compute_dtype]
 
 
 class Optimizer(_Choice):
@@ -334,115 +346,198 @@ _TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD), ("flo
 class TrainingSetup:
     """One training step on one data-parallel rank. Validated at construction; every problem reported at once."""
 
-    micro_batch_size: int = 8
+    micro_batch_size: int = setting(8, section="batch", label="micro-batch", keep=("micro_batch", "batch"), option=Option(
+        ("--batch", "-b"), "Micro-batch: sequences per GPU per forward/backward. Default: {default}.",
+        maximum=MAX_MICRO_BATCH))
     """Sequences per GPU per forward/backward (HF: per_device_train_batch_size)."""
-    seq_len: int = 2048
+    seq_len: int = setting(2048, section="batch", label="seq", keep=("seq",), option=Option(
+        ("--seq", "-s"), "Sequence length in tokens. Default: {default}, or the model's maximum if shorter.",
+        maximum=MAX_SEQ_LEN))
     """Tokens per sequence."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = setting(1, section="batch", label="accum", keep=("accum",), option=Option(
+        ("--accum",), "Gradient accumulation steps. Default: {default}.", maximum=MAX_ACCUM))
     """Micro-steps per optimizer step; gradients stay allocated between them."""
-    precision: Precision = Precision.AMP_BF16
-    optimizer: Optimizer = Optimizer.ADAMW_FOREACH
-    checkpointing: Checkpointing = Checkpointing.NONE
-    attention: Attention = Attention.SDPA
-    sharding: Sharding = Sharding.NONE
-    offload: Offload = Offload.NONE
-    num_gpus: int = 1
+    precision: Precision = setting(Precision.AMP_BF16, section="precision", label="precision", keep=("precision",),
+                                   option=Option(("--precision",), "{choices}. Default: {default}.", "choice"))
+    optimizer: Optimizer = setting(Optimizer.ADAMW_FOREACH, section="optimizer", label="optimizer",
+                                   keep=("optimizer",),
+                                   option=Option(("--optimizer",), "{choices}. Default: {default}.", "choice"))
+    checkpointing: Checkpointing = setting(Checkpointing.NONE, section="memory", label="checkpointing",
+                                           keep=("checkpointing",), option=Option(
+        ("--checkpointing",), "Gradient checkpointing: {choices}. Default: {default}.", "choice"))
+    attention: Attention = setting(Attention.SDPA, section="memory", label="attention", keep=("attention",),
+                                   option=Option(("--attention",), "{choices} (sdpa = FlashAttention / "
+                                                 "memory-efficient kernel). Default: {default}.", "choice"))
+    sharding: Sharding = setting(Sharding.NONE, section="parallel", label="sharding", keep=("sharding", "zero"),
+                                 option=Option(("--zero",), "ZeRO sharding: {choices}. Default: none (the plan shards "
+                                               "when needed); needs 2+ GPUs.", "choice"))
+    offload: Offload = setting(Offload.NONE, section="parallel", label="offload", keep=("offload",), option=Option(
+        ("--offload",), "CPU offload: {choices}. Default: none.", "choice"))
+    num_gpus: int = setting(1, section="parallel", label="gpus", keep=("gpus",))
     """GPUs in the job, the world size (GPUs per node x nodes): `tp` GPUs form one tensor-parallel group, and the
-    num_gpus / tp groups are the data-parallel ranks that sharding spreads over (`dp_size`; = num_gpus without TP)."""
-    engine: Engine = Engine.DEEPSPEED
+    num_gpus / tp groups are the data-parallel ranks that sharding spreads over (`dp_size`; = num_gpus without TP).
+    The command line sets it with --gpus and --nodes (the hardware's options)."""
+    engine: Engine = setting(Engine.DEEPSPEED, section="parallel", label="engine", keep=("engine",), option=Option(
+        ("--engine",), "Who shards and offloads: {choices} (DDP / ZeroRedundancyOptimizer / FSDP2). Their memory "
+        "layouts differ. Default: deepspeed.", "choice"))
     """The engine that runs data parallelism, sharding and offload when num_gpus > 1 or offload is on."""
-    tp: int = 1
+    tp: int = setting(1, section="parallel", label="tp", keep=("tp",), option=Option(
+        ("--tp",), "Tensor-parallel degree (torch DTensor, as torchtitan applies it): each group of N GPUs splits "
+        "every projection, the embedding and the LM head; the data-parallel ranks are GPUs / N. Needs --engine torch "
+        "(the default with --tp > 1). Default: 1.", maximum=MAX_DEGREE))
     """Tensor-parallel degree (torch DTensor, as torchtitan applies it; Megatron-style column/row splits): each
     group of `tp` GPUs holds 1/tp of every projection, the token embedding and the LM head (memfit.tensor_parallel)."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = setting(False, section="parallel", label="sequence parallel", keep=("tp",),
+                                      option=Option(("--sequence-parallel",), "With --tp: split norms and the "
+                                                    "residual stream along the sequence (Megatron SP; torchtitan's "
+                                                    "SequenceParallel). Default: off.", "flag"))
     """With tp > 1: norms and the residual stream split along the sequence between the tensor-parallel ranks
     (Megatron SP, Korthikanti et al. 2022; torchtitan's SequenceParallel), all-gather / reduce-scatter instead of
     all-reduce."""
-    finetune: Finetune = Finetune()
+    finetune: Finetune = setting(Finetune(), section="finetune", label="method", keep=("method", "finetune", "lora"),
+                                 nested=Finetune)
     """What is trained: every weight, or LoRA / QLoRA adapters on a frozen base (memfit.finetune)."""
-    expert_parallel: int = 1
+    expert_parallel: int = setting(1, section="moe", label="ep", keep=("ep", "expert_parallel"), option=Option(
+        ("--ep",), "MoE models: expert-parallel degree, ranks the experts are split over (divides the GPUs and the "
+        "experts). Default: 1.", maximum=MAX_GPUS_PER_NODE * 64))
     """MoE models: ranks the routed experts are split over (an EP group inside the num_gpus data-parallel ranks);
     each rank holds num_experts / expert_parallel experts and exchanges tokens by all-to-all (memfit.estimate.moe)."""
-    capacity_factor: float = 0.0
+    capacity_factor: float = setting(0.0, section="moe", label="capacity factor", keep=("capacity",), option=Option(
+        ("--capacity-factor",), "MoE models: 0 = dropless routing (transformers' experts); C >= 1 caps an expert at "
+        "C x tokens x top_k / experts rows, which bounds the worst-case routing range shown. Default: 0.",
+        "capacity", metavar="C"))
     """MoE models: 0 = dropless routing (transformers' experts); c >= 1 caps each expert at c x tokens x top_k /
     num_experts rows (an implementation that drops tokens), which bounds the worst-case load memfit shows."""
-    loss: Loss = Loss.STANDARD
+    loss: Loss = setting(Loss.STANDARD, section="memory", label="loss", keep=("loss",), option=Option(
+        ("--loss",), "{choices}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
+        "CEWithChunkedOutputLoss), fused with the LM head (Liger; needs liger-kernel) or the cross-entropy under "
+        "torch.compile (torchtitan's build_cross_entropy_loss). Default: standard.", "choice"))
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
-    optimizer_in_backward: bool = False
+    optimizer_in_backward: bool = setting(False, section="optimizer", label="optimizer in backward",
+                                          keep=("optimizer_in_backward", "in_backward"), option=Option(
+        ("--optimizer-in-backward",), "Step each parameter in backward and free its gradient (torchtune "
+        "optimizer_in_bwd): no gradient accumulation or clipping, one GPU. Default: off.", "flag"))
     """Step each parameter as soon as its gradient is accumulated, then free it (torchtune optimizer_in_bwd)."""
-    keep_zeroed_grads: bool = False
+    keep_zeroed_grads: bool = setting(False, section="optimizer", label="gradients kept zeroed", option=Option(
+        ("--keep-zeroed-grads",), "zero_grad(set_to_none=False): gradients zeroed, not freed, between steps, so they "
+        "live through forward (torch < 2.0's default; the HF Trainer's model.zero_grad() then). Default: off "
+        "(freed).", "flag"))
     """zero_grad(set_to_none=False): gradients zeroed, not freed, after each step, so they live through the next
     forward (torch < 2.0's default for Module / Optimizer.zero_grad, which the HF Trainer's model.zero_grad() used;
     torch 2.0 made set_to_none=True the default, pytorch/pytorch#92731)."""
-    # -- activation offloading (memfit.estimate.offload_activations) --
-    cpu_offload_optimizer: CpuOffloadOptimizer = CpuOffloadOptimizer.OFF
+    cpu_offload_optimizer: CpuOffloadOptimizer = setting(
+        CpuOffloadOptimizer.OFF, section="optimizer", label="torchao CPU offload", option=Option(
+            ("--cpu-offload-optimizer",), "{choices}: torchao.optim.CPUOffloadOptimizer on one GPU, the states and "
+            "step on the host (on: offload_gradients=False; grads: True, no accumulation). Default: off.", "choice"))
     """torchao.optim.CPUOffloadOptimizer (on: offload_gradients=False; grads: True) on one GPU."""
-    activation_offload: bool = False
+    # -- activation offloading (memfit.estimate.offload_activations) --
+    activation_offload: bool = setting(False, section="memory", label="activation offload",
+                                       keep=("activation_offload",), option=Option(
+        ("--activation-offload",), "Offload the tensors saved for backward to pinned CPU RAM (torchtune "
+        "enable_activation_offloading; TRL / axolotl activation_offloading): the LM head's and the loss's stay. Best "
+        "with --checkpointing full. Default: off.", "flag"))
     """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
     enable_activation_offloading / OffloadActivations, TRL and axolotl activation_offloading); the LM head's and the
     loss's stay on the device."""
 
     # --- pipeline / context parallelism and HSDP (memfit.estimate.pipeline, .context_parallel, .static) ---
-    pp: int = 1
+    pp: int = setting(1, section="parallel", label="pp", keep=("pp",), option=Option(
+        ("--pp",), "Pipeline-parallel degree (torch.distributed.pipelining, torchtitan's pipeline_parallel_degree): "
+        "the layers are cut into stages over N GPUs, the embedding on the first, the LM head on the last; --accum is "
+        "the number of micro-batches. Needs --engine torch (the default with --pp > 1). Default: 1.",
+        maximum=MAX_DEGREE))
     """Pipeline-parallel degree (torch.distributed.pipelining, torchtitan's pipeline_parallel_degree): the layers are
     cut into pp x pp_virtual_stages stages, one group of `pp` GPUs runs them one after another, and each optimizer
     step's grad_accum_steps micro-batches flow through them (torchtitan: local batch / micro-batch size)."""
-    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    pp_schedule: PipelineSchedule = setting(PipelineSchedule.ONE_F_ONE_B, section="parallel", label="pp schedule",
+                                            keep=("pp",), option=Option(
+        ("--pp-schedule",), "With --pp: {choices} (torchtitan's pipeline_parallel_schedule). Default: {default}.",
+        "choice"))
     """With pp > 1: gpipe, 1f1b or interleaved-1f1b (torchtitan's pipeline_parallel_schedule)."""
-    pp_virtual_stages: int = 1
+    pp_virtual_stages: int = setting(1, section="parallel", label="pp stages per rank", keep=("pp",), option=Option(
+        ("--pp-virtual-stages",), "With --pp-schedule interleaved-1f1b: stages per pipeline rank (2 or more). "
+        "Default: 1.", maximum=1024, metavar="V"))
     """Stages each pipeline rank holds (interleaved-1f1b: 2 or more, torchtitan's stages per rank)."""
-    cp: int = 1
+    cp: int = setting(1, section="parallel", label="cp", keep=("cp",), option=Option(
+        ("--cp",), "Context-parallel degree (torch context_parallel ring attention, torchtitan's "
+        "context_parallel_degree): N GPUs split every sequence, each holding seq / N tokens of every activation. "
+        "Needs --attention sdpa and --engine torch (the default with --cp > 1). Default: 1.", maximum=MAX_DEGREE))
     """Context-parallel degree (torch context_parallel ring attention, torchtitan's context_parallel_degree): each
     group of cp GPUs splits every sequence, each rank holding seq_len / cp tokens of every activation; FSDP shards
     over dp x cp (memfit.estimate.context_parallel)."""
-    cp_rotate: CpRotate = CpRotate.ALLGATHER
+    cp_rotate: CpRotate = setting(CpRotate.ALLGATHER, section="parallel", label="cp rotate", keep=("cp",),
+                                  option=Option(("--cp-rotate",), "With --cp: {choices}, how ring attention moves K/V "
+                                                "(torchtitan's context_parallel_rotate_method). Default: {default}.",
+                                                "choice"))
     """With cp > 1: allgather (torch's default) or alltoall, how the K/V chunks travel."""
-    dp_shard: int = 0
+    dp_shard: int = setting(0, section="parallel", label="shard group", keep=("dp_shard", "hsdp"), option=Option(
+        ("--dp-shard",), "HSDP: shard ZeRO-2/3 over groups of N data-parallel ranks and replicate across the groups "
+        "(FSDP2 on a 2D (replicate, shard) mesh; torchtitan's data_parallel_shard_degree). Needs --engine torch. "
+        "Default: all data-parallel ranks.", maximum=MAX_DEGREE))
     """HSDP: ZeRO-2/3 shards over groups of dp_shard data-parallel ranks and replicates across the
     dp_size / dp_shard groups (FSDP2 fully_shard(mesh=2D (replicate, shard)); torchtitan's
     data_parallel_shard_degree, with data_parallel_replicate_degree the rest). 0: shard over all of them."""
 
     # ---- inputs of encoder-decoder and vision models (memfit.derive.stacks checks them against the model) ----
-    target_len: int | None = None
+    target_len: int | None = setting(None, section="batch", label="target", option=Option(
+        ("--target-len", "--target"), "Encoder-decoders (T5, BART): decoder (target) length in tokens; --seq is the "
+        "encoder's (source). Required for them, refused for other models.", maximum=MAX_SEQ_LEN))
     """Encoder-decoders (T5, BART): tokens per decoder (target) sequence; `seq_len` is the encoder's (source)
     length. None for other models."""
-    image_size: int | None = None
+    image_size: int | None = setting(None, section="batch", label="image", option=Option(
+        ("--image-size",), "Vision models (ViT, DINOv2): image side in pixels, a multiple of the patch size; the "
+        "tokens per image follow from it (--seq does not apply). Default: the config's image_size.",
+        maximum=MAX_SEQ_LEN, metavar="PIXELS"))
     """Vision transformers (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image
     are (image_size / patch)^2 + CLS (+ registers), so `seq_len` does not apply. None: the config's image_size."""
 
     # -- sequence lengths of real data (TrainingSetup.peak_seq_len) --
-    padding: Padding = Padding.MAX_LENGTH
+    padding: Padding = setting(Padding.MAX_LENGTH, section="batch", label="padding", keep=("padding",),
+                               option=Option(("--padding",), "{choices}: every sequence --seq tokens (packed, or "
+                                             "padded to --seq), or each batch padded to its longest sample (HF "
+                                             "DataCollatorWithPadding, torchtune unpacked): the run peaks at the "
+                                             "batch holding the longest sample, min(--seq, --longest-sample) tokens. "
+                                             "Default: max-length.", "choice"))
     """max-length: every sequence holds seq_len tokens (packed, or padded to seq_len); longest: each batch padded to
     its longest sample, seq_len the truncation (torchtune tokenizer.max_seq_len, HF max_length)."""
-    longest_sample_len: int | None = None
+    longest_sample_len: int | None = setting(None, section="batch", label="longest sample", keep=("padding",),
+                                             option=Option(("--longest-sample",), "With --padding longest: tokens of "
+                                                           "the data's longest sample; it sets the peak (--seq still "
+                                                           "truncates). Default: --seq.", maximum=MAX_SEQ_LEN))
     """With padding longest: tokens of the data set's longest sample (before truncation at seq_len); it sets the
     peak. None: seq_len, the bound truncation gives."""
 
     # -- torch.compile (memfit.estimate.compiled) --
-    compile: bool = False
+    compile: bool = setting(False, section="memory", label="torch.compile", keep=("compile",), option=Option(
+        ("--compile",), "torch.compile each transformer block (torchtune compile: True, torchtitan [compile] "
+        "enable): a block keeps what AOTAutograd's min-cut partitioner saves (traced on fake tensors). Default: off.",
+        "flag"))
     """torch.compile each transformer block (torchtune `compile: True`, torchtitan `[compile] enable`, HF
     `torch_compile=True`): AOTAutograd's min-cut partitioner decides what a block saves (memfit.estimate.compiled)."""
     # -- float8 training (memfit.estimate.float8) --
-    float8: Float8 = Float8.OFF
+    float8: Float8 = setting(Float8.OFF, section="precision", label="float8", keep=("float8",), option=Option(
+        ("--float8",), "{choices}: torchao float8 training on every Linear but the LM head (torchtitan "
+        "--model.converters float8, [float8] recipe_name); needs a bf16 compute dtype. Default: off.", "choice"))
     """torchao Float8Linear on every Linear but the LM head (torchtitan `--model.converters float8`, `[float8]
     recipe_name`): off, tensorwise or rowwise. Needs a bf16 compute dtype (amp-bf16, bf16, bf16-master)."""
-    float8_all_gather: bool = False
+    float8_all_gather: bool = setting(False, section="precision", label="float8 all-gather", keep=("float8",),
+                                      option=Option(("--float8-all-gather",), "FSDP2 all-gathers the float8 Linears' "
+                                                    "weights in float8, 1 B per element (torchtitan [float8] "
+                                                    "enable_fsdp_float8_all_gather): --engine torch, zero2/zero3, "
+                                                    "tensorwise. Default: off.", "flag"))
     """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
     bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
     on engine torch with zero2 / zero3 only."""
     # -- DeepSpeed's ZeRO buffers as the user's config sets them (memfit.zero_knobs) --
-    zero_knobs: ZeroKnobs = ZeroKnobs()
+    zero_knobs: ZeroKnobs = setting(ZeroKnobs(), section="parallel", label="DeepSpeed buckets")
     """engine deepspeed: reduce_bucket_size, stage3_param_persistence_threshold and stage3_max_reuse_distance as the
-    JSON sets them (a key left out takes DeepSpeed's default); all None / default: the HF "auto" values memfit emits."""
-    notes: tuple[str, ...] = field(default=(), compare=False)
+    JSON sets them (a key left out takes DeepSpeed's default); all None / default: the HF "auto" values memfit emits.
+    No option sets them: only a --config file."""
+    notes: tuple[str, ...] = setting((), section="notes", compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("precision", Precision), ("optimizer", Optimizer), ("checkpointing", Checkpointing),
-                           ("attention", Attention), ("sharding", Sharding), ("offload", Offload),
-                           ("engine", Engine), ("loss", Loss), ("pp_schedule", PipelineSchedule),
-                           ("cp_rotate", CpRotate), ("padding", Padding), ("float8", Float8),
-                           ("cpu_offload_optimizer", CpuOffloadOptimizer)):
+        for name, kind in _CHOICE_FIELDS:  # the enum fields take their values' text and aliases
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
         if isinstance(self.finetune, str):
             object.__setattr__(self, "finetune", Finetune(method=self.finetune))
@@ -794,6 +889,22 @@ class TrainingSetup:
                 continue
         return dataclasses.replace(self, **changes)
 
+    def section(self, name: str) -> "_fields.Section":
+        """The fields of one section (memfit.fields.SECTIONS: batch, precision, optimizer, memory, parallel,
+        finetune, moe, notes) and their values, as a read-only view: `setup.section("precision").float8`."""
+        return _fields.Section(name, {f: getattr(self, f) for f in _fields.section_fields(TrainingSetup, name)})
+
+    def with_section(self, name: str, **changes) -> "TrainingSetup":
+        """A copy with `changes` to fields of section `name` (replace's rules: validated, conflicting extras turned
+        back). A field of another section is a ConfigError naming its section, so a reader or emitter that owns
+        one section cannot set another's by mistake."""
+        own = _fields.section_fields(TrainingSetup, name)
+        strays = [f"{f} (section {_fields.meta(TrainingSetup, f).section})" if f in FIELD_LABELS else f
+                  for f in changes if f not in own]
+        if strays:
+            raise ConfigError(f"section {name} holds {', '.join(own)}; not {', '.join(strays)}")
+        return self.replace(**changes)
+
     @property
     def peak_seq_len(self) -> int:
         """The sequence length of the run's highest step. Padded to the longest sample of each batch, a step's length
@@ -837,27 +948,15 @@ class TrainingSetup:
         return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     def to_dict(self) -> dict:
-        return {f.name: (getattr(self, f.name).value if isinstance(getattr(self, f.name), Enum)
-                         else list(getattr(self, f.name)) if f.name == "notes"
-                         else getattr(self, f.name).to_dict() if f.name in ("finetune", "zero_knobs")
-                         else getattr(self, f.name))
-                for f in dataclasses.fields(self)}
+        return {f.name: _fields.plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-FIELD_LABELS: dict[str, str] = {
-    "micro_batch_size": "micro-batch", "seq_len": "seq", "grad_accum_steps": "accum", "precision": "precision",
-    "optimizer": "optimizer", "checkpointing": "checkpointing", "attention": "attention", "sharding": "sharding",
-    "offload": "offload", "num_gpus": "gpus", "engine": "engine", "tp": "tp", "sequence_parallel": "sequence parallel",
-    "finetune": "method", "expert_parallel": "ep", "capacity_factor": "capacity factor", "loss": "loss",
-    "optimizer_in_backward": "optimizer in backward", "keep_zeroed_grads": "gradients kept zeroed",
-    "activation_offload": "activation offload",
-    "cpu_offload_optimizer": "torchao CPU offload",
-    "pp": "pp", "pp_schedule": "pp schedule",
-    "pp_virtual_stages": "pp stages per rank", "dp_shard": "shard group", "cp": "cp",
-    "cp_rotate": "cp rotate", "target_len": "target", "image_size": "image",
-    "compile": "torch.compile", "padding": "padding", "longest_sample_len": "longest sample", "float8": "float8",
-    "float8_all_gather": "float8 all-gather", "zero_knobs": "DeepSpeed buckets"}
-"""How each TrainingSetup field (notes aside) is named in what memfit prints."""
+_CHOICE_FIELDS = tuple((f.name, type(f.default)) for f in dataclasses.fields(TrainingSetup)
+                       if isinstance(f.default, _Choice))
+"""(field, its Choice enum) of every enum field, which __post_init__ parses."""
+
+FIELD_LABELS: dict[str, str] = _fields.labels(TrainingSetup)
+"""How each TrainingSetup field (notes aside) is named in what memfit prints (declared on the fields)."""
 
 
 @dataclass(frozen=True)
@@ -873,6 +972,11 @@ class FieldChange:
         return FIELD_LABELS[self.field]
 
     @property
+    def section(self) -> str:
+        """The setup section the field belongs to (memfit.fields.SECTIONS)."""
+        return _fields.meta(TrainingSetup, self.field).section
+
+    @property
     def text(self) -> str:
         return f"{self.label} {self.old} -> {self.new}"
 
@@ -884,19 +988,16 @@ def setup_changes(before: TrainingSetup, after: TrainingSetup) -> tuple[FieldCha
                  if getattr(before, name) != getattr(after, name))
 
 
-KEEP_NAMES: dict[str, tuple[str, ...]] = {
-    "precision": ("precision",), "optimizer": ("optimizer",), "engine": ("engine",), "sharding": ("sharding",),
-    "zero": ("sharding",), "checkpointing": ("checkpointing",), "attention": ("attention",),
-    "micro_batch": ("micro_batch_size",), "batch": ("micro_batch_size",), "accum": ("grad_accum_steps",),
-    "seq": ("seq_len",), "offload": ("offload",), "gpus": ("num_gpus",), "tp": ("tp", "sequence_parallel"),
-    "method": ("finetune",), "finetune": ("finetune",), "lora": ("finetune",), "ep": ("expert_parallel",),
-    "expert_parallel": ("expert_parallel",), "capacity": ("capacity_factor",), "loss": ("loss",),
-    "optimizer_in_backward": ("optimizer_in_backward",), "in_backward": ("optimizer_in_backward",),
-    "activation_offload": ("activation_offload",), "compile": ("compile",),
-    "padding": ("padding", "longest_sample_len"),
-    "pp": ("pp", "pp_schedule", "pp_virtual_stages"), "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",),
-    "cp": ("cp", "cp_rotate"), "float8": ("float8", "float8_all_gather")}
-"""What `--keep` accepts, and the TrainingSetup fields each name pins."""
+KEEP_NAMES: dict[str, tuple[str, ...]] = _fields.keep_names(TrainingSetup)
+"""What `--keep` accepts, and the TrainingSetup fields each name pins (declared on the fields)."""
+
+
+_KEEP_NAME = {name: _fields.keep_name_of(TrainingSetup, name) for name in FIELD_LABELS}
+
+
+def keep_name(field: str) -> str:
+    """The --keep name a message gives for `field` (micro_batch_size -> micro_batch)."""
+    return _KEEP_NAME.get(field, field)
 
 
 def parse_keep(text: "str | None | frozenset[str] | set[str] | tuple[str, ...]") -> frozenset[str]:

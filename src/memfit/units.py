@@ -7,7 +7,8 @@ MiB = 1024**2
 GiB = 1024**3
 GB = 1000**3
 
-# Bytes per element of the dtypes a training step uses.
+# Bytes per element of the dtypes a training step uses: the one table (Precision.param_bytes / compute_bytes,
+# Finetune.adapter_bytes and the estimator read it).
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4,
     "float32": 4,

@@ -1,13 +1,16 @@
 """The options every sizing command shares, parsed into library values at the command-line boundary.
 
-Each option is an `Annotated` alias with its help panel; `with_setup_options` adds the whole set to a command in
-place of its `opts: SetupOptions` parameter, so a new command (trace, measure, launch) takes the same options by
-writing one parameter. Values are checked here, so a bad number is one line naming the option, never a traceback.
+The setup's options are generated from the fields' declarations (memfit.fields: flags, help, parser, bounds, in
+the order of the setup's sections); the others (model, hardware, --config, --keep, output) are `Annotated` aliases
+written here. `with_setup_options` adds the whole set to a command in place of its `opts: SetupOptions` parameter,
+so a new command (trace, measure, launch) takes the same options by writing one parameter. Values are checked
+here, so a bad number is one line naming the option, never a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import io
@@ -23,23 +26,20 @@ import typer
 
 from ..diagnose import DEFAULT_MARGIN
 from ..errors import ConfigError, MemfitError
-from ..finetune import BaseWeights, Finetune, LoraRecipe, Method
+from ..fields import MAX_ACCUM, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_NODES, MAX_SEQ_LEN, SECTIONS, Option
+from ..fields import declared
+from ..fields import options as options_of
+from ..finetune import Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import (KEEP_NAMES, Attention, Checkpointing, CpRotate, CpuOffloadOptimizer, Engine, Float8, Loss, Offload, Optimizer,
-                     Padding, PipelineSchedule, Precision, Sharding, TrainingSetup, _Choice, parse_keep)
+from ..setup import KEEP_NAMES, TrainingSetup, _Choice, parse_keep
 from ..units import parse_size
 from .progress import hidden
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
 DEFAULT_GPU = "A100-80GB"
 
-# Upper bounds that no real step reaches; they keep the ladder's divisor search and --optimize's enumeration short.
-MAX_MICRO_BATCH = 65_536
-MAX_SEQ_LEN = 16 * 1024 * 1024
-MAX_ACCUM = 65_536
-MAX_GPUS_PER_NODE = 1024
-MAX_NODES = 65_536
+__all__ = ["MAX_ACCUM", "MAX_MICRO_BATCH", "MAX_SEQ_LEN"]  # the bounds live with the fields (memfit.fields)
 
 
 def whole_number(maximum: int) -> Callable[[str], int]:
@@ -118,19 +118,10 @@ def keep_fields(value: str | frozenset[str]) -> frozenset[str]:
         raise typer.BadParameter(str(error)) from None
 
 
-def _choices(kind: type[_Choice]) -> str:
-    return ", ".join(m.value for m in kind)
-
-
 def _option(*decls: str, panel: str, help: str, parser: Callable | None = None, metavar: str | None = None,
             **extra) -> Any:
     return typer.Option(*decls, help=help, rich_help_panel=panel, parser=parser, metavar=metavar,
                         show_default=False, **extra)
-
-
-def _choice_option(decl: str, kind: type[_Choice], help: str) -> Any:
-    return _option(decl, panel=SETUP_PANEL, parser=choice(kind), metavar=decl.lstrip("-").upper(),
-                   help=help)
 
 
 ModelArg = Annotated[str, typer.Argument(
@@ -167,16 +158,6 @@ MarginOpt = Annotated[Optional[float], _option(
     "--margin", panel=HARDWARE_PANEL, parser=fraction, metavar="FRACTION",
     help=f"Fraction of GPU memory kept free for kernels' workspaces and spikes. Default: {DEFAULT_MARGIN}.")]
 
-BatchOpt = Annotated[Optional[int], _option(
-    "--batch", "-b", panel=SETUP_PANEL, parser=whole_number(MAX_MICRO_BATCH), metavar="N",
-    help=f"Micro-batch: sequences per GPU per forward/backward. Default: {TrainingSetup.micro_batch_size}.")]
-SeqOpt = Annotated[Optional[int], _option(
-    "--seq", "-s", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
-    help=f"Sequence length in tokens. Default: {TrainingSetup.seq_len}, or the model's maximum if shorter.")]
-TargetOpt = Annotated[Optional[int], _option(
-    "--target-len", "--target", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
-    help="Encoder-decoders (T5, BART): decoder (target) length in tokens; --seq is the encoder's (source). "
-         "Required for them, refused for other models.")]
 TaskOpt = Annotated[Optional[str], _option(
     "--task", panel=MODEL_PANEL, metavar="TASK",
     help="lm or sequence-classification: train the model's own head (causal LM; BERT: masked LM), or a sequence "
@@ -186,22 +167,8 @@ TaskOpt = Annotated[Optional[str], _option(
 NumLabelsOpt = Annotated[Optional[int], _option(
     "--num-labels", panel=MODEL_PANEL, parser=whole_number(1_000_000), metavar="N",
     help="Classes of --task sequence-classification (given alone, it implies that task). Default: 2.")]
-ImageSizeOpt = Annotated[Optional[int], _option(
-    "--image-size", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="PIXELS",
-    help="Vision models (ViT, DINOv2): image side in pixels, a multiple of the patch size; the tokens per image "
-         "follow from it (--seq does not apply). Default: the config's image_size.")]
-PaddingOpt = Annotated[Optional[Padding], _choice_option(
-    "--padding", Padding,
-    help=f"{_choices(Padding)}: every sequence --seq tokens (packed, or padded to --seq), or each batch padded to "
-         "its longest sample (HF DataCollatorWithPadding, torchtune unpacked): the run peaks at the batch holding "
-         "the longest sample, min(--seq, --longest-sample) tokens. Default: max-length.")]
-LongestSampleOpt = Annotated[Optional[int], _option(
-    "--longest-sample", panel=SETUP_PANEL, parser=whole_number(MAX_SEQ_LEN), metavar="N",
-    help="With --padding longest: tokens of the data's longest sample; it sets the peak (--seq still truncates). "
-         "Default: --seq.")]
-AccumOpt = Annotated[Optional[int], _option(
-    "--accum", panel=SETUP_PANEL, parser=whole_number(MAX_ACCUM), metavar="N",
-    help=f"Gradient accumulation steps. Default: {TrainingSetup.grad_accum_steps}.")]
+
+
 def capacity(value: str | float) -> float:
     """0 (dropless) or a finite number >= 1."""
     try:
@@ -213,151 +180,28 @@ def capacity(value: str | float) -> float:
     return number
 
 
-EpOpt = Annotated[Optional[int], _option(
-    "--ep", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * 64), metavar="N",
-    help="MoE models: expert-parallel degree, ranks the experts are split over (divides the GPUs and the experts). "
-         "Default: 1.")]
-CapacityOpt = Annotated[Optional[float], _option(
-    "--capacity-factor", panel=SETUP_PANEL, parser=capacity, metavar="C",
-    help="MoE models: 0 = dropless routing (transformers' experts); C >= 1 caps an expert at C x tokens x top_k / "
-         "experts rows, which bounds the worst-case routing range shown. Default: 0.")]
-PrecisionOpt = Annotated[Optional[Precision], _choice_option(
-    "--precision", Precision, help=f"{_choices(Precision)}. Default: {TrainingSetup.precision}.")]
-OptimizerOpt = Annotated[Optional[Optimizer], _choice_option(
-    "--optimizer", Optimizer, help=f"{_choices(Optimizer)}. Default: {TrainingSetup.optimizer}.")]
-CheckpointingOpt = Annotated[Optional[Checkpointing], _choice_option(
-    "--checkpointing", Checkpointing,
-    help=f"Gradient checkpointing: {_choices(Checkpointing)}. Default: {TrainingSetup.checkpointing}.")]
-AttentionOpt = Annotated[Optional[Attention], _choice_option(
-    "--attention", Attention,
-    help=f"{_choices(Attention)} (sdpa = FlashAttention / memory-efficient kernel). "
-         f"Default: {TrainingSetup.attention}.")]
-ZeroOpt = Annotated[Optional[Sharding], _choice_option(
-    "--zero", Sharding,
-    help=f"ZeRO sharding: {_choices(Sharding)}. Default: none (the plan shards when needed); needs 2+ GPUs.")]
-OffloadOpt = Annotated[Optional[Offload], _choice_option(
-    "--offload", Offload, help=f"CPU offload: {_choices(Offload)}. Default: none.")]
-EngineOpt = Annotated[Optional[Engine], _choice_option(
-    "--engine", Engine,
-    help=f"Who shards and offloads: {_choices(Engine)} (DDP / ZeroRedundancyOptimizer / FSDP2). Their memory "
-         "layouts differ. Default: deepspeed.")]
+_PARSERS: dict[str, Callable[[Option], Callable | None]] = {
+    "whole": lambda o: whole_number(o.maximum), "fraction": lambda o: fraction, "capacity": lambda o: capacity,
+    "choice": lambda o: choice(o.kind), "flag": lambda o: None, "number": lambda o: None, "text": lambda o: None}
+"""The parser of each memfit.fields parser kind (a flag, a plain number and text: typer's own conversion)."""
 
-TpOpt = Annotated[Optional[int], _option(
-    "--tp", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
-    help="Tensor-parallel degree (torch DTensor, as torchtitan applies it): each group of N GPUs splits every "
-         "projection, the embedding and the LM head; the data-parallel ranks are GPUs / N. Needs --engine torch "
-         "(the default with --tp > 1). Default: 1.")]
-SequenceParallelOpt = Annotated[Optional[bool], _option(
-    "--sequence-parallel/--no-sequence-parallel", panel=SETUP_PANEL,
-    help="With --tp: split norms and the residual stream along the sequence (Megatron SP; torchtitan's "
-         "SequenceParallel). Default: off.")]
-PpOpt = Annotated[Optional[int], _option(
-    "--pp", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
-    help="Pipeline-parallel degree (torch.distributed.pipelining, torchtitan's pipeline_parallel_degree): the "
-         "layers are cut into stages over N GPUs, the embedding on the first, the LM head on the last; --accum is "
-         "the number of micro-batches. Needs --engine torch (the default with --pp > 1). Default: 1.")]
-PpScheduleOpt = Annotated[Optional[PipelineSchedule], _choice_option(
-    "--pp-schedule", PipelineSchedule,
-    help=f"With --pp: {_choices(PipelineSchedule)} (torchtitan's pipeline_parallel_schedule). "
-         f"Default: {TrainingSetup.pp_schedule}.")]
-PpVirtualStagesOpt = Annotated[Optional[int], _option(
-    "--pp-virtual-stages", panel=SETUP_PANEL, parser=whole_number(1024), metavar="V",
-    help="With --pp-schedule interleaved-1f1b: stages per pipeline rank (2 or more). Default: 1.")]
-CpOpt = Annotated[Optional[int], _option(
-    "--cp", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
-    help="Context-parallel degree (torch context_parallel ring attention, torchtitan's context_parallel_degree): "
-         "N GPUs split every sequence, each holding seq / N tokens of every activation. Needs --attention sdpa "
-         "and --engine torch (the default with --cp > 1). Default: 1.")]
-CpRotateOpt = Annotated[Optional[CpRotate], _choice_option(
-    "--cp-rotate", CpRotate,
-    help=f"With --cp: {_choices(CpRotate)}, how ring attention moves K/V (torchtitan's "
-         f"context_parallel_rotate_method). Default: {TrainingSetup.cp_rotate}.")]
-DpShardOpt = Annotated[Optional[int], _option(
-    "--dp-shard", panel=SETUP_PANEL, parser=whole_number(MAX_GPUS_PER_NODE * MAX_NODES), metavar="N",
-    help="HSDP: shard ZeRO-2/3 over groups of N data-parallel ranks and replicate across the groups (FSDP2 on a "
-         "2D (replicate, shard) mesh; torchtitan's data_parallel_shard_degree). Needs --engine torch. Default: all "
-         "data-parallel ranks.")]
-LossOpt = Annotated[Optional[Loss], _choice_option(
-    "--loss", Loss,
-    help=f"{_choices(Loss)}: the whole B x T x V logits (transformers), per sequence chunk (torchtune "
-         "CEWithChunkedOutputLoss), fused with the LM head (Liger; needs liger-kernel) or the cross-entropy under "
-         "torch.compile (torchtitan's build_cross_entropy_loss). Default: standard.")]
-InBackwardOpt = Annotated[Optional[bool], _option(
-    "--optimizer-in-backward/--no-optimizer-in-backward", panel=SETUP_PANEL,
-    help="Step each parameter in backward and free its gradient (torchtune optimizer_in_bwd): no gradient "
-         "accumulation or clipping, one GPU. Default: off.")]
-ActivationOffloadOpt = Annotated[Optional[bool], _option(
-    "--activation-offload/--no-activation-offload", panel=SETUP_PANEL,
-    help="Offload the tensors saved for backward to pinned CPU RAM (torchtune enable_activation_offloading; TRL / "
-         "axolotl activation_offloading): the LM head's and the loss's stay. Best with --checkpointing full. "
-         "Default: off.")]
-CpuOffloadOptimizerOpt = Annotated[Optional[CpuOffloadOptimizer], _choice_option(
-    "--cpu-offload-optimizer", CpuOffloadOptimizer,
-    help=f"{_choices(CpuOffloadOptimizer)}: torchao.optim.CPUOffloadOptimizer on one GPU, the states and step on the "
-         "host (on: offload_gradients=False; grads: True, no accumulation). Default: off.")]
-KeepZeroedGradsOpt = Annotated[Optional[bool], _option(
-    "--keep-zeroed-grads/--no-keep-zeroed-grads", panel=SETUP_PANEL,
-    help="zero_grad(set_to_none=False): gradients zeroed, not freed, between steps, so they live through forward "
-         "(torch < 2.0's default; the HF Trainer's model.zero_grad() then). Default: off (freed).")]
-CompileOpt = Annotated[Optional[bool], _option(
-    "--compile/--no-compile", panel=SETUP_PANEL,
-    help="torch.compile each transformer block (torchtune compile: True, torchtitan [compile] enable): a block "
-         "keeps what AOTAutograd's min-cut partitioner saves (traced on fake tensors). Default: off.")]
-Float8Opt = Annotated[Optional[Float8], _choice_option(
-    "--float8", Float8,
-    help=f"{_choices(Float8)}: torchao float8 training on every Linear but the LM head (torchtitan "
-         "--model.converters float8, [float8] recipe_name); needs a bf16 compute dtype. Default: off.")]
-Float8AllGatherOpt = Annotated[Optional[bool], _option(
-    "--float8-all-gather/--no-float8-all-gather", panel=SETUP_PANEL,
-    help="FSDP2 all-gathers the float8 Linears' weights in float8, 1 B per element (torchtitan [float8] "
-         "enable_fsdp_float8_all_gather): --engine torch, zero2/zero3, tensorwise. Default: off.")]
 
-MethodOpt = Annotated[Optional[Method], _option(
-    "--method", panel=SETUP_PANEL, parser=choice(Method), metavar="METHOD",
-    help=f"What is trained: {_choices(Method)} (LoRA: peft adapters on a frozen base; QLoRA: on a 4-bit "
-         "bitsandbytes base). Default: full.")]
-LoraRankOpt = Annotated[Optional[int], _option(
-    "--lora-rank", "-r", panel=SETUP_PANEL, parser=whole_number(65_536), metavar="R",
-    help=f"LoRA rank (peft r). Default: {Finetune.rank}.")]
-LoraAlphaOpt = Annotated[Optional[float], _option(
-    "--lora-alpha", panel=SETUP_PANEL, metavar="ALPHA", help=f"LoRA alpha. Default: {Finetune.alpha:g}.")]
-LoraDropoutOpt = Annotated[Optional[float], _option(
-    "--lora-dropout", panel=SETUP_PANEL, parser=fraction, metavar="P",
-    help=f"LoRA dropout (a new copy of each adapter input and its mask when > 0). Default: {Finetune.dropout:g}.")]
-LoraTargetsOpt = Annotated[Optional[str], _option(
-    "--lora-targets", panel=SETUP_PANEL, metavar="NAMES",
-    help="peft target_modules: a comma list of Linear names (q_proj,v_proj), or all-linear. Default: peft's "
-         "per-architecture default.")]
-ModulesToSaveOpt = Annotated[Optional[str], _option(
-    "--modules-to-save", panel=SETUP_PANEL, metavar="NAMES",
-    help="peft modules_to_save: modules trained in full beside the adapters (e.g. lm_head,embed_tokens).")]
-BaseOpt = Annotated[Optional[BaseWeights], _option(
-    "--base", panel=SETUP_PANEL, parser=choice(BaseWeights), metavar="STORAGE",
-    help=f"How the frozen base weights are stored: {_choices(BaseWeights)}. Default: the compute dtype for "
-         "LoRA, nf4 for QLoRA.")]
-DoubleQuantOpt = Annotated[Optional[bool], _option(
-    "--double-quant/--no-double-quant", panel=SETUP_PANEL,
-    help="QLoRA: quantize the 4-bit blocks' absmax too (bnb_4bit_use_double_quant). Default: on.")]
+SECTION_PANELS: dict[str, str] = dict.fromkeys(SECTIONS, SETUP_PANEL)
+"""The --help panel of each setup section's options: one "Training setup" panel today (what users know); a
+section gets its own panel by changing its entry."""
 
-RsloraOpt = Annotated[Optional[bool], _option(
-    "--rslora/--no-rslora", panel=SETUP_PANEL,
-    help="peft use_rslora: scale the update by alpha / sqrt(r). Changes no memory. Default: off.")]
 
-LoraRecipeOpt = Annotated[Optional[LoraRecipe], _option(
-    "--lora-recipe", panel=SETUP_PANEL, parser=choice(LoraRecipe), metavar="RECIPE",
-    help=f"Which library trains the adapters: {_choices(LoraRecipe)} (peft: fp32 adapters, fp32 embeddings / norms "
-         "/ head on a quantized base; torchtune: everything in the model's dtype, torchao NF4 base). Default: peft.")]
+def _setup_option(option: Option) -> Any:
+    """The typer parameter of one setup field, as its FieldMeta declares it."""
+    return Annotated[Optional[option.value_type], _option(
+        *option.declarations, panel=SECTION_PANELS[option.section], parser=_PARSERS[option.parser](option),
+        metavar=option.shown_metavar, help=option.help_text)]
 
-KbitPrepOpt = Annotated[Optional[bool], _option(
-    "--kbit-prep/--no-kbit-prep", panel=SETUP_PANEL,
-    help="QLoRA under peft: whether prepare_model_for_kbit_training upcasts the embeddings, norms and head to fp32 "
-         "(an fp32 residual stream). --no-kbit-prep: they stay in the compute dtype, as Answer.AI's fsdp_qlora, "
-         "LitGPT, axolotl, LLaMA-Factory and TRL >= 0.27 run it. Default: on (peft's recipe).")]
 
-DoraOpt = Annotated[Optional[bool], _option(
-    "--dora/--no-dora", panel=SETUP_PANEL,
-    help="peft use_dora: weight-decomposed LoRA (a magnitude vector per adapted Linear, the weight norm "
-         "recomputed each forward). Default: off.")]
+SETUP_FIELD_OPTIONS: tuple[tuple[str, Option], ...] = options_of(TrainingSetup)
+"""(field, Option) of every setup field the command line sets, in --help order: `finetune.rank` for a field of
+the setup's Finetune. Generated from the fields' declarations (memfit.fields)."""
+_SETUP_OPTIONS: dict[str, object] = {option.name: _setup_option(option) for _, option in SETUP_FIELD_OPTIONS}
 
 KeepOpt = Annotated[Optional[frozenset], _option(
     "--keep", panel=SETUP_PANEL, parser=keep_fields, metavar="FIELDS",
@@ -372,58 +216,14 @@ VerboseOpt = Annotated[bool, _option("--verbose", "-v", panel=OUTPUT_PANEL,
 
 
 @dataclass(frozen=True)
-class SetupOptions:
-    """What the user gave on the command line; None where an option was not given."""
+class _GivenOptions:
+    """The options that set no setup field (hardware, task, --keep, --config): None where not given."""
 
     gpu: GPU | None = None
     gpus: int | None = None
     nodes: int | None = None
     cpu_ram: int | None = None
     margin: float | None = None
-    batch: int | None = None
-    seq: int | None = None
-    target_len: int | None = None
-    image_size: int | None = None
-    padding: Padding | None = None
-    longest_sample: int | None = None
-    accum: int | None = None
-    precision: Precision | None = None
-    optimizer: Optimizer | None = None
-    checkpointing: Checkpointing | None = None
-    attention: Attention | None = None
-    zero: Sharding | None = None
-    offload: Offload | None = None
-    engine: Engine | None = None
-    tp: int | None = None
-    sequence_parallel: bool | None = None
-    pp: int | None = None
-    pp_schedule: PipelineSchedule | None = None
-    pp_virtual_stages: int | None = None
-    dp_shard: int | None = None
-    cp: int | None = None
-    cp_rotate: CpRotate | None = None
-    loss: Loss | None = None
-    optimizer_in_backward: bool | None = None
-    keep_zeroed_grads: bool | None = None
-    activation_offload: bool | None = None
-    cpu_offload_optimizer: CpuOffloadOptimizer | None = None
-    compile: bool | None = None
-    float8: Float8 | None = None
-    float8_all_gather: bool | None = None
-    method: Method | None = None
-    lora_rank: int | None = None
-    lora_alpha: float | None = None
-    lora_dropout: float | None = None
-    lora_targets: str | None = None
-    modules_to_save: str | None = None
-    base: BaseWeights | None = None
-    double_quant: bool | None = None
-    rslora: bool | None = None
-    dora: bool | None = None
-    lora_recipe: LoraRecipe | None = None
-    kbit_prep: bool | None = None
-    ep: int | None = None
-    capacity_factor: float | None = None
     task: str | None = None
     num_labels: int | None = None
     keep: frozenset[str] | None = None
@@ -470,7 +270,7 @@ class SetupOptions:
             files = ", ".join(f.path for f in self.reading.files)
             raise ConfigError(f"{error} (with the setup read from {files}; an option overrides a field)") from None
 
-    def with_config(self) -> "SetupOptions":
+    def with_config(self) -> "_GivenOptions":
         """These options with the --config files' fields filled in where no option was given (so they count as
         given), and `reading` set; unchanged without --config."""
         paths = [part.strip() for item in (self.config or ()) for part in str(item).split(",") if part.strip()]
@@ -495,20 +295,10 @@ class SetupOptions:
         return replace(self, reading=reading, **fill)
 
     def _setup_fields(self) -> dict[str, Any]:
-        return dict(micro_batch_size=self.batch, seq_len=self.seq, grad_accum_steps=self.accum,
-                    precision=self.precision, optimizer=self.optimizer, checkpointing=self.checkpointing,
-                    attention=self.attention, sharding=self.zero, offload=self.offload, engine=self.engine,
-                    tp=self.tp, sequence_parallel=self.sequence_parallel, finetune=self.finetune(),
-                    expert_parallel=self.ep, capacity_factor=self.capacity_factor, loss=self.loss,
-                    optimizer_in_backward=self.optimizer_in_backward, activation_offload=self.activation_offload,
-                    cpu_offload_optimizer=self.cpu_offload_optimizer,
-                    keep_zeroed_grads=self.keep_zeroed_grads,
-                    pp=self.pp, pp_schedule=self.pp_schedule,
-                    pp_virtual_stages=self.pp_virtual_stages, dp_shard=self.dp_shard,
-                    cp=self.cp, cp_rotate=self.cp_rotate, target_len=self.target_len,
-                    image_size=self.image_size, compile=self.compile, padding=self.padding,
-                    longest_sample_len=self.longest_sample, float8=self.float8,
-                    float8_all_gather=self.float8_all_gather, **self._read_only_fields())
+        """The setup fields these options give (None where not given), in TrainingSetup's order."""
+        values = {name: getattr(self, option.name) for name, option in SETUP_FIELD_OPTIONS if "." not in name}
+        values["finetune"] = self.finetune()
+        return {**{name: values[name] for name in _FIELD_NAMES if name in values}, **self._read_only_fields()}
 
     def _read_only_fields(self) -> dict[str, Any]:
         """Setup fields only a --config file sets (no option spells them): DeepSpeed's ZeRO buffer sizes."""
@@ -519,11 +309,8 @@ class SetupOptions:
     def finetune(self) -> Finetune | None:
         """The Finetune the --method / --lora-* / --base options describe (None when none was given). LoRA
         options without --method mean LoRA (QLoRA when --base is quantized)."""
-        given = {name: value for name, value in (
-            ("rank", self.lora_rank), ("alpha", self.lora_alpha), ("dropout", self.lora_dropout),
-            ("targets", self.lora_targets), ("modules_to_save", self.modules_to_save), ("base", self.base),
-            ("double_quant", self.double_quant), ("rslora", self.rslora), ("dora", self.dora),
-            ("recipe", self.lora_recipe), ("kbit_prep", self.kbit_prep)) if value is not None}
+        given = {name.partition(".")[2]: getattr(self, option.name) for name, option in _FINETUNE_OPTIONS}
+        given = {name: value for name, value in given.items() if value is not None}
         if self.method is None and not given:
             return None
         method = self.method
@@ -543,54 +330,41 @@ class SetupOptions:
         return frozenset(given)
 
 
-_READ_ONLY_FIELDS = ("zero_knobs",)
+_READ_ONLY_FIELDS = tuple(name for name, m in declared(TrainingSetup)
+                          if m.option is None and m.nested is None and m.label is not None and name != "num_gpus")
+"""Setup fields only a --config file sets (no option spells them; --gpus / --nodes set num_gpus): zero_knobs."""
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainingSetup))
+_FINETUNE_OPTIONS = tuple((name, o) for name, o in SETUP_FIELD_OPTIONS if name.startswith("finetune.")
+                          and name != "finetune.method")
+"""The --lora-* / --base / ... options: the Finetune fields besides the method."""
 
 
 def _finetune_options(ft: Finetune) -> dict[str, Any]:
     """The --method / --lora-* option values that give `ft` (a Finetune read from a config file)."""
     out: dict[str, Any] = {"method": ft.method}
     if ft.adapters:
-        out.update(lora_rank=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, base=ft.base,
-                   double_quant=ft.double_quant, rslora=ft.rslora, dora=ft.dora, lora_recipe=ft.recipe,
-                   kbit_prep=ft.kbit_prep,
-                   lora_targets=",".join(ft.targets) or None,
-                   modules_to_save=",".join(ft.modules_to_save) or None)
+        for name, option in _FINETUNE_OPTIONS:
+            value = getattr(ft, name.partition(".")[2])
+            out[option.name] = (",".join(value) or None) if isinstance(value, tuple) else value
     return out
 
 
-_FIELD_OF_OPTION = {"batch": "micro_batch_size", "seq": "seq_len", "accum": "grad_accum_steps",
-                    "precision": "precision", "optimizer": "optimizer", "checkpointing": "checkpointing",
-                    "attention": "attention", "zero": "sharding", "offload": "offload", "engine": "engine",
-                    "tp": "tp", "sequence_parallel": "sequence_parallel", "ep": "expert_parallel",
-                    "capacity_factor": "capacity_factor", "loss": "loss", "optimizer_in_backward": "optimizer_in_backward",
-                    "activation_offload": "activation_offload",
-                    "cpu_offload_optimizer": "cpu_offload_optimizer",
-                    "pp": "pp", "pp_schedule": "pp_schedule", "pp_virtual_stages": "pp_virtual_stages",
-                    "dp_shard": "dp_shard", "cp": "cp", "cp_rotate": "cp_rotate",
-                    "target_len": "target_len", "image_size": "image_size", "compile": "compile",
-                    "padding": "padding", "longest_sample": "longest_sample_len",
-                    "keep_zeroed_grads": "keep_zeroed_grads", "float8": "float8",
-                    "float8_all_gather": "float8_all_gather"}
-_OPTION_OF_FIELD = {**{field: f"--{name}" for name, field in _FIELD_OF_OPTION.items()}, "finetune": "--method",
-                    "target_len": "--target-len", "image_size": "--image-size",
-                    "longest_sample_len": "--longest-sample", "float8_all_gather": "--float8-all-gather"}
+_FIELD_OF_OPTION = {option.name: name for name, option in SETUP_FIELD_OPTIONS if "." not in name}
+"""SetupOptions name -> the TrainingSetup field it sets (zero -> sharding)."""
+_OPTION_OF_FIELD = {**{name: option.flags[0] for name, option in SETUP_FIELD_OPTIONS if "." not in name},
+                    "finetune": "--method"}
+"""TrainingSetup field -> the option that sets it, as the --config reading names it (overridden by --zero)."""
+
+SetupOptions = dataclasses.make_dataclass(
+    "SetupOptions", [(option.name, Optional[option.value_type], field(default=None))
+                     for _, option in SETUP_FIELD_OPTIONS],
+    bases=(_GivenOptions,), frozen=True, namespace={"__module__": __name__, "__doc__": (
+        "What the user gave on the command line; None where an option was not given. One attribute per setup "
+        "option, named after its flag (--longest-sample -> longest_sample), generated from the fields' "
+        "declarations (memfit.fields), besides the hand-written ones of _GivenOptions.")})
 
 _SHARED_OPTIONS: dict[str, object] = {  # in --help order: the training setup panel, then the hardware panel
-    "config": ConfigOpt,
-    "batch": BatchOpt, "seq": SeqOpt, "padding": PaddingOpt, "longest_sample": LongestSampleOpt,
-    "target_len": TargetOpt, "image_size": ImageSizeOpt, "accum": AccumOpt, "precision": PrecisionOpt, "optimizer": OptimizerOpt,
-    "checkpointing": CheckpointingOpt, "attention": AttentionOpt, "zero": ZeroOpt, "offload": OffloadOpt,
-    "engine": EngineOpt, "tp": TpOpt, "sequence_parallel": SequenceParallelOpt, "pp": PpOpt,
-    "pp_schedule": PpScheduleOpt, "pp_virtual_stages": PpVirtualStagesOpt, "dp_shard": DpShardOpt, "cp": CpOpt,
-    "cp_rotate": CpRotateOpt, "loss": LossOpt,
-    "optimizer_in_backward": InBackwardOpt, "keep_zeroed_grads": KeepZeroedGradsOpt,
-    "activation_offload": ActivationOffloadOpt,
-    "cpu_offload_optimizer": CpuOffloadOptimizerOpt,
-    "compile": CompileOpt, "float8": Float8Opt, "float8_all_gather": Float8AllGatherOpt,
-    "method": MethodOpt, "lora_rank": LoraRankOpt, "lora_alpha": LoraAlphaOpt, "lora_dropout": LoraDropoutOpt,
-    "lora_targets": LoraTargetsOpt, "modules_to_save": ModulesToSaveOpt, "base": BaseOpt,
-    "double_quant": DoubleQuantOpt, "rslora": RsloraOpt, "dora": DoraOpt, "lora_recipe": LoraRecipeOpt,
-    "kbit_prep": KbitPrepOpt, "ep": EpOpt, "capacity_factor": CapacityOpt,
+    "config": ConfigOpt, **_SETUP_OPTIONS,
     "gpu": GpuOpt, "gpus": GpusOpt, "nodes": NodesOpt, "cpu_ram": CpuRamOpt, "margin": MarginOpt,
     "task": TaskOpt, "num_labels": NumLabelsOpt,
 }

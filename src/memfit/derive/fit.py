@@ -362,7 +362,7 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     if progress is not None:
         progress("fitting", 1.0)
     vocab, hidden = _vocab_hidden(config)
-    grad_bytes = 2 if base.precision.param_dtype == "bf16" else 4
+    grad_bytes = base.precision.param_bytes
     per_shape = []
     for i, (batch, seq) in enumerate(shapes):
         one, two = runs[(False, None), 1][i], runs[(False, None), 2][i]

@@ -139,7 +139,7 @@ def moments(spec, setup, static, step_temp: int, on_cpu: bool) -> dict:
     shape, full = shape_of(config, setup), depths(config)
     saved = {s: max(0, fit.value(c, shape)) for s, c in fit.saved.items()}
     grads = {s: max(0, fit.value(c, shape)) for s, c in fit.grads.items()}
-    unsharded = spec.num_params * (2 if setup.precision.param_dtype == "bf16" else 4)  # a gradient per parameter
+    unsharded = spec.num_params * setup.precision.param_bytes  # a gradient per parameter
     scale = static.grads_bytes / max(unsharded, 1)  # a sharded gradient partition holds its share of each
     early = static.grads_bytes if setup.grad_accum_steps > 1 or static.grads_preallocated else 0
     out: dict = {}

@@ -52,7 +52,7 @@ def _down_projection_grads(step: StepModel) -> int:
     spec = step.spec
     if spec.frozen or spec.derived is not None or step.setup.optimizer_in_backward or not _measured_block_order(spec):
         return 0
-    grad_bytes = 2 if step.setup.precision.param_dtype == "bf16" else 4
+    grad_bytes = step.setup.precision.param_bytes
     return spec.intermediate_size * spec.hidden_size * grad_bytes
 
 
@@ -202,7 +202,7 @@ def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:
 
 def _param_step_temp(spec: ModelSpec, setup: TrainingSetup, numel: int) -> int:
     """Transient bytes of one parameter's own optimizer step (optimizer in backward: one optimizer per parameter)."""
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     if setup.optimizer is Optimizer.ADAMW:
         return 2 * numel * p_bytes  # exp_avg_sq.sqrt() and its division by the bias correction
     if setup.optimizer is Optimizer.ADAMW_FOREACH:
@@ -224,7 +224,7 @@ def in_backward_moments(step: StepModel) -> dict[MomentKey, list[Term]]:
     gradient waits in autograd's buffer for the embedding's and steps with it at the end."""
     spec, setup = step.spec, step.setup
     vh = spec.vocab_size * spec.hidden_size
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     d = step.dtypes
     one = lambda name, numel, what: [  # noqa: E731
         Term(TermKey.IN_BACKWARD, Category.GRADIENTS, numel * p_bytes, f"{what}: its gradient", IN_BACKWARD_SOURCE),

@@ -184,7 +184,7 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
     by = {t.name: t.num_bytes for t in terms}
     layers = max(spec.num_layers, 1)
     tokens = setup.tokens_per_micro_step
-    compute = 4 if setup.precision.compute_dtype == "fp32" else 2
+    compute = setup.precision.compute_bytes
     unit_h = tokens * spec.hidden_size * compute
     unit_i = tokens * max(spec.intermediate_size, spec.hidden_size) * compute
     block, root = _split_by_block([(p.numel, p.count) for p in spec.params], layers)

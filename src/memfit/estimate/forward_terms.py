@@ -192,7 +192,7 @@ def _fused_loss_terms(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes) -> l
     """What the fused loss keeps from forward to backward: the gradient of the hidden states (their dtype) and of
     the head weight (its dtype), made in forward chunk by chunk; no logits, no log-softmax, no labels."""
     tokens, h = setup.tokens_per_micro_step, spec.hidden_size
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     return [Term(TermKey.LOSS, Category.ACTIVATIONS, tokens * h * d.residual,
                  f"B x T x h x {d.residual} B: the hidden states' gradient, made in forward", FUSED_SOURCE),
             Term(TermKey.FUSED_HEAD, Category.GRADIENTS, spec.vocab_size * h * p_bytes,

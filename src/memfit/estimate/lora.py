@@ -37,6 +37,7 @@ from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2Se
 from ..graph.registry import walk
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, deepspeed_casts_module, fsdp2_mixed_precision
+from ..units import DTYPE_BYTES
 from . import dora, lora_checkpoint
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
@@ -201,7 +202,7 @@ def _modules_to_save(graph, names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(found)
 
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPE_BYTES = DTYPE_BYTES  # the one dtype table (memfit.units); the private name kept for lora_sharded
 
 
 def unquantized_bytes(ft: Finetune, base: BaseWeights, compute_dtype: str) -> int:

@@ -315,7 +315,7 @@ def block_temporaries(spec: ModelSpec, setup: TrainingSetup, tokens: int, d: Dty
     route = routing(spec, setup)
     residual = 3 * tokens * spec.hidden_size * d.residual
     local = e.num_experts // max(route.ep, 1)
-    down_grad = local * h * inter * (2 if setup.precision.param_dtype == "bf16" else 4)
+    down_grad = local * h * inter * setup.precision.param_bytes
     if e.implementation == "eager":
         rows = route.per_expert_worst if worst else route.per_expert_balanced
         size = d.compute

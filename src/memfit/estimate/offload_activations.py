@@ -153,7 +153,7 @@ def _weight_pack_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, pla
         return 0  # GPT-2's Conv1D saves the nn.Parameter itself (addmm(bias, x, weight)): not packed
     from .forward_terms import linear_weight_elems
     block_elems = linear_weight_elems(spec) - spec.vocab_size * spec.hidden_size
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     return block_elems * p_bytes * plain_blocks // max(spec.num_layers, 1)
 
 

@@ -44,7 +44,7 @@ class StaticBytes:
 
 
 def param_elem_bytes(precision: Precision) -> int:
-    return 2 if precision.param_dtype == "bf16" else 4
+    return precision.param_bytes
 
 
 def trainable_bytes(spec: ModelSpec, elem_bytes: int) -> int:

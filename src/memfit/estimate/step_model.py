@@ -24,7 +24,7 @@ from .terms import TermKey
 def _parameter_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic) -> list[Term]:
     """The parameters (a LoRA step: the adapters and the frozen base), buffers and what is gathered."""
     n = setup.shard_size  # the data-parallel ranks, or the HSDP shard group
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     shard_note = f" / {n} ranks" if setup.sharding.stage >= 3 else ""
     if spec.frozen:
         a_bytes = lora.adapter_bytes(setup)
@@ -63,7 +63,7 @@ def static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, g
     """Static memory as terms with `grads` gradient bytes alive: parameters, gradients (and their buckets),
     optimizer states (a paged optimizer's part outside the allocator on its own)."""
     n = setup.shard_size
-    p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
+    p_bytes = setup.precision.param_bytes
     terms = _parameter_terms(spec, setup, static)
     if grads:
         g_note = f" / {n} ranks" if setup.sharding.stage >= 2 else ""

@@ -12,7 +12,7 @@ from ..estimate.result import MemoryEstimate
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..errors import ConfigError
-from ..setup import Checkpointing, Engine, FieldChange, TrainingSetup, setup_changes
+from ..setup import Checkpointing, Engine, FieldChange, TrainingSetup, keep_name, setup_changes
 from ..units import format_bytes
 
 
@@ -101,11 +101,6 @@ def pin_reason(changes: tuple[FieldChange, ...]) -> str:
     what = ", ".join(c.text for c in changes)
     pins = ",".join(dict.fromkeys(keep_name(c.field) for c in changes))
     return f"it would change {what}, which --keep {pins} pins"
-
-
-def keep_name(field: str) -> str:
-    return {"micro_batch_size": "micro_batch", "seq_len": "seq", "grad_accum_steps": "accum",
-            "num_gpus": "gpus"}.get(field, field)
 
 
 class Technique:

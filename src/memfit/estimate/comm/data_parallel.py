@@ -91,7 +91,7 @@ _COLLECTIVES = {Runtime.SINGLE: lambda params, setup, trained=None: [], Runtime.
 def _torch_param_bytes(setup: TrainingSetup) -> int:
     """Parameters and gradients of an unsharded torch model: fp32 unless the weights are bf16 (bf16, bf16-master:
     memfit keeps the fp32 master copy in the optimizer, so gradients are bf16)."""
-    return 2 if setup.precision.param_dtype == "bf16" else 4
+    return setup.precision.param_bytes
 
 
 def _fsdp2_dtype_bytes(setup: TrainingSetup) -> tuple[int, int]:
@@ -106,7 +106,7 @@ def _fsdp2_dtype_bytes(setup: TrainingSetup) -> tuple[int, int]:
 
 def _deepspeed_dtype_bytes(setup: TrainingSetup) -> int:
     """DeepSpeed's communication_data_type default (runtime/engine.py): fp16 or bf16 when enabled, else fp32."""
-    return 4 if setup.precision is Precision.FP32 else 2
+    return setup.precision.compute_bytes
 
 
 def _notes(runtime: Runtime, setup: TrainingSetup) -> tuple[str, ...]:

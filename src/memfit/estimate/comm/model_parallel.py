@@ -111,7 +111,7 @@ def _expert_parallel(spec: ModelSpec, setup: TrainingSetup) -> list[Collective]:
         return []
     layers = moe.moe_layers(spec)
     h = moe.experts_nodes(spec)[0].expert.hidden
-    size = 4 if setup.precision.compute_dtype == "fp32" else 2
+    size = setup.precision.compute_bytes
     calls = 4 * layers * setup.grad_accum_steps
     return [Collective(ALL_TO_ALL, f"MoE token dispatch + combine, forward and backward, over EP groups of "
                        f"{route.ep} ({layers} MoE layers)", route.balanced_rows * h, size, calls)]
