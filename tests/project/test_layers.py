@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what a training setup, a GPU and a model are, and their memory by formula: no torch, no config formats (the
     # bounded file reading that memfit.sources shares with the readers apart)
-    ("core", ("memfit._version", "memfit.errors", "memfit.units", "memfit.atomic", "memfit.choice", "memfit.change",
+    ("core", ("memfit._version", "memfit.errors", "memfit.units", "memfit.fields", "memfit.atomic", "memfit.choice",
+              "memfit.change",
               "memfit.zero_knobs", "memfit.optimizers", "memfit.finetune", "memfit.way_out", "memfit.setup",
               "memfit.hardware", "memfit.model_spec", "memfit.graph", "memfit.graph.*", "memfit.estimate",
               "memfit.estimate.*", "memfit.diagnose", "memfit.derive.model", "memfit.readers.files",
