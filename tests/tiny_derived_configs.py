@@ -1,0 +1,24 @@
+"""Tiny HF configs of families memfit sizes by derived formulas (memfit.derive: a graph for the parameters, the
+activations fitted from traces of 1- and 2-block copies): hidden 64, 2 layers, 4 heads, vocab 512, as
+tiny_configs.py. Kept apart from TINY_CONFIGS, which conftest parametrizes every family test over."""
+
+DERIVED_CONFIGS = {
+    "opt": {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512, "word_embed_proj_dim": 64},
+    "falcon": {"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "vocab_size": 512},
+    "gptj": {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "rotary_dim": 8,
+             "vocab_size": 512, "n_positions": 512, "bos_token_id": 0, "eos_token_id": 0},
+    "stablelm": {"model_type": "stablelm", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512,
+                 "max_position_embeddings": 512},
+    "phi": {"model_type": "phi", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512},
+}
+
+QV_TARGETS = {
+    # peft's defaults for these model types (peft.utils.constants TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
+    # less phi's fc1 / fc2: the query and value projections; Falcon fuses them in query_key_value
+    "opt": ("q_proj", "v_proj"), "gptj": ("q_proj", "v_proj"), "stablelm": ("q_proj", "v_proj"),
+    "phi": ("q_proj", "v_proj"), "falcon": ("query_key_value",),
+}
