@@ -44,6 +44,11 @@ def embedding_saved_bytes(spec, setup, tokens: int, seq_len: int, on_cpu: bool =
     return max(0, spec.derived.fit(setup, on_cpu).at(seq_len).embedding(tokens, seq_len, constant=False))
 
 
+def first_block_unsaved(spec, setup, tokens: int, seq_len: int, on_cpu: bool = False) -> int:
+    """Under LoRA: what block 0 keeps less than the others (KindFit.first)."""
+    return spec.derived.fit(setup, on_cpu).first_unsaved(tokens, seq_len)
+
+
 def block_temporaries(spec, setup, tokens: int, seq_len: int, on_cpu: bool = False) -> int:
     return spec.derived.fit(setup, on_cpu).temporaries_bytes(tokens, seq_len)
 

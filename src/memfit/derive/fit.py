@@ -24,7 +24,7 @@ from fractions import Fraction
 from typing import Any
 
 from ..errors import ModelSourceError
-from .model import GROUPS, KindFit, Linear, kind_setup
+from .model import GROUPS, KindFit, Linear, kind_adapters, kind_setup
 
 FIT_SHAPES = ((2, 16), (3, 16), (2, 32), (3, 48))
 CHECK_SHAPE = (4, 40)
@@ -120,6 +120,14 @@ def _group(name: str) -> str:
     if any(w in low for w in _MLP_WORDS):
         return "mlp"
     return "norms"
+
+
+def _input_grads_copy(config: dict[str, Any], base, fake_mode):
+    """The 1-block copy whose embedding output requires grad (peft's enable_input_require_grads): its block 0 keeps
+    what every later block keeps."""
+    model, _ = build_short(config, 1, base, fake_mode)
+    model.enable_input_require_grads()
+    return model
 
 
 def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> dict[str, Any]:
@@ -344,8 +352,17 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     mix = {} if num_dense else layer_type_counts(config)
     copies = [(False, None)] + ([(True, None)] if num_dense else []) + [(False, t) for t in mix]
     runs: dict[tuple[tuple[bool, str | None], int], list[dict[str, Any]]] = {}
-    total = 2 * len(shapes) * len(copies)
+    adapters = kind_adapters(kind) is not None
+    total = (2 * len(copies) + adapters) * len(shapes)
     done = 0
+    if adapters:  # block 0 under LoRA: the 1-block copy again, its embedding output requiring grad
+        fake_mode = FakeTensorMode()
+        model = _input_grads_copy(config, base, fake_mode)
+        runs[(False, "input-grads"), 1] = []
+        for batch, seq in shapes:
+            setup = base.replace(micro_batch_size=batch, seq_len=seq)
+            runs[(False, "input-grads"), 1].append(_measure(model, config, setup, kernels, fake_mode))
+            done += 1
     for dense, layer_type in copies:
         for layers in (1, 2):
             fake_mode = FakeTensorMode()
@@ -362,6 +379,8 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
         progress("fitting", 1.0)
     vocab, hidden = _vocab_hidden(config)
     grad_bytes = 2 if base.precision.param_dtype == "bf16" else 4
+    if kind_adapters(kind) is not None:
+        grad_bytes = 0  # under LoRA the LM head is frozen: no gradient of it to count as the estimator's
     per_shape = []
     for i, (batch, seq) in enumerate(shapes):
         one, two = runs[(False, None), 1][i], runs[(False, None), 2][i]
@@ -382,13 +401,15 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in mix}
             grouped = {g: round(Fraction(sum(n * by_type[t][g] for t, n in mix.items()), num_layers)) for g in GROUPS}
         tokens = batch * seq
-        reference = (2 * routed_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens
+        # under LoRA block 0 keeps less: the same copy with its input requiring grad keeps the difference more
+        first = runs[(False, "input-grads"), 1][i]["forward_end"] - one["forward_end"] if adapters else 0
+        reference = (2 * routed_total - first + split_one["embedding"] - one["in_bytes"] + 16 * tokens
                      + vocab * hidden * grad_bytes)
         # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
         # norm reads it), the last block's output is saved by the head's final norm: count them where they are saved
         embedding_saved = split_one["embedding"] - one["in_bytes"]
         head_saved = split_one["head"] + one["out_bytes"]
-        per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved,
+        per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved, "first": first,
                           "window": [v - reference for v in two["window"]]})
     fit_rows = [_basis(b, t) for b, t in fit_shapes]
     n_fit = len(fit_shapes)
@@ -405,10 +426,13 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     else:  # the op sequence changed with the shape: fit the peak itself
         lines = [fit([max(s["window"]) for s in per_shape])]
     temporaries = _envelope(lines, shapes) if lines else (Linear(),)
+    first = fit([s["first"] for s in per_shape]) if adapters else None
     check_b, check_t = check_shape
     held = per_shape[-1]
     checks = {f"block {g}": (block[g], held["block"][g]) for g in GROUPS}
     checks.update({"embedding": (embedding, held["embedding"]), "head": (head, held["head"])})
+    if first is not None:
+        checks["first block"] = (first, held["first"])
     worst = 0.0
     for what, (line, measured) in checks.items():
         predicted = line(check_b * check_t, check_t)
@@ -432,7 +456,7 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             f"(fit {predicted_peak:,} B vs traced {measured_peak:,} B); use `memfit trace` for this model")
     worst = max(worst, abs(predicted_peak - measured_peak) / max(scale, 1))
     return KindFit(kind=kind, block=block, head=head, embedding=embedding, temporaries=temporaries,
-                   fit_error=worst, shapes=tuple(shapes), versions=versions())
+                   fit_error=worst, shapes=tuple(shapes), versions=versions(), first=first)
 
 
 def _vocab_hidden(config: dict[str, Any]) -> tuple[int, int]:

@@ -245,8 +245,9 @@ def _activation_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str
         first = int(lora.first_layer_unsaved(spec, setup, d) * tokens)
         plain = layers - wrapped
         count = "L" if plain == layers else f"{plain} of L"
+        unsaved = lora.first_layer_groups(spec, first, per_layer, plain)
         for group, label in (("attention", "attention"), ("mlp", "mlp"), ("norms", "norms/residual")):
-            total = plain * per_layer[group] - (first if group == "norms" else 0)
+            total = plain * per_layer[group] - unsaved.get(group, 0)
             formula = f"{count} x saved {group} tensors per layer" + (
                 " (layer 0's first norm keeps nothing: no gradient flows into it)" if first and group == "norms"
                 else "")

@@ -35,6 +35,7 @@ from ..finetune import ALL_LINEAR, BaseWeights, Finetune
 from ..graph import Linear, LoraLinear, with_lora
 from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from ..graph.registry import walk
+from ..derive.model import Adapters
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, deepspeed_casts_module, fsdp2_mixed_precision
 from . import dora, lora_checkpoint
@@ -76,6 +77,9 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     _check_targets(graph, adapted, targets)
     _check_rank(adapted, ft)
     compute = setup.precision.compute_dtype
+    if spec.derived is not None and derives_adapters(setup):
+        # a family sized by derived formulas: its fits are traced with these adapters on the copies (issue 20)
+        spec = replace(spec, derived=spec.derived.with_adapters(Adapters.of(ft, compute, derive_targets(graph, ft))))
     base = ft.base_storage(compute)
     quantizable = _quantizable_weights(adapted)
     save_names = _modules_to_save(adapted, ft.modules_to_save)
@@ -100,6 +104,24 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     if ft.dora:  # one trainable magnitude vector per adapted Linear (memfit.estimate.dora)
         trainable += dora.magnitude_tensors(trainable, ft.rank)
     return replace(spec, params=tuple(trainable), frozen=tuple(frozen), graph=adapted)
+
+
+def derives_adapters(setup: TrainingSetup) -> bool:
+    """Whether a derived family's fits are traced with the LoRA adapters on (memfit.derive.model.Adapters): peft's
+    fp32 adapters as a single device runs them (no engine casting them to 16 bits)."""
+    return (Adapters.supported(setup.finetune, setup.precision.compute_dtype) and adapter_bytes(setup) == 4
+            and not fsdp2_mixed_precision(setup))
+
+
+def adapted_derived(spec: ModelSpec) -> bool:
+    """Whether the spec's derived fits already hold what its LoRA adapters keep."""
+    return spec.derived is not None and getattr(spec.derived, "adapters", None) is not None
+
+
+def derive_targets(graph, ft: Finetune) -> tuple[str, ...]:
+    """peft's target_modules as the traced copy gets them: 'all-linear' (resolved on the copy), the names given,
+    or peft's default for the architecture."""
+    return (ALL_LINEAR,) if ft.targets == (ALL_LINEAR,) else lora_targets(graph, ft)
 
 
 def adapter_bytes(setup: TrainingSetup) -> int:
@@ -335,11 +357,29 @@ def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
 
     if not spec.frozen or setup.checkpointing.value != "none" and setup.finetune.asks_input_gradient():
         return 0.0
+    if adapted_derived(spec):  # traced: the 1-block copy with and without its input requiring grad
+        from .. import derive
+
+        tokens = setup.tokens_per_micro_step
+        return derive.first_block_unsaved(spec, setup, tokens, setup.seq_len, d.on_cpu) / tokens
     # a post-norm layer 0 starts with its projections (the embedding LayerNorm is counted there)
     rows = first_norm_input_rows(spec, d)
     if setup.finetune.dropout > 0:  # the first adapters' dropout keeps no mask: their input needs no gradient
         rows += [Saved("norms", node.in_features, _mask(setup, d)) for node in adapted_roles(spec).get("qkv", [])]
     return sum(d.bytes_of(r) for r in rows)
+
+
+def first_layer_groups(spec: ModelSpec, first: int, per_layer: dict[str, int], layers: int) -> dict[str, int]:
+    """Which saved groups layer 0's `first` unsaved bytes come off: its first norm's under the formulas; for a
+    derived family whatever it is (a parallel-residual block with q/v-only adapters keeps no MLP tensor in layer
+    0: nothing in its MLP needs a gradient), taken from the norms, then the MLP, then attention."""
+    if not adapted_derived(spec):
+        return {"norms": first}
+    out = {}
+    for group in ("norms", "mlp", "attention"):
+        out[group] = min(first, max(0, layers * per_layer[group]))
+        first -= out[group]
+    return out
 
 
 def _mask(setup: TrainingSetup, d) -> str:
