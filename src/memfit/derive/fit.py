@@ -170,6 +170,14 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
         hidden = _hidden(args, kwargs)
         if isinstance(hidden, torch.Tensor):
             edges.setdefault("in", weakref.ref(hidden.untyped_storage()))
+            embedded = edges.get("embedding")
+            alive = embedded() if embedded is not None else None
+            apart = alive is not None and alive._cdata != hidden.untyped_storage()._cdata
+            edge_bytes.setdefault("leaf", alive.nbytes() if apart else 0)
+
+    def embedding_out(_module, _args, output):
+        if isinstance(output, torch.Tensor):
+            edges.setdefault("embedding", weakref.ref(output.untyped_storage()))
 
     def block_in(_module, args, kwargs):
         hidden = _hidden(args, kwargs)
@@ -188,7 +196,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
             edges["logits"] = weakref.ref(output.untyped_storage())
 
     def forward_end(phase):
-        if str(phase) == "backward" and not edge_bytes:
+        if str(phase) == "backward" and "in" not in edge_bytes:
             edge_bytes.update({edge: activation_bytes(tracker, edges.get(edge)) for edge in ("in", "out", "logits")})
         tracker.mark(phase)
 
@@ -200,6 +208,9 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
                last.register_forward_hook(block_out, with_kwargs=True)]
     if output_embeddings is not None:
         handles.append(output_embeddings.register_forward_hook(head_out))
+    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if input_embeddings is not None:
+        handles.append(input_embeddings.register_forward_hook(embedding_out))
     step_setup = setup.replace(grad_accum_steps=1)
     try:
         tracker.watch_module(model)
@@ -223,6 +234,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     return {"forward_end": live(backward_at), "saved": dict(tracker.saved_by_module), "order": order,
             "blocks": [n for n, _ in blocks], "in_bytes": edge_bytes.get("in", 0),
             "out_bytes": edge_bytes.get("out", 0), "logits_bytes": edge_bytes.get("logits", 0),
+            "leaf_bytes": edge_bytes.get("leaf", 0),
             "lm_head": lm_head_name, "window": [live(i) for i in range(max(start, 1), max(end, start) + 1)]}
 
 
@@ -401,8 +413,12 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in mix}
             grouped = {g: round(Fraction(sum(n * by_type[t][g] for t, n in mix.items()), num_layers)) for g in GROUPS}
         tokens = batch * seq
-        # under LoRA block 0 keeps less: the same copy with its input requiring grad keeps the difference more
-        first = runs[(False, "input-grads"), 1][i]["forward_end"] - one["forward_end"] if adapters else 0
+        # under LoRA block 0 keeps less: the same copy with its input requiring grad keeps the difference more,
+        # besides the embedding output that input-grads copy holds as a leaf when it is not block 0's input itself
+        first = 0
+        if adapters:
+            input_grads = runs[(False, "input-grads"), 1][i]
+            first = input_grads["forward_end"] - one["forward_end"] - input_grads["leaf_bytes"]
         reference = (2 * routed_total - first + split_one["embedding"] - one["in_bytes"] + 16 * tokens
                      + vocab * hidden * grad_bytes)
         # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
@@ -410,6 +426,7 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
         embedding_saved = split_one["embedding"] - one["in_bytes"]
         head_saved = split_one["head"] + one["out_bytes"]
         per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved, "first": first,
+                          "leaf": one["leaf_bytes"],
                           "window": [v - reference for v in two["window"]]})
     fit_rows = [_basis(b, t) for b, t in fit_shapes]
     n_fit = len(fit_shapes)
@@ -426,13 +443,12 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     else:  # the op sequence changed with the shape: fit the peak itself
         lines = [fit([max(s["window"]) for s in per_shape])]
     temporaries = _envelope(lines, shapes) if lines else (Linear(),)
-    first = fit([s["first"] for s in per_shape]) if adapters else None
+    lora = {what: fit([s[what] for s in per_shape]) for what in ("first", "leaf")} if adapters else {}
     check_b, check_t = check_shape
     held = per_shape[-1]
     checks = {f"block {g}": (block[g], held["block"][g]) for g in GROUPS}
     checks.update({"embedding": (embedding, held["embedding"]), "head": (head, held["head"])})
-    if first is not None:
-        checks["first block"] = (first, held["first"])
+    checks.update({f"block 0 under LoRA ({what})": (line, held[what]) for what, line in lora.items()})
     worst = 0.0
     for what, (line, measured) in checks.items():
         predicted = line(check_b * check_t, check_t)
@@ -456,7 +472,7 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             f"(fit {predicted_peak:,} B vs traced {measured_peak:,} B); use `memfit trace` for this model")
     worst = max(worst, abs(predicted_peak - measured_peak) / max(scale, 1))
     return KindFit(kind=kind, block=block, head=head, embedding=embedding, temporaries=temporaries,
-                   fit_error=worst, shapes=tuple(shapes), versions=versions(), first=first)
+                   fit_error=worst, shapes=tuple(shapes), versions=versions(), lora=lora)
 
 
 def _vocab_hidden(config: dict[str, Any]) -> tuple[int, int]:

@@ -110,11 +110,13 @@ class KindFit:
     shapes: tuple[tuple[int, int], ...] = ()
     versions: dict[str, str] = field(default_factory=dict)
     window: int = 0
-    first: Linear | None = None
-    """Under LoRA (an Adapters kind): what block 0 keeps less than every other block, since nothing before it needs
-    a gradient (a frozen embedding): its first norm keeps no input, and with q/v-only adapters in a parallel-residual
-    block (GPT-J, Phi, Falcon) its frozen MLP keeps nothing at all. Traced as the 1-block copy with and without
-    peft's enable_input_require_grads."""
+    lora: dict[str, Linear] = field(default_factory=dict)
+    """Under LoRA (an Adapters kind) only. 'first': what block 0 keeps less than every other block, since nothing
+    before it needs a gradient (a frozen embedding): its first norm keeps no input, and with q/v-only adapters in a
+    parallel-residual block (GPT-J, Phi, Falcon) its frozen MLP keeps nothing at all; traced as the 1-block copy with
+    and without peft's enable_input_require_grads. 'leaf': the embedding output when it is a tensor apart from block
+    0's input (learned positions added to it, OPT / GPT-2), which enable_input_require_grads makes a leaf autograd
+    keeps to the end of a checkpointed backward; 0 where block 0's checkpointed input is that very tensor."""
     beyond: KindFit | None = None
     """A sliding-window model (Gemma 3 under sdpa): the fit for sequences of `window` tokens or more, traced at
     shapes past the window. transformers builds the sliding layers' mask only from there on
@@ -130,9 +132,10 @@ class KindFit:
         fit = self.at(seq)
         return {g: max(0, fit.block[g](tokens, seq, constant=False)) if g in fit.block else 0 for g in GROUPS}
 
-    def first_unsaved(self, tokens: int, seq: int) -> int:
-        first = self.at(seq).first
-        return max(0, first(tokens, seq)) if first is not None else 0
+    def lora_bytes(self, what: str, tokens: int, seq: int) -> int:
+        """One of the LoRA lines ('first', 'leaf'), 0 for a fit without them."""
+        line = self.at(seq).lora.get(what)
+        return max(0, line(tokens, seq)) if line is not None else 0
 
     def temporaries_bytes(self, tokens: int, seq: int) -> int:
         return max([0] + [t(tokens, seq) for t in self.at(seq).temporaries])
@@ -142,8 +145,8 @@ class KindFit:
                "head": self.head.to_list(), "embedding": self.embedding.to_list(),
                "temporaries": [t.to_list() for t in self.temporaries], "fit_error": self.fit_error,
                "shapes": [list(s) for s in self.shapes], "versions": dict(self.versions)}
-        if self.first is not None:
-            out["first"] = self.first.to_list()
+        if self.lora:
+            out["lora"] = {k: v.to_list() for k, v in self.lora.items()}
         if self.beyond is not None:
             out.update(window=self.window, beyond=self.beyond.to_dict())
         return out
@@ -158,7 +161,7 @@ class KindFit:
                    shapes=tuple(tuple(int(x) for x in s) for s in data.get("shapes", ())),
                    versions=dict(data.get("versions", {})), window=int(data.get("window", 0)),
                    beyond=cls.from_dict(beyond) if isinstance(beyond, dict) else None,
-                   first=Linear.from_list(data["first"]) if "first" in data else None)
+                   lora={k: Linear.from_list(v) for k, v in data.get("lora", {}).items()})
 
 
 def setup_kind(setup: TrainingSetup, on_cpu: bool = False, adapters: Adapters | None = None) -> str:

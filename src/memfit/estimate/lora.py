@@ -361,7 +361,7 @@ def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
         from .. import derive
 
         tokens = setup.tokens_per_micro_step
-        return derive.first_block_unsaved(spec, setup, tokens, setup.seq_len, d.on_cpu) / tokens
+        return derive.lora_bytes(spec, setup, "first", tokens, setup.seq_len, d.on_cpu) / tokens
     # a post-norm layer 0 starts with its projections (the embedding LayerNorm is counted there)
     rows = first_norm_input_rows(spec, d)
     if setup.finetune.dropout > 0:  # the first adapters' dropout keeps no mask: their input needs no gradient

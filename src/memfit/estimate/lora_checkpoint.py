@@ -57,11 +57,11 @@ def checkpointed_moments(step, moments: dict) -> dict:
             return {}
         # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
         # makes is a tensor of its own, kept to the end of backward
-        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
+        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, embedding_leaf_bytes(step),
                     "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
                     "torch autograd AccumulateGrad")
-        with_leaf = {name: (phase, list(terms) + [leaf]) for name, (phase, terms) in moments.items()
-                     if phase is Phase.BACKWARD and terms}
+        with_leaf = {name: (phase, list(terms) + ([leaf] if leaf.num_bytes else [])) for name, (phase, terms)
+                     in moments.items() if phase is Phase.BACKWARD and terms}
         if layer_norm_block(spec):  # GPT-2 / BERT: their recompute and plain-MLP backward
             rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
             with_leaf.update(ungated_moments(step, with_leaf, adapted_roles, rng))
@@ -171,6 +171,19 @@ def checkpointed_moments(step, moments: dict) -> dict:
         "end of backward": (Phase.BACKWARD, with_rng(first + leaf + recompute, 2)),
         "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + leaf + mlp_backward, 1)),
     }
+
+
+def embedding_leaf_bytes(step) -> int:
+    """The embedding output peft's enable_input_require_grads makes a leaf: a B x T x h tensor of its own; for a
+    derived family as traced (memfit.derive KindFit.lora 'leaf': 0 where block 0's checkpointed input is that very
+    tensor, counted with the checkpoints already)."""
+    from .lora import adapted_derived
+
+    if adapted_derived(step.spec):
+        from .. import derive
+
+        return derive.lora_bytes(step.spec, step.setup, "leaf", step.tokens, step.setup.seq_len, step.dtypes.on_cpu)
+    return step.tokens * step.spec.hidden_size * step.dtypes.residual
 
 
 def layer_norm_block(spec) -> bool:
