@@ -128,9 +128,11 @@ class KindFit:
         return self.beyond if self.beyond is not None and seq >= self.window else self
 
     def block_bytes(self, tokens: int, seq: int) -> dict[str, int]:
-        # constants are autocast's weight copies, which the estimator adds from the parameter tensors itself
-        fit = self.at(seq)
-        return {g: max(0, fit.block[g](tokens, seq, constant=False)) if g in fit.block else 0 for g in GROUPS}
+        # constants are autocast's weight copies, which the estimator adds from the parameter tensors itself; under
+        # LoRA they are kept: the adapters' cached casts and each frozen fp32 Linear's cast per call, saved only where
+        # its input needs a gradient (not in block 0 of a q/v-only parallel block), so the trace knows them better
+        fit, constant = self.at(seq), bool(self.lora)
+        return {g: max(0, fit.block[g](tokens, seq, constant=constant)) if g in fit.block else 0 for g in GROUPS}
 
     def lora_bytes(self, what: str, tokens: int, seq: int) -> int:
         """One of the LoRA lines ('first', 'leaf'), 0 for a fit without them."""

@@ -435,6 +435,8 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
         head += spec.vocab_size * spec.hidden_size
     if base.quantized and not ft.upcasts_unquantized():
         head = 0  # torchtune: the head stays 16-bit, autocast's cast of it is the tensor itself
+    if adapted_derived(spec):  # the blocks' casts are in its traced blocks (KindFit.block_bytes): the head's
+        return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if checkpointing:  # the blocks' casts are not saved (recomputed); the cache is gone once autocast exits
         return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if base.quantized:
@@ -468,8 +470,8 @@ def stack_linears(stack):
 def recomputed_casts(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Under checkpointing and autocast the recomputed block casts its weights again and keeps the casts for its
     backward: the adapters' (and an fp32 frozen base's) bf16 copies of one block."""
-    if not setup.precision.is_autocast or spec.graph is None or not spec.graph.stacks:
-        return 0
+    if not setup.precision.is_autocast or spec.graph is None or not spec.graph.stacks or adapted_derived(spec):
+        return 0  # a derived family under LoRA: its traced block holds its casts (KindFit.block_bytes)
     stack = spec.graph.stacks[0]
     adapters = frozen = 0
     for _, node in stack_linears(stack):
