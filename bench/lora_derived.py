@@ -9,7 +9,8 @@ measured by memfit.measure with torch.profiler memory events).
 
 Cases: the five families x q/v and all-linear targets x fp32 / bf16 (autocast) / NF4 (double quantization, peft's
 k-bit preparation, autocast) bases x with and without (Trainer's non-reentrant) checkpointing, plus a few with
-dropout, pure bf16 and QLoRA without the k-bit preparation. Batch 2 x 64 tokens.
+dropout, pure bf16, QLoRA without the k-bit preparation, eager attention and other shapes. Batch 2 x 64 tokens
+unless the label says.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def cases() -> list[LoraCase]:
                             precision="bf16"))
         out.append(LoraCase(family=family, rank=8, alpha=16, targets="all-linear", base_dtype="nf4",
                             double_quant=True, precision="amp-bf16", kbit_prep=False))
+    # other shapes (the fits are traced at sequences 16-48), eager attention, dropout under checkpointing
+    out.append(LoraCase(family="gptj", rank=8, alpha=16, targets=QV_TARGETS["gptj"], base_dtype="nf4",
+                        double_quant=True, precision="amp-bf16", batch=1, seq=128))
+    out.append(LoraCase(family="falcon", rank=8, alpha=16, targets="all-linear", base_dtype="bf16",
+                        precision="amp-bf16", checkpointing=True, batch=4, seq=32))
+    out.append(LoraCase(family="stablelm", rank=8, alpha=16, targets=QV_TARGETS["stablelm"], attention="eager"))
+    out.append(LoraCase(family="phi", rank=16, alpha=32, targets="all-linear", dropout=0.1, checkpointing=True))
     return out
 
 

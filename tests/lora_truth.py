@@ -136,6 +136,8 @@ class LoraCase:
             parts.append("dora")
         if not self.kbit_prep:
             parts.append("no-kbit-prep")
+        if self.attention != "sdpa":
+            parts.append(self.attention)
         return "/".join(parts)
 
     def to_dict(self) -> dict:

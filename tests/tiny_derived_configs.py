@@ -14,11 +14,16 @@ DERIVED_CONFIGS = {
                  "max_position_embeddings": 512},
     "phi": {"model_type": "phi", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512},
+    # MoE: memfit's MoE recipe sizes full fine-tunes; LoRA on it stays with memfit.derive (estimate.moe.applies)
+    "mixtral": {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+                "max_position_embeddings": 512, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "sliding_window": None},
 }
 
 QV_TARGETS = {
     # peft's defaults for these model types (peft.utils.constants TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
     # less phi's fc1 / fc2: the query and value projections; Falcon fuses them in query_key_value
     "opt": ("q_proj", "v_proj"), "gptj": ("q_proj", "v_proj"), "stablelm": ("q_proj", "v_proj"),
-    "phi": ("q_proj", "v_proj"), "falcon": ("query_key_value",),
+    "phi": ("q_proj", "v_proj"), "falcon": ("query_key_value",), "mixtral": ("q_proj", "v_proj"),
 }
