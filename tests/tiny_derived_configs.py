@@ -19,11 +19,20 @@ DERIVED_CONFIGS = {
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
                 "max_position_embeddings": 512, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "sliding_window": None},
+    # two more families without an activation formula: Qwen3's q/k norms, Gemma 3's sliding + full layers
+    "qwen3": {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+              "max_position_embeddings": 512},
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "vocab_size": 512, "max_position_embeddings": 512, "sliding_window": 32,
+                    "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 QV_TARGETS = {
     # peft's defaults for these model types (peft.utils.constants TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
     # less phi's fc1 / fc2: the query and value projections; Falcon fuses them in query_key_value
     "opt": ("q_proj", "v_proj"), "gptj": ("q_proj", "v_proj"), "stablelm": ("q_proj", "v_proj"),
-    "phi": ("q_proj", "v_proj"), "falcon": ("query_key_value",), "mixtral": ("q_proj", "v_proj"),
+    "phi": ("q_proj", "v_proj"), "falcon": ("query_key_value",), "qwen3": ("q_proj", "v_proj"),
+    "gemma3_text": ("q_proj", "v_proj"),
 }
