@@ -122,12 +122,22 @@ def _group(name: str) -> str:
     return "norms"
 
 
-def _input_grads_copy(config: dict[str, Any], base, fake_mode):
-    """The 1-block copy whose embedding output requires grad (peft's enable_input_require_grads): its block 0 keeps
-    what every later block keeps."""
+def _input_grads_runs(config: dict[str, Any], base, shapes, kernels: str) -> list[dict[str, Any]]:
+    """The 1-block copy whose embedding output requires grad (peft's enable_input_require_grads), measured at
+    `shapes`: its block 0 keeps what every later block keeps."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
     model, _ = build_short(config, 1, base, fake_mode)
     model.enable_input_require_grads()
-    return model
+    return [_measure(model, config, base.replace(micro_batch_size=batch, seq_len=seq), kernels, fake_mode)
+            for batch, seq in shapes]
+
+
+def _first_block_unsaved(input_grads: dict[str, Any], one: dict[str, Any]) -> int:
+    """Under LoRA, what block 0 keeps less than the others: what the 1-block copy keeps more with its input
+    requiring grad, but the embedding output that copy holds as a leaf where it is not block 0's input itself."""
+    return input_grads["forward_end"] - one["forward_end"] - input_grads["leaf_bytes"]
 
 
 def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> dict[str, Any]:
@@ -170,10 +180,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
         hidden = _hidden(args, kwargs)
         if isinstance(hidden, torch.Tensor):
             edges.setdefault("in", weakref.ref(hidden.untyped_storage()))
-            embedded = edges.get("embedding")
-            alive = embedded() if embedded is not None else None
-            apart = alive is not None and alive._cdata != hidden.untyped_storage()._cdata
-            edge_bytes.setdefault("leaf", alive.nbytes() if apart else 0)
+            edge_bytes.setdefault("leaf", _apart_bytes(edges.get("embedding"), hidden))
 
     def embedding_out(_module, _args, output):
         if isinstance(output, torch.Tensor):
@@ -236,6 +243,13 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
             "out_bytes": edge_bytes.get("out", 0), "logits_bytes": edge_bytes.get("logits", 0),
             "leaf_bytes": edge_bytes.get("leaf", 0),
             "lm_head": lm_head_name, "window": [live(i) for i in range(max(start, 1), max(end, start) + 1)]}
+
+
+def _apart_bytes(embedded: weakref.ref | None, hidden) -> int:
+    """Bytes of the embedding output when it is a storage apart from block 0's input `hidden` (learned positions
+    added to it), else 0."""
+    alive = embedded() if embedded is not None else None
+    return alive.nbytes() if alive is not None and alive._cdata != hidden.untyped_storage()._cdata else 0
 
 
 def activation_bytes(tracker, storage: weakref.ref | None) -> int:
@@ -368,13 +382,8 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     total = (2 * len(copies) + adapters) * len(shapes)
     done = 0
     if adapters:  # block 0 under LoRA: the 1-block copy again, its embedding output requiring grad
-        fake_mode = FakeTensorMode()
-        model = _input_grads_copy(config, base, fake_mode)
-        runs[(False, "input-grads"), 1] = []
-        for batch, seq in shapes:
-            setup = base.replace(micro_batch_size=batch, seq_len=seq)
-            runs[(False, "input-grads"), 1].append(_measure(model, config, setup, kernels, fake_mode))
-            done += 1
+        runs[(False, "input-grads"), 1] = _input_grads_runs(config, base, shapes, kernels)
+        done += len(shapes)
     for dense, layer_type in copies:
         for layers in (1, 2):
             fake_mode = FakeTensorMode()
@@ -413,12 +422,7 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in mix}
             grouped = {g: round(Fraction(sum(n * by_type[t][g] for t, n in mix.items()), num_layers)) for g in GROUPS}
         tokens = batch * seq
-        # under LoRA block 0 keeps less: the same copy with its input requiring grad keeps the difference more,
-        # besides the embedding output that input-grads copy holds as a leaf when it is not block 0's input itself
-        first = 0
-        if adapters:
-            input_grads = runs[(False, "input-grads"), 1][i]
-            first = input_grads["forward_end"] - one["forward_end"] - input_grads["leaf_bytes"]
+        first = _first_block_unsaved(runs[(False, "input-grads"), 1][i], one) if adapters else 0
         reference = (2 * routed_total - first + split_one["embedding"] - one["in_bytes"] + 16 * tokens
                      + vocab * hidden * grad_bytes)
         # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
