@@ -230,7 +230,8 @@ class DerivedModel:
 
     def note(self) -> str:
         where = ", ".join(sorted(set(self.where.values()))) or "the derivation cache"
-        return f"activations derived from a trace of a 1- and 2-block copy (memfit.derive), cached at {where}"
+        lora = f" carrying peft's adapters ({self.adapters.key()})" if self.adapters is not None else ""
+        return f"activations derived from a trace of a 1- and 2-block copy{lora} (memfit.derive), cached at {where}"
 
     def __repr__(self) -> str:
         return f"DerivedModel({self.label!r}, kinds={sorted(self._fits)})"
