@@ -48,6 +48,10 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from tiny_configs import TINY_CONFIGS  # noqa: E402
+from tiny_derived_configs import DERIVED_CONFIGS  # noqa: E402
+
+CONFIGS = {**TINY_CONFIGS, **DERIVED_CONFIGS}
+"""Every family a case can build: the hand-built ones and those memfit sizes by derived formulas."""
 
 ATTENTION_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -66,7 +70,7 @@ class LoraCase:
     """One LoRA/QLoRA training step to build and measure."""
 
     family: str = "llama"
-    """a key of tiny_configs.TINY_CONFIGS"""
+    """a key of CONFIGS (tiny_configs.TINY_CONFIGS or tiny_derived_configs.DERIVED_CONFIGS)"""
     rank: int = 8
     alpha: int = 16
     dropout: float = 0.0
@@ -102,8 +106,8 @@ class LoraCase:
     bf16 from_pretrained loaded them in, as Answer.AI's fsdp_qlora, LitGPT, axolotl and LLaMA-Factory leave them)"""
 
     def __post_init__(self) -> None:
-        if self.family not in TINY_CONFIGS:
-            raise ValueError(f"unknown family {self.family!r}: one of {sorted(TINY_CONFIGS)}")
+        if self.family not in CONFIGS:
+            raise ValueError(f"unknown family {self.family!r}: one of {sorted(CONFIGS)}")
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
         if self.precision not in PRECISIONS:
@@ -132,6 +136,8 @@ class LoraCase:
             parts.append("dora")
         if not self.kbit_prep:
             parts.append("no-kbit-prep")
+        if self.attention != "sdpa":
+            parts.append(self.attention)
         return "/".join(parts)
 
     def to_dict(self) -> dict:
@@ -179,7 +185,7 @@ def _torch_dtype(name: str):
 def hf_config(case: LoraCase):
     import transformers
 
-    values = copy.deepcopy(TINY_CONFIGS[case.family])
+    values = copy.deepcopy(CONFIGS[case.family])
     model_type = values.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **values)
     config.use_cache = False

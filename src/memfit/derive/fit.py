@@ -25,7 +25,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import ModelSourceError
-from .model import GROUPS, KindFit, Linear, kind_setup
+from .model import GROUPS, KindFit, Linear, kind_adapters, kind_setup
 
 FIT_SHAPES = ((2, 16), (3, 16), (2, 32), (3, 48))
 CHECK_SHAPE = (4, 40)
@@ -123,6 +123,24 @@ def _group(name: str) -> str:
     return "norms"
 
 
+def _input_grads_runs(config: dict[str, Any], base, shapes, kernels: str) -> list[dict[str, Any]]:
+    """The 1-block copy whose embedding output requires grad (peft's enable_input_require_grads), measured at
+    `shapes`: its block 0 keeps what every later block keeps."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
+    model, _ = build_short(config, 1, base, fake_mode)
+    model.enable_input_require_grads()
+    return [_measure(model, config, base.replace(micro_batch_size=batch, seq_len=seq), kernels, fake_mode)
+            for batch, seq in shapes]
+
+
+def _first_block_unsaved(input_grads: dict[str, Any], one: dict[str, Any]) -> int:
+    """Under LoRA, what block 0 keeps less than the others: what the 1-block copy keeps more with its input
+    requiring grad, but the embedding output that copy holds as a leaf where it is not block 0's input itself."""
+    return input_grads["forward_end"] - one["forward_end"] - input_grads["leaf_bytes"]
+
+
 def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> dict[str, Any]:
     """One forward + backward at `setup`'s shape: live bytes at forward end, saved bytes per allocating module, the
     order modules first ran in, and the live (non-static) bytes through the last block's backward."""
@@ -163,6 +181,11 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
         hidden = _hidden(args, kwargs)
         if isinstance(hidden, torch.Tensor):
             edges.setdefault("in", weakref.ref(hidden.untyped_storage()))
+            edge_bytes.setdefault("leaf", _apart_bytes(edges.get("embedding"), hidden))
+
+    def embedding_out(_module, _args, output):
+        if isinstance(output, torch.Tensor):
+            edges.setdefault("embedding", weakref.ref(output.untyped_storage()))
 
     def block_in(_module, args, kwargs):
         hidden = _hidden(args, kwargs)
@@ -181,7 +204,7 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
             edges["logits"] = weakref.ref(output.untyped_storage())
 
     def forward_end(phase):
-        if str(phase) == "backward" and not edge_bytes:
+        if str(phase) == "backward" and "in" not in edge_bytes:
             edge_bytes.update({edge: activation_bytes(tracker, edges.get(edge)) for edge in ("in", "out", "logits")})
         tracker.mark(phase)
 
@@ -193,6 +216,9 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
                last.register_forward_hook(block_out, with_kwargs=True)]
     if output_embeddings is not None:
         handles.append(output_embeddings.register_forward_hook(head_out))
+    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if input_embeddings is not None:
+        handles.append(input_embeddings.register_forward_hook(embedding_out))
     step_setup = setup.replace(grad_accum_steps=1)
     try:
         tracker.watch_module(model)
@@ -216,7 +242,15 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     return {"forward_end": live(backward_at), "saved": dict(tracker.saved_by_module), "order": order,
             "blocks": [n for n, _ in blocks], "in_bytes": edge_bytes.get("in", 0),
             "out_bytes": edge_bytes.get("out", 0), "logits_bytes": edge_bytes.get("logits", 0),
+            "leaf_bytes": edge_bytes.get("leaf", 0),
             "lm_head": lm_head_name, "window": [live(i) for i in range(max(start, 1), max(end, start) + 1)]}
+
+
+def _apart_bytes(embedded: weakref.ref | None, hidden) -> int:
+    """Bytes of the embedding output when it is a storage apart from block 0's input `hidden` (learned positions
+    added to it), else 0."""
+    alive = embedded() if embedded is not None else None
+    return alive.nbytes() if alive is not None and alive._cdata != hidden.untyped_storage()._cdata else 0
 
 
 def activation_bytes(tracker, storage: weakref.ref | None) -> int:
@@ -345,8 +379,12 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     mix = {} if num_dense else layer_type_counts(config)
     copies = [(False, None)] + ([(True, None)] if num_dense else []) + [(False, t) for t in mix]
     runs: dict[tuple[tuple[bool, str | None], int], list[dict[str, Any]]] = {}
-    total = 2 * len(shapes) * len(copies)
+    adapters = kind_adapters(kind) is not None
+    total = (2 * len(copies) + adapters) * len(shapes)
     done = 0
+    if adapters:  # block 0 under LoRA: the 1-block copy again, its embedding output requiring grad
+        runs[(False, "input-grads"), 1] = _input_grads_runs(config, base, shapes, kernels)
+        done += len(shapes)
     for dense, layer_type in copies:
         for layers in (1, 2):
             fake_mode = FakeTensorMode()
@@ -363,6 +401,8 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
         progress("fitting", 1.0)
     vocab, hidden = _vocab_hidden(config)
     grad_bytes = base.precision.param_bytes
+    if kind_adapters(kind) is not None:
+        grad_bytes = 0  # under LoRA the LM head is frozen: no gradient of it to count as the estimator's
     per_shape = []
     for i, (batch, seq) in enumerate(shapes):
         one, two = runs[(False, None), 1][i], runs[(False, None), 2][i]
@@ -383,13 +423,15 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in mix}
             grouped = {g: round(Fraction(sum(n * by_type[t][g] for t, n in mix.items()), num_layers)) for g in GROUPS}
         tokens = batch * seq
-        reference = (2 * routed_total + split_one["embedding"] - one["in_bytes"] + 16 * tokens
+        first = _first_block_unsaved(runs[(False, "input-grads"), 1][i], one) if adapters else 0
+        reference = (2 * routed_total - first + split_one["embedding"] - one["in_bytes"] + 16 * tokens
                      + vocab * hidden * grad_bytes)
         # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
         # norm reads it), the last block's output is saved by the head's final norm: count them where they are saved
         embedding_saved = split_one["embedding"] - one["in_bytes"]
         head_saved = split_one["head"] + one["out_bytes"]
-        per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved,
+        per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved, "first": first,
+                          "leaf": one["leaf_bytes"],
                           "window": [v - reference for v in two["window"]]})
     fit_rows = [_basis(b, t) for b, t in fit_shapes]
     n_fit = len(fit_shapes)
@@ -406,10 +448,12 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
     else:  # the op sequence changed with the shape: fit the peak itself
         lines = [fit([max(s["window"]) for s in per_shape])]
     temporaries = _envelope(lines, shapes) if lines else (Linear(),)
+    lora = {what: fit([s[what] for s in per_shape]) for what in ("first", "leaf")} if adapters else {}
     check_b, check_t = check_shape
     held = per_shape[-1]
     checks = {f"block {g}": (block[g], held["block"][g]) for g in GROUPS}
     checks.update({"embedding": (embedding, held["embedding"]), "head": (head, held["head"])})
+    checks.update({f"block 0 under LoRA ({what})": (line, held[what]) for what, line in lora.items()})
     worst = 0.0
     for what, (line, measured) in checks.items():
         predicted = line(check_b * check_t, check_t)
@@ -433,7 +477,7 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
             f"(fit {predicted_peak:,} B vs traced {measured_peak:,} B); use `memfit trace` for this model")
     worst = max(worst, abs(predicted_peak - measured_peak) / max(scale, 1))
     return KindFit(kind=kind, block=block, head=head, embedding=embedding, temporaries=temporaries,
-                   fit_error=worst, shapes=tuple(shapes), versions=versions())
+                   fit_error=worst, shapes=tuple(shapes), versions=versions(), lora=lora)
 
 
 def _vocab_hidden(config: dict[str, Any]) -> tuple[int, int]:

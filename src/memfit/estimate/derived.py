@@ -18,6 +18,12 @@ def embedding_saved_bytes(spec, setup, tokens: int, seq_len: int, on_cpu: bool =
     return max(0, spec.derived.fit(setup, on_cpu).at(seq_len).embedding(tokens, seq_len, constant=False))
 
 
+def lora_bytes(spec, setup, what: str, tokens: int, seq_len: int, on_cpu: bool | None = None) -> int:
+    """Under LoRA: what block 0 keeps less than the others ('first'), the embedding leaf apart from block 0's
+    input ('leaf'): KindFit.lora."""
+    return spec.derived.fit(setup, on_cpu).lora_bytes(what, tokens, seq_len)
+
+
 def block_temporaries(spec, setup, tokens: int, seq_len: int, on_cpu: bool = False) -> int:
     return spec.derived.fit(setup, on_cpu).temporaries_bytes(tokens, seq_len)
 

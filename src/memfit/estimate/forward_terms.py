@@ -89,9 +89,10 @@ def _block_terms(spec: ModelSpec, setup: TrainingSetup, per_layer: dict[str, int
     first = int(lora.first_layer_unsaved(spec, setup, d) * tokens)
     plain = layers - wrapped
     count = "L" if plain == layers else f"{plain} of L"
+    unsaved = lora.first_layer_groups(spec, first, per_layer, plain)
     terms = []
     for group, key in BLOCK_GROUPS:
-        total = plain * per_layer[group] - (first if group == "norms" else 0)
+        total = plain * per_layer[group] - unsaved.get(group, 0)
         formula = f"{count} x saved {group} tensors per layer" + (
             " (layer 0's first norm keeps nothing: no gradient flows into it)" if first and group == "norms"
             else "")

@@ -35,10 +35,12 @@ from ..finetune import ALL_LINEAR, BaseWeights, Finetune
 from ..graph import Linear, LoraLinear, with_lora
 from ..graph.kinds.heads import ClassificationHead, LMHead, MaskedLMHead, Seq2SeqLMHead
 from ..graph.registry import walk
+from ..derive.model import Adapters
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, deepspeed_casts_module, fsdp2_mixed_precision
 from ..units import DTYPE_BYTES
 from . import dora, lora_checkpoint
+from .moe import has_experts
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
 BNB_NESTED_BLOCK = 256  # double quantization: absmax quantized in blocks of 256 (quantize_blockwise default)
@@ -77,6 +79,9 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     _check_targets(graph, adapted, targets)
     _check_rank(adapted, ft)
     compute = setup.precision.compute_dtype
+    if spec.derived is not None and _traces_adapters(spec, setup):
+        # a family sized by derived formulas: its fits are traced with these adapters on the copies (issue 20)
+        spec = replace(spec, derived=spec.derived.with_adapters(Adapters.of(ft, compute, derive_targets(graph, ft))))
     base = ft.base_storage(compute)
     quantizable = _quantizable_weights(adapted)
     save_names = _modules_to_save(adapted, ft.modules_to_save)
@@ -101,6 +106,31 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     if ft.dora:  # one trainable magnitude vector per adapted Linear (memfit.estimate.dora)
         trainable += dora.magnitude_tensors(trainable, ft.rank)
     return replace(spec, params=tuple(trainable), frozen=tuple(frozen), graph=adapted)
+
+
+def derives_adapters(setup: TrainingSetup) -> bool:
+    """Whether a derived family's fits are traced with the LoRA adapters on (memfit.derive.model.Adapters): peft's
+    fp32 adapters as a single device runs them (no engine casting them to 16 bits)."""
+    return (Adapters.supported(setup.finetune, setup.precision.compute_dtype) and adapter_bytes(setup) == 4
+            and not fsdp2_mixed_precision(setup))
+
+
+def _traces_adapters(spec: ModelSpec, setup: TrainingSetup) -> bool:
+    """derives_adapters, for a model without experts: on a tiny Mixtral (bench/lora_derived.py, not in its
+    table) peft's 'all-linear' adapts more than the trace's Linears (the stacked experts), and fp32 experts keep
+    other tensors in the trace's balanced routing than in the real step: MoE keeps the formulas until measured."""
+    return derives_adapters(setup) and not has_experts(spec)
+
+
+def adapted_derived(spec: ModelSpec) -> bool:
+    """Whether the spec's derived fits already hold what its LoRA adapters keep."""
+    return spec.derived is not None and getattr(spec.derived, "adapters", None) is not None
+
+
+def derive_targets(graph, ft: Finetune) -> tuple[str, ...]:
+    """peft's target_modules as the traced copy gets them: 'all-linear' (resolved on the copy), the names given,
+    or peft's default for the architecture."""
+    return (ALL_LINEAR,) if ft.targets == (ALL_LINEAR,) else lora_targets(graph, ft)
 
 
 def adapter_bytes(setup: TrainingSetup) -> int:
@@ -336,11 +366,29 @@ def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
 
     if not spec.frozen or setup.checkpointing.value != "none" and setup.finetune.asks_input_gradient():
         return 0.0
+    if adapted_derived(spec):  # traced: the 1-block copy with and without its input requiring grad
+        from . import derived as derive
+
+        tokens = setup.tokens_per_micro_step
+        return derive.lora_bytes(spec, setup, "first", tokens, setup.seq_len, d.on_cpu) / tokens
     # a post-norm layer 0 starts with its projections (the embedding LayerNorm is counted there)
     rows = first_norm_input_rows(spec, d)
     if setup.finetune.dropout > 0:  # the first adapters' dropout keeps no mask: their input needs no gradient
         rows += [Saved("norms", node.in_features, _mask(setup, d)) for node in adapted_roles(spec).get("qkv", [])]
     return sum(d.bytes_of(r) for r in rows)
+
+
+def first_layer_groups(spec: ModelSpec, first: int, per_layer: dict[str, int], layers: int) -> dict[str, int]:
+    """Which saved groups layer 0's `first` unsaved bytes come off: its first norm's under the formulas; for a
+    derived family whatever it is (a parallel-residual block with q/v-only adapters keeps no MLP tensor in layer
+    0: nothing in its MLP needs a gradient), taken from the norms, then the MLP, then attention."""
+    if not adapted_derived(spec):
+        return {"norms": first}
+    out = {}
+    for group in ("norms", "mlp", "attention"):
+        out[group] = min(first, max(0, layers * per_layer[group]))
+        first -= out[group]
+    return out
 
 
 def _mask(setup: TrainingSetup, d) -> str:
@@ -396,6 +444,8 @@ def autocast_copies(spec: ModelSpec, setup: TrainingSetup, checkpointing: bool) 
         head += spec.vocab_size * spec.hidden_size
     if base.quantized and not ft.upcasts_unquantized():
         head = 0  # torchtune: the head stays 16-bit, autocast's cast of it is the tensor itself
+    if adapted_derived(spec):  # the blocks' casts are in its traced blocks (KindFit.block_bytes): the head's
+        return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if checkpointing:  # the blocks' casts are not saved (recomputed); the cache is gone once autocast exits
         return 2 * head if base.quantized or base is BaseWeights.FP32 else 0
     if base.quantized:
@@ -429,8 +479,8 @@ def stack_linears(stack):
 def recomputed_casts(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Under checkpointing and autocast the recomputed block casts its weights again and keeps the casts for its
     backward: the adapters' (and an fp32 frozen base's) bf16 copies of one block."""
-    if not setup.precision.is_autocast or spec.graph is None or not spec.graph.stacks:
-        return 0
+    if not setup.precision.is_autocast or spec.graph is None or not spec.graph.stacks or adapted_derived(spec):
+        return 0  # a derived family under LoRA: its traced block holds its casts (KindFit.block_bytes)
     stack = spec.graph.stacks[0]
     adapters = frozen = 0
     for _, node in stack_linears(stack):

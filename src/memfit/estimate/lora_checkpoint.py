@@ -47,7 +47,7 @@ def checkpointed_moments(step, moments: dict) -> dict:
     MLP: ungated_moments; other blocks keep the generic moments with the embedding leaf."""
     from .activations import rms_gated_layer
     from .analytic import CPU_RNG_STATE_BYTES
-    from .lora import _mask, adapted_roles, adapter_bytes, adapter_reads, dequantized_weight_bytes
+    from .lora import _mask, adapted_derived, adapted_roles, adapter_bytes, adapter_reads, dequantized_weight_bytes
     from .result import Category, Phase, Term
 
     spec, setup, d = step.spec, step.setup, step.dtypes
@@ -57,14 +57,17 @@ def checkpointed_moments(step, moments: dict) -> dict:
             return {}
         # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
         # makes is a tensor of its own, kept to the end of backward
-        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, step.tokens * spec.hidden_size * d.residual,
+        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, embedding_leaf_bytes(step),
                     "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
                     "torch autograd AccumulateGrad")
-        with_leaf = {name: (phase, list(terms) + [leaf]) for name, (phase, terms) in moments.items()
-                     if phase is Phase.BACKWARD and terms}
+        with_leaf = {name: (phase, list(terms) + ([leaf] if leaf.num_bytes else [])) for name, (phase, terms)
+                     in moments.items() if phase is Phase.BACKWARD and terms}
         if layer_norm_block(spec):  # GPT-2 / BERT: their recompute and plain-MLP backward
             rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
             with_leaf.update(ungated_moments(step, with_leaf, adapted_roles, rng))
+        if adapted_derived(spec) and "end of backward" in with_leaf:
+            phase, terms = with_leaf["end of backward"]
+            with_leaf["end of backward"] = (phase, terms + block0_checkpoint(step, CPU_RNG_STATE_BYTES))
         return with_leaf
     ft = setup.finetune
     n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
@@ -171,6 +174,35 @@ def checkpointed_moments(step, moments: dict) -> dict:
         "end of backward": (Phase.BACKWARD, with_rng(first + leaf + recompute, 2)),
         "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + leaf + mlp_backward, 1)),
     }
+
+
+def block0_checkpoint(step, rng_state: int) -> list:
+    """Held while block 0 is rebuilt and runs its backward, beside every gradient: its checkpointed input (the
+    embedding leaf itself where that is block 0's input) and, on a CPU device, two generator states (its own and
+    the one its recompute stashes)."""
+    from .result import Category, Term
+
+    n, h, d = step.tokens, step.spec.hidden_size, step.dtypes
+    terms = [Term("activations/checkpoint0", Category.ACTIVATIONS, n * h * d.residual,
+                  "block 0's input, held by its checkpoint until its backward ends", "torch.utils.checkpoint")]
+    if d.on_cpu:
+        terms.append(Term("activations/rng_states", Category.ACTIVATIONS, 2 * rng_state,
+                          "2 x torch.get_rng_state(): block 0's and its recompute's (CPU device)",
+                          "torch.utils.checkpoint preserve_rng_state=True"))
+    return terms
+
+
+def embedding_leaf_bytes(step) -> int:
+    """The embedding output peft's enable_input_require_grads makes a leaf: a B x T x h tensor of its own; for a
+    derived family as traced (memfit.derive KindFit.lora 'leaf': 0 where block 0's checkpointed input is that very
+    tensor, counted with the checkpoints already)."""
+    from .lora import adapted_derived
+
+    if adapted_derived(step.spec):
+        from . import derived as derive
+
+        return derive.lora_bytes(step.spec, step.setup, "leaf", step.tokens, step.setup.seq_len, step.dtypes.on_cpu)
+    return step.tokens * step.spec.hidden_size * step.dtypes.residual
 
 
 def layer_norm_block(spec) -> bool:
