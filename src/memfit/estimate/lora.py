@@ -39,6 +39,7 @@ from ..derive.model import Adapters
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, deepspeed_casts_module, fsdp2_mixed_precision
 from ..units import DTYPE_BYTES
+from . import derived as derive
 from . import dora, lora_checkpoint
 from .moe import has_experts
 
@@ -367,7 +368,6 @@ def first_layer_unsaved(spec: ModelSpec, setup: TrainingSetup, d) -> float:
     if not spec.frozen or setup.checkpointing.value != "none" and setup.finetune.asks_input_gradient():
         return 0.0
     if adapted_derived(spec):  # traced: the 1-block copy with and without its input requiring grad
-        from . import derived as derive
 
         tokens = setup.tokens_per_micro_step
         return derive.lora_bytes(spec, setup, "first", tokens, setup.seq_len, d.on_cpu) / tokens

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from . import derived as derive
+from .result import Category, Phase, Term
+
 SOURCE = "torch.utils.checkpoint recompute, peft lora.Linear.forward, autograd of a plain MLP"
 
 
@@ -48,7 +51,6 @@ def checkpointed_moments(step, moments: dict) -> dict:
     from .activations import rms_gated_layer
     from .analytic import CPU_RNG_STATE_BYTES
     from .lora import _mask, adapted_derived, adapted_roles, adapter_bytes, adapter_reads, dequantized_weight_bytes
-    from .result import Category, Phase, Term
 
     spec, setup, d = step.spec, step.setup, step.dtypes
     asks = setup.finetune.asks_input_gradient()  # torchtune asks no input gradient: no embedding leaf
@@ -180,7 +182,6 @@ def block0_checkpoint(step, rng_state: int) -> list:
     """Held while block 0 is rebuilt and runs its backward, beside every gradient: its checkpointed input (the
     embedding leaf itself where that is block 0's input) and, on a CPU device, two generator states (its own and
     the one its recompute stashes)."""
-    from .result import Category, Term
 
     n, h, d = step.tokens, step.spec.hidden_size, step.dtypes
     terms = [Term("activations/checkpoint0", Category.ACTIVATIONS, n * h * d.residual,
@@ -199,7 +200,6 @@ def embedding_leaf_bytes(step) -> int:
     from .lora import adapted_derived
 
     if adapted_derived(step.spec):
-        from . import derived as derive
 
         return derive.lora_bytes(step.spec, step.setup, "leaf", step.tokens, step.setup.seq_len, step.dtypes.on_cpu)
     return step.tokens * step.spec.hidden_size * step.dtypes.residual
@@ -235,7 +235,6 @@ def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
     """The backward moments of a checkpointed LoRA step of a LayerNorm block with a plain MLP: the last block's
     recompute (R) and MLP backward (B), block 0's the same once the other blocks are done, the loss backward with
     the RNG states (`moments`: the generic ones; `adapted_roles(spec)`: the adapted projections by role)."""
-    from .result import Category, Phase, Term
 
     spec, setup, d = step.spec, step.setup, step.dtypes
     ft = setup.finetune
@@ -353,7 +352,6 @@ def dora_recompute(step, down) -> list:
     """Under DoRA the recompute peaks in the adapted down projection's DoRA forward (memfit.estimate.dora
     recompute_locals_bytes): nothing when DoRA is off or the down projection is not adapted."""
     from . import dora
-    from .result import Category, Term
 
     setup = step.setup
     if not setup.finetune.dora or down is None:
