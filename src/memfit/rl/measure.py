@@ -1,0 +1,182 @@
+"""Real RL steps of TRL's trainers on CPU, measured per phase with the profiler's memory events (the same replay as
+memfit._torch.measure_cpu: every allocation and free on top of the storages live before profiling). Needs torch,
+transformers and trl; imported only by bench/rl.py and the tests.
+
+A phase is a window between two marks: generation = `model.generate` (HF generate, TRL's use_vllm=False path),
+reference = TRL's `_get_per_token_logps_and_entropies` under no_grad (the reference / old-policy log-probs), training
+= `compute_loss` through `optimizer.step()`. Each phase's figure is the peak of live bytes inside its window, so
+everything alive then counts (weights, optimizer state, buffered rollouts), as on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from .._torch.measure_cpu import MARK_PREFIX, _events, storage_baseline
+from .._torch.replay import Mark, replay
+
+WORDS = 400
+"""The toy tokenizer's words: w0 .. w399 (ids 3..402 after pad/eos/unk), within the tiny vocab of 512."""
+
+
+def toy_tokenizer():
+    """A word-level fast tokenizer built in memory (no download): one token per word, left padding as TRL wants."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+class PhaseMarks:
+    """Marks in the profiler's event stream: a phase begins at `open(name)` and returns to 'other' at `close()`."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, Mark] = {}
+
+    def mark(self, phase: str) -> None:
+        name = f"{MARK_PREFIX}{len(self.marks)}"
+        self.marks[name] = Mark(phase=phase)
+        with torch.profiler.record_function(name):
+            pass
+
+    def wrap(self, function, phase: str, *, when=lambda *a, **k: True):
+        @functools.wraps(function)
+        def wrapped(*args, **kwargs):
+            if not when(*args, **kwargs):
+                return function(*args, **kwargs)
+            self.mark(phase)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.mark("other")
+        return wrapped
+
+
+def phase_peaks(run_step, model, optimizer, extra_tensors, marks: PhaseMarks, *,
+                detail: dict | None = None) -> dict[str, int]:
+    """Profile one call of `run_step()` and return each phase's peak live bytes (the largest over its windows);
+    `detail`, when given, receives each phase's live allocations at its peak (sizes, largest first)."""
+    baseline = storage_baseline(model, optimizer, extra_tensors)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=False, with_stack=False) as prof:
+        marks.mark("other")
+        run_step()
+        marks.mark("other")
+    events, _ = _events(prof, marks.marks)
+    result = replay(baseline, events)
+    peaks: dict[str, int] = {}
+    for segment in result.segments:
+        peak = result.bytes_at(result.segment_peak(segment))
+        if peak > peaks.get(segment.phase, -1):
+            peaks[segment.phase] = peak
+            if detail is not None:
+                point = result.segment_peak(segment)
+                detail[segment.phase] = sorted((r.size_bytes for r in result.records if r.start <= point < r.end),
+                                               reverse=True)
+    peaks.pop("other", None)
+    return peaks
+
+
+@contextlib.contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prompts(count: int, length: int):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % WORDS}" for j in range(length))
+                                         for i in range(count)]})
+
+
+def _tiny_model(config: dict, directory: str) -> str:
+    """The tiny model saved to `directory` (TRL builds the reference model from the policy's path)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoConfig.for_model(**config)
+    AutoModelForCausalLM.from_config(hf, dtype=torch.float32).save_pretrained(directory)
+    return directory
+
+
+def _length_reward(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def measure_grpo(config: dict, *, batch: int, num_generations: int, prompt_len: int, completion_len: int,
+                 beta: float = 0.04, lora: bool = False, output_dir: str, detail: dict | None = None) -> dict[str, int]:
+    """One GRPO step (the second: the first creates Adam's state) of TRL's GRPOTrainer with HF generate, on CPU in
+    fp32, no gradient checkpointing; every completion exactly `completion_len` tokens (min_new_tokens)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                      per_device_train_batch_size=batch, num_generations=num_generations,
+                      max_completion_length=completion_len, gradient_accumulation_steps=1, beta=beta,
+                      learning_rate=1e-4, max_steps=3, logging_steps=100, save_strategy="no", report_to=[],
+                      generation_kwargs={"min_new_tokens": completion_len}, disable_dropout=True, seed=0,
+                      model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=_tiny_model(config, f"{output_dir}/model"), reward_funcs=_length_reward, args=args,
+                          train_dataset=_prompts(64, prompt_len), processing_class=toy_tokenizer(),
+                          peft_config=peft_config)
+    return _measure_trainer(trainer, reference_method="_get_per_token_logps_and_entropies", detail=detail)
+
+
+def _measure_trainer(trainer, *, reference_method: str, detail: dict | None = None) -> dict[str, int]:
+    """Wrap the trainer's phases with marks, run one warm-up step, then profile the next."""
+    marks = PhaseMarks()
+    model = trainer.model
+    model.generate = marks.wrap(model.generate, "generation")
+    no_grad = lambda *a, **k: not torch.is_grad_enabled()  # noqa: E731  the log-probs outside training
+    setattr(trainer, reference_method, marks.wrap(getattr(trainer, reference_method), "reference", when=no_grad))
+    trainer.compute_loss = marks.wrap(trainer.compute_loss, "training")
+    trainer.accelerator.backward = marks.wrap(trainer.accelerator.backward, "training")
+    state = {"optimizer": None}
+
+    class Profiled(Exception):
+        pass
+
+    from transformers import TrainerCallback
+
+    class Once(TrainerCallback):
+        def on_step_begin(self, args, train_state, control, **kwargs):
+            if train_state.global_step == 1:
+                state["optimizer"] = trainer.optimizer
+                raise Profiled
+
+        def on_pre_optimizer_step(self, args, train_state, control, **kwargs):
+            marks.mark("training")
+
+    trainer.add_callback(Once())
+    with one_thread(), contextlib.suppress(Profiled):
+        trainer.train()  # step 0 runs; step 1 begins and is stopped before its work
+    extra = [list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())] if getattr(
+        trainer, "ref_model", None) is not None else []
+    iterator = iter(trainer.get_train_dataloader())
+    batch = next(iterator)
+
+    def step() -> None:
+        trainer.training_step(model, batch, None)
+        marks.mark("training")
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    with one_thread():
+        # accelerate wraps the torch optimizer; its state is what the baseline names
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        return phase_peaks(step, model, optimizer, extra, marks, detail=detail)
