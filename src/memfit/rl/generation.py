@@ -60,12 +60,20 @@ def hf_kv_cache_bytes(spec: ModelSpec, batch: int, length: int, dtype_bytes: int
 
 
 def hf_generate_terms(spec: ModelSpec, batch: int, prompt: int, completion: int, dtype_bytes: int) -> list[Term]:
-    """HF `generate` (TRL's use_vllm=False rollout) beyond the weights, at its peak: the last decode step.
+    """HF `generate` (TRL's use_vllm=False rollout) beyond the weights, at the larger of its two peaks."""
+    decode, prefill = _decode_terms(spec, batch, prompt, completion, dtype_bytes), _prefill_terms(
+        spec, batch, prompt, dtype_bytes)
+    return decode if sum(t.num_bytes for t in decode) >= sum(t.num_bytes for t in prefill) else prefill
 
-    generate runs the prefill and completion - 1 decode steps, so the cache ends at prompt + completion - 1 tokens.
-    Each step's `torch.cat` holds the layer's old keys while it builds the new ones: one more [B, kv, L - 1, d]
-    at the peak. The decode step's own tensors: the last position's logits in fp32 (generate asks for
-    logits_to_keep=1 and upcasts: generation/utils.py `_sample`), the processed scores and the sampling
+
+_GENERATE = "transformers cache_utils.DynamicLayer.update (torch.cat), generation/utils.py _sample"
+
+
+def _decode_terms(spec: ModelSpec, batch: int, prompt: int, completion: int, dtype_bytes: int) -> list[Term]:
+    """The last decode step. generate runs the prefill and completion - 1 decode steps, so the cache ends at
+    prompt + completion - 1 tokens. Each step's `torch.cat` holds the layer's old keys while it builds the new ones:
+    one more [B, kv, L - 1, d] at the peak. The step's own tensors: the last position's logits in fp32 (generate
+    asks for logits_to_keep=1 and upcasts: generation/utils.py `_sample`), the processed scores and the sampling
     probabilities (3 x B x V x 4), and the growing input_ids (two int64 [B, L] while one is concatenated)."""
     length = prompt + completion - 1
     cache = hf_kv_cache_bytes(spec, batch, length, dtype_bytes)
@@ -73,15 +81,24 @@ def hf_generate_terms(spec: ModelSpec, batch: int, prompt: int, completion: int,
     kept = length - 1 if first.window is None else min(length - 1, first.window)
     growing = batch * first.kv_heads * kept * first.key_dim * dtype_bytes
     step = 3 * batch * spec.vocab_size * 4 + 2 * batch * length * 8
-    source = "transformers cache_utils.DynamicLayer.update (torch.cat), generation/utils.py _sample"
-    return [
-        term("activations/kv_cache", Category.ACTIVATIONS, cache,
-             f"{batch} sequences x {length} tokens x per-layer K+V ({dtype_bytes} B)", source),
-        term("temporaries/kv_cache_growth", Category.TEMPORARIES, growing,
-             "one layer's keys before torch.cat frees them", source),
-        term("temporaries/decode_step", Category.TEMPORARIES, step,
-             "3 x B x V x 4 B (last-position logits, scores, probs) + 2 x B x L int64 ids", source),
-    ]
+    return [term("activations/kv_cache", Category.ACTIVATIONS, cache,
+                 f"{batch} sequences x {length} tokens x per-layer K+V ({dtype_bytes} B)", _GENERATE),
+            term("temporaries/kv_cache_growth", Category.TEMPORARIES, growing,
+                 "one layer's keys before torch.cat frees them", _GENERATE),
+            term("temporaries/decode_step", Category.TEMPORARIES, step,
+                 "3 x B x V x 4 B (last-position logits, scores, probs) + 2 x B x L int64 ids", _GENERATE)]
+
+
+def _prefill_terms(spec: ModelSpec, batch: int, prompt: int, dtype_bytes: int) -> list[Term]:
+    """The prefill's last MLP: the whole prompt's KV cache, four hidden-sized [B, P, h] tensors (the embeddings the
+    model's forward keeps, the residual, the normed input, the attention's output) and the MLP's gate, up and
+    act(gate) [B, P, I] (counts read off a measured tiny Llama)."""
+    tokens = batch * prompt
+    return [term("activations/kv_cache", Category.ACTIVATIONS, hf_kv_cache_bytes(spec, batch, prompt, dtype_bytes),
+                 f"{batch} sequences x {prompt} prompt tokens x per-layer K+V", _GENERATE),
+            term("temporaries/prefill", Category.TEMPORARIES,
+                 tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size) * dtype_bytes + 2 * tokens * 8,
+                 "B x P x (4h + 3I) + int64 ids and mask", "transformers models/llama/modeling_llama.py forward")]
 
 
 # --- vLLM -------------------------------------------------------------------------------------------------------

@@ -34,10 +34,12 @@ def toy_tokenizer():
 
 
 class PhaseMarks:
-    """Marks in the profiler's event stream: a phase begins at `open(name)` and returns to 'other' at `close()`."""
+    """Marks in the profiler's event stream: a wrapped call opens its phase and, when it returns, reopens the phase
+    it was called in ('other' outside any)."""
 
     def __init__(self) -> None:
         self.marks: dict[str, Mark] = {}
+        self.stack: list[str] = []
 
     def mark(self, phase: str) -> None:
         name = f"{MARK_PREFIX}{len(self.marks)}"
@@ -50,11 +52,13 @@ class PhaseMarks:
         def wrapped(*args, **kwargs):
             if not when(*args, **kwargs):
                 return function(*args, **kwargs)
+            self.stack.append(phase)
             self.mark(phase)
             try:
                 return function(*args, **kwargs)
             finally:
-                self.mark("other")
+                self.stack.pop()
+                self.mark(self.stack[-1] if self.stack else "other")
         return wrapped
 
 
@@ -137,13 +141,16 @@ def measure_grpo(config: dict, *, batch: int, num_generations: int, prompt_len: 
     return _measure_trainer(trainer, reference_method="_get_per_token_logps_and_entropies", detail=detail)
 
 
-def _measure_trainer(trainer, *, reference_method: str, detail: dict | None = None) -> dict[str, int]:
+def _measure_trainer(trainer, *, reference_method: str | None, detail: dict | None = None,
+                     marks: PhaseMarks | None = None) -> dict[str, int]:
     """Wrap the trainer's phases with marks, run one warm-up step, then profile the next."""
-    marks = PhaseMarks()
+    marks = marks or PhaseMarks()
     model = trainer.model
     model.generate = marks.wrap(model.generate, "generation")
     no_grad = lambda *a, **k: not torch.is_grad_enabled()  # noqa: E731  the log-probs outside training
-    setattr(trainer, reference_method, marks.wrap(getattr(trainer, reference_method), "reference", when=no_grad))
+    if reference_method is not None:
+        setattr(trainer, reference_method, marks.wrap(getattr(trainer, reference_method), "reference",
+                                                      when=no_grad))
     trainer.compute_loss = marks.wrap(trainer.compute_loss, "training")
     trainer.accelerator.backward = marks.wrap(trainer.accelerator.backward, "training")
     state = {"optimizer": None}
@@ -180,3 +187,41 @@ def _measure_trainer(trainer, *, reference_method: str, detail: dict | None = No
         # accelerate wraps the torch optimizer; its state is what the baseline names
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         return phase_peaks(step, model, optimizer, extra, marks, detail=detail)
+
+
+def _pairs(count: int, prompt_len: int, completion_len: int):
+    from datasets import Dataset
+
+    def words(seed: int, length: int) -> str:
+        return " ".join(f"w{(seed * 13 + j) % WORDS}" for j in range(length))
+
+    return Dataset.from_dict({"prompt": [words(i, prompt_len) for i in range(count)],
+                              "chosen": [words(i + 1, completion_len) for i in range(count)],
+                              "rejected": [words(i + 2, completion_len) for i in range(count)]})
+
+
+def measure_dpo(config: dict, *, batch: int, prompt_len: int, completion_len: int, lora: bool = False,
+                precompute: bool = False, output_dir: str, detail: dict | None = None) -> dict[str, int]:
+    """One DPO step (the second) of TRL's DPOTrainer on CPU in fp32, no gradient checkpointing; every prompt and
+    completion exactly the given number of tokens. The online reference forward (inside compute_loss) is the
+    'reference' phase."""
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                     per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=1e-4,
+                     max_steps=3, logging_steps=100, save_strategy="no", report_to=[], disable_dropout=True, seed=0,
+                     max_length=4 * (prompt_len + completion_len), precompute_ref_log_probs=precompute,
+                     model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = DPOTrainer(model=_tiny_model(config, f"{output_dir}/model"), args=args,
+                         train_dataset=_pairs(64, prompt_len, completion_len), processing_class=toy_tokenizer(),
+                         peft_config=peft_config)
+    marks = PhaseMarks()
+    no_grad = lambda *a, **k: not torch.is_grad_enabled()  # noqa: E731
+    reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
+    reference.forward = marks.wrap(reference.forward, "reference", when=no_grad)
+    return _measure_trainer(trainer, reference_method=None, detail=detail, marks=marks)

@@ -29,11 +29,16 @@ def training_setup(rl: RLSetup, hardware: Hardware, batch: int) -> TrainingSetup
     return TrainingSetup(micro_batch_size=batch, seq_len=rl.seq_len, grad_accum_steps=rl.gradient_accumulation_steps,
                          precision=Precision.BF16 if rl.bf16 else Precision.FP32,
                          checkpointing=Checkpointing.FULL if rl.gradient_checkpointing else Checkpointing.NONE,
-                         loss=Loss.FUSED, finetune=finetune, num_gpus=hardware.world_size)
+                         loss=Loss.STANDARD if rl.lora else Loss.FUSED, finetune=finetune,
+                         num_gpus=hardware.world_size)
+
+
+CE_LOSS_TERMS = ("activations/loss", "activations/logits")
+"""The core's cross-entropy tensors (a LoRA policy is sized with Loss.STANDARD): TRL's head replaces them."""
 
 
 def _pick(result: MemoryEstimate, *categories: Category) -> list[Term]:
-    return [t for t in result.terms if t.category in categories]
+    return [t for t in result.terms if t.category in categories and t.name not in CE_LOSS_TERMS]
 
 
 def _overhead(result: MemoryEstimate) -> list[Term]:
@@ -137,7 +142,9 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
                             ("policy",) if rl.lora else ("policy", "reference"),
                             f"reference log-probs over the dataset, {pre_rows} rows at a time, before training"))
     else:
-        phases.append(Phase("log-probs", tuple(static + activations + _no_grad_forward(spec, rl, rows) + overhead),
+        saved = [t for t in _head_backward(spec, rl, rows) if t.category is Category.ACTIVATIONS]
+        phases.append(Phase("log-probs", tuple(static + activations + saved + _no_grad_forward(spec, rl, rows)
+                                               + overhead),
                             models, "online reference forward inside compute_loss, policy activations alive"))
     train = static + activations + _head_backward(spec, rl, rows) + overhead
     phases.append(Phase("training", tuple(train), models, f"policy forward + backward, {rows} rows"))
@@ -162,8 +169,7 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
     has GPUs of its own; the trainer's GPUs carry no rollout."""
     total = hardware.gpu.memory_bytes
     tp = rl.vllm_tensor_parallel_size
-    weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS
-                  and t.name == "parameters") // tp
+    weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS) // tp
     weights = weights if rl.bf16 else weights // 2  # vLLM serves in the checkpoint's dtype (bf16 here)
     seqs = rl.vllm_max_num_seqs or default_max_num_seqs(total, hardware.gpu.name)
     budget = vllm_budget(spec, total=total, utilization=rl.vllm_gpu_memory_utilization, weights=weights,
