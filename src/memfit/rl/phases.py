@@ -7,15 +7,17 @@ from ..diagnose import DEFAULT_MARGIN
 from ..estimate.analytic import estimate
 from ..estimate.result import Category, MemoryEstimate, Term
 from ..finetune import Finetune, Method
-from ..hardware import Hardware
+from ..hardware import Hardware, cpu_device, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import Checkpointing, Loss, Precision, TrainingSetup
+from ..setup import Checkpointing, Loss, Optimizer, Precision, TrainingSetup
 from . import logprobs
 from .generation import default_max_num_seqs, hf_generate_terms, vllm_budget, vllm_terms
 from .workload import Phase, RLEstimate, RLSetup, VllmAdvice, term
 
 GRPO = "trl/trainer/grpo_trainer.py"
 DPO = "trl/trainer/dpo_trainer.py"
+_HOST = make_hardware(cpu_device(1 << 50))
+"""A device with room for anything: the core's saved-activation terms without checkpointing, read at any size."""
 SHARED_OVERHEAD = ("overhead/cuda_context", "overhead/cublas_workspace")
 """Overhead terms of the core estimate every phase of the one process carries."""
 
@@ -24,16 +26,17 @@ def training_setup(rl: RLSetup, hardware: Hardware, batch: int) -> TrainingSetup
     """The policy's step as memfit's core sizes it. TRL loads the policy in the checkpoint's dtype ('auto') and
     trains it with bf16 autocast: pure bf16 weights and AdamW states (torch keeps states in the params' dtype);
     bf16=False: fp32. The log-prob head is TRL's own (logprobs.py), so the core runs without a CE loss's logits
-    (Loss.FUSED leaves only the final norm's tensors at the head)."""
+    (Loss.FUSED leaves only the final norm's tensors at the head). The optimizer is TrainingArguments' default
+    with torch >= 2.8, `adamw_torch_fused` (transformers training_args.py `default_optim`)."""
     finetune = Finetune(method=Method.LORA, rank=rl.lora_rank, alpha=2.0 * rl.lora_rank) if rl.lora else Finetune()
     return TrainingSetup(micro_batch_size=batch, seq_len=rl.seq_len, grad_accum_steps=rl.gradient_accumulation_steps,
-                         precision=Precision.BF16 if rl.bf16 else Precision.FP32,
+                         precision=Precision.BF16 if rl.bf16 else Precision.FP32, optimizer=Optimizer.ADAMW_FUSED,
                          checkpointing=Checkpointing.FULL if rl.gradient_checkpointing else Checkpointing.NONE,
                          loss=Loss.STANDARD if rl.lora else Loss.FUSED, finetune=finetune,
                          num_gpus=hardware.world_size)
 
 
-CE_LOSS_TERMS = ("activations/loss", "activations/logits")
+CE_LOSS_TERMS = ("activations/loss", "activations/logits", "temporaries/loss_backward")
 """The core's cross-entropy tensors (a LoRA policy is sized with Loss.STANDARD): TRL's head replaces them."""
 
 
@@ -93,6 +96,30 @@ def _head_backward(spec: ModelSpec, rl: RLSetup, batch: int) -> list[Term]:
                                           logits_bytes=d)
 
 
+def _saved_activations(spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, batch: int) -> list[Term]:
+    """What the policy's forward leaves for backward when the head's backward begins. Without checkpointing: the
+    core's activation terms (its peak is that moment). With full checkpointing each decoder layer keeps only its
+    input hidden states [B, T, h] (transformers GradientCheckpointingLayer), plus the embeddings' and the final
+    norm's tensors."""
+    if not rl.gradient_checkpointing:
+        return _pick(core, Category.ACTIVATIONS)
+    unchanged = training_setup(rl.replace(gradient_checkpointing=False), _HOST, batch)
+    plain = estimate(spec, unchanged, _HOST)
+    kept = [t for t in _pick(plain, Category.ACTIVATIONS) if t.name in ("activations/embeddings", "activations/head")]
+    inputs = spec.num_layers * batch * rl.seq_len * spec.hidden_size * _dtype_bytes(rl)
+    return kept + [term("activations/checkpoints", Category.ACTIVATIONS, inputs,
+                        "L x B x T x h: each layer's checkpointed input", "transformers GradientCheckpointingLayer")]
+
+
+def _training(core: MemoryEstimate, head_point: list[Term], extra: list[Term]) -> list[Term]:
+    """The training phase's peak: the head's backward (`head_point`) or the core's own peak (a layer's backward
+    under checkpointing, or the optimizer step with gradients and its temporaries), whichever is larger, each with
+    the reference weights and the batch's tensors (`extra`)."""
+    own = [t for t in core.terms if t.category is not Category.OVERHEAD and t.name not in CE_LOSS_TERMS]
+    head_total = sum(t.num_bytes for t in head_point)
+    return (head_point if head_total >= sum(t.num_bytes for t in own) else own) + extra
+
+
 def _static(core: MemoryEstimate, rl: RLSetup) -> list[Term]:
     return _pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _reference_weights(core, rl)
 
@@ -114,9 +141,10 @@ def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[
         what = "reference" if rl.needs_reference_logprobs else "old policy"
         phases.append(Phase("log-probs", tuple(static + rollout + forward + overhead), models,
                             f"{what} log-probs, no grad, {batch} sequences at a time"))
-    train = (static + rollout + _pick(core, Category.ACTIVATIONS) + _head_backward(spec, rl, batch)
-             + logprobs.rl_loss_terms(batch, rl.max_completion_length, trainer="grpo",
-                                      with_reference=rl.needs_reference_logprobs) + overhead)
+    head_point = (_pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _saved_activations(spec, rl, core, batch)
+                  + _head_backward(spec, rl, batch) + logprobs.rl_loss_terms(
+                      batch, rl.max_completion_length, trainer="grpo", with_reference=rl.needs_reference_logprobs))
+    train = _training(core, head_point, _reference_weights(core, rl) + rollout) + overhead
     phases.append(Phase("training", tuple(train), models, f"policy forward + backward, {batch} completions"))
     return phases, core
 
@@ -131,7 +159,7 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
     params = _pick(core, Category.PARAMETERS)
     static, overhead = _static(core, rl), _overhead(core)
     models = ("policy", "reference") if rl.has_reference_model else ("policy",)
-    activations = _pick(core, Category.ACTIVATIONS) + logprobs.rl_loss_terms(
+    activations = _saved_activations(spec, rl, core, rows) + logprobs.rl_loss_terms(
         rows, rl.max_completion_length, trainer="dpo", with_reference=True)
     phases = []
     if rl.precompute_ref_log_probs:
@@ -146,7 +174,8 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
         phases.append(Phase("log-probs", tuple(static + activations + saved + _no_grad_forward(spec, rl, rows)
                                                + overhead),
                             models, "online reference forward inside compute_loss, policy activations alive"))
-    train = static + activations + _head_backward(spec, rl, rows) + overhead
+    head_point = _pick(core, Category.PARAMETERS, Category.OPTIMIZER) + activations + _head_backward(spec, rl, rows)
+    train = _training(core, head_point, _reference_weights(core, rl)) + overhead
     phases.append(Phase("training", tuple(train), models, f"policy forward + backward, {rows} rows"))
     return phases, core
 

@@ -29,7 +29,7 @@ class RLSetup:
     """GRPO: completions per micro-batch (TRL counts completions, not prompts); DPO: preference pairs."""
     num_generations: int = 8
     max_prompt_length: int = 512
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     """GRPO: tokens generated per completion; DPO: the completion (chosen / rejected) length."""
     gradient_accumulation_steps: int = 1
     steps_per_generation: int | None = None
