@@ -186,9 +186,18 @@ def estimate_rl(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *, margin: flo
     else:
         phases, core = dpo_phases(spec, rl, hardware)
     advice = None
+    notes = []
     if rl.trainer == "grpo" and rl.use_vllm:
-        phases, advice = _with_vllm(spec, rl, hardware, phases, core, margin)
-    return RLEstimate(spec.name, hardware.gpu.name, hardware.gpu.memory_bytes, rl, tuple(phases), advice)
+        trainer_phases = phases
+        phases, advice = _with_vllm(spec, rl, hardware, trainer_phases, core, margin)
+        if advice.recommended is None and rl.vllm_mode == "colocate" and not rl.vllm_enable_sleep_mode:
+            slept = _with_vllm(spec, rl.replace(vllm_enable_sleep_mode=True), hardware, trainer_phases, core,
+                               margin)[1]
+            if slept.recommended is not None:
+                notes.append(f"with vllm_enable_sleep_mode: true (vLLM frees its weights and KV cache between "
+                             f"rollouts) vllm_gpu_memory_utilization {slept.recommended:.2f} fits")
+    return RLEstimate(spec.name, hardware.gpu.name, hardware.gpu.memory_bytes, rl, tuple(phases), advice,
+                      tuple(notes))
 
 
 def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Phase], core: MemoryEstimate,
@@ -206,7 +215,7 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
                          enforce_eager=rl.vllm_enforce_eager)
     needed = rl.generation_batch * rl.seq_len
     if rl.vllm_mode == "server":
-        advice = _advice(budget, None, needed, total)
+        advice = _advice(budget, None, needed, total, rl.seq_len)
         return phases, advice
     sleep = 2 if rl.vllm_enable_sleep_mode else 0
     resident = vllm_terms(budget, generating=False, sleep_level=sleep)
@@ -224,17 +233,22 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
         limits += [usable - p.total_bytes + budget.activation_peak - budget.cuda_graphs - budget.non_torch
                    + budget.non_torch for p in phases]
     best = min(limits) / total
-    return [gen] + rest, _advice(budget, best, needed, total)
+    return [gen] + rest, _advice(budget, best, needed, total, rl.seq_len)
 
 
-def _advice(budget, best: float | None, needed: int, total: int) -> VllmAdvice:
+def _advice(budget, best: float | None, needed: int, total: int, max_model_len: int) -> VllmAdvice:
     floor_need = budget.weights + budget.activation_peak + budget.non_torch + needed * budget.bytes_per_token
     minimum = floor_need / total
     recommended = None
     if best is not None and best >= minimum:
         recommended = int(best * 100) / 100
     notes = []
-    if budget.kv_tokens < needed:
+    if budget.kv_tokens < max_model_len:
+        # vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory: the engine refuses to start
+        notes.append(f"at utilization {budget.utilization:g} vLLM cannot start: its KV cache holds "
+                     f"{budget.kv_tokens:,} tokens, fewer than one sequence of {max_model_len:,} (ValueError at "
+                     "engine start)")
+    elif budget.kv_tokens < needed:
         notes.append(f"at utilization {budget.utilization:g} the KV cache holds {budget.kv_tokens:,} tokens, fewer "
                      f"than the {needed:,} of the generation batch: vLLM will preempt and recompute sequences")
     return VllmAdvice(budget.utilization, recommended, round(minimum, 4), budget.kv_cache, budget.kv_tokens,

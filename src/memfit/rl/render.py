@@ -33,7 +33,9 @@ def rl_report(out, result: RLEstimate, *, verbose: bool = False) -> None:
         if verbose:
             for t in phase.terms:
                 out.print(f"    {format_bytes(t.num_bytes):>10}  {t.name}: [dim]{t.formula}[/dim]")
-    verdict = "fits" if result.fits else "DOES NOT FIT"
+    peak_fits = result.peak.total_bytes <= result.gpu_memory_bytes
+    verdict = ("fits" if result.fits else "fits, but the vLLM engine cannot start (below)" if peak_fits
+               else "DOES NOT FIT")
     out.print(f"peak: {result.peak.name} {format_bytes(result.peak.total_bytes)} of "
               f"{format_bytes(result.gpu_memory_bytes)}: {verdict} (phases do not coexist, so they are not summed)")
     if result.vllm is not None:

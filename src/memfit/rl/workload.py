@@ -172,7 +172,9 @@ class RLEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak.total_bytes <= self.gpu_memory_bytes
+        """The peak phase fits the GPU, and a vLLM engine has room for at least one full sequence."""
+        engine_ok = self.vllm is None or self.vllm.kv_tokens >= self.setup.seq_len
+        return self.peak.total_bytes <= self.gpu_memory_bytes and engine_ok
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
