@@ -226,7 +226,8 @@ def test_cli_rl_json_and_errors(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["peak_bytes"] == max(p["total_bytes"] for p in data["phases"])
-    assert [p["name"] for p in data["phases"]] == ["generation", "training"]
+    # with vLLM, TRL always takes the old policy's log-probs (importance-sampling correction)
+    assert [p["name"] for p in data["phases"]] == ["generation", "log-probs", "training"]
     assert 0 < data["vllm"]["recommended"] < 1
     bad = tmp_path / "grpo.yaml"
     bad.write_text("per_device_train_batch_size: 8\nnum_gen: 4\n")

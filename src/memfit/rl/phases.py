@@ -136,7 +136,11 @@ def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[
                                 _dtype_bytes(rl))
         phases.append(Phase("generation", tuple(static + gen + overhead), models,
                             f"HF generate: {rl.generation_batch} completions x {rl.seq_len} tokens"))
-    if rl.needs_reference_logprobs or rl.generation_batch > batch or rl.num_iterations > 1:
+    # grpo_trainer.py `_generate_and_score_completions`: old-policy log-probs when gradient_accumulation_steps is
+    # not a multiple of steps_per_generation x num_iterations, or always with vLLM (importance-sampling correction)
+    generate_every = (rl.steps_per_generation or rl.gradient_accumulation_steps) * rl.num_iterations
+    old_policy = rl.gradient_accumulation_steps % generate_every != 0 or rl.use_vllm
+    if rl.needs_reference_logprobs or old_policy:
         forward = _no_grad_forward(spec, rl, batch)
         what = "reference" if rl.needs_reference_logprobs else "old policy"
         phases.append(Phase("log-probs", tuple(static + rollout + forward + overhead), models,
