@@ -13,6 +13,8 @@ from ..estimate.result import Category, Term
 
 TRAINERS = ("grpo", "dpo")
 VLLM_MODES = ("colocate", "server")
+KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16", "half", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM CacheConfig.cache_dtype values memfit sizes (vllm/config/cache.py CacheDType)."""
 LOGPROB_HEADS = ("fused", "selective", "full")
 """How the per-token log-probs are taken from the LM head: 'fused' is TRL 1.x's `add_fused_lm_head` (tiles of the
 head's output, never the B x T x V logits: trl/trainer/utils.py, trl/kernels/chunked_logprob.py); 'selective' is
@@ -61,7 +63,10 @@ class RLSetup:
         checks = ((self.trainer in TRAINERS, f"trainer must be one of {', '.join(TRAINERS)}"),
                   (self.vllm_mode in VLLM_MODES, f"vllm_mode must be one of {', '.join(VLLM_MODES)}"),
                   (self.logprob_head in LOGPROB_HEADS, f"logprob head must be one of {', '.join(LOGPROB_HEADS)}"),
-                  (0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization must be in (0, 1]"))
+                  (0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization must be in (0, 1]"),
+                  (self.beta >= 0.0, f"beta must be >= 0, got {self.beta:g}"),
+                  (self.vllm_kv_cache_dtype in KV_CACHE_DTYPES,
+                   f"vllm_kv_cache_dtype must be one of {', '.join(str(d) for d in KV_CACHE_DTYPES[1:])}"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
