@@ -90,8 +90,8 @@ def vllm_rows() -> list[tuple[str, str, str]]:
             ("Llama-3.1-8B KV per token", f"{vllm_bytes_per_token(llama, 2):,}", "32 layers x 4,096 = 131,072"),
             ("DeepSeek-V3 MLA page (MLAAttentionSpec)",
              f"{vllm_page_size_bytes(KVLayer(128, 192, 128, None, 576, 61), 2):,}", "16 x 1 x 576 x 2 = 18,432"),
-            ("Gemma-2-9B sliding page (SlidingWindowSpec)", f"{vllm_page_size_bytes(kv_layers(as_spec('gemma-2-9b'))[0], 2):,}",
-             "16 x 8 x (256 + 256) x 2 = 131,072")]
+            ("Gemma-2-9B sliding page (SlidingWindowSpec)",
+             f"{vllm_page_size_bytes(kv_layers(as_spec('gemma-2-9b'))[0], 2):,}", "16 x 8 x (256 + 256) x 2 = 131,072")]
     budget = VllmBudget(total=int(79.18 * GiB), utilization=0.9, weights=int(14.99 * GiB),
                         activation_peak=int(4.76 * GiB), non_torch=int(0.13 * GiB), cuda_graphs=0,
                         bytes_per_token=131072)

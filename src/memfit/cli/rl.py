@@ -10,7 +10,7 @@ import typer
 
 from ..errors import ConfigError
 from .common import DOES_NOT_FIT, app, console, examples, print_json
-from .options import DEFAULT_GPU, OUTPUT_PANEL, GpuOpt, JsonOpt, MarginOpt, ModelArg, VerboseOpt, whole_number
+from .options import DEFAULT_GPU, GpuOpt, JsonOpt, MarginOpt, ModelArg, VerboseOpt, whole_number
 
 RL_PANEL = "RL recipe (TRL config fields; --config sets them, options override)"
 
@@ -104,5 +104,3 @@ def rl_command(model: ModelArg, trainer: TrainerOpt = "grpo", config: TrlConfigO
     if not result.fits:
         raise typer.Exit(DOES_NOT_FIT)
 
-
-__all__ = ["rl_command", "OUTPUT_PANEL"]

@@ -66,7 +66,7 @@ def fused_backward_terms(spec: ModelSpec, rows: int, *, compute_bytes: int, hidd
                   "fp32 grad_hidden [rows, h]" + (" + grad_weight [V, h]" if head_trainable else ""), FUSED)]
     if not triton:
         terms.append(term("temporaries/logprob_fold", Category.TEMPORARIES,
-                          FALLBACK_BACKWARD_TILES * tile * min(v, VOCAB_CHUNK_SIZE) * 4 + tile * min(v, VOCAB_CHUNK_SIZE),
+                          (FALLBACK_BACKWARD_TILES * 4 + 1) * tile * min(v, VOCAB_CHUNK_SIZE),
                           "torch fallback: 7 fp32 tile temporaries + a bool target mask", FUSED + " _backward_tile"))
     return terms
 

@@ -234,8 +234,8 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
     # generation: trainer_static + requested + graphs <= usable; other phases: phase + resident(util) <= usable
     limits = [usable - trainer_static - budget.cuda_graphs]
     if not sleep:
-        limits += [usable - p.total_bytes + budget.activation_peak - budget.cuda_graphs - budget.non_torch
-                   + budget.non_torch for p in phases]
+        # resident(util) = requested(util) - activation peak + graphs (the KV cache takes what the rest leaves)
+        limits += [usable - p.total_bytes + budget.activation_peak - budget.cuda_graphs for p in phases]
     best = min(limits) / total
     return [gen] + rest, _advice(budget, best, needed, total, rl.seq_len)
 

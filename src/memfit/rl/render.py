@@ -76,7 +76,8 @@ def settings_lines(result: RLEstimate) -> list[str]:
         lines.insert(1, f"num_generations: {rl.num_generations}")
         lines.append(f"use_vllm: {str(rl.use_vllm).lower()}")
         if rl.use_vllm:
-            util = result.vllm.recommended if result.vllm and result.vllm.recommended else rl.vllm_gpu_memory_utilization
+            advice = result.vllm
+            util = advice.recommended if advice and advice.recommended else rl.vllm_gpu_memory_utilization
             lines += [f"vllm_mode: {rl.vllm_mode}", f"vllm_gpu_memory_utilization: {util:.2f}",
                       f"vllm_enable_sleep_mode: {str(rl.vllm_enable_sleep_mode).lower()}"]
     else:
