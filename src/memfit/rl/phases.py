@@ -218,9 +218,9 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
                          max_num_seqs=seqs, tp=tp, kv_cache_dtype=rl.vllm_kv_cache_dtype,
                          enforce_eager=rl.vllm_enforce_eager)
     needed = rl.generation_batch * rl.seq_len
-    if rl.vllm_mode == "server":
-        advice = _advice(budget, None, needed, total, rl.seq_len)
-        return phases, advice
+    usable = int(total * (1 - margin))
+    if rl.vllm_mode == "server":  # `trl vllm-serve` on GPUs of its own: the engine alone under the margin
+        return phases, _advice(budget, (usable - budget.cuda_graphs) / total, needed, total, rl.seq_len)
     sleep = 2 if rl.vllm_enable_sleep_mode else 0
     resident = vllm_terms(budget, generating=False, sleep_level=sleep)
     static = [t for t in phases[-1].terms if t.category in (Category.PARAMETERS, Category.OPTIMIZER)]
@@ -229,7 +229,6 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
                 phases[-1].models + ("vllm",), f"vLLM colocated: {rl.generation_batch} completions")
     rest = [Phase(p.name, p.terms + tuple(resident), p.models + (("vllm",) if not sleep else ()), p.description)
             for p in phases]
-    usable = int(total * (1 - margin))
     trainer_static = sum(t.num_bytes for t in static + overhead)
     # generation: trainer_static + requested + graphs <= usable; other phases: phase + resident(util) <= usable
     limits = [usable - trainer_static - budget.cuda_graphs]

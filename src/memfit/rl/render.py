@@ -56,8 +56,10 @@ def _vllm(out, result: RLEstimate) -> None:
         out.print(f"[red]no vllm_gpu_memory_utilization fits[/red]: the rollout needs at least "
                   f"{advice.minimum:.2f} and the trainer leaves less")
     else:
-        out.print(f"[bold]vllm_gpu_memory_utilization: {advice.recommended:.2f}[/bold] (the largest that leaves "
-                  f"the trainer its peak; the rollout needs at least {advice.minimum:.2f})")
+        why = ("the largest under the margin on the engine's own GPUs" if result.setup.vllm_mode == "server"
+               else "the largest that leaves the trainer its peak")
+        out.print(f"[bold]vllm_gpu_memory_utilization: {advice.recommended:.2f}[/bold] ({why}; the rollout needs "
+                  f"at least {advice.minimum:.2f})")
     for note in advice.notes:
         out.print(f"[yellow]{note}[/yellow]")
 
