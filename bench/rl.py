@@ -38,6 +38,9 @@ GRPO_CASES = (
 DPO_CASES = (
     ("llama online ref", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48)),
     ("llama precomputed ref", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, precompute=True)),
+    ("llama precompute pass", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, precompute="phase")),
+    ("llama LoRA precompute pass", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, precompute="phase",
+                                                    lora=True)),
     ("llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
     ("llama short", TINY_LLAMA, dict(batch=2, prompt_len=64, completion_len=16)),
 )
@@ -51,7 +54,7 @@ def _rl_setup(trainer: str, fields: dict):
                    num_generations=fields.get("num_generations", 8), max_prompt_length=fields["prompt_len"],
                    max_completion_length=fields["completion_len"], beta=fields.get("beta", 0.04),
                    lora=fields.get("lora", False), lora_rank=8,
-                   precompute_ref_log_probs=fields.get("precompute", False),
+                   precompute_ref_log_probs=bool(fields.get("precompute", False)),
                    gradient_checkpointing=False, bf16=False, triton=False)
 
 

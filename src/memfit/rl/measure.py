@@ -201,16 +201,17 @@ def _pairs(count: int, prompt_len: int, completion_len: int):
 
 
 def measure_dpo(config: dict, *, batch: int, prompt_len: int, completion_len: int, lora: bool = False,
-                precompute: bool = False, output_dir: str, detail: dict | None = None) -> dict[str, int]:
+                precompute: bool | str = False, output_dir: str, detail: dict | None = None) -> dict[str, int]:
     """One DPO step (the second) of TRL's DPOTrainer on CPU in fp32, no gradient checkpointing; every prompt and
     completion exactly the given number of tokens. The online reference forward (inside compute_loss) is the
-    'reference' phase."""
+    'reference' phase. precompute='phase': the precompute itself (one batch of `_precompute_ref_logps`, which runs
+    in the trainer's constructor: measured here on a trainer built to keep its reference)."""
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
                      per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=1e-4,
                      max_steps=3, logging_steps=100, save_strategy="no", report_to=[], disable_dropout=True, seed=0,
-                     max_length=4 * (prompt_len + completion_len), precompute_ref_log_probs=precompute,
+                     max_length=4 * (prompt_len + completion_len), precompute_ref_log_probs=precompute is True,
                      model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
     peft_config = None
     if lora:
@@ -220,8 +221,28 @@ def measure_dpo(config: dict, *, batch: int, prompt_len: int, completion_len: in
     trainer = DPOTrainer(model=_tiny_model(config, f"{output_dir}/model"), args=args,
                          train_dataset=_pairs(64, prompt_len, completion_len), processing_class=toy_tokenizer(),
                          peft_config=peft_config)
+    if precompute == "phase":
+        return _measure_precompute(trainer)
     marks = PhaseMarks()
     no_grad = lambda *a, **k: not torch.is_grad_enabled()  # noqa: E731
     reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
     reference.forward = marks.wrap(reference.forward, "reference", when=no_grad)
     return _measure_trainer(trainer, reference_method=None, detail=detail, marks=marks)
+
+
+def _measure_precompute(trainer) -> dict[str, int]:
+    """`compute_ref_log_probs` on one padded batch, as `_precompute_ref_logps` runs it: the policy and the reference
+    (none for LoRA: the adapters are disabled) alive, no optimizer state yet."""
+    marks = PhaseMarks()
+    batch = next(iter(trainer.get_train_dataloader()))
+    reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
+    extra = [list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())] if \
+        trainer.ref_model is not None else []
+
+    def step() -> None:
+        marks.mark("precompute")
+        trainer.compute_ref_log_probs(reference, batch)
+        marks.mark("other")
+
+    with one_thread():
+        return phase_peaks(step, trainer.model, torch.optim.SGD([torch.zeros(1)]), extra + [batch], marks)
