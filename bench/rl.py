@@ -13,6 +13,7 @@ formulas in vllm/v1/kv_cache_interface.py and vllm/v1/worker/gpu_worker.py and a
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,35 @@ DPO_CASES = (
     ("llama short", TINY_LLAMA, dict(batch=2, prompt_len=64, completion_len=16)),
 )
 NAMES = {"log-probs": "reference"}
+HEAD_CASES = ((8, 16, 64), (4, 64, 32), (16, 8, 128))
+"""(batch, prompt, completion) for TRL 0.x's heads over materialised logits, measured without a trainer."""
+
+
+def head_rows() -> list[tuple[str, str, str, int, int]]:
+    """TRL 0.x's `selective_log_softmax` and the naive log-softmax: the no-grad pass (the log-probs phase's forward)
+    and forward + backward (the core's activations + the head's backward terms), on the tiny Llama."""
+    from memfit.api import as_spec
+    from memfit.estimate.analytic import estimate
+    from memfit.estimate.result import Category
+    from memfit.hardware import cpu_device, make_hardware
+    from memfit.rl import RLSetup, measure
+    from memfit.rl.phases import _head_backward, _no_grad_forward, _pick, training_setup
+
+    spec, hardware = as_spec(dict(TINY_LLAMA)), make_hardware(cpu_device(1 << 40))
+    rows = []
+    for (batch, prompt, completion), kind in itertools.product(HEAD_CASES, ("selective", "full")):
+        rl = RLSetup(per_device_train_batch_size=batch, max_prompt_length=prompt, max_completion_length=completion,
+                     bf16=False, gradient_checkpointing=False, logprob_head=kind)
+        core = estimate(spec, training_setup(rl, hardware, batch).replace(loss="standard"), hardware)
+        for train in (False, True):
+            measured = measure.measure_logits_head(TINY_LLAMA, batch=batch, prompt_len=prompt,
+                                                   completion_len=completion, kind=kind, train=train)
+            terms = (_pick(core, Category.ACTIVATIONS) + _head_backward(spec, rl, batch) if train
+                     else _no_grad_forward(spec, rl, batch))
+            rows.append(("trl 0.x head", f"{kind} B{batch} P{prompt} C{completion}",
+                         "forward+backward" if train else "no-grad log-probs", measured,
+                         spec.num_params * 4 + sum(t.num_bytes for t in terms)))
+    return rows
 
 
 def _rl_setup(trainer: str, fields: dict):
@@ -134,7 +164,11 @@ def main() -> None:
     for trainer, label, config, fields in cases:
         rows += run_case(trainer, label, config, fields)
         print(f"measured {trainer} {label}", file=sys.stderr)
+    heads = [] if args.quick else head_rows()
     lines = table(rows) + ["", summary(rows)]
+    if heads:
+        lines += ["", "### TRL 0.x heads over materialised logits (no trainer: the model and the head)", "",
+                  *table(heads), "", summary(heads)]
     vllm = ["| what | memfit | vLLM's formula / published |", "|---|---:|---:|"] + [
         f"| {a} | {b} | {c} |" for a, b, c in vllm_rows()]
     print("\n".join(lines + [""] + vllm))

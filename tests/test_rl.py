@@ -240,3 +240,35 @@ def test_cli_rl_json_and_errors(tmp_path):
     assert "unknown key num_gen" in result.output and "Traceback" not in result.output
     result = runner.invoke(app, ["rl", "llama-3.1-8b", "--trainer", "ppo"])
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize("kind, train, shape", [
+    ("selective", False, (16, 8, 128)), ("selective", True, (16, 8, 128)),
+    pytest.param("full", False, (16, 8, 128), marks=pytest.mark.slow),
+    pytest.param("full", True, (16, 8, 128), marks=pytest.mark.slow),
+    pytest.param("selective", True, (4, 64, 32), marks=pytest.mark.slow),
+    pytest.param("full", True, (4, 64, 32), marks=pytest.mark.slow),
+])
+def test_trl0_logits_heads_match_measured(torch_cpu, kind, train, shape):
+    """TRL 0.x's log-probs over materialised logits (selective_log_softmax, or the naive log_softmax), measured: the
+    no-grad pass against the log-probs phase's forward, forward + backward against the core's activations plus the
+    head's backward terms."""
+    pytest.importorskip("trl")
+    from memfit.estimate.analytic import estimate
+    from memfit.estimate.result import Category
+    from memfit.rl import measure
+    from memfit.rl.phases import _head_backward, _no_grad_forward, _pick, training_setup
+
+    batch, prompt, completion = shape
+    spec = as_spec(dict(TINY_LLAMA))
+    rl = RLSetup(per_device_train_batch_size=batch, max_prompt_length=prompt, max_completion_length=completion,
+                 bf16=False, gradient_checkpointing=False, logprob_head=kind)
+    measured = measure.measure_logits_head(TINY_LLAMA, batch=batch, prompt_len=prompt, completion_len=completion,
+                                           kind=kind, train=train)
+    if train:
+        core = estimate(spec, training_setup(rl, CPU, batch).replace(loss="standard"), CPU)
+        terms = _pick(core, Category.ACTIVATIONS) + _head_backward(spec, rl, batch)
+    else:
+        terms = _no_grad_forward(spec, rl, batch)
+    predicted = spec.num_params * 4 + sum(t.num_bytes for t in terms)
+    assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)

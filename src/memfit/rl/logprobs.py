@@ -73,29 +73,39 @@ def fused_backward_terms(spec: ModelSpec, rows: int, *, compute_bytes: int, hidd
 
 def logits_forward_terms(spec: ModelSpec, batch: int, completion: int, *, kind: str,
                          logits_bytes: int) -> list[Term]:
-    """'selective' / 'full': the no-grad forward's logits (C + 1 positions), their temperature-scaled copy, and for
-    'full' the fp32 log-softmax."""
+    """'selective' / 'full' in a no-grad pass, at the larger of two moments: the division by the temperature
+    (the logits [B, C + 1, V] and their scaled copy [B, C, V]; the logits are freed once the name is rebound), and
+    for 'full' the log-softmax (the scaled copy, its fp32 upcast when the logits are not fp32, the fp32 result).
+    'selective' adds one row's logsumexp temporary [C, V] after the division, never more than the first moment."""
     v = spec.vocab_size
     size = batch * completion * v
-    source = "trl/trainer/utils.py selective_log_softmax" if kind == "selective" else "torch log_softmax"
-    terms = [term("temporaries/logits", Category.TEMPORARIES, batch * (completion + 1) * v * logits_bytes + size *
-                  logits_bytes, "logits [B, C+1, V] + logits / temperature", source)]
-    if kind == "full":
-        terms.append(term("temporaries/log_softmax", Category.TEMPORARIES, size * 4, "fp32 log_softmax [B, C, V]",
-                          source))
-    return terms
+    division = batch * (completion + 1) * v * logits_bytes + size * logits_bytes
+    if kind == "selective":
+        return [term("temporaries/logits", Category.TEMPORARIES, division,
+                     "logits [B, C+1, V] + logits / temperature [B, C, V]",
+                     "trl/trainer/utils.py selective_log_softmax")]
+    softmax = size * logits_bytes + (size * 4 if logits_bytes != 4 else 0) + size * 4
+    return [term("temporaries/logits", Category.TEMPORARIES, max(division, softmax),
+                 "the larger of logits + scaled copy, and scaled copy + fp32 log_softmax [B, C, V]",
+                 "torch log_softmax over the materialised logits")]
 
 
 def logits_backward_terms(spec: ModelSpec, batch: int, completion: int, *, kind: str,
                           logits_bytes: int) -> list[Term]:
-    """'selective' / 'full' at the start of backward: saved log-softmax outputs (selective: each row's, in the
-    logits' dtype; full: fp32) and the logits' gradient with its log-softmax backward temporary."""
+    """'selective' / 'full' at their backward's peak. Saved: 'selective' the scaled logits (fp32: each row's
+    logsumexp keeps its input) or each row's log-softmax output (bf16), one [B, C, V] in the logits' dtype; 'full'
+    the fp32 log-softmax. Temporaries: 'selective' two [B, C, V] (the rows' gradients gathered and the logits'
+    gradient); 'full' three (gather's and log_softmax's backward and the slice's zero-filled [B, C + 1, V]), as a
+    measured tiny Llama shows (bench/rl.py)."""
     size = batch * completion * spec.vocab_size
-    saved = size * (logits_bytes if kind == "selective" else 4)
-    source = "trl/trainer/utils.py selective_log_softmax" if kind == "selective" else "torch log_softmax"
-    return [term("activations/log_softmax", Category.ACTIVATIONS, saved, "saved log-softmax [B, C, V]", source),
-            term("temporaries/logits_backward", Category.TEMPORARIES, 2 * size * logits_bytes,
-                 "2 x [B, C, V]: log_softmax_backward and the logits' gradient", "aten log_softmax_backward")]
+    if kind == "selective":
+        saved, temps = size * logits_bytes, 2 * size * logits_bytes
+        source = "trl/trainer/utils.py selective_log_softmax"
+    else:
+        saved, temps, source = size * 4, 3 * size * logits_bytes, "aten log_softmax_backward, gather / slice backward"
+    return [term("activations/log_softmax", Category.ACTIVATIONS, saved, "saved for backward: one [B, C, V]", source),
+            term("temporaries/logits_backward", Category.TEMPORARIES, temps, f"{temps // max(1, size * logits_bytes)}"
+                 " x [B, C, V] gradients", source)]
 
 
 def rl_loss_terms(batch: int, completion: int, *, trainer: str, with_reference: bool) -> list[Term]:

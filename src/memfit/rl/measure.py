@@ -246,3 +246,38 @@ def _measure_precompute(trainer) -> dict[str, int]:
 
     with one_thread():
         return phase_peaks(step, trainer.model, torch.optim.SGD([torch.zeros(1)]), extra + [batch], marks)
+
+
+def measure_logits_head(config: dict, *, batch: int, prompt_len: int, completion_len: int, kind: str,
+                        train: bool) -> int:
+    """TRL 0.x's per-token log-probs (`_get_per_token_logps`: logits for completion + 1 positions, the last
+    dropped, divided by the temperature, then `selective_log_softmax`, or the naive `log_softmax(...).gather`
+    for kind='full') on a tiny model in fp32: the peak of live bytes of one no-grad pass, or of a forward +
+    backward of `-logps.mean()` with train=True. Nothing but the model's weights lives before."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.trainer.utils import selective_log_softmax
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    model.train(train)
+    ids = torch.randint(3, WORDS, (batch, prompt_len + completion_len))
+    marks = PhaseMarks()
+
+    def step() -> None:
+        marks.mark("logprobs")
+        with torch.set_grad_enabled(train):
+            logits = model(input_ids=ids, logits_to_keep=completion_len + 1).logits[:, :-1]
+            logits = logits[:, -completion_len:] / 1.0
+            index = ids[:, -completion_len:]
+            if kind == "selective":
+                logps = selective_log_softmax(logits, index)
+            else:
+                logps = torch.gather(logits.float().log_softmax(-1), -1, index.unsqueeze(-1)).squeeze(-1)
+            if train:
+                (-logps.mean()).backward()
+        del logits, logps
+        marks.mark("other")
+
+    with one_thread():
+        return phase_peaks(step, model, torch.optim.SGD([torch.zeros(1)]), [ids], marks)["logprobs"]

@@ -11,7 +11,7 @@ from ..hardware import Hardware, cpu_device, make_hardware
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Loss, Optimizer, Precision, TrainingSetup
 from . import logprobs
-from .generation import default_max_num_seqs, hf_generate_terms, vllm_budget, vllm_terms
+from .generation import default_max_num_seqs, hf_generate_terms, hf_kv_cache_bytes, vllm_budget, vllm_terms
 from .workload import Phase, RLEstimate, RLSetup, VllmAdvice, term
 
 GRPO = "trl/trainer/grpo_trainer.py"
@@ -79,10 +79,14 @@ def _no_grad_forward(spec: ModelSpec, rl: RLSetup, batch: int) -> list[Term]:
     else:
         head = logprobs.logits_forward_terms(spec, batch, rl.max_completion_length, kind=rl.logprob_head,
                                              logits_bytes=d)
-    layer = batch * rl.seq_len * (2 * spec.hidden_size + 3 * spec.intermediate_size) * d
+    # the last layer's MLP (generation._prefill_terms reads the same forward): four hidden-sized tensors and three
+    # MLP intermediates; TRL 0.x's forward leaves use_cache on, so the whole KV cache of the pass is alive too
+    layer = batch * rl.seq_len * (4 * spec.hidden_size + 3 * spec.intermediate_size) * d
+    if rl.logprob_head != "fused":
+        layer += hf_kv_cache_bytes(spec, batch, rl.seq_len, d)
     if layer > sum(t.num_bytes for t in head):
         return [term("temporaries/forward_layer", Category.TEMPORARIES, layer,
-                     "B x T x (2h + 3I): one layer's residual pair and MLP intermediates, no grad", GRPO)]
+                     "B x T x (4h + 3I) (+ the KV cache with use_cache): the last layer's MLP, no grad", GRPO)]
     return head
 
 
