@@ -12,7 +12,8 @@ the policy's forward + backward. Three ways (workload.LOGPROB_HEADS):
   `selective_log_softmax` row by row (trl/trainer/utils.py), which never holds a full log-softmax; backward
   holds each row's log-softmax output and the logits' gradient.
 - 'full': `log_softmax(logits.float()).gather(...)`: the fp32 B x C x V log-softmax is saved for backward.
-The 'selective' and 'full' formulas are read from the code; only 'fused' (the installed TRL's) is measured here."""
+All three are measured on CPU (bench/rl.py): 'fused' inside real GRPO / DPO steps, the other two on the model alone
+(trl 1.x's trainers no longer call them)."""
 
 from __future__ import annotations
 
