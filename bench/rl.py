@@ -32,6 +32,8 @@ GRPO_CASES = (
     ("llama long prompt, beta 0", TINY_LLAMA, dict(batch=8, num_generations=4, prompt_len=64, completion_len=32,
                                                    beta=0.0)),
     ("llama LoRA", TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64, lora=True)),
+    ("llama checkpointing", TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64,
+                                             checkpointing=True)),
     ("qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
     ("mistral sliding 48", dict(TINY_MISTRAL, sliding_window=48),
      dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
@@ -85,7 +87,7 @@ def _rl_setup(trainer: str, fields: dict):
                    max_completion_length=fields["completion_len"], beta=fields.get("beta", 0.04),
                    lora=fields.get("lora", False), lora_rank=8,
                    precompute_ref_log_probs=bool(fields.get("precompute", False)),
-                   gradient_checkpointing=False, bf16=False, triton=False)
+                   gradient_checkpointing=fields.get("checkpointing", False), bf16=False, triton=False)
 
 
 def run_case(trainer: str, label: str, config: dict, fields: dict) -> list[tuple[str, str, str, int, int]]:
@@ -177,7 +179,7 @@ def main() -> None:
         (RESULTS / "rl.md").write_text("\n".join([
             "# RL post-training phases: memfit vs measured TRL steps", "",
             "Written by `OMP_NUM_THREADS=1 python bench/rl.py`. trl 1.16, transformers 5.24, torch 2.13 CPU, fp32, "
-            "no gradient checkpointing; each phase's peak of live bytes (profiler memory events, the second step) "
+            "gradient checkpointing off unless the case says so; each phase's peak of live bytes (profiler memory events, the second step) "
             "against memfit's tensor bytes for that phase. TRL's fused log-prob head runs its torch fallback on "
             "CPU (every position scored, fp32 tile temporaries); on a GPU it runs Triton (memfit's default).", "",
             *lines, "",

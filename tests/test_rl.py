@@ -69,6 +69,7 @@ def test_dpo_phases_match_a_measured_trl_step(trl_measure):
 @pytest.mark.parametrize("config, fields", [
     (TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64, lora=True)),
     (TINY_LLAMA, dict(batch=8, num_generations=4, prompt_len=64, completion_len=32, beta=0.0)),
+    (TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64, checkpointing=True)),
     (TINY_QWEN2, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
     (dict(TINY_MISTRAL, sliding_window=48), dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
 ])
@@ -78,7 +79,7 @@ def test_grpo_variants_match_measured(trl_measure, config, fields):
     measured = measure.measure_grpo(config, beta=beta, output_dir=out, **fields)
     rl = _rl("grpo", per_device_train_batch_size=fields["batch"], num_generations=fields["num_generations"],
              max_prompt_length=fields["prompt_len"], max_completion_length=fields["completion_len"], beta=beta,
-             lora=fields.get("lora", False))
+             lora=fields.get("lora", False)).replace(gradient_checkpointing=fields.get("checkpointing", False))
     errors = _compare(config, rl, measured)
     assert all(abs(e) < TOLERANCE for e in errors.values()), errors
 

@@ -119,12 +119,13 @@ def _length_reward(completions, **_):
 
 
 def measure_grpo(config: dict, *, batch: int, num_generations: int, prompt_len: int, completion_len: int,
-                 beta: float = 0.04, lora: bool = False, output_dir: str, detail: dict | None = None) -> dict[str, int]:
+                 beta: float = 0.04, lora: bool = False, checkpointing: bool = False, output_dir: str,
+                 detail: dict | None = None) -> dict[str, int]:
     """One GRPO step (the second: the first creates Adam's state) of TRL's GRPOTrainer with HF generate, on CPU in
-    fp32, no gradient checkpointing; every completion exactly `completion_len` tokens (min_new_tokens)."""
+    fp32; every completion exactly `completion_len` tokens (min_new_tokens)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+    args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=checkpointing,
                       per_device_train_batch_size=batch, num_generations=num_generations,
                       max_completion_length=completion_len, gradient_accumulation_steps=1, beta=beta,
                       learning_rate=1e-4, max_steps=3, logging_steps=100, save_strategy="no", report_to=[],

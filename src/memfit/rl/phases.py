@@ -69,8 +69,8 @@ def _dtype_bytes(rl: RLSetup) -> int:
 
 
 def _no_grad_forward(spec: ModelSpec, rl: RLSetup, batch: int) -> list[Term]:
-    """A no-grad log-prob forward of `batch` sequences: the larger of the head's peak and a decoder layer's
-    (a residual pair and the MLP's three [B, T, I] intermediates)."""
+    """A no-grad log-prob forward of `batch` sequences: the larger of the head's peak and the last decoder layer's
+    (below)."""
     d = _dtype_bytes(rl)
     if rl.logprob_head == "fused":
         rows = logprobs.head_rows(batch, rl.seq_len, rl.max_completion_length, rl.triton)
