@@ -241,6 +241,13 @@ def test_cli_rl_json_and_errors(tmp_path):
     assert "unknown key num_gen" in result.output and "Traceback" not in result.output
     result = runner.invoke(app, ["rl", "llama-3.1-8b", "--trainer", "ppo"])
     assert result.exit_code == 2
+    named = tmp_path / "dpo.json"
+    named.write_text(json.dumps({"model_name_or_path": "llama-3.1-8b", "per_device_train_batch_size": 2,
+                                 "max_length": 1024, "use_peft": True}))
+    result = runner.invoke(app, ["rl", "--trainer", "dpo", "--config", str(named), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert (data["model"], data["setup"]["max_completion_length"], data["setup"]["beta"]) == ("llama-3.1-8b", 512, 0.1)
 
 
 @pytest.mark.parametrize("kind, train, shape", [

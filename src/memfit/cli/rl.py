@@ -10,7 +10,7 @@ import typer
 
 from ..errors import ConfigError
 from .common import DOES_NOT_FIT, app, console, examples, print_json
-from .options import DEFAULT_GPU, GpuOpt, JsonOpt, MarginOpt, ModelArg, VerboseOpt, whole_number
+from .options import DEFAULT_GPU, MODEL_PANEL, GpuOpt, JsonOpt, MarginOpt, VerboseOpt, whole_number
 
 RL_PANEL = "RL recipe (TRL config fields; --config sets them, options override)"
 
@@ -19,6 +19,10 @@ def _opt(*decls: str, help: str, **kwargs):
     return typer.Option(*decls, rich_help_panel=RL_PANEL, show_default=False, help=help, **kwargs)
 
 
+RlModelArg = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", show_default=False, rich_help_panel=MODEL_PANEL,
+    help="A catalog name (see `memfit models`), a path to a config.json or a folder holding one, or a Hugging Face "
+         "hub id. Optional when --config has model_name_or_path.")]
 TrainerOpt = Annotated[str, _opt("--trainer", metavar="grpo|dpo", help="TRL trainer: grpo or dpo. Default: grpo.")]
 TrlConfigOpt = Annotated[Optional[Path], _opt(
     "--config", metavar="FILE", help="TRL's GRPOConfig / DPOConfig as YAML or JSON (what `trl grpo --config` reads).")]
@@ -60,8 +64,8 @@ HeadOpt = Annotated[Optional[str], _opt("--logprob-head", metavar="fused|selecti
     "memfit rl qwen2.5-7b --trainer grpo --gpu H100",
     "memfit rl llama-3.1-8b --trainer grpo --vllm --vllm-util 0.3 --gpu H100 --json",
     "memfit rl llama-3.1-8b --trainer dpo --lora --precompute-ref",
-    "memfit rl qwen2.5-1.5b --trainer grpo --config grpo.yaml"))
-def rl_command(model: ModelArg, trainer: TrainerOpt = "grpo", config: TrlConfigOpt = None, gpu: GpuOpt = None,
+    "memfit rl --trainer grpo --config grpo.yaml"))
+def rl_command(model: RlModelArg = None, trainer: TrainerOpt = "grpo", config: TrlConfigOpt = None, gpu: GpuOpt = None,
                margin: MarginOpt = None, batch: BatchOpt = None, num_generations: GenerationsOpt = None,
                prompt_len: PromptOpt = None, completion_len: CompletionOpt = None, accum: AccumOpt = None,
                beta: BetaOpt = None, vllm: VllmOpt = None, vllm_mode: VllmModeOpt = None, vllm_util: UtilOpt = None,
@@ -80,7 +84,10 @@ def rl_command(model: ModelArg, trainer: TrainerOpt = "grpo", config: TrlConfigO
     trainer = trainer.lower()
     if trainer not in ("grpo", "dpo"):
         raise ConfigError(f"--trainer must be grpo or dpo, got {trainer!r}")
-    settings = read_trl_config(config)[0] if config is not None else {}
+    settings, named = read_trl_config(config) if config is not None else ({}, None)
+    model = model or named
+    if model is None:
+        raise ConfigError("give MODEL, or a --config whose model_name_or_path names it")
     if trainer == "dpo" and beta is None and "beta" not in settings:
         beta = 0.1  # DPOConfig's default
     rl = build_setup(trainer, settings, per_device_train_batch_size=batch, num_generations=num_generations,
