@@ -1,0 +1,262 @@
+"""GRPO and DPO as phases (TRL's GRPOTrainer and DPOTrainer, trl 1.x), each phase's terms on one GPU, and the
+vLLM utilization that leaves the trainer room. `estimate_rl` is the entry point."""
+
+from __future__ import annotations
+
+from ..diagnose import DEFAULT_MARGIN
+from ..estimate.analytic import estimate
+from ..estimate.result import Category, MemoryEstimate, Term
+from ..finetune import Finetune, Method
+from ..hardware import Hardware, cpu_device, make_hardware
+from ..model_spec import ModelSpec
+from ..setup import Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from . import logprobs
+from .generation import default_max_num_seqs, hf_generate_terms, hf_kv_cache_bytes, vllm_budget, vllm_terms
+from .workload import Phase, RLEstimate, RLSetup, VllmAdvice, term
+
+GRPO = "trl/trainer/grpo_trainer.py"
+DPO = "trl/trainer/dpo_trainer.py"
+_HOST = make_hardware(cpu_device(1 << 50))
+"""A device with room for anything: the core's saved-activation terms without checkpointing, read at any size."""
+SHARED_OVERHEAD = ("overhead/cuda_context", "overhead/cublas_workspace")
+"""Overhead terms of the core estimate every phase of the one process carries."""
+
+
+def training_setup(rl: RLSetup, hardware: Hardware, batch: int) -> TrainingSetup:
+    """The policy's step as memfit's core sizes it. TRL loads the policy in the checkpoint's dtype ('auto') and
+    trains it with bf16 autocast: pure bf16 weights and AdamW states (torch keeps states in the params' dtype);
+    bf16=False: fp32. The log-prob head is TRL's own (logprobs.py), so the core runs without a CE loss's logits
+    (Loss.FUSED leaves only the final norm's tensors at the head). The optimizer is TrainingArguments' default
+    with torch >= 2.8, `adamw_torch_fused` (transformers training_args.py `default_optim`)."""
+    finetune = Finetune(method=Method.LORA, rank=rl.lora_rank, alpha=2.0 * rl.lora_rank) if rl.lora else Finetune()
+    return TrainingSetup(micro_batch_size=batch, seq_len=rl.seq_len, grad_accum_steps=rl.gradient_accumulation_steps,
+                         precision=Precision.BF16 if rl.bf16 else Precision.FP32, optimizer=Optimizer.ADAMW_FUSED,
+                         checkpointing=Checkpointing.FULL if rl.gradient_checkpointing else Checkpointing.NONE,
+                         loss=Loss.STANDARD if rl.lora else Loss.FUSED, finetune=finetune,
+                         num_gpus=hardware.world_size)
+
+
+CE_LOSS_TERMS = ("activations/loss", "activations/logits", "temporaries/loss_backward")
+"""The core's cross-entropy tensors (a LoRA policy is sized with Loss.STANDARD): TRL's head replaces them."""
+
+
+def _pick(result: MemoryEstimate, *categories: Category) -> list[Term]:
+    return [t for t in result.terms if t.category in categories and t.name not in CE_LOSS_TERMS]
+
+
+def _overhead(result: MemoryEstimate) -> list[Term]:
+    return [t for t in result.terms if t.name in SHARED_OVERHEAD]
+
+
+def _reference_weights(core: MemoryEstimate, rl: RLSetup) -> list[Term]:
+    """A second copy of the policy's weights, frozen, in the model's dtype (the policy's parameter terms)."""
+    if not rl.has_reference_model:
+        return []
+    weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS)
+    source = GRPO + " (ref_model: create_model_from_path)" if rl.trainer == "grpo" else DPO + " (ref_model)"
+    return [term("parameters/reference", Category.PARAMETERS, weights, "the reference model: the policy's weights",
+                 source)]
+
+
+def _rollout_buffers(rl: RLSetup, rows: int) -> list[Term]:
+    """The batch's token tensors (ids, attention mask, completion mask: int64) that stay alive across phases."""
+    return [term("inputs/rollout", Category.ACTIVATIONS, 3 * rows * rl.seq_len * 8,
+                 f"{rows} sequences x {rl.seq_len} tokens x 3 int64 (ids, masks)", GRPO + " _generate_and_score")]
+
+
+def _dtype_bytes(rl: RLSetup) -> int:
+    return 2 if rl.bf16 else 4
+
+
+def _no_grad_forward(spec: ModelSpec, rl: RLSetup, batch: int) -> list[Term]:
+    """A no-grad log-prob forward of `batch` sequences: the larger of the head's peak and the last decoder layer's
+    (below)."""
+    d = _dtype_bytes(rl)
+    if rl.logprob_head == "fused":
+        rows = logprobs.head_rows(batch, rl.seq_len, rl.max_completion_length, rl.triton)
+        head = logprobs.fused_forward_terms(spec, rows, batch, rl.seq_len, compute_bytes=d, hidden_bytes=d,
+                                            triton=rl.triton)
+    else:
+        head = logprobs.logits_forward_terms(spec, batch, rl.max_completion_length, kind=rl.logprob_head,
+                                             logits_bytes=d)
+    # the last layer's MLP (generation._prefill_terms reads the same forward): four hidden-sized tensors and three
+    # MLP intermediates; TRL 0.x's forward leaves use_cache on, so the whole KV cache of the pass is alive too
+    layer = batch * rl.seq_len * (4 * spec.hidden_size + 3 * spec.intermediate_size) * d
+    if rl.logprob_head != "fused":
+        layer += hf_kv_cache_bytes(spec, batch, rl.seq_len, d)
+    if layer > sum(t.num_bytes for t in head):
+        return [term("temporaries/forward_layer", Category.TEMPORARIES, layer,
+                     "B x T x (4h + 3I) (+ the KV cache with use_cache): the last layer's MLP, no grad", GRPO)]
+    return head
+
+
+def _head_backward(spec: ModelSpec, rl: RLSetup, batch: int) -> list[Term]:
+    d = _dtype_bytes(rl)
+    if rl.logprob_head == "fused":
+        rows = logprobs.head_rows(batch, rl.seq_len, rl.max_completion_length, rl.triton)
+        return logprobs.fused_backward_terms(spec, rows, compute_bytes=d, hidden_bytes=d, triton=rl.triton,
+                                             head_trainable=not rl.lora)
+    return logprobs.logits_backward_terms(spec, batch, rl.max_completion_length, kind=rl.logprob_head,
+                                          logits_bytes=d)
+
+
+def _saved_activations(spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, batch: int) -> list[Term]:
+    """What the policy's forward leaves for backward when the head's backward begins. Without checkpointing: the
+    core's activation terms (its peak is that moment). With full checkpointing each decoder layer keeps only its
+    input hidden states [B, T, h] (transformers GradientCheckpointingLayer), plus the embeddings' and the final
+    norm's tensors."""
+    if not rl.gradient_checkpointing:
+        return _pick(core, Category.ACTIVATIONS)
+    unchanged = training_setup(rl.replace(gradient_checkpointing=False), _HOST, batch)
+    plain = estimate(spec, unchanged, _HOST)
+    kept = [t for t in _pick(plain, Category.ACTIVATIONS) if t.name in ("activations/embeddings", "activations/head")]
+    inputs = spec.num_layers * batch * rl.seq_len * spec.hidden_size * _dtype_bytes(rl)
+    return kept + [term("activations/checkpoints", Category.ACTIVATIONS, inputs,
+                        "L x B x T x h: each layer's checkpointed input", "transformers GradientCheckpointingLayer")]
+
+
+def _training(core: MemoryEstimate, head_point: list[Term], extra: list[Term]) -> list[Term]:
+    """The training phase's peak: the head's backward (`head_point`) or the core's own peak (a layer's backward
+    under checkpointing, or the optimizer step with gradients and its temporaries), whichever is larger, each with
+    the reference weights and the batch's tensors (`extra`)."""
+    own = [t for t in core.terms if t.category is not Category.OVERHEAD and t.name not in CE_LOSS_TERMS]
+    head_total = sum(t.num_bytes for t in head_point)
+    return (head_point if head_total >= sum(t.num_bytes for t in own) else own) + extra
+
+
+def _static(core: MemoryEstimate, rl: RLSetup) -> list[Term]:
+    return _pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _reference_weights(core, rl)
+
+
+def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[Phase], MemoryEstimate]:
+    """Rollout (HF generate of the whole generation batch), log-probs (reference when beta > 0), training step."""
+    batch = rl.per_device_train_batch_size
+    core = estimate(spec, training_setup(rl, hardware, batch), hardware)
+    static, overhead, rollout = _static(core, rl), _overhead(core), _rollout_buffers(rl, rl.generation_batch)
+    models = ("policy", "reference") if rl.has_reference_model else ("policy",)
+    phases = []
+    if not rl.use_vllm:
+        gen = hf_generate_terms(spec, rl.generation_batch, rl.max_prompt_length, rl.max_completion_length,
+                                _dtype_bytes(rl))
+        phases.append(Phase("generation", tuple(static + gen + overhead), models,
+                            f"HF generate: {rl.generation_batch} completions x {rl.seq_len} tokens"))
+    # grpo_trainer.py `_generate_and_score_completions`: old-policy log-probs when gradient_accumulation_steps is
+    # not a multiple of steps_per_generation x num_iterations, or always with vLLM (importance-sampling correction)
+    generate_every = (rl.steps_per_generation or rl.gradient_accumulation_steps) * rl.num_iterations
+    old_policy = rl.gradient_accumulation_steps % generate_every != 0 or rl.use_vllm
+    if rl.needs_reference_logprobs or old_policy:
+        forward = _no_grad_forward(spec, rl, batch)
+        what = "reference" if rl.needs_reference_logprobs else "old policy"
+        phases.append(Phase("log-probs", tuple(static + rollout + forward + overhead), models,
+                            f"{what} log-probs, no grad, {batch} sequences at a time"))
+    head_point = (_pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _saved_activations(spec, rl, core, batch)
+                  + _head_backward(spec, rl, batch) + logprobs.rl_loss_terms(
+                      batch, rl.max_completion_length, trainer="grpo", with_reference=rl.needs_reference_logprobs))
+    train = _training(core, head_point, _reference_weights(core, rl) + rollout) + overhead
+    phases.append(Phase("training", tuple(train), models, f"policy forward + backward, {batch} completions"))
+    return phases, core
+
+
+def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[Phase], MemoryEstimate]:
+    """DPO: chosen and rejected concatenated (2 x batch rows). Online reference log-probs run inside
+    compute_loss after the policy's forward (dpo_trainer.py `_compute_loss`), so the policy's saved activations are
+    alive under them; precomputed ones run once before training (`_precompute_ref_logps`), with no optimizer state
+    yet, and then the full reference model is freed (non-LoRA, non-FSDP)."""
+    rows = 2 * rl.per_device_train_batch_size
+    core = estimate(spec, training_setup(rl, hardware, rows), hardware)
+    params = _pick(core, Category.PARAMETERS)
+    static, overhead = _static(core, rl), _overhead(core)
+    models = ("policy", "reference") if rl.has_reference_model else ("policy",)
+    activations = _saved_activations(spec, rl, core, rows) + logprobs.rl_loss_terms(
+        rows, rl.max_completion_length, trainer="dpo", with_reference=True)
+    phases = []
+    if rl.precompute_ref_log_probs:
+        pre_rows = 2 * (rl.precompute_ref_batch_size or rl.per_device_train_batch_size)
+        ref = [] if rl.lora else [term("parameters/reference", Category.PARAMETERS, sum(
+            t.num_bytes for t in params), "the reference model, loaded for the precompute", DPO)]
+        phases.append(Phase("precompute", tuple(params + ref + _no_grad_forward(spec, rl, pre_rows) + overhead),
+                            ("policy",) if rl.lora else ("policy", "reference"),
+                            f"reference log-probs over the dataset, {pre_rows} rows at a time, before training"))
+    else:
+        saved = [t for t in _head_backward(spec, rl, rows) if t.category is Category.ACTIVATIONS]
+        phases.append(Phase("log-probs", tuple(static + activations + saved + _no_grad_forward(spec, rl, rows)
+                                               + overhead),
+                            models, "online reference forward inside compute_loss, policy activations alive"))
+    head_point = _pick(core, Category.PARAMETERS, Category.OPTIMIZER) + activations + _head_backward(spec, rl, rows)
+    train = _training(core, head_point, _reference_weights(core, rl)) + overhead
+    phases.append(Phase("training", tuple(train), models, f"policy forward + backward, {rows} rows"))
+    return phases, core
+
+
+def estimate_rl(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> RLEstimate:
+    if rl.trainer == "grpo":
+        phases, core = grpo_phases(spec, rl, hardware)
+    else:
+        phases, core = dpo_phases(spec, rl, hardware)
+    advice = None
+    notes = []
+    if rl.trainer == "grpo" and rl.use_vllm:
+        trainer_phases = phases
+        phases, advice = _with_vllm(spec, rl, hardware, trainer_phases, core, margin)
+        if advice.recommended is None and rl.vllm_mode == "colocate" and not rl.vllm_enable_sleep_mode:
+            slept = _with_vllm(spec, rl.replace(vllm_enable_sleep_mode=True), hardware, trainer_phases, core,
+                               margin)[1]
+            if slept.recommended is not None:
+                notes.append(f"with vllm_enable_sleep_mode: true (vLLM frees its weights and KV cache between "
+                             f"rollouts) vllm_gpu_memory_utilization {slept.recommended:.2f} fits")
+    return RLEstimate(spec.name, hardware.gpu.name, hardware.gpu.memory_bytes, rl, tuple(phases), advice,
+                      tuple(notes))
+
+
+def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Phase], core: MemoryEstimate,
+               margin: float) -> tuple[list[Phase], VllmAdvice]:
+    """Colocate: the engine lives in the trainer's process (TRL `vllm_mode="colocate"`), its budget taken from the
+    same GPU, sleeping (level 2, as TRL calls it) between rollouts when vllm_enable_sleep_mode. Server: the engine
+    has GPUs of its own; the trainer's GPUs carry no rollout."""
+    total = hardware.gpu.memory_bytes
+    tp = rl.vllm_tensor_parallel_size
+    weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS) // tp
+    weights = weights if rl.bf16 else weights // 2  # vLLM serves in the checkpoint's dtype (bf16 here)
+    seqs = rl.vllm_max_num_seqs or default_max_num_seqs(total, hardware.gpu.name)
+    budget = vllm_budget(spec, total=total, utilization=rl.vllm_gpu_memory_utilization, weights=weights,
+                         max_num_seqs=seqs, tp=tp, kv_cache_dtype=rl.vllm_kv_cache_dtype,
+                         enforce_eager=rl.vllm_enforce_eager)
+    needed = rl.generation_batch * rl.seq_len
+    usable = int(total * (1 - margin))
+    if rl.vllm_mode == "server":  # `trl vllm-serve` on GPUs of its own: the engine alone under the margin
+        return phases, _advice(budget, (usable - budget.cuda_graphs) / total, needed, total, rl.seq_len)
+    sleep = 2 if rl.vllm_enable_sleep_mode else 0
+    resident = vllm_terms(budget, generating=False, sleep_level=sleep)
+    static = [t for t in phases[-1].terms if t.category in (Category.PARAMETERS, Category.OPTIMIZER)]
+    overhead = [t for t in phases[-1].terms if t.category is Category.OVERHEAD]
+    gen = Phase("generation", tuple(static + vllm_terms(budget, generating=True, sleep_level=sleep) + overhead),
+                phases[-1].models + ("vllm",), f"vLLM colocated: {rl.generation_batch} completions")
+    rest = [Phase(p.name, p.terms + tuple(resident), p.models + (("vllm",) if not sleep else ()), p.description)
+            for p in phases]
+    trainer_static = sum(t.num_bytes for t in static + overhead)
+    # generation: trainer_static + requested + graphs <= usable; other phases: phase + resident(util) <= usable
+    limits = [usable - trainer_static - budget.cuda_graphs]
+    if not sleep:
+        # resident(util) = requested(util) - activation peak + graphs (the KV cache takes what the rest leaves)
+        limits += [usable - p.total_bytes + budget.activation_peak - budget.cuda_graphs for p in phases]
+    best = min(limits) / total
+    return [gen] + rest, _advice(budget, best, needed, total, rl.seq_len)
+
+
+def _advice(budget, best: float | None, needed: int, total: int, max_model_len: int) -> VllmAdvice:
+    floor_need = budget.weights + budget.activation_peak + budget.non_torch + needed * budget.bytes_per_token
+    minimum = floor_need / total
+    recommended = None
+    if best is not None and best >= minimum:
+        recommended = int(best * 100) / 100
+    notes = []
+    if budget.kv_tokens < max_model_len:
+        # vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory: the engine refuses to start
+        notes.append(f"at utilization {budget.utilization:g} vLLM cannot start: its KV cache holds "
+                     f"{budget.kv_tokens:,} tokens, fewer than one sequence of {max_model_len:,} (ValueError at "
+                     "engine start)")
+    elif budget.kv_tokens < needed:
+        notes.append(f"at utilization {budget.utilization:g} the KV cache holds {budget.kv_tokens:,} tokens, fewer "
+                     f"than the {needed:,} of the generation batch: vLLM will preempt and recompute sequences")
+    return VllmAdvice(budget.utilization, recommended, round(minimum, 4), budget.kv_cache, budget.kv_tokens,
+                      budget.bytes_per_token, needed, notes=tuple(notes))
