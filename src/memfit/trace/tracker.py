@@ -111,6 +111,11 @@ class StepTracker(TorchDispatchMode):
         self._wait_tensor = _wait_tensor_op()
         self._orig_resize = None
         self.values_assumed = 0
+        self.assume_values = False
+        """Give a stand-in for `.item()` in every phase, not only the optimizer step (a user's script logs the loss)."""
+        self.host_birth = False
+        """New storages are host memory (HOST_TEMPORARIES), not the device's: a script's data pipeline
+        (memfit.trace.script_env.DeviceMap sets it per torch call)."""
         self._shape_only = 0
         """> 0 while DTensor derives output shapes by running an op on global-shape fake tensors: in a real run those
         are a private FakeTensorMode's (no memory); in a trace they would share ours and look like allocations."""
@@ -153,6 +158,12 @@ class StepTracker(TorchDispatchMode):
             self._add(storage, kind)
         elif record.kind != kind:
             self._reclassify(record, kind)
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage is counted in device memory (known and not of a host kind)."""
+        storage = _storage_of(tensor) if isinstance(tensor, torch.Tensor) else None
+        record = self._records.get(id(storage)) if storage is not None else None
+        return record is not None and not self._on_host[record.kind]
 
     def register_tree(self, tree, kind: _Kind) -> None:
         for tensor in _tensors_in(tree):
@@ -210,6 +221,8 @@ class StepTracker(TorchDispatchMode):
     # ---- bookkeeping -----------------------------------------------------------------------------------------
 
     def _birth_kind(self) -> _Kind:
+        if self.host_birth:
+            return _Kind.HOST_TEMPORARIES
         phase = self.phase
         if phase is Phase.FORWARD:
             return _Kind.ACTIVATIONS
@@ -322,7 +335,7 @@ class StepTracker(TorchDispatchMode):
         scratch = 0
         if func is self._wait_tensor:
             out = args[0]  # its fake impl returns a new tensor; eager returns the input
-        elif func is _ITEM and self.phase is Phase.OPTIMIZER:
+        elif func is _ITEM and (self.phase is Phase.OPTIMIZER or self.assume_values):
             return self._item(func, args[0])
         else:
             scratch = self._hidden_scratch(func, args) if self._hidden_scratch is not None else 0
