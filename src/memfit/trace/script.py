@@ -201,7 +201,8 @@ def check_device(device: str) -> None:
 # ---- the trace -----------------------------------------------------------------------------------------------------
 
 def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", gpu_name: str = "H100",
-                 gpu_memory_bytes: int = 80 * 2**30, progress: Callable | None = None) -> MemoryEstimate:
+                 gpu_memory_bytes: int = 80 * 2**30, progress: Callable | None = None,
+                 _fake: bool = True) -> MemoryEstimate:
     """The exact per-device tensor peak of the first `steps` optimizer steps of the script `argv` (`["python",
     "train.py", "--lr", "1e-4"]`, `["python", "-m", "pkg.train"]` or `["train.py"]`), run on fake tensors.
 
@@ -224,7 +225,8 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
     tracker.assume_values = True
     watch = _watch(tracker, steps)
     with contextlib.ExitStack() as stack:
-        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        # _fake=False runs the script for real under the same tracker (a check of the fake run, device="cpu")
+        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True) if _fake else contextlib.nullcontext())
         stack.enter_context(tracker)
         stack.enter_context(_environment(device, tracker, watch, gpu_name, gpu_memory_bytes, notes))
         _run_refusing(command, watch)
@@ -331,6 +333,7 @@ def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: 
         stack.enter_context(script_env.weightless_loading(notes))
         stack.enter_context(script_env.nothing_saved(notes))
         stack.enter_context(script_env.replacing_module_apply())
+        stack.enter_context(script_env.real_run_branches())
         stack.enter_context(device_kernels(device))
         stack.enter_context(routed_experts())
         if device == "cpu":

@@ -317,6 +317,21 @@ def nothing_saved(notes: list[str]) -> Iterator[None]:
         notes.append(f"skipped {len(saved)} save call(s) ({', '.join(sorted(set(saved)))}): a trace writes no files")
 
 
+@contextlib.contextmanager
+def real_run_branches() -> Iterator[None]:
+    """transformers takes other branches when it sees a FakeTensor (utils/import_utils.py `is_tracing`, for
+    torch.compile's sake): masking_utils then builds a packed-sequence mask a real run does not. A script's trace
+    must take the real run's branches, so FakeTensors are not 'tracing' to it (the tracker answers the value
+    reads those branches make)."""
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    with _patched(import_utils, {"is_fake_tensor": lambda tensor: False}):
+        yield
+
+
 # ---- Module.to on fake tensors -------------------------------------------------------------------------------------
 
 @contextlib.contextmanager

@@ -113,6 +113,9 @@ class StepTracker(TorchDispatchMode):
         self.values_assumed = 0
         self.assume_values = False
         """Give a stand-in for `.item()` in every phase, not only the optimizer step (a user's script logs the loss)."""
+        self._truthy: dict[int, weakref.ref] = {}
+        """Outputs of `all`: a stand-in value True (`(mask == 0).all()` guards the ordinary path, e.g. transformers'
+        masking_utils.find_packed_sequence_indices: no packed sequences)."""
         self.host_birth = False
         """New storages are host memory (HOST_TEMPORARIES), not the device's: a script's data pipeline
         (memfit.trace.script_env.DeviceMap sets it per torch call)."""
@@ -340,6 +343,8 @@ class StepTracker(TorchDispatchMode):
         else:
             scratch = self._hidden_scratch(func, args) if self._hidden_scratch is not None else 0
             out = func(*args, **(kwargs or {}))
+            if self.assume_values and getattr(func, "overloadpacket", None) is _ALL:
+                self._truthy[id(out)] = weakref.ref(out)  # by identity: a WeakSet compares tensors with ==
         if isinstance(out, torch.Tensor):
             self._see(out)
         elif isinstance(out, (tuple, list)):
@@ -381,7 +386,8 @@ class StepTracker(TorchDispatchMode):
             pass
         self.values_assumed += 1
         if tensor.dtype is torch.bool:
-            return False
+            ref = self._truthy.get(id(tensor))
+            return ref is not None and ref() is tensor
         return 0.0 if tensor.is_floating_point() else 0
 
     def see(self, tensor: torch.Tensor) -> None:
@@ -523,6 +529,7 @@ _GUESS_EVENTS = {Phase.FORWARD: 2000, Phase.BACKWARD: 4000, Phase.OPTIMIZER: 200
 
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
+_ALL = torch.ops.aten.all
 _FREE = -1  # memfit.estimate.allocator.FREE
 
 
