@@ -327,13 +327,14 @@ def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: 
                  notes: list[str]) -> Iterator[None]:
     from . import script_env
     from .kernels import cpu_rng_states, device_kernels
-    from .session import routed_experts
+    from .session import _FakeDeepcopy, routed_experts
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(script_env.weightless_loading(notes))
         stack.enter_context(script_env.nothing_saved(notes))
         stack.enter_context(script_env.replacing_module_apply())
         stack.enter_context(script_env.real_run_branches())
+        stack.enter_context(_FakeDeepcopy())  # copy.deepcopy of a fake tensor (Lightning's logged results)
         stack.enter_context(device_kernels(device))
         stack.enter_context(routed_experts())
         if device == "cpu":
