@@ -89,6 +89,8 @@ def execute(command: ScriptCommand) -> None:
         else:
             runpy.run_path(command.path, run_name="__main__")
     except SystemExit as exit_:
+        if isinstance(exit_.__context__, KeyboardInterrupt):  # Lightning turns Ctrl-C into sys.exit(1)
+            raise KeyboardInterrupt from None
         if exit_.code not in (None, 0):
             raise ConfigError(f"the script exited with {exit_.code!r} before its first optimizer step") from None
 
@@ -182,9 +184,10 @@ class StepWatch:
             raise _Stop
 
 
-def run_steps(command: ScriptCommand, watch: StepWatch) -> None:
-    """Run the script until `watch.steps` optimizer steps are done (or it ends)."""
-    with script_argv(command), watch.installed():
+def run_steps(command: ScriptCommand, watch: StepWatch, *, install: bool = True) -> None:
+    """Run the script until `watch.steps` optimizer steps are done (or it ends); `install=False`: the watch's
+    hooks are in place already."""
+    with script_argv(command), watch.installed() if install else contextlib.nullcontext():
         try:
             execute(command)
         except _Stop:
@@ -227,6 +230,7 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
     with contextlib.ExitStack() as stack:
         # _fake=False runs the script for real under the same tracker (a check of the fake run, device="cpu")
         fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True) if _fake else contextlib.nullcontext())
+        stack.enter_context(watch.installed())  # before the tracker's module hooks: the root is named when it runs
         stack.enter_context(tracker)
         stack.enter_context(_environment(device, tracker, watch, gpu_name, gpu_memory_bytes, notes))
         _run_refusing(command, watch)
@@ -354,7 +358,7 @@ def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: 
 def _run_refusing(command: ScriptCommand, watch: StepWatch) -> None:
     """run_steps; anything the script raises becomes one line naming the call that failed on fake tensors."""
     try:
-        run_steps(command, watch)
+        run_steps(command, watch, install=False)
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001 - a user's script can raise anything: it becomes one clear line
@@ -376,3 +380,17 @@ def _where(traceback, command: ScriptCommand) -> str:
     if frame is None:
         return ""
     return f" at {Path(frame.filename).name}:{frame.lineno} ({(frame.line or '').strip()[:80]})"
+
+
+def script_estimate(argv: Sequence[str], hardware, *, steps: int = 2, progress: Callable | None = None
+                    ) -> MemoryEstimate:
+    """trace_script on `hardware`'s device (its GPU's name and memory; a CPU device traces the CPU path), with the
+    device's runtime overhead (CUDA context, allocator reserve) added as memfit.trace.estimator adds it."""
+    from ..estimate.device import runtime_overhead_terms
+    from ..setup import TrainingSetup
+
+    device = "cpu" if hardware.is_cpu else "cuda"
+    result = trace_script(argv, steps=steps, device=device, gpu_name=hardware.gpu.name,
+                          gpu_memory_bytes=hardware.gpu.memory_bytes, progress=progress)
+    overhead = runtime_overhead_terms(result.tensor_bytes, TrainingSetup(), hardware)
+    return dataclasses.replace(result, terms=result.terms + tuple(overhead), device_name=hardware.gpu.name)

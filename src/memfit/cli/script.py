@@ -1,0 +1,52 @@
+"""`memfit trace -- python train.py ARGS`: the user's own script traced on fake tensors (memfit.trace.script),
+reported like `memfit trace MODEL`. Imports torch only when called."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ConfigError
+from .common import console, print_json, write_reports
+from .progress import progress_bar
+
+
+def trace_script_command(script: list[str], opts, *, steps: int, json_output: bool, verbose: bool,
+                         report: Path | None, png: Path | None) -> None:
+    """Trace `script` on the --gpu device; print the per-device peak, breakdown, phases, top modules and notes."""
+    given = sorted(opts.explicit - {"num_gpus"})
+    if given:
+        raise ConfigError(f"setup options ({', '.join(given)}) do not apply to a script: it sets its own batch, "
+                          "precision and techniques; give them to the script after `--`")
+    if (opts.gpus or 1) * (opts.nodes or 1) > 1:
+        raise ConfigError("a script is traced as one process (one GPU) for now: drop --gpus / --nodes")
+    try:
+        from ..trace.script import script_estimate
+    except ImportError as error:
+        raise ConfigError(f"memfit trace runs the script and needs torch ({error.name}): "
+                          "pip install 'memfit[torch]'") from None
+    from ..diagnose import diagnose
+
+    hardware = opts.hardware()
+    with progress_bar("tracing the script on fake tensors") as bar:
+        report_progress = bar if not json_output else None
+        advance = ((lambda event: report_progress(event.message, event.fraction)) if report_progress is not None
+                   else None)
+        traced = script_estimate(script, hardware, steps=steps, progress=advance)
+    diagnosis = diagnose(traced, hardware, margin=opts.margin_fraction)
+    written = write_reports(traced, report, png, hardware=hardware, margin=opts.margin_fraction)
+    if json_output:
+        print_json({"script": script, "gpu": hardware.gpu.name, "traced": traced.to_dict(),
+                    "diagnosis": diagnosis.to_dict(), "written": written})
+        return
+    from .. import render
+
+    out = console()
+    out.print(f"[bold]memfit trace[/bold]: {' '.join(script)} on {hardware.gpu.name} "
+              f"({render.gib(hardware.gpu.memory_bytes)}), {steps} optimizer steps on fake tensors")
+    render.breakdown(out, traced, verbose=verbose)
+    render.peak_and_diagnosis(out, traced, diagnosis)
+    render.phase_peaks(out, traced)
+    render.top_modules(out, traced)
+    render.notes(out, traced)
+    if written:
+        render.emitted(out, written)
