@@ -3,6 +3,8 @@ reported like `memfit trace MODEL`. Imports torch only when called."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -27,7 +29,9 @@ def trace_script_command(script: list[str], opts, *, steps: int, json_output: bo
     from ..diagnose import diagnose
 
     hardware = opts.hardware()
-    with progress_bar("tracing the script on fake tensors") as bar:
+    # --json: stdout carries the JSON only; what the script prints goes to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if json_output else contextlib.nullcontext()
+    with progress_bar("tracing the script on fake tensors") as bar, quiet:
         report_progress = bar if not json_output else None
         advance = ((lambda event: report_progress(event.message, event.fraction)) if report_progress is not None
                    else None)
