@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -61,7 +62,29 @@ def fake_cuda(name: str, memory_bytes: int, live: Callable[[], int], peak: Calla
         "current_stream": lambda device=None: _FakeStream(), "default_stream": lambda device=None: _FakeStream(),
         "stream": lambda stream=None: contextlib.nullcontext(), "Stream": _FakeStream, "Event": _FakeEvent,
     }
-    with _patched(torch.cuda, replacements), _cuda_autocast_on_cpu():
+    originals = {name: getattr(torch.cuda, name) for name in replacements if hasattr(torch.cuda, name)}
+    with _patched(torch.cuda, replacements), _cuda_autocast_on_cpu(), _imports_see_the_cpu(originals):
+        yield
+
+
+@contextlib.contextmanager
+def _imports_see_the_cpu(originals: dict[str, Any]) -> Iterator[None]:
+    """A module imported while the script runs sees the real torch.cuda: libraries pick their kernels at import
+    (bitsandbytes imports its CUDA backend when torch.cuda.is_available(), which then needs torch's CUDA
+    bindings). Both import paths: the import statement and importlib.import_module (transformers' lazy modules)."""
+    import builtins
+    import importlib
+
+    def unpatched(function):
+        def importing(name, *args, **kwargs):
+            if isinstance(name, str) and name in sys.modules and not any(args[2:4]):  # fromlist, level
+                return function(name, *args, **kwargs)
+            with _patched(torch.cuda, originals):
+                return function(name, *args, **kwargs)
+        return importing
+
+    with _patched(builtins, {"__import__": unpatched(builtins.__import__)}), \
+            _patched(importlib, {"import_module": unpatched(importlib.import_module)}):
         yield
 
 
