@@ -343,8 +343,8 @@ class StepTracker(TorchDispatchMode):
         else:
             scratch = self._hidden_scratch(func, args) if self._hidden_scratch is not None else 0
             out = func(*args, **(kwargs or {}))
-            if self.assume_values and getattr(func, "overloadpacket", None) is _ALL:
-                self._truthy[id(out)] = weakref.ref(out)  # by identity: a WeakSet compares tensors with ==
+            if self.assume_values:
+                self._note_truthy(func, args, out)
         if isinstance(out, torch.Tensor):
             self._see(out)
         elif isinstance(out, (tuple, list)):
@@ -358,6 +358,20 @@ class StepTracker(TorchDispatchMode):
         if scratch:  # the kernel's own scratch lives while it makes the outputs
             self._transient(scratch)
         return out
+
+    def _note_truthy(self, func, args, out) -> None:
+        """Remember outputs whose stand-in value is True: `all`, and the `x.sum() == x.numel()` form of it
+        (transformers masking_utils `fast_all`: 'uses an implementation
+        with tensor.sum()'). By identity: a WeakSet would compare tensors with ==."""
+        packet = getattr(func, "overloadpacket", None)
+        if packet is _ALL or packet is _SUM:
+            self._truthy[id(out)] = weakref.ref(out)
+        elif packet is _EQ and isinstance(args[0], torch.Tensor) and args[0].dim() == 0 and self._is_truthy(args[0]):
+            self._truthy[id(out)] = weakref.ref(out)
+
+    def _is_truthy(self, tensor) -> bool:
+        ref = self._truthy.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     def _transient(self, num_bytes: int) -> None:
         """Scratch an op allocates and frees inside its kernel: one allocation and its free, in the current kind."""
@@ -386,8 +400,7 @@ class StepTracker(TorchDispatchMode):
             pass
         self.values_assumed += 1
         if tensor.dtype is torch.bool:
-            ref = self._truthy.get(id(tensor))
-            return ref is not None and ref() is tensor
+            return self._is_truthy(tensor) and tensor.dtype is torch.bool
         return 0.0 if tensor.is_floating_point() else 0
 
     def see(self, tensor: torch.Tensor) -> None:
@@ -530,6 +543,8 @@ _GUESS_EVENTS = {Phase.FORWARD: 2000, Phase.BACKWARD: 4000, Phase.OPTIMIZER: 200
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _ALL = torch.ops.aten.all
+_SUM = torch.ops.aten.sum
+_EQ = torch.ops.aten.eq
 _FREE = -1  # memfit.estimate.allocator.FREE
 
 
