@@ -111,3 +111,18 @@ def test_cli_mistakes_exit_2_with_one_line(args):
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:")
+
+
+def test_loader_workers_load_in_process(tmp_path):
+    script = tmp_path / "workers.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(16, 16)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "loader = torch.utils.data.DataLoader(torch.randn(8, 16), batch_size=4, num_workers=2, pin_memory=True)\n"
+        "for batch in loader:\n"
+        "    model(batch).sum().backward()\n"
+        "    optimizer.step()\n")
+    traced = trace_script(["python", str(script)], steps=2, device="cuda")
+    terms = {term.name: term.num_bytes for term in traced.terms}
+    assert terms["parameters"] == (16 * 16 + 16) * 4

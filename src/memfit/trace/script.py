@@ -338,6 +338,7 @@ def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: 
         stack.enter_context(script_env.nothing_saved(notes))
         stack.enter_context(script_env.replacing_module_apply())
         stack.enter_context(script_env.real_run_branches())
+        stack.enter_context(script_env.loaders_in_process())
         stack.enter_context(_FakeDeepcopy())  # copy.deepcopy of a fake tensor (Lightning's logged results)
         stack.enter_context(device_kernels(device))
         stack.enter_context(routed_experts())

@@ -355,6 +355,27 @@ def real_run_branches() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def loaders_in_process() -> Iterator[None]:
+    """DataLoaders load in this process (num_workers=0, no pinning): worker processes would get fake tensors
+    from a fake mode they do not have, and what workers hold is host memory either way."""
+    from torch.utils.data import DataLoader
+
+    import inspect
+
+    original = DataLoader.__init__
+    signature = inspect.signature(original)
+    in_process = {"num_workers": 0, "pin_memory": False, "prefetch_factor": None, "persistent_workers": False}
+
+    def init(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments.update({k: v for k, v in in_process.items() if k in signature.parameters})
+        original(*bound.args, **bound.kwargs)
+
+    with _patched(DataLoader, {"__init__": init}):
+        yield
+
+
 # ---- Module.to on fake tensors -------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
