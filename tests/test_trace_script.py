@@ -126,3 +126,18 @@ def test_loader_workers_load_in_process(tmp_path):
     traced = trace_script(["python", str(script)], steps=2, device="cuda")
     terms = {term.name: term.num_bytes for term in traced.terms}
     assert terms["parameters"] == (16 * 16 + 16) * 4
+
+
+def test_torch_compile_is_traced_eager_and_said(tmp_path):
+    body = ("import sys, torch\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))\n"
+            "model = torch.compile(model) if 'compile' in sys.argv else model\n"
+            "optimizer = torch.optim.AdamW(model.parameters())\n"
+            "for _ in range(3):\n"
+            "    model(torch.randn(4, 16)).sum().backward()\n"
+            "    optimizer.step()\n")
+    (tmp_path / "c.py").write_text(body)
+    eager = trace_script(["python", str(tmp_path / "c.py")], device="cpu")
+    compiled = trace_script(["python", str(tmp_path / "c.py"), "compile"], device="cpu")
+    assert compiled.tensor_bytes == eager.tensor_bytes
+    assert any("torch.compile was called 1 time" in note for note in compiled.notes)

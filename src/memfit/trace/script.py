@@ -229,12 +229,11 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
     watch = _watch(tracker, steps)
     with contextlib.ExitStack() as stack:
         # _fake=False runs the script for real under the same tracker (a check of the fake run, device="cpu")
-        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True) if _fake else contextlib.nullcontext())
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True) if _fake else contextlib.nullcontext())
         stack.enter_context(watch.installed())  # before the tracker's module hooks: the root is named when it runs
         stack.enter_context(tracker)
         stack.enter_context(_environment(device, tracker, watch, gpu_name, gpu_memory_bytes, notes))
         _run_refusing(command, watch)
-    del fake_mode
     tracker.finish_progress()
     notes.append(f"the script's own setup ({command.name}): the setup fields of this estimate are memfit's defaults "
                  f"and do not describe it; {watch.taken} optimizer step(s) traced, {watch.forwards} forward call(s)")
@@ -339,6 +338,7 @@ def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: 
         stack.enter_context(script_env.replacing_module_apply())
         stack.enter_context(script_env.real_run_branches())
         stack.enter_context(script_env.loaders_in_process())
+        stack.enter_context(script_env.eager_compile(notes))
         stack.enter_context(_FakeDeepcopy())  # copy.deepcopy of a fake tensor (Lightning's logged results)
         stack.enter_context(device_kernels(device))
         stack.enter_context(routed_experts())

@@ -356,6 +356,25 @@ def real_run_branches() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def eager_compile(notes: list[str]) -> Iterator[None]:
+    """torch.compile returns what it was given: dynamo does not compile under the tracer's dispatch mode (as
+    `memfit trace --compile` is refused for), so the script's compiled model is traced eager, and a note says so."""
+    called = []
+
+    def compile_(model=None, *args, **kwargs):
+        called.append(True)
+        if model is None:  # used as @torch.compile(...)
+            return lambda function: function
+        return model
+
+    with _patched(torch, {"compile": compile_}):
+        yield
+    if called:
+        notes.append(f"torch.compile was called {len(called)} time(s): traced eager (a compiled step keeps other "
+                     "tensors; `memfit estimate --compile` sizes the compiled partition)")
+
+
+@contextlib.contextmanager
 def loaders_in_process() -> Iterator[None]:
     """DataLoaders load in this process (num_workers=0, no pinning): worker processes would get fake tensors
     from a fake mode they do not have, and what workers hold is host memory either way."""
