@@ -82,8 +82,9 @@ def test_an_op_fake_tensors_cannot_run_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("argv, says", [
-    ([], "no script"), (["python", "-m"], "module name"), (["torchrun", "x.py"], "launchers"),
-    (["python", "missing.py"], "not found")])
+    ([], "no script"), (["python", "-m"], "module name"), (["accelerate", "launch", "x.py"], "not traced yet"),
+    (["python", "missing.py"], "not found"), (["torchrun", "--nnodes", "2", "x.py"], "one node"),
+    (["torchrun", "--max-restarts", "3", "x.py"], "not supported")])
 def test_bad_commands(argv, says):
     with pytest.raises(ConfigError, match=says):
         parse_command(argv)
@@ -92,6 +93,21 @@ def test_bad_commands(argv, says):
 def test_module_form_is_parsed():
     command = parse_command(["python3", "-m", "pkg.train", "--lr", "1e-4"])
     assert (command.module, command.args) == ("pkg.train", ("--lr", "1e-4"))
+    command = parse_command(["python", "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "pkg.train"])
+    assert (command.module, command.world_size, command.launched) == ("pkg.train", 4, True)
+
+
+def test_torchrun_fsdp2_script_is_rank_0_of_a_fake_group():
+    """fsdp2_loop.py shards each decoder layer and the root with fully_shard: on 2 ranks rank 0 holds half of
+    every parameter (the tiny Llama's dims are even) and half of AdamW's moments."""
+    one = trace_script(["torchrun", "--nproc_per_node=1", str(SCRIPTS / "fsdp2_loop.py")], device="cuda")
+    two = trace_script(["torchrun", "--standalone", "--nproc_per_node", "2", str(SCRIPTS / "fsdp2_loop.py")],
+                       device="cuda")
+    terms_one = {term.name: term.num_bytes for term in one.terms}
+    terms_two = {term.name: term.num_bytes for term in two.terms}
+    assert terms_one["parameters"] == 4 * _llama_numel() == 2 * terms_two["parameters"]
+    assert terms_two["optimizer"] - terms_two["parameters"] * 2 == terms_one["optimizer"] - terms_one["parameters"] * 2
+    assert any("fake process group of 2 ranks" in note for note in two.notes)
 
 
 def test_cli_traces_a_script_after_the_double_dash():

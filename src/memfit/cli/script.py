@@ -20,7 +20,8 @@ def trace_script_command(script: list[str], opts, *, steps: int, json_output: bo
         raise ConfigError(f"setup options ({', '.join(given)}) do not apply to a script: it sets its own batch, "
                           "precision and techniques; give them to the script after `--`")
     if (opts.gpus or 1) * (opts.nodes or 1) > 1:
-        raise ConfigError("a script is traced as one process (one GPU) for now: drop --gpus / --nodes")
+        raise ConfigError("the ranks of a script come from its launcher: drop --gpus / --nodes and trace "
+                          "`-- torchrun --nproc_per_node N train.py ARGS` (rank 0 of a fake process group)")
     try:
         from ..trace.script import script_estimate
     except ImportError as error:

@@ -41,6 +41,10 @@ class ScriptCommand:
     path: str | None
     module: str | None
     args: tuple[str, ...]
+    world_size: int = 1
+    """torchrun's --nproc_per_node: the script runs as rank 0 of a fake process group of this size."""
+    launched: bool = False
+    """Started by torchrun (its environment variables are set)."""
 
     @property
     def name(self) -> str:
@@ -48,10 +52,16 @@ class ScriptCommand:
 
 
 def parse_command(argv: Sequence[str]) -> ScriptCommand:
-    """`python train.py A`, `python -m pkg.train A` or `train.py A` (python3 / a python path also)."""
+    """`python train.py A`, `python -m pkg.train A`, `train.py A` (python3 / a python path also), and
+    `torchrun --nproc_per_node N train.py A` (also `python -m torch.distributed.run ...`), one node."""
     argv = [str(a) for a in argv]
     if argv and Path(argv[0]).name.startswith("python") and not argv[0].endswith(".py"):
         argv = argv[1:]
+    if argv[:2] == ["-m", "torch.distributed.run"]:
+        argv = ["torchrun", *argv[2:]]
+    if argv and Path(argv[0]).name == "torchrun":
+        argv, world_size = _torchrun(argv[1:])
+        return dataclasses.replace(parse_command(argv), world_size=world_size, launched=True)
     if not argv:
         raise ConfigError("no script to trace: give it after `--`, e.g. memfit trace -- python train.py --lr 1e-4")
     if argv[0] == "-m":
@@ -60,13 +70,46 @@ def parse_command(argv: Sequence[str]) -> ScriptCommand:
         return ScriptCommand(path=None, module=argv[1], args=tuple(argv[2:]))
     if argv[0].startswith("-"):
         raise ConfigError(f"python option {argv[0]} is not supported: give the script (or -m module) first")
-    if Path(argv[0]).name in ("torchrun", "accelerate", "deepspeed", "lightning"):
-        raise ConfigError(f"{argv[0]}: launchers are not traced yet (one process only): run the script itself, "
-                          "e.g. memfit trace -- python train.py ARGS")
+    if Path(argv[0]).name in ("accelerate", "deepspeed", "lightning"):
+        raise ConfigError(f"{argv[0]}: this launcher is not traced yet: run the script with torchrun "
+                          "(memfit trace -- torchrun --nproc_per_node N train.py ARGS) or python")
     path = Path(argv[0]).expanduser()
     if not path.is_file():
         raise ConfigError(f"script not found: {argv[0]}")
     return ScriptCommand(path=str(path), module=None, args=tuple(argv[1:]))
+
+
+_TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python"}
+_TORCHRUN_VALUES = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
+                    "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
+                    "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id", "--rdzv-id"}
+
+
+def _torchrun(argv: list[str]) -> tuple[list[str], int]:
+    """(the script's own argv, ranks per node) from torchrun's options; one node only."""
+    values: dict[str, str] = {}
+    module = False
+    while argv and argv[0].startswith("-"):
+        option, _, value = argv.pop(0).partition("=")
+        if option in ("-m", "--module"):
+            module = True
+            continue
+        if option in _TORCHRUN_FLAGS:
+            continue
+        if option not in _TORCHRUN_VALUES:
+            raise ConfigError(f"torchrun option {option} is not supported by memfit trace")
+        if not value:
+            if not argv:
+                raise ConfigError(f"torchrun {option} needs a value")
+            value = argv.pop(0)
+        values[option.replace("-", "_")] = value
+    nodes = values.get("__nnodes", "1")
+    if nodes not in ("1", "1:1"):
+        raise ConfigError(f"torchrun --nnodes {nodes}: memfit traces one node (rank 0 of it)")
+    ranks = values.get("__nproc_per_node", "1")
+    if not ranks.isdigit() or int(ranks) < 1:
+        raise ConfigError(f"torchrun --nproc_per_node {ranks}: give a whole number of processes")
+    return (["-m", *argv] if module else argv), int(ranks)
 
 
 @contextlib.contextmanager
@@ -215,6 +258,7 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
     "traced", tensors only (no CUDA context or allocator reserve: the CLI adds them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from . import script_env
     from .run import to_estimate
     from .tracker import StepTracker
 
@@ -233,6 +277,8 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
         stack.enter_context(watch.installed())  # before the tracker's module hooks: the root is named when it runs
         stack.enter_context(tracker)
         stack.enter_context(_environment(device, tracker, watch, gpu_name, gpu_memory_bytes, notes))
+        stack.enter_context(script_env.fake_launch(command.world_size, command.world_size > 1 or command.launched,
+                                                   notes))
         _run_refusing(command, watch)
     tracker.finish_progress()
     notes.append(f"the script's own setup ({command.name}): the setup fields of this estimate are memfit's defaults "

@@ -440,3 +440,74 @@ def replacing_module_apply() -> Iterator[None]:
         yield
     finally:
         nn.Module._apply = original
+
+
+# ---- torchrun: rank 0 of a fake process group ----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def fake_launch(world_size: int, launched: bool, notes: list[str]) -> Iterator[None]:
+    """The script is rank 0 of `world_size`: torchrun's environment (when `launched`), and every
+    init_process_group joins torch's fake backend (torch.testing._internal.distributed.fake_pg: collectives return
+    at once), as memfit.trace.distributed does for its own FSDP2 step. Device meshes asked for on "cuda" are the
+    CPU's (fake tensors are CPU tensors). The process group is destroyed afterwards."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed import device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConfigError("a torch.distributed process group already exists in this process: trace the script in "
+                          "a fresh process")
+    env = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
+           "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"} if launched else {}
+    saved = {name: os.environ.get(name) for name in env}
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original_init, original_mesh = dist.init_process_group, device_mesh.init_device_mesh
+    original_mesh_init = device_mesh.DeviceMesh.__init__
+    joined = []
+
+    def mesh_init(self, device_type, *args, **kwargs):
+        """FACTS.md: a mesh is made outside FakeTensorMode (its coordinates come from a nonzero() over its rank
+        tensor). A rank tensor made inside it (init_device_mesh's `arange(world).view(shape)`) has no values:
+        it is made again for real, the identity layout init_device_mesh builds."""
+        with unset_fake_temporarily():
+            args = tuple(_real_ranks(a) for a in args)
+            kwargs = {k: _real_ranks(v) for k, v in kwargs.items()}
+            original_mesh_init(self, _cpu(device_type), *args, **kwargs)
+
+    def init_process_group(*args, **kwargs):
+        joined.append(True)
+        original_init("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+    def init_device_mesh(device_type, *args, **kwargs):
+        return original_mesh(_cpu(device_type), *args, **kwargs)
+
+    os.environ.update(env)
+    try:
+        with _patched(dist, {"init_process_group": init_process_group}), \
+                _patched(dist.distributed_c10d, {"init_process_group": init_process_group}), \
+                _patched(device_mesh, {"init_device_mesh": init_device_mesh}), \
+                _patched(device_mesh.DeviceMesh, {"__init__": mesh_init}), \
+                _patched(dist, {"init_device_mesh": init_device_mesh} if hasattr(dist, "init_device_mesh") else {}):
+            yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    if joined:
+        notes.append(f"the script joined a fake process group of {world_size} ranks as rank 0 (no communication): "
+                     "the figures are rank 0's")
+
+
+def _real_ranks(value):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor):
+        return torch.arange(value.numel(), dtype=value.dtype).view(tuple(value.shape))
+    return value
