@@ -67,8 +67,8 @@ def trace_command(ctx: typer.Context, model: ModelArg, opts: SetupOptions, steps
     """Run the real training step on fake tensors (no GPU, no weights) and report its exact per-GPU peak,
     timeline and the modules whose activations dominate, next to the analytic estimate.
 
-    After `--`, your own training script instead (`python train.py ARGS`, `python -m pkg.train ARGS`): it runs
-    for --steps optimizer steps on fake tensors, on the --gpu it is asked about."""
+    After `--`, your own training script instead (`python train.py ARGS`, `python -m pkg.train ARGS`, `torchrun
+    --nproc_per_node N train.py ARGS`): its first --steps optimizer steps run on fake tensors, on the --gpu."""
     from ..diagnose import diagnose
     from ..verify import cross_check
 
@@ -107,6 +107,9 @@ def _script_argv(ctx: typer.Context, model: str) -> list[str] | None:
             return script
         raise ConfigError("give either a MODEL or a script after `--`, not both "
                           "(memfit trace -- python train.py ARGS)")
+    options = [arg for arg in ctx.args if arg.startswith("-")]
+    if options:
+        raise ConfigError(f"No such option: {options[0]}")
     if ctx.args:
         raise ConfigError(f"unexpected extra arguments: {' '.join(ctx.args)} (a training script goes after `--`: "
                           "memfit trace -- python train.py ARGS)")
