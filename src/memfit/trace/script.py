@@ -60,7 +60,9 @@ def parse_command(argv: Sequence[str]) -> ScriptCommand:
     if argv[:2] == ["-m", "torch.distributed.run"]:
         argv = ["torchrun", *argv[2:]]
     if argv and Path(argv[0]).name == "torchrun":
-        argv, world_size = _torchrun(argv[1:])
+        from .script_dist import torchrun_options
+
+        argv, world_size = torchrun_options(argv[1:])
         return dataclasses.replace(parse_command(argv), world_size=world_size, launched=True)
     if not argv:
         raise ConfigError("no script to trace: give it after `--`, e.g. memfit trace -- python train.py --lr 1e-4")
@@ -77,39 +79,6 @@ def parse_command(argv: Sequence[str]) -> ScriptCommand:
     if not path.is_file():
         raise ConfigError(f"script not found: {argv[0]}")
     return ScriptCommand(path=str(path), module=None, args=tuple(argv[1:]))
-
-
-_TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python"}
-_TORCHRUN_VALUES = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
-                    "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
-                    "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id", "--rdzv-id"}
-
-
-def _torchrun(argv: list[str]) -> tuple[list[str], int]:
-    """(the script's own argv, ranks per node) from torchrun's options; one node only."""
-    values: dict[str, str] = {}
-    module = False
-    while argv and argv[0].startswith("-"):
-        option, _, value = argv.pop(0).partition("=")
-        if option in ("-m", "--module"):
-            module = True
-            continue
-        if option in _TORCHRUN_FLAGS:
-            continue
-        if option not in _TORCHRUN_VALUES:
-            raise ConfigError(f"torchrun option {option} is not supported by memfit trace")
-        if not value:
-            if not argv:
-                raise ConfigError(f"torchrun {option} needs a value")
-            value = argv.pop(0)
-        values[option.replace("-", "_")] = value
-    nodes = values.get("__nnodes", "1")
-    if nodes not in ("1", "1:1"):
-        raise ConfigError(f"torchrun --nnodes {nodes}: memfit traces one node (rank 0 of it)")
-    ranks = values.get("__nproc_per_node", "1")
-    if not ranks.isdigit() or int(ranks) < 1:
-        raise ConfigError(f"torchrun --nproc_per_node {ranks}: give a whole number of processes")
-    return (["-m", *argv] if module else argv), int(ranks)
 
 
 @contextlib.contextmanager
@@ -258,8 +227,8 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
     "traced", tensors only (no CUDA context or allocator reserve: the CLI adds them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from . import script_env
     from .run import to_estimate
+    from .script_dist import fake_launch
     from .tracker import StepTracker
 
     check_device(device)
@@ -277,8 +246,7 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
         stack.enter_context(watch.installed())  # before the tracker's module hooks: the root is named when it runs
         stack.enter_context(tracker)
         stack.enter_context(_environment(device, tracker, watch, gpu_name, gpu_memory_bytes, notes))
-        stack.enter_context(script_env.fake_launch(command.world_size, command.world_size > 1 or command.launched,
-                                                   notes))
+        stack.enter_context(fake_launch(command.world_size, command.world_size > 1 or command.launched, notes))
         _run_refusing(command, watch)
     tracker.finish_progress()
     notes.append(f"the script's own setup ({command.name}): the setup fields of this estimate are memfit's defaults "
