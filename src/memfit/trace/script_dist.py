@@ -11,7 +11,7 @@ import torch
 from ..errors import ConfigError
 from .script_env import _cpu, _patched
 
-_TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python"}
+_TORCHRUN_FLAGS = {"--standalone"}
 _TORCHRUN_VALUES = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
                     "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
                     "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id", "--rdzv-id"}
