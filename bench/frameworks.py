@@ -5,7 +5,7 @@ a LightningModule under lightning.Trainer, a Lightning Fabric loop, TRL's SFTTra
 for its first 2 optimizer steps, each run in a fresh process (what a script allocates depends on what its
 process imported before): for real under torch.profiler's memory events
 (memfit.trace.script.measured_script_peak: every allocation and free of the run, oneDNN's bf16 matmul scratch left
-out, as tests/test_trace.py measures memfit's own step), and traced on fake tensors with CPU semantics
+out, as tests/trace/test_trace.py measures memfit's own step), and traced on fake tensors with CPU semantics
 (trace_script(device="cpu")). The last column is the same script traced for a CUDA device (H100): the script
 takes its CUDA path, host tensors (its data pipeline's) are off the device, CUDA's kernel choices.
 
@@ -36,7 +36,7 @@ NOTES = """
   leave the device peak; one batch per step is copied to the device. TRL's script turns on bf16 when CUDA is there.
 - Seconds include the process start and the framework's imports (each run is a fresh process).
 - Not in the table: `torchrun --nproc_per_node 2 fsdp2_loop.py` (rank 0 of a fake process group: exactly half the
-  parameters and AdamW state, tests/test_trace_script.py); DDP is refused (its C++ reducer reads tensor data).
+  parameters and AdamW state, tests/trace/test_trace_script.py); DDP is refused (its C++ reducer reads tensor data).
 """
 
 

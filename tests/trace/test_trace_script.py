@@ -1,7 +1,7 @@
 """`memfit trace -- python train.py`: scripts written for their frameworks, not for memfit, run on fake tensors.
 
 Each accuracy case runs the same script twice on the CPU: for real under the profiler's memory events
-(`measured_script_peak`, as tests/test_trace.py measures memfit's own step) and traced with CPU semantics; the
+(`measured_script_peak`, as tests/trace/test_trace.py measures memfit's own step) and traced with CPU semantics; the
 two peaks agree. The CUDA target is checked against figures computed from the scripts' own arguments.
 """
 
@@ -22,7 +22,7 @@ from memfit.cli.app import app  # noqa: E402
 from memfit.trace.script import measured_script_peak, parse_command, trace_script  # noqa: E402
 from tiny_configs import TINY_LLAMA  # noqa: E402
 
-SCRIPTS = Path(__file__).parent / "data" / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "data" / "scripts"
 TOLERANCE = 0.01  # the issue's goal for a script trace; the cases below agree to a few bytes
 
 
