@@ -17,15 +17,26 @@ import dataclasses
 import os
 import runpy
 import sys
+from types import SimpleNamespace
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._torch.measure_cpu import _walk, matmul_scratch
 from ..errors import ConfigError
+from ..estimate.device import runtime_overhead_terms
 from ..estimate.result import MemoryEstimate, Phase
+from ..setup import TrainingSetup
+from . import script_env
+from .kernels import cpu_rng_states, device_kernels, hidden_scratch, kernel_note
+from .run import to_estimate
+from .script_dist import fake_launch, torchrun_options
+from .session import _FakeDeepcopy, routed_experts
+from .tracker import StepTracker, _Kind
 
 _DEVICES = ("cuda", "cpu")
 
@@ -60,8 +71,6 @@ def parse_command(argv: Sequence[str]) -> ScriptCommand:
     if argv[:2] == ["-m", "torch.distributed.run"]:
         argv = ["torchrun", *argv[2:]]
     if argv and Path(argv[0]).name == "torchrun":
-        from .script_dist import torchrun_options
-
         argv, world_size = torchrun_options(argv[1:])
         return dataclasses.replace(parse_command(argv), world_size=world_size, launched=True)
     if not argv:
@@ -225,12 +234,6 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
     CUDA's kernel choices; host tensors (the data pipeline's) are outside the peak. `device="cpu"`: the script's
     CPU path with CPU kernels and every tensor counted, as a real CPU run's profiler counts them. Result: method
     "traced", tensors only (no CUDA context or allocator reserve: the CLI adds them)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .run import to_estimate
-    from .script_dist import fake_launch
-    from .tracker import StepTracker
-
     check_device(device)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
@@ -251,11 +254,6 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
     tracker.finish_progress()
     notes.append(f"the script's own setup ({command.name}): the setup fields of this estimate are memfit's defaults "
                  f"and do not describe it; {watch.taken} optimizer step(s) traced, {watch.forwards} forward call(s)")
-    from types import SimpleNamespace
-
-    from ..setup import TrainingSetup
-    from .kernels import kernel_note
-
     notes.append(kernel_note(device))
     if device == "cuda":
         notes.append("tensors the script makes on the CPU (its data pipeline's, before .to(device)) are host memory, "
@@ -275,8 +273,6 @@ def measured_script_peak(argv: Sequence[str], *, steps: int = 2) -> int:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from .._torch.measure_cpu import _walk, matmul_scratch
-
     command = parse_command(argv)
     watch = StepWatch(steps=steps)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -292,20 +288,14 @@ def measured_script_peak(argv: Sequence[str], *, steps: int = 2) -> int:
 
 
 def _host_kinds(device: str) -> tuple:
-    from .tracker import _Kind
-
     return (_Kind.HOST_TEMPORARIES,) if device == "cuda" else ()
 
 
 def _scratch(device: str):
-    from .kernels import hidden_scratch
-
     return hidden_scratch(device)
 
 
 def _watch(tracker, steps: int) -> StepWatch:
-    from .tracker import _Kind
-
     roots: dict[int, torch.nn.Module] = {}
     optimizers: dict[int, Any] = {}
 
@@ -342,9 +332,6 @@ def _leaves(tree) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: int,
                  notes: list[str]) -> Iterator[None]:
-    from . import script_env
-    from .kernels import cpu_rng_states, device_kernels
-    from .session import _FakeDeepcopy, routed_experts
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(script_env.weightless_loading(notes))
@@ -401,8 +388,6 @@ def script_estimate(argv: Sequence[str], hardware, *, steps: int = 2, progress: 
                     ) -> MemoryEstimate:
     """trace_script on `hardware`'s device (its GPU's name and memory; a CPU device traces the CPU path), with the
     device's runtime overhead (CUDA context, allocator reserve) added as memfit.trace.estimator adds it."""
-    from ..estimate.device import runtime_overhead_terms
-    from ..setup import TrainingSetup
 
     device = "cpu" if hardware.is_cpu else "cuda"
     result = trace_script(argv, steps=steps, device=device, gpu_name=hardware.gpu.name,

@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError
+from .hf import resolve_config
 
 
 def _is_cuda(device: Any) -> bool:
@@ -303,8 +304,6 @@ def _config(name: str, auto_config):
 
     if Path(name).expanduser().exists():
         return auto_config.from_pretrained(name)
-    from .hf import resolve_config
-
     config = dict(resolve_config(name)[0])
     return auto_config.for_model(config.pop("model_type"), **config)
 
