@@ -54,19 +54,31 @@ def run_trace(model: str, spec, setup, hardware, *, steps: int = 2, progress: bo
         return traced_estimator(config, steps=steps, progress=advance)(spec, setup, hardware)
 
 
-@app.command("trace", epilog=examples(
+@app.command("trace", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog=examples(
     "memfit trace llama-3.2-1b -b 4 -s 2048",
     "memfit trace llama-2-70b --gpu H100 --gpus 8 --zero zero3 --precision bf16 --checkpointing full",
-    "memfit trace gpt2 --report gpt2.html --png gpt2.png"))
+    "memfit trace gpt2 --report gpt2.html --png gpt2.png",
+    "memfit trace --gpu A100-80GB -- python train.py --lr 1e-4"))
 @with_setup_options
-def trace_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, json_output: JsonOpt = False,
-                  verbose: VerboseOpt = False, report: ReportOpt = None, png: PngOpt = None) -> None:
+def trace_command(ctx: typer.Context, model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2,
+                  json_output: JsonOpt = False, verbose: VerboseOpt = False, report: ReportOpt = None,
+                  png: PngOpt = None) -> None:
     """Run the real training step on fake tensors (no GPU, no weights) and report its exact per-GPU peak,
-    timeline and the modules whose activations dominate, next to the analytic estimate."""
+    timeline and the modules whose activations dominate, next to the analytic estimate.
+
+    After `--`, your own training script instead (`python train.py ARGS`, `python -m pkg.train ARGS`, `torchrun
+    --nproc_per_node N train.py ARGS`): its first --steps optimizer steps run on fake tensors, on the --gpu."""
     from ..diagnose import diagnose
     from ..verify import cross_check
 
     check_report_paths(report, png)
+    script = _script_argv(ctx, model)
+    if script is not None:
+        from .script import trace_script_command
+
+        return trace_script_command(script, opts, steps=steps, json_output=json_output, verbose=verbose,
+                                    report=report, png=png)
     spec, setup, hardware = resolve(model, opts)
     traced = run_trace(model, spec, setup, hardware, steps=steps, progress=not json_output)
     check = cross_check(spec, setup, hardware, traced, margin=opts.margin_fraction) if spec.is_transformer else None
@@ -84,6 +96,24 @@ def trace_command(model: ModelArg, opts: SetupOptions, steps: StepsOpt = 2, json
     render.trace_report(out, spec, setup, hardware, traced, diagnosis, check, verbose=verbose)
     if written:
         render.emitted(out, written)
+
+
+def _script_argv(ctx: typer.Context, model: str) -> list[str] | None:
+    """The user's command after `--` (then MODEL is its first word), or None; stray extra words are a mistake."""
+    argv = list(getattr(ctx.find_root().command, "argv", []))
+    if "--" in argv:
+        script = argv[argv.index("--") + 1:]
+        if script and script[0] == model and list(ctx.args) == script[1:]:
+            return script
+        raise ConfigError("give either a MODEL or a script after `--`, not both "
+                          "(memfit trace -- python train.py ARGS)")
+    options = [arg for arg in ctx.args if arg.startswith("-")]
+    if options:
+        raise ConfigError(f"No such option: {options[0]}")
+    if ctx.args:
+        raise ConfigError(f"unexpected extra arguments: {' '.join(ctx.args)} (a training script goes after `--`: "
+                          "memfit trace -- python train.py ARGS)")
+    return None
 
 
 @app.command("measure", epilog=examples(

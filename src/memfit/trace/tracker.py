@@ -112,6 +112,14 @@ class StepTracker(TorchDispatchMode):
         self._wait_tensor = _wait_tensor_op()
         self._orig_resize = None
         self.values_assumed = 0
+        self.assume_values = False
+        """Give a stand-in for `.item()` in every phase, not only the optimizer step (a user's script logs the loss)."""
+        self._truthy: dict[int, weakref.ref] = {}
+        """Outputs of `all`: a stand-in value True (`(mask == 0).all()` guards the ordinary path, e.g. transformers'
+        masking_utils.find_packed_sequence_indices: no packed sequences)."""
+        self.host_birth = False
+        """New storages are host memory (HOST_TEMPORARIES), not the device's: a script's data pipeline
+        (memfit.trace.script_env.DeviceMap sets it per torch call)."""
         self._shape_only = 0
         """> 0 while DTensor derives output shapes by running an op on global-shape fake tensors: in a real run those
         are a private FakeTensorMode's (no memory); in a trace they would share ours and look like allocations."""
@@ -154,6 +162,12 @@ class StepTracker(TorchDispatchMode):
             self._add(storage, kind)
         elif record.kind != kind:
             self._reclassify(record, kind)
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage is counted in device memory (known and not of a host kind)."""
+        storage = _storage_of(tensor) if isinstance(tensor, torch.Tensor) else None
+        record = self._records.get(id(storage)) if storage is not None else None
+        return record is not None and not self._on_host[record.kind]
 
     def register_tree(self, tree, kind: _Kind) -> None:
         for tensor in _tensors_in(tree):
@@ -211,6 +225,8 @@ class StepTracker(TorchDispatchMode):
     # ---- bookkeeping -----------------------------------------------------------------------------------------
 
     def _birth_kind(self) -> _Kind:
+        if self.host_birth:
+            return _Kind.HOST_TEMPORARIES
         phase = self.phase
         if phase is Phase.FORWARD:
             return _Kind.ACTIVATIONS
@@ -323,11 +339,13 @@ class StepTracker(TorchDispatchMode):
         scratch = 0
         if func is self._wait_tensor:
             out = args[0]  # its fake impl returns a new tensor; eager returns the input
-        elif func is _ITEM and self.phase is Phase.OPTIMIZER:
+        elif func is _ITEM and (self.phase is Phase.OPTIMIZER or self.assume_values):
             return self._item(func, args[0])
         else:
             scratch = self._hidden_scratch(func, args) if self._hidden_scratch is not None else 0
             out = func(*args, **(kwargs or {}))
+            if self.assume_values:
+                self._note_truthy(func, args, out)
         if isinstance(out, torch.Tensor):
             self._see(out)
         elif isinstance(out, (tuple, list)):
@@ -341,6 +359,20 @@ class StepTracker(TorchDispatchMode):
         if scratch:  # the kernel's own scratch lives while it makes the outputs
             self._transient(scratch)
         return out
+
+    def _note_truthy(self, func, args, out) -> None:
+        """Remember outputs whose stand-in value is True: `all`, and the `x.sum() == x.numel()` form of it
+        (transformers masking_utils `fast_all`: 'uses an implementation
+        with tensor.sum()'). By identity: a WeakSet would compare tensors with ==."""
+        packet = getattr(func, "overloadpacket", None)
+        if packet is _ALL or packet is _SUM:
+            self._truthy[id(out)] = weakref.ref(out)
+        elif packet is _EQ and isinstance(args[0], torch.Tensor) and args[0].dim() == 0 and self._is_truthy(args[0]):
+            self._truthy[id(out)] = weakref.ref(out)
+
+    def _is_truthy(self, tensor) -> bool:
+        ref = self._truthy.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     def _transient(self, num_bytes: int) -> None:
         """Scratch an op allocates and frees inside its kernel: one allocation and its free, in the current kind."""
@@ -369,7 +401,7 @@ class StepTracker(TorchDispatchMode):
             pass
         self.values_assumed += 1
         if tensor.dtype is torch.bool:
-            return False
+            return self._is_truthy(tensor) and tensor.dtype is torch.bool
         return 0.0 if tensor.is_floating_point() else 0
 
     def see(self, tensor: torch.Tensor) -> None:
@@ -511,6 +543,9 @@ _GUESS_EVENTS = {Phase.FORWARD: 2000, Phase.BACKWARD: 4000, Phase.OPTIMIZER: 200
 
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
+_ALL = torch.ops.aten.all
+_SUM = torch.ops.aten.sum
+_EQ = torch.ops.aten.eq
 _FREE = -1  # memfit.estimate.allocator.FREE
 
 

@@ -1,0 +1,97 @@
+"""Frameworks' own training scripts, traced by `memfit trace -- python SCRIPT` vs run for real on this CPU.
+
+Each script in tests/data/scripts (written for its framework, not for memfit: a plain PyTorch loop, HF Trainer,
+a LightningModule under lightning.Trainer, a Lightning Fabric loop, TRL's SFTTrainer with a peft LoRA) runs twice
+for its first 2 optimizer steps, each run in a fresh process (what a script allocates depends on what its
+process imported before): for real under torch.profiler's memory events
+(memfit.trace.script.measured_script_peak: every allocation and free of the run, oneDNN's bf16 matmul scratch left
+out, as tests/trace/test_trace.py measures memfit's own step), and traced on fake tensors with CPU semantics
+(trace_script(device="cpu")). The last column is the same script traced for a CUDA device (H100): the script
+takes its CUDA path, host tensors (its data pipeline's) are off the device, CUDA's kernel choices.
+
+    python bench/frameworks.py                  # prints the table and writes bench/results/frameworks.md
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "data" / "scripts"
+RESULTS = ROOT / "bench" / "results" / "frameworks.md"
+CASES = (("plain PyTorch loop (AdamW)", "plain_loop.py"), ("HF Trainer", "hf_trainer.py"),
+         ("Lightning Trainer (LightningModule)", "lightning_module.py"), ("Lightning Fabric", "lightning_fabric.py"),
+         ("TRL SFTTrainer + peft LoRA", "trl_sft.py"))
+STEPS = 2
+NOTES = """
+- The script trace counts what memfit's StepTracker sees (every op's output storage); the profiler counts every CPU
+  allocation. TRL's 32 bytes: the same tracker run on real tensors (`trace_script(..., _fake=False)`) gives the
+  trace's figure, so they are an allocation below the dispatcher that no op returns, not a fake-tensor difference.
+- "trace for H100": the scripts' CUDA path. Tensors they make on the CPU (token tables, datasets) are host memory and
+  leave the device peak; one batch per step is copied to the device. TRL's script turns on bf16 when CUDA is there.
+- Seconds include the process start and the framework's imports (each run is a fresh process).
+- Not in the table: `torchrun --nproc_per_node 2 fsdp2_loop.py` (rank 0 of a fake process group: exactly half the
+  parameters and AdamW state, tests/trace/test_trace_script.py); DDP is refused (its C++ reducer reads tensor data).
+"""
+
+
+def measure(script: str, mode: str) -> tuple[int, float]:
+    """(peak bytes, seconds) of one run in this process: mode 'real', 'cpu' (trace) or 'cuda' (trace)."""
+    from memfit.trace.script import measured_script_peak, trace_script
+
+    argv = ["python", str(SCRIPTS / script)]
+    start = time.perf_counter()
+    if mode == "real":
+        peak = measured_script_peak(argv, steps=STEPS)
+    else:
+        peak = trace_script(argv, steps=STEPS, device=mode, gpu_name="H100").tensor_bytes
+    return peak, time.perf_counter() - start
+
+
+def run_case(script: str, work: str) -> dict:
+    out = {}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    for mode in ("real", "cpu", "cuda"):
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--case", script, mode], cwd=work,
+                              capture_output=True, text=True, check=True, env=env)
+        peak, seconds = done.stdout.strip().splitlines()[-1].split()
+        out[mode], out[f"{mode}_s"] = int(peak), float(seconds)
+    return {"real": out["real"], "traced": out["cpu"], "error": (out["cpu"] - out["real"]) / out["real"],
+            "cuda": out["cuda"], "real_s": out["real_s"], "traced_s": out["cpu_s"]}
+
+
+def table(rows: list[tuple[str, str, dict]]) -> str:
+    lines = ["| framework | script | real CPU peak (B) | script trace, CPU (B) | error | trace for H100 (B) | "
+             "real s | trace s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, script, r in rows:
+        lines.append(f"| {name} | `{script}` | {r['real']:,} | {r['traced']:,} | {r['error']:+.4%} | {r['cuda']:,} | "
+                     f"{r['real_s']:.1f} | {r['traced_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if sys.argv[1:2] == ["--case"]:
+        peak, seconds = measure(sys.argv[2], sys.argv[3])
+        print(peak, f"{seconds:.2f}")
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as work:  # HF Trainer's output_dir, Lightning's logs
+        for name, script in CASES:
+            rows.append((name, script, run_case(script, work)))
+            print(f"{name}: {rows[-1][2]['error']:+.4%}", file=sys.stderr)
+    text = table(rows)
+    print(text)
+    RESULTS.write_text(
+        "# Frameworks' scripts: `memfit trace -- python SCRIPT` vs the real CPU run\n\n"
+        "Generated by `python bench/frameworks.py` (" + __doc__.split("\n\n")[1].replace("\n", " ") + ")\n\n"
+        f"Steps: {STEPS} optimizer steps per run. Bytes are live tensor bytes at the peak.\n\n{text}\n{NOTES}")
+
+
+if __name__ == "__main__":
+    main()
