@@ -22,30 +22,6 @@ from ..setup import TrainingSetup
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def base_precision_change(model: nn.Module, setup: TrainingSetup):
-    """The precision item under LoRA: the frozen base in its planned storage dtype (a quantized base is made by
-    apply_adapters); adapters are left to peft (fp32)."""
-    from ..apply import Change
-
-    base = setup.finetune.base_storage(setup.precision.compute_dtype)
-    how = "; wrap forward and loss in `applied.autocast()`" if setup.precision.is_autocast else ""
-    if base.quantized:
-        return Change("precision", False, f"the base is quantized to {base} by the finetune item{how}")
-    target = _DTYPES[base.value]
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point() and not _is_adapter(p, model)}
-    if dtypes <= {target}:
-        return Change("precision", False, f"base already {base}{how}")
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and "lora_" not in name:
-            param.data = param.data.to(target)
-    was = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-    return Change("precision", True, f"cast the base {was} -> {base} (frozen, stored as planned){how}")
-
-
-def _is_adapter(param, model) -> bool:
-    return any(param is p for n, p in model.named_parameters() if "lora_" in n)
-
-
 def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
     """(changed, detail) of turning `model` into the planned LoRA / QLoRA model in place. A real model is
     quantized first, so that peft wraps bitsandbytes' layers with its own bnb LoRA layers; a fake one (a trace)

@@ -7,6 +7,7 @@ import textwrap
 
 from ..errors import ConfigError
 from ..setup import Checkpointing, Offload, Precision, Sharding, TrainingSetup
+from ..techniques.checkpointing import SELECTIVE_OP_POLICY
 from .emitted import EmittedConfig, describe
 
 
@@ -145,27 +146,7 @@ def enable_checkpointing(model: nn.Module, blocks: nn.ModuleList) -> None:
         blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)'''
 
 _SELECTIVE_OP_CHECKPOINTING = '''
-def selective_op_context():
-    """selective-op (torchtitan's op-level SAC policy): per checkpointed call, keep the outputs of the 1st, 3rd, ...
-    matmul (mm / addmm) and of the SDPA kernels; recompute every other op (norms, activations, rotary, casts)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    matmuls = {aten.mm.default, aten.addmm.default}
-    kernels = {getattr(aten, name).default for name in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)}
-    seen = {False: 0, True: 0}
-
-    def policy(ctx, func, *args, **kwargs):
-        if func in matmuls:
-            seen[ctx.is_recompute] += 1
-            keep = seen[ctx.is_recompute] % 2 == 1
-        else:
-            keep = func in kernels
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+''' + SELECTIVE_OP_POLICY + '''
 
 
 def enable_checkpointing(model: nn.Module, blocks: nn.ModuleList) -> None:

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+from ..apply import Change
 from ..setup import Attention, Checkpointing, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
+from .convert import Target, conversion
 from .costs import recompute_fraction
 
 _HOW = {
@@ -62,3 +64,117 @@ class GradientCheckpointing(Technique):
         mode = picked.checkpointing
         return Proposal(picked, _change(ctx, mode), _cost(ctx, picked), _HOW[mode] if mode in _HOW else _HOW[
             Checkpointing.EVERY_2].replace("2nd", f"{mode.every}th"))
+
+
+# ---------------------------------------------------------------------------------------- the runtime conversion
+
+SELECTIVE_OP_POLICY = '''def selective_op_context():
+    """selective-op (torchtitan's op-level SAC policy): per checkpointed call, keep the outputs of the 1st, 3rd, ...
+    matmul (mm / addmm) and of the SDPA kernels; recompute every other op (norms, activations, rotary, casts)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default}
+    kernels = {getattr(aten, name).default for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)}
+    seen = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in matmuls:
+            seen[ctx.is_recompute] += 1
+            keep = seen[ctx.is_recompute] % 2 == 1
+        else:
+            keep = func in kernels
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)'''
+"""selective-op's one definition: torchtitan's op-level SAC policy (torchtitan/distributed/activation_checkpoint.py)
+with aten.addmm counted as a matmul and the CPU flash kernel beside the CUDA ones (memfit._torch.blocks). It is
+source text because it is both what memfit runs (memfit._torch.blocks.selective_op_context compiles it) and what
+the FSDP2 script memfit emits writes (memfit.emit.fsdp), byte for byte; it reads `torch` from its globals."""
+
+
+NO_BLOCKS = ("not applicable: no repeated blocks found (an nn.ModuleList or nn.Sequential of 2+ modules of one "
+             "class)")
+
+
+@conversion("checkpointing")
+def convert(model, setup: TrainingSetup, target: Target) -> Change:
+    """The one 'which wrapper' decision. none / full on a transformers model: HF's own switch (non-reentrant), which
+    it supports or not; full on any other module, and selective-op / every-N / attention on any model: memfit's
+    block wrapper (memfit._torch.blocks) around the repeated blocks (or `target.blocks`, the engine's FSDP units),
+    HF's switch turned off first. Each call puts the model in the setup's mode, undoing another."""
+    mode = setup.checkpointing
+    if mode not in (Checkpointing.NONE, Checkpointing.FULL):
+        return _selective(model, setup, target)
+    if target.is_hf:
+        return _hf_switch(model, mode is Checkpointing.FULL)
+    return _full_blocks(model, mode is Checkpointing.FULL, target)
+
+
+def _hf_switch(model, want_on: bool) -> Change:
+    from .._torch import step as torch_step
+
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return Change("checkpointing", False, f"not applicable: {type(model).__name__} does not support it")
+    is_on = torch_step.hf_checkpointing_is_on(model)
+    if is_on == want_on:
+        return Change("checkpointing", False, f"already {'on' if is_on else 'off'}")
+    (torch_step.enable_hf_checkpointing if want_on else torch_step.disable_hf_checkpointing)(model)
+    how = "on (HF activation checkpointing, use_reentrant=False)" if want_on else "off, as the setup asks"
+    return Change("checkpointing", True, f"turned {how}")
+
+
+def _blocks_of(model, target: Target) -> tuple[list, str]:
+    """(the blocks to wrap, where they are, for the report)."""
+    from .._torch import blocks
+
+    if target.blocks is not None:
+        return list(target.blocks), "the blocks given"
+    found = blocks.named_blocks(model)
+    return [block for _, block in found], ", ".join(f"'{name}'" for name in
+                                                    blocks.block_containers([name for name, _ in found]))
+
+
+def _full_blocks(model, want_on: bool, target: Target) -> Change:
+    from .._torch import blocks
+
+    block_list, where = _blocks_of(model, target)
+    if not block_list:
+        if not want_on:
+            return Change("checkpointing", False, "already off")
+        return Change("checkpointing", False, f"{NO_BLOCKS}; wrap your blocks' forward in "
+                                              "torch.utils.checkpoint.checkpoint yourself")
+    wrapped = sum(blocks.is_checkpointed(b) for b in block_list)
+    if want_on and wrapped == len(block_list):
+        return Change("checkpointing", False, f"already on ({wrapped} blocks of {where})")
+    if not want_on and wrapped == 0:
+        return Change("checkpointing", False, "already off")
+    for block in block_list:
+        (blocks.checkpoint_block if want_on else blocks.uncheckpoint_block)(block)
+    verb = "wrapped" if want_on else "unwrapped"
+    return Change("checkpointing", True, f"{verb} the {len(block_list)} blocks of {where} "
+                                         "(torch.utils.checkpoint, non-reentrant)")
+
+
+def _selective(model, setup: TrainingSetup, target: Target) -> Change:
+    """selective-op / every-N / attention through memfit's block wrapper (HF's switch is full only)."""
+    from .._torch import blocks, step as torch_step
+
+    block_list, where = _blocks_of(model, target)
+    if not block_list:
+        return Change("checkpointing", False, NO_BLOCKS)
+    mode = str(setup.checkpointing)
+    before = [(blocks.checkpoint_mode(b), blocks.is_core_checkpointed(b)) for b in block_list]
+    hf_was_on = target.is_hf and torch_step.hf_checkpointing_is_on(model)
+    if hf_was_on:
+        torch_step.disable_hf_checkpointing(model)
+    done = blocks.apply_checkpointing(model, mode, None if target.blocks is None else block_list)
+    after = [(blocks.checkpoint_mode(b), blocks.is_core_checkpointed(b)) for b in block_list]
+    if not done:
+        return Change("checkpointing", False, f"not applicable: checkpointing {mode} found no eager attention core "
+                                              "to wrap (transformers' eager_attention_forward)")
+    if before == after and not hf_was_on:
+        return Change("checkpointing", False, f"already {mode} ({done})")
+    return Change("checkpointing", True, f"checkpointing {mode}: {done} of {where}")

@@ -4,8 +4,10 @@ memfit.estimate.compiled from the partition of one real block on fake tensors; t
 
 from __future__ import annotations
 
+from ..apply import Change
 from ..errors import MemfitError
 from .base import Context, Proposal, Skip, Technique, pin_reason, register
+from .convert import Target, conversion
 
 CHANGE = ("HF: TrainingArguments(torch_compile=True); torchtune: compile: True; torchtitan: [compile] enable = true "
           "(each block compiled)")
@@ -45,3 +47,23 @@ class Compile(Technique):
         except (MemfitError, RuntimeError) as error:  # the block could not be traced compiled
             return Skip(f"the compiled block could not be traced: {error}")
         return Proposal(setup, CHANGE, COST, WHY)
+
+
+@conversion("compile")
+def convert(model, setup, target: Target):
+    """Each repeated block torch.compile'd in place (memfit._torch.compiled.compile_blocks, as torchtune and
+    torchtitan compile), last: over the checkpoint wrappers and adapters. On fake tensors (a trace) the backend is
+    AOTAutograd's partition without codegen, the same saved tensors."""
+    if not setup.compile:
+        return None
+    from .._torch import blocks
+    from .._torch.compiled import compile_blocks
+
+    found = blocks.find_blocks(model)
+    if found and all(getattr(block, "_compiled_call_impl", None) is not None for block in found):
+        return Change("compile", False, f"already compiled ({len(found)} blocks)")
+    compiled = compile_blocks(model, target.compile_backend)
+    if not compiled:
+        return Change("compile", False, "not applicable: no repeated blocks to compile")
+    return Change("compile", True, f"{compiled} blocks compiled in place (nn.Module.compile, backend "
+                                   f"{target.compile_backend})")

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+from ..apply import Change
 from .base import Context, Proposal, Skip, Technique, register
+from .convert import Target, conversion
 
 
 @register
@@ -32,3 +34,14 @@ def divisors(n: int) -> list[int]:
     """Divisors of n in increasing order (so the effective batch stays exact), in O(sqrt(n))."""
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
+
+
+@conversion("batching")
+def convert(model, setup, target: Target):
+    """Micro-batch and accumulation are the data loader's and the loop's: this says what they are."""
+
+    return Change("batching", False,
+                  f"the data loader is yours: micro-batch {setup.micro_batch_size} x {setup.grad_accum_steps} "
+                  f"accumulation steps = {setup.micro_batch_size * setup.grad_accum_steps} sequences per optimizer "
+                  f"step (HF: per_device_train_batch_size={setup.micro_batch_size}, "
+                  f"gradient_accumulation_steps={setup.grad_accum_steps}), sequences of {setup.seq_len} tokens")

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from ..apply import Change
 from ..errors import ConfigError
 from ..setup import Engine, Sharding
 from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
+from .convert import Target, conversion
 from .costs import zero_traffic
 
 
@@ -44,3 +46,16 @@ class ZeroSharding(Technique):
             why += (f" (with torch's FSDP2: DeepSpeed cannot shard this setup, "
                     f"{ctx.setup.finetune.method if ctx.setup.finetune.adapters else chosen.optimizer} included)")
         return Proposal(chosen, change, zero_traffic(ctx.spec, chosen), why)
+
+
+@conversion("engine")
+def convert(model, setup, target: Target):
+    """Sharding and offload need an engine (memfit._torch.engine.prepare, DeepSpeed, FSDP2): said, not done."""
+    from ..setup import Offload
+
+    if setup.sharding is Sharding.NONE and setup.offload is Offload.NONE:
+        return None
+    parts = [f"{setup.sharding} over {setup.num_gpus} GPUs"] if setup.sharding is not Sharding.NONE else []
+    parts += [f"offload {setup.offload}"] if setup.offload is not Offload.NONE else []
+    return Change("engine", False, f"{' + '.join(parts)} needs an engine (DeepSpeed / FSDP): launch with the config "
+                                   "memfit emits; apply_ changes this one process only")

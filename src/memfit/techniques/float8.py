@@ -1,0 +1,23 @@
+"""torchao float8 training (TrainingSetup.float8): not a ladder rung, a conversion of the live model. Sized by
+memfit.estimate.float8; converted by memfit._torch.float8."""
+
+from __future__ import annotations
+
+from ..apply import Change
+from ..setup import TrainingSetup
+from .convert import Target, conversion
+
+
+@conversion("float8")
+def convert(model, setup: TrainingSetup, target: Target):
+    """The convertible Linears swapped for torchao Float8Linear (memfit._torch.float8), as torchtitan converts them,
+    before checkpointing wraps the blocks."""
+    if not setup.float8.is_on:
+        return None
+    from .._torch.float8 import apply_float8
+
+    swapped = apply_float8(model, setup)
+    if not swapped:
+        return Change("float8", False, "no plain nn.Linear left to convert (already Float8Linear, or none)")
+    return Change("float8", True, f"{swapped} Linears now torchao Float8Linear ({setup.float8}; the LM head and "
+                                  "Linears with a dimension not a multiple of 16 stay as they were)")
