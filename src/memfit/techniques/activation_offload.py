@@ -27,6 +27,9 @@ class ActivationOffload(Technique):
     cuts_static = False
     title = "activation offloading to the CPU"
 
+    def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
+        return {"activation_offload": [False, True]}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.activation_offload:
             return Skip("already offloading activations")
@@ -57,7 +60,7 @@ class ActivationOffload(Technique):
             "torchtune: enable_activation_offloading: True" + (", enable_activation_checkpointing: True" if paired
                                                               else "") + "  # TRL SFTConfig / axolotl: "
             "activation_offloading: true; HF Trainer: memfit.apply_(model, {'activation_offload': True})",
-            activation_offload_cost(moved, chosen, ctx.hardware),
+            activation_offload_cost(moved, chosen, ctx.hardware).text,
             "tensors saved for backward wait in pinned host RAM and stream back block by block; the LM head's and "
             "the loss's stay on the device" + ("; with full checkpointing only each block's input moves" if
                                                chosen.checkpointing is Checkpointing.FULL else ""))

@@ -12,6 +12,9 @@ class FlashAttention(Technique):
     cuts_static = False
     title = "FlashAttention / SDPA"
 
+    def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
+        return {"attention": [Attention.SDPA]}  # never slower nor larger than eager where it runs
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.attention is Attention.SDPA:
             return Skip("already a kernel that never materialises T x T (sdpa)")

@@ -4,7 +4,7 @@ from ..apply import Change
 from ..setup import Attention, Checkpointing, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
 from .convert import Target, conversion
-from .costs import recompute_fraction
+from .costs import checkpointing_cost, recompute_fraction
 
 _HOW = {
     Checkpointing.ATTENTION: ("recomputes only the eager attention core (QK^T, softmax, dropout, x V) in backward: "
@@ -28,20 +28,14 @@ def _change(ctx: Context, mode: Checkpointing) -> str:
             "it too")
 
 
-def _cost(ctx: Context, setup: TrainingSetup) -> str:
-    share = recompute_fraction(ctx.spec, setup)
-    what = {Checkpointing.FULL: "one extra forward per step",
-            Checkpointing.SELECTIVE_OP: "every 2nd matmul of a block and its elementwise ops recomputed",
-            Checkpointing.ATTENTION: "the attention core's two T x T matmuls and softmax recomputed"}.get(
-        setup.checkpointing, f"one extra forward of every {setup.checkpointing.every}th block")
-    return f"+{100 * share:.0f}% compute ({what})"
-
-
 @register
 class GradientCheckpointing(Technique):
     key = "checkpointing"
     cuts_static = False
     title = "gradient checkpointing"
+
+    def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
+        return {"checkpointing": list(Checkpointing)}
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         """The cheapest variant in compute that fits, else full (the one that saves most)."""
@@ -62,7 +56,7 @@ class GradientCheckpointing(Technique):
         if isinstance(picked, Skip):
             return picked
         mode = picked.checkpointing
-        return Proposal(picked, _change(ctx, mode), _cost(ctx, picked), _HOW[mode] if mode in _HOW else _HOW[
+        return Proposal(picked, _change(ctx, mode), checkpointing_cost(ctx.spec, picked).text, _HOW[mode] if mode in _HOW else _HOW[
             Checkpointing.EVERY_2].replace("2nd", f"{mode.every}th"))
 
 

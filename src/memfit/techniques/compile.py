@@ -28,6 +28,9 @@ class Compile(Technique):
     cuts_static = False
     title = "torch.compile (per block)"
 
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        return {"compile": [False, True]}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.compile:
             return Skip("already compiled")

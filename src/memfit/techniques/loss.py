@@ -18,6 +18,9 @@ class ChunkedOrFusedLoss(Technique):
     cuts_static = False
     title = "chunked / fused cross-entropy"
 
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        return {"loss": list(Loss)}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.loss is Loss.FUSED:
             return Skip("already fused: the logits never exist in full")

@@ -13,6 +13,10 @@ class MicroBatchAccumulation(Technique):
     cuts_static = False
     title = "smaller micro-batch + gradient accumulation"
 
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        """Every divisor of the micro-batch (memfit.search keeps the effective batch with the accumulation)."""
+        return {"micro_batch_size": divisors(setup.micro_batch_size)}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         b, accum = ctx.setup.micro_batch_size, ctx.setup.grad_accum_steps
         if b == 1:

@@ -17,6 +17,10 @@ class CpuOffload(Technique):
     key = "cpu_offload"
     title = "CPU offload of optimizer states"
 
+    def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
+        """Every offload, on every engine with more than one GPU (which engine can offload what differs)."""
+        return {"offload": list(Offload), "engine": list(Engine) if hardware.world_size > 1 else [setup.engine]}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         try:
             return self._propose(ctx)

@@ -24,6 +24,13 @@ class Adam8bit(Technique):
     key = "adam_8bit"
     title = "8-bit AdamW"
 
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        """For an Adam: bitsandbytes' 8-bit AdamW and torch's fused AdamW beside the setup's."""
+        optimizers = {setup.optimizer}
+        if setup.optimizer.is_adam:
+            optimizers |= {Optimizer.ADAMW_8BIT, Optimizer.ADAMW_FUSED}
+        return {"optimizer": sorted(optimizers)}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         opt = ctx.setup.optimizer
         if opt.state_bits < 32:

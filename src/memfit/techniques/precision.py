@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from ..apply import Change
 from ..diagnose import Bottleneck
-from ..setup import Offload, Optimizer, Precision, TrainingSetup
+from ..setup import Offload, Optimizer, Precision, TrainingSetup, needs_bf16
 from .base import Context, Proposal, Skip, Technique, register
 from .convert import Target, conversion
 
@@ -15,6 +15,16 @@ class MixedPrecision(Technique):
 
     key = "mixed_precision"
     title = "mixed precision"
+
+    def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
+        """The setup's precision, autocast bf16 and pure bf16 on a GPU with bf16; fp16 autocast from fp32 on one
+        without."""
+        precisions = {setup.precision}
+        if hardware.gpu.bf16:
+            precisions |= {Precision.AMP_BF16, Precision.BF16}
+        elif setup.precision is Precision.FP32:
+            precisions.add(Precision.AMP_FP16)
+        return {"precision": sorted(p for p in precisions if hardware.gpu.bf16 or not needs_bf16(p))}
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         current = ctx.setup.precision

@@ -15,6 +15,11 @@ class ZeroSharding(Technique):
     key = "zero"
     title = "ZeRO sharding"
 
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        """No sharding, and every ZeRO stage with more than one GPU."""
+        more = [Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3] if hardware.world_size > 1 else []
+        return {"sharding": [Sharding.NONE] + more}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         n = ctx.hardware.world_size
         if n < 2:
