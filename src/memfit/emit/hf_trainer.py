@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import sys
 
-from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
 from ..estimate import torchao_offload
+from ..techniques import compile as compile_technique, loss as loss_technique
 from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
@@ -101,8 +102,8 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                 "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
-    for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _activation_offload_part,
-                 _compile_part, _engine_part):
+    for part in (_precision_part, _optimizer_part, _checkpointing_part, loss_technique.hf_trainer_fragment, _activation_offload_part,
+                 compile_technique.hf_trainer_fragment, _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
                                                        legacy_names=legacy_names)
         content.update(part_content)
@@ -199,25 +200,7 @@ def selective_checkpointing_note(setup: TrainingSetup) -> str:
 def trainer_cannot_express(setup: TrainingSetup) -> list[str]:
     """What the plan sized that neither TrainingArguments nor memfit_apply.json can carry (torchtune's chunked loss,
     the optimizer step in backward): the notes that say where it is expressed instead."""
-    return _loss_part(setup)[2]
-
-
-def _loss_part(setup: TrainingSetup, **_):
-    """The fused loss is Liger's (TrainingArguments.use_liger_kernel patches the model's forward with its fused
-    linear cross-entropy); the chunked loss and the optimizer step in backward are torchtune's, said in notes."""
-    content, comments, notes = {}, {}, []
-    if setup.loss is Loss.FUSED:
-        content["use_liger_kernel"] = True
-        comments["use_liger_kernel"] = ("Liger kernels incl. the fused linear cross-entropy: no B x T x V logits "
-                                        "(pip install liger-kernel; CUDA + Triton)")
-    elif setup.loss is Loss.CHUNKED:
-        notes.append("The chunked loss is torchtune's: `loss: _component_: torchtune.modules.loss."
-                     "CEWithChunkedOutputLoss` (num_output_chunks 8; newer torchtune: LinearCrossEntropyLoss). The HF "
-                     "Trainer has no chunked loss; `use_liger_kernel=True` (fused) saves more.")
-    if setup.optimizer_in_backward:
-        notes.append("The optimizer step in backward is torchtune's `optimizer_in_bwd: True` (with "
-                     "gradient_accumulation_steps 1 and clip_grad_norm null); TrainingArguments has no such option.")
-    return content, comments, notes
+    return loss_technique.hf_trainer_fragment(setup)[2]
 
 
 def _activation_offload_part(setup: TrainingSetup, **_):
@@ -230,18 +213,6 @@ def _activation_offload_part(setup: TrainingSetup, **_):
                     "before Trainer(...) (TRL `SFTConfig(activation_offloading=True)`, axolotl "
                     "`activation_offloading: true` and torchtune `enable_activation_offloading: True` are the same "
                     "hooks). It needs CUDA and pinned host RAM."]
-
-
-def _compile_part(setup: TrainingSetup, **_):
-    """torch.compile: the Trainer compiles the whole model; torchtune and torchtitan compile each block, as memfit
-    sizes it (memfit.estimate.compiled)."""
-    if not setup.compile:
-        return {}, {}, []
-    return ({"torch_compile": True},
-            {"torch_compile": "torch.compile (inductor): blocks keep what AOTAutograd's min-cut partitioner saves"},
-            ["torch.compile is sized per block (torchtune `compile: True`, torchtitan `[compile] enable = true`); "
-             "the Trainer's torch_compile compiles the whole model, head and loss included, which memfit sizes "
-             "eager. First steps are slow (compilation); a new sequence length recompiles."])
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):

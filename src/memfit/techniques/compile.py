@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..apply import Change
 from ..errors import MemfitError
+from ..setup import TrainingSetup
 from .base import Context, Proposal, Skip, Technique, pin_reason, register
 from .convert import Target, conversion
 
@@ -70,3 +71,16 @@ def convert(model, setup, target: Target):
         return Change("compile", False, "not applicable: no repeated blocks to compile")
     return Change("compile", True, f"{compiled} blocks compiled in place (nn.Module.compile, backend "
                                    f"{target.compile_backend})")
+
+
+def hf_trainer_fragment(setup: TrainingSetup, **_) -> tuple[dict, dict[str, str], list[str]]:
+    """(TrainingArguments kwargs, their comments, notes) for the HF Trainer files (memfit.emit.hf_trainer).
+    torch.compile: the Trainer compiles the whole model; torchtune and torchtitan compile each block, as memfit
+    sizes it (memfit.estimate.compiled)."""
+    if not setup.compile:
+        return {}, {}, []
+    return ({"torch_compile": True},
+            {"torch_compile": "torch.compile (inductor): blocks keep what AOTAutograd's min-cut partitioner saves"},
+            ["torch.compile is sized per block (torchtune `compile: True`, torchtitan `[compile] enable = true`); "
+             "the Trainer's torch_compile compiles the whole model, head and loss included, which memfit sizes "
+             "eager. First steps are slow (compilation); a new sequence length recompiles."])
