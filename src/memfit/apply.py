@@ -2,13 +2,11 @@
 memfit. Every item of the setup is reported as a Change: what was done, or why nothing was (already so, not
 applicable, the caller's job) -- never silent.
 
-What it changes on the model, each through its technique's one conversion (memfit.techniques.convert, the path the
-trace, the model builder and the engines take too): the parameter dtype (pure bf16 / back to fp32), LoRA / QLoRA
-adapters, torchao Float8Linear for float8 training, the attention implementation (HF models), gradient
-checkpointing (HF's switch, or memfit._torch.blocks' wrapper around the repeated blocks), activation offloading
-hooks, torch.compile per block.
+What it changes on the model: each item through its technique's one conversion (memfit.techniques.convert.ORDER:
+the dtype, adapters, Linear swaps, attention, checkpointing, saved-tensor hooks, compile), the path the trace, the
+model builder and the engines take too.
 What it hands back for the training loop: `autocast()` for amp-*, `make_optimizer(model)`, the micro-batch size and
-accumulation steps. Sharding and offload need an engine and are only reported.
+accumulation steps. What needs an engine (sharding) is only reported.
 
 torch is imported inside the functions only.
 """
@@ -76,7 +74,7 @@ def apply_(model, plan_or_setup) -> AppliedChanges:
     """Change `model` (an HF PreTrainedModel or any nn.Module) in place to train as the setup says.
 
     `plan_or_setup`: a Plan (its final setup), a TrainingSetup (every item), or only some items: a mapping of
-    setup fields ({'checkpointing': 'selective-op', 'activation_offload': True}) or the path of the
+    setup fields that only code can put on a model (memfit.techniques.convert.ALONE) or the path of the
     memfit_apply.json `memfit plan --emit` writes for what TrainingArguments cannot express; then only those items
     are applied and the rest of the model is left as it is.
 
@@ -95,14 +93,12 @@ def apply_(model, plan_or_setup) -> AppliedChanges:
     return AppliedChanges(setup, changes, autocast)
 
 
-_ITEMS = ("checkpointing", "activation_offload")
-"""The setup items apply_ takes alone (a mapping or memfit_apply.json): what only code can put on a model."""
-
-
 def _what_to_apply(given) -> tuple[TrainingSetup, tuple[str, ...] | None]:
     """(setup, items): every item (None) for a Plan / TrainingSetup; the named items for a mapping or a file."""
     import os
     from collections.abc import Mapping
+
+    from .techniques.convert import ALONE
 
     setup = getattr(given, "final_setup", given)
     if isinstance(setup, TrainingSetup):
@@ -114,9 +110,9 @@ def _what_to_apply(given) -> tuple[TrainingSetup, tuple[str, ...] | None]:
     if not isinstance(given, Mapping):
         raise ConfigError(f"apply_ needs a TrainingSetup, a Plan, a mapping of setup items or the path of "
                           f"memfit_apply.json, got {type(given).__name__}")
-    unknown = sorted(set(given) - set(_ITEMS))
+    unknown = sorted(set(given) - set(ALONE))
     if unknown:
-        raise ConfigError(f"apply_ takes {', '.join(_ITEMS)} alone, not {', '.join(unknown)}: pass the whole "
+        raise ConfigError(f"apply_ takes {', '.join(ALONE)} alone, not {', '.join(unknown)}: pass the whole "
                           "TrainingSetup for the rest")
-    return TrainingSetup(**given), tuple(name for name in _ITEMS if name in given)
+    return TrainingSetup(**given), tuple(name for name in ALONE if name in given)
 

@@ -115,11 +115,10 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
     Causal LM (masked LM for encoder-only types such as bert; a sequence classifier when the config's
     architectures name one, memfit.sources.task), attention implementation from `setup.attention`,
     `use_cache=False` (a cache keeps every layer's K/V alive), pure bf16 parameters for bf16 / bf16-master (the fp32
-    master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, LoRA / QLoRA
-    adapters on a base stored as planned (memfit._torch.lora), torchao Float8Linear for `setup.float8`
-    (memfit._torch.float8), each block torch.compile'd with `compile_backend` when
-    `setup.compile` ("partitioned": AOTAutograd's min-cut partition run without codegen, memfit._torch.compiled),
-    train mode.
+    master copy belongs to the optimizer; an adapted model's base in its planned storage dtype), then every
+    technique's conversion (memfit.techniques.convert, apply_'s path); blocks compiled with `compile_backend` when
+    the setup compiles ("partitioned": AOTAutograd's min-cut partition run without codegen,
+    memfit._torch.compiled); train mode.
     """
     transformers = _import("transformers")
     if setup.image_size and is_image_classifier(config):  # the model at that resolution (its position table too)
@@ -148,7 +147,7 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
     if model_device(model) != torch.device(device):  # no-op `.to` skipped: on fake tensors it swaps every tensor
         model.to(device)
     # Built in the setup's dtype and attention already (one allocation); the rest is the techniques' conversions,
-    # apply_'s path: adapters, float8, checkpointing, compile (memfit.techniques.convert).
+    # apply_'s path (memfit.techniques.convert.ORDER).
     from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 
     convert_model(model, setup, Target(is_hf=True, loop=MEMFIT_LOOP, compile_backend=compile_backend))

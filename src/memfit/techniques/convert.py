@@ -8,7 +8,7 @@ optimizer, batching, sharding) register a conversion too: it changes nothing and
 
 The order (torchtitan's: model converters such as float8 first, then activation checkpointing, then compile):
 precision and the LoRA / QLoRA base before anything wraps a Linear; float8 swaps Linears before checkpointing wraps
-the blocks; compile last, over the wrapped blocks. LoRA and float8 never meet (TrainingSetup refuses the pair), and
+the blocks; compile last, over the wrapped blocks. Adapters and float8 never meet (TrainingSetup refuses the pair), and
 adapters commute with checkpointing (peft replaces Linears inside a block; the checkpoint wrapper replaces the
 block's forward; HF's switch flags the layers).
 
@@ -49,6 +49,10 @@ ORDER = ("precision", "finetune", "float8", "attention", "checkpointing", "optim
 """The order conversions run in, which is also the order of apply_'s report."""
 
 CONVERSIONS: dict[str, Conversion] = {}
+
+ALONE = ("checkpointing", "activation_offload")
+"""The items apply_ takes alone (a mapping, or the memfit_apply.json `memfit plan --emit` writes): what only code
+can put on a model, since TrainingArguments cannot say it."""
 
 
 def conversion(item: str) -> Callable[[Conversion], Conversion]:

@@ -263,8 +263,8 @@ def convert_module(model: nn.Module, setup: TrainingSetup) -> list[str]:
 
 
 _MODULE_ITEMS = ("precision", "attention", "checkpointing")
-"""What a traced plain module gets converted: the rest (adapters, float8, compile) are sized for transformers models
-only, and the optimizer, batching and offload are the loop's."""
+"""What a traced plain module gets converted: the other conversions are sized for transformers models only, or are
+the loop's."""
 
 cast_floating = runner.cast_floating  # memfit._torch.step's, the precision conversion's
 
