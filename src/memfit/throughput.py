@@ -7,7 +7,8 @@ time/sample = (compute + exposed communication + offload) / effective batch, whe
   behind compute;
 - offload: the engine's host<->device copies over PCIe (techniques.costs.offload_traffic_bytes) and a CPU Adam
   step at ~1e9 params/s per rank (CPU_ADAM_PARAMS_PER_S).
-Every technique's part is its typed Cost (memfit.techniques.costs.step_cost), the numbers the ladder prints.
+Every technique's part is its typed Cost (Technique.step_cost, memfit.techniques.costs), the numbers the ladder
+prints.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from .hardware import Hardware
 from .model_spec import ModelSpec
 from .setup import Attention, Precision, TrainingSetup
 from .techniques.costs import CPU_ADAM_PARAMS_PER_S  # noqa: F401  (re-exported: the model's CPU Adam rate)
-from .techniques.costs import step_cost
+from .techniques import REGISTRY
+from .techniques.costs import Cost, combined
+
+
+def step_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """What the setup's techniques cost a step together: each registered technique's typed Cost (its step_cost),
+    the same numbers the ladder prints."""
+    return combined(cost for technique in REGISTRY.values()
+                    if (cost := technique.step_cost(spec, setup, hardware)) is not None)
 
 NVLINK_BYTES_PER_S = 200e9
 NETWORK_BYTES_PER_S = 25e9

@@ -14,6 +14,7 @@ from ..model_spec import ModelSpec
 from ..errors import ConfigError
 from ..setup import Checkpointing, Engine, FieldChange, TrainingSetup, setup_changes
 from ..units import format_bytes
+from .costs import Cost
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,10 @@ class Technique:
 
     def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def step_cost(self, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost | None:
+        """What the setup's use of this technique costs a step, for memfit.throughput (None: not modelled)."""
+        return None
 
     def search_values(self, setup: TrainingSetup, hardware: Hardware) -> dict[str, list]:
         """The values of the setup fields this technique owns that `plan --optimize` combines (memfit.search):

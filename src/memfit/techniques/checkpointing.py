@@ -4,7 +4,7 @@ from ..apply import Change
 from ..setup import Attention, Checkpointing, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
 from .convert import Target, conversion
-from .costs import checkpointing_cost, recompute_fraction
+from .costs import Cost, checkpointing_cost, recompute_fraction
 
 _HOW = {
     Checkpointing.ATTENTION: ("recomputes only the eager attention core (QK^T, softmax, dropout, x V) in backward: "
@@ -33,6 +33,9 @@ class GradientCheckpointing(Technique):
     key = "checkpointing"
     cuts_static = False
     title = "gradient checkpointing"
+
+    def step_cost(self, spec, setup: TrainingSetup, hardware) -> Cost:
+        return Cost(recompute_fraction=recompute_fraction(spec, setup))
 
     def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
         return {"checkpointing": list(Checkpointing)}

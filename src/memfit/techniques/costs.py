@@ -232,15 +232,25 @@ LOW_BIT_STEP_FACTOR = 1.01
 """Low-bit optimizer states (8-bit / 4-bit AdamW): quantise and dequantise around each update, ~1% of a step."""
 
 
-def step_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
-    """What the setup's techniques cost together, the numbers memfit.throughput weighs (and so `plan --optimize`):
-    checkpointing's recompute, ZeRO's bytes on the wire (with more than one GPU), offload's host copies and CPU
-    step, the low-bit optimizer's step-time factor."""
-    offloads = setup.offload is not Offload.NONE or setup.cpu_offload_optimizer.value != "off"
-    traffic = offload_traffic_bytes(spec, setup) if offloads else 0
-    return Cost(recompute_fraction=recompute_fraction(spec, setup),
-                wire_bytes=zero_traffic_bytes(spec, setup) if setup.num_gpus > 1 else 0,
-                host_link_bytes=traffic,
-                host_link_seconds=host_link_seconds(traffic, hardware) if offloads else 0.0,
-                cpu_step_seconds=cpu_step_seconds(spec, setup) if offloads else 0.0,
-                step_time_factor=LOW_BIT_STEP_FACTOR if setup.optimizer.state_bits < 32 else 1.0)
+def offload_step_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """The engine's or torchao's optimizer offload, as a step pays it: host copies and the CPU step."""
+    if setup.offload is Offload.NONE and setup.cpu_offload_optimizer.value == "off":
+        return Cost()
+    traffic = offload_traffic_bytes(spec, setup)
+    return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),
+                cpu_step_seconds=cpu_step_seconds(spec, setup))
+
+
+def combined(costs) -> Cost:
+    """Several techniques' costs of one step: amounts add up, step-time factors multiply."""
+    total = Cost()
+    for cost in costs:
+        total = Cost(recompute_fraction=total.recompute_fraction + cost.recompute_fraction,
+                     wire_bytes=total.wire_bytes + cost.wire_bytes,
+                     host_link_bytes=total.host_link_bytes + cost.host_link_bytes,
+                     host_link_seconds=total.host_link_seconds + cost.host_link_seconds,
+                     cpu_step_seconds=total.cpu_step_seconds + cost.cpu_step_seconds,
+                     host_bytes=total.host_bytes + cost.host_bytes,
+                     step_time_factor=total.step_time_factor * cost.step_time_factor,
+                     caveats=total.caveats + cost.caveats)
+    return total

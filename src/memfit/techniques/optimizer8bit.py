@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..apply import Change
 from ..setup import Offload, Optimizer
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
+from .costs import LOW_BIT_STEP_FACTOR, Cost
 from .convert import Target, conversion
 
 FOUR_BIT_CAVEAT = ("4-bit states (torchao AdamW4bit, Li et al. 2023, arXiv:2309.01507) matched 32-bit AdamW on the "
@@ -23,6 +24,9 @@ FOUR_BIT_CAVEAT = ("4-bit states (torchao AdamW4bit, Li et al. 2023, arXiv:2309.
 class Adam8bit(Technique):
     key = "adam_8bit"
     title = "8-bit AdamW"
+
+    def step_cost(self, spec, setup, hardware) -> Cost:
+        return Cost(step_time_factor=LOW_BIT_STEP_FACTOR if setup.optimizer.state_bits < 32 else 1.0)
 
     def search_values(self, setup, hardware) -> dict[str, list]:
         """For an Adam: bitsandbytes' 8-bit AdamW and torch's fused AdamW beside the setup's."""

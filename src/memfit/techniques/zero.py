@@ -5,7 +5,7 @@ from ..errors import ConfigError
 from ..setup import Engine, Sharding
 from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
 from .convert import Target, conversion
-from .costs import zero_traffic
+from .costs import Cost, zero_traffic, zero_traffic_bytes
 
 
 @register
@@ -14,6 +14,10 @@ class ZeroSharding(Technique):
 
     key = "zero"
     title = "ZeRO sharding"
+
+    def step_cost(self, spec, setup, hardware) -> Cost:
+        """Bytes on the wire with more than one GPU (data parallelism without ZeRO too)."""
+        return Cost(wire_bytes=zero_traffic_bytes(spec, setup) if setup.num_gpus > 1 else 0)
 
     def search_values(self, setup, hardware) -> dict[str, list]:
         """No sharding, and every ZeRO stage with more than one GPU."""
