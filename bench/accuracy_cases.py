@@ -1,4 +1,4 @@
-"""The ground-truth matrix shared by tests/test_estimate_accuracy.py (fast subset) and bench/accuracy.py (all)."""
+"""The ground-truth matrix shared by tests/estimate/test_estimate_accuracy.py (fast subset) and bench/accuracy.py (all)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Every catalog family at its real shape (and the 7B-70B catalog shapes on a few s
 flash / memory-efficient SDPA), across precision, optimizer (single-tensor, foreach, fused, 8-bit, Adafactor, SGD),
 checkpointing, attention, ZeRO 1/2/3 on both engines, data parallelism and offload. Each row is compared like for
 like (memfit.verify.cross_check: the formulas on the layout the trace runs, FSDP2) and flagged beyond 3%; the
-engine's own layout (DeepSpeed, DDP) is shown beside it, from the formulas. tests/test_crosscheck.py runs a subset.
+engine's own layout (DeepSpeed, DDP) is shown beside it, from the formulas. tests/trace/test_crosscheck.py runs a subset.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def main() -> int:
              f"{len(rows)} cases; median |error| {statistics.median(errors):.2f}%, worst {max(errors):.2f}% "
              "(targets: 2% median, 5% worst).", "", "FSDP2 (memfit's engine, zero3, bf16-master) on 2 real gloo ranks, "
              "tiny llama, 2 x 64 tokens: a rank's peak is the estimate's plus the FSDP units whose prefetched "
-             "all-gather for backward has landed before it (gloo's timing; tests/test_float8.py checks each rank "
+             "all-gather for backward has landed before it (gloo's timing; tests/estimate/test_float8.py checks each rank "
              "against those).", "", *lines_fsdp, "", "The CUDA side: memfit's trace runs the same steps on fake "
              "tensors, where torch._scaled_mm's meta function allocates only its output, as cuBLASLt does (the CPU "
              "kernel's fp32 copies are gone); the analytic estimate for a GPU against it. Under CPU autocast "

@@ -1,6 +1,6 @@
 """Chunked / fused loss and the optimizer step in backward: the formulas against real measured CPU steps of the tiny
 Llama / Qwen2, over loss x precision x checkpointing x optimizer-in-backward x LoRA (the full matrix;
-tests/test_loss_and_inbwd.py asserts one case of each technique).
+tests/estimate/test_loss_and_inbwd.py asserts one case of each technique).
 
     python bench/loss_inbwd.py      # prints the table, writes bench/results/loss_inbwd.md
 

@@ -53,7 +53,7 @@ def main() -> None:
     worst_m = max(abs(r[4] - r[2]) / r[2] for r in rows)
     worst_t = max(abs(r[4] - r[3]) / r[3] for r in rows)
     text = ("# MoE formulas vs measured CPU steps and the trace\n\n"
-            "`python bench/moe.py`: tiny Mixtral / Qwen2-MoE / OLMoE configs (tests/test_moe.py), micro-batch 4 x "
+            "`python bench/moe.py`: tiny Mixtral / Qwen2-MoE / OLMoE configs (tests/estimate/test_moe.py), micro-batch 4 x "
             "seq 96, AdamW, 2 steps, CPU (torch.profiler). Measured: a real step, transformers' grouped_mm experts "
             "(torch's grouped_mm kernel, fp32 or bf16 as the parameters are); trace: fake tensors with balanced "
             "deterministic top-k routing (transformers' grouped_mm fallback op: same saved tensors); formula: "

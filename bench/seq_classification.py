@@ -5,7 +5,7 @@ against real measured CPU steps of tiny classifiers, over precision x checkpoint
 
 Measured: memfit.measure (profiler memory events, live tensor bytes) of the class transformers builds from the
 config memfit.sources.task writes (oneDNN's bf16 matmul scratch is its own overhead term, not in the tensor bytes).
-tests/test_sequence_classification.py asserts two of the 4 x 128 rows (bert fp32 none, llama amp-bf16 full).
+tests/estimate/test_sequence_classification.py asserts two of the 4 x 128 rows (bert fp32 none, llama amp-bf16 full).
 """
 
 from __future__ import annotations

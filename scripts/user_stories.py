@@ -1,6 +1,6 @@
 """Writes docs/user-stories.md: the flagship questions, each as the command a user types and the part of memfit's
 answer that decides it (ladder, verdict, what would fit), generated from the CLI so the page never drifts from what
-memfit says. tests/test_user_stories.py regenerates it in memory and compares.
+memfit says. tests/project/test_user_stories.py regenerates it in memory and compares.
 
     python scripts/user_stories.py            # rewrite docs/user-stories.md
     python scripts/user_stories.py --check    # exit 1 when the page is stale

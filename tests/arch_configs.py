@@ -1,5 +1,5 @@
 """Tiny HF configs of decoder families beyond tests/tiny_configs.py (hidden 64, 2-3 layers, vocab 512), each with
-the features that set its family apart switched on. Shared by tests/test_arch_matrix.py and bench/arch_matrix.py;
+the features that set its family apart switched on. Shared by tests/estimate/test_arch_matrix.py and bench/arch_matrix.py;
 copy before mutating."""
 
 _COMMON = dict(hidden_size=64, num_attention_heads=4, vocab_size=512, max_position_embeddings=1024)

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# tests/ mirrors src/memfit (tests/estimate, tests/lora, ...); a few test modules share fixtures by importing another
+# test module by name (`from test_lora import CPU`), whichever folder it sits in, and the worker scripts of the
+# multi-process tests live in tests/ itself.
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name not in ("data", "__pycache__")):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 from tiny_configs import TINY_CONFIGS
 
@@ -107,3 +117,56 @@ def isolated_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
     os.environ.clear()
     os.environ.update(saved)
+
+
+PROCESS_MARKERS = ("processes", "browser")
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request, monkeypatch):
+    """A test that starts another process (the CLI as a user runs it, a torchrun / gloo job, a browser) carries the
+    `processes` (or `browser`) marker, so `-m "not processes"` is a quick in-process run and the marker says the
+    truth: starting one unmarked fails the test. MEMFIT_MARK_AUDIT=FILE lists such tests in FILE instead."""
+    import subprocess
+
+    started: list[str] = []
+    real_init = subprocess.Popen.__init__
+
+    def recording_init(self, args, *a, **kw):
+        if not _a_compiler_at_work():
+            started.append(str(args)[:80])
+        real_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
+    yield
+    marked = any(request.node.get_closest_marker(m) for m in PROCESS_MARKERS)
+    if not started or marked:
+        return
+    audit = os.environ.get("MEMFIT_MARK_AUDIT")
+    if audit:
+        with open(audit, "a") as out:
+            out.write(request.node.nodeid + "\n")
+        return
+    pytest.fail(f"started a process ({started[0]}) without @pytest.mark.processes", pytrace=False)
+
+
+_TOOLCHAINS = (f"{os.sep}torch{os.sep}_inductor{os.sep}", f"{os.sep}torch{os.sep}utils{os.sep}cpp_extension",
+               f"{os.sep}op_builder{os.sep}", f"{os.sep}triton{os.sep}")
+
+
+def _a_compiler_at_work() -> bool:
+    """torch.compile's inductor (g++, its compile workers) and JIT op builders start processes of their own: that is
+    compiling, not the multi-process run the marker is about."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _TOOLCHAINS):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The browser tests are the ones that take the `browser` fixture (tests/browser_check.py starts chromium)."""
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)

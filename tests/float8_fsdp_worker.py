@@ -1,4 +1,4 @@
-"""One rank of a 2-rank FSDP2 float8 job on gloo (run by tests/test_float8.py under torchrun): for each setup given,
+"""One rank of a 2-rank FSDP2 float8 job on gloo (run by tests/estimate/test_float8.py under torchrun): for each setup given,
 the tiny Llama with torchao Float8Linear (memfit._torch.step.build_hf_model: memfit._torch.float8), sharded by
 memfit's engine (`fully_shard` per block, then the root), AdamW, real steps under memfit's PeakMeter and
 CollectiveCounter. Writes OUT/<name>/rank<R>.json: the peak and the all-gather payload bytes of the last step (any

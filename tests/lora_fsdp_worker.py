@@ -1,4 +1,4 @@
-"""One rank of a 2-rank FSDP2 LoRA job on gloo (run by tests/test_lora_sharded.py under torchrun): for each setup
+"""One rank of a 2-rank FSDP2 LoRA job on gloo (run by tests/lora/test_lora_sharded.py under torchrun): for each setup
 given, the tiny Llama with peft LoRA / QLoRA adapters (memfit._torch.step.build_hf_model), sharded by memfit's
 engine (`fully_shard` per block, then the root), AdamW, a few real steps under memfit's PeakMeter. Writes
 OUT/<name>/rank<R>.json: each parameter's local elements and bytes (frozen / trainable), the QuantState bytes, the

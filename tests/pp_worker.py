@@ -1,4 +1,4 @@
-"""One rank of a 2-rank pipeline-parallel job on gloo (run by tests/test_pipeline.py under torchrun): the tiny Llama
+"""One rank of a 2-rank pipeline-parallel job on gloo (run by tests/estimate/test_pipeline.py under torchrun): the tiny Llama
 cut into one stage per rank (memfit._torch.pipeline, as torchtitan splits it), torch.distributed.pipelining's GPipe
 or 1F1B schedule over the micro-batches, AdamW, a few real steps under memfit's PeakMeter. Writes OUT/rank<R>.json:
 the rank's parameter elements, optimizer state bytes, peak, the bytes it sent per step and the losses."""

@@ -1,4 +1,4 @@
-"""One rank of a 2-rank tensor-parallel job on gloo (run by tests/test_tensor_parallel.py under torchrun): the tiny
+"""One rank of a 2-rank tensor-parallel job on gloo (run by tests/estimate/test_tensor_parallel.py under torchrun): the tiny
 Llama parallelized with DTensor as torchtitan does (memfit._torch.tensor_parallel), AdamW, a few real steps under
 memfit's PeakMeter. Writes OUT/rank<R>.json: per-parameter local elements, what the rank holds, its peak, losses."""
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .estimate.result import Category, MemoryEstimate
+from .estimate.terms import TermKey
 from .hardware import Hardware
 from .units import format_bytes
 
@@ -101,7 +102,7 @@ class Diagnosis:
                 "required_is": "reserved + outside the allocator (device used), less evictable paged states"}
 
 
-PAGED_STATES = "optimizer/paged_states"
+PAGED_STATES = TermKey.PAGED_STATES
 """The term of paged optimizer states (memfit.estimate.analytic), evictable by the driver."""
 
 
@@ -109,10 +110,8 @@ def static_floor_bytes(estimate: MemoryEstimate) -> int:
     """Static memory: what no activation saving can shrink. Parameters, gradients, optimizer states and the
     runtime's fixed overhead (CUDA context, cuBLAS workspaces, NCCL); not the allocator's reserve and rounding,
     which follow the whole step's allocations, activations included (memfit.estimate.device)."""
-    from .estimate.device import RESERVE, ROUNDING
-
-    fixed = sum(t.num_bytes for t in estimate.terms
-                if t.category is Category.OVERHEAD and t.name not in (RESERVE, ROUNDING))
+    fixed = sum(t.num_bytes for t in estimate.terms if t.category is Category.OVERHEAD
+                and t.name not in (TermKey.ALLOCATOR_RESERVE, TermKey.ALLOCATOR_ROUNDING))
     return estimate.static_bytes + fixed
 
 

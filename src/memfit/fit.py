@@ -6,7 +6,7 @@ moves to the next setup that a live model can take, replays the same global batc
         loop.step(global_batch)
     print(loop.report().summary())
 
-What it guarantees (tests/test_fit.py checks each on a simulated device, against runs that never ran out of memory):
+What it guarantees (tests/plan/test_fit.py checks each on a simulated device, against runs that never ran out of memory):
 
 - **The effective batch never changes.** The caller passes one global batch per optimizer step; the loop cuts it into
   micro-batches of the current setup's `micro_batch_size` and weights each micro-loss by its share of the samples

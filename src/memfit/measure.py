@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 from .errors import ConfigError
 from .estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoint
+from .estimate.terms import TermKey
 from .setup import TrainingSetup
 
 TERM_CATEGORIES: dict[str, Category] = {
@@ -17,13 +18,13 @@ TERM_CATEGORIES: dict[str, Category] = {
     "buffers": Category.PARAMETERS,
     "gradients": Category.GRADIENTS,
     "optimizer": Category.OPTIMIZER,
-    "optimizer/master_weights": Category.OPTIMIZER,
+    TermKey.MASTER_WEIGHTS: Category.OPTIMIZER,
     "activations": Category.ACTIVATIONS,
     "inputs": Category.ACTIVATIONS,
     "temporaries": Category.TEMPORARIES,
-    "temporaries/preexisting": Category.TEMPORARIES,
-    "overhead/allocator_reserve": Category.OVERHEAD,
-    "overhead/onednn_scratch": Category.OVERHEAD,
+    TermKey.PREEXISTING: Category.TEMPORARIES,
+    TermKey.ALLOCATOR_RESERVE: Category.OVERHEAD,
+    TermKey.ONEDNN_SCRATCH: Category.OVERHEAD,
 }
 ALWAYS_SHOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
@@ -32,13 +33,13 @@ TERM_FORMULAS = {
     "buffers": "registered buffers (rotary tables, position ids)",
     "gradients": "p.grad storages alive at the peak",
     "optimizer": "optimizer.state tensors (and bitsandbytes quantisation maps)",
-    "optimizer/master_weights": "fp32 master copy of the bf16 parameters",
+    TermKey.MASTER_WEIGHTS: "fp32 master copy of the bf16 parameters",
     "activations": "allocated in forward and still alive when backward starts",
     "inputs": "the batch tensors",
     "temporaries": "every other allocation alive at the peak",
-    "temporaries/preexisting": "live before the step, owned by nobody memfit knows, freed during it",
-    "overhead/allocator_reserve": "max_memory_reserved - max_memory_allocated",
-    "overhead/onednn_scratch": "what a bf16 matmul's oneDNN scratchpad added to the CPU peak (ISA-dependent: none "
+    TermKey.PREEXISTING: "live before the step, owned by nobody memfit knows, freed during it",
+    TermKey.ALLOCATOR_RESERVE: "max_memory_reserved - max_memory_allocated",
+    TermKey.ONEDNN_SCRATCH: "what a bf16 matmul's oneDNN scratchpad added to the CPU peak (ISA-dependent: none "
                                "with AVX2 only; not in the tensor figures, as a CUDA step has no such buffer)",
 }
 

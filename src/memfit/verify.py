@@ -6,7 +6,7 @@ exact to the byte for what it runs; a measurement (`memfit.measure`) is the real
 always runs torch (FSDP2 over a fake process group for ZeRO, no DDP, no DeepSpeed) with the target device's kernel
 choices, so the formulas are compared with it on that same layout (`estimate(..., layout=Engine.TORCH)`), and the
 difference the engine makes is shown on its own, from the formulas, which were checked against real 2-rank
-DeepSpeed, FSDP2 and DDP runs (tests/test_launch.py).
+DeepSpeed, FSDP2 and DDP runs (tests/engines/test_launch.py).
 
 Which figure memfit trusts:
 - like for like within TOLERANCE: both; the formulas are what plans use (the same number, a million times faster);
@@ -27,7 +27,7 @@ from .setup import Engine, Offload, Sharding, TrainingSetup
 from .units import format_bytes
 
 TOLERANCE = 0.03
-"""Like-for-like agreement the cross-check asks of formulas and trace (tests/test_crosscheck.py, bench/crosscheck.py)."""
+"""Like-for-like agreement the cross-check asks of formulas and trace (tests/trace/test_crosscheck.py, bench/crosscheck.py)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A refusal such as "use --engine torch" used to be a fixed sentence: the engine i
 for another reason and point back ("use --engine deepspeed"), and the user went round. Here the suggestion is built
 by trying it: the setup on the other engine, then with the fewest changes that engine needs (FSDP2 offloads only
 optimizer+params at zero3, over 2+ ranks; DeepSpeed's ZeRO-Offload of LoRA adapters is zero2 + offload optimizer),
-and only a candidate that TrainingSetup accepts is named. tests/test_refusals.py reads every such suggestion back from the
+and only a candidate that TrainingSetup accepts is named. tests/techniques/test_refusals.py reads every such suggestion back from the
 message and checks the command it spells is accepted.
 """
 

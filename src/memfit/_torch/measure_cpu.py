@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch._C._profiler import _EventType
 
+from ..estimate.terms import TermKey
 from .replay import Allocation, Mark, Replay, replay
 from .storage import all_storage_tensors
 from .step import training_step
@@ -100,7 +101,7 @@ def _optimizer_tensors(optimizer) -> dict[str, list[torch.Tensor]]:
             params |= {id(p) for group in part.param_groups for p in group["params"]}
             state += [t for key, value in vars(part).items() if key not in skip for t in _tensors_in(value)]
     state = [t for t in state if id(t) not in params]
-    return {"optimizer/master_weights": masters, "optimizer": state}
+    return {TermKey.MASTER_WEIGHTS: masters, "optimizer": state}
 
 
 def _tensors_in(value, depth: int = 0) -> Iterator[torch.Tensor]:

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..estimate.terms import TermKey
 from .measure_cpu import _optimizer_tensors, _tensors_in
 from .replay import PREEXISTING_TERM, MeasuredSteps
 from .step import training_step
 
-RESERVE_TERM = "overhead/allocator_reserve"
+RESERVE_TERM = TermKey.ALLOCATOR_RESERVE
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..estimate.terms import TermKey
+
 BEFORE_FIRST_EVENT = -1
 NEVER = 1 << 62
 
-SCRATCH_TERM = "overhead/onednn_scratch"
+SCRATCH_TERM = TermKey.ONEDNN_SCRATCH
 """A CPU bf16 matmul's scratch beyond the step's tensor peak (memfit._torch.measure_cpu)."""
-PREEXISTING_TERM = "temporaries/preexisting"
+PREEXISTING_TERM = TermKey.PREEXISTING
 """Bytes live before profiling that nobody named (freed during the step, so the replay had to count them)."""
 
 

@@ -130,9 +130,9 @@ def is_stacked(spec, setup) -> bool:
 
 def moments(spec, setup, static, step_temp: int, on_cpu: bool) -> dict:
     """name -> (Phase, terms), as memfit.estimate.analytic's `_moments` returns them."""
-    from ..estimate import activations as act
-    from ..estimate.analytic import _optimizer_step, _static_terms, _Step
     from ..estimate.result import Phase
+    from ..estimate.step_model import StepModel, static_terms
+    from ..estimate.terms import TermKey
 
     config = spec.derived.config
     fit = spec.derived.fit(setup, on_cpu)
@@ -157,14 +157,14 @@ def moments(spec, setup, static, step_temp: int, on_cpu: bool) -> dict:
                        + fit.value(lines["grads"][k], shape))
             live = max(0, fit.value(lines["acts"][best], shape))
             grads_now = max(early, int((fit.value(lines["grads"][best], shape) + extra_grads) * scale))
-            terms = _static_terms(spec, setup, static, grads_now, on_cpu) + _block_terms(pending, saved, full)
-            terms.append(_term("activations/step", live, "the live tensors of a copy with one block per stack at this "
+            terms = static_terms(spec, setup, static, grads_now, on_cpu) + _block_terms(pending, saved, full)
+            terms.append(_term(TermKey.STEP, live, "the live tensors of a copy with one block per stack at this "
                                "moment: inputs, embeddings, its blocks' own, head, logits, loss, backward "
                                "temporaries (fitted from traces)"))
             label = _label(segment, variant, j)
             out[label] = (Phase.FORWARD if segment["phase"] == "forward" else Phase.BACKWARD, terms)
-    step = _Step(spec, setup, static, [], {}, act.dtypes(spec, setup, on_cpu))
-    out["optimizer step"] = (Phase.OPTIMIZER, _optimizer_step(step, step_temp))
+    step = StepModel.for_static(spec, setup, static, on_cpu)
+    out["optimizer step"] = (Phase.OPTIMIZER, step.optimizer_step(step_temp))
     return out
 
 
@@ -183,7 +183,9 @@ def _others(segment: dict[str, Any], variant: str | None, full: dict[str, int]) 
 
 
 def _block_terms(pending: dict[str, int], saved: dict[str, int], full: dict[str, int]) -> list:
-    return [_term(f"activations/{stack}_blocks", count * saved[stack],
+    from ..estimate.terms import stack_blocks
+
+    return [_term(stack_blocks(stack), count * saved[stack],
                   f"{count} of {full[stack]} {stack} blocks x {saved[stack]:,} B saved per block (fitted: one more "
                   "block in a traced copy)") for stack, count in pending.items() if count]
 

@@ -301,7 +301,7 @@ def first_norm_input_rows(spec: ModelSpec, d: Dtypes) -> list[Saved]:
 
 def rms_gated_layer(spec: ModelSpec) -> bool:
     """Whether the formulas size the layer and it is a pre-norm RMSNorm block with a gated MLP (the Llama-style
-    layer whose checkpointed LoRA moments were measured: tests/test_lora.py)."""
+    layer whose checkpointed LoRA moments were measured: tests/lora/test_lora.py)."""
     from ..graph import MLP, Norm
     if spec.derived is not None or saved_problem(spec.graph) is not None:
         return False
@@ -311,7 +311,7 @@ def rms_gated_layer(spec: ModelSpec) -> bool:
 
 def separate_projections_layer(spec: ModelSpec) -> bool:
     """An RMSNorm pre-norm block with separate q/k/v and gate/up projections and no sandwich or parallel residual
-    (the layer whose late-backward moments tests/test_loss_and_inbwd.py measured)."""
+    (the layer whose late-backward moments tests/estimate/test_loss_and_inbwd.py measured)."""
     from ..graph import MLP, Norm
     from ..graph import Attention as AttentionNode
     if not rms_gated_layer(spec):

@@ -16,8 +16,8 @@ compiled.cross_entropy_saved, on fake tensors):
   pass scatter_upon_const_tensor), then the kept logits are released and the LM head's matmul backward runs as in
   eager.
 
-Measured on CPU with inductor (gcc): bench/compile.py's compiled-loss rows, tests/test_compile.py (chunked) and
-tests/test_compiled_loss.py (whole: forward 8 B per token, backward 2 B per logit, where the eager loss holds 8 B per
+Measured on CPU with inductor (gcc): bench/compile.py's compiled-loss rows, tests/estimate/test_compile.py (chunked) and
+tests/estimate/test_compiled_loss.py (whole: forward 8 B per token, backward 2 B per logit, where the eager loss holds 8 B per
 logit in each). On a CPU with native bf16, oneDNN's matmul adds a scratch buffer in the LM head's backward (821 KB
 in a whole-loss step of the tiny Llama) that CUDA's fixed cuBLAS workspace does not: the measurement keeps it out of
 the tensor figures as its own overhead term (memfit._torch.measure_cpu).
@@ -30,6 +30,7 @@ from dataclasses import replace
 from ..model_spec import ModelSpec
 from ..setup import Loss, TrainingSetup
 from .result import Category, Term
+from .terms import TermKey
 
 SOURCE = ("torchtune training.compile_loss (torch.compile of CEWithChunkedOutputLoss.compute_cross_entropy); "
           "inductor's log-softmax decomposition + min-cut partition (memfit._torch.compiled.cross_entropy_saved)")
@@ -57,7 +58,7 @@ def applies(setup: TrainingSetup) -> bool:
 
 def saved_term(tokens: int) -> Term:
     """What the compiled chunks keep beyond their logits (which activations/logits counts): labels + statistics."""
-    return Term("activations/loss", Category.ACTIVATIONS, tokens * (8 + STATS_BYTES_PER_TOKEN),
+    return Term(TermKey.LOSS, Category.ACTIVATIONS, tokens * (8 + STATS_BYTES_PER_TOKEN),
                 "B x T x (8 B shifted labels + 2 x 4 B amax and log-sum-exp per row): the compiled chunks keep their "
                 "logits (counted above), no fp32 log-softmax", SOURCE)
 
@@ -94,25 +95,25 @@ def backward_terms(base: list[Term], logits: Term, saved: Term, chunk_tokens: li
         replace(logits, num_bytes=kept, formula=f"the chunks' kept logits and logits gradients, together B x T x V x "
                                                 f"{compute_bytes} B (one becomes the other chunk by chunk)"),
         replace(saved, num_bytes=8 * tokens + stats),  # the statistics go with their chunks' backward
-        Term("temporaries/loss_backward", Category.TEMPORARIES, temp, what, SOURCE),
-        Term("temporaries/head_gradient", Category.TEMPORARIES, head,
+        Term(TermKey.LOSS_BACKWARD, Category.TEMPORARIES, temp, what, SOURCE),
+        Term(TermKey.HEAD_GRADIENT, Category.TEMPORARIES, head,
              "V x h gradients of the head weight in autograd's input buffer (the second added out of place: three "
              "at once)", "autograd InputBuffer::accumulate"),
-        Term("temporaries/hidden_gradients", Category.TEMPORARIES, finished,
+        Term(TermKey.HIDDEN_GRADIENTS, Category.TEMPORARIES, finished,
              "the finished chunks' B x chunk x h input gradients, until tensor_split's backward",
              "autograd InputBuffer of SplitBackward")]
 
 
 def forward_terms(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> list[Term]:
     tokens = setup.tokens_per_micro_step
-    return [Term("activations/logits", Category.ACTIVATIONS, spec.vocab_size * tokens * compute_bytes,
+    return [Term(TermKey.LOGITS, Category.ACTIVATIONS, spec.vocab_size * tokens * compute_bytes,
                  f"B x T x V x {compute_bytes} B: the logits, saved by the compiled loss for its backward",
                  WHOLE_SOURCE),
-            Term("activations/loss", Category.ACTIVATIONS, (STATS_BYTES_PER_TOKEN + 8) * tokens,
+            Term(TermKey.LOSS, Category.ACTIVATIONS, (STATS_BYTES_PER_TOKEN + 8) * tokens,
                  "B x T x (2 fp32 row statistics + the shifted int64 label)", WHOLE_SOURCE)]
 
 
 def backward_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> Term:
-    return Term("temporaries/loss_backward", Category.TEMPORARIES,
+    return Term(TermKey.LOSS_BACKWARD, Category.TEMPORARIES,
                 spec.vocab_size * setup.tokens_per_micro_step * compute_bytes,
                 f"B x T x V x {compute_bytes} B: the logits' gradient, written by one fused kernel", WHOLE_SOURCE)

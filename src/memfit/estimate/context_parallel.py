@@ -31,6 +31,8 @@ import dataclasses
 from ..model_spec import ModelSpec
 from ..setup import CpRotate, TrainingSetup
 from .result import Category, Term
+from .moments import AddBeside
+from .terms import TermKey
 
 SOURCE = "torch 2.13 distributed/tensor/experimental/_context_parallel/_attention.py (ring attention)"
 
@@ -73,9 +75,16 @@ def ring_backward_bytes(spec: ModelSpec, setup: TrainingSetup, compute_bytes: in
 def ring_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> Term:
     """The ring attention's backward buffers, as a term of a block-backward moment (`setup`: the user's, cp > 1)."""
     gathered = "all cp K/V chunks gathered" if setup.cp_rotate is CpRotate.ALLGATHER else "one K/V chunk received"
-    return Term("temporaries/ring_attention", Category.TEMPORARIES, ring_backward_bytes(spec, setup, compute_bytes),
+    return Term(TermKey.RING_ATTENTION, Category.TEMPORARIES, ring_backward_bytes(spec, setup, compute_bytes),
                 f"ring attention backward over cp={setup.cp}: local K/V + {gathered}, fp32 dq/dk/dv accumulators, "
                 "one step's SDPA gradients, the fp32 dK/dV sent and received", SOURCE)
+
+
+def step_changes(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> list[AddBeside]:
+    """Ring attention's buffers beside every block's backward (`setup`: the user's); none without cp."""
+    if setup.cp == 1:
+        return []
+    return [AddBeside(ring_term(spec, setup, compute_bytes), TermKey.LAYER_BACKWARD)]
 
 
 def collectives_per_layer(spec: ModelSpec, setup: TrainingSetup,

@@ -32,6 +32,8 @@ from dataclasses import replace
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import Checkpointing, TrainingSetup
 from .result import Category, Term
+from .moments import AddBeside, ShrinkBeside, StepChange
+from .terms import TermKey
 
 
 def persistence_threshold(spec: ModelSpec, setup: TrainingSetup) -> int:
@@ -134,25 +136,22 @@ def layout(spec: ModelSpec, setup: TrainingSetup, static, elem_bytes: int, bucke
                    comm_buffers_bytes=elem_bytes * bucket_elems)
 
 
-def adjust_moments(moments: dict, spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> dict:
+def step_changes(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> list[StepChange]:
     """DeepSpeed ZeRO-3's moment-specific terms (unchanged elsewhere): every moment where the head's input is alive
-    (it holds 'activations/head') gets the frozen head's input ZeRO-3's linear saves; a recomputed block's moment
+    (it holds TermKey.HEAD) gets the frozen head's input ZeRO-3's linear saves; a recomputed block's moment
     holds one frozen tensor of the block, not all of them (`recompute_released_bytes`)."""
     if not _zero3(setup) or not spec.frozen:
-        return moments
+        return []
+    changes: list[StepChange] = []
     head = _head_input_term(spec, setup, compute_bytes)
+    if head is not None:
+        changes.append(AddBeside(head, TermKey.HEAD))
     released = recompute_released_bytes(spec, setup)
-    out = {}
-    for name, (phase, terms) in moments.items():
-        names = {t.name for t in terms}
-        if head is not None and "activations/head" in names:
-            terms = [*terms, head]
-        if released and "activations/recomputed_block" in names:
-            terms = [replace(t, num_bytes=max(t.num_bytes - released, 0), formula=t.formula + "; the recomputed "
-                             "block's frozen tensors released but the one its backward uses (DeepSpeed recompute "
-                             "attribution)") if t.name == "parameters/gathered" else t for t in terms]
-        out[name] = (phase, terms)
-    return out
+    if released:
+        changes.append(ShrinkBeside(TermKey.GATHERED, TermKey.RECOMPUTED_BLOCK, released,
+                                    "; the recomputed block's frozen tensors released but the one its backward uses "
+                                    "(DeepSpeed recompute attribution)"))
+    return changes
 
 
 def recompute_released_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
@@ -179,7 +178,7 @@ def _head_input_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) 
         return None
     if any(p.name.endswith(("lm_head.weight", "lm_head.modules_to_save.weight")) for p in spec.params):
         return None
-    return Term("activations/zero3_head_input", Category.ACTIVATIONS,
+    return Term(TermKey.ZERO3_HEAD_INPUT, Category.ACTIVATIONS,
                 setup.tokens_per_micro_step * spec.hidden_size * compute_bytes,
                 "B x T x h: the frozen LM head's input, saved by DeepSpeed's ZeRO-3 linear",
                 "DeepSpeed runtime/zero/linear.py LinearFunctionForZeroStage3 (memory_efficient_linear)")

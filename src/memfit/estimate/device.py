@@ -28,15 +28,16 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Optimizer, TrainingSetup
 from . import allocator as alloc
 from .result import Category, Term
+from .terms import TermKey
 
 if TYPE_CHECKING:
     from .offload_activations import OffloadSizes
 
-ROUNDING = "overhead/allocator_rounding"
-WORKSPACE = "overhead/cublas_workspace"
-RESERVE = "overhead/allocator_reserve"
-CONTEXT = "overhead/cuda_context"
-NCCL = "overhead/nccl"
+ROUNDING = TermKey.ALLOCATOR_ROUNDING
+WORKSPACE = TermKey.CUBLAS_WORKSPACE
+RESERVE = TermKey.ALLOCATOR_RESERVE
+CONTEXT = TermKey.CUDA_CONTEXT
+NCCL = TermKey.NCCL
 SAMPLE_BLOCKS = 4
 """Blocks the formula stream replays; the overheads are scaled to the whole model by its tensor peak."""
 
@@ -166,6 +167,18 @@ def _units(total: int, unit: int, cap: int = 16) -> list[int]:
     return [unit] * count + ([rest] if rest else [])
 
 
+def _split_by_block(sizes: list[tuple[int, int]], layers: int) -> tuple[list[int], list[int]]:
+    """(size, count) of each tensor as (one block's sizes, the root's sizes): a tensor repeated a multiple of
+    `layers` times is a block's."""
+    block, root = [], []
+    for size, count in sizes:
+        if count >= layers and count % layers == 0:
+            block += [size] * (count // layers)
+        else:
+            root += [size] * count
+    return block, root
+
+
 def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspaces: tuple[int, ...],
            offload: "OffloadSizes | None" = None) -> _Shape:
     by = {t.name: t.num_bytes for t in terms}
@@ -174,48 +187,38 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
     compute = 4 if setup.precision.compute_dtype == "fp32" else 2
     unit_h = tokens * spec.hidden_size * compute
     unit_i = tokens * max(spec.intermediate_size, spec.hidden_size) * compute
-    block, root = [], []
-    for p in spec.params:
-        if p.count >= layers and p.count % layers == 0:
-            block += [p.numel] * (p.count // layers)
-        else:
-            root += [p.numel] * p.count
-    frozen_block, frozen_root = [], []
-    for p in spec.frozen:
-        size = p.total_bytes(compute) // max(p.count, 1)
-        if p.count >= layers and p.count % layers == 0:
-            frozen_block += [size] * (p.count // layers)
-        else:
-            frozen_root += [size] * p.count
+    block, root = _split_by_block([(p.numel, p.count) for p in spec.params], layers)
+    frozen_block, frozen_root = _split_by_block(
+        [(p.total_bytes(compute) // max(p.count, 1), p.count) for p in spec.frozen], layers)
     numel = max(spec.num_params, 1)
-    params = by.get("parameters", 0)
-    grads = by.get("gradients", 0)
-    states = by.get("optimizer/states", 0)
+    params = by.get(TermKey.PARAMETERS, 0)
+    grads = by.get(TermKey.GRADIENTS, 0)
+    states = by.get(TermKey.STATES, 0)
     # FSDP2 / ZeRO-3 shard every tensor: the per-tensor sizes scale with the per-rank bytes
     per_elem_state = states / numel
     state_tensors = 0 if not states else max(1, round(per_elem_state / 4))
     saved = 0
-    for name in ("activations/attention", "activations/mlp", "activations/norms/residual", "activations/checkpoints"):
+    for name in (TermKey.ATTENTION, TermKey.MLP, TermKey.NORMS, TermKey.CHECKPOINTS):
         saved += by.get(name, 0)
     per_block = saved // layers
-    mlp = by.get("activations/mlp", 0) // layers
+    mlp = by.get(TermKey.MLP, 0) // layers
     saved_tensors = _units(mlp, unit_i) + _units(per_block - mlp, unit_h)
-    copies = by.get("activations/autocast_weight_copies", 0)
+    copies = by.get(TermKey.AUTOCAST_WEIGHT_COPIES, 0)
     if copies and block:  # autocast caches one low-precision copy per Linear weight, block by block
         per_elem = copies / max(sum(root) + sum(block), 1)
         saved_tensors += [int(n * per_elem) for n in block]
         copies -= int(sum(block) * per_elem) * layers
-    temps = by.get("temporaries/layer_backward", 0)
+    temps = by.get(TermKey.LAYER_BACKWARD, 0)
     block_temps = _units(min(temps, 2 * unit_h), unit_h) + _units(max(0, temps - 2 * unit_h), unit_i, cap=4)
-    recompute = _units(by.get("activations/recomputed_block", 0), unit_h) if (
+    recompute = _units(by.get(TermKey.RECOMPUTED_BLOCK, 0), unit_h) if (
         setup.checkpointing.is_on) else []
-    head = [by.get(n, 0) for n in ("activations/logits", "activations/loss", "activations/head",
-                                   "activations/logit_softcap") if by.get(n)] + ([copies] if copies > 0 else [])
-    root_saved = [by.get("activations/embeddings", 0)] if by.get("activations/embeddings") else []
-    loss_backward = by.get("temporaries/loss_backward", 0)  # the gradients of log-softmax and of the logits
+    head = [by.get(n, 0) for n in (TermKey.LOGITS, TermKey.LOSS, TermKey.HEAD,
+                                   TermKey.LOGIT_SOFTCAP) if by.get(n)] + ([copies] if copies > 0 else [])
+    root_saved = [by.get(TermKey.EMBEDDINGS, 0)] if by.get(TermKey.EMBEDDINGS) else []
+    loss_backward = by.get(TermKey.LOSS_BACKWARD, 0)  # the gradients of log-softmax and of the logits
     loss_temps = [loss_backward // 2, loss_backward - loss_backward // 2] if loss_backward else []
-    loss_temps += [by["temporaries/logits_fp32"]] if by.get("temporaries/logits_fp32") else []
-    gathered = by.get("parameters/gathered", 0)
+    loss_temps += [by[TermKey.LOGITS_FP32]] if by.get(TermKey.LOGITS_FP32) else []
+    gathered = by.get(TermKey.GATHERED, 0)
     block_numel = sum(block)
     gathered_block = 0
     gathered_root = 0
@@ -223,9 +226,9 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
         per_elem = gathered / max(sum(root) + block_numel, 1)
         gathered_block = int(block_numel * per_elem)
         gathered_root = max(0, gathered - gathered_block)
-    step = by.get("temporaries/optimizer_step", 0) + by.get("temporaries/master_gradients", 0)
+    step = by.get(TermKey.OPTIMIZER_STEP, 0) + by.get(TermKey.MASTER_GRADIENTS, 0)
     per_param = setup.optimizer in (Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED) or bool(
-        by.get("temporaries/master_gradients"))
+        by.get(TermKey.MASTER_GRADIENTS))
     return _Shape(
         root_params=tuple(root), block_params=tuple(block), param_scale=params / numel, grad_scale=grads / numel,
         state_tensors=state_tensors, state_scale=per_elem_state / max(state_tensors, 1),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from ..graph import LoraLinear, linears_of
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup
+from .terms import TermKey
 
 SOURCE = "peft tuners/lora/dora.py DoraLinearLayer.forward / get_weight_norm / get_lora_weight (peft 0.21)"
 MAGNITUDE = "lora_magnitude_vector"
@@ -94,9 +95,9 @@ def forward_moment(step, forward: list) -> list:
     setup = step.setup
     base = setup.finetune.base_storage(setup.precision.compute_dtype)
     transient = weight_norm_transient_bytes(step.spec, setup, step.dtypes.autocast, 4 if base.value == "fp32" else 2)
-    head_and_loss = ("activations/logits", "activations/loss", "activations/head", "activations/logit_softcap")
+    head_and_loss = (TermKey.LOGITS, TermKey.LOSS, TermKey.HEAD, TermKey.LOGIT_SOFTCAP)
     return [t for t in forward if t.name not in head_and_loss] + [Term(
-        "temporaries/dora_weight_norm", Category.TEMPORARIES, transient,
+        TermKey.DORA_WEIGHT_NORM, Category.TEMPORARIES, transient,
         "in x in identity through lora_A, lora_B (in x r, in x out) + W + s BA and s BA (2 x out x in, fp32): "
         "the largest adapted Linear's weight norm", SOURCE)]
 

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from ..model_spec import ModelSpec
 from ..setup import Float8, TrainingSetup
 from .result import Category, Term
+from .moments import AddBeside
+from .terms import TermKey
 
 SOURCE = ("torchao 0.18 float8/float8_linear.py matmul_with_hp_or_float8_args, float8_scaling_utils.py "
           "hp_tensor_to_float8_dynamic")
@@ -52,7 +54,7 @@ FSDP_SOURCE = "torchao 0.18 float8/fsdp_utils.py WeightWithDynamicFloat8CastTens
 HEAD_NAMES = ("lm_head", "output", "embed_out")
 CAST_PEAK = 9
 """Bytes per element at an eager cast's peak: `x.to(float32) * scale` is still referenced while its clamp (fp32)
-is cast to float8 (two fp32 tensors and the 1-byte result; measured with the profiler, tests/test_float8.py)."""
+is cast to float8 (two fp32 tensors and the 1-byte result; measured with the profiler, tests/estimate/test_float8.py)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def cpu_gemm_bytes(m: int, k: int, n: int) -> int:
     """CPU torch._scaled_mm of an m x k by a k x n float8 matrix, beyond its m x n bf16 output: a 1-byte copy of
     the second operand, then fp32 copies of each operand (`.to(float32)` and its product with the scale, alive
     together), of the product and its cast (ATen's CPU fallback; measured with the profiler on CPU, each of the
-    three moments on shapes where it dominates: tests/test_float8.py). CUDA's cuBLASLt kernel allocates only its
+    three moments on shapes where it dominates: tests/estimate/test_float8.py). CUDA's cuBLASLt kernel allocates only its
     output."""
     return max(8 * m * k + k * n, 4 * m * k + 9 * k * n, 4 * m * k + 5 * k * n + 6 * m * n)
 
@@ -162,19 +164,17 @@ def backward_term(spec: ModelSpec, setup: TrainingSetup, tokens: int, on_cpu: bo
     how = ("CPU: eager casts (9 B per element at their peak) and the emulated _scaled_mm's fp32 copies"
            if on_cpu else "fused casts (1 B results)" if setup.compile else "eager casts (8 B per element at "
            "their peak) and their float8 results")
-    return Term("temporaries/float8_backward", Category.TEMPORARIES,
+    return Term(TermKey.FLOAT8_BACKWARD, Category.TEMPORARIES,
                 backward_extra_bytes(spec, setup, tokens, on_cpu),
                 f"the largest converted Linear's float8 backward beyond a bf16 one's: {how}",
                 SOURCE + ("; " + CPU_GEMM_SOURCE if on_cpu else ""))
 
 
-def with_backward_term(moments: dict, spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> dict:
+def step_changes(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> list[AddBeside]:
     """Every block-backward moment gains the float8 backward's transient."""
     if not applies(setup):
-        return moments
-    term = backward_term(spec, setup, setup.tokens_per_micro_step, on_cpu)
-    return {name: (phase, terms + [term] if any(t.name == "temporaries/layer_backward" for t in terms) else terms)
-            for name, (phase, terms) in moments.items()}
+        return []
+    return [AddBeside(backward_term(spec, setup, setup.tokens_per_micro_step, on_cpu), TermKey.LAYER_BACKWARD)]
 
 
 def gathered_saving_per_block(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> int:

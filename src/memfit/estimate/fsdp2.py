@@ -1,7 +1,7 @@
 """What FSDP2 (`fully_shard` per block, then the root) keeps alive during backward, beyond the shards.
 
 Read off torch 2.13 `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` and `_fsdp_collectives.py`, and
-checked to the byte on fake-process-group traces, which equal real 2-rank gloo runs (tests/test_trace.py):
+checked to the byte on fake-process-group traces, which equal real 2-rank gloo runs (tests/trace/test_trace.py):
 
 - a block's gradients are made unsharded, in the compute dtype, until its post-backward reduce-scatter;
 - the reduce-scatter input is a flat copy of them in the reduce dtype (fp32 under MixedPrecisionPolicy(
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .result import Category, Term
+from .terms import TermKey
 
 SOURCE = "torch FSDP2 (_fsdp_param_group.post_backward, foreach_reduce, backward prefetch); fake-process-group traces"
 
@@ -68,16 +69,16 @@ def block_backward_terms(units: Fsdp2Units, *, first: bool) -> list[Term]:
     """Unsharded buffers while one block runs backward: its own gradients, the previous block's reduce-scatter
     input (none for the first block), the next block's prefetched all-gather (ZeRO-3), and the LM head's gradient,
     unsharded until the root reduces at the end. `first`: the first block to run backward (the model's last)."""
-    terms = [Term("gradients/root_unsharded", Category.GRADIENTS, units.head_params * units.compute_bytes,
+    terms = [Term(TermKey.ROOT_UNSHARDED, Category.GRADIENTS, units.head_params * units.compute_bytes,
                   "V x h x compute dtype: the LM head's gradient, unsharded until the root's reduce-scatter", SOURCE),
-             Term("temporaries/grad_reduce_scatter", Category.TEMPORARIES, units.block_bytes,
+             Term(TermKey.GRAD_REDUCE_SCATTER, Category.TEMPORARIES, units.block_bytes,
                   "one block's unsharded gradients (compute dtype), until its post-backward reduce-scatter", SOURCE)]
     if not first:
-        terms.append(Term("temporaries/reduce_scatter_held", Category.TEMPORARIES,
+        terms.append(Term(TermKey.REDUCE_SCATTER_HELD, Category.TEMPORARIES,
                           units.block_params * units.reduce_bytes,
                           "the previous block's reduce-scatter input (reduce dtype), held to the next one", SOURCE))
     if units.reshard_after_forward and units.num_blocks > 1:
-        terms.append(Term("parameters/prefetched", Category.PARAMETERS, units.gathered_bytes(1) - units.gathered_bytes(0),
+        terms.append(Term(TermKey.PREFETCHED, Category.PARAMETERS, units.gathered_bytes(1) - units.gathered_bytes(0),
                           "the next block's all-gather output (backward prefetch)", SOURCE))
     return terms
 
@@ -86,17 +87,17 @@ def root_gradient_terms(units: Fsdp2Units) -> list[Term]:
     """After the last block: the embedding's gradient beside the LM head's (a tied matrix sums its two
     contributions: three copies at once), the last block's reduce-scatter input still held."""
     copies = 3 if units.tied else 2
-    return [Term("gradients/root_unsharded", Category.GRADIENTS, copies * units.head_params * units.compute_bytes,
+    return [Term(TermKey.ROOT_UNSHARDED, Category.GRADIENTS, copies * units.head_params * units.compute_bytes,
                  f"{copies} x V x h x compute dtype: " + ("the tied matrix's LM-head and embedding gradients and "
                                                           "their sum" if units.tied else
                                                           "the LM head's and the embedding's gradients"), SOURCE),
-            Term("temporaries/reduce_scatter_held", Category.TEMPORARIES, units.block_params * units.reduce_bytes,
+            Term(TermKey.REDUCE_SCATTER_HELD, Category.TEMPORARIES, units.block_params * units.reduce_bytes,
                  "block 0's reduce-scatter input, held to the root's", SOURCE)]
 
 
 def root_reduce_terms(units: Fsdp2Units) -> list[Term]:
     """The root's post-backward: its unsharded gradients and their flat reduce-scatter copy."""
-    return [Term("gradients/root_unsharded", Category.GRADIENTS, units.root_params * units.compute_bytes,
+    return [Term(TermKey.ROOT_UNSHARDED, Category.GRADIENTS, units.root_params * units.compute_bytes,
                  "the root's gradients (embeddings, final norm, LM head), unsharded", SOURCE),
-            Term("temporaries/grad_reduce_scatter", Category.TEMPORARIES, units.root_params * units.reduce_bytes,
+            Term(TermKey.GRAD_REDUCE_SCATTER, Category.TEMPORARIES, units.root_params * units.reduce_bytes,
                  "the root's reduce-scatter input (reduce dtype)", SOURCE)]

@@ -36,6 +36,7 @@ from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup
 from .activations import Dtypes, Saved
 from .result import Category, Term
+from .terms import TermKey
 
 SOURCE = "transformers 5.24 integrations/moe.py + *TopKRouter, checked with saved_tensors_hooks on tiny real models"
 IMPLEMENTATIONS = ("grouped_mm", "eager")
@@ -423,12 +424,12 @@ def terms(spec: ModelSpec, setup: TrainingSetup, d: Dtypes) -> list[Term]:
         return out
     casts = eager_weight_casts(spec, setup)
     if casts:
-        out.append(Term("activations/expert_weight_casts", Category.ACTIVATIONS, casts,
+        out.append(Term(TermKey.EXPERT_WEIGHT_CASTS, Category.ACTIVATIONS, casts,
                         "2 B x expert weights (/ ep): eager experts' F.linear casts each expert slice to bf16, "
                         "uncached (not a leaf), saved for backward", SOURCE))
     aux = aux_loss_bytes(spec, setup, d)
     if aux:
-        out.append(Term("activations/router_aux_loss", Category.ACTIVATIONS, aux,
+        out.append(Term(TermKey.ROUTER_AUX_LOSS, Category.ACTIVATIONS, aux,
                         "L_moe x B x T x (4 E + 8 k) B: the load-balancing loss' fp32 softmax and top-k indices "
                         "per MoE layer", "transformers load_balancing_loss_func (output_router_logits)"))
     return out

@@ -18,7 +18,7 @@ The mechanism is torchtune's OffloadActivations (torchtune/training/_activation_
   outer hooks (`_NoopSaveInputs`); the recompute runs in backward, on the device.
 
 Each pack of the rules above was counted with the same hooks on real tiny Llama and GPT-2 steps
-(tests/test_activation_offload.py), byte for byte.
+(tests/estimate/test_activation_offload.py), byte for byte.
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ from ..setup import TrainingSetup
 from . import activations as act
 from . import moe
 from .result import Category, Phase, Term
+from .moments import Moment, StepMoments
+from .terms import TermKey
 
 SOURCE = ("torchtune training/_activation_offloading.py OffloadActivations (pack_tensor: saved tensors >= 1024 B, "
           "not parameters; output head under NoOpManager; forward stash of 5); memfit._torch.offload_activations")
 MIN_OFFLOAD_BYTES = 1024
 """torchtune OffloadActivations(min_offload_size=1024): smaller saved tensors stay on the device."""
 
-STACK_TERMS = ("activations/attention", "activations/mlp", "activations/norms/residual", "activations/checkpoints")
+STACK_TERMS = (TermKey.ATTENTION, TermKey.MLP, TermKey.NORMS, TermKey.CHECKPOINTS)
 
 
 def _block_nodes(spec: ModelSpec) -> tuple:
@@ -101,13 +103,13 @@ def sizes(spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> OffloadSiz
     mask = _checkpoint_mask(spec, setup, by_name)
     stack = sum(by_name.get(name, 0) for name in STACK_TERMS) - mask
     norm = act.head_saved_bytes(spec, setup, tokens, head_input=False)["head"]
-    head_input = by_name.get("activations/head", 0) - norm
-    emb_saved = by_name.get("activations/embeddings", 0) - 2 * 8 * tokens
+    head_input = by_name.get(TermKey.HEAD, 0) - norm
+    emb_saved = by_name.get(TermKey.EMBEDDINGS, 0) - 2 * 8 * tokens
     rotary = _rotary_table_bytes(spec, setup, d)
     wrapped = setup.checkpointing.checkpointed_blocks(spec.num_layers)
     if wrapped:  # the tables reach checkpointed blocks through the recompute's closure, never packed
         emb_saved -= 2 * rotary
-    casts = by_name.get("activations/autocast_weight_copies", 0)
+    casts = by_name.get(TermKey.AUTOCAST_WEIGHT_COPIES, 0)
     head_cast = 2 * spec.vocab_size * spec.hidden_size if casts else 0
     if spec.frozen:  # a frozen base: the packs LoRA / QLoRA change (memfit.estimate.offload_lora)
         return _frozen_base_sizes(spec, setup, d, by_name, (stack, norm, emb_saved), head_input, layers - wrapped,
@@ -122,7 +124,7 @@ def sizes(spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> OffloadSiz
 
 
 def _loss_kept(by_name: dict[str, int]) -> int:
-    return sum(by_name.get(n, 0) for n in ("activations/loss", "activations/logit_softcap"))
+    return sum(by_name.get(n, 0) for n in (TermKey.LOSS, TermKey.LOGIT_SOFTCAP))
 
 
 def _frozen_base_sizes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, by_name: dict[str, int],
@@ -149,15 +151,15 @@ def _weight_pack_bytes(spec: ModelSpec, setup: TrainingSetup, d: act.Dtypes, pla
     Under autocast the saved weights are the bf16 casts (activations/autocast_weight_copies)."""
     if d.autocast or not plain_blocks or _conv1d_block(spec):
         return 0  # GPT-2's Conv1D saves the nn.Parameter itself (addmm(bias, x, weight)): not packed
-    from .analytic import _linear_weight_elems
-    block_elems = _linear_weight_elems(spec) - spec.vocab_size * spec.hidden_size
+    from .forward_terms import linear_weight_elems
+    block_elems = linear_weight_elems(spec) - spec.vocab_size * spec.hidden_size
     p_bytes = 2 if setup.precision.param_dtype == "bf16" else 4
     return block_elems * p_bytes * plain_blocks // max(spec.num_layers, 1)
 
 
 def _checkpoint_mask(spec: ModelSpec, setup: TrainingSetup, by_name: dict[str, int]) -> int:
     """The eager B x T x T mask a checkpointed block keeps: a keyword argument, held by the recompute, not packed."""
-    if "activations/checkpoints" not in by_name:
+    if TermKey.CHECKPOINTS not in by_name:
         return 0
     return act.checkpointed_mask_bytes(spec, setup, setup.tokens_per_micro_step, setup.seq_len)
 
@@ -213,12 +215,12 @@ def check(spec: ModelSpec, setup: TrainingSetup) -> None:
                           "--activation-offload")
 
 
-def on_device(moments: dict, spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> dict:
+def on_device(moments: StepMoments, spec: ModelSpec, setup: TrainingSetup, acts: list[Term]) -> StepMoments:
     """Each moment's terms as they are on the device with offloading: the stack's saved tensors gone (one block's
     share back in flight where a block's backward runs), the final norm's in the forward stash until its backward,
     autocast's cast cache on the device until autocast exits (end of forward and loss)."""
     offload = sizes(spec, setup, acts)
-    return {name: (phase, _moment(terms, phase, offload, spec, setup)) for name, (phase, terms) in moments.items()}
+    return moments.map(lambda m: Moment(m.phase, _moment(m.terms, m.phase, offload, spec, setup)))
 
 
 def _moment(terms: list[Term], phase: Phase, offload: OffloadSizes, spec: ModelSpec,
@@ -228,23 +230,23 @@ def _moment(terms: list[Term], phase: Phase, offload: OffloadSizes, spec: ModelS
     for term in terms:
         if term.name in STACK_TERMS:
             continue
-        if term.name == "activations/head":
+        if term.name == TermKey.HEAD:
             term = replace(term, num_bytes=term.num_bytes - offload.stash_bytes,
                            formula="LM-head input, kept on the device (the head runs under torchtune's NoOpManager)")
-        elif term.name == "activations/embeddings":
+        elif term.name == TermKey.EMBEDDINGS:
             term = replace(term, num_bytes=2 * 8 * setup.tokens_per_micro_step + _kept_tables(spec, setup),
                            formula="token ids and labels the loop holds (the embedding's saved ids are offloaded)")
-        elif term.name == "activations/autocast_weight_copies" and phase is not Phase.FORWARD:
-            head_cast = _head_cast_bytes(spec, setup) if "activations/head" in names else 0
+        elif term.name == TermKey.AUTOCAST_WEIGHT_COPIES and phase is not Phase.FORWARD:
+            head_cast = _head_cast_bytes(spec, setup) if TermKey.HEAD in names else 0
             term = replace(term, num_bytes=head_cast, formula="the LM head's bf16 weight cast (kept with the head; "
                                                               "the others' casts are offloaded)")
         out.append(term)
-    if "activations/head" in names:
-        out.append(Term("activations/offload_stash", Category.ACTIVATIONS, offload.stash_bytes,
+    if TermKey.HEAD in names:
+        out.append(Term(TermKey.OFFLOAD_STASH, Category.ACTIVATIONS, offload.stash_bytes,
                         "the final norm's saved tensors: torchtune's forward stash (the last 5 packs) keeps them on "
                         "the device until their backward", SOURCE))
-    if names & set(STACK_TERMS) and "activations/head" not in names and phase is Phase.BACKWARD:
-        out.append(Term("activations/offload_in_flight", Category.ACTIVATIONS, offload.in_flight_bytes,
+    if names & set(STACK_TERMS) and TermKey.HEAD not in names and phase is Phase.BACKWARD:
+        out.append(Term(TermKey.OFFLOAD_IN_FLIGHT, Category.ACTIVATIONS, offload.in_flight_bytes,
                         "one block's saved tensors, brought back from the host for its backward (each unpacked "
                         "tensor is freed after the next autograd node)", SOURCE))
     return out

@@ -3,7 +3,7 @@ which packs LoRA / QLoRA change.
 
 What a frozen projection saves, read off torch's autograd formulas (tools/autograd/derivatives.yaml: `mm` saves
 `mat2` for self's gradient and `self` for mat2's) and counted with the offload hooks on real tiny peft steps
-(tests/test_offload_lora.py):
+(tests/estimate/test_offload_lora.py):
 
 - a frozen Linear saves only its weight (`weight.t()`, a view of the parameter: packed, nothing freed) for the input
   gradient, never its input: the repeated packs of a full fine-tune's shared inputs (q / k / v, gate / up) and of

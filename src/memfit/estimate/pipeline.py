@@ -24,13 +24,16 @@ The saved tensors per layer, the head's and the embedding's are memfit.estimate.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..model_spec import ModelSpec, ParamTensor
 from ..setup import PipelineSchedule, TrainingSetup
 from . import activations as act
+from .moments import MomentKey, StepChange, StepMoments
 from .result import Category, Phase, Term
+from .terms import TermKey
 
 SOURCE = "torch.distributed.pipelining (torch 2.13 stage.py, schedules.py); torchtitan pipeline_module_split"
 NARAYANAN = "Narayanan et al. 2021 (arXiv:2104.04473) sec. 2.2; torch schedules.py"
@@ -157,13 +160,13 @@ def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, c
     embedding = act.embedding_saved_bytes(spec, setup, tokens, seq, on_cpu)
     ids = 8 * tokens
     terms = [
-        Term("activations/pipeline_layers", Category.ACTIVATIONS, saved - (total - first) * boundary,
+        Term(TermKey.PIPELINE_LAYERS, Category.ACTIVATIONS, saved - (total - first) * boundary,
              f"{total} stage-micro-batch(es) in flight ({' + '.join(map(str, counts))} over the rank's "
              f"{len(counts)} stage(s)) x their layers' saved tensors (checkpointing {setup.checkpointing}), less "
              "each received input (its buffer is counted apart)", act.__name__ + " recipe rows; " + NARAYANAN),
-        Term("activations/embeddings", Category.ACTIVATIONS, total * (embedding - ids) + first * ids,
+        Term(TermKey.EMBEDDINGS, Category.ACTIVATIONS, total * (embedding - ids) + first * ids,
              "token ids (first stage) and position tables, per micro-batch in flight", SOURCE),
-        Term("activations/stage_outputs", Category.ACTIVATIONS, (total - last) * boundary,
+        Term(TermKey.STAGE_OUTPUTS, Category.ACTIVATIONS, (total - last) * boundary,
              "B x T x h per micro-batch in flight: the stage output, kept in fwd_cache until its backward",
              "torch stage.py forward_one_chunk (fwd_cache)")]
     if held.last and num_stages - 1 in held.stages:
@@ -171,12 +174,12 @@ def micro_batch_terms(spec: ModelSpec, setup: TrainingSetup, held: RankStages, c
         vocab_tokens = spec.vocab_size * tokens
         head = act.head_saved_bytes(spec, setup, tokens)["head"]
         terms += [
-            Term("activations/head", Category.ACTIVATIONS, last * head, "final norm and LM-head input",
+            Term(TermKey.HEAD, Category.ACTIVATIONS, last * head, "final norm and LM-head input",
                  act.__name__),
-            Term("activations/logits", Category.ACTIVATIONS, last * vocab_tokens * d.compute,
+            Term(TermKey.LOGITS, Category.ACTIVATIONS, last * vocab_tokens * d.compute,
                  f"B x T x V x {d.compute} B per micro-batch in flight: the last stage's output, kept in fwd_cache",
                  "torch stage.py forward_one_chunk (fwd_cache)"),
-            Term("activations/loss", Category.ACTIVATIONS, last * (vocab_tokens * 4 + ids),
+            Term(TermKey.LOSS, Category.ACTIVATIONS, last * (vocab_tokens * 4 + ids),
                  "B x T x V x 4 B log-softmax + shifted labels per micro-batch in flight",
                  "F.cross_entropy on the upcast logits (loss_fn)")]
     return terms
@@ -231,44 +234,44 @@ def check(spec: ModelSpec, setup: TrainingSetup) -> None:
 
 
 def stage_memories(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False,
-                   block_terms: tuple[Term, ...] = ()) -> list[StageMemory]:
+                   changes: Sequence[StepChange] = ()) -> list[StageMemory]:
     """Every pipeline rank's peak (the estimator's `spec` after LoRA / MoE / tensor-parallel rewrites; `setup` one
-    context-parallel rank's, `block_terms` what its ring attention adds to a block's backward)."""
-    return [stage_memory(spec, setup, rank, on_cpu, block_terms) for rank in range(setup.pp)]
+    context-parallel rank's, `changes` what techniques add to its moments: ring attention's buffers beside a
+    block's backward)."""
+    return [stage_memory(spec, setup, rank, on_cpu, changes) for rank in range(setup.pp)]
 
 
 def stage_memory(spec: ModelSpec, setup: TrainingSetup, rank: int, on_cpu: bool = False,
-                 block_terms: tuple[Term, ...] = ()) -> StageMemory:
-    from .analytic import _static_terms
+                 changes: Sequence[StepChange] = ()) -> StageMemory:
     from .static import full_static, shard
+    from .step_model import static_terms
 
     held = rank_stages(spec, setup, rank)
     own = stage_spec(spec, held)
     full = full_static(own, setup)
     static = shard(own, setup, full)
     count = in_flight(setup, rank)
-    buffers = Term("activations/p2p_buffers", Category.ACTIVATIONS, receive_buffer_bytes(spec, setup, held, on_cpu),
+    buffers = Term(TermKey.P2P_BUFFERS, Category.ACTIVATIONS, receive_buffer_bytes(spec, setup, held, on_cpu),
                    f"{setup.grad_accum_steps} micro-batches x B x T x h receive buffers per boundary of the rank's "
                    "stages (activations in, gradients in)", "torch stage.py _prepare_forward_infra / "
                    "_create_grad_recv_info")
     casts = _autocast_copies(spec, held, setup)
-    moments = {}
+    moments = StepMoments()
     for name, grads, counts, extra in _backward_moments(spec, setup, held, count, static.grads_bytes, on_cpu):
-        base = _static_terms(own, setup, static, grads, on_cpu)
+        base = static_terms(own, setup, static, grads, on_cpu)
         if static.fsdp is not None and name == "second backward":
             base = _fsdp_no_sync_terms(own, setup, static, on_cpu)
         for what, temporaries in _backward_temporaries(spec, own, setup, held, on_cpu):
             # in a block's backward the micro-batch being run back has released its head, logits and loss
             acts = micro_batch_terms(spec, setup, held, counts, on_cpu, head_released=what == "block backward")
-            ring = list(block_terms) if what == "block backward" else []
-            moments[f"{name}, {what}"] = (Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra
-                                          + ring)
+            moments.put(f"{name}, {what}", Phase.BACKWARD, base + acts + casts + [buffers] + temporaries + extra)
     step_temp = full.step_temp_bytes // (setup.shard_size if setup.sharding.stage >= 1 else 1)
-    moments["optimizer step"] = (Phase.OPTIMIZER, _static_terms(own, setup, dataclasses.replace(
+    moments.set(MomentKey.OPTIMIZER_STEP, static_terms(own, setup, dataclasses.replace(
         static, param_working_set_bytes=0), static.grads_bytes, on_cpu) + [buffers, Term(
-            "temporaries/optimizer_step", Category.TEMPORARIES, step_temp, f"{setup.optimizer} step temporaries",
+            TermKey.OPTIMIZER_STEP, Category.TEMPORARIES, step_temp, f"{setup.optimizer} step temporaries",
             "torch.optim.adamw")])
-    name = max(moments, key=lambda n: sum(t.num_bytes for t in moments[n][1]))
+    moments = moments.apply(changes)  # ring attention: beside each block's backward (its layer temporaries)
+    name = moments.peak_key()
     phase, terms = moments[name]
     return StageMemory(held, count, tuple(t for t in terms if t.num_bytes > 0), phase, name)
 
@@ -283,12 +286,12 @@ def _fsdp_no_sync_terms(own: ModelSpec, setup: TrainingSetup, static, on_cpu: bo
     for every micro-batch but the last, so from the first backward on, the stage's parameters stay gathered
     (compute dtype) and its gradients accumulate unsharded (in the reduce dtype) until one reduce-scatter at the
     end of the step."""
-    from .analytic import _static_terms
+    from .step_model import static_terms
 
     units = static.fsdp
     gathered = dataclasses.replace(static, param_working_set_bytes=own.num_params * units.compute_bytes)
-    return _static_terms(own, setup, gathered, 0, on_cpu) + [Term(
-        "gradients/unsharded_accumulated", Category.GRADIENTS, own.num_params * units.reduce_bytes,
+    return static_terms(own, setup, gathered, 0, on_cpu) + [Term(
+        TermKey.UNSHARDED_ACCUMULATED, Category.GRADIENTS, own.num_params * units.reduce_bytes,
         f"the stage's P x {units.reduce_bytes} B gradients, unsharded, accumulated over the micro-batches",
         FSDP_NO_SYNC_SOURCE)]
 
@@ -306,7 +309,7 @@ def _backward_moments(spec: ModelSpec, setup: TrainingSetup, held: RankStages, c
         refilled = setup.pp_schedule is not PipelineSchedule.GPIPE and setup.grad_accum_steps * \
             setup.pp_virtual_stages > count
         held_grad = [] if held.first else [Term(
-            "temporaries/p2p_send", Category.TEMPORARIES, boundary_bytes(spec, setup, on_cpu),
+            TermKey.P2P_SEND, Category.TEMPORARIES, boundary_bytes(spec, setup, on_cpu),
             "B x T x h: the previous micro-batch's input gradient, held by its send", SOURCE)]
         later = in_flight_by_stage(setup, rank, count) if refilled else in_flight_by_stage(setup, rank, count - 1)
         moments.append(("second backward", grads, later, held_grad))
@@ -318,22 +321,22 @@ def _backward_temporaries(spec: ModelSpec, own: ModelSpec, setup: TrainingSetup,
     """The last stage's loss backward: log-softmax backward's two B x T x V x 4 B gradients (as
     memfit.estimate.analytic's loss backward). Every stage's first block backward: one layer's backward
     temporaries (analytic's layer_temporaries) and, when that block is checkpointed, the block rebuilt."""
-    from .analytic import _Step
+    from .step_model import StepModel
 
     out = []
     if held.last:
         out.append(("loss backward", [Term(
-            "temporaries/loss_backward", Category.TEMPORARIES, 2 * own.vocab_size * setup.tokens_per_micro_step * 4,
+            TermKey.LOSS_BACKWARD, Category.TEMPORARIES, 2 * own.vocab_size * setup.tokens_per_micro_step * 4,
             "2 x B x T x V x 4 B: gradients of log-softmax and of the logits", "aten log_softmax_backward")]))
     tokens, seq = setup.tokens_per_micro_step, setup.seq_len
-    per_layer = act.layer_saved_bytes(own, setup, tokens, seq, on_cpu)
-    step = _Step(own, setup, None, [], per_layer, act.dtypes(own, setup, on_cpu))
+    step = StepModel.for_block(own, setup, on_cpu)
+    per_layer = step.per_layer
     block = [step.layer_temporaries()]
     if setup.checkpointing.checkpointed(held.num_layers // setup.pp_virtual_stages - 1):
         rebuilt = sum(per_layer.values())
         if setup.checkpointing.value == "selective-op":
             rebuilt -= act.selective_kept_bytes(own, setup, tokens, seq, on_cpu)
-        block.append(Term("activations/recomputed_block", Category.ACTIVATIONS, rebuilt,
+        block.append(Term(TermKey.RECOMPUTED_BLOCK, Category.ACTIVATIONS, rebuilt,
                           "the stage's last block, rebuilt in its backward", "torch.utils.checkpoint"))
     out.append(("block backward", block))
     return out
@@ -345,11 +348,11 @@ def _autocast_copies(spec: ModelSpec, held: RankStages, setup: TrainingSetup) ->
     layers' share of the blocks' projections, and on the last stage the LM head's (a tied head's copy included)."""
     if not setup.precision.is_autocast:
         return []
-    from .analytic import linear_weight_parts
+    from .forward_terms import linear_weight_parts
 
     blocks, outside = linear_weight_parts(spec)
     elems = blocks * held.num_layers // max(spec.num_layers, 1) + (outside if held.last else 0)
-    return [Term("activations/autocast_weight_copies", Category.ACTIVATIONS, 2 * elems,
+    return [Term(TermKey.AUTOCAST_WEIGHT_COPIES, Category.ACTIVATIONS, 2 * elems,
                  "2 B x the stage's Linear weights: casts cached by autocast, saved for backward",
                  "torch.autocast weight cast cache")]
 
@@ -362,9 +365,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, sized: TrainingSetup, hardwa
 
     from . import context_parallel
 
-    ring = (context_parallel.ring_term(spec, setup, act.dtypes(spec, sized, hardware.is_cpu).compute),) \
-        if setup.cp > 1 else ()
-    stages = stage_memories(spec, sized, hardware.is_cpu, ring)
+    changes = context_parallel.step_changes(spec, setup, act.dtypes(spec, sized, hardware.is_cpu).compute)
+    stages = stage_memories(spec, sized, hardware.is_cpu, changes)
     peak = max(stages, key=lambda s: s.tensor_bytes)
     terms = list(peak.terms)
     terms += runtime_overhead_terms(peak.tensor_bytes, setup, hardware, spec=stage_spec(spec, peak.held),

@@ -249,7 +249,7 @@ class ShardedStatic:
 def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: Engine | None = None) -> ShardedStatic:
     """Per-rank static memory as the engine (`layout`, default the setup's) lays it out (ZeRO paper sec. 5 for the
     stages; the engine-specific buffers were measured on 2-rank gloo runs of DeepSpeed 0.19, FSDP2 and DDP in torch
-    2.13, tests/test_launch.py)."""
+    2.13, tests/engines/test_launch.py)."""
     n, stage = setup.shard_size, setup.sharding.stage
     params = full.params_bytes // n if stage >= 3 else full.params_bytes
     grads = full.grads_bytes // n if stage >= 2 else full.grads_bytes
@@ -380,7 +380,7 @@ def deepspeed_persistent_params(spec: ModelSpec, setup: TrainingSetup) -> int:
 
 def _deepspeed_offloaded(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, s: ShardedStatic) -> ShardedStatic:
     """DeepSpeed 0.19's ZeRO-Offload (offload_optimizer) and ZeRO-Infinity-on-CPU (+ offload_param), per rank, from
-    the buffers its optimizers allocate (measured on 1-rank CPU runs, tests/test_offload_one_gpu.py):
+    the buffers its optimizers allocate (measured on 1-rank CPU runs, tests/engines/test_offload_one_gpu.py):
 
     ZeRO-1/2 (runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__ and initialize_optimizer_states):
     device: the flat 16-bit parameters, whole (bit16_groups_flat); the contiguous gradient bucket of

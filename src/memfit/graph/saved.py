@@ -7,7 +7,7 @@ fields describe something no handler models yet (q/k norms, latent attention...)
 that model with memfit.derive, never with another family's formula.
 
 The rows were read off the transformers 5.x modelling code and checked tensor by tensor with
-`torch.autograd.graph.saved_tensors_hooks` on tiny real models (tests/test_estimate_accuracy.py measures whole steps
+`torch.autograd.graph.saved_tensors_hooks` on tiny real models (tests/estimate/test_estimate_accuracy.py measures whole steps
 against the profiler).
 
 Dtype classes: 'f32' always fp32; 'res' the residual stream (fp32 under fp32 and autocast, bf16 when pure bf16);

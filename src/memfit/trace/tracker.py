@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._torch.storage import is_wrapper, storage_tensors
 from ..estimate.result import Category, Phase
+from ..estimate.terms import TermKey
 from .timeline import Sample, TraceProgress
 
 _PHASE_ORDER = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -45,16 +46,16 @@ class _Kind(IntEnum):
     HOST_TEMPORARIES = 8  # optimizer-step scratch of a step that runs on the host (CPU offload)
 
 
-KIND_TERMS: dict[_Kind, tuple[str, Category]] = {
-    _Kind.PARAMETERS: ("parameters", Category.PARAMETERS),
-    _Kind.BUFFERS: ("parameters/buffers", Category.PARAMETERS),
-    _Kind.GATHERED: ("parameters/gathered", Category.PARAMETERS),
-    _Kind.GRADIENTS: ("gradients", Category.GRADIENTS),
-    _Kind.OPTIMIZER: ("optimizer", Category.OPTIMIZER),
-    _Kind.ACTIVATIONS: ("activations", Category.ACTIVATIONS),
-    _Kind.INPUTS: ("activations/inputs", Category.ACTIVATIONS),
-    _Kind.TEMPORARIES: ("temporaries", Category.TEMPORARIES),
-    _Kind.HOST_TEMPORARIES: ("temporaries/host", Category.TEMPORARIES),
+KIND_TERMS: dict[_Kind, tuple[TermKey, Category]] = {
+    _Kind.PARAMETERS: (TermKey.PARAMETERS, Category.PARAMETERS),
+    _Kind.BUFFERS: (TermKey.BUFFERS, Category.PARAMETERS),
+    _Kind.GATHERED: (TermKey.GATHERED, Category.PARAMETERS),
+    _Kind.GRADIENTS: (TermKey.GRADIENTS, Category.GRADIENTS),
+    _Kind.OPTIMIZER: (TermKey.OPTIMIZER, Category.OPTIMIZER),
+    _Kind.ACTIVATIONS: (TermKey.ACTIVATIONS, Category.ACTIVATIONS),
+    _Kind.INPUTS: (TermKey.INPUTS, Category.ACTIVATIONS),
+    _Kind.TEMPORARIES: (TermKey.TEMPORARIES, Category.TEMPORARIES),
+    _Kind.HOST_TEMPORARIES: (TermKey.HOST, Category.TEMPORARIES),
 }
 _NUM_KINDS = len(_Kind)
 _ROOT = "(model)"

@@ -9,7 +9,7 @@ gradients, all-gather of the updated parameters), ZeRO-3 3 Psi (the parameters g
 backward, then the gradients reduce-scattered).
 
 What each engine really does (counted on 2 gloo ranks through the dispatcher, memfit._torch.comm_count, torch 2.13,
-DeepSpeed 0.19, with accumulation 1 and 2, fp32, amp-bf16, bf16 and bf16-master; tests/test_launch.py re-counts DDP,
+DeepSpeed 0.19, with accumulation 1 and 2, fp32, amp-bf16, bf16 and bf16-master; tests/engines/test_launch.py re-counts DDP,
 ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-steps on FSDP2 and DeepSpeed ZeRO-2):
 
 - DDP (engine torch, no sharding): one all-reduce of the gradients per optimizer step, in the gradient dtype (fp32
@@ -47,7 +47,7 @@ ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-step
   parallelism each all-reduce becomes a reduce-scatter (forward of a row-parallel output) and an all-gather (the
   input of each attention / MLP, gathered once for all its projections), mirrored in backward: 4 all-gathers and 4
   reduce-scatters of B x T x h per layer (Korthikanti et al. 2022 sec. 4.2.2), plus one of each for the embedding
-  and the LM head. Counted on 2 gloo ranks (tests/test_tensor_parallel.py). Data-parallel collectives then cover
+  and the LM head. Counted on 2 gloo ranks (tests/estimate/test_tensor_parallel.py). Data-parallel collectives then cover
   one tensor-parallel rank's parameters over the num_gpus / tp data-parallel ranks; loss_parallel's B x T
   statistics are not counted.
 - HSDP (engine torch, FSDP2 on a 2D (replicate, shard) mesh; setup.dp_shard): the all-gathers and the
@@ -65,7 +65,7 @@ ZeroRedundancyOptimizer, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-2/3, and 2 micro-step
 - Pipeline parallelism (engine torch, torch.distributed.pipelining; memfit.estimate.pipeline): point-to-point, per
   optimizer step, each of the m = grad_accum_steps micro-batches' B x T x h boundary tensor in the residual dtype:
   every non-last stage sends its output forward, every non-first stage its input gradient backward (stage.py
-  get_fwd_send_ops / get_bwd_send_ops). Counted on 2 gloo ranks (tests/test_pipeline.py). Data-parallel collectives
+  get_fwd_send_ops / get_bwd_send_ops). Counted on 2 gloo ranks (tests/estimate/test_pipeline.py). Data-parallel collectives
   then cover one pipeline rank's parameters (the largest stage's) over the num_gpus / (tp x pp) data-parallel ranks.
 - Scalars (gradient norms, overflow checks) are not counted. Parameter offload adds host<->device copies
   (techniques.costs.offload_traffic_bytes), not network traffic.
