@@ -14,37 +14,23 @@ from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
 from .hardware import Hardware
 from .model_spec import ModelSpec
-from .setup import (Attention, Checkpointing, Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup,
-                    needs_bf16, setup_changes)
-from .techniques.base import with_engine_that_can
-from .techniques.micro_batch import divisors
+from .setup import Offload, Sharding, TrainingSetup, setup_changes
+from .techniques import REGISTRY
+from .techniques.base import SEARCH, with_engine_that_can
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]
 
 
-def candidate_setups(setup: TrainingSetup, hardware: Hardware, *,
-                     keep: frozenset[str] = frozenset()) -> Iterator[TrainingSetup]:
-    """Every setup TrainingSetup accepts that combines the techniques from `setup`, on `hardware`'s GPU count.
-    Fields in `keep` stay as in `setup`; no bf16 precision on a GPU without bf16."""
-    precisions = {setup.precision}
-    if hardware.gpu.bf16:
-        precisions |= {Precision.AMP_BF16, Precision.BF16}
-    elif setup.precision is Precision.FP32:
-        precisions.add(Precision.AMP_FP16)
-    precisions = {p for p in precisions if hardware.gpu.bf16 or not needs_bf16(p)}
-    optimizers = {setup.optimizer}
-    if setup.optimizer.is_adam:
-        optimizers |= {Optimizer.ADAMW_8BIT, Optimizer.ADAMW_FUSED}
+def candidate_setups(setup: TrainingSetup, hardware: Hardware, *, keep: frozenset[str] = frozenset(),
+                     techniques: tuple[str, ...] = SEARCH) -> Iterator[TrainingSetup]:
+    """Every setup TrainingSetup accepts that combines the values `techniques` (registry keys, default SEARCH)
+    yield for `setup` on `hardware` (Technique.search_values), on `hardware`'s GPU count, at the same effective
+    batch. Fields in `keep` stay as in `setup`."""
+    choices: dict[str, list] = {}
+    for key in techniques:
+        choices.update(REGISTRY[key].search_values(setup, hardware))
     batch = setup.micro_batch_size * setup.grad_accum_steps
-    micro = divisors(setup.micro_batch_size)
-    n = hardware.world_size
-    shardings = [Sharding.NONE] + ([Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3] if n > 1 else [])
-    engines = list(Engine) if n > 1 else [setup.engine]
-    attentions = [Attention.SDPA]
-    choices = {"precision": sorted(precisions), "optimizer": sorted(optimizers), "checkpointing": list(Checkpointing),
-               "micro_batch_size": micro, "sharding": shardings, "offload": list(Offload), "engine": engines,
-               "attention": attentions}
-    if "grad_accum_steps" in keep:
+    if "grad_accum_steps" in keep and "micro_batch_size" in choices:
         choices["micro_batch_size"] = [setup.micro_batch_size]
     for name in choices:
         if name in keep:
@@ -52,9 +38,9 @@ def candidate_setups(setup: TrainingSetup, hardware: Hardware, *,
     names = list(choices)
     for values in itertools.product(*(choices[name] for name in names)):
         fields = dict(zip(names, values))
-        fields["grad_accum_steps"] = batch // fields["micro_batch_size"]
+        fields["grad_accum_steps"] = batch // fields.get("micro_batch_size", setup.micro_batch_size)
         try:
-            yield setup.replace(**fields, num_gpus=n)
+            yield setup.replace(**fields, num_gpus=hardware.world_size)
         except ConfigError:
             continue
 

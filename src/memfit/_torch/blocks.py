@@ -31,6 +31,7 @@ The selective modes (memfit.setup.Checkpointing) run through the same wrapper:
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -81,33 +82,20 @@ def _has_children(module: torch.nn.Module) -> bool:
     return any(True for _ in module.children())
 
 
-def _matmul_ops() -> frozenset:
-    return frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
-
-
-def _attention_ops() -> frozenset:
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
-
-
 def selective_op_context():
     """The (forward, recompute) contexts of one checkpointed call under the selective-op policy: a fresh matmul
-    count per call, one for the forward and one for the recompute, so both make the same choices."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    count per call, one for the forward and one for the recompute, so both make the same choices. The policy is
+    memfit.techniques.checkpointing.SELECTIVE_OP_POLICY, the text the emitted FSDP2 script carries too."""
+    return _selective_op_policy()()
 
-    matmuls, attention = _matmul_ops(), _attention_ops()
-    counts = {False: 0, True: 0}
 
-    def policy(ctx, func, *args, **kwargs):
-        if func in matmuls:
-            counts[ctx.is_recompute] += 1
-            keep = counts[ctx.is_recompute] % 2 == 1  # the 1st, 3rd, ... matmul of the block
-        else:
-            keep = func in attention
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+@functools.cache
+def _selective_op_policy():
+    from ..techniques.checkpointing import SELECTIVE_OP_POLICY
 
-    return create_selective_checkpoint_contexts(policy)
+    namespace = {"torch": torch}
+    exec(compile(SELECTIVE_OP_POLICY, "memfit.techniques.checkpointing.SELECTIVE_OP_POLICY", "exec"), namespace)
+    return namespace["selective_op_context"]
 
 
 class _CheckpointedForward:

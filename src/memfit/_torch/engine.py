@@ -35,7 +35,7 @@ from torch import nn
 from ..emit.deepspeed import deepspeed_config
 from ..errors import ConfigError
 from ..estimate.comm import Runtime, runtime_of
-from ..setup import Checkpointing, Engine, Offload, Precision, Sharding, TrainingSetup
+from ..setup import Engine, Offload, Precision, Sharding, TrainingSetup
 from . import blocks as block_tools
 from . import rank_memory
 from . import step as torch_step
@@ -244,17 +244,20 @@ def _to_training_device(model: nn.Module) -> None:
 
 def _prepare_precision_and_checkpointing(model: nn.Module, setup: TrainingSetup,
                                          blocks: Sequence[nn.Module] | None = None) -> None:
-    if setup.precision is Precision.BF16 and next(model.parameters()).dtype != torch.bfloat16:
-        model.to(torch.bfloat16)  # pure bf16: parameters, gradients and states all bf16
-    if setup.checkpointing is Checkpointing.FULL and not torch_step.hf_checkpointing_is_on(model):
-        if torch_step.is_hf_model(model):
-            torch_step.enable_hf_checkpointing(model)
-        else:
-            block_tools.checkpoint_blocks(model, None if blocks is None else list(blocks))
-    elif setup.checkpointing.is_on and setup.checkpointing is not Checkpointing.FULL:
-        if torch_step.hf_checkpointing_is_on(model):
-            torch_step.disable_hf_checkpointing(model)
-        block_tools.apply_checkpointing(model, str(setup.checkpointing), None if blocks is None else list(blocks))
+    """Pure bf16 parameters, and the setup's checkpointing around `blocks` (default: the repeated blocks), before
+    sharding: the techniques' conversions (memfit.techniques.convert), apply_'s path. Only pure bf16 casts here:
+    FSDP2 widens a master-weights or autocast model to fp32 shards itself (`shard`), and the optimizer of
+    bf16-master keeps its own copy."""
+    items = ("precision", "checkpointing") if setup.precision is Precision.BF16 else ("checkpointing",)
+    _convert(model, setup, items, blocks)
+
+
+def _convert(model: nn.Module, setup: TrainingSetup, items: tuple[str, ...],
+             blocks: Sequence[nn.Module] | None = None) -> None:
+    from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
+
+    convert_model(model, setup, Target(is_hf=torch_step.is_hf_model(model), loop=MEMFIT_LOOP,
+                                       blocks=None if blocks is None else tuple(blocks)), items)
 
 
 def _fsdp_optimizer_setup(setup: TrainingSetup) -> TrainingSetup:
@@ -331,10 +334,7 @@ def _prepare_deepspeed(model: nn.Module, setup: TrainingSetup, *, lr: float | No
                        max_grad_norm: float | None, ranks: int) -> Prepared:
     deepspeed = torch_step._import("deepspeed", extra="engines")
     _skip_inference_shm_op(deepspeed)
-    if setup.checkpointing is Checkpointing.FULL and torch_step.is_hf_model(model):
-        torch_step.enable_hf_checkpointing(model)
-    elif setup.checkpointing.is_on and setup.checkpointing is not Checkpointing.FULL:
-        torch_step.apply_selective_checkpointing(model, setup)
+    _convert(model, setup, ("checkpointing",))  # DeepSpeed casts to its bf16 / fp16 config itself
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     config = deepspeed_runtime_config(setup, lr=lr, max_grad_norm=max_grad_norm, ranks=ranks,
                                       hidden_size=hidden if isinstance(hidden, int) else None)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..change import Change
 from ..errors import ConfigError
 from ..estimate.fsdp2 import fsdp2_shards
 from ..estimate.lora import PEFT_DEFAULT_TARGETS
@@ -23,28 +22,6 @@ from ..setup import TrainingSetup
 from .fake_quant import FakeLinear4bit
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def base_precision_change(model: nn.Module, setup: TrainingSetup):
-    """The precision item under LoRA: the frozen base in its planned storage dtype (a quantized base is made by
-    apply_adapters); adapters are left to peft (fp32)."""
-    base = setup.finetune.base_storage(setup.precision.compute_dtype)
-    how = "; wrap forward and loss in `applied.autocast()`" if setup.precision.is_autocast else ""
-    if base.quantized:
-        return Change("precision", False, f"the base is quantized to {base} by the finetune item{how}")
-    target = _DTYPES[base.value]
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point() and not _is_adapter(p, model)}
-    if dtypes <= {target}:
-        return Change("precision", False, f"base already {base}{how}")
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and "lora_" not in name:
-            param.data = param.data.to(target)
-    was = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-    return Change("precision", True, f"cast the base {was} -> {base} (frozen, stored as planned){how}")
-
-
-def _is_adapter(param, model) -> bool:
-    return any(param is p for n, p in model.named_parameters() if "lora_" in n)
 
 
 def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
@@ -157,7 +134,6 @@ def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, co
                 if not base.four_bit:
                     raise ConfigError("memfit trace emulates bitsandbytes 4-bit on fake tensors, not int8: size "
                                       "an int8 base with the formulas or `memfit measure`")
-
                 setattr(parent, name, FakeLinear4bit(child.in_features, child.out_features,
                                                      bias=child.bias is not None, compute_dtype=compute_dtype,
                                                      double_quant=double_quant, device=device))

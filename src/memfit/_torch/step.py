@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, MissingDependencyError
-from ..setup import LOSS_CHUNKS, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from ..setup import LOSS_CHUNKS, Loss, Optimizer, Precision, TrainingSetup
 from . import offload_activations
 
 PhaseCallback = Callable[[str], None]
@@ -45,6 +45,38 @@ DEFAULT_LR = {Optimizer.SGD: 1e-2}
 
 def param_dtype(setup: TrainingSetup) -> torch.dtype:
     return torch.bfloat16 if setup.precision.param_dtype == "bf16" else torch.float32
+
+
+def cast_floating(model: torch.nn.Module, dtype: torch.dtype, *, skip: frozenset[str] = frozenset(),
+                  buffers: bool = True) -> None:
+    """`model.to(dtype)` for its floating parameters (but those named in `skip`) and, with `buffers`, buffers. On
+    fake tensors (a trace) by replacing the tensors: `Module.to` swaps tensors in place, which FakeTensors refuse
+    (they carry weakrefs). Tied parameters stay tied."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    fake = any(is_fake(t) for t in (*model.parameters(), *model.buffers()))
+    if not fake and not skip and buffers:
+        model.to(dtype=dtype)
+        return
+    converted: dict[int, torch.Tensor] = {}
+
+    def convert(tensor: torch.Tensor, make) -> torch.Tensor:
+        if id(tensor) not in converted:
+            converted[id(tensor)] = make(tensor.detach().to(dtype)) if tensor.dtype != dtype else tensor
+        return converted[id(tensor)]
+
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if not param.is_floating_point() or (f"{prefix}.{name}" if prefix else name) in skip:
+                    continue
+                if fake:
+                    module._parameters[name] = convert(param, lambda t, p=param: torch.nn.Parameter(t, p.requires_grad))
+                else:
+                    param.data = param.data.to(dtype)
+            for name, buffer in module.named_buffers(recurse=False) if buffers else ():
+                if buffer.is_floating_point():
+                    module._buffers[name] = convert(buffer, lambda t: t)
 
 
 def autocast_factory(setup: TrainingSetup, device_type: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -83,11 +115,10 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
     Causal LM (masked LM for encoder-only types such as bert; a sequence classifier when the config's
     architectures name one, memfit.sources.task), attention implementation from `setup.attention`,
     `use_cache=False` (a cache keeps every layer's K/V alive), pure bf16 parameters for bf16 / bf16-master (the fp32
-    master copy belongs to the optimizer), HF's own gradient checkpointing (non-reentrant) when asked, LoRA / QLoRA
-    adapters on a base stored as planned (memfit._torch.lora), torchao Float8Linear for `setup.float8`
-    (memfit._torch.float8), each block torch.compile'd with `compile_backend` when
-    `setup.compile` ("partitioned": AOTAutograd's min-cut partition run without codegen, memfit._torch.compiled),
-    train mode.
+    master copy belongs to the optimizer; an adapted model's base in its planned storage dtype), then every
+    technique's conversion (memfit.techniques.convert, apply_'s path); blocks compiled with `compile_backend` when
+    the setup compiles ("partitioned": AOTAutograd's min-cut partition run without codegen,
+    memfit._torch.compiled); train mode.
     """
     transformers = _import("transformers")
     if setup.image_size and is_image_classifier(config):  # the model at that resolution (its position table too)
@@ -115,33 +146,13 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
         model.config.architectures = [type(model).__name__]
     if model_device(model) != torch.device(device):  # no-op `.to` skipped: on fake tensors it swaps every tensor
         model.to(device)
-    if setup.float8.is_on:  # before checkpointing and compile, as torchtitan converts the model first
-        from .float8 import apply_float8
+    # Built in the setup's dtype and attention already (one allocation); the rest is the techniques' conversions,
+    # apply_'s path (memfit.techniques.convert.ORDER).
+    from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 
-        apply_float8(model, setup)
-    if setup.checkpointing is Checkpointing.FULL:
-        enable_hf_checkpointing(model)
-    elif setup.checkpointing.is_on:
-        apply_selective_checkpointing(model, setup)
-    if setup.finetune.adapters:  # LoRA / QLoRA as planned: the one place measure and trace get them from
-        from .lora import apply_adapters
-
-        apply_adapters(model, setup)
-    if setup.compile:  # per block, as torchtune and torchtitan compile
-        from .compiled import compile_blocks
-
-        compile_blocks(model, compile_backend)
+    convert_model(model, setup, Target(is_hf=True, loop=MEMFIT_LOOP, compile_backend=compile_backend))
     model.train()
     return model
-
-
-def apply_selective_checkpointing(model, setup: TrainingSetup) -> str:
-    """selective-op, every-N and attention on any model: memfit's block wrapper (HF's switch is full only)."""
-    from . import blocks
-
-    if is_hf_model(model) and hf_checkpointing_is_on(model):
-        disable_hf_checkpointing(model)
-    return blocks.apply_checkpointing(model, str(setup.checkpointing))
 
 
 def enable_hf_checkpointing(model) -> None:

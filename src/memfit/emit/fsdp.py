@@ -7,6 +7,7 @@ import textwrap
 
 from ..errors import ConfigError
 from ..setup import Checkpointing, Offload, Precision, Sharding, TrainingSetup
+from ..techniques.checkpointing import fsdp2_fragment
 from .emitted import EmittedConfig, describe
 
 
@@ -29,7 +30,7 @@ def fsdp2_code(setup: TrainingSetup) -> str:
     if reason:
         raise ConfigError(f"no FSDP2 code for this plan: {reason}")
     sections = [_header(setup), _reshard_section(setup), _BLOCKS, _precision_section(setup),
-                _offload_section(setup), _checkpointing_section(setup), _shard_section(setup),
+                _offload_section(setup), fsdp2_fragment(setup), _shard_section(setup),
                 _optimizer_section(setup)]
     return "\n\n\n".join(section.strip("\n") for section in sections if section) + "\n"
 
@@ -115,108 +116,6 @@ def _offload_section(setup: TrainingSetup) -> str:
     # is copied to the GPU for its forward/backward. Pinned memory makes the copies asynchronous, but pinning
     # needs an accelerator (it fails on a CPU-only build), so pin only where CUDA is present.
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())'''
-
-
-def _checkpointing_section(setup: TrainingSetup) -> str:
-    mode = setup.checkpointing
-    if mode is Checkpointing.NONE:
-        return ""
-    if mode is Checkpointing.FULL:
-        return _FULL_CHECKPOINTING
-    if mode is Checkpointing.SELECTIVE_OP:
-        return _SELECTIVE_OP_CHECKPOINTING
-    if mode is Checkpointing.ATTENTION:
-        return _CORE_CHECKPOINTING
-    return _EVERY_N_CHECKPOINTING.replace("EVERY_N = 2", f"EVERY_N = {mode.every}")
-
-
-_FULL_CHECKPOINTING = '''
-def enable_checkpointing(model: nn.Module, blocks: nn.ModuleList) -> None:
-    """Recompute each block in backward (non-reentrant): only block inputs stay alive between forward and backward."""
-    if getattr(model, "supports_gradient_checkpointing", False):
-        # transformers models: activation_checkpointing_enable (5.x) or gradient_checkpointing_enable (4.x).
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable({"use_reentrant": False})
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    for index, block in enumerate(blocks):
-        # Wrapped before sharding, so each fully_shard unit is the checkpointed block.
-        blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)'''
-
-_SELECTIVE_OP_CHECKPOINTING = '''
-def selective_op_context():
-    """selective-op (torchtitan's op-level SAC policy): per checkpointed call, keep the outputs of the 1st, 3rd, ...
-    matmul (mm / addmm) and of the SDPA kernels; recompute every other op (norms, activations, rotary, casts)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    matmuls = {aten.mm.default, aten.addmm.default}
-    kernels = {getattr(aten, name).default for name in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)}
-    seen = {False: 0, True: 0}
-
-    def policy(ctx, func, *args, **kwargs):
-        if func in matmuls:
-            seen[ctx.is_recompute] += 1
-            keep = seen[ctx.is_recompute] % 2 == 1
-        else:
-            keep = func in kernels
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def enable_checkpointing(model: nn.Module, blocks: nn.ModuleList) -> None:
-    """Every block under non-reentrant checkpoint with the selective-op policy (transformers' own switch is full
-    checkpointing only, so the blocks are wrapped here)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    for index, block in enumerate(blocks):
-        # Wrapped before sharding, so each fully_shard unit is the checkpointed block.
-        blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                           context_fn=selective_op_context)'''
-
-_EVERY_N_CHECKPOINTING = '''
-EVERY_N = 2
-
-
-def enable_checkpointing(model: nn.Module, blocks: nn.ModuleList) -> None:
-    """every-N: blocks N-1, 2N-1, ... (0-based) fully checkpointed, the others keep all their activations
-    (torchtitan's selective_ac_option = "N")."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    for index, block in enumerate(blocks):
-        if (index + 1) % EVERY_N == 0:
-            blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)'''
-
-_CORE_CHECKPOINTING = '''
-def enable_checkpointing(model: nn.Module, blocks: nn.ModuleList) -> None:
-    """attention (Megatron's selective recompute): only the eager attention core (QK^T, softmax, dropout, x V) of
-    each block runs under checkpoint, so its B x H x T x T tensors are rebuilt in backward. transformers looks up
-    its modelling module's `eager_attention_forward` on every call; it is wrapped once per module, and only the
-    attention modules of these blocks take the checkpointed path. Under SDPA / flash nothing changes: their
-    kernels keep no T x T."""
-    import sys
-
-    from torch.utils.checkpoint import checkpoint
-
-    for block in blocks:
-        for module in block.modules():
-            source = sys.modules.get(type(module).__module__)
-            original = getattr(source, "eager_attention_forward", None)
-            if original is None or not type(module).__name__.endswith("Attention"):
-                continue
-            if not hasattr(original, "plain_core"):
-                def core(attn, *args, _plain=original, **kwargs):
-                    if getattr(attn, "recompute_core", False) and attn.training and torch.is_grad_enabled():
-                        return checkpoint(_plain, attn, *args, use_reentrant=False, **kwargs)
-                    return _plain(attn, *args, **kwargs)
-
-                core.plain_core = original
-                source.eager_attention_forward = core
-            module.recompute_core = True'''
 
 
 def _shard_section(setup: TrainingSetup) -> str:

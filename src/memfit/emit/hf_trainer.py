@@ -6,60 +6,15 @@ from __future__ import annotations
 
 import sys
 
-from ..setup import Attention, Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
 from ..estimate import torchao_offload
+from ..techniques import compile as compile_technique, loss as loss_technique
+from ..libraries import dtype_keyword, legacy_checkpointing_names, transformers_major  # noqa: F401 - tests read them here
 from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
 
 # TrainingArguments.optim names (transformers.training_args.OptimizerNames).
-def _installed_version(name: str) -> str | None:
-    """The installed distribution's version, read once per process: reading package metadata parses files (~10 ms,
-    three times per plan shown), and what is installed does not change under a running process."""
-    if name not in _INSTALLED:
-        from importlib import metadata
-
-        try:
-            _INSTALLED[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            _INSTALLED[name] = None
-    return _INSTALLED[name]
-
-
-_INSTALLED: dict[str, str | None] = {}
-
-
-def transformers_version() -> tuple[int, int] | None:
-    """The installed transformers' (major, minor): its `__version__` when already imported, else the installed
-    distribution's version, read without importing it (importing transformers takes seconds); None without it."""
-    version = getattr(sys.modules.get("transformers"), "__version__", None) or _installed_version("transformers")
-    if version is None:
-        return None
-    parts = str(version).split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in (parts[1] if len(parts) > 1 else "0") if c.isdigit()) or 0)
-    except ValueError:
-        return None
-
-
-def transformers_major() -> int | None:
-    version = transformers_version()
-    return version[0] if version else None
-
-
-def dtype_keyword() -> str:
-    """from_pretrained's dtype keyword: `dtype` since transformers 4.56 (and without transformers), `torch_dtype`
-    before (which silently ignores `dtype`)."""
-    version = transformers_version()
-    return "torch_dtype" if version is not None and version < (4, 56) else "dtype"
-
-
-def legacy_checkpointing_names() -> bool:
-    """True where TrainingArguments only knows gradient_checkpointing (transformers 4.x); 5.x names otherwise."""
-    major = transformers_major()
-    return major is not None and major < 5
-
-
 def hf_trainer_kwargs(setup: TrainingSetup, *, deepspeed_path: str = "deepspeed.json",
                       legacy_names: bool | None = None) -> dict:
     """Keyword arguments for `transformers.TrainingArguments` (output_dir and the schedule are yours to add)."""
@@ -101,8 +56,8 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                 "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
-    for part in (_precision_part, _optimizer_part, _checkpointing_part, _loss_part, _activation_offload_part,
-                 _compile_part, _engine_part):
+    for part in (_precision_part, _optimizer_part, _checkpointing_part, loss_technique.hf_trainer_fragment, _activation_offload_part,
+                 compile_technique.hf_trainer_fragment, _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
                                                        legacy_names=legacy_names)
         content.update(part_content)
@@ -199,25 +154,7 @@ def selective_checkpointing_note(setup: TrainingSetup) -> str:
 def trainer_cannot_express(setup: TrainingSetup) -> list[str]:
     """What the plan sized that neither TrainingArguments nor memfit_apply.json can carry (torchtune's chunked loss,
     the optimizer step in backward): the notes that say where it is expressed instead."""
-    return _loss_part(setup)[2]
-
-
-def _loss_part(setup: TrainingSetup, **_):
-    """The fused loss is Liger's (TrainingArguments.use_liger_kernel patches the model's forward with its fused
-    linear cross-entropy); the chunked loss and the optimizer step in backward are torchtune's, said in notes."""
-    content, comments, notes = {}, {}, []
-    if setup.loss is Loss.FUSED:
-        content["use_liger_kernel"] = True
-        comments["use_liger_kernel"] = ("Liger kernels incl. the fused linear cross-entropy: no B x T x V logits "
-                                        "(pip install liger-kernel; CUDA + Triton)")
-    elif setup.loss is Loss.CHUNKED:
-        notes.append("The chunked loss is torchtune's: `loss: _component_: torchtune.modules.loss."
-                     "CEWithChunkedOutputLoss` (num_output_chunks 8; newer torchtune: LinearCrossEntropyLoss). The HF "
-                     "Trainer has no chunked loss; `use_liger_kernel=True` (fused) saves more.")
-    if setup.optimizer_in_backward:
-        notes.append("The optimizer step in backward is torchtune's `optimizer_in_bwd: True` (with "
-                     "gradient_accumulation_steps 1 and clip_grad_norm null); TrainingArguments has no such option.")
-    return content, comments, notes
+    return loss_technique.hf_trainer_fragment(setup)[2]
 
 
 def _activation_offload_part(setup: TrainingSetup, **_):
@@ -230,18 +167,6 @@ def _activation_offload_part(setup: TrainingSetup, **_):
                     "before Trainer(...) (TRL `SFTConfig(activation_offloading=True)`, axolotl "
                     "`activation_offloading: true` and torchtune `enable_activation_offloading: True` are the same "
                     "hooks). It needs CUDA and pinned host RAM."]
-
-
-def _compile_part(setup: TrainingSetup, **_):
-    """torch.compile: the Trainer compiles the whole model; torchtune and torchtitan compile each block, as memfit
-    sizes it (memfit.estimate.compiled)."""
-    if not setup.compile:
-        return {}, {}, []
-    return ({"torch_compile": True},
-            {"torch_compile": "torch.compile (inductor): blocks keep what AOTAutograd's min-cut partitioner saves"},
-            ["torch.compile is sized per block (torchtune `compile: True`, torchtitan `[compile] enable = true`); "
-             "the Trainer's torch_compile compiles the whole model, head and loss included, which memfit sizes "
-             "eager. First steps are slow (compilation); a new sequence length recompiles."])
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):

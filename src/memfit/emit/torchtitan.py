@@ -12,7 +12,8 @@ table (torchtitan components/quantization/float8.py; releases before the quantiz
 
 from __future__ import annotations
 
-from ..setup import Float8, PipelineSchedule, Sharding, TrainingSetup
+from ..setup import PipelineSchedule, Sharding, TrainingSetup
+from ..techniques import float8
 
 SCHEDULE_NAMES = {PipelineSchedule.GPIPE: "GPipe", PipelineSchedule.ONE_F_ONE_B: "1F1B",
                   PipelineSchedule.INTERLEAVED_1F1B: "Interleaved1F1B"}
@@ -40,22 +41,7 @@ def torchtitan_parallelism(setup: TrainingSetup, num_layers: int | None = None) 
         num_stages = setup.pp * setup.pp_virtual_stages
         if num_layers is not None and num_layers % num_stages == 0:
             parallelism["pipeline_parallel_layers_per_stage"] = num_layers // num_stages
-    return {"parallelism": parallelism, "training": training, **_float8_tables(setup)}
-
-
-FLOAT8_CONVERTER = "quantize.linear.float8"
-
-
-def _float8_tables(setup: TrainingSetup) -> dict[str, dict]:
-    """torchtitan's Float8LinearConverter options for the setup's float8 (none without it)."""
-    if not setup.float8.is_on:
-        return {}
-    options: dict = {"filter_fqns": ["output"]}
-    if setup.float8 is Float8.ROWWISE:
-        options["recipe_name"] = "rowwise"
-    if setup.float8_all_gather:  # the scales of all float8 weights in one all-reduce after the optimizer step
-        options.update(enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
-    return {"model": {"converters": [FLOAT8_CONVERTER]}, FLOAT8_CONVERTER: options}
+    return {"parallelism": parallelism, "training": training, **float8.torchtitan_fragment(setup)}
 
 
 def torchtitan_toml(setup: TrainingSetup, num_layers: int | None = None) -> str:

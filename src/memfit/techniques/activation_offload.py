@@ -4,10 +4,12 @@ input to move: a few MiB of traffic instead of every saved tensor; offloading al
 
 from __future__ import annotations
 
+from ..change import Change
 from ..errors import ConfigError
 from ..setup import Checkpointing, Loss, TrainingSetup
 from ..units import format_bytes
 from .base import Context, Proposal, Skip, Technique, register
+from .convert import MEMFIT_LOOP, Target, conversion
 from .costs import activation_offload_cost
 
 
@@ -24,6 +26,9 @@ class ActivationOffload(Technique):
     key = "activation_offload"
     cuts_static = False
     title = "activation offloading to the CPU"
+
+    def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
+        return {"activation_offload": [False, True]}
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.activation_offload:
@@ -55,7 +60,25 @@ class ActivationOffload(Technique):
             "torchtune: enable_activation_offloading: True" + (", enable_activation_checkpointing: True" if paired
                                                               else "") + "  # TRL SFTConfig / axolotl: "
             "activation_offloading: true; HF Trainer: memfit.apply_(model, {'activation_offload': True})",
-            activation_offload_cost(moved, chosen, ctx.hardware),
+            activation_offload_cost(moved, chosen, ctx.hardware).text,
             "tensors saved for backward wait in pinned host RAM and stream back block by block; the LM head's and "
             "the loss's stay on the device" + ("; with full checkpointing only each block's input moves" if
                                                chosen.checkpointing is Checkpointing.FULL else ""))
+
+
+@conversion("activation_offload")
+def convert(model, setup: TrainingSetup, target: Target):
+    """torchtune's OffloadActivations hooks around every forward of the model (memfit._torch.offload_activations):
+    for loops that call model(**batch), as the HF Trainer does. memfit's own loop wraps its forward and loss
+    itself (offload_activations.context), so a model it trains gets no hooks."""
+    if not setup.activation_offload:
+        return None
+    from .._torch import offload_activations
+
+    if target.loop == MEMFIT_LOOP:
+        return Change("activation offload", False, "memfit's training loop offloads around the forward and the loss")
+    if getattr(model, "_memfit_activation_offload", None) is not None:
+        return Change("activation offload", False, "already installed")
+    offload_activations.install(model)
+    return Change("activation offload", True, "saved tensors of >= 1 KiB (parameters aside) go to pinned host RAM in "
+                                              "forward and come back in backward; the LM head's and the loss's stay")

@@ -14,6 +14,7 @@ from ..model_spec import ModelSpec
 from ..errors import ConfigError
 from ..setup import Checkpointing, Engine, FieldChange, TrainingSetup, keep_name, setup_changes
 from ..units import format_bytes
+from .costs import Cost
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,15 @@ class Technique:
     def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def step_cost(self, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost | None:
+        """What the setup's use of this technique costs a step, for memfit.throughput (None: not modelled)."""
+        return None
+
+    def search_values(self, setup: TrainingSetup, hardware: Hardware) -> dict[str, list]:
+        """The values of the setup fields this technique owns that `plan --optimize` combines (memfit.search):
+        {field: values}. Only the techniques in SEARCH are searched."""
+        return {}
+
 
 def with_engine_that_can(setup: TrainingSetup, *, keep: frozenset[str] = frozenset(), **changes) -> TrainingSetup:
     """`setup` with `changes` on its own engine when that engine can express the result, else on the first other
@@ -168,5 +178,12 @@ or clipping. Activation offloading follows the loss rungs: it costs host RAM and
 compute, and pairs with checkpointing (memfit.techniques.activation_offload). LoRA and QLoRA come after every seed
 rung (the combined ladder ends with them): they change what is trained, not only how (memfit.techniques.lora).
 While static memory alone is over the budget, every rung whose `cuts_static` is False waits (static_over_budget)."""
+
+SEARCH: tuple[str, ...] = ("mixed_precision", "adam_8bit", "checkpointing", "micro_batch", "zero", "cpu_offload",
+                           "flash_attention")
+"""The techniques `plan --optimize` combines (memfit.search.candidate_setups), in the order their fields vary in the
+search (the last fastest), which is also how ties between equally fast setups break. fused_loss,
+activation_offload and compile yield values too but are not searched: adding them moves --optimize answers
+(memfit.search; see its docstring)."""
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]

@@ -4,8 +4,11 @@ memfit.estimate.compiled from the partition of one real block on fake tensors; t
 
 from __future__ import annotations
 
+from ..change import Change
 from ..errors import MemfitError
+from ..setup import TrainingSetup
 from .base import Context, Proposal, Skip, Technique, pin_reason, register
+from .convert import Target, conversion
 
 CHANGE = ("HF: TrainingArguments(torch_compile=True); torchtune: compile: True; torchtitan: [compile] enable = true "
           "(each block compiled)")
@@ -26,6 +29,9 @@ class Compile(Technique):
     cuts_static = False
     title = "torch.compile (per block)"
 
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        return {"compile": [False, True]}
+
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.compile:
             return Skip("already compiled")
@@ -45,3 +51,36 @@ class Compile(Technique):
         except (MemfitError, RuntimeError) as error:  # the block could not be traced compiled
             return Skip(f"the compiled block could not be traced: {error}")
         return Proposal(setup, CHANGE, COST, WHY)
+
+
+@conversion("compile")
+def convert(model, setup, target: Target):
+    """Each repeated block torch.compile'd in place (memfit._torch.compiled.compile_blocks, as torchtune and
+    torchtitan compile), last: over the checkpoint wrappers and adapters. On fake tensors (a trace) the backend is
+    AOTAutograd's partition without codegen, the same saved tensors."""
+    if not setup.compile:
+        return None
+    from .._torch import blocks
+    from .._torch.compiled import compile_blocks
+
+    found = blocks.find_blocks(model)
+    if found and all(getattr(block, "_compiled_call_impl", None) is not None for block in found):
+        return Change("compile", False, f"already compiled ({len(found)} blocks)")
+    compiled = compile_blocks(model, target.compile_backend)
+    if not compiled:
+        return Change("compile", False, "not applicable: no repeated blocks to compile")
+    return Change("compile", True, f"{compiled} blocks compiled in place (nn.Module.compile, backend "
+                                   f"{target.compile_backend})")
+
+
+def hf_trainer_fragment(setup: TrainingSetup, **_) -> tuple[dict, dict[str, str], list[str]]:
+    """(TrainingArguments kwargs, their comments, notes) for the HF Trainer files (memfit.emit.hf_trainer).
+    torch.compile: the Trainer compiles the whole model; torchtune and torchtitan compile each block, as memfit
+    sizes it (memfit.estimate.compiled)."""
+    if not setup.compile:
+        return {}, {}, []
+    return ({"torch_compile": True},
+            {"torch_compile": "torch.compile (inductor): blocks keep what AOTAutograd's min-cut partitioner saves"},
+            ["torch.compile is sized per block (torchtune `compile: True`, torchtitan `[compile] enable = true`); "
+             "the Trainer's torch_compile compiles the whole model, head and loss included, which memfit sizes "
+             "eager. First steps are slow (compilation); a new sequence length recompiles."])

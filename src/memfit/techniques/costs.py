@@ -1,6 +1,11 @@
-"""Costs a technique adds, in the units users weigh: compute, bytes over the wire per step, seconds."""
+"""Costs a technique adds, in the units users weigh: compute, bytes over the wire per step, seconds.
+
+Each is a typed `Cost`: the ladder prints its `text` (rendered from its numbers), memfit.throughput and
+`plan --optimize` read the numbers (`step_cost`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..estimate.comm import comm_volume, data_parallel_bytes, describe_runtime
 from ..hardware import Hardware
@@ -17,12 +22,50 @@ def zero_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     return comm_volume(spec, setup).per_rank_bytes
 
 
-def zero_traffic(spec: ModelSpec, setup: TrainingSetup) -> str:
+@dataclass(frozen=True)
+class Cost:
+    """What a technique costs per optimizer step per rank. `template` renders `text` from the numbers
+    (str.format over `fields()`); caveats are what no number says."""
+
+    recompute_fraction: float = 0.0
+    """Extra compute, as a share of a step without the technique (checkpointing)."""
+    wire_bytes: int = 0
+    """Bytes each rank sends over the interconnect per optimizer step (ZeRO, data parallelism)."""
+    host_link_bytes: int = 0
+    """Bytes between host and device per optimizer step (offload), over `host_link_gb_per_s`."""
+    host_link_seconds: float = 0.0
+    cpu_step_seconds: float = 0.0
+    """The optimizer step on the CPU (offload)."""
+    host_bytes: int = 0
+    """Pinned host RAM per GPU (activation offload)."""
+    step_time_factor: float = 1.0
+    """What the technique multiplies compute time by, where modelled (low-bit optimizer states: 1.01)."""
+    caveats: tuple[str, ...] = ()
+    template: str = "{caveats}"
+
+    def fields(self) -> dict:
+        return {"recompute_percent": 100 * self.recompute_fraction, "wire": format_bytes(self.wire_bytes),
+                "host_link": format_bytes(self.host_link_bytes), "host_link_seconds": self.host_link_seconds,
+                "cpu_step_seconds": self.cpu_step_seconds, "host": format_bytes(self.host_bytes),
+                "caveat": self.caveats, "caveats": "; ".join(self.caveats)}
+
+    @property
+    def text(self) -> str:
+        return self.template.format(**self.fields())
+
+
+def zero_cost(spec: ModelSpec, setup: TrainingSetup) -> Cost:
+    """The ZeRO rung's cost: the engine's bytes per rank per step (memfit.estimate.comm)."""
     volume = comm_volume(spec, setup)
     baseline = data_parallel_bytes(spec, setup)
     ratio = f", {volume.per_rank_bytes / baseline:.3g}x its data-parallel all-reduce" if baseline else ""
-    return (f"{format_bytes(volume.per_rank_bytes)} per rank per step over the interconnect "
-            f"({volume.psi_multiple:.3g} x Psi, {describe_runtime(setup)}{ratio})")
+    return Cost(wire_bytes=volume.per_rank_bytes,
+                caveats=(f"{volume.psi_multiple:.3g} x Psi, {describe_runtime(setup)}{ratio}",),
+                template="{wire} per rank per step over the interconnect ({caveat[0]})")
+
+
+def zero_traffic(spec: ModelSpec, setup: TrainingSetup) -> str:
+    return zero_cost(spec, setup).text
 
 
 CPU_ADAM_PARAMS_PER_S = 1e9
@@ -112,14 +155,19 @@ def host_link_seconds(num_bytes: int, hardware: Hardware) -> float:
     return num_bytes / (hardware.gpu.host_link_gb_per_s * 1e9)
 
 
-def offload_traffic(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> str:
+def offload_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """The offload rung's cost: the engine's host<->device copies and the CPU optimizer step."""
     traffic = offload_traffic_bytes(spec, setup)
-    link = hardware.gpu.host_link_gb_per_s
-    seconds = host_link_seconds(traffic, hardware)
     per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
-    step = cpu_step_seconds(spec, setup)
-    return (f"{format_bytes(traffic)} over PCIe per step{per} (~{seconds:.2f} s at {link:g} GB/s) and a CPU Adam "
-            f"step (~{step:.1f} s at {CPU_ADAM_PARAMS_PER_S:.0e} params/s)")
+    return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),
+                cpu_step_seconds=cpu_step_seconds(spec, setup),
+                caveats=(per, f"{hardware.gpu.host_link_gb_per_s:g} GB/s", f"{CPU_ADAM_PARAMS_PER_S:.0e} params/s"),
+                template="{host_link} over PCIe per step{caveat[0]} (~{host_link_seconds:.2f} s at {caveat[1]}) and a "
+                         "CPU Adam step (~{cpu_step_seconds:.1f} s at {caveat[2]})")
+
+
+def offload_traffic(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> str:
+    return offload_cost(spec, setup, hardware).text
 
 
 def recompute_fraction(spec: ModelSpec, setup: TrainingSetup) -> float:
@@ -155,10 +203,54 @@ def activation_offload_traffic_bytes(host_bytes_per_micro_step: int, setup: Trai
     return 2 * host_bytes_per_micro_step * setup.grad_accum_steps
 
 
-def activation_offload_cost(host_bytes_per_micro_step: int, setup: TrainingSetup, hardware: Hardware) -> str:
+def activation_offload_cost(host_bytes_per_micro_step: int, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """The activation-offload rung's cost: every pack down and up each micro-step, and the pinned host RAM."""
     traffic = activation_offload_traffic_bytes(host_bytes_per_micro_step, setup)
-    seconds = host_link_seconds(traffic, hardware)
     per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
-    return (f"{format_bytes(traffic)} over PCIe per step{per} (~{seconds:.2f} s at "
-            f"{hardware.gpu.host_link_gb_per_s:g} GB/s), overlapped with compute on torchtune's second stream as "
-            f"far as the link keeps up; {format_bytes(host_bytes_per_micro_step)} of pinned host RAM per GPU")
+    return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),
+                host_bytes=host_bytes_per_micro_step,
+                caveats=(per, f"{hardware.gpu.host_link_gb_per_s:g} GB/s",
+                         "overlapped with compute on torchtune's second stream as far as the link keeps up"),
+                template="{host_link} over PCIe per step{caveat[0]} (~{host_link_seconds:.2f} s at {caveat[1]}), "
+                         "{caveat[2]}; {host} of pinned host RAM per GPU")
+
+
+_RECOMPUTED = {"full": "one extra forward per step",
+               "selective-op": "every 2nd matmul of a block and its elementwise ops recomputed",
+               "attention": "the attention core's two T x T matmuls and softmax recomputed"}
+
+
+def checkpointing_cost(spec: ModelSpec, setup: TrainingSetup) -> Cost:
+    """The checkpointing rung's cost: the recomputed share of a step (recompute_fraction)."""
+    what = _RECOMPUTED.get(str(setup.checkpointing), f"one extra forward of every {setup.checkpointing.every}th "
+                                                    "block")
+    return Cost(recompute_fraction=recompute_fraction(spec, setup), caveats=(what,),
+                template="+{recompute_percent:.0f}% compute ({caveat[0]})")
+
+
+LOW_BIT_STEP_FACTOR = 1.01
+"""Low-bit optimizer states (8-bit / 4-bit AdamW): quantise and dequantise around each update, ~1% of a step."""
+
+
+def offload_step_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """The engine's or torchao's optimizer offload, as a step pays it: host copies and the CPU step."""
+    if setup.offload is Offload.NONE and setup.cpu_offload_optimizer.value == "off":
+        return Cost()
+    traffic = offload_traffic_bytes(spec, setup)
+    return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),
+                cpu_step_seconds=cpu_step_seconds(spec, setup))
+
+
+def combined(costs) -> Cost:
+    """Several techniques' costs of one step: amounts add up, step-time factors multiply."""
+    total = Cost()
+    for cost in costs:
+        total = Cost(recompute_fraction=total.recompute_fraction + cost.recompute_fraction,
+                     wire_bytes=total.wire_bytes + cost.wire_bytes,
+                     host_link_bytes=total.host_link_bytes + cost.host_link_bytes,
+                     host_link_seconds=total.host_link_seconds + cost.host_link_seconds,
+                     cpu_step_seconds=total.cpu_step_seconds + cost.cpu_step_seconds,
+                     host_bytes=total.host_bytes + cost.host_bytes,
+                     step_time_factor=total.step_time_factor * cost.step_time_factor,
+                     caveats=total.caveats + cost.caveats)
+    return total

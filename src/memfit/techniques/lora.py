@@ -4,11 +4,13 @@ They change the method, not just the memory: the cost line says so."""
 
 from __future__ import annotations
 
+from ..change import Change
 from ..errors import ConfigError
 from ..estimate.lora import rung_targets
 from ..finetune import BaseWeights, Finetune, Method
 from ..setup import Offload, Sharding, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
+from .convert import Target, conversion
 
 LORA_COST = ("a different method: trains a rank-r update of the targeted projections instead of every weight "
              "(close to full fine-tuning on instruction tuning, behind it on large domain shifts: Biderman et al. "
@@ -92,3 +94,16 @@ class Qlora(Technique):
                         "the frozen Linear weights are stored in 4 bits (0.5 B plus ~0.127 bits of block constants "
                         "per weight); embeddings, head and norms stay unquantized (fp32 after "
                         "prepare_model_for_kbit_training)")
+
+
+@conversion("finetune")
+def convert(model, setup: TrainingSetup, target: Target) -> Change | None:
+    """LoRA / QLoRA: the adapters injected in place (peft.inject_adapter_in_model, which freezes everything else),
+    kept in fp32 as get_peft_model does by default; for QLoRA the base's Linears quantized in place to
+    bitsandbytes 4-bit (or 8-bit) first, the rest upcast to fp32 (prepare_model_for_kbit_training) unless
+    kbit_prep is False (the rest in the compute dtype). memfit._torch.lora does it, on real or fake tensors."""
+    if not setup.finetune.adapters:
+        return None
+    from .._torch import lora as torch_lora
+
+    return Change("finetune", *torch_lora.apply_adapters(model, setup))

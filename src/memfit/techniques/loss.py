@@ -5,7 +5,7 @@ backward (the gradients)."""
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..setup import Loss
+from ..setup import Loss, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
 
 
@@ -17,6 +17,9 @@ class ChunkedOrFusedLoss(Technique):
     key = "fused_loss"
     cuts_static = False
     title = "chunked / fused cross-entropy"
+
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        return {"loss": list(Loss)}
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         if ctx.setup.loss is Loss.FUSED:
@@ -72,3 +75,22 @@ class OptimizerInBackward(Technique):
                         "none in compute; no gradient clipping and no gradient accumulation",
                         "each parameter steps as soon as its gradient is complete and the gradient is freed: one "
                         "parameter's gradient at a time instead of all of them, and no optimizer-step peak")
+
+
+def hf_trainer_fragment(setup: TrainingSetup, **_) -> tuple[dict, dict[str, str], list[str]]:
+    """(TrainingArguments kwargs, their comments, notes) for the HF Trainer files (memfit.emit.hf_trainer).
+    The fused loss is Liger's (TrainingArguments.use_liger_kernel patches the model's forward with its fused
+    linear cross-entropy); the chunked loss and the optimizer step in backward are torchtune's, said in notes."""
+    content, comments, notes = {}, {}, []
+    if setup.loss is Loss.FUSED:
+        content["use_liger_kernel"] = True
+        comments["use_liger_kernel"] = ("Liger kernels incl. the fused linear cross-entropy: no B x T x V logits "
+                                        "(pip install liger-kernel; CUDA + Triton)")
+    elif setup.loss is Loss.CHUNKED:
+        notes.append("The chunked loss is torchtune's: `loss: _component_: torchtune.modules.loss."
+                     "CEWithChunkedOutputLoss` (num_output_chunks 8; newer torchtune: LinearCrossEntropyLoss). The HF "
+                     "Trainer has no chunked loss; `use_liger_kernel=True` (fused) saves more.")
+    if setup.optimizer_in_backward:
+        notes.append("The optimizer step in backward is torchtune's `optimizer_in_bwd: True` (with "
+                     "gradient_accumulation_steps 1 and clip_grad_norm null); TrainingArguments has no such option.")
+    return content, comments, notes

@@ -5,7 +5,7 @@ from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSet
 from ..units import format_bytes
 from ..estimate import torchao_offload
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
-from .costs import offload_traffic
+from .costs import Cost, offload_step_cost, offload_traffic
 
 
 @register
@@ -16,6 +16,13 @@ class CpuOffload(Technique):
 
     key = "cpu_offload"
     title = "CPU offload of optimizer states"
+
+    def step_cost(self, spec, setup: TrainingSetup, hardware) -> Cost:
+        return offload_step_cost(spec, setup, hardware)
+
+    def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
+        """Every offload, on every engine with more than one GPU (which engine can offload what differs)."""
+        return {"offload": list(Offload), "engine": list(Engine) if hardware.world_size > 1 else [setup.engine]}
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         try:

@@ -9,8 +9,11 @@ is over the budget by less than the 8-bit states would save (70B QLoRA on a 48 G
 
 from __future__ import annotations
 
+from ..change import Change
 from ..setup import Offload, Optimizer
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
+from .costs import LOW_BIT_STEP_FACTOR, Cost
+from .convert import Target, conversion
 
 FOUR_BIT_CAVEAT = ("4-bit states (torchao AdamW4bit, Li et al. 2023, arXiv:2309.01507) matched 32-bit AdamW on the "
                    "paper's fine-tuning and pre-training runs, but are newer and less tried than 8-bit; the step is "
@@ -21,6 +24,16 @@ FOUR_BIT_CAVEAT = ("4-bit states (torchao AdamW4bit, Li et al. 2023, arXiv:2309.
 class Adam8bit(Technique):
     key = "adam_8bit"
     title = "8-bit AdamW"
+
+    def step_cost(self, spec, setup, hardware) -> Cost:
+        return Cost(step_time_factor=LOW_BIT_STEP_FACTOR if setup.optimizer.state_bits < 32 else 1.0)
+
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        """For an Adam: bitsandbytes' 8-bit AdamW and torch's fused AdamW beside the setup's."""
+        optimizers = {setup.optimizer}
+        if setup.optimizer.is_adam:
+            optimizers |= {Optimizer.ADAMW_8BIT, Optimizer.ADAMW_FUSED}
+        return {"optimizer": sorted(optimizers)}
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         opt = ctx.setup.optimizer
@@ -62,3 +75,20 @@ def _brings_static_under(ctx: Context) -> bool:
         return False
     states = sum(t.num_bytes for t in ctx.estimate.terms if t.name.startswith("optimizer/"))
     return states * 3 // 4 >= ctx.diagnosis.static_bytes - ctx.diagnosis.budget_bytes
+
+
+@conversion("optimizer")
+def convert(model, setup, target: Target):
+    """The optimizer is the loop's to build (apply_'s `make_optimizer`, memfit._torch.step.make_optimizer): this
+    says which, and whether its library is installed."""
+
+    detail = f"build it with applied.make_optimizer(model): {setup.optimizer.kind.describe()}"
+    if setup.precision.master_weights:
+        detail += " on an fp32 master copy of the bf16 parameters"
+    if setup.optimizer.library in ("bitsandbytes", "torchao"):
+        import importlib.util
+
+        library = setup.optimizer.library
+        if importlib.util.find_spec(library) is None:
+            detail += f" -- {library} is not installed: pip install {library}"
+    return Change("optimizer", False, detail)

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+from ..change import Change
 from ..errors import ConfigError
 from ..setup import Engine, Sharding
 from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
-from .costs import zero_traffic
+from .convert import Target, conversion
+from .costs import Cost, zero_traffic, zero_traffic_bytes
 
 
 @register
@@ -12,6 +14,15 @@ class ZeroSharding(Technique):
 
     key = "zero"
     title = "ZeRO sharding"
+
+    def step_cost(self, spec, setup, hardware) -> Cost:
+        """Bytes on the wire with more than one GPU (data parallelism without ZeRO too)."""
+        return Cost(wire_bytes=zero_traffic_bytes(spec, setup) if setup.num_gpus > 1 else 0)
+
+    def search_values(self, setup, hardware) -> dict[str, list]:
+        """No sharding, and every ZeRO stage with more than one GPU."""
+        more = [Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3] if hardware.world_size > 1 else []
+        return {"sharding": [Sharding.NONE] + more}
 
     def propose(self, ctx: Context) -> Proposal | Skip:
         n = ctx.hardware.world_size
@@ -44,3 +55,16 @@ class ZeroSharding(Technique):
             why += (f" (with torch's FSDP2: DeepSpeed cannot shard this setup, "
                     f"{ctx.setup.finetune.method if ctx.setup.finetune.adapters else chosen.optimizer} included)")
         return Proposal(chosen, change, zero_traffic(ctx.spec, chosen), why)
+
+
+@conversion("engine")
+def convert(model, setup, target: Target):
+    """Sharding and offload need an engine (memfit._torch.engine.prepare, DeepSpeed, FSDP2): said, not done."""
+    from ..setup import Offload
+
+    if setup.sharding is Sharding.NONE and setup.offload is Offload.NONE:
+        return None
+    parts = [f"{setup.sharding} over {setup.num_gpus} GPUs"] if setup.sharding is not Sharding.NONE else []
+    parts += [f"offload {setup.offload}"] if setup.offload is not Offload.NONE else []
+    return Change("engine", False, f"{' + '.join(parts)} needs an engine (DeepSpeed / FSDP): launch with the config "
+                                   "memfit emits; apply_ changes this one process only")

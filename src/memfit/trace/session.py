@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._torch import step as runner
 from ..errors import ConfigError
-from ..setup import Checkpointing, Optimizer, Precision, TrainingSetup
+from ..setup import Precision, TrainingSetup
 
 PhaseCallback = Callable[[str], None]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -153,22 +153,10 @@ def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup,
     model = _construct(factory)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
-    dtype = runner.param_dtype(_model_setup(setup))
-    cast_floating(model, dtype)
+    model_setup = _model_setup(setup)
+    dtype = runner.param_dtype(model_setup)
     model.train()
-    notes: list[str] = []
-    if setup.checkpointing is Checkpointing.FULL:
-        wrapped = checkpoint_repeated_blocks(model)
-        notes.append(f"gradient checkpointing: torch.utils.checkpoint around {wrapped} repeated blocks" if wrapped
-                     else "no repeated blocks to checkpoint were found: gradient checkpointing not applied")
-    elif setup.checkpointing.is_on:
-        from .._torch.blocks import apply_checkpointing
-
-        done = apply_checkpointing(model, str(setup.checkpointing))
-        notes.append(f"checkpointing {setup.checkpointing}: {done}" if done else
-                     f"checkpointing {setup.checkpointing}: nothing to wrap was found, not applied")
-    if setup.attention is not TrainingSetup().attention:
-        notes.append("the attention setting does not apply to a plain module: it runs its own attention code")
+    notes = convert_module(model, model_setup)
     batch = _cast_floats(input_builder(setup), dtype)
     return _finish(model, batch, setup, loss_fn=loss_fn or module_loss, shard=shard, notes=notes)
 
@@ -262,24 +250,23 @@ def module_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return output.float().mean()
 
 
-def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
-    """`model.to(dtype)`, done by replacing tensors: `Module.to` swaps tensors in place, which FakeTensors refuse
-    (they carry weakrefs). Tied parameters stay tied."""
-    converted: dict[int, torch.Tensor] = {}
+def convert_module(model: nn.Module, setup: TrainingSetup) -> list[str]:
+    """A plain module as the setup trains it in memfit's loop: the techniques' conversions (memfit.techniques.convert,
+    apply_'s path), each one that applies said in a note."""
+    from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 
-    def convert(tensor: torch.Tensor, make) -> torch.Tensor:
-        if id(tensor) not in converted:
-            converted[id(tensor)] = make(tensor.detach().to(dtype)) if tensor.dtype != dtype else tensor
-        return converted[id(tensor)]
+    changes = convert_model(model, setup, Target(is_hf=False, loop=MEMFIT_LOOP, compile_backend="partitioned"),
+                            _MODULE_ITEMS)
+    return [f"{change.name}: {change.detail}" for change in changes
+            if change.name == "checkpointing" and setup.checkpointing.is_on
+            or change.name == "attention" and setup.attention is not TrainingSetup().attention]
 
-    with torch.no_grad():
-        for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                if param.is_floating_point():
-                    module._parameters[name] = convert(param, lambda t, p=param: nn.Parameter(t, p.requires_grad))
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer.is_floating_point():
-                    module._buffers[name] = convert(buffer, lambda t: t)
+
+_MODULE_ITEMS = ("precision", "attention", "checkpointing")
+"""What a traced plain module gets converted: the other conversions are sized for transformers models only, or are
+the loop's."""
+
+cast_floating = runner.cast_floating  # memfit._torch.step's, the precision conversion's
 
 
 def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:

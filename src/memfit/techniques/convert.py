@@ -1,0 +1,75 @@
+"""The one runtime path from a TrainingSetup to a live model: each technique module registers its `convert(model,
+setup, target)` (the one place its change is applied to an nn.Module) and `convert_model` runs them in ORDER.
+
+`memfit.apply_`, `memfit._torch.step.build_hf_model` (so every measurement and every trace of an HF model), the
+trace's plain-module session and the engines (`memfit._torch.engine.prepare` / `shard`) all call `convert_model`,
+so a trace checks what `apply_` does to a user's model. Items that need the training loop or an engine (the
+optimizer, batching, sharding) register a conversion too: it changes nothing and says what the caller does.
+
+The order (torchtitan's: model converters such as float8 first, then activation checkpointing, then compile):
+precision and the LoRA / QLoRA base before anything wraps a Linear; float8 swaps Linears before checkpointing wraps
+the blocks; compile last, over the wrapped blocks. Adapters and float8 never meet (TrainingSetup refuses the pair), and
+adapters commute with checkpointing (peft replaces Linears inside a block; the checkpoint wrapper replaces the
+block's forward; HF's switch flags the layers).
+
+torch is imported inside the conversions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..setup import TrainingSetup
+
+USER_LOOP, MEMFIT_LOOP = "user", "memfit"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the conversions know about the model and who trains it."""
+
+    is_hf: bool
+    """A transformers PreTrainedModel: HF's own switches (checkpointing, attention) apply."""
+    loop: str = USER_LOOP
+    """USER_LOOP (apply_: the caller's loop or the HF Trainer calls model(**batch)); MEMFIT_LOOP (memfit's one loop,
+    memfit._torch.step.training_step, which wraps forward and loss in activation offloading itself)."""
+    blocks: Sequence[Any] | None = None
+    """The blocks to checkpoint (the engine's FSDP units); None: memfit._torch.blocks' finder."""
+    compile_backend: Any = "inductor"
+    """torch.compile's backend for `setup.compile` ("partitioned": memfit._torch.compiled, no codegen)."""
+
+
+Conversion = Callable[[Any, TrainingSetup, Target], Any]
+"""(model, setup, target) -> memfit.apply.Change, or None when the setup does not use the technique."""
+
+ORDER = ("precision", "finetune", "float8", "attention", "checkpointing", "optimizer", "batching", "engine",
+         "activation_offload", "compile")
+"""The order conversions run in, which is also the order of apply_'s report."""
+
+CONVERSIONS: dict[str, Conversion] = {}
+
+ALONE = ("checkpointing", "activation_offload")
+"""The items apply_ takes alone (a mapping, or the memfit_apply.json `memfit plan --emit` writes): what only code
+can put on a model, since TrainingArguments cannot say it."""
+
+
+def conversion(item: str) -> Callable[[Conversion], Conversion]:
+    """Register a technique module's `convert` as the conversion of `item` (one of ORDER)."""
+    if item not in ORDER:
+        raise ValueError(f"{item} is not in memfit.techniques.convert.ORDER")
+
+    def register(convert: Conversion) -> Conversion:
+        CONVERSIONS[item] = convert
+        return convert
+
+    return register
+
+
+def convert_model(model, setup: TrainingSetup, target: Target, items: Sequence[str] | None = None) -> tuple:
+    """Run the registered conversions of `items` (default: all) on `model` in ORDER; their Changes, None dropped.
+    Importing memfit.techniques registers every technique module's conversion."""
+    wanted = ORDER if items is None else tuple(item for item in ORDER if item in items)
+    changes = (CONVERSIONS[item](model, setup, target) for item in wanted)
+    return tuple(change for change in changes if change is not None)
