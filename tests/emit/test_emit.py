@@ -594,9 +594,9 @@ def _without_auto(data: dict) -> dict:
 @pytest.mark.parametrize("major,name", [(4, "gradient_checkpointing"), (5, "activation_checkpointing"),
                                         (None, "activation_checkpointing")])
 def test_checkpointing_is_named_for_the_installed_transformers(major, name, monkeypatch):
-    from memfit.emit import hf_trainer
+    from memfit import libraries
 
-    monkeypatch.setattr(hf_trainer, "transformers_major", lambda: major)
+    monkeypatch.setattr(libraries, "transformers_major", lambda: major)
     kwargs = emit.hf_trainer_kwargs(TrainingSetup(checkpointing="full"))
     assert kwargs[name] is True and kwargs[f"{name}_kwargs"] == {"use_reentrant": False}
     other = {"gradient_checkpointing", "activation_checkpointing"} - {name}
@@ -606,19 +606,19 @@ def test_checkpointing_is_named_for_the_installed_transformers(major, name, monk
 @pytest.mark.parametrize("version,key", [((4, 45), "torch_dtype"), ((4, 56), "dtype"), ((5, 24), "dtype"),
                                          (None, "dtype")])
 def test_pure_bf16_dtype_keyword_is_the_one_the_installed_transformers_reads(version, key, monkeypatch):
-    from memfit.emit import hf_trainer
+    from memfit import libraries
 
-    monkeypatch.setattr(hf_trainer, "transformers_version", lambda: version)
+    monkeypatch.setattr(libraries, "transformers_version", lambda: version)
     kwargs = emit.hf_model_kwargs(TrainingSetup(precision="bf16"))
     assert kwargs[key] == "bfloat16" and not {"dtype", "torch_dtype"} - {key} & set(kwargs)
 
 
 def test_installed_transformers_version_is_read():
     transformers = pytest.importorskip("transformers")
-    from memfit.emit import hf_trainer
+    from memfit import libraries
 
-    assert hf_trainer.transformers_major() == int(transformers.__version__.split(".")[0])
-    if hf_trainer.transformers_major() >= 5:
+    assert libraries.transformers_major() == int(transformers.__version__.split(".")[0])
+    if libraries.transformers_major() >= 5:
         assert "activation_checkpointing" in emit.hf_trainer_kwargs(TrainingSetup(checkpointing="full"))
 
 

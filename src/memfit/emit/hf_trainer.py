@@ -9,7 +9,7 @@ import sys
 from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
 from ..estimate import torchao_offload
 from ..techniques import compile as compile_technique, loss as loss_technique
-from ..libraries import dtype_keyword, legacy_checkpointing_names, transformers_major  # noqa: F401 - tests read them here
+from ..libraries import dtype_keyword, legacy_checkpointing_names
 from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
 from .emitted import EmittedConfig, engine_work, uses_deepspeed, uses_fsdp
