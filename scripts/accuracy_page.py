@@ -55,6 +55,12 @@ SOURCES = (
            "real CPU steps (profiler)"),
     Source("lora_accuracy.md", "error", "formulas: LoRA / QLoRA / DoRA (peft, bitsandbytes)",
            "real CPU steps (profiler)"),
+    Source("lora_derived.md", "now", "formulas: LoRA / QLoRA on derived families (OPT, Falcon, GPT-J, StableLM, Phi, "
+           "Qwen3, Gemma 3)", "real CPU steps (profiler)"),
+    Source("rl.md", "error", "formulas: RL phases (TRL GRPO / DPO: generation, log-probs, training)",
+           "real TRL steps on CPU, per phase (profiler)", needs="phase"),
+    Source("frameworks.md", "error", "`memfit trace -- python SCRIPT`: plain loop, HF Trainer, Lightning, Fabric, TRL",
+           "the same script run for real on CPU"),
     Source("torchtune_lora.md", "error", "formulas: torchtune's LoRA / QLoRA recipes", "real CPU steps (profiler)"),
     Source("lora_fsdp.md", "error", "formulas: LoRA / QLoRA under FSDP2, per rank", "2 real gloo ranks"),
     Source("lora_deepspeed.md", "error", "formulas: LoRA under DeepSpeed ZeRO-2 / 3, per rank", "2 real gloo ranks"),
