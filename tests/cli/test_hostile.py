@@ -194,11 +194,12 @@ def test_ctrl_c_ends_a_trace_within_2_s_with_exit_130(after_s):
 @pytest.mark.processes
 def test_the_console_script_loads_no_memfit_module_before_its_handler():
     """`from memfit.cli import main` (the console script's import, before main() installs the SIGINT handler) loads
-    memfit's package, its errors and memfit.cli only: a Ctrl-C has nowhere left to land but the interpreter's start."""
+    memfit's package (and its import-free version string), its errors and memfit.cli only: a Ctrl-C has nowhere left
+    to land but the interpreter's start."""
     code = "import sys; from memfit.cli import main; print(sorted(m for m in sys.modules if m.startswith('memfit')))"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
                          capture_output=True, text=True, timeout=60).stdout
-    assert out.strip() == "['memfit', 'memfit.cli', 'memfit.errors']"
+    assert out.strip() == "['memfit', 'memfit._version', 'memfit.cli', 'memfit.errors']"
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")

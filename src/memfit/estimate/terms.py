@@ -121,6 +121,28 @@ class TermKey(StrEnum):
     NCCL = "overhead/nccl"
     ONEDNN_SCRATCH = "overhead/onednn_scratch"
 
+    # RL post-training phases (memfit.rl): generation (HF generate's KV cache, vLLM's budget), log-probs, the loss
+    KV_CACHE = "activations/kv_cache"
+    LOG_SOFTMAX = "activations/log_softmax"
+    LOGPROB_SAVED = "activations/logprob_saved"
+    RL_LOSS = "activations/rl_loss"
+    VLLM_KV_CACHE = "activations/vllm_kv_cache"
+    ROLLOUT_INPUTS = "activations/rollout_inputs"
+    VLLM_NON_TORCH = "overhead/vllm_non_torch"
+    REFERENCE = "parameters/reference"
+    VLLM_WEIGHTS = "parameters/vllm_weights"
+    DECODE_STEP = "temporaries/decode_step"
+    FORWARD_LAYER = "temporaries/forward_layer"
+    KV_CACHE_GROWTH = "temporaries/kv_cache_growth"
+    LOGITS_TEMPORARY = "temporaries/logits"
+    LOGITS_BACKWARD = "temporaries/logits_backward"
+    LOGPROB_FOLD = "temporaries/logprob_fold"
+    LOGPROB_GRAD_ACCUMULATORS = "temporaries/logprob_grad_accumulators"
+    LOGPROB_HIDDEN = "temporaries/logprob_hidden"
+    LOGPROB_TILE = "temporaries/logprob_tile"
+    PREFILL = "temporaries/prefill"
+    VLLM_ACTIVATIONS = "temporaries/vllm_activations"
+
     @property
     def category(self) -> Category:
         """The category is the name's first part: 'activations/head' is an activation."""

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ..estimate.result import Category, Term
+from ..estimate.terms import TermKey
 from ..graph.kinds.attention import Attention
 from ..graph.registry import walk
 from ..model_spec import ModelSpec
@@ -81,11 +82,11 @@ def _decode_terms(spec: ModelSpec, batch: int, prompt: int, completion: int, dty
     kept = length - 1 if first.window is None else min(length - 1, first.window)
     growing = batch * first.kv_heads * kept * first.key_dim * dtype_bytes
     step = 3 * batch * spec.vocab_size * 4 + 2 * batch * length * 8
-    return [term("activations/kv_cache", Category.ACTIVATIONS, cache,
+    return [term(TermKey.KV_CACHE, Category.ACTIVATIONS, cache,
                  f"{batch} sequences x {length} tokens x per-layer K+V ({dtype_bytes} B)", _GENERATE),
-            term("temporaries/kv_cache_growth", Category.TEMPORARIES, growing,
+            term(TermKey.KV_CACHE_GROWTH, Category.TEMPORARIES, growing,
                  "one layer's keys before torch.cat frees them", _GENERATE),
-            term("temporaries/decode_step", Category.TEMPORARIES, step,
+            term(TermKey.DECODE_STEP, Category.TEMPORARIES, step,
                  "3 x B x V x 4 B (last-position logits, scores, probs) + 2 x B x L int64 ids", _GENERATE)]
 
 
@@ -94,9 +95,9 @@ def _prefill_terms(spec: ModelSpec, batch: int, prompt: int, dtype_bytes: int) -
     model's forward keeps, the residual, the normed input, the attention's output) and the MLP's gate, up and
     act(gate) [B, P, I] (counts read off a measured tiny Llama)."""
     tokens = batch * prompt
-    return [term("activations/kv_cache", Category.ACTIVATIONS, hf_kv_cache_bytes(spec, batch, prompt, dtype_bytes),
+    return [term(TermKey.KV_CACHE, Category.ACTIVATIONS, hf_kv_cache_bytes(spec, batch, prompt, dtype_bytes),
                  f"{batch} sequences x {prompt} prompt tokens x per-layer K+V", _GENERATE),
-            term("temporaries/prefill", Category.TEMPORARIES,
+            term(TermKey.PREFILL, Category.TEMPORARIES,
                  tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size) * dtype_bytes + 2 * tokens * 8,
                  "B x P x (4h + 3I) + int64 ids and mask", "transformers models/llama/modeling_llama.py forward")]
 
@@ -217,17 +218,17 @@ def vllm_budget(spec: ModelSpec, *, total: int, utilization: float, weights: int
 def vllm_terms(budget: VllmBudget, *, generating: bool, sleep_level: int) -> list[Term]:
     source = "vllm/v1/worker/gpu_worker.py determine_available_memory; vllm/v1/kv_cache_interface.py"
     if not generating and sleep_level:
-        return [term("overhead/vllm_non_torch", Category.OVERHEAD, budget.non_torch + budget.cuda_graphs,
+        return [term(TermKey.VLLM_NON_TORCH, Category.OVERHEAD, budget.non_torch + budget.cuda_graphs,
                      f"sleep level {sleep_level}: weights and KV cache released; non-torch + CUDA graphs stay",
                      source, "outside")]
-    terms = [term("parameters/vllm_weights", Category.PARAMETERS, budget.weights,
+    terms = [term(TermKey.VLLM_WEIGHTS, Category.PARAMETERS, budget.weights,
                   "the engine's own copy of the policy (model dtype, / TP)", source),
-             term("activations/vllm_kv_cache", Category.ACTIVATIONS, budget.kv_cache,
+             term(TermKey.VLLM_KV_CACHE, Category.ACTIVATIONS, budget.kv_cache,
                   f"util {budget.utilization:g} x total - weights - profile peak - non-torch, whole blocks of "
                   f"{budget.block_size} tokens x {budget.bytes_per_token:,} B", source)]
     if generating:
-        terms.append(term("temporaries/vllm_activations", Category.TEMPORARIES, budget.activation_peak,
+        terms.append(term(TermKey.VLLM_ACTIVATIONS, Category.TEMPORARIES, budget.activation_peak,
                           "the profile run's peak: max_num_seqs x vocab x 38.5 B", source))
-    terms.append(term("overhead/vllm_non_torch", Category.OVERHEAD, budget.non_torch + budget.cuda_graphs,
+    terms.append(term(TermKey.VLLM_NON_TORCH, Category.OVERHEAD, budget.non_torch + budget.cuda_graphs,
                       "NCCL / driver memory + CUDA graph pools", source, "outside"))
     return terms

@@ -18,6 +18,7 @@ All three are measured on CPU (bench/rl.py): 'fused' inside real GRPO / DPO step
 from __future__ import annotations
 
 from ..estimate.result import Category, Term
+from ..estimate.terms import TermKey
 from ..model_spec import ModelSpec
 from .workload import term
 
@@ -41,13 +42,13 @@ def fused_forward_terms(spec: ModelSpec, rows: int, batch: int, seq: int, *, com
     """The fused head's no-grad forward at its peak (the last tile), with the backbone's last hidden state."""
     h, v = spec.hidden_size, spec.vocab_size
     tile = min(rows, TOKEN_CHUNK_SIZE)
-    terms = [term("temporaries/logprob_tile", Category.TEMPORARIES, tile * VOCAB_CHUNK_SIZE * compute_bytes,
+    terms = [term(TermKey.LOGPROB_TILE, Category.TEMPORARIES, tile * VOCAB_CHUNK_SIZE * compute_bytes,
                   f"[min(rows, 4096), 32768] x {compute_bytes} B", FUSED),
-             term("temporaries/logprob_hidden", Category.TEMPORARIES,
+             term(TermKey.LOGPROB_HIDDEN, Category.TEMPORARIES,
                   batch * seq * h * hidden_bytes + rows * h * hidden_bytes + (STATS + 2) * rows * 4,
                   "last hidden [B, T, h] + gathered [rows, h] + 9 fp32 [rows] statistics", FUSED)]
     if not triton:
-        terms.append(term("temporaries/logprob_fold", Category.TEMPORARIES,
+        terms.append(term(TermKey.LOGPROB_FOLD, Category.TEMPORARIES,
                           FALLBACK_FORWARD_TILES * tile * min(v, VOCAB_CHUNK_SIZE) * 4,
                           "torch fallback: 3 fp32 tile temporaries", FUSED + " _forward_tile"))
     return terms
@@ -59,14 +60,14 @@ def fused_backward_terms(spec: ModelSpec, rows: int, *, compute_bytes: int, hidd
     h, v = spec.hidden_size, spec.vocab_size
     tile = min(rows, TOKEN_CHUNK_SIZE)
     accumulators = rows * h * 4 + (v * h * 4 if head_trainable else 0)
-    terms = [term("activations/logprob_saved", Category.ACTIVATIONS, rows * h * hidden_bytes + 3 * rows * 4,
+    terms = [term(TermKey.LOGPROB_SAVED, Category.ACTIVATIONS, rows * h * hidden_bytes + 3 * rows * 4,
                   "gathered hidden [rows, h] + log_z, entropy, log-probs [rows] fp32", FUSED),
-             term("temporaries/logprob_tile", Category.TEMPORARIES, tile * VOCAB_CHUNK_SIZE * compute_bytes,
+             term(TermKey.LOGPROB_TILE, Category.TEMPORARIES, tile * VOCAB_CHUNK_SIZE * compute_bytes,
                   f"[min(rows, 4096), 32768] x {compute_bytes} B, recomputed in backward", FUSED),
-             term("temporaries/logprob_grad_accumulators", Category.TEMPORARIES, accumulators,
+             term(TermKey.LOGPROB_GRAD_ACCUMULATORS, Category.TEMPORARIES, accumulators,
                   "fp32 grad_hidden [rows, h]" + (" + grad_weight [V, h]" if head_trainable else ""), FUSED)]
     if not triton:
-        terms.append(term("temporaries/logprob_fold", Category.TEMPORARIES,
+        terms.append(term(TermKey.LOGPROB_FOLD, Category.TEMPORARIES,
                           (FALLBACK_BACKWARD_TILES * 4 + 1) * tile * min(v, VOCAB_CHUNK_SIZE),
                           "torch fallback: 7 fp32 tile temporaries + a bool target mask", FUSED + " _backward_tile"))
     return terms
@@ -82,11 +83,11 @@ def logits_forward_terms(spec: ModelSpec, batch: int, completion: int, *, kind: 
     size = batch * completion * v
     division = batch * (completion + 1) * v * logits_bytes + size * logits_bytes
     if kind == "selective":
-        return [term("temporaries/logits", Category.TEMPORARIES, division,
+        return [term(TermKey.LOGITS_TEMPORARY, Category.TEMPORARIES, division,
                      "logits [B, C+1, V] + logits / temperature [B, C, V]",
                      "trl/trainer/utils.py selective_log_softmax")]
     softmax = size * logits_bytes + (size * 4 if logits_bytes != 4 else 0) + size * 4
-    return [term("temporaries/logits", Category.TEMPORARIES, max(division, softmax),
+    return [term(TermKey.LOGITS_TEMPORARY, Category.TEMPORARIES, max(division, softmax),
                  "the larger of logits + scaled copy, and scaled copy + fp32 log_softmax [B, C, V]",
                  "torch log_softmax over the materialised logits")]
 
@@ -104,8 +105,8 @@ def logits_backward_terms(spec: ModelSpec, batch: int, completion: int, *, kind:
         source = "trl/trainer/utils.py selective_log_softmax"
     else:
         saved, temps, source = size * 4, 3 * size * logits_bytes, "aten log_softmax_backward, gather / slice backward"
-    return [term("activations/log_softmax", Category.ACTIVATIONS, saved, "saved for backward: one [B, C, V]", source),
-            term("temporaries/logits_backward", Category.TEMPORARIES, temps, f"{temps // max(1, size * logits_bytes)}"
+    return [term(TermKey.LOG_SOFTMAX, Category.ACTIVATIONS, saved, "saved for backward: one [B, C, V]", source),
+            term(TermKey.LOGITS_BACKWARD, Category.TEMPORARIES, temps, f"{temps // max(1, size * logits_bytes)}"
                  " x [B, C, V] gradients", source)]
 
 
@@ -114,5 +115,5 @@ def rl_loss_terms(batch: int, completion: int, *, trainer: str, with_reference: 
     old log-probs, ratio, clipped ratio, the two surrogate terms, the masked loss; + the reference log-probs and
     the per-token KL when beta > 0) or DPO's per-token log-probs of policy and reference."""
     count = (7 + (2 if with_reference else 0)) if trainer == "grpo" else (2 if with_reference else 1)
-    return [term("activations/rl_loss", Category.ACTIVATIONS, count * batch * completion * 4,
+    return [term(TermKey.RL_LOSS, Category.ACTIVATIONS, count * batch * completion * 4,
                  f"{count} fp32 [B, C] per-token tensors", "trl grpo_trainer.py / dpo_trainer.py _compute_loss")]

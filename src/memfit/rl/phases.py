@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..diagnose import DEFAULT_MARGIN
 from ..estimate.analytic import estimate
 from ..estimate.result import Category, MemoryEstimate, Term
+from ..estimate.terms import TermKey
 from ..finetune import Finetune, Method
 from ..hardware import Hardware, cpu_device, make_hardware
 from ..model_spec import ModelSpec
@@ -18,7 +19,7 @@ GRPO = "trl/trainer/grpo_trainer.py"
 DPO = "trl/trainer/dpo_trainer.py"
 _HOST = make_hardware(cpu_device(1 << 50))
 """A device with room for anything: the core's saved-activation terms without checkpointing, read at any size."""
-SHARED_OVERHEAD = ("overhead/cuda_context", "overhead/cublas_workspace")
+SHARED_OVERHEAD = (TermKey.CUDA_CONTEXT, TermKey.CUBLAS_WORKSPACE)
 """Overhead terms of the core estimate every phase of the one process carries."""
 
 
@@ -36,7 +37,7 @@ def training_setup(rl: RLSetup, hardware: Hardware, batch: int) -> TrainingSetup
                          num_gpus=hardware.world_size)
 
 
-CE_LOSS_TERMS = ("activations/loss", "activations/logits", "temporaries/loss_backward")
+CE_LOSS_TERMS = (TermKey.LOSS, TermKey.LOGITS, TermKey.LOSS_BACKWARD)
 """The core's cross-entropy tensors (a LoRA policy is sized with Loss.STANDARD): TRL's head replaces them."""
 
 
@@ -54,13 +55,13 @@ def _reference_weights(core: MemoryEstimate, rl: RLSetup) -> list[Term]:
         return []
     weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS)
     source = GRPO + " (ref_model: create_model_from_path)" if rl.trainer == "grpo" else DPO + " (ref_model)"
-    return [term("parameters/reference", Category.PARAMETERS, weights, "the reference model: the policy's weights",
+    return [term(TermKey.REFERENCE, Category.PARAMETERS, weights, "the reference model: the policy's weights",
                  source)]
 
 
 def _rollout_buffers(rl: RLSetup, rows: int) -> list[Term]:
     """The batch's token tensors (ids, attention mask, completion mask: int64) that stay alive across phases."""
-    return [term("inputs/rollout", Category.ACTIVATIONS, 3 * rows * rl.seq_len * 8,
+    return [term(TermKey.ROLLOUT_INPUTS, Category.ACTIVATIONS, 3 * rows * rl.seq_len * 8,
                  f"{rows} sequences x {rl.seq_len} tokens x 3 int64 (ids, masks)", GRPO + " _generate_and_score")]
 
 
@@ -85,7 +86,7 @@ def _no_grad_forward(spec: ModelSpec, rl: RLSetup, batch: int) -> list[Term]:
     if rl.logprob_head != "fused":
         layer += hf_kv_cache_bytes(spec, batch, rl.seq_len, d)
     if layer > sum(t.num_bytes for t in head):
-        return [term("temporaries/forward_layer", Category.TEMPORARIES, layer,
+        return [term(TermKey.FORWARD_LAYER, Category.TEMPORARIES, layer,
                      "B x T x (4h + 3I) (+ the KV cache with use_cache): the last layer's MLP, no grad", GRPO)]
     return head
 
@@ -109,9 +110,9 @@ def _saved_activations(spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, batch
         return _pick(core, Category.ACTIVATIONS)
     unchanged = training_setup(rl.replace(gradient_checkpointing=False), _HOST, batch)
     plain = estimate(spec, unchanged, _HOST)
-    kept = [t for t in _pick(plain, Category.ACTIVATIONS) if t.name in ("activations/embeddings", "activations/head")]
+    kept = [t for t in _pick(plain, Category.ACTIVATIONS) if t.name in (TermKey.EMBEDDINGS, TermKey.HEAD)]
     inputs = spec.num_layers * batch * rl.seq_len * spec.hidden_size * _dtype_bytes(rl)
-    return kept + [term("activations/checkpoints", Category.ACTIVATIONS, inputs,
+    return kept + [term(TermKey.CHECKPOINTS, Category.ACTIVATIONS, inputs,
                         "L x B x T x h: each layer's checkpointed input", "transformers GradientCheckpointingLayer")]
 
 
@@ -172,7 +173,7 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
     phases = []
     if rl.precompute_ref_log_probs:
         pre_rows = 2 * (rl.precompute_ref_batch_size or rl.per_device_train_batch_size)
-        ref = [] if rl.lora else [term("parameters/reference", Category.PARAMETERS, sum(
+        ref = [] if rl.lora else [term(TermKey.REFERENCE, Category.PARAMETERS, sum(
             t.num_bytes for t in params), "the reference model, loaded for the precompute", DPO)]
         phases.append(Phase("precompute", tuple(params + ref + _no_grad_forward(spec, rl, pre_rows) + overhead),
                             ("policy",) if rl.lora else ("policy", "reference"),
