@@ -1,0 +1,184 @@
+"""A vision-language model's training step, built from its HF config with inputs shaped as its processor makes them:
+the vision tower over every image's patches, the merger / projector, the language model over text + vision tokens.
+
+The same step is traced on fake tensors (memfit.trace, the peak of every allocation) and run for real on CPU
+(memfit.measure, the profiler's allocation events, bench/vlm.py). Qwen2-VL's forward reads values of its inputs (the
+patch grid for the vision tower's rotary table and attention splits, the placeholder positions in the token ids);
+on fake tensors those inputs are made as constants (FakeTensorMode keeps the real values of a tensor made from a
+Python list and of ops on constants only: torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT, raised here while the
+step runs) and the M-RoPE position ids are given (their values do not change memory; their shape is the model's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from .tokens import ImageTokens
+
+QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
+TOWERS = ("frozen", "trained", "lora")
+"""How the vision tower trains: frozen (ms-swift freeze_vit, LLaMA-Factory freeze_vision_tower: their default),
+trained with the rest (full fine-tuning), or with LoRA adapters on its Linears too (a LoRA setup only). The merger /
+projector trains with a full fine-tune and stays frozen under LoRA (ms-swift freeze_aligner's default)."""
+
+
+@dataclass(frozen=True)
+class VlmInputs:
+    """One micro-batch's shape: the images of one sample, the text tokens around them, the samples per batch."""
+
+    images: tuple[ImageTokens, ...]
+    text_len: int
+    micro_batch: int
+
+    @property
+    def lm_seq(self) -> int:
+        """Text + every image's placeholders + its vision start / end tokens (processing_qwen2_vl.py expands one
+        <|image_pad|> between <|vision_start|> and <|vision_end|> of the chat template)."""
+        return self.text_len + sum(image.lm_tokens + 2 for image in self.images)
+
+    @property
+    def patches(self) -> int:
+        return sum(image.tower_tokens for image in self.images)
+
+
+def check_family(config: Mapping[str, Any]) -> str:
+    model_type = str(config.get("model_type", ""))
+    if model_type not in QWEN_TYPES:
+        raise ConfigError(f"memfit vlm sizes the memory of {', '.join(QWEN_TYPES)} so far, not model_type "
+                          f"'{model_type}' (vision tokens alone: memfit.vlm.tokens)")
+    return model_type
+
+
+def _hf_config(config: Mapping[str, Any]):
+    from transformers import AutoConfig
+
+    config = dict(config)
+    model_type = config.pop("model_type")
+    hf = AutoConfig.for_model(model_type, **config)
+    hf.use_cache = False
+    return hf
+
+
+def build_vlm(config: Mapping[str, Any], setup, tower: str = "frozen"):
+    """The VLM as `setup` trains it: weights in the setup's dtype (LoRA / QLoRA bases as memfit._torch.lora builds
+    them, adapters added by its apply_adapters), the attention implementation asked, the tower frozen or not."""
+    import transformers
+
+    from .._torch.lora import apply_adapters, base_dtype
+    from .._torch.step import param_dtype
+
+    check_family(config)
+    if tower not in TOWERS:
+        raise ConfigError(f"the vision tower is one of {', '.join(TOWERS)}, got '{tower}'")
+    dtype = base_dtype(setup) if setup.finetune.adapters else param_dtype(setup)
+    model = transformers.AutoModelForImageTextToText.from_config(
+        _hf_config(config), attn_implementation=str(setup.attention), dtype=dtype)
+    if tower == "lora" and not setup.finetune.adapters:
+        raise ConfigError("a LoRA vision tower needs a LoRA / QLoRA setup (--finetune lora)")
+    if setup.finetune.adapters:
+        targets = lora_targets(model, with_tower=tower == "lora") if not setup.finetune.targets else None
+        apply_adapters(model, setup.replace(finetune=dataclasses.replace(setup.finetune, targets=targets))
+                       if targets else setup)
+    if tower == "frozen":
+        for param in model.model.visual.parameters():
+            param.requires_grad_(False)
+    model.train()
+    return model
+
+
+def lora_targets(model, *, with_tower: bool) -> tuple[str, ...]:
+    """Every Linear of the language model (ms-swift / LLaMA-Factory `all-linear` with the tower frozen), by full name
+    so that peft matches no vision block or merger layer of the same short name; the tower's too when asked."""
+    import torch
+
+    stacks = ("model.language_model.",) + (("model.visual.blocks.",) if with_tower else ())
+    return tuple(name for name, module in model.named_modules()
+                 if isinstance(module, torch.nn.Linear) and name.startswith(stacks))
+
+
+def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs, patch: int = 14, temporal: int = 2) -> dict:
+    """The batch processing_qwen2_vl.py makes: every sample the same (text, then each image's placeholders), labels =
+    input ids (the loss runs over every position's logits either way), pixel rows of 3 x temporal x patch^2 values
+    per patch, one (1, h, w) grid row per image, mm_token_type_ids 1 on image tokens. Made with torch.tensor from
+    Python lists, so that on fake tensors the ids and grids are constants (see the module docstring)."""
+    import torch
+
+    text = config.get("text_config", {}) or {}
+    image_id = int(config.get("image_token_id") or text.get("image_token_id") or 151655)
+    start_id = int(config.get("vision_start_token_id") or 151652)
+    end_id = int(config.get("vision_end_token_id") or 151653)
+    row: list[int] = []
+    for image in inputs.images:
+        row += [start_id] + [image_id] * image.lm_tokens + [end_id]
+    row += [0] * inputs.text_len
+    b = inputs.micro_batch
+    grids = [[1, image.size[0] // patch, image.size[1] // patch] for image in inputs.images] * b
+    return {**_window_index(config, grids),
+        "input_ids": torch.tensor([row] * b), "attention_mask": torch.tensor([[1] * len(row)] * b),
+        "labels": torch.tensor([row] * b), "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in row]] * b),
+        "position_ids": torch.arange(len(row)).view(1, 1, -1).expand(3, b, -1),
+        "pixel_values": torch.randn(b * inputs.patches, 3 * temporal * patch * patch),
+        "image_grid_thw": torch.tensor(grids)}
+
+
+def _window_index(config: Mapping[str, Any], grids: list[list[int]]) -> dict:
+    """Qwen2.5-VL's window attention order, computed by transformers' own vision_utils.get_vision_window_index on
+    real tensors and passed as the precomputed `image_window_index` / `image_cu_window_seqlens` the model accepts
+    (its boolean indexing has no fake-tensor form); made again from Python lists, so constants on fake tensors."""
+    if config.get("model_type") != "qwen2_5_vl":
+        return {}
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from transformers.vision_utils import get_vision_window_index
+
+    vision = config.get("vision_config", {}) or {}
+    with unset_fake_temporarily():
+        index, cu = get_vision_window_index(torch.tensor(grids), int(vision.get("spatial_merge_size", 2)),
+                                            int(vision.get("window_size", 112)), int(vision.get("patch_size", 14)))
+        index, cu = index.tolist(), cu.tolist()
+    return {"image_window_index": torch.tensor(index), "image_cu_window_seqlens": torch.tensor(cu, dtype=torch.int32)}
+
+
+@contextlib.contextmanager
+def constant_inputs(limit: int):
+    """Fake tensors made from Python lists of up to `limit` values keep their values (see the module docstring)."""
+    import torch._subclasses.fake_tensor as fake
+
+    old = fake.CONSTANT_NUMEL_LIMIT
+    fake.CONSTANT_NUMEL_LIMIT = max(old, limit)
+    try:
+        yield
+    finally:
+        fake.CONSTANT_NUMEL_LIMIT = old
+
+
+def trace_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str = "frozen",
+              kernels: str = "cuda"):
+    """memfit.trace of one VLM step (a MemoryEstimate, method "traced")."""
+    from ..trace.run import trace
+
+    check_family(config)
+    setup = setup.replace(micro_batch_size=inputs.micro_batch, seq_len=inputs.lm_seq)
+    with constant_inputs(max(1 << 22, 4 * inputs.micro_batch * inputs.lm_seq)):
+        return trace(lambda: build_vlm(config, setup, tower), setup, input_builder=lambda s: qwen_batch(config, inputs),
+                     kernels=kernels)
+
+
+def measure_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str = "frozen", steps: int = 2):
+    """memfit.measure of real CPU steps of the same model and batch (tiny configs: bench/vlm.py, the tests)."""
+    import torch
+
+    from ..measure import measure
+
+    torch.manual_seed(0)
+    setup = setup.replace(micro_batch_size=inputs.micro_batch, seq_len=inputs.lm_seq)
+    model = build_vlm(config, setup, tower)
+    batch = qwen_batch(config, inputs)
+    dtype = next(p.dtype for p in model.parameters())
+    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    return measure(model, setup, steps=steps, device="cpu", batches=[batch] * setup.grad_accum_steps)

@@ -1,0 +1,69 @@
+"""Configs of the published Qwen-VL checkpoints, so that `memfit vlm` sizes them offline: the architecture fields of
+each hub repository's config.json (Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct,
+Qwen/Qwen2.5-VL-7B-Instruct), nested as transformers 5.x's Qwen2VLConfig / Qwen2_5_VLConfig take them. A config.json
+path or a config dict works for any other."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, ModelSourceError
+
+
+def _text(hidden, inter, layers, heads, kv, vocab, tied, max_pos=128000):
+    return {"hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab, "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "max_position_embeddings": max_pos, "tie_word_embeddings": tied,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}}
+
+
+def _qwen2_vision(out_hidden):
+    return {"depth": 32, "embed_dim": 1280, "hidden_size": out_hidden, "num_heads": 16, "mlp_ratio": 4,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3}
+
+
+def _qwen25_vision(out_hidden):
+    return {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "out_hidden_size": out_hidden,
+            "num_heads": 16, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+            "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"}
+
+
+_IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653}
+PRESETS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2-VL-2B-Instruct": {"model_type": "qwen2_vl", **_IDS, "tie_word_embeddings": True,
+                                  "text_config": _text(1536, 8960, 28, 12, 2, 151936, True, 32768),
+                                  "vision_config": _qwen2_vision(1536)},
+    "Qwen/Qwen2-VL-7B-Instruct": {"model_type": "qwen2_vl", **_IDS, "tie_word_embeddings": False,
+                                  "text_config": _text(3584, 18944, 28, 28, 4, 152064, False, 32768),
+                                  "vision_config": _qwen2_vision(3584)},
+    "Qwen/Qwen2.5-VL-3B-Instruct": {"model_type": "qwen2_5_vl", **_IDS, "tie_word_embeddings": True,
+                                    "text_config": _text(2048, 11008, 36, 16, 2, 151936, True),
+                                    "vision_config": _qwen25_vision(2048)},
+    "Qwen/Qwen2.5-VL-7B-Instruct": {"model_type": "qwen2_5_vl", **_IDS, "tie_word_embeddings": False,
+                                    "text_config": _text(3584, 18944, 28, 28, 4, 152064, False),
+                                    "vision_config": _qwen25_vision(3584)},
+}
+
+
+def resolve_vlm_config(model: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """(config dict, display name) for a preset name (case-insensitive, with or without the `Qwen/` owner), a
+    config.json path (or its folder) or a config dict."""
+    if isinstance(model, Mapping):
+        config = dict(model)
+        return config, str(config.get("_name_or_path") or config.get("model_type") or "model")
+    text = str(model).strip()
+    for name, config in PRESETS.items():
+        if text.lower() in (name.lower(), name.split("/")[1].lower()):
+            return json.loads(json.dumps(config)), name
+    path = Path(text).expanduser()
+    if path.exists():
+        file = path / "config.json" if path.is_dir() else path
+        try:
+            return json.loads(file.read_text(encoding="utf-8")), text
+        except (OSError, ValueError) as error:
+            raise ModelSourceError(f"cannot read '{file}': {error}") from None
+    raise ConfigError(f"unknown VLM '{text}': give a config.json path or one of {', '.join(PRESETS)}")
