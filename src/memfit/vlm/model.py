@@ -58,6 +58,9 @@ def _hf_config(config: Mapping[str, Any]):
     from transformers import AutoConfig
 
     config = dict(config)
+    # no KV cache in training: transformers 5 reads use_cache from the text config too, and a cache kept across a
+    # checkpointed block's recompute would double its keys
+    config["text_config"] = {**(config.get("text_config") or {}), "use_cache": False}
     model_type = config.pop("model_type")
     hf = AutoConfig.for_model(model_type, **config)
     hf.use_cache = False
@@ -70,7 +73,8 @@ def build_vlm(config: Mapping[str, Any], setup, tower: str = "frozen"):
     import transformers
 
     from .._torch.lora import apply_adapters, base_dtype
-    from .._torch.step import param_dtype
+    from .._torch.step import apply_selective_checkpointing, enable_hf_checkpointing, param_dtype
+    from ..setup import Checkpointing
 
     check_family(config)
     if tower not in TOWERS:
@@ -78,6 +82,10 @@ def build_vlm(config: Mapping[str, Any], setup, tower: str = "frozen"):
     dtype = base_dtype(setup) if setup.finetune.adapters else param_dtype(setup)
     model = transformers.AutoModelForImageTextToText.from_config(
         _hf_config(config), attn_implementation=str(setup.attention), dtype=dtype)
+    if setup.checkpointing is Checkpointing.FULL:  # as memfit._torch.step.build_hf_model does for text models
+        enable_hf_checkpointing(model)
+    elif setup.checkpointing.is_on:
+        apply_selective_checkpointing(model, setup)
     if tower == "lora" and not setup.finetune.adapters:
         raise ConfigError("a LoRA vision tower needs a LoRA / QLoRA setup (--finetune lora)")
     if setup.finetune.adapters:
@@ -158,15 +166,24 @@ def constant_inputs(limit: int):
 
 
 def trace_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str = "frozen",
-              kernels: str = "cuda"):
-    """memfit.trace of one VLM step (a MemoryEstimate, method "traced")."""
+              kernels: str = "cuda", keep: dict | None = None):
+    """memfit.trace of one VLM step (a MemoryEstimate, method "traced"). `keep["model"]` gets the (fake) model."""
     from ..trace.run import trace
 
     check_family(config)
     setup = setup.replace(micro_batch_size=inputs.micro_batch, seq_len=inputs.lm_seq)
     with constant_inputs(max(1 << 22, 4 * inputs.micro_batch * inputs.lm_seq)):
-        return trace(lambda: build_vlm(config, setup, tower), setup, input_builder=lambda s: qwen_batch(config, inputs),
-                     kernels=kernels)
+        # checkpointing is applied by build_vlm (HF's switch, as for text models), not again by the module session
+        plain = setup.replace(checkpointing="none")
+        result = trace(lambda: _kept(build_vlm(config, setup, tower), keep), plain,
+                       input_builder=lambda s: qwen_batch(config, inputs), kernels=kernels)
+    return dataclasses.replace(result, setup=setup)
+
+
+def _kept(model, keep: dict | None):
+    if keep is not None:
+        keep["model"] = model
+    return model
 
 
 def measure_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str = "frozen", steps: int = 2):

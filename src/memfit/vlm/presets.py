@@ -67,3 +67,21 @@ def resolve_vlm_config(model: str | Mapping[str, Any]) -> tuple[dict[str, Any], 
         except (OSError, ValueError) as error:
             raise ModelSourceError(f"cannot read '{file}': {error}") from None
     raise ConfigError(f"unknown VLM '{text}': give a config.json path or one of {', '.join(PRESETS)}")
+
+
+def tiny_config(model_type: str = "qwen2_vl", *, vocab: int = 1000) -> dict[str, Any]:
+    """A two-block tower and two-layer language model of the family, small enough to train for real on a CPU in a
+    second: what bench/vlm.py and the tests measure against the trace."""
+    text = {**_text(64, 128, 2, 4, 2, vocab, False, 4096),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    if model_type == "qwen2_vl":
+        vision = {**_qwen2_vision(64), "depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2}
+    elif model_type == "qwen2_5_vl":
+        vision = {**_qwen25_vision(64), "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                  "fullatt_block_indexes": [1]}
+    else:
+        raise ConfigError(f"no tiny config for model_type '{model_type}'")
+    ids = {"image_token_id": vocab - 1, "video_token_id": vocab - 2, "vision_start_token_id": vocab - 3,
+           "vision_end_token_id": vocab - 4}
+    return {"model_type": model_type, **ids, "tie_word_embeddings": False, "text_config": text,
+            "vision_config": vision}
