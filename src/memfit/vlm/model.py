@@ -110,7 +110,9 @@ def lora_targets(model, *, with_tower: bool) -> tuple[str, ...]:
 
 
 def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs, patch: int = 14, temporal: int = 2) -> dict:
-    """The batch processing_qwen2_vl.py makes: every sample the same (text, then each image's placeholders), labels =
+    """The batch processing_qwen2_vl.py makes: every sample the same (text, then each image's placeholders), no
+    attention mask (no padding: transformers' masking_utils takes a fake mask for a traced one and would build the
+    T x T mask a real all-ones mask skips, for SDPA's causal kernel instead), labels =
     input ids (the loss runs over every position's logits either way), pixel rows of 3 x temporal x patch^2 values
     per patch, one (1, h, w) grid row per image, mm_token_type_ids 1 on image tokens. Made with torch.tensor from
     Python lists, so that on fake tensors the ids and grids are constants (see the module docstring)."""
@@ -127,9 +129,9 @@ def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs, patch: int = 14, te
     b = inputs.micro_batch
     grids = [[1, image.size[0] // patch, image.size[1] // patch] for image in inputs.images] * b
     return {**_window_index(config, grids),
-        "input_ids": torch.tensor([row] * b), "attention_mask": torch.tensor([[1] * len(row)] * b),
+        "input_ids": torch.tensor([row] * b),
         "labels": torch.tensor([row] * b), "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in row]] * b),
-        "position_ids": torch.arange(len(row)).view(1, 1, -1).expand(3, b, -1),
+        "position_ids": torch.tensor([[list(range(len(row)))] * b] * 3),
         "pixel_values": torch.randn(b * inputs.patches, 3 * temporal * patch * patch),
         "image_grid_thw": torch.tensor(grids)}
 
@@ -175,15 +177,42 @@ def trace_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str
     with constant_inputs(max(1 << 22, 4 * inputs.micro_batch * inputs.lm_seq)):
         # checkpointing is applied by build_vlm (HF's switch, as for text models), not again by the module session
         plain = setup.replace(checkpointing="none")
-        result = trace(lambda: _kept(build_vlm(config, setup, tower), keep), plain,
-                       input_builder=lambda s: qwen_batch(config, inputs), kernels=kernels)
+        keep = {} if keep is None else keep
+
+        def batch(_setup):
+            _restore_dtypes(keep["model"], keep["dtypes"])
+            return qwen_batch(config, inputs)
+
+        result = trace(lambda: _kept(build_vlm(config, setup, tower), keep), plain, input_builder=batch,
+                       kernels=kernels)
     return dataclasses.replace(result, setup=setup)
 
 
-def _kept(model, keep: dict | None):
-    if keep is not None:
-        keep["model"] = model
+def _kept(model, keep: dict):
+    keep["model"] = model
+    keep["dtypes"] = {(id(module), name, kind): tensor.dtype for module in model.modules()
+                      for kind, tensors in (("p", module.named_parameters(recurse=False)),
+                                            ("b", module.named_buffers(recurse=False)))
+                      for name, tensor in tensors}
     return model
+
+
+def _restore_dtypes(model, dtypes: dict) -> None:
+    """Undo memfit.trace's cast of a module factory's floats to the setup's dtype (build_module_session): this model
+    was built in the dtypes a real run has (peft's fp32 adapters on a bf16 base, fp32 rotary tables). Tensors are
+    replaced as that cast does (Module.to cannot swap fake tensors); it runs before the optimizer is made."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                original = dtypes.get((id(module), name, "p"), param.dtype)
+                if param.dtype != original:
+                    module._parameters[name] = torch.nn.Parameter(param.detach().to(original), param.requires_grad)
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                original = dtypes.get((id(module), name, "b"), buffer.dtype)
+                if buffer is not None and buffer.dtype != original:
+                    module._buffers[name] = buffer.to(original)
 
 
 def measure_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str = "frozen", steps: int = 2):
