@@ -150,10 +150,14 @@ def largest(candidates: list, required: Callable[[Any], int], budget: int, *, tr
         return None, _named(candidates, seen)
     if cost(hi) <= budget:
         return candidates[hi], _named(candidates, seen)
+    step = 0
     while hi - lo > 1 and len(seen) < tries:  # cost(lo) fits, cost(hi) does not
         slope = (cost(hi) - cost(lo)) / (hi - lo)
-        guess = lo + int((budget - cost(lo)) / slope) if slope > 0 else lo + 1
-        mid = min(hi - 1, max(lo + 1, guess))
+        guess = lo + int((budget - cost(lo)) / slope) if slope > 0 else (lo + hi) // 2
+        # every other probe one past the interpolated guess: a curve bending one way moves only one end of the
+        # bracket (regula falsi's slow side); the extra step lands on the other
+        mid = min(hi - 1, max(lo + 1, guess + step % 2))
+        step += 1
         if cost(mid) <= budget:
             lo = mid
         else:
