@@ -26,7 +26,7 @@ def parse_size(value: str) -> tuple[int, int]:
     try:
         numbers = [int(p) for p in parts]
     except ValueError:
-        raise ConfigError(f"--image-size takes HEIGHTxWIDTH pixels (e.g. 768x1024) or one side, got '{value}'") from None
+        numbers = []
     if len(numbers) not in (1, 2) or min(numbers) < 1:
         raise ConfigError(f"--image-size takes HEIGHTxWIDTH pixels (e.g. 768x1024) or one side, got '{value}'")
     return (numbers[0], numbers[-1])
@@ -51,7 +51,8 @@ def vlm_command(
         model: Annotated[str, typer.Argument(help="A Qwen2-VL / Qwen2.5-VL preset (e.g. Qwen2.5-VL-7B-Instruct) or "
                                                   "a config.json path.")],
         images: Annotated[int, typer.Option("--images", min=0, help="Images per sample.")] = 1,
-        image_size: Annotated[str, typer.Option("--image-size", help="HEIGHTxWIDTH of each image in pixels.")] = "768x768",
+        image_size: Annotated[str, typer.Option("--image-size",
+                                                help="HEIGHTxWIDTH of each image in pixels.")] = "768x768",
         max_pixels: Annotated[Optional[int], typer.Option("--max-pixels", min=1, help="The processor's max_pixels "
                                                           "(default: the hub processor's 12,845,056).")] = None,
         min_pixels: Annotated[Optional[int], typer.Option("--min-pixels", min=1)] = None,

@@ -85,8 +85,9 @@ def estimate_vlm(model: str | Mapping[str, Any], *, images: int = 1, image_size:
     setup = _setup(setup, micro_batch)
     max_pixels = max_pixels or QWEN_MAX_PIXELS
     vision = config.get("vision_config", {}) or {}
-    image = qwen_image(*image_size, patch=int(vision.get("patch_size", 14)), merge=int(vision.get("spatial_merge_size", 2)),
-                       min_pixels=min_pixels or QWEN_MIN_PIXELS, max_pixels=max_pixels)
+    image = qwen_image(*image_size, patch=int(vision.get("patch_size", 14)),
+                       merge=int(vision.get("spatial_merge_size", 2)), min_pixels=min_pixels or QWEN_MIN_PIXELS,
+                       max_pixels=max_pixels)
     inputs = VlmInputs((image,) * images, text_len, setup.micro_batch_size)
     built: dict[str, Any] = {}
     memory = trace_vlm(config, inputs, setup, tower=tower, kernels=kernels, keep=built)

@@ -22,9 +22,9 @@ from .tokens import ImageTokens
 
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
 TOWERS = ("frozen", "trained", "lora")
-"""How the vision tower trains: frozen (ms-swift freeze_vit, LLaMA-Factory freeze_vision_tower: their default),
-trained with the rest (full fine-tuning), or with LoRA adapters on its Linears too (a LoRA setup only). The merger /
-projector trains with a full fine-tune and stays frozen under LoRA (ms-swift freeze_aligner's default)."""
+"""How the vision side trains: "frozen" (tower and merger: the defaults of ms-swift, freeze_vit / freeze_aligner, and
+LLaMA-Factory, freeze_vision_tower / freeze_multi_modal_projector), "trained" with the rest (a full fine-tune of
+both), or "lora": adapters on the tower blocks' Linears too (a LoRA setup only)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def lora_targets(model, *, with_tower: bool) -> tuple[str, ...]:
                  if isinstance(module, torch.nn.Linear) and name.startswith(stacks))
 
 
-def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs, patch: int = 14, temporal: int = 2) -> dict:
+def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
     """The batch processing_qwen2_vl.py makes: every sample the same (text, then each image's placeholders), no
     attention mask (no padding: transformers' masking_utils takes a fake mask for a traced one and would build the
     T x T mask a real all-ones mask skips, for SDPA's causal kernel instead), labels =
@@ -118,7 +118,8 @@ def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs, patch: int = 14, te
     Python lists, so that on fake tensors the ids and grids are constants (see the module docstring)."""
     import torch
 
-    text = config.get("text_config", {}) or {}
+    text, vision = config.get("text_config", {}) or {}, config.get("vision_config", {}) or {}
+    patch, temporal = int(vision.get("patch_size", 14)), int(vision.get("temporal_patch_size", 2))
     image_id = int(config.get("image_token_id") or text.get("image_token_id") or 151655)
     start_id = int(config.get("vision_start_token_id") or 151652)
     end_id = int(config.get("vision_end_token_id") or 151653)
@@ -128,12 +129,11 @@ def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs, patch: int = 14, te
     row += [0] * inputs.text_len
     b = inputs.micro_batch
     grids = [[1, image.size[0] // patch, image.size[1] // patch] for image in inputs.images] * b
-    return {**_window_index(config, grids),
-        "input_ids": torch.tensor([row] * b),
-        "labels": torch.tensor([row] * b), "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in row]] * b),
-        "position_ids": torch.tensor([[list(range(len(row)))] * b] * 3),
-        "pixel_values": torch.randn(b * inputs.patches, 3 * temporal * patch * patch),
-        "image_grid_thw": torch.tensor(grids)}
+    return {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b),
+            "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in row]] * b),
+            "position_ids": torch.tensor([[list(range(len(row)))] * b] * 3),
+            "pixel_values": torch.randn(b * inputs.patches, 3 * temporal * patch * patch),
+            "image_grid_thw": torch.tensor(grids), **_window_index(config, grids)}
 
 
 def _window_index(config: Mapping[str, Any], grids: list[list[int]]) -> dict:
