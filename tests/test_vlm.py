@@ -11,7 +11,7 @@ from memfit.cli.app import app
 from memfit.finetune import Finetune
 from memfit.setup import TrainingSetup
 from memfit.vlm import tokens as vt
-from memfit.vlm.api import estimate_vlm, largest, max_pixels_ladder
+from memfit.vlm.api import estimate_vlm, image_tokens, largest, max_pixels_ladder
 from memfit.vlm.model import VlmInputs, measure_vlm, trace_vlm
 from memfit.vlm.presets import tiny_config
 
@@ -20,11 +20,13 @@ from memfit.vlm.presets import tiny_config
     ("qwen2_vl", dict(precision="amp-bf16", attention="eager"), "frozen"),
     ("qwen2_5_vl", dict(precision="fp32", attention="eager", checkpointing="full"), "trained"),
     ("qwen2_5_vl", dict(precision="bf16", attention="eager", finetune=Finetune(method="lora", rank=8)), "frozen"),
+    ("llava", dict(precision="amp-bf16", attention="sdpa"), "trained"),
 ])
 def test_trace_matches_a_real_cpu_step(family, fields, tower):
-    inputs = VlmInputs((vt.qwen_image(300, 500, max_pixels=200_704),), 24, 2)
-    setup = TrainingSetup(**fields)
     config = tiny_config(family)
+    image = image_tokens(config, (300, 500), max_pixels=200_704)
+    inputs = VlmInputs((image, image), 24, 2, 0 if family == "llava" else 2)
+    setup = TrainingSetup(**fields)
     measured = measure_vlm(config, inputs, setup, tower=tower).tensor_bytes
     traced = trace_vlm(config, inputs, setup, tower=tower, kernels="cpu").tensor_bytes
     assert abs(traced - measured) / measured < 0.01, (measured, traced)

@@ -10,11 +10,14 @@ from typing import Any
 from ..errors import ConfigError
 from .model import VlmInputs, check_family, trace_vlm
 from .presets import resolve_vlm_config
-from .tokens import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, ImageTokens, qwen_image
+from .tokens import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, ImageTokens, llava_image, qwen_image
 
-STACKS = (("vision tower", "model.visual.blocks."), ("vision patch embedding", "model.visual.patch_embed."),
-          ("merger", "model.visual.merger."), ("language model", "model.language_model."), ("lm head", "lm_head."))
-"""Qwen2-VL / Qwen2.5-VL module prefixes (modeling_qwen2_vl.py): the parameters of each stack."""
+STACKS = (("vision tower", ("model.visual.blocks.", "model.vision_tower.vision_model.encoder.")),
+          ("vision embeddings", ("model.visual.patch_embed.", "model.vision_tower.")),
+          ("merger / projector", ("model.visual.merger.", "model.multi_modal_projector.")),
+          ("language model", ("model.language_model.",)), ("lm head", ("lm_head.",)))
+"""Module prefixes of each stack (modeling_qwen2_vl.py, modeling_llava.py), first match wins: the CLIP tower's
+embeddings and norms fall in "vision embeddings"."""
 
 
 @dataclass(frozen=True)
@@ -39,10 +42,11 @@ class VlmEstimate:
     memory: Any  # MemoryEstimate (traced)
     stacks: tuple[StackParams, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    wrapper: int = 2
 
     @property
     def inputs(self) -> VlmInputs:
-        return VlmInputs((self.image,) * self.images, self.text_len, self.micro_batch)
+        return VlmInputs((self.image,) * self.images, self.text_len, self.micro_batch, self.wrapper)
 
     @property
     def lm_seq(self) -> int:
@@ -84,18 +88,28 @@ def estimate_vlm(model: str | Mapping[str, Any], *, images: int = 1, image_size:
         raise ConfigError(f"the text length is a positive whole number of tokens, got {text_len!r}")
     setup = _setup(setup, micro_batch)
     max_pixels = max_pixels or QWEN_MAX_PIXELS
-    vision = config.get("vision_config", {}) or {}
-    image = qwen_image(*image_size, patch=int(vision.get("patch_size", 14)),
-                       merge=int(vision.get("spatial_merge_size", 2)), min_pixels=min_pixels or QWEN_MIN_PIXELS,
-                       max_pixels=max_pixels)
-    inputs = VlmInputs((image,) * images, text_len, setup.micro_batch_size)
+    image = image_tokens(config, image_size, min_pixels=min_pixels, max_pixels=max_pixels)
+    wrapper = 0 if config.get("model_type") == "llava" else 2
+    inputs = VlmInputs((image,) * images, text_len, setup.micro_batch_size, wrapper)
     built: dict[str, Any] = {}
     memory = trace_vlm(config, inputs, setup, tower=tower, kernels=kernels, keep=built)
     if hardware is not None:
         memory = with_overhead(memory, setup, hardware)
-    return VlmEstimate(model=name, image=image, images=images, text_len=text_len,
+    return VlmEstimate(model=name, image=image, images=images, text_len=text_len, wrapper=wrapper,
                        micro_batch=setup.micro_batch_size, max_pixels=max_pixels, tower=tower, memory=memory,
                        stacks=stack_params(built.get("model")), notes=tuple(memory.notes))
+
+
+def image_tokens(config: Mapping[str, Any], image_size: tuple[int, int], *, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> ImageTokens:
+    """One image of `image_size` by the family's processor rules (memfit.vlm.tokens), from the model's config."""
+    vision = config.get("vision_config", {}) or {}
+    if config.get("model_type") == "llava":  # every image resized and cropped to the tower's square
+        return llava_image(image_size=int(vision.get("image_size", 336)), patch=int(vision.get("patch_size", 14)),
+                           strategy=str(config.get("vision_feature_select_strategy", "default")))
+    return qwen_image(*image_size, patch=int(vision.get("patch_size", 14)),
+                      merge=int(vision.get("spatial_merge_size", 2)), min_pixels=min_pixels or QWEN_MIN_PIXELS,
+                      max_pixels=max_pixels or QWEN_MAX_PIXELS)
 
 
 def with_overhead(memory, setup, hardware):
@@ -113,7 +127,7 @@ def stack_params(model) -> tuple[StackParams, ...]:
         return ()
     rows = {name: [0, 0, 0] for name, _ in STACKS}
     for path, param in model.named_parameters():
-        stack = next((name for name, prefix in STACKS if path.startswith(prefix)), None)
+        stack = next((name for name, prefixes in STACKS if path.startswith(prefixes)), None)
         if stack is None:
             continue
         row = rows[stack]

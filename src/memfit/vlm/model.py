@@ -21,6 +21,12 @@ from ..errors import ConfigError
 from .tokens import ImageTokens
 
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = (*QWEN_TYPES, "llava")
+VISION_PREFIXES = {"qwen2_vl": ("model.visual.",), "qwen2_5_vl": ("model.visual.",),
+                   "llava": ("model.vision_tower.", "model.multi_modal_projector.")}
+"""The vision side's modules (tower and merger / projector): modeling_qwen2_vl.py, modeling_llava.py."""
+TOWER_BLOCKS = {"qwen2_vl": "model.visual.blocks.", "qwen2_5_vl": "model.visual.blocks.",
+                "llava": "model.vision_tower.vision_model.encoder."}
 TOWERS = ("frozen", "trained", "lora")
 """How the vision side trains: "frozen" (tower and merger: the defaults of ms-swift, freeze_vit / freeze_aligner, and
 LLaMA-Factory, freeze_vision_tower / freeze_multi_modal_projector), "trained" with the rest (a full fine-tune of
@@ -34,12 +40,14 @@ class VlmInputs:
     images: tuple[ImageTokens, ...]
     text_len: int
     micro_batch: int
+    wrapper: int = 2
+    """Text tokens around each image's placeholders: Qwen's <|vision_start|> / <|vision_end|> (processing_qwen2_vl.py
+    expands one <|image_pad|> between them); none for LLaVA (processing_llava.py repeats <image> alone)."""
 
     @property
     def lm_seq(self) -> int:
-        """Text + every image's placeholders + its vision start / end tokens (processing_qwen2_vl.py expands one
-        <|image_pad|> between <|vision_start|> and <|vision_end|> of the chat template)."""
-        return self.text_len + sum(image.lm_tokens + 2 for image in self.images)
+        """Text + every image's placeholders and wrapper tokens."""
+        return self.text_len + sum(image.lm_tokens + self.wrapper for image in self.images)
 
     @property
     def patches(self) -> int:
@@ -48,8 +56,8 @@ class VlmInputs:
 
 def check_family(config: Mapping[str, Any]) -> str:
     model_type = str(config.get("model_type", ""))
-    if model_type not in QWEN_TYPES:
-        raise ConfigError(f"memfit vlm sizes the memory of {', '.join(QWEN_TYPES)} so far, not model_type "
+    if model_type not in FAMILIES:
+        raise ConfigError(f"memfit vlm sizes the memory of {', '.join(FAMILIES)} so far, not model_type "
                           f"'{model_type}' (vision tokens alone: memfit.vlm.tokens)")
     return model_type
 
@@ -76,7 +84,7 @@ def build_vlm(config: Mapping[str, Any], setup, tower: str = "frozen"):
     from .._torch.step import apply_selective_checkpointing, enable_hf_checkpointing, param_dtype
     from ..setup import Checkpointing
 
-    check_family(config)
+    family = check_family(config)
     if tower not in TOWERS:
         raise ConfigError(f"the vision tower is one of {', '.join(TOWERS)}, got '{tower}'")
     dtype = base_dtype(setup) if setup.finetune.adapters else param_dtype(setup)
@@ -89,22 +97,23 @@ def build_vlm(config: Mapping[str, Any], setup, tower: str = "frozen"):
     if tower == "lora" and not setup.finetune.adapters:
         raise ConfigError("a LoRA vision tower needs a LoRA / QLoRA setup (--finetune lora)")
     if setup.finetune.adapters:
-        targets = lora_targets(model, with_tower=tower == "lora") if not setup.finetune.targets else None
+        targets = lora_targets(model, family, with_tower=tower == "lora") if not setup.finetune.targets else None
         apply_adapters(model, setup.replace(finetune=dataclasses.replace(setup.finetune, targets=targets))
                        if targets else setup)
     if tower == "frozen":
-        for param in model.model.visual.parameters():
-            param.requires_grad_(False)
+        for name, param in model.named_parameters():
+            if name.startswith(VISION_PREFIXES[family]):
+                param.requires_grad_(False)
     model.train()
     return model
 
 
-def lora_targets(model, *, with_tower: bool) -> tuple[str, ...]:
+def lora_targets(model, family: str, *, with_tower: bool) -> tuple[str, ...]:
     """Every Linear of the language model (ms-swift / LLaMA-Factory `all-linear` with the tower frozen), by full name
     so that peft matches no vision block or merger layer of the same short name; the tower's too when asked."""
     import torch
 
-    stacks = ("model.language_model.",) + (("model.visual.blocks.",) if with_tower else ())
+    stacks = ("model.language_model.",) + ((TOWER_BLOCKS[family],) if with_tower else ())
     return tuple(name for name, module in model.named_modules()
                  if isinstance(module, torch.nn.Linear) and name.startswith(stacks))
 
@@ -134,6 +143,26 @@ def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
             "position_ids": torch.tensor([[list(range(len(row)))] * b] * 3),
             "pixel_values": torch.randn(b * inputs.patches, 3 * temporal * patch * patch),
             "image_grid_thw": torch.tensor(grids), **_window_index(config, grids)}
+
+
+def llava_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
+    """The batch processing_llava.py makes: each image's <image> token repeated image_seq_length times, then the
+    text; pixel_values one image_size square per image (the CLIP processor resizes and crops to it)."""
+    import torch
+
+    image_id = int(config.get("image_token_index") or config.get("image_token_id") or 32000)
+    size = int((config.get("vision_config") or {}).get("image_size", 336))
+    row: list[int] = []
+    for image in inputs.images:
+        row += [image_id] * image.lm_tokens
+    row += [0] * inputs.text_len
+    b = inputs.micro_batch
+    return {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b),
+            "pixel_values": torch.randn(b * len(inputs.images), 3, size, size)}
+
+
+def make_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
+    return llava_batch(config, inputs) if config.get("model_type") == "llava" else qwen_batch(config, inputs)
 
 
 def _window_index(config: Mapping[str, Any], grids: list[list[int]]) -> dict:
@@ -181,7 +210,7 @@ def trace_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str
 
         def batch(_setup):
             _restore_dtypes(keep["model"], keep["dtypes"])
-            return qwen_batch(config, inputs)
+            return make_batch(config, inputs)
 
         result = trace(lambda: _kept(build_vlm(config, setup, tower), keep), plain, input_builder=batch,
                        kernels=kernels)
@@ -224,7 +253,7 @@ def measure_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: s
     torch.manual_seed(0)
     setup = setup.replace(micro_batch_size=inputs.micro_batch, seq_len=inputs.lm_seq)
     model = build_vlm(config, setup, tower)
-    batch = qwen_batch(config, inputs)
+    batch = make_batch(config, inputs)
     dtype = next(p.dtype for p in model.parameters())
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
     return measure(model, setup, steps=steps, device="cpu", batches=[batch] * setup.grad_accum_steps)

@@ -1,6 +1,6 @@
-"""Configs of the published Qwen-VL checkpoints, so that `memfit vlm` sizes them offline: the architecture fields of
+"""Configs of the published Qwen-VL and LLaVA-1.5 checkpoints, so that `memfit vlm` sizes them offline: the architecture fields of
 each hub repository's config.json (Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct,
-Qwen/Qwen2.5-VL-7B-Instruct), nested as transformers 5.x's Qwen2VLConfig / Qwen2_5_VLConfig take them. A config.json
+Qwen/Qwen2.5-VL-7B-Instruct, llava-hf/llava-1.5-7b-hf), nested as transformers 5.x's Qwen2VLConfig / Qwen2_5_VLConfig take them. A config.json
 path or a config dict works for any other."""
 
 from __future__ import annotations
@@ -46,6 +46,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-VL-7B-Instruct": {"model_type": "qwen2_5_vl", **_IDS, "tie_word_embeddings": False,
                                     "text_config": _text(3584, 18944, 28, 28, 4, 152064, False),
                                     "vision_config": _qwen25_vision(3584)},
+    "llava-hf/llava-1.5-7b-hf": {
+        "model_type": "llava", "image_token_index": 32000, "projector_hidden_act": "gelu",
+        "vision_feature_select_strategy": "default", "vision_feature_layer": -2, "image_seq_length": 576,
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+                          "projection_dim": 768, "hidden_act": "quick_gelu"},
+        "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                        "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}},
 }
 
 
@@ -76,6 +85,15 @@ def tiny_config(model_type: str = "qwen2_vl", *, vocab: int = 1000) -> dict[str,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
     if model_type == "qwen2_vl":
         vision = {**_qwen2_vision(64), "depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2}
+    elif model_type == "llava":
+        return {"model_type": "llava", "image_token_index": vocab - 1, "projector_hidden_act": "gelu",
+                "vision_feature_select_strategy": "default", "vision_feature_layer": -2, "image_seq_length": 64,
+                "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 112,
+                                  "patch_size": 14, "projection_dim": 32},
+                "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": vocab, "max_position_embeddings": 4096}}
     elif model_type == "qwen2_5_vl":
         vision = {**_qwen25_vision(64), "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                   "fullatt_block_indexes": [1]}
