@@ -48,8 +48,8 @@ def _setup(micro_batch: int, precision: str, finetune: str, rank: int, checkpoin
     "memfit vlm Qwen2.5-VL-7B-Instruct --image-size 1920x1080 --finetune lora --gpu 4090 --search max-pixels",
     "memfit vlm ./config.json --images 2 --max-pixels 1003520 --json"))
 def vlm_command(
-        model: Annotated[str, typer.Argument(help="A Qwen2-VL / Qwen2.5-VL preset (e.g. Qwen2.5-VL-7B-Instruct) or "
-                                                  "a config.json path.")],
+        model: Annotated[str, typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, ...) or a "
+                                                  "config.json of a qwen2_vl / qwen2_5_vl / llava model.")],
         images: Annotated[int, typer.Option("--images", min=0, help="Images per sample.")] = 1,
         image_size: Annotated[str, typer.Option("--image-size",
                                                 help="HEIGHTxWIDTH of each image in pixels.")] = "768x768",
@@ -95,6 +95,9 @@ def _search(search: Search, model, result, images, max_pixels, common, hardware,
         return fits(estimate_vlm(model, **common, **given), hardware)[1]
 
     if search is Search.MAX_PIXELS:
+        if result.family == "llava":
+            raise ConfigError("LLaVA resizes every image to its tower's square: max_pixels does not apply "
+                              "(--search images does)")
         ladder = max_pixels_ladder(common["image_size"], min_pixels=common["min_pixels"] or 3136)
         best, traced = largest(ladder, lambda m: required(images=images, max_pixels=m), budget)
         return {"search": "max_pixels", "largest": best, "traced": traced}
@@ -119,13 +122,14 @@ def _json(result, hardware, ok, required, budget, found) -> dict:
 def _print(result, hardware, ok, required, budget, found) -> None:
     out = console()
     image = result.image
+    limit = "" if result.family == "llava" else f" (max_pixels {result.max_pixels:,})"
     out.print(f"[bold]{result.model}[/bold]  {result.images} image(s) per sample, resized to "
-              f"{image.size[0]}x{image.size[1]} (max_pixels {result.max_pixels:,})")
+              f"{image.size[0]}x{image.size[1]}{limit}")
     out.print(f"  vision tokens: {image.lm_tokens:,} per image, {result.vision_tokens:,} per sample; vision tower: "
               f"{image.tower_tokens:,} patches per image, {result.patches:,} per sample")
+    wrapped = " (placeholders + vision start/end)" if result.wrapper else ""
     out.print(f"  language model sequence: {result.lm_seq:,} = {result.text_len:,} text + "
-              f"{result.lm_seq - result.text_len:,} image (placeholders + vision start/end); micro-batch "
-              f"{result.micro_batch}")
+              f"{result.lm_seq - result.text_len:,} image{wrapped}; micro-batch {result.micro_batch}")
     for stack in result.stacks:
         out.print(f"  {stack.name:<24} {stack.params:>15,} params  {stack.trainable:>13,} trainable  "
                   f"{stack.bytes / GIB:8.2f} GiB")

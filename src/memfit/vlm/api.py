@@ -43,6 +43,7 @@ class VlmEstimate:
     stacks: tuple[StackParams, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     wrapper: int = 2
+    family: str = "qwen2_vl"
 
     @property
     def inputs(self) -> VlmInputs:
@@ -96,6 +97,7 @@ def estimate_vlm(model: str | Mapping[str, Any], *, images: int = 1, image_size:
     if hardware is not None:
         memory = with_overhead(memory, setup, hardware)
     return VlmEstimate(model=name, image=image, images=images, text_len=text_len, wrapper=wrapper,
+                       family=str(config["model_type"]),
                        micro_batch=setup.micro_batch_size, max_pixels=max_pixels, tower=tower, memory=memory,
                        stacks=stack_params(built.get("model")), notes=tuple(memory.notes))
 
