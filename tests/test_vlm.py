@@ -43,6 +43,16 @@ def test_more_pixels_more_memory_and_the_stacks():
     assert stacks["vision tower"].trainable == 0 and stacks["language model"].trainable > 0
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_a_sample_without_images_is_text_only(family):
+    config = tiny_config(family)
+    inputs = VlmInputs((), 24, 2)
+    setup = TrainingSetup(precision="fp32", attention="eager")
+    measured = measure_vlm(config, inputs, setup).tensor_bytes
+    traced = trace_vlm(config, inputs, setup, kernels="cpu").tensor_bytes
+    assert abs(traced - measured) / measured < 0.01
+
+
 def test_largest_finds_the_last_fitting_candidate_in_few_calls():
     calls = []
 

@@ -102,7 +102,7 @@ def _search(search: Search, model, result, images, max_pixels, common, hardware,
         best, traced = largest(ladder, lambda m: required(images=images, max_pixels=m), budget)
         return {"search": "max_pixels", "largest": best, "traced": traced}
     if search is Search.IMAGES:
-        best, traced = largest(list(range(0, 65)), lambda n: required(images=n, max_pixels=max_pixels), budget)
+        best, traced = largest(list(range(1, 65)), lambda n: required(images=n, max_pixels=max_pixels), budget)
         return {"search": "images", "largest": best, "traced": traced}
     return None
 

@@ -138,10 +138,12 @@ def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
     row += [0] * inputs.text_len
     b = inputs.micro_batch
     grids = [[1, image.size[0] // patch, image.size[1] // patch] for image in inputs.images] * b
-    return {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b),
-            "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in row]] * b),
-            "position_ids": torch.tensor([[list(range(len(row)))] * b] * 3),
-            "pixel_values": torch.randn(b * inputs.patches, 3 * temporal * patch * patch),
+    text_only = {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b),
+                 "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in row]] * b),
+                 "position_ids": torch.tensor([[list(range(len(row)))] * b] * 3)}
+    if not grids:  # a sample without images: the tower does not run
+        return text_only
+    return {**text_only, "pixel_values": torch.randn(b * inputs.patches, 3 * temporal * patch * patch),
             "image_grid_thw": torch.tensor(grids), **_window_index(config, grids)}
 
 
@@ -157,8 +159,10 @@ def llava_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
         row += [image_id] * image.lm_tokens
     row += [0] * inputs.text_len
     b = inputs.micro_batch
-    return {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b),
-            "pixel_values": torch.randn(b * len(inputs.images), 3, size, size)}
+    batch = {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b)}
+    if inputs.images:
+        batch["pixel_values"] = torch.randn(b * len(inputs.images), 3, size, size)
+    return batch
 
 
 def make_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
@@ -255,5 +259,6 @@ def measure_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: s
     model = build_vlm(config, setup, tower)
     batch = make_batch(config, inputs)
     dtype = next(p.dtype for p in model.parameters())
-    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    if "pixel_values" in batch:
+        batch["pixel_values"] = batch["pixel_values"].to(dtype)
     return measure(model, setup, steps=steps, device="cpu", batches=[batch] * setup.grad_accum_steps)
