@@ -12,7 +12,7 @@ from .model import VlmInputs, check_family, trace_vlm
 from .presets import resolve_vlm_config
 from .tokens import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, ImageTokens, llava_image, qwen_image
 
-STACKS = (("vision tower", ("model.visual.blocks.", "model.vision_tower.vision_model.encoder.")),
+STACKS = (("vision tower", ("model.visual.blocks.", "model.vision_tower.encoder.")),
           ("vision embeddings", ("model.visual.patch_embed.", "model.vision_tower.")),
           ("merger / projector", ("model.visual.merger.", "model.multi_modal_projector.")),
           ("language model", ("model.language_model.",)), ("lm head", ("lm_head.",)))

@@ -26,7 +26,7 @@ VISION_PREFIXES = {"qwen2_vl": ("model.visual.",), "qwen2_5_vl": ("model.visual.
                    "llava": ("model.vision_tower.", "model.multi_modal_projector.")}
 """The vision side's modules (tower and merger / projector): modeling_qwen2_vl.py, modeling_llava.py."""
 TOWER_BLOCKS = {"qwen2_vl": "model.visual.blocks.", "qwen2_5_vl": "model.visual.blocks.",
-                "llava": "model.vision_tower.vision_model.encoder."}
+                "llava": "model.vision_tower.encoder."}
 TOWERS = ("frozen", "trained", "lora")
 """How the vision side trains: "frozen" (tower and merger: the defaults of ms-swift, freeze_vit / freeze_aligner, and
 LLaMA-Factory, freeze_vision_tower / freeze_multi_modal_projector), "trained" with the rest (a full fine-tune of
