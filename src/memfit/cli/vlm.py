@@ -1,0 +1,146 @@
+"""`memfit vlm`: a vision-language model's training step from the images a sample carries (memfit.vlm): the vision
+tokens the processor makes, the language model's sequence, each stack's parameters, the traced peak, and the largest
+max_pixels or images per sample that fit the GPU. Parse -> memfit.vlm -> print; its own options (the shared setup
+options are about text models)."""
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ConfigError
+from .common import DOES_NOT_FIT, app, console, examples, print_json
+
+GIB = 2 ** 30
+
+
+class Search(str, Enum):
+    NONE = "none"
+    MAX_PIXELS = "max-pixels"
+    IMAGES = "images"
+
+
+def parse_size(value: str) -> tuple[int, int]:
+    """'768' or '768x1024' (height x width) -> (768, 768) / (768, 1024)."""
+    parts = str(value).lower().replace("*", "x").split("x")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2) or min(numbers) < 1:
+        raise ConfigError(f"--image-size takes HEIGHTxWIDTH pixels (e.g. 768x1024) or one side, got '{value}'")
+    return (numbers[0], numbers[-1])
+
+
+def _setup(micro_batch: int, precision: str, finetune: str, rank: int, checkpointing: str, optimizer: Optional[str]):
+    from ..finetune import Finetune
+    from ..setup import TrainingSetup
+
+    fields = {"micro_batch_size": micro_batch, "precision": precision, "checkpointing": checkpointing,
+              "finetune": Finetune(method=finetune, rank=rank)}
+    if optimizer:
+        fields["optimizer"] = optimizer
+    return TrainingSetup(**fields)
+
+
+@app.command("vlm", epilog=examples(
+    "memfit vlm Qwen2.5-VL-7B-Instruct --images 4 --image-size 768x768 --finetune lora --gpu A100-80GB",
+    "memfit vlm Qwen2.5-VL-7B-Instruct --image-size 1920x1080 --finetune lora --gpu 4090 --search max-pixels",
+    "memfit vlm ./config.json --images 2 --max-pixels 1003520 --json"))
+def vlm_command(
+        model: Annotated[str, typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, ...) or a "
+                                                  "config.json of a qwen2_vl / qwen2_5_vl / llava model.")],
+        images: Annotated[int, typer.Option("--images", min=0, help="Images per sample.")] = 1,
+        image_size: Annotated[str, typer.Option("--image-size",
+                                                help="HEIGHTxWIDTH of each image in pixels.")] = "768x768",
+        max_pixels: Annotated[Optional[int], typer.Option("--max-pixels", min=1, help="The processor's max_pixels "
+                                                          "(default: the hub processor's 12,845,056).")] = None,
+        min_pixels: Annotated[Optional[int], typer.Option("--min-pixels", min=1)] = None,
+        text_len: Annotated[int, typer.Option("--text-len", min=1, help="Text tokens per sample.")] = 512,
+        micro_batch: Annotated[int, typer.Option("--micro-batch", "-b", min=1)] = 1,
+        gpu: Annotated[str, typer.Option("--gpu")] = "A100-80GB",
+        precision: Annotated[str, typer.Option("--precision")] = "bf16",
+        finetune: Annotated[str, typer.Option("--finetune", help="full, lora or qlora.")] = "full",
+        rank: Annotated[int, typer.Option("--rank", min=1)] = 8,
+        tower: Annotated[str, typer.Option("--tower", help="The vision tower: frozen, trained or lora.")] = "frozen",
+        checkpointing: Annotated[str, typer.Option("--checkpointing")] = "none",
+        optimizer: Annotated[Optional[str], typer.Option("--optimizer")] = None,
+        search: Annotated[Search, typer.Option("--search", help="Also find the largest max-pixels or images per "
+                                                              "sample that fit (a few more traces).")] = Search.NONE,
+        json_output: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The memory of a VLM training step from its images: vision tokens, sequences, stacks, and what fits."""
+    from ..api import as_hardware
+    from ..vlm.api import estimate_vlm, fits
+
+    size = parse_size(image_size)
+    setup = _setup(micro_batch, precision, finetune, rank, checkpointing, optimizer)
+    hardware = as_hardware(gpu)
+    common = {"image_size": size, "min_pixels": min_pixels, "text_len": text_len, "setup": setup, "tower": tower,
+              "hardware": hardware}
+    result = estimate_vlm(model, images=images, max_pixels=max_pixels, **common)
+    ok, required, budget = fits(result, hardware)
+    found = _search(search, model, result, images, max_pixels, common, hardware, budget)
+    if json_output:
+        print_json(_json(result, hardware, ok, required, budget, found))
+    else:
+        _print(result, hardware, ok, required, budget, found)
+    if not ok:
+        raise typer.Exit(DOES_NOT_FIT)
+
+
+def _search(search: Search, model, result, images, max_pixels, common, hardware, budget) -> dict | None:
+    from ..vlm.api import estimate_vlm, fits, largest, max_pixels_ladder
+
+    def required(**given) -> int:
+        return fits(estimate_vlm(model, **common, **given), hardware)[1]
+
+    if search is Search.MAX_PIXELS:
+        if result.family == "llava":
+            raise ConfigError("LLaVA resizes every image to its tower's square: max_pixels does not apply "
+                              "(--search images does)")
+        ladder = max_pixels_ladder(common["image_size"], min_pixels=common["min_pixels"] or 3136)
+        best, traced = largest(ladder, lambda m: required(images=images, max_pixels=m), budget)
+        return {"search": "max_pixels", "largest": best, "traced": traced}
+    if search is Search.IMAGES:
+        best, traced = largest(list(range(1, 65)), lambda n: required(images=n, max_pixels=max_pixels), budget)
+        return {"search": "images", "largest": best, "traced": traced}
+    return None
+
+
+def _json(result, hardware, ok, required, budget, found) -> dict:
+    import dataclasses
+
+    return {"model": result.model, "gpu": hardware.gpu.name, "fits": ok, "required_bytes": required,
+            "budget_bytes": budget, "image": dataclasses.asdict(result.image), "images_per_sample": result.images,
+            "vision_tokens_per_sample": result.vision_tokens, "tower_patches_per_sample": result.patches,
+            "text_len": result.text_len, "lm_seq": result.lm_seq, "micro_batch": result.micro_batch,
+            "max_pixels": result.max_pixels, "tower": result.tower,
+            "stacks": [dataclasses.asdict(s) for s in result.stacks], "estimate": result.memory.to_dict(),
+            "search": {**found, "traced": [[k, v] for k, v in found["traced"].items()]} if found else None}
+
+
+def _print(result, hardware, ok, required, budget, found) -> None:
+    out = console()
+    image = result.image
+    limit = "" if result.family == "llava" else f" (max_pixels {result.max_pixels:,})"
+    out.print(f"[bold]{result.model}[/bold]  {result.images} image(s) per sample, resized to "
+              f"{image.size[0]}x{image.size[1]}{limit}")
+    out.print(f"  vision tokens: {image.lm_tokens:,} per image, {result.vision_tokens:,} per sample; vision tower: "
+              f"{image.tower_tokens:,} patches per image, {result.patches:,} per sample")
+    wrapped = " (placeholders + vision start/end)" if result.wrapper else ""
+    out.print(f"  language model sequence: {result.lm_seq:,} = {result.text_len:,} text + "
+              f"{result.lm_seq - result.text_len:,} image{wrapped}; micro-batch {result.micro_batch}")
+    for stack in result.stacks:
+        out.print(f"  {stack.name:<24} {stack.params:>15,} params  {stack.trainable:>13,} trainable  "
+                  f"{stack.bytes / GIB:8.2f} GiB")
+    for term in result.memory.terms:
+        if term.num_bytes:
+            out.print(f"  {term.name:<24} {term.num_bytes / GIB:8.2f} GiB")
+    verdict = "[green]fits[/green]" if ok else "[red]does not fit[/red]"
+    out.print(f"  peak (traced) {result.memory.tensor_bytes / GIB:.2f} GiB; on {hardware.gpu.name}: "
+              f"{required / GIB:.2f} of {budget / GIB:.2f} GiB usable -> {verdict}")
+    if found:
+        what = "max_pixels" if found["search"] == "max_pixels" else "images per sample"
+        best = found["largest"]
+        out.print(f"  largest {what} that fits: " + (f"{best:,}" if best is not None else "none") +
+                  f" ({len(found['traced'])} traces)")
