@@ -17,6 +17,8 @@ place (`_apply_techniques`).
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import OrderedDict
 
 from ..errors import ConfigError
 from ..hardware import Hardware
@@ -30,7 +32,7 @@ from .backward_moments import (embedding_gradient, end_of_backward, first_block_
 from .device import runtime_overhead_terms
 from .forward_terms import CPU_RNG_STATE_BYTES, activation_terms, linear_weight_parts
 from .loss_moments import final_norm_backward, loss_backward, loss_forward
-from .moments import MomentKey, StepMoments
+from .moments import Moment, MomentKey, StepMoments
 from .notes import rule_of_thumb_notes
 from .result import MemoryEstimate, Term
 from .static import ShardedStatic, full_static, shard
@@ -67,7 +69,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     if stacks_estimate.is_stacked(spec, sized):
         moments = StepMoments.of(stacks_estimate.moments(spec, sized, static, step_temp, hardware.is_cpu))
     else:
-        moments = step_moments(spec, sized, static, step_temp, hardware.is_cpu)
+        moments = _kept_step_moments(spec, sized, static, step_temp, hardware.is_cpu)
     moments = _apply_techniques(moments, spec, asked, sized, hardware.is_cpu)
     phase, terms = moments.peak()
     terms = [t for t in terms if t.num_bytes > 0]
@@ -150,6 +152,32 @@ def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[
         f"{setup.precision} under FSDP2 runs as MixedPrecisionPolicy(param_dtype={setup.precision.compute_dtype}, "
         f"reduce_dtype=fp32), as memfit's torch engine shards it: {shards}, low-precision compute, no autocast "
         "cache; sized like bf16-master",)
+
+
+_MOMENTS_KEPT = 512
+_moments: OrderedDict[tuple, tuple[ModelSpec, StepMoments]] = OrderedDict()
+_moments_lock = threading.Lock()
+
+
+def _kept_step_moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int,
+                       on_cpu: bool) -> StepMoments:
+    """step_moments, remembered for the last _MOMENTS_KEPT arguments: a function of its arguments only, all frozen
+    values, and the same setup is sized again on another GPU of the same world size (the plan's larger-GPU walk,
+    the page's user trying the GPUs), where only the runtime's figures differ (memfit.estimate.device). The spec is
+    keyed by identity, held with its answer so the id names it (its graph is no part of its equality); the setup's
+    notes are in the key because they compare equal. A copy is returned: StepMoments and its lists are mutable."""
+    key = (id(spec), setup, setup.notes, static, step_temp, on_cpu)
+    with _moments_lock:
+        kept = _moments.get(key)
+        if kept is not None:
+            _moments.move_to_end(key)
+    if kept is None or kept[0] is not spec:
+        kept = (spec, step_moments(spec, setup, static, step_temp, on_cpu))
+        with _moments_lock:
+            _moments[key] = kept
+            while len(_moments) > _MOMENTS_KEPT:
+                _moments.popitem(last=False)
+    return StepMoments({k: Moment(m.phase, list(m.terms)) for k, m in kept[1].items()})
 
 
 def step_moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, step_temp: int,
