@@ -125,7 +125,7 @@ def _step(spec: ModelSpec, setup: TrainingSetup, world_size: int, on_cpu: bool, 
                  moe.routing_range(spec, sized, on_cpu))
 
 
-_STEPS_KEPT = 1024
+_STEPS_KEPT = 512  # ~15 KB each (its terms and the spec held)
 _steps: OrderedDict[tuple, tuple[ModelSpec, _Step | None]] = OrderedDict()
 _steps_lock = threading.Lock()
 
