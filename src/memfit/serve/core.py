@@ -285,8 +285,8 @@ def _catalog_model(text: str) -> str:
 @functools.lru_cache(maxsize=64)
 def _catalog_spec(name: str):
     """The catalog model's ModelSpec, read once per name: a spec is a frozen value, and one object per model lets
-    what is remembered per spec (the plan's estimate memo, memfit.estimate's per-graph answers) serve every plan
-    of that model instead of reading the catalog and building its graph again for each update."""
+    what is remembered per spec (the plan's estimate memo, memfit.estimate's kept steps and per-graph answers)
+    serve every plan of that model instead of reading the catalog and building its graph again for each update."""
     from ..sources import resolve_model
 
     return resolve_model(name)
