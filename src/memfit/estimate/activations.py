@@ -73,9 +73,27 @@ def layer_rows(spec: ModelSpec, setup: TrainingSetup, seq_len: int, d: Dtypes) -
     return saved_by(_block(spec), _ctx(spec, setup, seq_len, d))
 
 
+_PROBLEMS: dict[int, tuple[object, str | None]] = {}
+"""saved_problem's answers by the graph's id, each held with its graph (so the id names it while it is kept)."""
+_PROBLEMS_KEPT = 256
+
+
 def saved_problem(graph) -> str | None:
     """Why the `saved` handlers cannot size this graph (a node kind without one, a field no formula models, more
-    than one kind of block), or None when they can."""
+    than one kind of block), or None when they can. Remembered per graph (a frozen value): every estimate asks it
+    two or three times (rms_gated_layer, separate_projections_layer), and a walk of the graph with a probe step
+    was an eighth of a plan's time."""
+    kept = _PROBLEMS.get(id(graph))
+    if kept is not None and kept[0] is graph:
+        return kept[1]
+    problem = _saved_problem(graph)
+    if len(_PROBLEMS) >= _PROBLEMS_KEPT:
+        _PROBLEMS.clear()
+    _PROBLEMS[id(graph)] = (graph, problem)
+    return problem
+
+
+def _saved_problem(graph) -> str | None:
     from ..graph import Embedding, Stack
 
     if graph is None:

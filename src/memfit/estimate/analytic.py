@@ -16,7 +16,10 @@ place (`_apply_techniques`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import threading
+from collections import OrderedDict
 
 from ..errors import ConfigError
 from ..hardware import Hardware
@@ -32,7 +35,7 @@ from .forward_terms import CPU_RNG_STATE_BYTES, activation_terms, linear_weight_
 from .loss_moments import final_norm_backward, loss_backward, loss_forward
 from .moments import MomentKey, StepMoments
 from .notes import rule_of_thumb_notes
-from .result import MemoryEstimate, Term
+from .result import MemoryEstimate, Phase, Term
 from .static import ShardedStatic, full_static, shard
 from .step_model import StepModel
 
@@ -43,6 +46,24 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
 
     `layout` sizes static memory as another engine lays it out (default: `setup.engine`). memfit.verify uses it
     to compare a trace, which always runs torch's FSDP2, with the formulas on the same layout."""
+    step = _kept_step(spec, setup, hardware.world_size, hardware.is_cpu, layout)
+    if step is None:  # one estimate per pipeline rank's stages; the highest is the job's (memfit.estimate.pipeline)
+        spec, asked, setup, sized, run_notes = _prepared(spec, setup, hardware.world_size, layout)
+        pipeline.check(spec, setup)
+        return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
+    terms = list(step.terms)
+    terms += runtime_overhead_terms(sum(t.num_bytes for t in step.in_allocator), step.setup, hardware,
+                                    spec=step.spec, terms=step.in_allocator, offload=step.offloaded)
+    return MemoryEstimate(
+        terms=tuple(terms), peak_phase=step.phase, method="analytic", setup=setup, phase_peaks=dict(step.phase_peaks),
+        cpu_bytes=step.cpu_bytes, notes=step.notes, model_name=step.spec.name, device_name=hardware.gpu.name,
+        moe=copy.deepcopy(step.moe))
+
+
+def _prepared(spec: ModelSpec, setup: TrainingSetup, world_size: int, layout: Engine | None
+              ) -> tuple[ModelSpec, TrainingSetup, TrainingSetup, TrainingSetup, tuple[str, ...]]:
+    """The checks, then (the spec as one rank sizes it, the setup asked, the step that sets the peak, that step as
+    the engine runs it, the notes on how it runs)."""
     _check(spec, setup)
     spec = lora.adapted_spec(spec, setup)
     moe.check(spec, setup)
@@ -53,37 +74,81 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *,
     spec = tensor_parallel.rank_spec(spec, setup)  # one tensor-parallel rank's shards (itself when tp is 1)
     # the step that sets the run's peak (padded batches: the longest sample's), then one context-parallel rank's
     asked, setup = setup, context_parallel.rank_setup(padding.peak_setup(setup))
-    if setup.num_gpus != hardware.world_size and setup.sharding is not Sharding.NONE:
-        setup = setup.replace(num_gpus=hardware.world_size)
+    if setup.num_gpus != world_size and setup.sharding is not Sharding.NONE:
+        setup = setup.replace(num_gpus=world_size)
     sized, run_notes = _as_run(setup, layout or setup.engine)
-    if setup.pp > 1:  # one estimate per pipeline rank's stages; the highest is the job's (memfit.estimate.pipeline)
-        pipeline.check(spec, setup)
-        return pipeline.estimate(spec, asked, sized, hardware, run_notes + context_parallel.notes(asked))
+    return spec, asked, setup, sized, run_notes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What estimate() computes before the runtime's own memory (memfit.estimate.device): the peak moment's tensors,
+    which depend on the hardware only through its world size and whether it is a CPU."""
+
+    spec: ModelSpec
+    setup: TrainingSetup
+    phase: Phase
+    terms: tuple[Term, ...]
+    in_allocator: tuple[Term, ...]
+    offloaded: offload_activations.OffloadSizes
+    phase_peaks: dict
+    cpu_bytes: int
+    notes: tuple[str, ...]
+    moe: dict | None
+
+
+def _step(spec: ModelSpec, setup: TrainingSetup, world_size: int, on_cpu: bool, layout: Engine | None
+          ) -> _Step | None:
+    """The step's peak tensors; None for a pipelined setup (its ranks' estimates need the whole hardware)."""
+    spec, asked, setup, sized, run_notes = _prepared(spec, setup, world_size, layout)
+    if setup.pp > 1:
+        return None
     full = full_static(spec, sized)
     static = shard(spec, sized, full, layout=layout or setup.engine)
     stacks_estimate = fits.stacked()  # encoder-decoder / vision models: their own stacks' moments (memfit.derive)
 
-    step_temp = full.step_temp_bytes + (bnb_cpu.step_scratch_bytes(spec, sized) if hardware.is_cpu else 0)
+    step_temp = full.step_temp_bytes + (bnb_cpu.step_scratch_bytes(spec, sized) if on_cpu else 0)
     if stacks_estimate.is_stacked(spec, sized):
-        moments = StepMoments.of(stacks_estimate.moments(spec, sized, static, step_temp, hardware.is_cpu))
+        moments = StepMoments.of(stacks_estimate.moments(spec, sized, static, step_temp, on_cpu))
     else:
-        moments = step_moments(spec, sized, static, step_temp, hardware.is_cpu)
-    moments = _apply_techniques(moments, spec, asked, sized, hardware.is_cpu)
+        moments = step_moments(spec, sized, static, step_temp, on_cpu)
+    moments = _apply_techniques(moments, spec, asked, sized, on_cpu)
     phase, terms = moments.peak()
-    terms = [t for t in terms if t.num_bytes > 0]
-    in_allocator = [t for t in terms if t.device_figure == "allocated"]
-    offloaded = _activation_host(spec, sized, hardware.is_cpu)
-    terms += runtime_overhead_terms(sum(t.num_bytes for t in in_allocator), setup, hardware, spec=spec,
-                                    terms=in_allocator, offload=offloaded)
-    return MemoryEstimate(
-        terms=tuple(terms), peak_phase=phase, method="analytic", setup=asked, phase_peaks=moments.phase_peaks(),
-        cpu_bytes=static.cpu_bytes + offloaded.host_bytes,
-        notes=tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
-        + offload_activations.host_term_notes(offloaded)
-        + _derived_notes(spec) + moe.notes(spec, sized, hardware.is_cpu) + context_parallel.notes(asked)
-        + compiled.notes(spec, sized) + padding.notes(asked) + float8.notes(spec, sized),
-        model_name=spec.name,
-        device_name=hardware.gpu.name, moe=moe.routing_range(spec, sized, hardware.is_cpu))
+    terms = tuple(t for t in terms if t.num_bytes > 0)
+    offloaded = _activation_host(spec, sized, on_cpu)
+    notes = (tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
+             + offload_activations.host_term_notes(offloaded)
+             + _derived_notes(spec) + moe.notes(spec, sized, on_cpu) + context_parallel.notes(asked)
+             + compiled.notes(spec, sized) + padding.notes(asked) + float8.notes(spec, sized))
+    return _Step(spec, setup, phase, terms, tuple(t for t in terms if t.device_figure == "allocated"), offloaded,
+                 moments.phase_peaks(), static.cpu_bytes + offloaded.host_bytes, notes,
+                 moe.routing_range(spec, sized, on_cpu))
+
+
+_STEPS_KEPT = 512  # ~15 KB each (its terms and the spec held)
+_steps: OrderedDict[tuple, tuple[ModelSpec, _Step | None]] = OrderedDict()
+_steps_lock = threading.Lock()
+
+
+def _kept_step(spec: ModelSpec, setup: TrainingSetup, world_size: int, on_cpu: bool, layout: Engine | None
+               ) -> _Step | None:
+    """_step, remembered for the last _STEPS_KEPT arguments: a function of them only, all frozen values, and the
+    same setup is sized again on other GPUs of the same count (the plan's larger-GPU walk, the page's user trying
+    the GPUs), where only the runtime's figures differ (memfit.estimate.device, computed afresh each time). The
+    spec is keyed by identity and held with its answer, so the id names it (its graph is no part of its equality);
+    the setup's notes are in the key because they compare equal. A refusal (ConfigError) is not remembered."""
+    key = (id(spec), setup, setup.notes, world_size, on_cpu, layout)
+    with _steps_lock:
+        kept = _steps.get(key)
+        if kept is not None:
+            _steps.move_to_end(key)
+    if kept is None or kept[0] is not spec:
+        kept = (spec, _step(spec, setup, world_size, on_cpu, layout))
+        with _steps_lock:
+            _steps[key] = kept
+            while len(_steps) > _STEPS_KEPT:
+                _steps.popitem(last=False)
+    return kept[1]
 
 
 def _check(spec: ModelSpec, setup: TrainingSetup) -> None:

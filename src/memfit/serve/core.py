@@ -282,6 +282,16 @@ def _catalog_model(text: str) -> str:
     raise InputError(str(suggest(shown, catalog_names(), "model")), field=MODEL_FIELD)
 
 
+@functools.lru_cache(maxsize=64)
+def _catalog_spec(name: str):
+    """The catalog model's ModelSpec, read once per name: a spec is a frozen value, and one object per model lets
+    what is remembered per spec (the plan's estimate memo, memfit.estimate's kept steps and per-graph answers)
+    serve every plan of that model instead of reading the catalog and building its graph again for each update."""
+    from ..sources import resolve_model
+
+    return resolve_model(name)
+
+
 def plan_page(values: Mapping[str, Any]) -> dict:
     """One plan for the page's values: {"command": the equivalent `memfit plan` line, "plan": exactly what that
     line prints with --json, "view": the same plan as display text, "figure": the --report breakdown chart}.
@@ -298,7 +308,7 @@ def plan_for(argv: list[str]) -> dict:
     given = {f.name: params.get(f.name) for f in fields(SetupOptions) if f.init and f.name not in ("reading", "config")}
     try:
         opts = SetupOptions(**given)
-        spec, setup, hardware = opts.resolve(params[MODEL_FIELD])
+        spec, setup, hardware = opts.resolve(_catalog_spec(params[MODEL_FIELD]))
         result = make_plan(spec, setup, hardware, margin=opts.margin_fraction, explicit=opts.explicit, keep=opts.keep)
     except MemfitError as error:
         raise InputError(_one_line(str(error))) from None
