@@ -7,7 +7,13 @@ This module and the package above it (memfit/__init__.py, lazy) import nothing h
 import signal
 
 
+_EARLY: list[int] = []
+"""SIGINTs that arrived before the full handler: the KeyboardInterrupt raised for one can land where Python swallows
+it (an import lock's weakref callback prints "Exception ignored" and goes on), so main() also checks this."""
+
+
 def _interrupted_early(signum, frame) -> None:
+    _EARLY.append(signum)
     raise KeyboardInterrupt
 
 
@@ -20,6 +26,8 @@ def main() -> None:
         from .interrupt import INTERRUPTED, handling
 
         with handling():  # the full handler (watchdog, critical sections) while the command runs
+            if _EARLY:  # a Ctrl-C during the imports above that Python swallowed: it still ends the command
+                raise KeyboardInterrupt
             from .app import main as run
 
             run()
