@@ -32,7 +32,7 @@ from ..hardware import gpu_catalog
 from ..plan import plan as make_plan
 from ..plan_output import plan_json
 from ..report.figures import breakdown_spec, report_data
-from ..sources import catalog_entry, catalog_names
+from ..sources import catalog_entry, catalog_names, resolve_model
 from ..sources.catalog import find_entry
 from ..units import format_bytes
 
@@ -287,8 +287,6 @@ def _catalog_spec(name: str):
     """The catalog model's ModelSpec, read once per name: a spec is a frozen value, and one object per model lets
     what is remembered per spec (the plan's estimate memo, memfit.estimate's kept steps and per-graph answers)
     serve every plan of that model instead of reading the catalog and building its graph again for each update."""
-    from ..sources import resolve_model
-
     return resolve_model(name)
 
 
