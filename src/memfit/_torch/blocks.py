@@ -38,6 +38,8 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..selective_op import SELECTIVE_OP_POLICY
+
 _MARK = "_memfit_checkpointed"
 _CORE_MARK = "_memfit_checkpointed_core"
 FULL, SELECTIVE_OP = "full", "selective-op"
@@ -85,16 +87,14 @@ def _has_children(module: torch.nn.Module) -> bool:
 def selective_op_context():
     """The (forward, recompute) contexts of one checkpointed call under the selective-op policy: a fresh matmul
     count per call, one for the forward and one for the recompute, so both make the same choices. The policy is
-    memfit.techniques.checkpointing.SELECTIVE_OP_POLICY, the text the emitted FSDP2 script carries too."""
+    memfit.selective_op.SELECTIVE_OP_POLICY, the text the emitted FSDP2 script carries too."""
     return _selective_op_policy()()
 
 
 @functools.cache
 def _selective_op_policy():
-    from ..techniques.checkpointing import SELECTIVE_OP_POLICY
-
     namespace = {"torch": torch}
-    exec(compile(SELECTIVE_OP_POLICY, "memfit.techniques.checkpointing.SELECTIVE_OP_POLICY", "exec"), namespace)
+    exec(compile(SELECTIVE_OP_POLICY, "memfit.selective_op.SELECTIVE_OP_POLICY", "exec"), namespace)
     return namespace["selective_op_context"]
 
 

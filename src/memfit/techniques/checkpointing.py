@@ -5,6 +5,7 @@ from ..setup import Attention, Checkpointing, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
 from .convert import Target, conversion
 from .costs import Cost, checkpointing_cost, recompute_fraction
+from ..selective_op import SELECTIVE_OP_POLICY
 
 _HOW = {
     Checkpointing.ATTENTION: ("recomputes only the eager attention core (QK^T, softmax, dropout, x V) in backward: "
@@ -65,31 +66,7 @@ class GradientCheckpointing(Technique):
 
 # ---------------------------------------------------------------------------------------- the runtime conversion
 
-SELECTIVE_OP_POLICY = '''def selective_op_context():
-    """selective-op (torchtitan's op-level SAC policy): per checkpointed call, keep the outputs of the 1st, 3rd, ...
-    matmul (mm / addmm) and of the SDPA kernels; recompute every other op (norms, activations, rotary, casts)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    matmuls = {aten.mm.default, aten.addmm.default}
-    kernels = {getattr(aten, name).default for name in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)}
-    seen = {False: 0, True: 0}
-
-    def policy(ctx, func, *args, **kwargs):
-        if func in matmuls:
-            seen[ctx.is_recompute] += 1
-            keep = seen[ctx.is_recompute] % 2 == 1
-        else:
-            keep = func in kernels
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)'''
-"""selective-op's one definition: torchtitan's op-level SAC policy (torchtitan/distributed/activation_checkpoint.py)
-with aten.addmm counted as a matmul and the CPU flash kernel beside the CUDA ones (memfit._torch.blocks). It is
-source text because it is both what memfit runs (memfit._torch.blocks.selective_op_context compiles it) and what
-the FSDP2 script memfit emits writes (memfit.emit.fsdp), byte for byte; it reads `torch` from its globals."""
+# SELECTIVE_OP_POLICY: memfit.selective_op (import-free, so the torch side that runs it imports no technique)
 
 
 NO_BLOCKS = ("not applicable: no repeated blocks found (an nn.ModuleList or nn.Sequential of 2+ modules of one "
