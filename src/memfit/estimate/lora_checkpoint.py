@@ -22,7 +22,7 @@ them):
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from . import derived as derive
 from .result import Category, Phase, Term
@@ -49,43 +49,149 @@ def checkpointed_moments(step, moments: dict) -> dict:
     block's adapters have their gradients; the loss backward with the RNG states. A LayerNorm block with a plain
     MLP: ungated_moments; other blocks keep the generic moments with the embedding leaf."""
     from .activations import rms_gated_layer
+
+    if not rms_gated_layer(step.spec):
+        return _other_block_moments(step, moments)
+    sizes = _GatedSizes.of(step)
+    return _gated_moments(step, moments, sizes)
+
+
+def _other_block_moments(step, moments: dict) -> dict:
+    """GPT-2 / BERT and the derived families: the generic moments with the embedding leaf (and GPT-2 / BERT's
+    recompute and plain-MLP backward, a derived family's block-0 checkpoint)."""
     from .analytic import CPU_RNG_STATE_BYTES
-    from .lora import _mask, adapted_derived, adapted_roles, adapter_bytes, adapter_reads, dequantized_weight_bytes
+    from .lora import adapted_derived, adapted_roles
 
-    spec, setup, d = step.spec, step.setup, step.dtypes
-    asks = setup.finetune.asks_input_gradient()  # torchtune asks no input gradient: no embedding leaf
-    if not rms_gated_layer(spec):
-        if not asks:
-            return {}
-        # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
-        # makes is a tensor of its own, kept to the end of backward
-        leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, embedding_leaf_bytes(step),
-                    "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
-                    "torch autograd AccumulateGrad")
-        with_leaf = {name: (phase, list(terms) + ([leaf] if leaf.num_bytes else [])) for name, (phase, terms)
-                     in moments.items() if phase is Phase.BACKWARD and terms}
-        if layer_norm_block(spec):  # GPT-2 / BERT: their recompute and plain-MLP backward
-            rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
-            with_leaf.update(ungated_moments(step, with_leaf, adapted_roles, rng))
-        if adapted_derived(spec) and "end of backward" in with_leaf:
-            phase, terms = with_leaf["end of backward"]
-            with_leaf["end of backward"] = (phase, terms + block0_checkpoint(step, CPU_RNG_STATE_BYTES))
-        return with_leaf
-    ft = setup.finetune
-    n, h, inter, layers = step.tokens, spec.hidden_size, spec.intermediate_size, spec.num_layers
-    res, cmp = d.residual, d.compute
-    mlp = res if d.mlp_in_residual else cmp
-    base = ft.base_storage(setup.precision.compute_dtype)
-    shares_x, low = adapter_reads(setup, d)
-    low_bytes = 2 if low == "c16" else 4
-    fp32_adapters = adapter_bytes(setup) == 4
-    mask_bytes = 2 if _mask(setup, d) == "c16" else 4
-    roles = adapted_roles(spec)
-    down = roles.get("down", [None])[0]
-    rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
+    spec, d = step.spec, step.dtypes
+    if not step.setup.finetune.asks_input_gradient():  # torchtune asks no input gradient: no embedding leaf
+        return {}
+    # GPT-2 / BERT: the token embedding is followed by adds, so the leaf peft's enable_input_require_grads
+    # makes is a tensor of its own, kept to the end of backward
+    leaf = Term("activations/embedding_leaf", Category.ACTIVATIONS, embedding_leaf_bytes(step),
+                "the embedding output, a leaf autograd keeps to the end (peft enable_input_require_grads)",
+                "torch autograd AccumulateGrad")
+    with_leaf = {name: (phase, list(terms) + ([leaf] if leaf.num_bytes else [])) for name, (phase, terms)
+                 in moments.items() if phase is Phase.BACKWARD and terms}
+    if layer_norm_block(spec):  # GPT-2 / BERT: their recompute and plain-MLP backward
+        rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
+        with_leaf.update(ungated_moments(step, with_leaf, adapted_roles, rng))
+    if adapted_derived(spec) and "end of backward" in with_leaf:
+        phase, terms = with_leaf["end of backward"]
+        with_leaf["end of backward"] = (phase, terms + block0_checkpoint(step, CPU_RNG_STATE_BYTES))
+    return with_leaf
 
-    def term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES) -> Term:
-        return Term(name, category, int(num_bytes), formula, "torch.utils.checkpoint recompute, peft lora.Linear")
+
+@dataclass(frozen=True)
+class _GatedSizes:
+    """What the gated block's recompute and frozen-MLP backward hold, in bytes (see checkpointed_moments)."""
+
+    locals_: int
+    incoming: int
+    not_yet: int
+    freed: int
+    first_norm: int
+    dequantized: int
+    rng: int
+
+    @classmethod
+    def of(cls, step) -> "_GatedSizes":
+        from .analytic import CPU_RNG_STATE_BYTES
+        from .lora import _mask, adapted_roles, adapter_bytes, adapter_reads, dequantized_weight_bytes
+
+        spec, setup, d = step.spec, step.setup, step.dtypes
+        ft = setup.finetune
+        n, h, inter = step.tokens, spec.hidden_size, spec.intermediate_size
+        res, cmp = d.residual, d.compute
+        mlp = res if d.mlp_in_residual else cmp
+        shares_x, low = adapter_reads(setup, d)
+        low_bytes = 2 if low == "c16" else 4
+        fp32_adapters = adapter_bytes(setup) == 4
+        mask_bytes = 2 if _mask(setup, d) == "c16" else 4
+        down = adapted_roles(spec).get("down", [None])[0]
+        # R: the recompute's own peak, inside down_proj's adapter (or at the frozen down_proj)
+        locals_ = n * h * res if res == 2 else 0  # the post-attention residual sum (an fp32 one the norm saves)
+        not_yet = freed = 0
+        if down is not None:
+            if not shares_x:
+                locals_ += n * h * res + n * inter * mlp  # the MLP input, down_proj's input
+            locals_ += n * h * mlp  # base_layer(x)
+            locals_ += n * inter * 4 if mlp != 4 and fp32_adapters else 0  # peft's fp32 cast of x
+            # the fp32 dropout output (its autocast cast is what is saved); lora_B's cast, not made yet
+            locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast and fp32_adapters else 0
+            locals_ -= 2 * down.rank * h if d.autocast and fp32_adapters else 0
+            incoming = n * h * res + n * h * cmp  # the residual gradient and lora_B's output gradient
+            if ft.dora:  # DoRA's product m / ||W + s BA|| * lora_result starts the recompute: result_dora's fp32
+                # gradient and its product's, and a 16-bit stream's own residual gradient (the add's promotion)
+                incoming = 2 * n * h * 4 + (n * h * res if res != 4 else 0)
+            dropout_mask = n * inter * mask_bytes if ft.dropout > 0 and d.on_cpu else 0
+            not_yet = n * h * mlp + n * down.rank * low_bytes + (0 if shares_x else n * inter * low_bytes)
+            not_yet += dropout_mask
+            freed = n * down.rank * low_bytes + dropout_mask + (0 if shares_x else n * inter * low_bytes)
+        else:
+            base = ft.base_storage(setup.precision.compute_dtype)
+            locals_ += n * h * res  # the MLP input (frozen gate/up keep nothing)
+            locals_ += 0 if base.four_bit else n * inter * mlp  # the product (a 4-bit down_proj packs nothing)
+            incoming = n * h * res
+        # torchao's linear_nf4 dequantizes each weight again in the recompute: down_proj's before its output and its
+        # adapter's saved tensors exist
+        dequantized = dequantized_weight_bytes(spec, setup) if ft.torchtune else 0
+        return cls(locals_=locals_, incoming=incoming, not_yet=not_yet, freed=freed,
+                   first_norm=n * h * res if res == 4 else 0, dequantized=dequantized,
+                   rng=CPU_RNG_STATE_BYTES if d.on_cpu else 0)
+
+
+def _term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES) -> Term:
+    return Term(name, category, int(num_bytes), formula, "torch.utils.checkpoint recompute, peft lora.Linear")
+
+
+def _gated_terms(step, sizes: _GatedSizes) -> dict[str, list[Term]]:
+    """The recompute's and the frozen MLP backward's temporaries, with and without torchao's dequantized weight."""
+    from .lora import adapted_roles
+
+    spec, d = step.spec, step.dtypes
+    n, h, inter = step.tokens, spec.hidden_size, spec.intermediate_size
+    res = d.residual
+    mlp = res if d.mlp_in_residual else d.compute
+    down = adapted_roles(spec).get("down", [None])[0]
+    recompute = [_term("temporaries/recompute_locals", sizes.locals_, "the layer's forward locals still alive when "
+                       "the recompute stops at its last saved tensor"),
+                 _term("temporaries/incoming_gradient", sizes.incoming, "the gradient flowing into the block")]
+    recompute += dora_recompute(step, down)
+    dequantizing = [_term("temporaries/recompute_locals", sizes.locals_, "the layer's forward locals"), recompute[1],
+                    _term("temporaries/dequantized_weight", sizes.dequantized, "the largest NF4 weight being "
+                          "dequantized in the recompute's forward (torchao NF4Tensor.get_original_weight)")]
+    # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
+    mlp_backward = [_term("temporaries/frozen_mlp_backward", n * h * res + 3 * n * inter * mlp - sizes.freed,
+                          "B x T x h residual gradient + 3 x B x T x I: the gradients of act * up and of both "
+                          "factors, in the MLP's dtype")]
+    # torchao's NF4 backward dequantizes gate / up's weight for their input gradient, once the product's gradient
+    # is gone (measured: the two factors' gradients and the residual gradient alive at that moment)
+    dequantized_backward = [_term("temporaries/frozen_mlp_backward", n * h * res + 2 * n * inter * mlp - sizes.freed,
+                                  "B x T x h residual gradient + 2 x B x T x I: both factors' gradients"),
+                            _term("temporaries/dequantized_weight", sizes.dequantized, "the largest NF4 weight "
+                                  "dequantized for a frozen MLP projection's input gradient "
+                                  "(NF4Tensor.get_original_weight)")]
+    return {"recompute": recompute, "recompute dequantizing": dequantizing, "mlp backward": mlp_backward,
+            "mlp backward dequantizing": dequantized_backward}
+
+
+def _gated_moments(step, moments: dict, sizes: _GatedSizes) -> dict:
+    spec, res = step.spec, step.dtypes.residual
+    layers, n, h = spec.num_layers, step.tokens, spec.hidden_size
+    parts = _gated_terms(step, sizes)
+
+    def with_rng(terms: list[Term], states: int) -> list[Term]:
+        terms = [t for t in terms if t.name != "activations/rng_states"]  # the generic moments' count, replaced
+        if not states:
+            return terms
+        return terms + [_term("activations/rng_states", states * sizes.rng, f"{states} x {sizes.rng} B: "
+                              "torch.get_rng_state() kept per checkpointed layer (CPU device)", Category.ACTIVATIONS)]
+
+    def less(terms: list[Term], num_bytes: int) -> list[Term]:  # off the recomputed block
+        if not num_bytes:
+            return terms
+        return [replace(t, num_bytes=t.num_bytes - num_bytes) if t.name == "activations/recomputed_block" else t
+                for t in terms]
 
     def without_layer_temps(name: str) -> list[Term]:
         # under checkpointing the autocast copies are the head's cast alone (autocast_copies), freed by the head's
@@ -93,88 +199,24 @@ def checkpointed_moments(step, moments: dict) -> dict:
         gone = ("temporaries/layer_backward", "activations/autocast_weight_copies")
         return [t for t in moments[name][1] if t.name not in gone]
 
-    first_norm = n * h * res if res == 4 else 0
-    # R: the recompute's own peak, inside down_proj's adapter (or at the frozen down_proj)
-    locals_ = n * h * res if res == 2 else 0  # the post-attention residual sum (an fp32 one the norm saves)
-    if down is not None:
-        if not shares_x:
-            locals_ += n * h * res + n * inter * mlp  # the MLP input, down_proj's input
-        locals_ += n * h * mlp  # base_layer(x)
-        locals_ += n * inter * 4 if mlp != 4 and fp32_adapters else 0  # peft's fp32 cast of x
-        # the fp32 dropout output (its autocast cast is what is saved); lora_B's cast, not made yet
-        locals_ += n * inter * 4 if ft.dropout > 0 and d.autocast and fp32_adapters else 0
-        locals_ -= 2 * down.rank * h if d.autocast and fp32_adapters else 0
-        incoming = n * h * res + n * h * cmp  # the residual gradient and lora_B's output gradient
-        if ft.dora:  # DoRA's product m / ||W + s BA|| * lora_result starts the recompute: result_dora's fp32
-            # gradient and its product's, and a 16-bit stream's own residual gradient (the add's promotion)
-            incoming = 2 * n * h * 4 + (n * h * res if res != 4 else 0)
-    else:
-        locals_ += n * h * res  # the MLP input (frozen gate/up keep nothing)
-        locals_ += 0 if base.four_bit else n * inter * mlp  # the product (a 4-bit down_proj packs nothing)
-        incoming = n * h * res
-    recompute = [term("temporaries/recompute_locals", locals_, "the layer's forward locals still alive when the "
-                      "recompute stops at its last saved tensor"),
-                 term("temporaries/incoming_gradient", incoming, "the gradient flowing into the block")]
-    recompute += dora_recompute(step, down)
-    # torchao's linear_nf4 dequantizes each weight again in the recompute: down_proj's before its output and its
-    # adapter's saved tensors exist
-    dequantized = dequantized_weight_bytes(spec, setup) if ft.torchtune else 0
-    not_yet = 0
-    if down is not None:
-        not_yet = n * h * mlp + n * down.rank * low_bytes + (0 if shares_x else n * inter * low_bytes)
-        not_yet += n * inter * mask_bytes if ft.dropout > 0 and d.on_cpu else 0
-    recompute_dequantizing = [term("temporaries/recompute_locals", locals_, "the layer's forward locals"),
-                              recompute[1],
-                              term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight being "
-                                   "dequantized in the recompute's forward (torchao NF4Tensor.get_original_weight)")]
-    # B: the frozen gated MLP's backward (the product's and both factors' gradients + the residual gradient)
-    freed = 0
-    if down is not None:
-        freed = n * down.rank * low_bytes + (n * inter * mask_bytes if ft.dropout > 0 and d.on_cpu else 0)
-        freed += 0 if shares_x else n * inter * low_bytes
-    mlp_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 3 * n * inter * mlp - freed,
-                         "B x T x h residual gradient + 3 x B x T x I: the gradients of act * up and of both "
-                         "factors, in the MLP's dtype")]
-    # torchao's NF4 backward dequantizes gate / up's weight for their input gradient, once the product's gradient
-    # is gone (measured: the two factors' gradients and the residual gradient alive at that moment)
-    dequantized_backward = [term("temporaries/frozen_mlp_backward", n * h * res + 2 * n * inter * mlp - freed,
-                                 "B x T x h residual gradient + 2 x B x T x I: both factors' gradients"),
-                            term("temporaries/dequantized_weight", dequantized, "the largest NF4 weight dequantized "
-                                 "for a frozen MLP projection's input gradient (NF4Tensor.get_original_weight)")]
-
-    def with_rng(terms: list[Term], states: int) -> list[Term]:
-        terms = [t for t in terms if t.name != "activations/rng_states"]  # the generic moments' count, replaced
-        if not states:
-            return terms
-        return terms + [term("activations/rng_states", states * rng, f"{states} x {rng} B: torch.get_rng_state() "
-                             "kept per checkpointed layer (CPU device)", Category.ACTIVATIONS)]
-
-    def minus_first_norm(terms: list[Term]) -> list[Term]:
-        if not first_norm:
-            return terms
-        return [replace(t, num_bytes=t.num_bytes - first_norm) if t.name == "activations/recomputed_block" else t
-                for t in terms]
-
-    last = minus_first_norm(without_layer_temps("first block backward"))
-    first = minus_first_norm(without_layer_temps("end of backward"))
-    leaf = [term("activations/embedding_leaf", n * h * res, "the embedding output, a leaf autograd keeps to the "
-                 "end (peft enable_input_require_grads)", Category.ACTIVATIONS)] if asks else []
-
-    def before_down(terms: list[Term]) -> list[Term]:  # down_proj's output and adapter tensors not made yet
-        return [replace(t, num_bytes=t.num_bytes - not_yet) if t.name == "activations/recomputed_block" else t
-                for t in terms]
-
-    dequantizing = {} if not dequantized else {
-        "first block recompute, dequantizing": (Phase.BACKWARD,
-                                                with_rng(before_down(last) + recompute_dequantizing, layers + 1)),
-        "first block MLP input gradient": (Phase.BACKWARD, with_rng(last + dequantized_backward, layers)),
-        "block 0 MLP input gradient": (Phase.BACKWARD, with_rng(first + leaf + dequantized_backward, 1))}
+    last = less(without_layer_temps("first block backward"), sizes.first_norm)
+    first = less(without_layer_temps("end of backward"), sizes.first_norm)
+    leaf = [_term("activations/embedding_leaf", n * h * res, "the embedding output, a leaf autograd keeps to the "
+                  "end (peft enable_input_require_grads)", Category.ACTIVATIONS)] \
+        if step.setup.finetune.asks_input_gradient() else []
+    dequantizing = {} if not sizes.dequantized else {
+        "first block recompute, dequantizing": (Phase.BACKWARD, with_rng(
+            less(last, sizes.not_yet) + parts["recompute dequantizing"], layers + 1)),
+        "first block MLP input gradient": (Phase.BACKWARD, with_rng(last + parts["mlp backward dequantizing"],
+                                                                    layers)),
+        "block 0 MLP input gradient": (Phase.BACKWARD, with_rng(first + leaf + parts["mlp backward dequantizing"],
+                                                                1))}
     return dequantizing | {
         "loss backward": (Phase.BACKWARD, with_rng(list(moments["loss backward"][1]), layers)),
-        "first block backward": (Phase.BACKWARD, with_rng(last + recompute, layers + 1)),
-        "first block MLP backward": (Phase.BACKWARD, with_rng(last + mlp_backward, layers)),
-        "end of backward": (Phase.BACKWARD, with_rng(first + leaf + recompute, 2)),
-        "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + leaf + mlp_backward, 1)),
+        "first block backward": (Phase.BACKWARD, with_rng(last + parts["recompute"], layers + 1)),
+        "first block MLP backward": (Phase.BACKWARD, with_rng(last + parts["mlp backward"], layers)),
+        "end of backward": (Phase.BACKWARD, with_rng(first + leaf + parts["recompute"], 2)),
+        "block 0 MLP backward": (Phase.BACKWARD, with_rng(first + leaf + parts["mlp backward"], 1)),
     }
 
 
