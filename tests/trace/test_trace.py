@@ -57,23 +57,15 @@ def _live_before(session) -> int:
 def measured_peak(session, steps: int = STEPS) -> int:
     """Peak live tensor bytes of `steps` real steps on CPU, from the profiler's allocation events, without oneDNN's
     bf16 matmul scratch (on CPUs with native bf16 only; memfit._torch.measure_cpu.matmul_scratch)."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from memfit._torch.measure_cpu import _walk, matmul_scratch
+    from memfit._torch.measure_cpu import profiled_peak
 
     before = _live_before(session)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
             session.run(lambda phase: None)
-    walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    scratch = matmul_scratch(walked)
-    live = peak = 0
-    for _, size in sorted((node.start_time_ns, node.extra_fields.alloc_size) for order, node in enumerate(walked)
-                          if node.tag == _EventType.Allocation and order not in scratch):
-        live += size
-        peak = max(peak, live)
-    return before + peak
+    return before + profiled_peak(prof)
 
 
 # ---- plain torch models ----------------------------------------------------------------------------------------

@@ -155,6 +155,19 @@ def _events(prof, marks: dict[str, Mark]) -> tuple[list[Allocation | Mark], list
     return kept, everything
 
 
+def profiled_peak(prof) -> int:
+    """The peak of live tensor bytes over a profiled run (torch.profiler with profile_memory), from its allocation
+    events in time order, without oneDNN's matmul scratch: what a real CPU step is checked on."""
+    walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    scratch = matmul_scratch(walked)
+    live = peak = 0
+    for _, size in sorted((node.start_time_ns, node.extra_fields.alloc_size) for order, node in enumerate(walked)
+                          if node.tag == _EventType.Allocation and order not in scratch):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
 def matmul_scratch(walked: list) -> set[int]:
     """Positions in `walked` (the profiler's event tree, walked) of oneDNN's matmul scratch: each CPU allocation
     freed inside the matmul op that made it, and its free. The rank meter (rank_memory) leaves them out too."""

@@ -24,7 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..graph import MLP, Dropout, Norm
+from ..setup import Attention
+# estimate.lora, activations and forward_terms import this module (directly or through lora): as modules, read at
+# call time, they need no import inside a function
+from . import activations as act
 from . import derived as derive
+from . import dora, forward_terms
+from . import lora as _lora
 from .result import Category, Phase, Term
 
 SOURCE = "torch.utils.checkpoint recompute, peft lora.Linear.forward, autograd of a plain MLP"
@@ -48,9 +55,8 @@ def checkpointed_moments(step, moments: dict) -> dict:
     the last block's recompute (R) and frozen-MLP backward (B), and the same for block 0 once every other
     block's adapters have their gradients; the loss backward with the RNG states. A LayerNorm block with a plain
     MLP: ungated_moments; other blocks keep the generic moments with the embedding leaf."""
-    from .activations import rms_gated_layer
 
-    if not rms_gated_layer(step.spec):
+    if not act.rms_gated_layer(step.spec):
         return _other_block_moments(step, moments)
     sizes = _GatedSizes.of(step)
     return _gated_moments(step, moments, sizes)
@@ -59,8 +65,6 @@ def checkpointed_moments(step, moments: dict) -> dict:
 def _other_block_moments(step, moments: dict) -> dict:
     """GPT-2 / BERT and the derived families: the generic moments with the embedding leaf (and GPT-2 / BERT's
     recompute and plain-MLP backward, a derived family's block-0 checkpoint)."""
-    from .analytic import CPU_RNG_STATE_BYTES
-    from .lora import adapted_derived, adapted_roles
 
     spec, d = step.spec, step.dtypes
     if not step.setup.finetune.asks_input_gradient():  # torchtune asks no input gradient: no embedding leaf
@@ -73,11 +77,11 @@ def _other_block_moments(step, moments: dict) -> dict:
     with_leaf = {name: (phase, list(terms) + ([leaf] if leaf.num_bytes else [])) for name, (phase, terms)
                  in moments.items() if phase is Phase.BACKWARD and terms}
     if layer_norm_block(spec):  # GPT-2 / BERT: their recompute and plain-MLP backward
-        rng = CPU_RNG_STATE_BYTES if d.on_cpu else 0
-        with_leaf.update(ungated_moments(step, with_leaf, adapted_roles, rng))
-    if adapted_derived(spec) and "end of backward" in with_leaf:
+        rng = forward_terms.CPU_RNG_STATE_BYTES if d.on_cpu else 0
+        with_leaf.update(ungated_moments(step, with_leaf, _lora.adapted_roles, rng))
+    if _lora.adapted_derived(spec) and "end of backward" in with_leaf:
         phase, terms = with_leaf["end of backward"]
-        with_leaf["end of backward"] = (phase, terms + block0_checkpoint(step, CPU_RNG_STATE_BYTES))
+        with_leaf["end of backward"] = (phase, terms + block0_checkpoint(step, forward_terms.CPU_RNG_STATE_BYTES))
     return with_leaf
 
 
@@ -95,19 +99,17 @@ class _GatedSizes:
 
     @classmethod
     def of(cls, step) -> "_GatedSizes":
-        from .analytic import CPU_RNG_STATE_BYTES
-        from .lora import _mask, adapted_roles, adapter_bytes, adapter_reads, dequantized_weight_bytes
 
         spec, setup, d = step.spec, step.setup, step.dtypes
         ft = setup.finetune
         n, h, inter = step.tokens, spec.hidden_size, spec.intermediate_size
         res, cmp = d.residual, d.compute
         mlp = res if d.mlp_in_residual else cmp
-        shares_x, low = adapter_reads(setup, d)
+        shares_x, low = _lora.adapter_reads(setup, d)
         low_bytes = 2 if low == "c16" else 4
-        fp32_adapters = adapter_bytes(setup) == 4
-        mask_bytes = 2 if _mask(setup, d) == "c16" else 4
-        down = adapted_roles(spec).get("down", [None])[0]
+        fp32_adapters = _lora.adapter_bytes(setup) == 4
+        mask_bytes = 2 if _lora._mask(setup, d) == "c16" else 4
+        down = _lora.adapted_roles(spec).get("down", [None])[0]
         # R: the recompute's own peak, inside down_proj's adapter (or at the frozen down_proj)
         locals_ = n * h * res if res == 2 else 0  # the post-attention residual sum (an fp32 one the norm saves)
         not_yet = freed = 0
@@ -134,10 +136,10 @@ class _GatedSizes:
             incoming = n * h * res
         # torchao's linear_nf4 dequantizes each weight again in the recompute: down_proj's before its output and its
         # adapter's saved tensors exist
-        dequantized = dequantized_weight_bytes(spec, setup) if ft.torchtune else 0
+        dequantized = _lora.dequantized_weight_bytes(spec, setup) if ft.torchtune else 0
         return cls(locals_=locals_, incoming=incoming, not_yet=not_yet, freed=freed,
                    first_norm=n * h * res if res == 4 else 0, dequantized=dequantized,
-                   rng=CPU_RNG_STATE_BYTES if d.on_cpu else 0)
+                   rng=forward_terms.CPU_RNG_STATE_BYTES if d.on_cpu else 0)
 
 
 def _term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES) -> Term:
@@ -146,13 +148,12 @@ def _term(name: str, num_bytes: int, formula: str, category=Category.TEMPORARIES
 
 def _gated_terms(step, sizes: _GatedSizes) -> dict[str, list[Term]]:
     """The recompute's and the frozen MLP backward's temporaries, with and without torchao's dequantized weight."""
-    from .lora import adapted_roles
 
     spec, d = step.spec, step.dtypes
     n, h, inter = step.tokens, spec.hidden_size, spec.intermediate_size
     res = d.residual
     mlp = res if d.mlp_in_residual else d.compute
-    down = adapted_roles(spec).get("down", [None])[0]
+    down = _lora.adapted_roles(spec).get("down", [None])[0]
     recompute = [_term("temporaries/recompute_locals", sizes.locals_, "the layer's forward locals still alive when "
                        "the recompute stops at its last saved tensor"),
                  _term("temporaries/incoming_gradient", sizes.incoming, "the gradient flowing into the block")]
@@ -239,9 +240,8 @@ def embedding_leaf_bytes(step) -> int:
     """The embedding output peft's enable_input_require_grads makes a leaf: a B x T x h tensor of its own; for a
     derived family as traced (memfit.derive KindFit.lora 'leaf': 0 where block 0's checkpointed input is that very
     tensor, counted with the checkpoints already)."""
-    from .lora import adapted_derived
 
-    if adapted_derived(step.spec):
+    if _lora.adapted_derived(step.spec):
 
         return derive.lora_bytes(step.spec, step.setup, "leaf", step.tokens, step.setup.seq_len, step.dtypes.on_cpu)
     return step.tokens * step.spec.hidden_size * step.dtypes.residual
@@ -249,28 +249,22 @@ def embedding_leaf_bytes(step) -> int:
 
 def layer_norm_block(spec) -> bool:
     """A block the formulas size whose norms are LayerNorms and whose MLP is plain (not gated)."""
-    from ..graph import MLP, Norm
-    from .activations import _block, _nodes_of, saved_problem
 
-    if spec.derived is not None or saved_problem(spec.graph) is not None:
+    if spec.derived is not None or act.saved_problem(spec.graph) is not None:
         return False
-    norms, mlps = _nodes_of(spec, Norm), _nodes_of(spec, MLP)
+    norms, mlps = act._nodes_of(spec, Norm), act._nodes_of(spec, MLP)
     return (bool(norms) and all(n.kind == "layer" for n in norms) and len(mlps) == 1 and not mlps[0].gated
-            and not _block(spec).parallel_residual)
+            and not act._block(spec).parallel_residual)
 
 
 def _pre_norm(spec) -> bool:
-    from ..graph import Norm
-    from .activations import _block
 
-    return type(_block(spec).nodes[0]) is Norm
+    return type(act._block(spec).nodes[0]) is Norm
 
 
 def _residual_dropout(spec) -> bool:
-    from ..graph import Dropout
-    from .activations import _nodes_of
 
-    return any(n.where == "residual" and n.p > 0 for n in _nodes_of(spec, Dropout))
+    return any(n.where == "residual" and n.p > 0 for n in act._nodes_of(spec, Dropout))
 
 
 def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
@@ -357,12 +351,9 @@ def ungated_moments(step, moments: dict, adapted_roles, rng_bytes: int) -> dict:
 def sdpa_math_path(spec, setup, d) -> bool:
     """CPU SDPA with attention dropout runs torch's composite math kernel (_scaled_dot_product_attention_math),
     which materialises the B x H x T x T scores."""
-    from ..graph import Dropout
-    from ..setup import Attention
-    from .activations import _nodes_of
 
     return (d.on_cpu and setup.attention is Attention.SDPA
-            and any(n.where == "attention" and n.p > 0 for n in _nodes_of(spec, Dropout)))
+            and any(n.where == "attention" and n.p > 0 for n in act._nodes_of(spec, Dropout)))
 
 
 def attention_recompute(step, terms: list, incoming: int, term) -> list:
@@ -393,7 +384,6 @@ def attention_recompute(step, terms: list, incoming: int, term) -> list:
 def dora_recompute(step, down) -> list:
     """Under DoRA the recompute peaks in the adapted down projection's DoRA forward (memfit.estimate.dora
     recompute_locals_bytes): nothing when DoRA is off or the down projection is not adapted."""
-    from . import dora
 
     setup = step.setup
     if not setup.finetune.dora or down is None:

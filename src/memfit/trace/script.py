@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .._torch.measure_cpu import _walk, matmul_scratch
+from .._torch.measure_cpu import profiled_peak
 from ..errors import ConfigError
 from ..estimate.device import runtime_overhead_terms
 from ..estimate.result import MemoryEstimate, Phase
@@ -270,21 +270,13 @@ def measured_script_peak(argv: Sequence[str], *, steps: int = 2) -> int:
     """The real CPU peak of the script's first `steps` optimizer steps: live tensor bytes from the profiler's
     allocation events over the whole run, without oneDNN's bf16 matmul scratch (memfit._torch.measure_cpu), as
     memfit's trace tests measure a real step. The ground truth `trace_script(..., device="cpu")` is checked on."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     command = parse_command(argv)
     watch = StepWatch(steps=steps)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run_steps(command, watch)
-    walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    scratch = matmul_scratch(walked)
-    live = peak = 0
-    for _, size in sorted((node.start_time_ns, node.extra_fields.alloc_size) for order, node in enumerate(walked)
-                          if node.tag == _EventType.Allocation and order not in scratch):
-        live += size
-        peak = max(peak, live)
-    return peak
+    return profiled_peak(prof)
 
 
 def _host_kinds(device: str) -> tuple:
