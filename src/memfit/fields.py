@@ -6,6 +6,14 @@ the setup's typer options from it, so a new field is one declaration, not four.
 The setup stays flat (`setup.precision`, not `setup.precision.precision`): a section is declared metadata plus a
 view (TrainingSetup.section / with_section). Nesting the storage would rewrite some 300 attribute reads across the
 estimator, the techniques, the emitters and the readers for no number that moves.
+
+A technique that lives in one module declares its own fields there instead (`TechniqueSection`): a frozen dataclass
+of `setting` fields, registered with `technique_section`. TrainingSetup keeps the registered sections in one field
+(`techniques`, a `Techniques` value holding the sections that differ from their defaults) and takes, shows and
+serialises their fields flat like its own (`setup.replace(name=...)`, `setup.name`, `to_dict`): a technique field
+sits after its section's own fields (`declared`), so --help, `setup_changes` and to_dict keep one order. The
+section's methods are the technique's hooks into the core (its checks, its change to the static layout and the
+optimizer step, its text), which the core calls for every registered section without naming one.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 SECTIONS: tuple[str, ...] = ("batch", "precision", "optimizer", "memory", "parallel", "finetune", "moe", "notes")
 """The setup's sections, in the order `--help` lists their options (fields in declaration order within each)."""
@@ -56,6 +64,9 @@ class Option:
     default: Any = None
     section: str = ""
     """The field's section (setting fills it in, with `kind` and `default`): the CLI's help panel follows it."""
+    page: str | None = None
+    """The fold of `memfit serve`'s page that shows it (a technique section's field; memfit.serve.core.SECTIONS lists
+    the setup's own)."""
 
     @property
     def name(self) -> str:
@@ -115,12 +126,23 @@ def setting(default: Any, *, section: str, label: str | None = None, keep: tuple
 
 
 def meta(cls: type, name: str) -> FieldMeta:
-    return next(f.metadata[KEY] for f in dataclasses.fields(cls) if f.name == name)
+    return next(m for field, m in declared(cls) if field == name)
 
 
 def declared(cls: type) -> tuple[tuple[str, FieldMeta], ...]:
-    """(field name, FieldMeta) of every declared field of `cls`, in declaration order."""
-    return tuple((f.name, f.metadata[KEY]) for f in dataclasses.fields(cls) if KEY in f.metadata)
+    """(field name, FieldMeta) of every declared field of `cls`, in declaration order. A class that holds the
+    technique sections (its `TECHNIQUES_FIELD` names the field) lists their fields too, each section's after the
+    last of `cls`'s own fields of the same section (at the end where it has none)."""
+    own = [(f.name, f.metadata[KEY]) for f in dataclasses.fields(cls) if KEY in f.metadata]
+    if getattr(cls, "TECHNIQUES_FIELD", None) is None:
+        return tuple(own)
+    out = list(own)
+    for name, m in technique_fields_declared():
+        if any(field == name for field, _ in own):
+            raise ValueError(f"technique field {name} is a field of {cls.__name__} already")
+        last = max((i for i, (_, other) in enumerate(out) if other.section == m.section), default=len(out) - 1)
+        out.insert(last + 1, (name, m))
+    return tuple(out)
 
 
 def by_section(cls: type) -> tuple[tuple[str, FieldMeta], ...]:
@@ -206,3 +228,135 @@ def plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value.to_dict() if hasattr(value, "to_dict") else value
+
+
+# ---- technique sections: a technique's own fields, declared in its module --------------------------------------
+
+class TechniqueSection:
+    """A technique's config section. Subclass it as a frozen dataclass whose fields are declared with `setting`
+    (their defaults are the technique off; a Choice field takes its values' text) and register the class with
+    `technique_section`. The methods are the hooks the core calls for each section a setup holds, in registration
+    order; each default says "not this technique's business". `spec` is a memfit.model_spec.ModelSpec, `full` and
+    `sharded` memfit.estimate.static's StaticBytes and ShardedStatic (typed loosely: fields sits below them)."""
+
+    key: ClassVar[str]
+    """The section's name in TrainingSetup.techniques and in messages."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # a Choice field takes its text and aliases (memfit.choice.Choice.parse)
+            parse = getattr(type(f.default), "parse", None)
+            if isinstance(f.default, Enum) and parse is not None:
+                object.__setattr__(self, f.name, parse(getattr(self, f.name)))
+
+    def problems(self, setup: Any) -> list[str]:
+        """What the technique cannot run or memfit does not size with the rest of `setup` (TrainingSetup's
+        validation joins them to its own, one ConfigError for all)."""
+        return []
+
+    def describe(self) -> str:
+        """Its part of memfit.render.describe_setup (", torchao CPU offload grads"); "" says nothing."""
+        return ""
+
+    def step_temp_bytes(self, spec: Any, setup: Any) -> tuple[int, str] | None:
+        """The optimizer step's device temporaries and their formula where the technique decides them
+        (memfit.estimate.static.optimizer_step_temp_bytes); None: the optimizer's own."""
+        return None
+
+    def static_layout(self, spec: Any, setup: Any, full: Any, sharded: Any) -> Any:
+        """The per-rank static layout where the technique decides where parameters, gradients and optimizer states
+        live (memfit.estimate.static.shard, after the engine's layout); None: the engine's offload rules."""
+        return None
+
+
+SectionClass = type  # a registered TechniqueSection subclass (a frozen dataclass)
+
+TECHNIQUE_SECTIONS: dict[str, SectionClass] = {}
+"""Registered technique sections by key, in registration order (memfit.techniques imports their modules)."""
+_FIELD_OWNER: dict[str, SectionClass] = {}
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def technique_section(cls: SectionClass) -> SectionClass:
+    """Register `cls` (a TechniqueSection dataclass) so TrainingSetup takes its fields: its module's one line."""
+    if not (dataclasses.is_dataclass(cls) and issubclass(cls, TechniqueSection)):
+        raise TypeError(f"{cls.__name__} must be a frozen TechniqueSection dataclass")
+    for f in dataclasses.fields(cls):
+        if KEY not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with memfit.fields.setting")
+        owner = _FIELD_OWNER.get(f.name)
+        if owner is not None and owner is not cls:
+            raise ValueError(f"{cls.__name__}.{f.name}: {owner.__name__} declares that field already")
+    TECHNIQUE_SECTIONS[cls.key] = cls
+    _FIELD_OWNER.update((f.name, cls) for f in dataclasses.fields(cls))
+    for listener in _LISTENERS:
+        listener()
+    return cls
+
+
+def unregister_section(cls: SectionClass) -> None:
+    """Take a registered section out again (what a test does to show the rest knows nothing of it)."""
+    TECHNIQUE_SECTIONS.pop(cls.key, None)
+    for name in [name for name, owner in _FIELD_OWNER.items() if owner is cls]:
+        del _FIELD_OWNER[name]
+    for listener in _LISTENERS:
+        listener()
+
+
+def on_sections_changed(listener: Callable[[], None]) -> None:
+    """Call `listener` whenever a section is registered or taken out (memfit.setup refreshes its field tables)."""
+    _LISTENERS.append(listener)
+
+
+def technique_field_owner(name: str) -> SectionClass | None:
+    """The registered section that declares field `name`, or None."""
+    return _FIELD_OWNER.get(name)
+
+
+def technique_fields_declared() -> tuple[tuple[str, FieldMeta], ...]:
+    """(field, FieldMeta) of every registered section's fields, sections in registration order."""
+    return tuple(item for cls in TECHNIQUE_SECTIONS.values() for item in declared(cls))
+
+
+class Techniques:
+    """The technique sections of one setup: an immutable value holding only those that differ from their defaults
+    (so a setup built before a section was registered equals one built after). Iterating yields them, in
+    registration order; `get(cls)` gives a section's value, its default when not held."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, sections: "Mapping[str, Any] | None" = None):
+        held = {key: value for key, value in (sections or {}).items() if value != type(value)()}
+        order = list(TECHNIQUE_SECTIONS)
+        object.__setattr__(self, "_held", MappingProxyType(dict(sorted(
+            held.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Techniques is immutable")
+
+    def get(self, cls: SectionClass) -> Any:
+        return self._held.get(cls.key) or cls()
+
+    def with_fields(self, changes: Mapping[str, Any]) -> "Techniques":
+        """A copy with `changes` (field -> value) applied to the sections that declare the fields."""
+        by_section: dict[SectionClass, dict[str, Any]] = {}
+        for name, value in changes.items():
+            by_section.setdefault(_FIELD_OWNER[name], {})[name] = value
+        held = dict(self._held)
+        for cls, values in by_section.items():
+            held[cls.key] = dataclasses.replace(self.get(cls), **values)
+        return Techniques(held)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(tuple(v for k, v in self._held.items() if k in TECHNIQUE_SECTIONS))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Techniques) and dict(self._held) == dict(other._held)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._held.items()))
+
+    def __repr__(self) -> str:
+        return f"Techniques({dict(self._held)!r})"
+
+    def __reduce__(self):
+        return (Techniques, (dict(self._held),))

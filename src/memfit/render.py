@@ -55,6 +55,7 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (", activation offload" if setup.activation_offload else "")
             + (f", torchao CPU offload {setup.cpu_offload_optimizer}"
                if setup.cpu_offload_optimizer.value != "off" else "")
+            + "".join(section.describe() for section in setup.techniques)
             + (", torch.compile" if setup.compile else "")
             + (f", float8 {setup.float8}" + (" + float8 all-gather" if setup.float8_all_gather else "")
                if setup.float8.is_on else ""))

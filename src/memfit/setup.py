@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from . import fields as _fields
 from .choice import Choice as _Choice
@@ -213,8 +215,26 @@ class TrainingSetup:
     """engine deepspeed: reduce_bucket_size, stage3_param_persistence_threshold and stage3_max_reuse_distance as the
     JSON sets them (a key left out takes DeepSpeed's default); all None / default: the HF "auto" values memfit emits.
     No option sets them: only a --config file."""
+    # -- techniques that declare their own fields in their module (memfit.fields.TechniqueSection) --
+    techniques: _fields.Techniques = dataclasses.field(default=_fields.Techniques())
+    """The registered technique sections that differ from their defaults. Their fields are the setup's too, flat:
+    `TrainingSetup(name=...)`, `setup.replace(name=...)`, `setup.name`, to_dict, --keep, setup_changes."""
     notes: tuple[str, ...] = setting((), section="notes", compare=False)
     """Why the setup looks as it does (defaults assumed, values clamped); shown to the user."""
+
+    TECHNIQUES_FIELD: ClassVar[str] = "techniques"
+    """The field holding the technique sections (memfit.fields.declared lists their fields with the setup's)."""
+
+    def __getattr__(self, name: str) -> Any:
+        """A registered technique section's field, read flat (`setup.<field>`)."""
+        owner = _fields.technique_field_owner(name) if not name.startswith("__") else None
+        if owner is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.techniques.get(owner), name)
+
+    def technique(self, section: type) -> Any:
+        """The value of one technique section (memfit.fields.TechniqueSection), its default when not used."""
+        return self.techniques.get(section)
 
     def __post_init__(self) -> None:
         for name, kind in _CHOICE_FIELDS:  # the enum fields take their values' text and aliases
@@ -244,6 +264,10 @@ class TrainingSetup:
         from .estimate import torchao_offload
 
         problems += torchao_offload.problems(self)
+        if not isinstance(self.techniques, _fields.Techniques):
+            problems.append(f"techniques must be a memfit.fields.Techniques, got {self.techniques!r}")
+        else:
+            problems += [problem for section in self.techniques for problem in section.problems(self)]
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
         if self.longest_sample_len is not None and self.padding is not Padding.LONGEST:
@@ -628,7 +652,33 @@ class TrainingSetup:
         return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     def to_dict(self) -> dict:
-        return {f.name: _fields.plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Every field as JSON holds it, the technique sections' flat among the setup's own (field_names)."""
+        return {name: _fields.plain(getattr(self, name)) for name in field_names()}
+
+
+def _taking_technique_fields(init):
+    """TrainingSetup's generated __init__, taking a registered technique section's fields by name like its own (so
+    dataclasses.replace, JSON read back and every caller's keywords work unchanged)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        moved = {name: kwargs.pop(name) for name in [n for n in kwargs if _fields.technique_field_owner(n)]}
+        if moved:
+            held = kwargs.get("techniques", _fields.Techniques())
+            kwargs["techniques"] = held.with_fields(moved) if isinstance(held, _fields.Techniques) else held
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TrainingSetup.__init__ = _taking_technique_fields(TrainingSetup.__init__)
+
+
+def field_names() -> tuple[str, ...]:
+    """Every field a setup shows, in order: the dataclass's own (the sections' holder aside) with each registered
+    technique section's fields after its section's own (memfit.fields.declared), notes last."""
+    shown = tuple(name for name, _ in _fields.declared(TrainingSetup))
+    return tuple(n for n in shown if n != "notes") + ("notes",)
 
 
 _CHOICE_FIELDS = tuple((f.name, type(f.default)) for f in dataclasses.fields(TrainingSetup)
@@ -673,6 +723,19 @@ KEEP_NAMES: dict[str, tuple[str, ...]] = _fields.keep_names(TrainingSetup)
 
 
 _KEEP_NAME = {name: _fields.keep_name_of(TrainingSetup, name) for name in FIELD_LABELS}
+
+
+def _refresh_tables() -> None:
+    """FIELD_LABELS, KEEP_NAMES and the --keep names again, in place, once a technique section registers (or is
+    taken out): whoever imported the tables sees its fields."""
+    for table, fresh in ((FIELD_LABELS, _fields.labels(TrainingSetup)), (KEEP_NAMES, _fields.keep_names(TrainingSetup)),
+                         (_KEEP_NAME, {n: _fields.keep_name_of(TrainingSetup, n) for n in _fields.labels(TrainingSetup)})):
+        table.clear()
+        table.update(fresh)
+
+
+_fields.on_sections_changed(_refresh_tables)
+_refresh_tables()
 
 
 def keep_name(field: str) -> str:

@@ -17,7 +17,8 @@ from memfit.cli.app import app
 from memfit.cli.options import SETUP_FIELD_OPTIONS, SetupOptions, _finetune_options, option_parameters
 from memfit.errors import ConfigError
 from memfit.finetune import Finetune, Method
-from memfit.setup import FIELD_LABELS, KEEP_NAMES, Precision, TrainingSetup, keep_name, parse_keep, setup_changes
+from memfit.setup import (FIELD_LABELS, KEEP_NAMES, Precision, TrainingSetup, field_names, keep_name, parse_keep,
+                          setup_changes)
 from memfit.units import DTYPE_BYTES
 
 NO_OPTION = {"num_gpus": "--gpus / --nodes (the hardware's options)", "zero_knobs": "only a --config file",
@@ -26,14 +27,17 @@ NO_OPTION = {"num_gpus": "--gpus / --nodes (the hardware's options)", "zero_knob
 
 
 def test_every_field_declares_its_section_label_and_keep_names():
-    for cls in (TrainingSetup, Finetune):
+    sections = tuple(fields.TECHNIQUE_SECTIONS.values())  # a technique module's own fields (memfit.fields)
+    for cls in (TrainingSetup, Finetune, *sections):
         for f in dataclasses.fields(cls):
+            if f.name == getattr(cls, "TECHNIQUES_FIELD", None):  # the holder of the technique sections
+                continue
             meta = f.metadata.get(fields.KEY)
             assert meta is not None, f"{cls.__name__}.{f.name} has no declaration"
             assert meta.section in fields.SECTIONS
             assert meta.label or f.name == "notes", f.name
     assert not fields.meta(TrainingSetup, "notes").keepable  # the one field never printed or pinned
-    assert set(FIELD_LABELS) == {f.name for f in dataclasses.fields(TrainingSetup)} - {"notes"}
+    assert set(FIELD_LABELS) == set(field_names()) - {"notes"}
     for name, pinned in KEEP_NAMES.items():
         assert pinned and set(pinned) <= set(FIELD_LABELS), name
 
@@ -64,7 +68,7 @@ def test_options_cover_every_setup_field_once():
     optioned = [name for name, _ in SETUP_FIELD_OPTIONS]
     assert len(optioned) == len(set(optioned))
     top = {name for name in optioned if "." not in name}
-    assert top | set(NO_OPTION) == {f.name for f in dataclasses.fields(TrainingSetup)}
+    assert top | set(NO_OPTION) == set(field_names())
     assert {n.partition(".")[2] for n in optioned if n.startswith("finetune.")} == {
         f.name for f in dataclasses.fields(Finetune)}
     names = [p.name for p in option_parameters()]
@@ -128,7 +132,7 @@ def test_the_help_lists_every_generated_option_with_its_help():
 def test_sections_view_and_replace_the_setup():
     setup = TrainingSetup()
     seen = [f for s in fields.SECTIONS for f in setup.section(s)]
-    assert sorted(seen) == sorted(f.name for f in dataclasses.fields(TrainingSetup))
+    assert sorted(seen) == sorted(field_names())
     precision = setup.section("precision")
     assert precision.precision is setup.precision and precision.float8 is setup.float8
     changed = setup.with_section("precision", precision="bf16")

@@ -32,7 +32,8 @@ from ..fields import options as options_of
 from ..finetune import Finetune, Method
 from ..hardware import GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import KEEP_NAMES, TrainingSetup, _Choice, parse_keep
+from ..setup import KEEP_NAMES, TrainingSetup, _Choice, field_names, parse_keep
+from .. import techniques as _techniques  # noqa: F401  (registers the technique sections: their options too)
 from ..units import parse_size
 from .progress import hidden
 
@@ -333,7 +334,7 @@ class _GivenOptions:
 _READ_ONLY_FIELDS = tuple(name for name, m in declared(TrainingSetup)
                           if m.option is None and m.nested is None and m.label is not None and name != "num_gpus")
 """Setup fields only a --config file sets (no option spells them; --gpus / --nodes set num_gpus): zero_knobs."""
-_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainingSetup))
+_FIELD_NAMES = field_names()
 _FINETUNE_OPTIONS = tuple((name, o) for name, o in SETUP_FIELD_OPTIONS if name.startswith("finetune.")
                           and name != "finetune.method")
 """The --lora-* / --base / ... options: the Finetune fields besides the method."""

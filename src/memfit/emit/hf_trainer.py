@@ -9,6 +9,7 @@ import sys
 from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
 from ..estimate import torchao_offload
 from ..techniques import compile as compile_technique, loss as loss_technique
+from ..techniques.base import FRAGMENTS
 from ..libraries import dtype_keyword, legacy_checkpointing_names
 from .apply_file import APPLY_FILE, apply_call
 from .deepspeed import deepspeed_owns_optimizer
@@ -56,7 +57,7 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                 "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
-    for part in (_precision_part, _optimizer_part, _checkpointing_part, loss_technique.hf_trainer_fragment, _activation_offload_part,
+    for part in (_precision_part, *FRAGMENTS["hf_trainer"], _optimizer_part, _checkpointing_part, loss_technique.hf_trainer_fragment, _activation_offload_part,
                  compile_technique.hf_trainer_fragment, _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
                                                        legacy_names=legacy_names)

@@ -183,11 +183,16 @@ def _adafactor_bytes(spec: ModelSpec, s_bytes: int) -> int:
 
 
 def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
-    """Transient memory of the optimizer step on the device (0 when the step runs on the CPU)."""
+    """Transient memory of the optimizer step on the device (0 when the step runs on the CPU). A technique section
+    that decides it (memfit.fields.TechniqueSection.step_temp_bytes) answers first."""
     if setup.cpu_offload_optimizer.value != "off":
         from . import torchao_offload
 
         return torchao_offload.step_temp_bytes(spec, setup)
+    for section in setup.techniques:
+        decided = section.step_temp_bytes(spec, setup)
+        if decided is not None:
+            return decided
     if setup.offload is not Offload.NONE:
         return 0, ("step runs on the CPU (FSDP2 CPUOffloadPolicy: the optimizer steps the host shards)"
                    if setup.engine is Engine.TORCH else "step runs on the CPU (DeepSpeed CPU Adam)")
@@ -263,6 +268,10 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
         from . import torchao_offload
 
         return torchao_offload.layout(spec, setup, full, out)
+    for section in setup.techniques:  # a technique that lays the step out itself (TechniqueSection.static_layout)
+        laid = section.static_layout(spec, setup, full, out)
+        if laid is not None:
+            return laid
     return _offloaded(spec, setup, full, out, grads_follow=(layout or setup.engine) is Engine.TORCH)
 
 

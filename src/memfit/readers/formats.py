@@ -18,6 +18,7 @@ from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fs
 from . import lora
 from .float8 import axolotl_float8, torchtune_float8
 from .memfit_apply import map_memfit_apply
+from ..techniques.base import FRAGMENTS
 
 ADAPTER = f"{NOT_SIZED} (LoRA / QLoRA adapter setting)"
 QUANTIZED = f"{NOT_SIZED} (quantized base weights)"
@@ -648,6 +649,8 @@ def _torchtune_optimizer(read: Reader, data: Mapping) -> None:
     if component is None:
         return
     name = str(component).lower()
+    if any(read_fragment(read, optimizer) for read_fragment in FRAGMENTS["torchtune.optimizer"]):
+        return  # a technique module's own component (memfit.techniques.base.FRAGMENTS)
     if name == "torchao.optim.cpuoffloadoptimizer":
         _torchao_cpu_offload(read, optimizer)
     elif name in _TORCH_ADAM:

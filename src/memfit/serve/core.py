@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import MemfitError, suggest
+from ..fields import technique_fields_declared
 from ..hardware import gpu_catalog
 from ..plan import plan as make_plan
 from ..plan_output import plan_json
@@ -56,7 +57,8 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Sequence shape", ("padding", "longest_sample", "target_len", "image_size")),
     ("Mixture of experts", ("ep", "capacity_factor")),
 )
-"""The folded sections, each a part of `memfit plan --help`'s Training setup panel. An option in none of them
+"""The folded sections, each a part of `memfit plan --help`'s Training setup panel (a technique section's option
+names its fold itself: memfit.fields.Option.page). An option in none of them
 (and not first) is folded under its own help panel's name (Training setup, Hardware, Model)."""
 
 
@@ -138,7 +140,8 @@ def _suggestions(name: str) -> list[dict] | None:
 def _section(name: str, panel: str) -> str:
     if name in FIRST_FIELDS:
         return MAIN_SECTION
-    return next((title for title, names in SECTIONS if name in names), panel)
+    pages = {m.option.name: m.option.page for _, m in technique_fields_declared() if m.option and m.option.page}
+    return next((title for title, names in SECTIONS if name in names), pages.get(name, panel))
 
 
 def section_names() -> list[str]:

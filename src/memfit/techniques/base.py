@@ -164,6 +164,28 @@ def register(cls: type[Technique]) -> type[Technique]:
     return cls
 
 
+FRAGMENT_SLOTS = ("hf_trainer", "torchtune.optimizer")
+"""Where a technique module plugs text into an emitter or a reader, besides what those name themselves:
+hf_trainer: `fragment(setup, **_) -> (TrainingArguments kwargs, their comments, notes)`, run by
+memfit.emit.hf_trainer after the precision part (before the optimizer's); torchtune.optimizer:
+`fragment(read, optimizer) -> bool`, run by memfit.readers.formats on a torchtune recipe's `optimizer` mapping
+before its own components; True: the fragment read it."""
+
+FRAGMENTS: dict[str, list[Callable]] = {slot: [] for slot in FRAGMENT_SLOTS}
+
+
+def fragment(slot: str) -> Callable[[Callable], Callable]:
+    """Register a technique module's emitter or reader fragment for `slot` (one of FRAGMENT_SLOTS)."""
+    if slot not in FRAGMENTS:
+        raise ValueError(f"{slot} is not in memfit.techniques.base.FRAGMENT_SLOTS")
+
+    def add(function: Callable) -> Callable:
+        FRAGMENTS[slot].append(function)
+        return function
+
+    return add
+
+
 # The seed's ladders, cheapest change first (shared/seed: "A Decision Framework").
 LADDERS: dict[Bottleneck, tuple[str, ...]] = {
     Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "optimizer_in_backward", "zero"),

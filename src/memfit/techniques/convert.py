@@ -48,7 +48,9 @@ ORDER = ("precision", "finetune", "float8", "attention", "checkpointing", "optim
          "activation_offload", "compile")
 """The order conversions run in, which is also the order of apply_'s report."""
 
-CONVERSIONS: dict[str, Conversion] = {}
+CONVERSIONS: dict[str, tuple[Conversion, ...]] = {}
+"""Each item's conversions, in registration order: its technique module's, then any other module's that adds to the
+item (an optimizer wrapper says how to wrap the loop's optimizer)."""
 
 ALONE = ("checkpointing", "activation_offload")
 """The items apply_ takes alone (a mapping, or the memfit_apply.json `memfit plan --emit` writes): what only code
@@ -56,12 +58,12 @@ can put on a model, since TrainingArguments cannot say it."""
 
 
 def conversion(item: str) -> Callable[[Conversion], Conversion]:
-    """Register a technique module's `convert` as the conversion of `item` (one of ORDER)."""
+    """Register a technique module's `convert` as a conversion of `item` (one of ORDER)."""
     if item not in ORDER:
         raise ValueError(f"{item} is not in memfit.techniques.convert.ORDER")
 
     def register(convert: Conversion) -> Conversion:
-        CONVERSIONS[item] = convert
+        CONVERSIONS[item] = (*CONVERSIONS.get(item, ()), convert)
         return convert
 
     return register
@@ -71,5 +73,5 @@ def convert_model(model, setup: TrainingSetup, target: Target, items: Sequence[s
     """Run the registered conversions of `items` (default: all) on `model` in ORDER; their Changes, None dropped.
     Importing memfit.techniques registers every technique module's conversion."""
     wanted = ORDER if items is None else tuple(item for item in ORDER if item in items)
-    changes = (CONVERSIONS[item](model, setup, target) for item in wanted)
+    changes = (convert(model, setup, target) for item in wanted for convert in CONVERSIONS[item])
     return tuple(change for change in changes if change is not None)

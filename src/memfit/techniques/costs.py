@@ -157,10 +157,15 @@ def host_link_seconds(num_bytes: int, hardware: Hardware) -> float:
 
 def offload_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
     """The offload rung's cost: the engine's host<->device copies and the CPU optimizer step."""
-    traffic = offload_traffic_bytes(spec, setup)
+    return host_step_cost(offload_traffic_bytes(spec, setup), cpu_step_seconds(spec, setup), setup, hardware)
+
+
+def host_step_cost(traffic: int, cpu_seconds: float, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """An optimizer step on the host, as the offload rung states it: `traffic` host<->device bytes per optimizer
+    step and `cpu_seconds` of CPU step (DeepSpeed's, FSDP2's or a registered one-GPU HostStep's)."""
     per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
     return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),
-                cpu_step_seconds=cpu_step_seconds(spec, setup),
+                cpu_step_seconds=cpu_seconds,
                 caveats=(per, f"{hardware.gpu.host_link_gb_per_s:g} GB/s", f"{CPU_ADAM_PARAMS_PER_S:.0e} params/s"),
                 template="{host_link} over PCIe per step{caveat[0]} (~{host_link_seconds:.2f} s at {caveat[1]}) and a "
                          "CPU Adam step (~{cpu_step_seconds:.1f} s at {caveat[2]})")

@@ -1,11 +1,81 @@
 from __future__ import annotations
 
+from typing import Protocol
+
 from ..errors import ConfigError
+from ..hardware import Hardware
+from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 from ..units import format_bytes
 from ..estimate import torchao_offload
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
-from .costs import Cost, offload_step_cost, offload_traffic
+from .costs import Cost, offload_cost, offload_step_cost, offload_traffic
+
+
+class HostStep(Protocol):
+    """Another way to put the optimizer states and step on the host of one GPU than DeepSpeed's, which this rung
+    weighs after DeepSpeed's candidates. Its module registers it (`one_gpu_alternative`)."""
+
+    name: str
+    """What it is, as a skipped rung names it ("offloaded already (NAME)")."""
+
+    def applies(self, setup: TrainingSetup) -> bool:
+        """Whether `setup` offloads this way already."""
+
+    def candidate(self, setup: TrainingSetup) -> TrainingSetup:
+        """`setup` offloaded this way (a ConfigError where it cannot be)."""
+
+    def change(self, setup: TrainingSetup) -> str:
+        """The plan step's one-line change."""
+
+    def why(self, ram: str) -> str:
+        """The plan step's reason; `ram` says how much CPU RAM per node."""
+
+    def cost(self, spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
+        """Its host copies and CPU step (the rung prints the Cost's text)."""
+
+
+ONE_GPU_ALTERNATIVES: list[HostStep] = []
+
+
+def one_gpu_alternative(host_step: HostStep) -> HostStep:
+    """Register a HostStep with the CPU offload rung."""
+    ONE_GPU_ALTERNATIVES.append(host_step)
+    return host_step
+
+
+@one_gpu_alternative
+class _TorchaoHostStep:
+    """torchao's CPUOffloadOptimizer(offload_gradients=True) on the user's own setup (no DeepSpeed, no cast, no
+    master copy: memfit.estimate.torchao_offload)."""
+
+    name = "torchao CPUOffloadOptimizer"
+
+    @staticmethod
+    def applies(setup: TrainingSetup) -> bool:
+        return torchao_offload.applies(setup)
+
+    @staticmethod
+    def candidate(setup: TrainingSetup) -> TrainingSetup:
+        return setup.replace(cpu_offload_optimizer="grads")
+
+    @staticmethod
+    def change(setup: TrainingSetup) -> str:
+        return torchao_offload.code(setup).splitlines()[-1]
+
+    @staticmethod
+    def why(ram: str) -> str:
+        return (f"DeepSpeed's candidates do not fit or change what --keep pins: torchao's CPUOffloadOptimizer keeps "
+                f"the model as it is, mirrors each tensor of {torchao_offload.MINIMAL_SIZE}+ elements with its "
+                f"gradient and optimizer states in pinned {ram}, steps there and frees each gradient once copied")
+
+    @staticmethod
+    def cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
+        return offload_cost(spec, setup, hardware)
+
+
+def _alternative_of(setup: TrainingSetup) -> HostStep | None:
+    return next((alt for alt in ONE_GPU_ALTERNATIVES if alt.applies(setup)), None)
 
 
 @register
@@ -34,8 +104,8 @@ class CpuOffload(Technique):
         setup = ctx.setup
         if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
             return Skip("optimizer states and parameters are offloaded already")
-        if torchao_offload.applies(setup):
-            return Skip("optimizer states are offloaded already (torchao CPUOffloadOptimizer)")
+        if (alt := _alternative_of(setup)) is not None:
+            return Skip(f"optimizer states are offloaded already ({alt.name})")
         one_gpu = ctx.hardware.world_size == 1
         if setup.offload is Offload.OPTIMIZER:
             if setup.sharding is not Sharding.ZERO3 and not one_gpu:
@@ -67,11 +137,12 @@ class CpuOffload(Technique):
         chosen = ctx.pick(within)
         host_need = host.get(id(chosen), 0)
         if one_gpu:
-            chosen, host_need = _torchao_where_deepspeed_cannot(ctx, chosen, host_need)
+            chosen, host_need = _host_step_where_deepspeed_cannot(ctx, chosen, host_need)
         if isinstance(chosen, Skip):
             return chosen
-        return Proposal(chosen, _change(chosen), offload_traffic(ctx.spec, chosen, ctx.hardware),
-                        _why(setup, chosen, host_need, one_gpu))
+        alt = _alternative_of(chosen)
+        cost = alt.cost(ctx.spec, chosen, ctx.hardware).text if alt else offload_traffic(ctx.spec, chosen, ctx.hardware)
+        return Proposal(chosen, _change(chosen), cost, _why(setup, chosen, host_need, one_gpu))
 
 
 def _fsdp2_adapters(setup: TrainingSetup) -> TrainingSetup | None:
@@ -86,23 +157,24 @@ def _fsdp2_adapters(setup: TrainingSetup) -> TrainingSetup | None:
         return None
 
 
-def _torchao_where_deepspeed_cannot(ctx: Context, chosen: TrainingSetup | Skip,
+def _host_step_where_deepspeed_cannot(ctx: Context, chosen: TrainingSetup | Skip,
                                     host_need: int) -> tuple[TrainingSetup | Skip, int]:
-    """One GPU, after DeepSpeed's candidates: torchao's CPUOffloadOptimizer(offload_gradients=True) on the user's
-    own setup (no DeepSpeed, no cast, no master copy: memfit.estimate.torchao_offload), taken only where DeepSpeed's
-    cannot be (--keep pins what they change: the engine, pure bf16, an 8-bit optimizer) or none of them fits and it
-    does. Wherever a DeepSpeed candidate was chosen and fits, the rung's choice stands."""
-    try:
-        alt = ctx.setup.replace(cpu_offload_optimizer="grads")
-    except ConfigError:
-        return chosen, host_need
-    judge = ctx.least_activations if static_over_budget(ctx.estimate, ctx.diagnosis) else (lambda s: s)
-    if ctx.pinned_changes(alt) or (not isinstance(chosen, Skip) and ctx.fits(judge(chosen))):
-        return chosen, host_need
-    alt_host = ctx.size(alt).cpu_bytes * ctx.hardware.gpus_per_node
-    if alt_host > ctx.hardware.cpu_ram_bytes or not ctx.fits(judge(alt)):
-        return chosen, host_need
-    return alt, alt_host
+    """One GPU, after DeepSpeed's candidates: each registered HostStep (ONE_GPU_ALTERNATIVES) on the user's own setup,
+    taken only where DeepSpeed's cannot be (--keep pins what they change: the engine, pure bf16, an 8-bit optimizer)
+    or none of them fits and it does. Wherever a DeepSpeed candidate was chosen and fits, the rung's choice stands."""
+    for host_step in ONE_GPU_ALTERNATIVES:
+        try:
+            alt = host_step.candidate(ctx.setup)
+        except ConfigError:
+            continue
+        judge = ctx.least_activations if static_over_budget(ctx.estimate, ctx.diagnosis) else (lambda s: s)
+        if ctx.pinned_changes(alt) or (not isinstance(chosen, Skip) and ctx.fits(judge(chosen))):
+            return chosen, host_need
+        alt_host = ctx.size(alt).cpu_bytes * ctx.hardware.gpus_per_node
+        if alt_host > ctx.hardware.cpu_ram_bytes or not ctx.fits(judge(alt)):
+            continue
+        return alt, alt_host
+    return chosen, host_need
 
 
 def _on_deepspeed(setup: TrainingSetup, **changes) -> TrainingSetup:
@@ -111,8 +183,8 @@ def _on_deepspeed(setup: TrainingSetup, **changes) -> TrainingSetup:
 
 
 def _change(setup: TrainingSetup) -> str:
-    if torchao_offload.applies(setup):
-        return torchao_offload.code(setup).splitlines()[-1]
+    if (alt := _alternative_of(setup)) is not None:
+        return alt.change(setup)
     if setup.engine is Engine.TORCH:
         return "FSDP2 fully_shard(offload_policy=CPUOffloadPolicy())"
     stage = f"deepspeed zero_optimization.stage={setup.sharding.stage}, " if setup.sharding.stage else "deepspeed "
@@ -123,10 +195,8 @@ def _change(setup: TrainingSetup) -> str:
 
 def _why(before: TrainingSetup, after: TrainingSetup, host_need: int, one_gpu: bool) -> str:
     ram = f"CPU RAM ({format_bytes(host_need)} per node)"
-    if torchao_offload.applies(after):
-        return (f"DeepSpeed's candidates do not fit or change what --keep pins: torchao's CPUOffloadOptimizer keeps the model as it is, mirrors each "
-                f"tensor of {torchao_offload.MINIMAL_SIZE}+ elements with its gradient and optimizer states in pinned "
-                f"{ram}, steps there and frees each gradient once copied")
+    if (alt := _alternative_of(after)) is not None:
+        return alt.why(ram)
     if after.offload is Offload.OPTIMIZER_AND_PARAMS and after.engine is Engine.TORCH and after.finetune.adapters:
         why = (f"FSDP2's CPUOffloadPolicy keeps every shard, the frozen base's included, in {ram}: each unit's are "
                "copied up for its all-gather; the adapters' gradients and optimizer step stay on the host")
