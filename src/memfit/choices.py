@@ -314,20 +314,3 @@ class Float8(_Choice):
     @property
     def is_on(self) -> bool:
         return self is not Float8.OFF
-
-
-
-class CpuOffloadOptimizer(_Choice):
-    """torchao's CPUOffloadOptimizer on one GPU: states and step on the host (memfit.estimate.torchao_offload)."""
-
-    OFF = "off"
-    ON = "on"  # offload_gradients=False: gradients stay on the GPU until zero_grad
-    GRADS = "grads"  # offload_gradients=True: each gradient freed once copied to the host
-
-    def aliases(self) -> tuple[str, ...]:
-        return {"off": ("none", "no", "false"), "on": ("yes", "true", "torchao"),
-                "grads": ("offload-gradients", "offload_gradients")}[self.value]
-
-    @classmethod
-    def label(cls) -> str:
-        return "torchao CPU offload"

@@ -53,8 +53,6 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
             + (", optimizer in backward" if setup.optimizer_in_backward else "")
             + (", activation offload" if setup.activation_offload else "")
-            + (f", torchao CPU offload {setup.cpu_offload_optimizer}"
-               if setup.cpu_offload_optimizer.value != "off" else "")
             + "".join(section.describe() for section in setup.techniques)
             + (", torch.compile" if setup.compile else "")
             + (f", float8 {setup.float8}" + (" + float8 all-gather" if setup.float8_all_gather else "")

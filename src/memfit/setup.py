@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 from . import fields as _fields
 from .choice import Choice as _Choice
 # the choices a setup is made of live in memfit.choices; callers find them here too
-from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, CpuOffloadOptimizer, Engine,  # noqa: F401
-                      Float8, Loss, Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
+from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, Engine, Float8, Loss,  # noqa: F401
+                      Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
 from .errors import ConfigError
 from .fields import MAX_ACCUM, MAX_DEGREE, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_SEQ_LEN, Option, setting
 from .zero_knobs import ZeroKnobs
@@ -107,11 +107,6 @@ class TrainingSetup:
     """zero_grad(set_to_none=False): gradients zeroed, not freed, after each step, so they live through the next
     forward (torch < 2.0's default for Module / Optimizer.zero_grad, which the HF Trainer's model.zero_grad() used;
     torch 2.0 made set_to_none=True the default, pytorch/pytorch#92731)."""
-    cpu_offload_optimizer: CpuOffloadOptimizer = setting(
-        CpuOffloadOptimizer.OFF, section="optimizer", label="torchao CPU offload", option=Option(
-            ("--cpu-offload-optimizer",), "{choices}: torchao.optim.CPUOffloadOptimizer on one GPU, the states and "
-            "step on the host (on: offload_gradients=False; grads: True, no accumulation). Default: off.", "choice"))
-    """torchao.optim.CPUOffloadOptimizer (on: offload_gradients=False; grads: True) on one GPU."""
     # -- activation offloading (memfit.estimate.offload_activations) --
     activation_offload: bool = setting(False, section="memory", label="activation offload",
                                        keep=("activation_offload",), option=Option(
@@ -261,9 +256,6 @@ class TrainingSetup:
         if not isinstance(self.keep_zeroed_grads, bool):
             problems.append(f"keep_zeroed_grads must be true or false, got {self.keep_zeroed_grads!r}")
         problems += self._activation_offload_problems()
-        from .estimate import torchao_offload
-
-        problems += torchao_offload.problems(self)
         if not isinstance(self.techniques, _fields.Techniques):
             problems.append(f"techniques must be a memfit.fields.Techniques, got {self.techniques!r}")
         else:

@@ -28,6 +28,7 @@ NO_OPTION = {"num_gpus": "--gpus / --nodes (the hardware's options)", "zero_knob
 
 def test_every_field_declares_its_section_label_and_keep_names():
     sections = tuple(fields.TECHNIQUE_SECTIONS.values())  # a technique module's own fields (memfit.fields)
+    assert sections, "memfit.techniques registers its sections"
     for cls in (TrainingSetup, Finetune, *sections):
         for f in dataclasses.fields(cls):
             if f.name == getattr(cls, "TECHNIQUES_FIELD", None):  # the holder of the technique sections

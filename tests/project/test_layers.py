@@ -53,9 +53,8 @@ UPWARD: dict[tuple[str, str], str] = {
 CYCLES: list[tuple[str, ...]] = [
     # The estimator's own tangle: estimate.analytic imports every technique's module at module level and several
     # import it (lora_checkpoint, offload_activations, pipeline) or each other (activations <-> lora / moe,
-    # static <-> lora_sharded / torchao_offload / deepspeed_zero3) back inside functions, until the step is a typed
-    # model the techniques change (issue 20). setup.py joins it through `torchao_offload.problems` (the technique's
-    # checks, called by TrainingSetup's validation), and with setup every module that imports setup (graph, hardware).
+    # static <-> lora_sharded / deepspeed_zero3) back inside functions, until the step is a typed model the
+    # techniques change (issue 20; a technique section's hooks are that model's first part: memfit.fields).
     ("memfit.derive.model", "memfit.diagnose", "memfit.estimate.*", "memfit.graph", "memfit.graph.*",
      "memfit.hardware", "memfit.setup"),
     # torch.compile on the torch side: _torch.step compiles blocks (_torch.compiled) and _torch.compiled traces a
@@ -70,7 +69,7 @@ CYCLES: list[tuple[str, ...]] = [
 """Import cycles (strongly connected components, counting function-local imports) still to break: every cycle found
 lies inside one of these groups (module patterns), and each group still holds one."""
 
-LOCAL_IMPORTS = 329  # + cli/rl.py (6), cli/script.py (4), cli/vlm.py (4): a command loads its package when it runs;
+LOCAL_IMPORTS = 326  # + cli/rl.py (6), cli/script.py (4), cli/vlm.py (4): a command loads its package when it runs;
 # + the techniques' conversions (5) and memfit.vlm's trace (5): torch only when a live model is built
 """Function-local memfit imports today (bench/structure.py): the count may only fall; lower it when it does."""
 

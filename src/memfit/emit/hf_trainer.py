@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 
 from ..setup import Attention, Checkpointing, Optimizer, Precision, TrainingSetup
-from ..estimate import torchao_offload
 from ..techniques import compile as compile_technique, loss as loss_technique
 from ..techniques.base import FRAGMENTS
 from ..libraries import dtype_keyword, legacy_checkpointing_names
@@ -90,9 +89,6 @@ def _precision_part(setup: TrainingSetup, **_):
 def _optimizer_part(setup: TrainingSetup, **_):
     optimizer = setup.optimizer
     notes: list[str] = []
-    if torchao_offload.applies(setup):  # TrainingArguments has no name for it: the Trainer takes the built optimizer
-        notes.append("torchao CPU offload: build the optimizer yourself and pass it as Trainer(..., optimizers="
-                     "(optimizer, None)), which overrides `optim`:\n" + torchao_offload.code(setup))
     kind = optimizer.kind
     if kind.hf_optim is None:  # torchao AdamWFp8, torch Muon: no TrainingArguments name
         notes.append(kind.hf_note)

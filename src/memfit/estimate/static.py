@@ -185,10 +185,6 @@ def _adafactor_bytes(spec: ModelSpec, s_bytes: int) -> int:
 def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
     """Transient memory of the optimizer step on the device (0 when the step runs on the CPU). A technique section
     that decides it (memfit.fields.TechniqueSection.step_temp_bytes) answers first."""
-    if setup.cpu_offload_optimizer.value != "off":
-        from . import torchao_offload
-
-        return torchao_offload.step_temp_bytes(spec, setup)
     for section in setup.techniques:
         decided = section.step_temp_bytes(spec, setup)
         if decided is not None:
@@ -264,10 +260,6 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     deepspeed_runs = setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE
     engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED and deepspeed_runs else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0, frozen_bytes=full.frozen_bytes))
-    if setup.cpu_offload_optimizer.value != "off":
-        from . import torchao_offload
-
-        return torchao_offload.layout(spec, setup, full, out)
     for section in setup.techniques:  # a technique that lays the step out itself (TechniqueSection.static_layout)
         laid = section.static_layout(spec, setup, full, out)
         if laid is not None:

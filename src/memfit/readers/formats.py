@@ -651,9 +651,7 @@ def _torchtune_optimizer(read: Reader, data: Mapping) -> None:
     name = str(component).lower()
     if any(read_fragment(read, optimizer) for read_fragment in FRAGMENTS["torchtune.optimizer"]):
         return  # a technique module's own component (memfit.techniques.base.FRAGMENTS)
-    if name == "torchao.optim.cpuoffloadoptimizer":
-        _torchao_cpu_offload(read, optimizer)
-    elif name in _TORCH_ADAM:
+    if name in _TORCH_ADAM:
         if _truthy(optimizer.get("fused")):
             read.set("optimizer", Optimizer.ADAMW_FUSED, "optimizer.fused", optimizer["fused"])
             read.consume("optimizer._component_")
@@ -673,26 +671,6 @@ def _torchtune_optimizer(read: Reader, data: Mapping) -> None:
         read.unmappable("optimizer", "optimizer._component_", component,
                         "memfit sizes torch.optim.AdamW / Adam / SGD / Adafactor, bitsandbytes' (Paged)AdamW8bit, "
                         "PagedAdamW and Lion, torchao's AdamW8bit / AdamW4bit / AdamWFp8")
-
-
-def _torchao_cpu_offload(read: Reader, optimizer: Mapping) -> None:
-    """torchtune `optimizer: {_component_: torchao.optim.CPUOffloadOptimizer, optimizer_class, offload_gradients}`
-    (memfit.estimate.torchao_offload); torchao passes fused=True to torch.optim.AdamW unless the config says."""
-    grads = _truthy(optimizer.get("offload_gradients"))
-    read.set("cpu_offload_optimizer", "grads" if grads else "on", "optimizer._component_", optimizer["_component_"],
-             f"torchao CPUOffloadOptimizer, offload_gradients={grads}")
-    base = str(optimizer.get("optimizer_class", "torch.optim.AdamW"))
-    if base.lower() != "torch.optim.adamw":
-        read.unmappable("optimizer", "optimizer.optimizer_class", base,
-                        "memfit sizes CPUOffloadOptimizer around torch.optim.AdamW")
-    elif "fused" in optimizer and not _truthy(optimizer["fused"]):
-        read.set("optimizer", Optimizer.ADAMW if optimizer.get("foreach") is False else Optimizer.ADAMW_FOREACH,
-                 "optimizer.fused", optimizer["fused"])
-    else:
-        read.set("optimizer", Optimizer.ADAMW_FUSED, "optimizer.optimizer_class", base,
-                 "torchao adds fused=True to AdamW")
-    if "offload_gradients" in optimizer:
-        read.consume("optimizer.offload_gradients")
 
 
 def _torchtune_sharding(read: Reader, data: Mapping, world: int | None) -> None:

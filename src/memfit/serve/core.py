@@ -50,7 +50,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Precision and memory", ("precision", "optimizer", "checkpointing", "attention", "accum", "loss",
                               "activation_offload", "optimizer_in_backward", "keep_zeroed_grads", "compile",
                               "float8", "float8_all_gather")),
-    ("Sharding, offload and parallelism", ("zero", "offload", "cpu_offload_optimizer", "engine", "tp", "sequence_parallel", "pp",
+    ("Sharding, offload and parallelism", ("zero", "offload", "engine", "tp", "sequence_parallel", "pp",
                                            "pp_schedule", "pp_virtual_stages", "dp_shard", "cp", "cp_rotate")),
     ("LoRA / QLoRA", ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "modules_to_save", "base",
                       "double_quant", "rslora", "dora", "lora_recipe", "kbit_prep")),

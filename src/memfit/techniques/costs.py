@@ -11,7 +11,6 @@ from ..estimate.comm import comm_volume, data_parallel_bytes, describe_runtime
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..estimate.static import param_elem_bytes
-from ..estimate import torchao_offload
 from ..setup import Engine, Offload, Precision, TrainingSetup
 from ..units import format_bytes
 
@@ -89,8 +88,6 @@ def offload_traffic_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     offload_param, twice per micro-step (fetched for forward and again for backward) and never after the step.
     torch FSDP2 CPUOffloadPolicy: 16-bit gradients down and 16-bit parameters up (ZeRO-Offload, Ren et al. 2021),
     and with parameter offload the parameters twice more."""
-    if torchao_offload.applies(setup):
-        return torchao_offload.traffic_bytes(spec, setup)
     if setup.offload is Offload.NONE:
         return 0
     n = setup.dp_size if setup.sharding.stage >= 1 else 1
@@ -137,8 +134,6 @@ def _fsdp2_adapter_offload_traffic(spec: ModelSpec, setup: TrainingSetup) -> int
 
 def cpu_step_seconds(spec: ModelSpec, setup: TrainingSetup) -> float:
     """Seconds of the optimizer step on the CPU per rank (0 without offload)."""
-    if torchao_offload.applies(setup):
-        return torchao_offload.offloaded_spec(spec, setup).num_params / CPU_ADAM_PARAMS_PER_S
     if setup.offload is Offload.NONE:
         return 0.0
     n = setup.dp_size if setup.sharding.stage >= 1 else 1
@@ -238,8 +233,9 @@ LOW_BIT_STEP_FACTOR = 1.01
 
 
 def offload_step_cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
-    """The engine's or torchao's optimizer offload, as a step pays it: host copies and the CPU step."""
-    if setup.offload is Offload.NONE and setup.cpu_offload_optimizer.value == "off":
+    """The engine's optimizer offload, as a step pays it: host copies and the CPU step (a one-GPU HostStep's own
+    Technique states its own)."""
+    if setup.offload is Offload.NONE:
         return Cost()
     traffic = offload_traffic_bytes(spec, setup)
     return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),

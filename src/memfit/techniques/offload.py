@@ -7,9 +7,8 @@ from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 from ..units import format_bytes
-from ..estimate import torchao_offload
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
-from .costs import Cost, offload_cost, offload_step_cost, offload_traffic
+from .costs import Cost, offload_step_cost, offload_traffic
 
 
 class HostStep(Protocol):
@@ -42,36 +41,6 @@ def one_gpu_alternative(host_step: HostStep) -> HostStep:
     """Register a HostStep with the CPU offload rung."""
     ONE_GPU_ALTERNATIVES.append(host_step)
     return host_step
-
-
-@one_gpu_alternative
-class _TorchaoHostStep:
-    """torchao's CPUOffloadOptimizer(offload_gradients=True) on the user's own setup (no DeepSpeed, no cast, no
-    master copy: memfit.estimate.torchao_offload)."""
-
-    name = "torchao CPUOffloadOptimizer"
-
-    @staticmethod
-    def applies(setup: TrainingSetup) -> bool:
-        return torchao_offload.applies(setup)
-
-    @staticmethod
-    def candidate(setup: TrainingSetup) -> TrainingSetup:
-        return setup.replace(cpu_offload_optimizer="grads")
-
-    @staticmethod
-    def change(setup: TrainingSetup) -> str:
-        return torchao_offload.code(setup).splitlines()[-1]
-
-    @staticmethod
-    def why(ram: str) -> str:
-        return (f"DeepSpeed's candidates do not fit or change what --keep pins: torchao's CPUOffloadOptimizer keeps "
-                f"the model as it is, mirrors each tensor of {torchao_offload.MINIMAL_SIZE}+ elements with its "
-                f"gradient and optimizer states in pinned {ram}, steps there and frees each gradient once copied")
-
-    @staticmethod
-    def cost(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> Cost:
-        return offload_cost(spec, setup, hardware)
 
 
 def _alternative_of(setup: TrainingSetup) -> HostStep | None:

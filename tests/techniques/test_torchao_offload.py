@@ -1,4 +1,4 @@
-"""torchao's CPUOffloadOptimizer (memfit.estimate.torchao_offload): setup validation, the emitted line, and real CPU
+"""torchao's CPUOffloadOptimizer (memfit.techniques.torchao_offload): setup validation, the emitted line, and real CPU
 steps of torchao's own class whose buffers, sorted by identity into what it keeps on the device and what it mirrors on
 the host, equal memfit's figures.
 
@@ -15,7 +15,10 @@ import contextlib
 import pytest
 
 from memfit.errors import ConfigError
-from memfit.estimate import torchao_offload
+from memfit.hardware import make_hardware
+from memfit.techniques.costs import CPU_ADAM_PARAMS_PER_S
+from memfit.throughput import step_cost
+from memfit.techniques import torchao_offload
 from memfit.estimate.static import full_static, shard
 from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
@@ -124,10 +127,11 @@ def test_real_torchao_step_holds_what_memfit_says(monkeypatch, mode, precision):
     else:  # the retained small tensors' gradients, plus one offloaded gradient in flight on a GPU's side stream
         largest = max(p.nbytes for p in model.parameters() if p.numel() >= torchao_offload.MINIMAL_SIZE)
         assert device_grads == max(live) == s.grads_bytes - largest
-    # PCIe per step: each mirrored gradient down in backward, each mirrored parameter up after the CPU step
-    from memfit.techniques.costs import offload_traffic_bytes
-
-    assert offload_traffic_bytes(SPEC, setup) == 2 * mirrored
+    # PCIe per step: each mirrored gradient down in backward, each mirrored parameter up after the CPU step; the
+    # technique's typed Cost is what the throughput model adds up (and the ladder's rung prints)
+    cost = step_cost(SPEC, setup, make_hardware("A100-80GB"))
+    assert cost.host_link_bytes == torchao_offload.traffic_bytes(SPEC, setup) == 2 * mirrored
+    assert cost.cpu_step_seconds == sum(h.numel() for h in opt.param_d2h_map.values()) / CPU_ADAM_PARAMS_PER_S
     assert full.step_temp_bytes == 0  # fused AdamW: no temporaries for the on-device small tensors
 
 
