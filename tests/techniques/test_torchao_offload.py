@@ -177,3 +177,17 @@ def test_torchtune_recipe_with_the_wrapper_reads_as_it(tmp_path):
     recipe.write_text(recipe.read_text().replace("torch.optim.AdamW", "torch.optim.SGD"))
     with pytest.raises(ConfigError, match="around torch.optim.AdamW"):
         read_config(recipe)
+
+
+def test_apply_says_how_to_wrap_the_optimizer_it_sized():
+    """Its runtime conversion runs with the optimizer's (memfit.techniques.convert): apply_ on a live model reports
+    the wrapper line memfit sized, after the base optimizer's own line, and changes nothing on the model."""
+    pytest.importorskip("transformers")
+    from memfit._torch.step import build_hf_model
+    from memfit.apply import apply_
+
+    setup = BASE.replace(cpu_offload_optimizer="grads")
+    changes = [c for c in apply_(build_hf_model(TINY_LLAMA, setup), setup).changes if c.name == "optimizer"]
+    assert len(changes) == 2 and not any(c.changed for c in changes)
+    assert changes[1].detail.endswith(torchao_offload.code(setup).replace("\n", "; "))
+    assert len([c for c in apply_(build_hf_model(TINY_LLAMA, BASE), BASE).changes if c.name == "optimizer"]) == 1
