@@ -21,7 +21,7 @@ from .hardware import Hardware, check_precision, gpu_catalog
 from .model_spec import ModelSpec
 from .ladder import PlanStep, explain, walk  # noqa: F401  (PlanStep, explain: re-exported)
 from .search import MAX_GPUS, GpusToFit, candidate_setups, describe_techniques, gpus_to_fit, scaled_out_setups
-from .setup import FIELD_LABELS, Checkpointing, Sharding, TrainingSetup, setup_changes
+from .setup import FIELD_LABELS, Checkpointing, Sharding, TrainingSetup, field_names, setup_changes
 from .techniques import REGISTRY, Context
 from .techniques.base import EstimateFn, keep_name, static_over_budget
 from .throughput import relative_step_time
@@ -399,11 +399,11 @@ def optimize(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, margi
     ref = reference or setup
     ref_time = relative_step_time(spec, ref, hardware)
     diffs = []
-    for f in dataclasses.fields(TrainingSetup):
-        old, new = getattr(ref, f.name), getattr(best[1], f.name)
-        if f.name == "notes" or old == new:
+    for name in field_names():  # the technique sections' fields among the setup's own (memfit.fields)
+        old, new = getattr(ref, name), getattr(best[1], name)
+        if name == "notes" or old == new:
             continue
-        asked = (f" (you asked for {getattr(setup, f.name)})"
-                 if f.name in explicit and getattr(setup, f.name) != new else "")
-        diffs.append(f"{f.name}: {old} -> {new}{asked}")
+        asked = (f" (you asked for {getattr(setup, name)})"
+                 if name in explicit and getattr(setup, name) != new else "")
+        diffs.append(f"{name}: {old} -> {new}{asked}")
     return OptimizedChoice(best[1], best[2], best[0] / ref_time, tuple(diffs))

@@ -40,8 +40,8 @@ def cli_json(*args: str) -> dict:
 
 def changed_fields(before: TrainingSetup, after: TrainingSetup) -> list[tuple[str, object, object]]:
     """Computed here, not with memfit's helper, so a rung that changes a field behind the helper's back fails."""
-    return [(f.name, getattr(before, f.name), getattr(after, f.name)) for f in dataclasses.fields(TrainingSetup)
-            if f.name != "notes" and getattr(before, f.name) != getattr(after, f.name)]
+    return [(name, getattr(before, name), getattr(after, name)) for name in before.to_dict()  # technique fields too
+            if name != "notes" and getattr(before, name) != getattr(after, name)]
 
 
 # --- 1. explicit choices and --keep --------------------------------------------------------------------------------
