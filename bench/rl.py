@@ -4,7 +4,8 @@ formulas and published logs.
     OMP_NUM_THREADS=1 python bench/rl.py            # every case (a few minutes on one core), writes bench/results/rl.md
     OMP_NUM_THREADS=1 python bench/rl.py --quick    # two cases, printed only
 
-Each measured case runs TRL's GRPOTrainer (use_vllm=False: HF generate) or DPOTrainer on a tiny model (tests/
+Each measured case runs TRL's GRPOTrainer / RLOOTrainer (use_vllm=False: HF generate), DPOTrainer or KTOTrainer
+on a tiny model (tests/
 tiny_configs.py) in fp32 on CPU and profiles its second step with the profiler's memory events; every phase's peak
 (generation, reference / old-policy log-probs, training) is compared with memfit's figure for that phase
 (memfit.rl.measure, memfit.rl.phases). vLLM cannot run here: its page sizes and budget are checked against the
@@ -47,6 +48,19 @@ DPO_CASES = (
     ("llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
     ("llama short", TINY_LLAMA, dict(batch=2, prompt_len=64, completion_len=16)),
 )
+RLOO_CASES = (
+    ("llama", TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
+    ("llama beta 0 (old policy only)", TINY_LLAMA, dict(batch=8, num_generations=4, prompt_len=64,
+                                                         completion_len=32, beta=0.0)),
+    ("llama LoRA", TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64, lora=True)),
+    ("qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
+)
+KTO_CASES = (
+    ("llama", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48)),
+    ("llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
+    ("qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=8, prompt_len=16, completion_len=32)),
+)
+BETA = {"grpo": 0.04, "rloo": 0.05, "dpo": 0.1, "kto": 0.1}
 NAMES = {"log-probs": "reference"}
 HEAD_CASES = ((8, 16, 64), (4, 64, 32), (16, 8, 128))
 """(batch, prompt, completion) for TRL 0.x's heads over materialised logits, measured without a trainer."""
@@ -82,9 +96,11 @@ def head_rows() -> list[tuple[str, str, str, int, int]]:
 def _rl_setup(trainer: str, fields: dict):
     from memfit.rl import RLSetup
 
+    # KTOTrainer appends the EOS token to every (non-conversational) completion (kto_trainer.py `add_eos`)
+    completion = fields["completion_len"] + (1 if trainer == "kto" else 0)
     return RLSetup(trainer=trainer, per_device_train_batch_size=fields["batch"],
                    num_generations=fields.get("num_generations", 8), max_prompt_length=fields["prompt_len"],
-                   max_completion_length=fields["completion_len"], beta=fields.get("beta", 0.04),
+                   max_completion_length=completion, beta=fields.get("beta", BETA[trainer]),
                    lora=fields.get("lora", False), lora_rank=8,
                    precompute_ref_log_probs=bool(fields.get("precompute", False)),
                    gradient_checkpointing=fields.get("checkpointing", False), bf16=False, triton=False)
@@ -98,9 +114,11 @@ def run_case(trainer: str, label: str, config: dict, fields: dict) -> list[tuple
 
     measured_fields = dict(fields)
     with tempfile.TemporaryDirectory() as out:
-        if trainer == "grpo":
-            measured = measure.measure_grpo(config, beta=measured_fields.pop("beta", 0.04), output_dir=out,
-                                            **measured_fields)
+        if trainer in ("grpo", "rloo"):
+            measured = measure.measure_grpo(config, beta=measured_fields.pop("beta", BETA[trainer]), output_dir=out,
+                                            trainer=trainer, **measured_fields)
+        elif trainer == "kto":
+            measured = measure.measure_kto(config, output_dir=out, **measured_fields)
         else:
             measured = measure.measure_dpo(config, output_dir=out, **measured_fields)
     result = estimate_rl(as_spec(dict(config)), _rl_setup(trainer, fields), make_hardware(cpu_device(1 << 40)))
@@ -161,13 +179,16 @@ def main() -> None:
 
     torch.set_num_threads(1)
     cases = [("grpo", *GRPO_CASES[0]), ("dpo", *DPO_CASES[0])] if args.quick else \
-        [("grpo", *case) for case in GRPO_CASES] + [("dpo", *case) for case in DPO_CASES]
+        [("grpo", *case) for case in GRPO_CASES] + [("dpo", *case) for case in DPO_CASES] + \
+        [("rloo", *case) for case in RLOO_CASES] + [("kto", *case) for case in KTO_CASES]
     rows = []
     for trainer, label, config, fields in cases:
         rows += run_case(trainer, label, config, fields)
         print(f"measured {trainer} {label}", file=sys.stderr)
     heads = [] if args.quick else head_rows()
-    lines = table(rows) + ["", summary(rows)]
+    lines = table(rows) + ["", summary(rows)] + [
+        f"- {trainer}: {summary([r for r in rows if r[0] == trainer])}" for trainer in ("grpo", "rloo", "dpo", "kto")
+        if any(r[0] == trainer for r in rows)]
     if heads:
         lines += ["", "### TRL 0.x heads over materialised logits (no trainer: the model and the head)", "",
                   *table(heads), "", summary(heads)]

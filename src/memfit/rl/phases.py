@@ -10,7 +10,7 @@ from ..estimate.terms import TermKey
 from ..finetune import Finetune, Method
 from ..hardware import Hardware, cpu_device, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from ..setup import Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup
 from . import logprobs
 from .generation import default_max_num_seqs, hf_generate_terms, hf_kv_cache_bytes, vllm_budget, vllm_terms
 from .workload import Phase, RLEstimate, RLSetup, VllmAdvice, term
@@ -34,7 +34,7 @@ def training_setup(rl: RLSetup, hardware: Hardware, batch: int) -> TrainingSetup
                          precision=Precision.BF16 if rl.bf16 else Precision.FP32, optimizer=Optimizer.ADAMW_FUSED,
                          checkpointing=Checkpointing.FULL if rl.gradient_checkpointing else Checkpointing.NONE,
                          loss=Loss.STANDARD if rl.lora else Loss.FUSED, finetune=finetune,
-                         num_gpus=hardware.world_size)
+                         num_gpus=hardware.world_size, sharding=Sharding(rl.sharding), engine=Engine(rl.engine))
 
 
 CE_LOSS_TERMS = (TermKey.LOSS, TermKey.LOGITS, TermKey.LOSS_BACKWARD)

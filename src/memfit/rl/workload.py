@@ -72,6 +72,9 @@ class RLSetup:
     sharding: str = "none"
     """How the trainer's state is split over the GPUs: 'none' (DDP), 'zero2', 'zero3' (= FSDP full shard: verl's
     FSDP workers, OpenRLHF --zero_stage 3)."""
+    engine: str = "deepspeed"
+    """Who shards the trainer's state: 'deepspeed' (OpenRLHF, TRL with accelerate's DeepSpeed) or 'torch' (FSDP:
+    verl's FSDP workers)."""
     param_offload: bool = False
     """verl fsdp_config.param_offload: the trainer's parameters leave the GPU outside the phases that compute with
     them (the rollout with vLLM, the other model's update)."""
@@ -90,6 +93,7 @@ class RLSetup:
                   (0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization must be in (0, 1]"),
                   (self.beta >= 0.0, f"beta must be >= 0, got {self.beta:g}"),
                   (self.sharding in SHARDINGS, f"sharding must be one of {', '.join(SHARDINGS)}"),
+                  (self.engine in ("deepspeed", "torch"), "engine must be deepspeed or torch"),
                   (self.vllm_kv_cache_dtype in KV_CACHE_DTYPES,
                    f"vllm_kv_cache_dtype must be one of {', '.join(str(d) for d in KV_CACHE_DTYPES[1:])}"))
         for ok, message in checks:
