@@ -108,7 +108,7 @@ def _saved_activations(spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, batch
     norm's tensors."""
     if not rl.gradient_checkpointing:
         return _pick(core, Category.ACTIVATIONS)
-    unchanged = training_setup(rl.replace(gradient_checkpointing=False), _HOST, batch)
+    unchanged = training_setup(rl.replace(gradient_checkpointing=False, sharding="none"), _HOST, batch)
     plain = estimate(spec, unchanged, _HOST)
     kept = [t for t in _pick(plain, Category.ACTIVATIONS) if t.name in (TermKey.EMBEDDINGS, TermKey.HEAD)]
     inputs = spec.num_layers * batch * rl.seq_len * spec.hidden_size * _dtype_bytes(rl)
