@@ -93,6 +93,34 @@ def head_rows() -> list[tuple[str, str, str, int, int]]:
     return rows
 
 
+CRITIC_CASES = (("llama", TINY_LLAMA, (4, 32, 64)), ("llama short", TINY_LLAMA, (8, 16, 32)),
+                ("qwen2 (GQA, tied)", TINY_QWEN2, (4, 32, 64)))
+"""PPO's critic update (batch, prompt, completion): trl 1.16 has no PPOTrainer, so the value model's step is
+measured alone as verl's dp_critic runs it (memfit.rl.measure.measure_critic)."""
+
+
+def critic_rows() -> list[tuple[str, str, str, int, int]]:
+    """memfit's critic phase with the policy and the reference offloaded (verl param / optimizer offload), less the
+    rollout's buffers, plus the measured step's input ids: the value model's own update."""
+    from memfit.api import as_spec
+    from memfit.estimate.terms import TermKey
+    from memfit.hardware import cpu_device, make_hardware
+    from memfit.rl import RLSetup, estimate_rl, measure
+
+    rows = []
+    for label, config, (batch, prompt, completion) in CRITIC_CASES:
+        measured = measure.measure_critic(config, batch=batch, prompt_len=prompt, completion_len=completion)
+        rl = RLSetup(trainer="ppo", per_device_train_batch_size=batch, num_generations=1, max_prompt_length=prompt,
+                     max_completion_length=completion, beta=0.0, param_offload=True, optimizer_offload=True,
+                     bf16=False, gradient_checkpointing=False, triton=False)
+        phase = next(p for p in estimate_rl(as_spec(dict(config)), rl, make_hardware(cpu_device(1 << 40))).phases
+                     if p.name == "critic")
+        rollout = sum(t.num_bytes for t in phase.terms if t.name == TermKey.ROLLOUT_INPUTS)
+        rows.append(("ppo", f"critic {label} B{batch} P{prompt} C{completion}", "critic", measured,
+                     phase.tensor_bytes - rollout + batch * (prompt + completion) * 8 + 2 * batch * completion * 4))
+    return rows
+
+
 def _rl_setup(trainer: str, fields: dict):
     from memfit.rl import RLSetup
 
@@ -186,12 +214,16 @@ def main() -> None:
         rows += run_case(trainer, label, config, fields)
         print(f"measured {trainer} {label}", file=sys.stderr)
     heads = [] if args.quick else head_rows()
+    critic = [] if args.quick else critic_rows()
     lines = table(rows) + ["", summary(rows)] + [
         f"- {trainer}: {summary([r for r in rows if r[0] == trainer])}" for trainer in ("grpo", "rloo", "dpo", "kto")
         if any(r[0] == trainer for r in rows)]
     if heads:
         lines += ["", "### TRL 0.x heads over materialised logits (no trainer: the model and the head)", "",
                   *table(heads), "", summary(heads)]
+    if critic:
+        lines += ["", "### PPO's critic update (value model alone: trl 1.16 has no PPOTrainer)", "",
+                  *table(critic), "", summary(critic)]
     vllm = ["| what | memfit | vLLM's formula / published |", "|---|---:|---:|"] + [
         f"| {a} | {b} | {c} |" for a, b, c in vllm_rows()]
     print("\n".join(lines + [""] + vllm))

@@ -186,6 +186,9 @@ def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
     if take(R + "gpu_memory_utilization", "vllm_gpu_memory_utilization", _float) is None:
         out["vllm_gpu_memory_utilization"] = 0.5  # ppo_trainer.yaml's default
     take(R + "tensor_model_parallel_size", "vllm_tensor_parallel_size", _int)
+    # ppo_trainer.yaml's rollout defaults where the file is silent: enforce_eager True, max_num_seqs 1024,
+    # free_cache_engine True (the engine sleeps between rollouts)
+    out.update(vllm_enforce_eager=True, vllm_max_num_seqs=1024, vllm_enable_sleep_mode=True)
     take(R + "enforce_eager", "vllm_enforce_eager", _bool)
     take(R + "max_num_seqs", "vllm_max_num_seqs", _int)
     take(R + "free_cache_engine", "vllm_enable_sleep_mode", _bool,

@@ -333,3 +333,38 @@ def measure_logits_head(config: dict, *, batch: int, prompt_len: int, completion
 
     with one_thread():
         return phase_peaks(step, model, torch.optim.SGD([torch.zeros(1)]), [ids], marks)["logprobs"]
+
+
+def measure_critic(config: dict, *, batch: int, prompt_len: int, completion_len: int) -> int:
+    """PPO's critic update as verl runs it (verl/workers/critic/dp_critic.py): a value model
+    (AutoModelForTokenClassification, num_labels=1) over prompt + completion, the values of the completion
+    positions, a clipped squared error against returns, backward and a fused AdamW step, in fp32 on CPU; the second
+    step's peak of live bytes (the first creates Adam's state). trl 1.16 has no PPOTrainer to measure."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForTokenClassification.from_config(AutoConfig.for_model(**config, num_labels=1),
+                                                        dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(3, WORDS, (batch, prompt_len + completion_len))
+    old_values = torch.zeros(batch, completion_len)
+    returns = torch.ones(batch, completion_len)
+    marks = PhaseMarks()
+
+    def update() -> None:
+        values = model(input_ids=ids).logits[:, -completion_len - 1:-1].squeeze(-1)
+        clipped = old_values + (values - old_values).clamp(-0.5, 0.5)
+        loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        marks.mark("critic")
+        update()
+        marks.mark("other")
+
+    with one_thread():
+        update()
+        return phase_peaks(step, model, optimizer, [ids, old_values, returns], marks)["critic"]

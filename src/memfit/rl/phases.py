@@ -307,8 +307,9 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
     has GPUs of its own; the trainer's GPUs carry no rollout."""
     total = hardware.gpu.memory_bytes
     tp = rl.vllm_tensor_parallel_size
-    weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS) // tp
-    weights = weights if rl.bf16 else weights // 2  # vLLM serves in the checkpoint's dtype (bf16 here)
+    # the engine's own whole copy of the weights in the checkpoint's dtype (bf16 here), split only by its TP: the
+    # trainer's ZeRO-3 / FSDP shards do not shard it; a LoRA policy's adapters are merged into it before loading
+    weights = spec.num_params * 2 // tp
     seqs = rl.vllm_max_num_seqs or default_max_num_seqs(total, hardware.gpu.name)
     budget = vllm_budget(spec, total=total, utilization=rl.vllm_gpu_memory_utilization, weights=weights,
                          max_num_seqs=seqs, tp=tp, kv_cache_dtype=rl.vllm_kv_cache_dtype,
