@@ -232,7 +232,8 @@ def main() -> None:
         (RESULTS / "rl.md").write_text("\n".join([
             "# RL post-training phases: memfit vs measured TRL steps", "",
             "Written by `OMP_NUM_THREADS=1 python bench/rl.py`. trl 1.16, transformers 5.24, torch 2.13 CPU, fp32, "
-            "gradient checkpointing off unless the case says so; each phase's peak of live bytes (profiler memory events, the second step) "
+            "gradient checkpointing off unless the case says so; each phase's peak of live bytes (profiler memory "
+            "events, the second step) "
             "against memfit's tensor bytes for that phase. TRL's fused log-prob head runs its torch fallback on "
             "CPU (every position scored, fp32 tile temporaries); on a GPU it runs Triton (memfit's default).", "",
             *lines, "",

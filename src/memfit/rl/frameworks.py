@@ -37,6 +37,8 @@ class Reading:
     gpus: int | None = None
     mapped: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    """Keys read that set nothing at their value (the model, a switch left at its default, the optimizer's batch)."""
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -132,6 +134,14 @@ def read_verl(path: str | Path) -> Reading:
     else:
         flat = flatten(load_mapping(path, shown))
     return verl_settings(_resolve(flat), shown)
+
+
+def _done(read: Reader, flat: Mapping[str, Any], handled: set[str], shown: str) -> tuple[str, ...]:
+    """Every handled key the reading has no record of yet is recorded as read (it changes nothing at its value)."""
+    for key in sorted(handled):
+        if key in flat and key not in read.consumed.get(shown, set()):
+            read.defer(key, flat[key], "read: changes nothing at this value")
+    return tuple(e.text for e in read.entries() if not e.sets or e.sets[0][0] == "model")
 
 
 def _int(read: Reader, key: str, value: Any) -> int:
@@ -282,7 +292,8 @@ def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
         else:
             read.ignore(key, value, NOT_RELEVANT)
     model_name = read.model[0] if read.model else None
-    return Reading(VERL, out, model_name, gpus, tuple(read.mapped), tuple(read.ignored))
+    deferred = _done(read, flat, handled, shown)
+    return Reading(VERL, out, model_name, gpus, tuple(read.mapped), tuple(read.ignored), deferred)
 
 
 # --- OpenRLHF ----------------------------------------------------------------------------------------------------
@@ -435,4 +446,5 @@ def openrlhf_settings(words: list[str], shown: str) -> Reading:
         if key not in handled:
             read.ignore("--" + key, value, NOT_RELEVANT)
     model = read.model[0] if read.model else None
-    return Reading(OPENRLHF, out, model, gpus, tuple(read.mapped), tuple(read.ignored))
+    deferred = _done(read, {"--" + k: v for k, v in args.items()}, {"--" + k for k in handled}, shown)
+    return Reading(OPENRLHF, out, model, gpus, tuple(read.mapped), tuple(read.ignored), deferred)

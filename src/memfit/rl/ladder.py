@@ -115,7 +115,8 @@ def _vllm(rl: RLSetup, est: RLEstimate, gpus: int):
     if not (rl.online and rl.use_vllm and rl.vllm_mode == "colocate"):
         return None
     if not rl.vllm_enable_sleep_mode:
-        return rl.replace(vllm_enable_sleep_mode=True), gpus, "the engine frees its weights and KV cache between rollouts"
+        return (rl.replace(vllm_enable_sleep_mode=True), gpus,
+                "the engine frees its weights and KV cache between rollouts")
     advice = est.vllm
     if advice is not None and advice.recommended is not None and advice.recommended != rl.vllm_gpu_memory_utilization:
         return (rl.replace(vllm_gpu_memory_utilization=advice.recommended), gpus,
@@ -280,7 +281,8 @@ def _holds(result: RLEstimate) -> bool:
     return result.fits and (result.vllm is None or result.vllm.kv_tokens >= result.vllm.needed_kv_tokens)
 
 
-def fewest_gpus(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *, margin: float) -> tuple[int | None, RLEstimate | None]:
+def fewest_gpus(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *,
+                margin: float) -> tuple[int | None, RLEstimate | None]:
     """The fewest GPUs (1, 2, 4, ... MAX_GPUS) on which the recipe fits, its trainer state sharded (ZeRO-3 / FSDP)
     beyond one GPU, nothing else changed."""
     gpus = 1

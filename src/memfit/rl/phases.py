@@ -149,16 +149,16 @@ class Resident:
     (verl fsdp_config.param_offload / optimizer_offload, ref param_offload; OpenRLHF --adam_offload,
     --ref_reward_offload)."""
 
-    def __init__(self, spec: ModelSpec, rl: RLSetup, core: MemoryEstimate) -> None:
+    def __init__(self, spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, critic_core: MemoryEstimate) -> None:
         self.rl = rl
         self.params = _pick(core, Category.PARAMETERS)
         self.optimizer = _pick(core, Category.OPTIMIZER)
         self.reference = _reference_weights(core, rl)
         fraction = critic_fraction(spec)
-        self.critic_params = _scaled(self.params, fraction, {Category.PARAMETERS: TermKey.CRITIC}) \
-            if rl.has_critic else []
-        self.critic_optimizer = _scaled(self.optimizer, fraction, {Category.OPTIMIZER: TermKey.CRITIC_OPTIMIZER}) \
-            if rl.has_critic else []
+        self.critic_params = _scaled(_pick(critic_core, Category.PARAMETERS), fraction,
+                                     {Category.PARAMETERS: TermKey.CRITIC}) if rl.has_critic else []
+        self.critic_optimizer = _scaled(_pick(critic_core, Category.OPTIMIZER), fraction,
+                                        {Category.OPTIMIZER: TermKey.CRITIC_OPTIMIZER}) if rl.has_critic else []
         weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS)
         full = weights if rl.lora else None  # a LoRA policy's parameter terms hold the frozen base too
         self.reward = [term(TermKey.REWARD_MODEL, Category.PARAMETERS, (full or weights) * fraction,
@@ -192,7 +192,10 @@ def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[
     critic's."""
     batch = rl.per_device_train_batch_size
     core = estimate(spec, training_setup(rl, hardware, batch), hardware)
-    resident = Resident(spec, rl, core)
+    # the critic is a full model (verl / OpenRLHF train it whole even beside a LoRA actor)
+    critic_core = estimate(spec, training_setup(rl.replace(lora=False), hardware, batch), hardware) \
+        if rl.lora and rl.has_critic else core
+    resident = Resident(spec, rl, core, critic_core)
     overhead, rollout = _overhead(core), _rollout_buffers(rl, rl.generation_batch)
     models = resident.models("all")
     phases = []
@@ -214,13 +217,15 @@ def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[
                             "at a time"))
     own = resident.terms("training")
     others = [t for t in own if t not in resident.params and t not in resident.optimizer]
-    head_point = (resident.params + resident.optimizer + _saved_activations(spec, rl, core, batch) + _head_backward(spec, rl, batch)
+    head_point = (resident.params + resident.optimizer + _saved_activations(spec, rl, core, batch)
+                  + _head_backward(spec, rl, batch)
                   + logprobs.rl_loss_terms(batch, rl.max_completion_length, trainer=rl.trainer,
                                            with_reference=rl.needs_reference_logprobs))
     train = _training(core, head_point, others + rollout) + overhead
     phases.append(Phase("training", tuple(train), models, f"policy forward + backward, {batch} completions"))
     if rl.has_critic:
-        phases.append(Phase("critic", tuple(_critic_training(spec, rl, core, resident) + rollout + overhead),
+        critic = _critic_training(spec, rl, critic_core, resident)
+        phases.append(Phase("critic", tuple(critic + rollout + overhead),
                             models, f"critic (value model) forward + backward, {batch} sequences"))
     return phases, core
 
@@ -320,7 +325,9 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
         return phases, _advice(budget, (usable - budget.cuda_graphs) / total, needed, total, rl.seq_len)
     sleep = 2 if rl.vllm_enable_sleep_mode else 0
     resident = vllm_terms(budget, generating=False, sleep_level=sleep)
-    static = Resident(spec, rl, core).terms("generation", vllm=True)  # what the trainer keeps during the rollout
+    critic_core = estimate(spec, training_setup(rl.replace(lora=False), hardware, rl.per_device_train_batch_size),
+                           hardware) if rl.lora and rl.has_critic else core
+    static = Resident(spec, rl, core, critic_core).terms("generation", vllm=True)  # the trainer's, in the rollout
     overhead = [t for t in phases[-1].terms if t.category is Category.OVERHEAD]
     gen = Phase("generation", tuple(static + vllm_terms(budget, generating=True, sleep_level=sleep) + overhead),
                 phases[-1].models + ("vllm",), f"vLLM colocated: {rl.generation_batch} completions")
