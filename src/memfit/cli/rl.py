@@ -11,7 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..diagnose import DEFAULT_MARGIN
 from ..errors import ConfigError
+from ..hardware import make_hardware
 from .common import DOES_NOT_FIT, app, console, examples, print_json
 from .options import (DEFAULT_GPU, MODEL_PANEL, GpuOpt, GpusOpt, JsonOpt, MarginOpt, NodesOpt, VerboseOpt,
                       setup_option, whole_number)
@@ -110,12 +112,7 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
     rollout generation, reference / old-policy log-probs, the policy's training step, the critic's. The peak per
     GPU is the largest phase; with a colocated vLLM, the vllm_gpu_memory_utilization that leaves the trainer its
     room; --plan, --max and --fewest-gpus say what makes it fit. Exit 0: fits; 1: does not; 2: a mistake."""
-    from ..diagnose import DEFAULT_MARGIN
-    from ..hardware import make_hardware
-    from ..rl import estimate_rl, frameworks, ladder
-    from ..rl.reader import build_setup, read_trl_config
-    from ..rl.render import rl_plan_report, rl_report
-    from ..rl.workload import DEFAULT_BETA, TRAINERS
+    from ..rl import estimate_rl, frameworks, ladder, reader, render, workload
     from ..sources import resolve_model
 
     framework, read_lines, read_gpus = "trl", (), None
@@ -126,23 +123,23 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
         read_lines = reading.mapped + tuple(f"ignored {line}" for line in reading.ignored)
         trainer = trainer or settings.get("trainer")
     else:
-        settings, named = read_trl_config(config) if config is not None else ({}, None)
+        settings, named = reader.read_trl_config(config) if config is not None else ({}, None)
     settings.pop("trainer", None)
     trainer = (trainer or "grpo").lower()
-    if trainer not in TRAINERS:
-        raise ConfigError(f"--trainer must be one of {', '.join(TRAINERS)}, got {trainer!r}")
+    if trainer not in workload.TRAINERS:
+        raise ConfigError(f"--trainer must be one of {', '.join(workload.TRAINERS)}, got {trainer!r}")
     model = model or named
     if model is None:
         raise ConfigError("give MODEL, or a --config that names the model")
     if beta is None and "beta" not in settings:
-        beta = DEFAULT_BETA[trainer]
+        beta = workload.DEFAULT_BETA[trainer]
     if method is not None:
         if method.value not in ("full", "lora"):
             raise ConfigError(f"--method {method.value}: memfit rl sizes a full or a LoRA policy")
         lora = method.value == "lora" if lora is None else lora
     if lora_rank is not None and lora is None:
         lora = True
-    rl = build_setup(trainer, settings, per_device_train_batch_size=batch, num_generations=num_generations,
+    rl = reader.build_setup(trainer, settings, per_device_train_batch_size=batch, num_generations=num_generations,
                      max_prompt_length=prompt_len, max_completion_length=completion_len,
                      gradient_accumulation_steps=accum, beta=beta, use_vllm=vllm, vllm_mode=vllm_mode,
                      vllm_gpu_memory_utilization=vllm_util, vllm_enable_sleep_mode=sleep,
@@ -166,7 +163,7 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
     if sum(bool(x) for x in (plan, max_field, fewest_gpus)) > 1:
         raise ConfigError("give one of --plan, --max, --fewest-gpus")
     if max_field is not None:
-        _solve(spec, rl, hardware, margin, max_field, json_output)
+        _solve(ladder, spec, rl, hardware, margin, max_field, json_output)
         return
     if fewest_gpus:
         count, result = ladder.fewest_gpus(spec, rl, hardware, margin=margin)
@@ -184,9 +181,9 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
             out["plan"] = walked.to_dict()
         print_json(out)
     else:
-        rl_report(console(), result, verbose=verbose, framework=framework, read=read_lines)
+        render.rl_report(console(), result, verbose=verbose, framework=framework, read=read_lines)
         if walked is not None:
-            rl_plan_report(console(), walked, framework)
+            render.rl_plan_report(console(), walked, framework)
     if not (walked.fits if walked is not None else result.fits):
         raise typer.Exit(DOES_NOT_FIT)
 
@@ -198,9 +195,8 @@ def _answer(data: dict, json_output: bool, text: str) -> None:
         console().print(text)
 
 
-def _solve(spec, rl, hardware, margin: float, name: str, json_output: bool) -> None:
-    from ..rl import ladder
-
+def _solve(ladder, spec, rl, hardware, margin: float, name: str, json_output: bool) -> None:
+    """--max: `ladder` is memfit.rl.ladder, loaded when the command runs."""
     aliases = {"generations": "num_generations", "completion": "max_completion_length",
                "max_response_length": "max_completion_length", "batch": "per_device_train_batch_size",
                "prompt": "max_prompt_length", "n": "num_generations"}
