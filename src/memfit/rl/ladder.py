@@ -170,7 +170,7 @@ RUNGS: tuple[tuple[str, str, Step], ...] = (
     ("fused-logprobs", "Fused log-probs from the LM head", _fused_head),
     ("reference", "Reference off the GPU", _reference),
     ("lora", "LoRA policy, the base as reference", _lora),
-    ("vllm", "vLLM asleep between rollouts, a lower utilization", _vllm),
+    ("vllm", "vLLM asleep between rollouts, the recommended utilization", _vllm),
     ("offload", "Trainer state offloaded during the rollout", _offload_trainer),
     ("generation-batch", "A smaller generation batch", _generation_batch),
     ("micro-batch", "A smaller micro-batch, more accumulation", _micro_batch),
@@ -205,6 +205,8 @@ def plan_rl(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *, margin: float, 
         else:
             break
     final = rungs[-1].setup if rungs else rl
+    if current.fits and len(rungs) > 1:
+        final, current, rungs = _undo_unneeded(spec, rl, hardware, gpus, margin, rungs, current)
     if current.fits and final.use_vllm and final.vllm_mode == "colocate" and current.vllm is not None and \
             current.vllm.recommended is not None and current.vllm.recommended != final.vllm_gpu_memory_utilization:
         # the last rung fit with the user's utilization: still say which one leaves the most KV cache
@@ -227,6 +229,27 @@ def _spellable(before: RLSetup, after: RLSetup, framework: str) -> bool:
     keys = KEYS[framework]
     return all(name in keys or name in INTERNAL for name in RLSetup.__dataclass_fields__
                if getattr(before, name) != getattr(after, name))
+
+
+def _undo_unneeded(spec: ModelSpec, rl: RLSetup, hardware: Hardware, gpus: int, margin: float, rungs: list[Rung],
+                   current: RLEstimate) -> tuple[RLSetup, RLEstimate, list[Rung]]:
+    """A rung a later one made unnecessary is undone (a LoRA policy needs no precomputed reference: its reference
+    is the base), latest first, keeping the fit; each undo is a rung of its own so the walk stays readable."""
+    final = rungs[-1].setup
+    for rung, before in zip(reversed(rungs[:-1]), reversed([rl] + [r.setup for r in rungs[:-2]])):
+        if rung.name in ("gpus", "vllm"):
+            continue
+        changed = {n: getattr(before, n) for n in RLSetup.__dataclass_fields__
+                   if getattr(before, n) != getattr(rung.setup, n) and getattr(final, n) == getattr(rung.setup, n)}
+        if not changed:
+            continue
+        trial = final.replace(**changed)
+        result = _estimate(spec, trial, hardware, gpus, margin)
+        if result.fits:
+            final, current = trial, result
+            rungs = rungs + [Rung("undo", f"Undo: {rung.title}", final, gpus, result,
+                                  "no longer needed after the later steps")]
+    return final, current, rungs
 
 
 # --- the solver -----------------------------------------------------------------------------------------------
