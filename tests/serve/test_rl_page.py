@@ -54,3 +54,42 @@ def test_mistakes_are_one_line_400s(client, args, field, words):
     assert answer.status_code == 400
     assert words in answer.json()["error"] and answer.json()["field"] == field
     assert client.post("/api/rl", json={"argv": args}).status_code == 400
+
+
+# ---- in a real browser ------------------------------------------------------------------------------------------
+
+_SUBMIT_JS = """
+(async () => {
+  const before = Number(document.body.dataset.rlUpdates || 0);
+  document.getElementById('rl-args').value = %(args)s;
+  document.getElementById('rl-form').requestSubmit();
+  const deadline = Date.now() + 20000;
+  const chart = document.getElementById('rl-phases');
+  while (Number(document.body.dataset.rlUpdates || 0) <= before) {
+    if (Date.now() > deadline) throw new Error('the RL bars never came');
+    await new Promise(r => setTimeout(r, 25));
+  }
+  return {x: chart.data ? chart.data[0].x : null, verdict: document.getElementById('rl-verdict').textContent,
+          error: document.getElementById('rl-error').hidden ? null : document.getElementById('rl-error').textContent};
+})()
+"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from browser_check import browser_for
+
+    yield from browser_for("the RL bars' browser test", local_hosts=("127.0.0.1",))
+
+
+@pytest.mark.browser
+def test_the_rl_bars_in_a_browser(browser, client):
+    expected = client.post("/api/rl", json={"args": ARGS}).json()
+    with web.running() as url, browser.tab(url) as tab:
+        drawn = tab.evaluate(_SUBMIT_JS % {"args": json.dumps(" ".join(ARGS))})
+        assert drawn["error"] is None
+        assert drawn["x"] == expected["figure"]["data"][0]["x"]  # one bar per phase
+        assert drawn["verdict"].startswith(f"peak: {expected['estimate']['peak_phase']}")
+        assert tab.report().problems == []
+        mistake = tab.evaluate(_SUBMIT_JS % {"args": json.dumps("qwen2.5-7b --trainer orpo")})
+        assert "--trainer must be one of" in mistake["error"]

@@ -24,11 +24,16 @@ CATEGORY_COLOURS = {"parameters": "#4C78A8", "optimizer": "#F58518", "gradients"
 
 @functools.lru_cache(maxsize=1)
 def _command():
+    """`memfit rl` as a click command of its own (typer builds it from the same function and annotations as the
+    CLI's; the CLI's app is not imported, so the page and the CLI do not import each other)."""
+    import typer
     import typer.main
 
-    from ..cli.app import app
+    from ..cli.rl import rl_command
 
-    return typer.main.get_command(app).commands["rl"]
+    one = typer.Typer()
+    one.command("rl")(rl_command)
+    return typer.main.get_command(one)
 
 
 def _parse(argv: Sequence[str]) -> dict:
