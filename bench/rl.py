@@ -4,7 +4,8 @@ formulas and published logs.
     OMP_NUM_THREADS=1 python bench/rl.py            # every case (a few minutes on one core), writes bench/results/rl.md
     OMP_NUM_THREADS=1 python bench/rl.py --quick    # two cases, printed only
 
-Each measured case runs TRL's GRPOTrainer (use_vllm=False: HF generate) or DPOTrainer on a tiny model (tests/
+Each measured case runs TRL's GRPOTrainer / RLOOTrainer (use_vllm=False: HF generate), DPOTrainer or KTOTrainer
+on a tiny model (tests/
 tiny_configs.py) in fp32 on CPU and profiles its second step with the profiler's memory events; every phase's peak
 (generation, reference / old-policy log-probs, training) is compared with memfit's figure for that phase
 (memfit.rl.measure, memfit.rl.phases). vLLM cannot run here: its page sizes and budget are checked against the
@@ -47,6 +48,19 @@ DPO_CASES = (
     ("llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
     ("llama short", TINY_LLAMA, dict(batch=2, prompt_len=64, completion_len=16)),
 )
+RLOO_CASES = (
+    ("llama", TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
+    ("llama beta 0 (old policy only)", TINY_LLAMA, dict(batch=8, num_generations=4, prompt_len=64,
+                                                         completion_len=32, beta=0.0)),
+    ("llama LoRA", TINY_LLAMA, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64, lora=True)),
+    ("qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=8, num_generations=8, prompt_len=32, completion_len=64)),
+)
+KTO_CASES = (
+    ("llama", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48)),
+    ("llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
+    ("qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=8, prompt_len=16, completion_len=32)),
+)
+BETA = {"grpo": 0.04, "rloo": 0.05, "dpo": 0.1, "kto": 0.1}
 NAMES = {"log-probs": "reference"}
 HEAD_CASES = ((8, 16, 64), (4, 64, 32), (16, 8, 128))
 """(batch, prompt, completion) for TRL 0.x's heads over materialised logits, measured without a trainer."""
@@ -79,12 +93,42 @@ def head_rows() -> list[tuple[str, str, str, int, int]]:
     return rows
 
 
+CRITIC_CASES = (("llama", TINY_LLAMA, (4, 32, 64)), ("llama short", TINY_LLAMA, (8, 16, 32)),
+                ("qwen2 (GQA, tied)", TINY_QWEN2, (4, 32, 64)))
+"""PPO's critic update (batch, prompt, completion): trl 1.16 has no PPOTrainer, so the value model's step is
+measured alone as verl's dp_critic runs it (memfit.rl.measure.measure_critic)."""
+
+
+def critic_rows() -> list[tuple[str, str, str, int, int]]:
+    """memfit's critic phase with the policy and the reference offloaded (verl param / optimizer offload), less the
+    rollout's buffers, plus the measured step's input ids: the value model's own update."""
+    from memfit.api import as_spec
+    from memfit.estimate.terms import TermKey
+    from memfit.hardware import cpu_device, make_hardware
+    from memfit.rl import RLSetup, estimate_rl, measure
+
+    rows = []
+    for label, config, (batch, prompt, completion) in CRITIC_CASES:
+        measured = measure.measure_critic(config, batch=batch, prompt_len=prompt, completion_len=completion)
+        rl = RLSetup(trainer="ppo", per_device_train_batch_size=batch, num_generations=1, max_prompt_length=prompt,
+                     max_completion_length=completion, beta=0.0, param_offload=True, optimizer_offload=True,
+                     bf16=False, gradient_checkpointing=False, triton=False)
+        phase = next(p for p in estimate_rl(as_spec(dict(config)), rl, make_hardware(cpu_device(1 << 40))).phases
+                     if p.name == "critic")
+        rollout = sum(t.num_bytes for t in phase.terms if t.name == TermKey.ROLLOUT_INPUTS)
+        rows.append(("ppo", f"critic {label} B{batch} P{prompt} C{completion}", "critic", measured,
+                     phase.tensor_bytes - rollout + batch * (prompt + completion) * 8 + 2 * batch * completion * 4))
+    return rows
+
+
 def _rl_setup(trainer: str, fields: dict):
     from memfit.rl import RLSetup
 
+    # KTOTrainer appends the EOS token to every (non-conversational) completion (kto_trainer.py `add_eos`)
+    completion = fields["completion_len"] + (1 if trainer == "kto" else 0)
     return RLSetup(trainer=trainer, per_device_train_batch_size=fields["batch"],
                    num_generations=fields.get("num_generations", 8), max_prompt_length=fields["prompt_len"],
-                   max_completion_length=fields["completion_len"], beta=fields.get("beta", 0.04),
+                   max_completion_length=completion, beta=fields.get("beta", BETA[trainer]),
                    lora=fields.get("lora", False), lora_rank=8,
                    precompute_ref_log_probs=bool(fields.get("precompute", False)),
                    gradient_checkpointing=fields.get("checkpointing", False), bf16=False, triton=False)
@@ -98,9 +142,11 @@ def run_case(trainer: str, label: str, config: dict, fields: dict) -> list[tuple
 
     measured_fields = dict(fields)
     with tempfile.TemporaryDirectory() as out:
-        if trainer == "grpo":
-            measured = measure.measure_grpo(config, beta=measured_fields.pop("beta", 0.04), output_dir=out,
-                                            **measured_fields)
+        if trainer in ("grpo", "rloo"):
+            measured = measure.measure_grpo(config, beta=measured_fields.pop("beta", BETA[trainer]), output_dir=out,
+                                            trainer=trainer, **measured_fields)
+        elif trainer == "kto":
+            measured = measure.measure_kto(config, output_dir=out, **measured_fields)
         else:
             measured = measure.measure_dpo(config, output_dir=out, **measured_fields)
     result = estimate_rl(as_spec(dict(config)), _rl_setup(trainer, fields), make_hardware(cpu_device(1 << 40)))
@@ -161,16 +207,23 @@ def main() -> None:
 
     torch.set_num_threads(1)
     cases = [("grpo", *GRPO_CASES[0]), ("dpo", *DPO_CASES[0])] if args.quick else \
-        [("grpo", *case) for case in GRPO_CASES] + [("dpo", *case) for case in DPO_CASES]
+        [("grpo", *case) for case in GRPO_CASES] + [("dpo", *case) for case in DPO_CASES] + \
+        [("rloo", *case) for case in RLOO_CASES] + [("kto", *case) for case in KTO_CASES]
     rows = []
     for trainer, label, config, fields in cases:
         rows += run_case(trainer, label, config, fields)
         print(f"measured {trainer} {label}", file=sys.stderr)
     heads = [] if args.quick else head_rows()
-    lines = table(rows) + ["", summary(rows)]
+    critic = [] if args.quick else critic_rows()
+    lines = table(rows) + ["", summary(rows)] + [
+        f"- {trainer}: {summary([r for r in rows if r[0] == trainer])}" for trainer in ("grpo", "rloo", "dpo", "kto")
+        if any(r[0] == trainer for r in rows)]
     if heads:
         lines += ["", "### TRL 0.x heads over materialised logits (no trainer: the model and the head)", "",
                   *table(heads), "", summary(heads)]
+    if critic:
+        lines += ["", "### PPO's critic update (value model alone: trl 1.16 has no PPOTrainer)", "",
+                  *table(critic), "", summary(critic)]
     vllm = ["| what | memfit | vLLM's formula / published |", "|---|---:|---:|"] + [
         f"| {a} | {b} | {c} |" for a, b, c in vllm_rows()]
     print("\n".join(lines + [""] + vllm))
@@ -179,7 +232,8 @@ def main() -> None:
         (RESULTS / "rl.md").write_text("\n".join([
             "# RL post-training phases: memfit vs measured TRL steps", "",
             "Written by `OMP_NUM_THREADS=1 python bench/rl.py`. trl 1.16, transformers 5.24, torch 2.13 CPU, fp32, "
-            "gradient checkpointing off unless the case says so; each phase's peak of live bytes (profiler memory events, the second step) "
+            "gradient checkpointing off unless the case says so; each phase's peak of live bytes (profiler memory "
+            "events, the second step) "
             "against memfit's tensor bytes for that phase. TRL's fused log-prob head runs its torch fallback on "
             "CPU (every position scored, fp32 tile temporaries); on a GPU it runs Triton (memfit's default).", "",
             *lines, "",

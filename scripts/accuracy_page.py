@@ -57,7 +57,8 @@ SOURCES = (
            "real CPU steps (profiler)"),
     Source("lora_derived.md", "now", "formulas: LoRA / QLoRA on derived families (OPT, Falcon, GPT-J, StableLM, Phi, "
            "Qwen3, Gemma 3)", "real CPU steps (profiler)"),
-    Source("rl.md", "error", "formulas: RL phases (TRL GRPO / DPO: generation, log-probs, training)",
+    Source("rl.md", "error", "formulas: RL phases (TRL GRPO / RLOO / DPO / KTO: generation, log-probs, KL, "
+           "training; PPO's critic update)",
            "real TRL steps on CPU, per phase (profiler)", needs="phase"),
     Source("vlm.md", "error", "trace: vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5) with processor-made "
            "inputs", "real CPU steps (profiler)"),

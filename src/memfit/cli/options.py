@@ -204,6 +204,12 @@ SETUP_FIELD_OPTIONS: tuple[tuple[str, Option], ...] = options_of(TrainingSetup)
 the setup's Finetune. Generated from the fields' declarations (memfit.fields)."""
 _SETUP_OPTIONS: dict[str, object] = {option.name: _setup_option(option) for _, option in SETUP_FIELD_OPTIONS}
 
+def setup_option(field_name: str) -> Any:
+    """The generated option of one setup field (`micro_batch_size`, `finetune.rank`, ...): what a command with its
+    own setup (memfit rl) declares to take the sizing commands' spellings of the fields it shares."""
+    return _SETUP_OPTIONS[dict(SETUP_FIELD_OPTIONS)[field_name].name]
+
+
 KeepOpt = Annotated[Optional[frozenset], _option(
     "--keep", panel=SETUP_PANEL, parser=keep_fields, metavar="FIELDS",
     help="Pin these fields (comma list: " + ", ".join(n for n in KEEP_NAMES if n not in ("zero", "batch"))

@@ -1,16 +1,23 @@
-"""`memfit rl MODEL --trainer grpo|dpo`: an RL post-training step (TRL's GRPOTrainer / DPOTrainer) as phases, one
-bar per phase, the peak phase, and for a colocated vLLM the gpu_memory_utilization to set (memfit.rl)."""
+"""`memfit rl MODEL --trainer grpo|rloo|ppo|dpo|kto`: an RL post-training step (TRL's trainers, verl, OpenRLHF) as
+phases, one bar per phase, the peak phase, for a colocated vLLM the gpu_memory_utilization to set, and with --plan
+the RL ladder and the settings that make it fit (memfit.rl). The options it shares with the sizing commands (--batch,
+--accum, --method, --lora-rank, --zero, --gpus, --nodes) are the generated ones (memfit.fields via
+cli/options.setup_option); the RL recipe's own are declared here."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from ..diagnose import DEFAULT_MARGIN
 from ..errors import ConfigError
+from ..hardware import make_hardware
 from .common import DOES_NOT_FIT, app, console, examples, print_json
-from .options import DEFAULT_GPU, MODEL_PANEL, GpuOpt, JsonOpt, MarginOpt, VerboseOpt, whole_number
+from .options import (DEFAULT_GPU, MODEL_PANEL, GpuOpt, GpusOpt, JsonOpt, MarginOpt, NodesOpt, VerboseOpt,
+                      setup_option, whole_number)
 
 RL_PANEL = "RL recipe (TRL config fields; --config sets them, options override)"
 
@@ -23,22 +30,45 @@ RlModelArg = Annotated[Optional[str], typer.Argument(
     metavar="MODEL", show_default=False, rich_help_panel=MODEL_PANEL,
     help="A catalog name (see `memfit models`), a path to a config.json or a folder holding one, or a Hugging Face "
          "hub id. Optional when --config has model_name_or_path.")]
-TrainerOpt = Annotated[str, _opt("--trainer", metavar="grpo|dpo", help="TRL trainer: grpo or dpo. Default: grpo.")]
+TrainerOpt = Annotated[Optional[str], _opt(
+    "--trainer", metavar="grpo|rloo|ppo|dpo|kto",
+    help="The trainer: grpo, rloo (TRL RLOOTrainer), ppo (policy + critic: verl / OpenRLHF GAE), dpo, kto. "
+         "Default: grpo, or what --config says.")]
 TrlConfigOpt = Annotated[Optional[Path], _opt(
-    "--config", metavar="FILE", help="TRL's GRPOConfig / DPOConfig as YAML or JSON (what `trl grpo --config` reads).")]
-BatchOpt = Annotated[Optional[int], _opt("--batch", "-b", metavar="N", parser=whole_number(1 << 16),
-                                         help="per_device_train_batch_size. Default: 8.")]
+    "--config", metavar="FILE",
+    help="The recipe you have: TRL's GRPOConfig / DPOConfig / ... YAML or JSON (`trl grpo --config`), verl's "
+         "trainer YAML or a launch script of `verl.trainer.main_ppo` overrides, or an OpenRLHF `train_ppo_ray` "
+         "launch script (the format comes from the content). Options override it.")]
+BatchOpt = setup_option("micro_batch_size")
+AccumOpt = setup_option("grad_accum_steps")
+MethodOpt = setup_option("finetune.method")
+LoraRankOpt = setup_option("finetune.rank")
+ZeroOpt = setup_option("sharding")
+PlanOpt = Annotated[bool, _opt("--plan", help="Walk the RL ladder (cheapest first, every phase re-estimated) and "
+                               "print the settings that make it fit, vllm_gpu_memory_utilization first.")]
+MaxOpt = Annotated[Optional[str], _opt(
+    "--max", metavar="FIELD", help="Solve for the largest value that fits: num_generations, max_completion_length, "
+                                   "max_prompt_length or per_device_train_batch_size.")]
+FewestOpt = Annotated[bool, _opt("--fewest-gpus", help="Solve for the fewest GPUs (trainer state sharded) on which "
+                                 "the recipe fits as it is.")]
+OffloadOpt = Annotated[Optional[bool], _opt(
+    "--offload-trainer/--no-offload-trainer",
+    help="The trainer's parameters and optimizer state off the GPU outside their phases (verl param_offload + "
+         "optimizer_offload, OpenRLHF --deepspeed_enable_sleep). Default: off.")]
+RefOffloadOpt = Annotated[Optional[bool], _opt(
+    "--ref-offload/--no-ref-offload", help="The reference (and reward) weights off the GPU outside the log-probs "
+                                           "phase (verl ref param_offload, OpenRLHF --ref_reward_offload).")]
+RewardOpt = Annotated[Optional[bool], _opt("--reward-model/--no-reward-model",
+                                           help="A reward model's weights on the GPU (verl reward_model.enable).")]
 GenerationsOpt = Annotated[Optional[int], _opt("--num-generations", metavar="N", parser=whole_number(1 << 12),
                                                help="GRPO: completions per prompt. Default: 8.")]
 PromptOpt = Annotated[Optional[int], _opt("--prompt-len", metavar="N", parser=whole_number(1 << 21),
                                           help="max_prompt_length. Default: 512.")]
 CompletionOpt = Annotated[Optional[int], _opt("--completion-len", metavar="N", parser=whole_number(1 << 21),
                                               help="max_completion_length. Default: 512.")]
-AccumOpt = Annotated[Optional[int], _opt("--accum", metavar="N", parser=whole_number(1 << 16),
-                                         help="gradient_accumulation_steps (GRPO generates that many micro-batches "
-                                              "at once). Default: 1.")]
-BetaOpt = Annotated[Optional[float], _opt("--beta", metavar="X", help="KL weight; GRPO loads a reference model "
-                                          "when > 0. Default: GRPO 0.0, DPO 0.1.")]
+BetaOpt = Annotated[Optional[float], _opt("--beta", metavar="X", help="KL weight; the online trainers load a "
+                                          "reference model when > 0. Default: the trainer's (GRPO 0.0, RLOO / PPO "
+                                          "0.05, DPO / KTO 0.1).")]
 VllmOpt = Annotated[Optional[bool], _opt("--vllm/--no-vllm", help="use_vllm for the rollout. Default: off.")]
 VllmModeOpt = Annotated[Optional[str], _opt("--vllm-mode", metavar="colocate|server",
                                             help="vllm_mode. Default: colocate.")]
@@ -64,50 +94,154 @@ HeadOpt = Annotated[Optional[str], _opt("--logprob-head", metavar="fused|selecti
     "memfit rl qwen2.5-7b --trainer grpo --gpu H100",
     "memfit rl llama-3.1-8b --trainer grpo --vllm --vllm-util 0.3 --gpu H100 --json",
     "memfit rl llama-3.1-8b --trainer dpo --lora --precompute-ref",
-    "memfit rl --trainer grpo --config grpo.yaml"))
-def rl_command(model: RlModelArg = None, trainer: TrainerOpt = "grpo", config: TrlConfigOpt = None, gpu: GpuOpt = None,
-               margin: MarginOpt = None, batch: BatchOpt = None, num_generations: GenerationsOpt = None,
-               prompt_len: PromptOpt = None, completion_len: CompletionOpt = None, accum: AccumOpt = None,
-               beta: BetaOpt = None, vllm: VllmOpt = None, vllm_mode: VllmModeOpt = None, vllm_util: UtilOpt = None,
+    "memfit rl --config grpo.yaml --gpu H100 --plan",
+    "memfit rl --config verl_ppo.yaml --gpu H100 --plan",
+    "memfit rl qwen2.5-7b --trainer grpo --vllm --gpu H100 --max num_generations"))
+def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: TrlConfigOpt = None, gpu: GpuOpt = None,
+               gpus: GpusOpt = None, nodes: NodesOpt = None, margin: MarginOpt = None, batch: BatchOpt = None,
+               num_generations: GenerationsOpt = None, prompt_len: PromptOpt = None,
+               completion_len: CompletionOpt = None, accum: AccumOpt = None, beta: BetaOpt = None,
+               vllm: VllmOpt = None, vllm_mode: VllmModeOpt = None, vllm_util: UtilOpt = None,
                sleep: SleepOpt = None, vllm_tp: VllmTpOpt = None, kv_cache_dtype: KvDtypeOpt = None,
-               lora: LoraOpt = None, precompute_ref: PrecomputeOpt = None, checkpointing: CheckpointOpt = None,
-               logprob_head: HeadOpt = None, json_output: JsonOpt = False, verbose: VerboseOpt = False) -> None:
-    """Size an RL post-training step (TRL GRPO / DPO) phase by phase: rollout generation, reference log-probs,
-    the policy's training step. The peak per GPU is the largest phase; with a colocated vLLM, the
-    vllm_gpu_memory_utilization that leaves the trainer its room. Exit 0: fits; 1: does not; 2: a mistake."""
-    from ..diagnose import DEFAULT_MARGIN
-    from ..hardware import make_hardware
-    from ..rl import estimate_rl
-    from ..rl.reader import build_setup, read_trl_config
-    from ..sources import resolve_model
+               lora: LoraOpt = None, method: MethodOpt = None, lora_rank: LoraRankOpt = None,
+               precompute_ref: PrecomputeOpt = None, checkpointing: CheckpointOpt = None,
+               logprob_head: HeadOpt = None, zero: ZeroOpt = None, offload_trainer: OffloadOpt = None,
+               ref_offload: RefOffloadOpt = None, reward_model: RewardOpt = None, plan: PlanOpt = False,
+               max_field: MaxOpt = None, fewest_gpus: FewestOpt = False, json_output: JsonOpt = False,
+               verbose: VerboseOpt = False) -> None:
+    """Size an RL post-training step (TRL GRPO / RLOO / DPO / KTO, verl and OpenRLHF PPO / GRPO) phase by phase:
+    rollout generation, reference / old-policy log-probs, the policy's training step, the critic's. The peak per
+    GPU is the largest phase; with a colocated vLLM, the vllm_gpu_memory_utilization that leaves the trainer its
+    room; --plan, --max and --fewest-gpus say what makes it fit. Exit 0: fits; 1: does not; 2: a mistake."""
+    from .. import rl as rl_lib
 
-    trainer = trainer.lower()
-    if trainer not in ("grpo", "dpo"):
-        raise ConfigError(f"--trainer must be grpo or dpo, got {trainer!r}")
-    settings, named = read_trl_config(config) if config is not None else ({}, None)
+    estimate_rl, ladder, render = rl_lib.estimate_rl, rl_lib.ladder, rl_lib.render
+    inputs = rl_inputs(model=model, trainer=trainer, config=config, gpu=gpu, gpus=gpus, nodes=nodes, margin=margin,
+                       batch=batch, num_generations=num_generations, prompt_len=prompt_len,
+                       completion_len=completion_len, accum=accum, beta=beta, vllm=vllm, vllm_mode=vllm_mode,
+                       vllm_util=vllm_util, sleep=sleep, vllm_tp=vllm_tp, kv_cache_dtype=kv_cache_dtype, lora=lora,
+                       method=method, lora_rank=lora_rank, precompute_ref=precompute_ref,
+                       checkpointing=checkpointing, logprob_head=logprob_head, zero=zero,
+                       offload_trainer=offload_trainer, ref_offload=ref_offload, reward_model=reward_model)
+    spec, rl, hardware, margin = inputs.spec, inputs.rl, inputs.hardware, inputs.margin
+    framework, read_lines = inputs.framework, inputs.read
+    if sum(bool(x) for x in (plan, max_field, fewest_gpus)) > 1:
+        raise ConfigError("give one of --plan, --max, --fewest-gpus")
+    if max_field is not None:
+        _solve(ladder, spec, rl, hardware, margin, max_field, json_output)
+        return
+    if fewest_gpus:
+        count, result = ladder.fewest_gpus(spec, rl, hardware, margin=margin)
+        _answer({"fewest_gpus": count, "estimate": result.to_dict() if result else None}, json_output,
+                f"fewest GPUs: {count}" if count else f"it does not fit on {ladder.MAX_GPUS} GPUs")
+        if count is None:
+            raise typer.Exit(DOES_NOT_FIT)
+        return
+    result = estimate_rl(spec, rl, hardware, margin=margin)
+    walked = ladder.plan_rl(spec, rl, hardware, margin=margin, framework=framework) if plan else None
+    if json_output:
+        out = result.to_dict()
+        out["framework"] = framework
+        if walked is not None:
+            out["plan"] = walked.to_dict()
+        print_json(out)
+    else:
+        render.rl_report(console(), result, verbose=verbose, framework=framework, read=read_lines)
+        if walked is not None:
+            render.rl_plan_report(console(), walked, framework)
+    if not (walked.fits if walked is not None else result.fits):
+        raise typer.Exit(DOES_NOT_FIT)
+
+
+def _answer(data: dict, json_output: bool, text: str) -> None:
+    if json_output:
+        print_json(data)
+    else:
+        console().print(text)
+
+
+def _solve(ladder, spec, rl, hardware, margin: float, name: str, json_output: bool) -> None:
+    """--max: `ladder` is memfit.rl.ladder, loaded when the command runs."""
+    aliases = {"generations": "num_generations", "completion": "max_completion_length",
+               "max_response_length": "max_completion_length", "batch": "per_device_train_batch_size",
+               "prompt": "max_prompt_length", "n": "num_generations"}
+    name = aliases.get(name, name)
+    if name not in ladder.SOLVABLE:
+        raise ConfigError(f"--max takes one of {', '.join(ladder.SOLVABLE)}, got {name!r}")
+    value, result = ladder.largest(spec, rl, hardware, name, margin=margin)
+    _answer({"field": name, "largest": value, "estimate": result.to_dict() if result else None}, json_output,
+            f"largest {name} that fits: {value}" if value is not None else f"even {name} = 1 does not fit")
+    if value is None:
+        raise typer.Exit(DOES_NOT_FIT)
+
+
+@dataclass(frozen=True)
+class RLInputs:
+    """What `memfit rl`'s options (and its --config) describe: the model, the recipe, the GPUs, the margin, and
+    the framework the recipe was read from with what its reading recorded."""
+
+    spec: object
+    rl: object
+    hardware: object
+    margin: float
+    framework: str = "trl"
+    read: tuple[str, ...] = ()
+
+
+def rl_inputs(*, model=None, trainer=None, config=None, gpu=None, gpus=None, nodes=None, margin=None, batch=None,
+              num_generations=None, prompt_len=None, completion_len=None, accum=None, beta=None, vllm=None,
+              vllm_mode=None, vllm_util=None, sleep=None, vllm_tp=None, kv_cache_dtype=None, lora=None, method=None,
+              lora_rank=None, precompute_ref=None, checkpointing=None, logprob_head=None, zero=None,
+              offload_trainer=None, ref_offload=None, reward_model=None,
+              resolve=None) -> RLInputs:
+    """The command's parameters (as its options parse them) as RLInputs: what `memfit rl` and the page's RL
+    phase bars (memfit.serve.rl) compute from. `resolve`: how the model is read (default: memfit.sources)."""
+    from .. import rl as rl_lib, sources
+
+    frameworks, reader, workload, resolve_model = rl_lib.frameworks, rl_lib.reader, rl_lib.workload, \
+        sources.resolve_model
+    framework, read_lines, read_gpus = "trl", (), None
+    if config is not None and frameworks.detect(Path(config)) is not None:
+        reading = (frameworks.read_verl if frameworks.detect(Path(config)) == frameworks.VERL
+                   else frameworks.read_openrlhf)(config)
+        framework, settings, named, read_gpus = reading.framework, dict(reading.settings), reading.model, reading.gpus
+        read_lines = reading.mapped + tuple(f"ignored {line}" for line in reading.ignored)
+        trainer = trainer or settings.get("trainer")
+    else:
+        settings, named = reader.read_trl_config(config) if config is not None else ({}, None)
+    settings.pop("trainer", None)
+    trainer = (trainer or "grpo").lower()
+    if trainer not in workload.TRAINERS:
+        raise ConfigError(f"--trainer must be one of {', '.join(workload.TRAINERS)}, got {trainer!r}")
     model = model or named
     if model is None:
-        raise ConfigError("give MODEL, or a --config whose model_name_or_path names it")
-    if trainer == "dpo" and beta is None and "beta" not in settings:
-        beta = 0.1  # DPOConfig's default
-    rl = build_setup(trainer, settings, per_device_train_batch_size=batch, num_generations=num_generations,
+        raise ConfigError("give MODEL, or a --config that names the model")
+    if beta is None and "beta" not in settings:
+        beta = workload.DEFAULT_BETA[trainer]
+    if method is not None:
+        if method.value not in ("full", "lora"):
+            raise ConfigError(f"--method {method.value}: memfit rl sizes a full or a LoRA policy")
+        lora = method.value == "lora" if lora is None else lora
+    if lora_rank is not None and lora is None:
+        lora = True
+    rl = reader.build_setup(trainer, settings, per_device_train_batch_size=batch, num_generations=num_generations,
                      max_prompt_length=prompt_len, max_completion_length=completion_len,
                      gradient_accumulation_steps=accum, beta=beta, use_vllm=vllm, vllm_mode=vllm_mode,
                      vllm_gpu_memory_utilization=vllm_util, vllm_enable_sleep_mode=sleep,
                      vllm_tensor_parallel_size=vllm_tp, vllm_kv_cache_dtype=kv_cache_dtype, lora=lora,
-                     precompute_ref_log_probs=precompute_ref, gradient_checkpointing=checkpointing,
-                     logprob_head=logprob_head)
-    if rl.use_vllm and trainer == "dpo":
-        raise ConfigError("--vllm is a GRPO rollout option: DPO generates nothing")
-    spec = resolve_model(model)
-    hardware = make_hardware(gpu or DEFAULT_GPU)
-    result = estimate_rl(spec, rl, hardware, margin=DEFAULT_MARGIN if margin is None else margin)
-    if json_output:
-        print_json(result.to_dict())
-    else:
-        from ..rl.render import rl_report
-
-        rl_report(console(), result, verbose=verbose)
-    if not result.fits:
-        raise typer.Exit(DOES_NOT_FIT)
-
+                     lora_rank=lora_rank, precompute_ref_log_probs=precompute_ref,
+                     gradient_checkpointing=checkpointing, logprob_head=logprob_head,
+                     sharding=zero.value if zero is not None else None, param_offload=offload_trainer,
+                     optimizer_offload=offload_trainer, ref_offload=ref_offload, reward_model=reward_model)
+    if rl.use_vllm and not rl.online:
+        raise ConfigError(f"--vllm is a rollout option: {trainer.upper()} generates nothing")
+    spec = (resolve or resolve_model)(model)
+    if gpus is None and nodes is None and read_gpus:
+        gpus, nodes = min(read_gpus, 8), max(1, read_gpus // 8)
+    world = (gpus or 1) * (nodes or 1)
+    if world > 1 and zero is None and "sharding" not in settings:
+        rl = rl.replace(sharding="zero3")  # several GPUs: the trainer's state sharded, as the frameworks do
+    if world == 1 and rl.sharding != "none":
+        rl = rl.replace(sharding="none")  # nothing to shard over on one GPU
+    hardware = make_hardware(gpu or DEFAULT_GPU, gpus_per_node=gpus or 1, num_nodes=nodes or 1)
+    return RLInputs(spec, rl, hardware, DEFAULT_MARGIN if margin is None else margin, framework, read_lines)

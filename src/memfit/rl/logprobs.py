@@ -114,6 +114,15 @@ def rl_loss_terms(batch: int, completion: int, *, trainer: str, with_reference: 
     """The loss's own per-token fp32 tensors over the completions (grpo_trainer.py `_compute_loss`: log-probs,
     old log-probs, ratio, clipped ratio, the two surrogate terms, the masked loss; + the reference log-probs and
     the per-token KL when beta > 0) or DPO's per-token log-probs of policy and reference."""
-    count = (7 + (2 if with_reference else 0)) if trainer == "grpo" else (2 if with_reference else 1)
+    count = {"grpo": 7 + (2 if with_reference else 0),
+             # rloo_trainer.py `_compute_loss`: the per-token log-probs, entropies and their masked product; the
+             # ratio and surrogates are per sequence
+             "rloo": 3,
+             # PPO's clipped surrogate per token (old / new log-probs, ratio, clipped ratio, advantages, the two
+             # surrogates); the KL sits in the reward (verl core_algos.compute_policy_loss)
+             "ppo": 7,
+             # the value loss per token: values, old values, returns, clipped values, two squared errors (verl
+             # core_algos.compute_value_loss)
+             "critic": 6}.get(trainer, 2 if with_reference else 1)
     return [term(TermKey.RL_LOSS, Category.ACTIVATIONS, count * batch * completion * 4,
                  f"{count} fp32 [B, C] per-token tensors", "trl grpo_trainer.py / dpo_trainer.py _compute_loss")]

@@ -120,12 +120,14 @@ def _length_reward(completions, **_):
 
 def measure_grpo(config: dict, *, batch: int, num_generations: int, prompt_len: int, completion_len: int,
                  beta: float = 0.04, lora: bool = False, checkpointing: bool = False, output_dir: str,
-                 detail: dict | None = None) -> dict[str, int]:
+                 detail: dict | None = None, trainer: str = "grpo") -> dict[str, int]:
     """One GRPO step (the second: the first creates Adam's state) of TRL's GRPOTrainer with HF generate, on CPU in
-    fp32; every completion exactly `completion_len` tokens (min_new_tokens)."""
-    from trl import GRPOConfig, GRPOTrainer
+    fp32; every completion exactly `completion_len` tokens (min_new_tokens). trainer='rloo': TRL's RLOOTrainer
+    (trl/trainer/rloo_trainer.py), the same rollout with a leave-one-out baseline and per-sequence loss."""
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=checkpointing,
+    config_class, trainer_class = (RLOOConfig, RLOOTrainer) if trainer == "rloo" else (GRPOConfig, GRPOTrainer)
+    args = config_class(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=checkpointing,
                       per_device_train_batch_size=batch, num_generations=num_generations,
                       max_completion_length=completion_len, gradient_accumulation_steps=1, beta=beta,
                       learning_rate=1e-4, max_steps=3, logging_steps=100, save_strategy="no", report_to=[],
@@ -136,10 +138,10 @@ def measure_grpo(config: dict, *, batch: int, num_generations: int, prompt_len: 
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=_tiny_model(config, f"{output_dir}/model"), reward_funcs=_length_reward, args=args,
-                          train_dataset=_prompts(64, prompt_len), processing_class=toy_tokenizer(),
-                          peft_config=peft_config)
-    return _measure_trainer(trainer, reference_method="_get_per_token_logps_and_entropies", detail=detail)
+    run = trainer_class(model=_tiny_model(config, f"{output_dir}/model"), reward_funcs=_length_reward, args=args,
+                        train_dataset=_prompts(64, prompt_len), processing_class=toy_tokenizer(),
+                        peft_config=peft_config)
+    return _measure_trainer(run, reference_method="_get_per_token_logps_and_entropies", detail=detail)
 
 
 def _measure_trainer(trainer, *, reference_method: str | None, detail: dict | None = None,
@@ -231,6 +233,55 @@ def measure_dpo(config: dict, *, batch: int, prompt_len: int, completion_len: in
     return _measure_trainer(trainer, reference_method=None, detail=detail, marks=marks)
 
 
+def _unpaired(count: int, prompt_len: int, completion_len: int):
+    from datasets import Dataset
+
+    def words(seed: int, length: int) -> str:
+        return " ".join(f"w{(seed * 13 + j) % WORDS}" for j in range(length))
+
+    return Dataset.from_dict({"prompt": [words(i, prompt_len) for i in range(count)],
+                              "completion": [" " + words(i + 1, completion_len) for i in range(count)],
+                              "label": [i % 2 == 0 for i in range(count)]})
+
+
+def measure_kto(config: dict, *, batch: int, prompt_len: int, completion_len: int, lora: bool = False,
+                output_dir: str, detail: dict | None = None) -> dict[str, int]:
+    """One KTO step (the second) of TRL's KTOTrainer (trl/trainer/kto_trainer.py) on CPU in fp32: unpaired
+    (prompt, completion, label) rows, the KL term's mismatched completions on (calculate_kl, loss_type 'kto').
+    The reference's forwards (KL rows and completions, inside compute_loss after the policy's forward) are the
+    'reference' phase; the policy's own no-grad KL forward runs before its grad forward and is a 'kl' phase."""
+    from trl import KTOConfig, KTOTrainer
+
+    args = KTOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                     per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=1e-4,
+                     max_steps=3, logging_steps=100, save_strategy="no", report_to=[], disable_dropout=True, seed=0,
+                     max_length=4 * (prompt_len + completion_len),
+                     model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = KTOTrainer(model=_tiny_model(config, f"{output_dir}/model"), args=args,
+                         train_dataset=_unpaired(64, prompt_len, completion_len), processing_class=toy_tokenizer(),
+                         peft_config=peft_config)
+    marks = PhaseMarks()
+    original, calls = trainer._compute_kl_logps, {"n": 0}
+
+    def kl_logps(model, batch):
+        # compute_loss calls it twice: the policy's KL rows first (no grad, before the policy's grad forward), then
+        # the reference's, which opens the reference phase until backward (the reference's completions forward
+        # follows it)
+        calls["n"] += 1
+        if calls["n"] % 2:
+            return marks.wrap(original, "kl")(model, batch)
+        marks.mark("reference")
+        return original(model, batch)
+
+    trainer._compute_kl_logps = kl_logps
+    return _measure_trainer(trainer, reference_method=None, detail=detail, marks=marks)
+
+
 def _measure_precompute(trainer) -> dict[str, int]:
     """`compute_ref_log_probs` on one padded batch, as `_precompute_ref_logps` runs it: the policy and the reference
     (none for LoRA: the adapters are disabled) alive, no optimizer state yet."""
@@ -282,3 +333,38 @@ def measure_logits_head(config: dict, *, batch: int, prompt_len: int, completion
 
     with one_thread():
         return phase_peaks(step, model, torch.optim.SGD([torch.zeros(1)]), [ids], marks)["logprobs"]
+
+
+def measure_critic(config: dict, *, batch: int, prompt_len: int, completion_len: int) -> int:
+    """PPO's critic update as verl runs it (verl/workers/critic/dp_critic.py): a value model
+    (AutoModelForTokenClassification, num_labels=1) over prompt + completion, the values of the completion
+    positions, a clipped squared error against returns, backward and a fused AdamW step, in fp32 on CPU; the second
+    step's peak of live bytes (the first creates Adam's state). trl 1.16 has no PPOTrainer to measure."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForTokenClassification.from_config(AutoConfig.for_model(**config, num_labels=1),
+                                                        dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(3, WORDS, (batch, prompt_len + completion_len))
+    old_values = torch.zeros(batch, completion_len)
+    returns = torch.ones(batch, completion_len)
+    marks = PhaseMarks()
+
+    def update() -> None:
+        values = model(input_ids=ids).logits[:, -completion_len - 1:-1].squeeze(-1)
+        clipped = old_values + (values - old_values).clamp(-0.5, 0.5)
+        loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        marks.mark("critic")
+        update()
+        marks.mark("other")
+
+    with one_thread():
+        update()
+        return phase_peaks(step, model, optimizer, [ids, old_values, returns], marks)["critic"]

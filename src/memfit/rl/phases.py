@@ -10,7 +10,7 @@ from ..estimate.terms import TermKey
 from ..finetune import Finetune, Method
 from ..hardware import Hardware, cpu_device, make_hardware
 from ..model_spec import ModelSpec
-from ..setup import Checkpointing, Loss, Optimizer, Precision, TrainingSetup
+from ..setup import Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup
 from . import logprobs
 from .generation import default_max_num_seqs, hf_generate_terms, hf_kv_cache_bytes, vllm_budget, vllm_terms
 from .workload import Phase, RLEstimate, RLSetup, VllmAdvice, term
@@ -34,7 +34,7 @@ def training_setup(rl: RLSetup, hardware: Hardware, batch: int) -> TrainingSetup
                          precision=Precision.BF16 if rl.bf16 else Precision.FP32, optimizer=Optimizer.ADAMW_FUSED,
                          checkpointing=Checkpointing.FULL if rl.gradient_checkpointing else Checkpointing.NONE,
                          loss=Loss.STANDARD if rl.lora else Loss.FUSED, finetune=finetune,
-                         num_gpus=hardware.world_size)
+                         num_gpus=hardware.world_size, sharding=Sharding(rl.sharding), engine=Engine(rl.engine))
 
 
 CE_LOSS_TERMS = (TermKey.LOSS, TermKey.LOGITS, TermKey.LOSS_BACKWARD)
@@ -54,7 +54,7 @@ def _reference_weights(core: MemoryEstimate, rl: RLSetup) -> list[Term]:
     if not rl.has_reference_model:
         return []
     weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS)
-    source = GRPO + " (ref_model: create_model_from_path)" if rl.trainer == "grpo" else DPO + " (ref_model)"
+    source = GRPO + " (ref_model: create_model_from_path)" if rl.online else DPO + " (ref_model)"
     return [term(TermKey.REFERENCE, Category.PARAMETERS, weights, "the reference model: the policy's weights",
                  source)]
 
@@ -108,7 +108,7 @@ def _saved_activations(spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, batch
     norm's tensors."""
     if not rl.gradient_checkpointing:
         return _pick(core, Category.ACTIVATIONS)
-    unchanged = training_setup(rl.replace(gradient_checkpointing=False), _HOST, batch)
+    unchanged = training_setup(rl.replace(gradient_checkpointing=False, sharding="none"), _HOST, batch)
     plain = estimate(spec, unchanged, _HOST)
     kept = [t for t in _pick(plain, Category.ACTIVATIONS) if t.name in (TermKey.EMBEDDINGS, TermKey.HEAD)]
     inputs = spec.num_layers * batch * rl.seq_len * spec.hidden_size * _dtype_bytes(rl)
@@ -129,33 +129,122 @@ def _static(core: MemoryEstimate, rl: RLSetup) -> list[Term]:
     return _pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _reference_weights(core, rl)
 
 
+def critic_fraction(spec: ModelSpec) -> float:
+    """A value model's parameters over the policy's: the same backbone with a [h] -> 1 score head instead of the LM
+    head (verl's critic is AutoModelForTokenClassification with num_labels=1, OpenRLHF's a value head on the base
+    model; transformers `score = nn.Linear(hidden_size, num_labels)`). A tied LM head shares the embedding, which
+    the critic keeps."""
+    head = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    return (spec.num_params - head + spec.hidden_size + 1) / spec.num_params
+
+
+def _scaled(terms: list[Term], fraction: float, rename: dict) -> list[Term]:
+    return [Term(rename.get(t.category, t.name), t.category, int(t.num_bytes * fraction), t.formula + " (critic)",
+                 t.source, t.figure) for t in terms]
+
+
+class Resident:
+    """The models' states on one GPU and which phase each is loaded in: the policy's parameters and optimizer
+    state, the critic's, the reference and reward weights, each leaving the GPU outside its phases when offloaded
+    (verl fsdp_config.param_offload / optimizer_offload, ref param_offload; OpenRLHF --adam_offload,
+    --ref_reward_offload)."""
+
+    def __init__(self, spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, critic_core: MemoryEstimate) -> None:
+        self.rl = rl
+        self.params = _pick(core, Category.PARAMETERS)
+        self.optimizer = _pick(core, Category.OPTIMIZER)
+        self.reference = _reference_weights(core, rl)
+        fraction = critic_fraction(spec)
+        self.critic_params = _scaled(_pick(critic_core, Category.PARAMETERS), fraction,
+                                     {Category.PARAMETERS: TermKey.CRITIC}) if rl.has_critic else []
+        self.critic_optimizer = _scaled(_pick(critic_core, Category.OPTIMIZER), fraction,
+                                        {Category.OPTIMIZER: TermKey.CRITIC_OPTIMIZER}) if rl.has_critic else []
+        weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS)
+        full = weights if rl.lora else None  # a LoRA policy's parameter terms hold the frozen base too
+        self.reward = [term(TermKey.REWARD_MODEL, Category.PARAMETERS, (full or weights) * fraction,
+                            "a reward model: the backbone with a score head, frozen", "verl reward_model / OpenRLHF "
+                            "--reward_pretrain")] if rl.reward_model else []
+
+    def models(self, phase: str) -> tuple[str, ...]:
+        names = ["policy"]
+        names += ["critic"] if self.critic_params else []
+        names += ["reference"] if self.reference else []
+        names += ["reward"] if self.reward else []
+        return tuple(names)
+
+    def terms(self, phase: str, *, vllm: bool = False) -> list[Term]:
+        """phase: 'generation', 'log-probs', 'training' (the policy's update) or 'critic'."""
+        rl = self.rl
+        policy_params = not (rl.param_offload and (phase == "critic" or (phase == "generation" and vllm)))
+        critic_params = not (rl.param_offload and phase in ("training", "generation"))
+        out = list(self.params) if policy_params else []
+        out += self.optimizer if not rl.optimizer_offload or phase == "training" else []
+        out += self.critic_params if critic_params else []
+        out += self.critic_optimizer if not rl.optimizer_offload or phase == "critic" else []
+        if not rl.ref_offload or phase == "log-probs":
+            out += self.reference + self.reward
+        return out
+
+
 def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[Phase], MemoryEstimate]:
-    """Rollout (HF generate of the whole generation batch), log-probs (reference when beta > 0), training step."""
+    """The online trainers (GRPO, RLOO, PPO): rollout (HF generate of the whole generation batch), log-probs
+    (old policy, reference when beta > 0, the critic's values), the policy's training step, and for PPO the
+    critic's."""
     batch = rl.per_device_train_batch_size
     core = estimate(spec, training_setup(rl, hardware, batch), hardware)
-    static, overhead, rollout = _static(core, rl), _overhead(core), _rollout_buffers(rl, rl.generation_batch)
-    models = ("policy", "reference") if rl.has_reference_model else ("policy",)
+    # the critic is a full model (verl / OpenRLHF train it whole even beside a LoRA actor)
+    critic_core = estimate(spec, training_setup(rl.replace(lora=False), hardware, batch), hardware) \
+        if rl.lora and rl.has_critic else core
+    resident = Resident(spec, rl, core, critic_core)
+    overhead, rollout = _overhead(core), _rollout_buffers(rl, rl.generation_batch)
+    models = resident.models("all")
     phases = []
     if not rl.use_vllm:
         gen = hf_generate_terms(spec, rl.generation_batch, rl.max_prompt_length, rl.max_completion_length,
                                 _dtype_bytes(rl))
-        phases.append(Phase("generation", tuple(static + gen + overhead), models,
+        phases.append(Phase("generation", tuple(resident.terms("generation") + gen + overhead), models,
                             f"HF generate: {rl.generation_batch} completions x {rl.seq_len} tokens"))
     # grpo_trainer.py `_generate_and_score_completions`: old-policy log-probs when gradient_accumulation_steps is
-    # not a multiple of steps_per_generation x num_iterations, or always with vLLM (importance-sampling correction)
+    # not a multiple of steps_per_generation x num_iterations, or always with vLLM (importance-sampling correction);
+    # RLOO always (rloo_trainer.py: old_per_token_logps under no_grad); PPO always (old log-probs and values)
     generate_every = (rl.steps_per_generation or rl.gradient_accumulation_steps) * rl.num_iterations
-    old_policy = rl.gradient_accumulation_steps % generate_every != 0 or rl.use_vllm
-    if rl.needs_reference_logprobs or old_policy:
+    old_policy = rl.gradient_accumulation_steps % generate_every != 0 or rl.use_vllm or rl.trainer != "grpo"
+    if rl.needs_reference_logprobs or old_policy or rl.has_critic:
         forward = _no_grad_forward(spec, rl, batch)
         what = "reference" if rl.needs_reference_logprobs else "old policy"
-        phases.append(Phase("log-probs", tuple(static + rollout + forward + overhead), models,
-                            f"{what} log-probs, no grad, {batch} sequences at a time"))
-    head_point = (_pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _saved_activations(spec, rl, core, batch)
-                  + _head_backward(spec, rl, batch) + logprobs.rl_loss_terms(
-                      batch, rl.max_completion_length, trainer="grpo", with_reference=rl.needs_reference_logprobs))
-    train = _training(core, head_point, _reference_weights(core, rl) + rollout) + overhead
+        phases.append(Phase("log-probs", tuple(resident.terms("log-probs") + rollout + forward + overhead), models,
+                            f"{what} log-probs{', values' if rl.has_critic else ''}, no grad, {batch} sequences "
+                            "at a time"))
+    own = resident.terms("training")
+    others = [t for t in own if t not in resident.params and t not in resident.optimizer]
+    head_point = (resident.params + resident.optimizer + _saved_activations(spec, rl, core, batch)
+                  + _head_backward(spec, rl, batch)
+                  + logprobs.rl_loss_terms(batch, rl.max_completion_length, trainer=rl.trainer,
+                                           with_reference=rl.needs_reference_logprobs))
+    train = _training(core, head_point, others + rollout) + overhead
     phases.append(Phase("training", tuple(train), models, f"policy forward + backward, {batch} completions"))
+    if rl.has_critic:
+        critic = _critic_training(spec, rl, critic_core, resident)
+        phases.append(Phase("critic", tuple(critic + rollout + overhead),
+                            models, f"critic (value model) forward + backward, {batch} sequences"))
     return phases, core
+
+
+def _critic_training(spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, resident: Resident) -> list[Term]:
+    """The critic's update: the core's step on the same backbone (its peak terms, parameters / gradients /
+    optimizer scaled to the value model's size; its activations the policy's, the score head's [B, T, 1] output
+    instead of logits, which Loss.FUSED already leaves out), beside the other models' resident state."""
+    fraction = critic_fraction(spec)
+    own = [t for t in core.terms if t.category is not Category.OVERHEAD and t.name not in CE_LOSS_TERMS]
+    rename = {Category.PARAMETERS: TermKey.CRITIC, Category.OPTIMIZER: TermKey.CRITIC_OPTIMIZER}
+    scaled = [t for t in own if t.category not in (Category.PARAMETERS, Category.OPTIMIZER, Category.GRADIENTS)]
+    scaled += _scaled([t for t in own if t.category in (Category.PARAMETERS, Category.OPTIMIZER,
+                                                        Category.GRADIENTS)], fraction, rename)
+    others = [t for t in resident.terms("critic") if t not in resident.critic_params
+              and t not in resident.critic_optimizer]
+    values = logprobs.rl_loss_terms(rl.per_device_train_batch_size, rl.max_completion_length, trainer="critic",
+                                    with_reference=False)
+    return scaled + others + values
 
 
 def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[Phase], MemoryEstimate]:
@@ -163,7 +252,8 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
     compute_loss after the policy's forward (dpo_trainer.py `_compute_loss`), so the policy's saved activations are
     alive under them; precomputed ones run once before training (`_precompute_ref_logps`), with no optimizer state
     yet, and then the full reference model is freed (non-LoRA, non-FSDP)."""
-    rows = 2 * rl.per_device_train_batch_size
+    kto = rl.trainer == "kto"
+    rows = rl.per_device_train_batch_size if kto else 2 * rl.per_device_train_batch_size
     core = estimate(spec, training_setup(rl, hardware, rows), hardware)
     params = _pick(core, Category.PARAMETERS)
     static, overhead = _static(core, rl), _overhead(core)
@@ -171,8 +261,14 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
     activations = _saved_activations(spec, rl, core, rows) + logprobs.rl_loss_terms(
         rows, rl.max_completion_length, trainer="dpo", with_reference=True)
     phases = []
+    if kto:
+        # kto_trainer.py `_compute_kl_logps`: the policy's log-probs of the mismatched KL rows, no grad, before its
+        # own forward with grad: nothing of the step is alive yet
+        phases.append(Phase("kl", tuple(static + _no_grad_forward(spec, rl, rows) + overhead),
+                            ("policy", "reference") if rl.has_reference_model else ("policy",),
+                            f"KTO's KL rows through the policy, no grad, {rows} rows"))
     if rl.precompute_ref_log_probs:
-        pre_rows = 2 * (rl.precompute_ref_batch_size or rl.per_device_train_batch_size)
+        pre_rows = (1 if kto else 2) * (rl.precompute_ref_batch_size or rl.per_device_train_batch_size)
         ref = [] if rl.lora else [term(TermKey.REFERENCE, Category.PARAMETERS, sum(
             t.num_bytes for t in params), "the reference model, loaded for the precompute", DPO)]
         phases.append(Phase("precompute", tuple(params + ref + _no_grad_forward(spec, rl, pre_rows) + overhead),
@@ -190,13 +286,13 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
 
 
 def estimate_rl(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> RLEstimate:
-    if rl.trainer == "grpo":
+    if rl.online:
         phases, core = grpo_phases(spec, rl, hardware)
     else:
         phases, core = dpo_phases(spec, rl, hardware)
     advice = None
     notes = []
-    if rl.trainer == "grpo" and rl.use_vllm:
+    if rl.online and rl.use_vllm:
         trainer_phases = phases
         phases, advice = _with_vllm(spec, rl, hardware, trainer_phases, core, margin)
         if advice.recommended is None and rl.vllm_mode == "colocate" and not rl.vllm_enable_sleep_mode:
@@ -216,8 +312,9 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
     has GPUs of its own; the trainer's GPUs carry no rollout."""
     total = hardware.gpu.memory_bytes
     tp = rl.vllm_tensor_parallel_size
-    weights = sum(t.num_bytes for t in core.terms if t.category is Category.PARAMETERS) // tp
-    weights = weights if rl.bf16 else weights // 2  # vLLM serves in the checkpoint's dtype (bf16 here)
+    # the engine's own whole copy of the weights in the checkpoint's dtype (bf16 here), split only by its TP: the
+    # trainer's ZeRO-3 / FSDP shards do not shard it; a LoRA policy's adapters are merged into it before loading
+    weights = spec.num_params * 2 // tp
     seqs = rl.vllm_max_num_seqs or default_max_num_seqs(total, hardware.gpu.name)
     budget = vllm_budget(spec, total=total, utilization=rl.vllm_gpu_memory_utilization, weights=weights,
                          max_num_seqs=seqs, tp=tp, kv_cache_dtype=rl.vllm_kv_cache_dtype,
@@ -228,7 +325,9 @@ def _with_vllm(spec: ModelSpec, rl: RLSetup, hardware: Hardware, phases: list[Ph
         return phases, _advice(budget, (usable - budget.cuda_graphs) / total, needed, total, rl.seq_len)
     sleep = 2 if rl.vllm_enable_sleep_mode else 0
     resident = vllm_terms(budget, generating=False, sleep_level=sleep)
-    static = [t for t in phases[-1].terms if t.category in (Category.PARAMETERS, Category.OPTIMIZER)]
+    critic_core = estimate(spec, training_setup(rl.replace(lora=False), hardware, rl.per_device_train_batch_size),
+                           hardware) if rl.lora and rl.has_critic else core
+    static = Resident(spec, rl, core, critic_core).terms("generation", vllm=True)  # the trainer's, in the rollout
     overhead = [t for t in phases[-1].terms if t.category is Category.OVERHEAD]
     gen = Phase("generation", tuple(static + vllm_terms(budget, generating=True, sleep_level=sleep) + overhead),
                 phases[-1].models + ("vllm",), f"vLLM colocated: {rl.generation_batch} completions")

@@ -4,6 +4,7 @@ TRL settings to paste."""
 from __future__ import annotations
 
 from ..units import format_bytes
+from .ladder import RLPlan
 from .workload import RLEstimate
 
 BAR_WIDTH = 40
@@ -16,7 +17,8 @@ def _bar(total: int, scale: int, fits: bool) -> str:
     return f"[{colour}]" + "█" * min(filled, BAR_WIDTH) + "[/]" + "·" * max(0, BAR_WIDTH - filled)
 
 
-def rl_report(out, result: RLEstimate, *, verbose: bool = False) -> None:
+def rl_report(out, result: RLEstimate, *, verbose: bool = False, framework: str = "trl",
+              read: tuple[str, ...] = ()) -> None:
     rl = result.setup
     out.print(f"[bold]memfit rl[/bold] {result.model} · {rl.trainer.upper()} · {result.gpu} "
               f"({format_bytes(result.gpu_memory_bytes)})")
@@ -40,9 +42,14 @@ def rl_report(out, result: RLEstimate, *, verbose: bool = False) -> None:
               f"{format_bytes(result.gpu_memory_bytes)}: {verdict} (phases do not coexist, so they are not summed)")
     if result.vllm is not None:
         _vllm(out, result)
-    out.print("\n[bold]TRL settings[/bold]")
-    for line in settings_lines(result):
-        out.print(f"  {line}")
+    if framework == "trl":
+        out.print("\n[bold]TRL settings[/bold]")
+        for line in settings_lines(result):
+            out.print(f"  {line}")
+    if read and verbose:
+        out.print(f"\n[bold]read from the {framework} config[/bold]")
+        for line in read:
+            out.print(f"  [dim]{line}[/dim]")
     for note in result.to_dict()["notes"]:
         out.print(f"[dim]note: {note}[/dim]")
 
@@ -70,11 +77,11 @@ def settings_lines(result: RLEstimate) -> list[str]:
     lines = [f"per_device_train_batch_size: {rl.per_device_train_batch_size}",
              f"gradient_accumulation_steps: {rl.gradient_accumulation_steps}",
              f"max_prompt_length: {rl.max_prompt_length}",
-             f"max_completion_length: {rl.max_completion_length}" if rl.trainer == "grpo"
+             f"max_completion_length: {rl.max_completion_length}" if rl.online
              else f"max_length: {rl.seq_len}",
              f"gradient_checkpointing: {str(rl.gradient_checkpointing).lower()}",
              f"bf16: {str(rl.bf16).lower()}", f"beta: {rl.beta:g}"]
-    if rl.trainer == "grpo":
+    if rl.online:
         lines.insert(1, f"num_generations: {rl.num_generations}")
         lines.append(f"use_vllm: {str(rl.use_vllm).lower()}")
         if rl.use_vllm:
@@ -87,3 +94,40 @@ def settings_lines(result: RLEstimate) -> list[str]:
     if rl.lora:
         lines += ["use_peft: true", f"lora_r: {rl.lora_rank}"]
     return lines
+
+
+def settings_block(settings: dict, framework: str) -> list[str]:
+    """The plan's settings as the framework takes them: YAML lines (TRL), Hydra overrides (verl), arguments
+    (OpenRLHF)."""
+    lines = []
+    for key, value in settings.items():
+        if key.startswith("#"):
+            lines.append(f"# {value}" if key == "#" else f"# {key[2:]}: {value}")
+            continue
+        shown = str(value).lower() if isinstance(value, bool) else f"{value:.2f}" if isinstance(value, float) \
+            else str(value)
+        if framework == "verl":
+            lines.append(f"{key}={shown}")
+        elif framework == "openrlhf":
+            lines.append(key if value is True else f"# drop {key}" if value is False else f"{key} {shown}")
+        else:
+            lines.append(f"{key}: {shown}")
+    return lines
+
+
+def rl_plan_report(out, plan: RLPlan, framework: str) -> None:
+    """The ladder: each rung taken with the peak after it, then the settings to paste."""
+    start = plan.start
+    out.print(f"\n[bold]plan[/bold] (cheapest first, every phase re-estimated after each step): start "
+              f"{start.peak.name} {format_bytes(start.peak.total_bytes)}")
+    for number, rung in enumerate(plan.rungs, 1):
+        est = rung.estimate
+        mark = "[green]fits[/green]" if est.fits else "[red]over[/red]"
+        out.print(f"  {number}. {rung.title}: {rung.why} -> peak {est.peak.name} "
+                  f"{format_bytes(est.peak.total_bytes)} on {rung.gpus} GPU{'s' if rung.gpus > 1 else ''} {mark}")
+    if not plan.fits:
+        out.print("[red]no rung left: it does not fit[/red]")
+    if plan.settings:
+        out.print(f"\n[bold]{framework} settings that make it fit[/bold]")
+        for line in settings_block(plan.settings, framework):
+            out.print(f"  {line}")

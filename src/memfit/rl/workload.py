@@ -11,10 +11,16 @@ from dataclasses import dataclass, field, replace
 
 from ..estimate.result import Category, Term
 
-TRAINERS = ("grpo", "dpo")
+TRAINERS = ("grpo", "rloo", "ppo", "dpo", "kto")
+ONLINE = ("grpo", "rloo", "ppo")
+"""Trainers that generate their rollouts; the others (DPO, KTO) train on a fixed preference dataset."""
+DEFAULT_BETA = {"grpo": 0.0, "rloo": 0.05, "ppo": 0.05, "dpo": 0.1, "kto": 0.1}
+"""The KL / preference weight each trainer's config defaults to (trl 1.16 grpo_config.py, rloo_config.py,
+dpo_config.py, kto_config.py; PPO: TRL 0.x PPOConfig kl_coef 0.05)."""
 VLLM_MODES = ("colocate", "server")
 KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16", "half", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 """vLLM CacheConfig.cache_dtype values memfit sizes (vllm/config/cache.py CacheDType)."""
+SHARDINGS = ("none", "zero1", "zero2", "zero3")
 LOGPROB_HEADS = ("fused", "selective", "full")
 """How the per-token log-probs are taken from the LM head: 'fused' is TRL 1.x's `add_fused_lm_head` (tiles of the
 head's output, never the B x T x V logits: trl/trainer/utils.py, trl/kernels/chunked_logprob.py); 'selective' is
@@ -57,6 +63,27 @@ class RLSetup:
     logprob_head: str = "fused"
     triton: bool = True
     """Whether TRL's fused head runs its Triton kernels (a CUDA/XPU device) or the torch fallback (CPU)."""
+    critic: bool | None = None
+    """A value model trained beside the policy (PPO's critic, verl `critic.*`, adv_estimator 'gae'); None: PPO
+    only."""
+    reward_model: bool = False
+    """A reward model's weights on the trainer's GPUs (verl reward_model.enable, OpenRLHF --reward_pretrain); TRL's
+    GRPO / RLOO here score with functions."""
+    sharding: str = "none"
+    """How the trainer's state is split over the GPUs: 'none' (DDP), 'zero2', 'zero3' (= FSDP full shard: verl's
+    FSDP workers, OpenRLHF --zero_stage 3)."""
+    engine: str = "deepspeed"
+    """Who shards the trainer's state: 'deepspeed' (OpenRLHF, TRL with accelerate's DeepSpeed) or 'torch' (FSDP:
+    verl's FSDP workers)."""
+    param_offload: bool = False
+    """verl fsdp_config.param_offload: the trainer's parameters leave the GPU outside the phases that compute with
+    them (the rollout with vLLM, the other model's update)."""
+    optimizer_offload: bool = False
+    """verl fsdp_config.optimizer_offload / OpenRLHF --adam_offload: the optimizer state is on the GPU only for its
+    model's update (verl loads it before `update_actor` and offloads it after)."""
+    ref_offload: bool = False
+    """verl ref.fsdp_config.param_offload / OpenRLHF --ref_reward_offload: the reference (and reward) weights
+    leave the GPU outside the log-probs phase."""
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -65,6 +92,8 @@ class RLSetup:
                   (self.logprob_head in LOGPROB_HEADS, f"logprob head must be one of {', '.join(LOGPROB_HEADS)}"),
                   (0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization must be in (0, 1]"),
                   (self.beta >= 0.0, f"beta must be >= 0, got {self.beta:g}"),
+                  (self.sharding in SHARDINGS, f"sharding must be one of {', '.join(SHARDINGS)}"),
+                  (self.engine in ("deepspeed", "torch"), "engine must be deepspeed or torch"),
                   (self.vllm_kv_cache_dtype in KV_CACHE_DTYPES,
                    f"vllm_kv_cache_dtype must be one of {', '.join(str(d) for d in KV_CACHE_DTYPES[1:])}"))
         for ok, message in checks:
@@ -97,13 +126,21 @@ class RLSetup:
         policy, whose reference is the base with the adapters disabled (trl `use_adapter(model, None)`)."""
         if self.lora:
             return False
-        if self.trainer == "grpo":
+        if self.trainer in ONLINE:
             return self.beta > 0.0
         return not self.precompute_ref_log_probs
 
     @property
     def needs_reference_logprobs(self) -> bool:
-        return self.beta > 0.0 if self.trainer == "grpo" else True
+        return self.beta > 0.0 if self.trainer in ONLINE else True
+
+    @property
+    def online(self) -> bool:
+        return self.trainer in ONLINE
+
+    @property
+    def has_critic(self) -> bool:
+        return self.trainer == "ppo" if self.critic is None else self.critic
 
 
 @dataclass(frozen=True)

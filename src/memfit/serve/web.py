@@ -3,7 +3,7 @@
 Routes: `/` the page, `/static/...` its script and style and plotly.js (from the installed plotly package: the
 page loads nothing from elsewhere, and its Content-Security-Policy says so), `/api/options` the form's fields,
 `/api/plan` (POST {field: value} as application/json) one plan, or 400 {"error": the CLI's one-line message,
-"field": which input}. What a request must be (Host, origin, content type, size) is checked before it is read:
+"field": which input}; `/api/rl` (POST {"args": [memfit rl's arguments]}) an RL step's phase bars (memfit.serve.rl). What a request must be (Host, origin, content type, size) is checked before it is read:
 RequestGuard and `_plan`; a refusal is a 4xx with one line, never a 5xx.
 """
 
@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import core
+from . import rl as rl_page
 from ..errors import ConfigError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -141,6 +142,36 @@ async def _plan(request: Request) -> Response:
     return Response(answer, media_type="application/json", headers=_headers())
 
 
+async def _rl(request: Request) -> Response:
+    """The RL phase bars (memfit.serve.rl): {"args": [memfit rl's arguments]} -> its estimate, figure and line."""
+    if _media_type(request.headers.get("content-type", "")) != "application/json":
+        return _error("send {\"args\": [...]} as JSON (Content-Type: application/json)", status=415)
+    try:
+        body = await _body(request)
+    except _TooLarge:
+        response = _error(f"the request is over {MAX_BODY_BYTES // 1024} KiB", status=413)
+        response.headers["Connection"] = "close"
+        return response
+    except ClientDisconnect:
+        return _error("the request ended before its body did")
+    except ValueError as error:
+        return _error(str(error))
+    values = _json_object(body)
+    args = values.get("args") if values is not None else None
+    if not isinstance(args, list):
+        return _error("send a JSON object {\"args\": [...]}: memfit rl's arguments, e.g. [\"qwen2.5-7b\", "
+                      "\"--trainer\", \"grpo\", \"--vllm\"]")
+    try:
+        answer = await run_in_threadpool(rl_page.rl_for, args)
+    except core.InputError as error:
+        return _error(error.message, error.field)
+    except Exception as error:  # a bug, not the caller's mistake
+        line = f"{type(error).__name__}: {core._one_line(error)[:300]}"
+        log.error("memfit serve: /api/rl failed on %s: %s", core._one_line(json.dumps(args))[:300], line)
+        return _error(f"memfit failed on these arguments ({line}); please report it", status=500)
+    return JSONResponse(answer, headers=_headers())
+
+
 def _media_type(content_type: str) -> str:
     return content_type.split(";", 1)[0].strip().lower()
 
@@ -241,7 +272,7 @@ def create_app(*, allowed_hosts: Sequence[str] | None = None, workers: Workers |
     where plans are computed (default: in this process, on the server's threads)."""
     middleware = [Middleware(RequestGuard, allowed_hosts=allowed_hosts)]
     routes = [Route("/", _index), Route("/static/{name}", _static), Route("/api/options", _options),
-              Route("/api/plan", _plan, methods=["POST"])]
+              Route("/api/plan", _plan, methods=["POST"]), Route("/api/rl", _rl, methods=["POST"])]
     app = Starlette(routes=routes, middleware=middleware)
     app.state.answers = core.Answers(workers or _encoded_plan)
     return app

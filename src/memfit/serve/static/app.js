@@ -210,5 +210,34 @@
     schedule(0);
   }
 
+  // RL phase bars: the arguments of `memfit rl`, split on spaces, posted to /api/rl
+  async function sizeRl(event) {
+    if (event) event.preventDefault();
+    const args = $("rl-args").value.trim().split(/\s+/).filter((word) => word);
+    $("rl-error").hidden = true;
+    try {
+      const reply = await fetch("/api/rl", {method: "POST", headers: {"Content-Type": "application/json"},
+                                            body: JSON.stringify({args})});
+      const data = await reply.json();
+      if (!reply.ok) {
+        $("rl-error").textContent = data.error;
+        $("rl-error").hidden = false;
+        return;
+      }
+      const est = data.estimate;
+      const gib = (bytes) => (bytes / 2 ** 30).toFixed(2);
+      $("rl-verdict").textContent = `peak: ${est.peak_phase} ${gib(est.peak_bytes)} GiB of ` +
+        `${gib(est.gpu_memory_bytes)} GiB: ${est.fits ? "fits" : "does not fit"}` +
+        (est.vllm && est.vllm.recommended ? `; vllm_gpu_memory_utilization ${est.vllm.recommended.toFixed(2)}` : "");
+      if (window.Plotly) window.Plotly.react("rl-phases", data.figure.data, data.figure.layout, PLOT_CONFIG);
+    } catch (error) {
+      $("rl-error").textContent = "cannot size it: " + error.message;
+      $("rl-error").hidden = false;
+    } finally {
+      document.body.dataset.rlUpdates = String(Number(document.body.dataset.rlUpdates || 0) + 1);
+    }
+  }
+
+  $("rl-form").addEventListener("submit", sizeRl);
   start();
 })();
