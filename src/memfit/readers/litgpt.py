@@ -188,12 +188,16 @@ def _lora(read: Reader, data: Mapping, model_type: str, quantize: Any, parts: Lo
             check(data[key], key)
         else:
             parts.default(part, default, "finetune_lora's default")
+    key = "lora_r" if "lora_r" in data else "lora_query"
     if quantize is None:
-        parts.add("recipe", LoraRecipe.TORCHTUNE, "lora_r" if "lora_r" in data else "lora_query",
-                  data.get("lora_r", data.get("lora_query")),
-                  "LitGPT's LoRALinear: adapters in the model's dtype, nothing upcast (memfit's torchtune recipe)")
-        return parts.finish(Method.LORA, "lora_r" if "lora_r" in data else "lora_query",
-                            data.get("lora_r", data.get("lora_query")))
+        precision = canonical(data.get("precision")) or "bf16-mixed"
+        if precision.endswith("-true") and precision != "32-true":
+            parts.add("recipe", LoraRecipe.TORCHTUNE, key, data.get(key), "LitGPT's LoRALinear: adapters in the "
+                      "model's dtype, nothing upcast (memfit's torchtune recipe)")
+        else:  # the module stays fp32 (Lightning converts nothing): an fp32 base and fp32 adapters under autocast
+            parts.add("base", BaseWeights.FP32, "precision", data.get("precision"),
+                      "Lightning leaves the module in fp32: the frozen base and the adapters fp32")
+        return parts.finish(Method.LORA, key, data.get(key))
     spelled = str(quantize).strip().lower()
     if spelled not in QUANTIZE:
         parts.refuse("quantize", quantize, f"LitGPT's --quantize takes {', '.join(QUANTIZE)}")
