@@ -116,7 +116,6 @@ def map_litgpt(read: Reader, data: dict, ctx: Any) -> None:
                  ("finetune_lora's parallelize_fn wraps each block in checkpoint_wrapper" if lora else
                   "finetune_full's FSDPStrategy(activation_checkpointing_policy={Block}); FSDP1 FULL_SHARD, "
                   "sized as FSDP2"))
-    _finish(read, data)
 
 
 def _world(read: Reader, data: Mapping) -> int | None:
@@ -271,9 +270,3 @@ def _train(read: Reader, data: Mapping, world: int | None) -> None:
                      "LitGPT pads each batch to its longest sample: the longest a batch can be")
         else:
             read.unmappable("seq_len", "max_seq_length", length, "not a positive whole number")
-
-
-def _finish(read: Reader, data: Mapping) -> None:
-    from .formats import finish  # formats imports this module to register it
-
-    finish(read, data, TABLE)
