@@ -89,3 +89,44 @@ def test_the_lightning_callback_reads_bf16_true_as_pure_bf16():
     Trainer.precision = "transformer-engine"
     read = setup_from_lightning(Trainer())
     assert "precision" not in read.fields and any("transformer-engine" in text for text in read.ignored)
+
+
+# ------------------------------------------------------------------------------------------- LightningCLI configs
+
+def _cli(tmp_path, trainer: dict):
+    import yaml
+
+    from memfit.readers import read_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"seed_everything": 0, "trainer": trainer,
+                                    "model": {"class_path": "my.Module", "init_args": {"lr": 1e-3}}}))
+    return read_config(str(path))
+
+
+def test_the_deepspeed_strategy_names_are_lightnings_own():
+    pytest.importorskip("lightning")
+    import inspect
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+
+    from memfit.readers.lightning import _DEEPSPEED
+
+    default_stage = inspect.signature(DeepSpeedStrategy).parameters["stage"].default
+    for name, (stage, offload) in _DEEPSPEED.items():
+        params = StrategyRegistry[name]["init_params"]
+        assert (params.get("stage", default_stage), bool(params.get("offload_optimizer"))) == (stage, offload)
+
+
+def test_a_lightning_cli_config_reads_its_trainer_block(tmp_path):
+    o = _cli(tmp_path, {"devices": 4, "strategy": "deepspeed_stage_3", "precision": "bf16-mixed",
+                        "accumulate_grad_batches": 2, "max_epochs": 3}).overrides
+    # DeepSpeedPrecision turns bf16-mixed into DeepSpeed's bf16: bf16 weights, fp32 master copy
+    assert (o["num_gpus"], o["sharding"].value, o["precision"], o["grad_accum_steps"]) == (
+        4, "zero3", Precision.BF16_MASTER, 2)
+    o = _cli(tmp_path, {"devices": 2, "strategy": "fsdp", "precision": "bf16-true"}).overrides
+    assert (o["sharding"].value, o["precision"]) == ("zero3", Precision.BF16)
+    o = _cli(tmp_path, {"precision": "16-mixed"}).overrides
+    assert o["precision"] is Precision.AMP_FP16
+    with pytest.raises(ConfigError, match="transformer-engine"):
+        _cli(tmp_path, {"precision": "transformer-engine"})

@@ -24,6 +24,7 @@ FORMATS = {
     "peft": "peft LoraConfig (adapter_config.json / peft.json)",
     "memfit_apply": "memfit_apply.json (memfit.apply_)",
     "litgpt": "LitGPT finetune config",
+    "lightning_cli": "LightningCLI config (trainer: block)",
 }
 """Format key -> what it is called in messages."""
 
@@ -50,6 +51,8 @@ _LITGPT = frozenset({"checkpoint_dir", "out_dir", "precision", "quantize", "devi
 """litgpt finetune_lora / finetune_full setup() arguments (litgpt 0.5.13): memfit.readers.litgpt."""
 _LITGPT_OWN = frozenset({"quantize", "lora_r", "lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp",
                          "lora_head"})
+_LIGHTNING_CLI = frozenset({"trainer", "model", "data", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path"})
+"""A LightningCLI config's top-level keys (lightning/pytorch/cli.py: the subcommand's arguments)."""
 _FROM_PRETRAINED = frozenset({"attn_implementation", "dtype", "torch_dtype", "quantization_config"})
 _FROM_PRETRAINED_ALL = _FROM_PRETRAINED | {"use_cache", "low_cpu_mem_usage", "device_map", "trust_remote_code",
                                            "revision", "quantization_config", "use_safetensors", "variant"}
@@ -199,6 +202,8 @@ def detect_format(data: Mapping) -> str | None:
         return "peft"
     if "checkpoint_dir" in keys and keys <= _LITGPT and (keys & _LITGPT_OWN or isinstance(data.get("train"), Mapping)):
         return "litgpt"
+    if isinstance(data.get("trainer"), Mapping) and keys <= _LIGHTNING_CLI:
+        return "lightning_cli"
     if keys & _ACCELERATE:
         return "accelerate"
     if keys & _DEEPSPEED or isinstance(data.get("bf16"), Mapping) or isinstance(data.get("fp16"), Mapping):
