@@ -25,6 +25,7 @@ from .plan import Plan, PlanStep
 from .readers._reader import ReadSetup, Reader as _Reader, _get, _positive, _value
 from .readers.hf import deepspeed_config as _deepspeed_config
 from .readers.hf import read_mixed_precision, read_sharding as _read_sharding, read_training_args
+from .readers.lightning import read_lightning_precision
 from .setup import Attention, Checkpointing, TrainingSetup
 from .units import format_bytes
 
@@ -369,23 +370,12 @@ def _callback_class() -> type:
 
 # ---------------------------------------------------------------------------------------- the Lightning callback
 
-_LIGHTNING_PRECISION = {"32": "no", "32-true": "no", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "no",
-                        "16-true": "no", "64-true": None, "transformer-engine": None}
-"""Lightning's `Trainer(precision=...)` in accelerate's words (memfit.readers.hf.read_mixed_precision); '*-true'
-keeps the weights' own dtype, which the model says."""
-
-
 def setup_from_lightning(trainer: Any, model: Any = None) -> ReadSetup:
     """The TrainingSetup fields a lightning Trainer sets: precision, accumulation, devices x nodes, the DeepSpeed /
     FSDP strategy."""
     read = _Reader()
-    precision = str(getattr(trainer, "precision", "32-true"))
-    mapped = _LIGHTNING_PRECISION.get(precision, "")
-    if mapped is None or mapped == "":
-        read.unmappable("precision", "Trainer.precision", precision,
-                        "memfit sizes 32-true, bf16-mixed, 16-mixed and bf16-true", fallback="not sized")
-    else:
-        read_mixed_precision(read, mapped, _param_dtype(model), key="Trainer.precision")
+    # memfit.readers.lightning: the plugin's effect on the module (bf16-true: module.to(bf16), AdamW states bf16)
+    read_lightning_precision(read, getattr(trainer, "precision", "32-true"), "Trainer.precision", _param_dtype(model))
     accum = _positive(getattr(trainer, "accumulate_grad_batches", 1))
     if accum:
         read.set("grad_accum_steps", accum, f"accumulate_grad_batches={accum}")

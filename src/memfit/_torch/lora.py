@@ -113,6 +113,33 @@ def _all_linear(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+def unpacked_linears(model: nn.Module) -> list[nn.Module]:
+    """The nn.Linear modules (exactly that type) transformers' bitsandbytes loader leaves unpacked, and the adapters:
+    Bnb4BitHfQuantizer / Bnb8BitHfQuantizer `_process_model_before_weight_loading` (transformers 5.x) skip every
+    module `should_convert_module` matches against `get_keys_to_not_convert(model)` (tied weights, the output
+    embeddings, the last parameter's module) and the model's `_keep_in_fp32_modules` (T5's wo). A module peft wrapped
+    is matched by its own name (without `.base_layer`): the loader ran before the adapters. Not an HF model: only
+    its output head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip: list[str] | None = None
+    if hasattr(model, "all_tied_weights_keys"):
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        skip = list(get_keys_to_not_convert(model))
+        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+            skip += list(getattr(model, attr, None) or ())
+    out = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        adapter = ".lora_" in f".{name}"
+        own = name.replace(".base_layer", "")
+        if adapter or module is head or (skip is not None and not should_convert_module(own, skip)):
+            out.append(module)
+    return out
+
+
 def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, compute_dtype: torch.dtype,
                      quant_storage: torch.dtype = torch.uint8) -> int:
     """Replace every nn.Linear but the output head by its bitsandbytes quantized form, in place (what
@@ -122,12 +149,11 @@ def quantize_linears(model: nn.Module, base: BaseWeights, double_quant: bool, co
         import bitsandbytes as bnb
     except ImportError:
         raise ConfigError("a quantized base needs bitsandbytes: pip install bitsandbytes") from None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    adapters = {id(m) for name, m in model.named_modules() if ".lora_" in f".{name}" or name.startswith("lora_")}
+    kept = set(map(id, unpacked_linears(model)))
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child is head or id(child) in adapters:
+            if type(child) is not nn.Linear or id(child) in kept:
                 continue
             device = child.weight.device
             if _is_fake(child.weight):

@@ -80,6 +80,10 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     _check_targets(graph, adapted, targets)
     _check_rank(adapted, ft)
     compute = setup.precision.compute_dtype
+    if spec.derived is not None and not hasattr(spec.derived, "with_adapters"):
+        # a stacked model (memfit.derive.stacks: the encoder-decoders) has no traced adapter fits yet
+        raise ConfigError(f"{ft.method} on '{spec.name}' (an encoder-decoder, sized by its stacks' traced fits) is "
+                          "not sized by memfit yet: size a full fine-tune, or a decoder-only model")
     if spec.derived is not None and _traces_adapters(spec, setup):
         # a family sized by derived formulas: its fits are traced with these adapters on the copies (issue 20)
         spec = replace(spec, derived=spec.derived.with_adapters(Adapters.of(ft, compute, derive_targets(graph, ft))))
@@ -204,11 +208,19 @@ def _check_rank(graph, ft: Finetune) -> None:
 
 def _quantizable_weights(graph) -> dict[str, int]:
     """Weight tensor name -> output rows, for the Linears bitsandbytes quantizes: every nn.Linear but the output
-    head (transformers' bnb integration skips `get_keys_to_not_convert`, the output embeddings) and but a subclass
-    of it, which the loader leaves as it is (Linear.bnb_quantized)."""
+    head (transformers' bnb integration skips `get_keys_to_not_convert`, the output embeddings), but a subclass
+    of it, which the loader leaves as it is, and but a model's `_keep_in_fp32_modules` (Linear.bnb_quantized);
+    a biased classification head is packed (below)."""
     out = {}
     for path, node in _block_linears(graph):
         if node.bnb_quantized:
+            out[f"{path}.weight"] = node.out_features
+    for path, node, parents in walk(graph):
+        # a classifier with a bias is packed too: get_keys_to_not_convert (transformers 5 quantizers/base.py) keeps
+        # the output embeddings (a classifier has none) and "the last module", found as the last parameter's name
+        # with ".weight" removed: the classifier's bias names no module, so its Linear is converted (ViT, BERT)
+        if (isinstance(node, Linear) and node.bias and node.bnb_quantized and parents
+                and isinstance(parents[-1][0], ClassificationHead) and parents[-1][1] == "proj"):
             out[f"{path}.weight"] = node.out_features
     for path, node, parents in walk(graph):  # LoRA bases: <path>.base_layer
         if isinstance(node, LoraLinear) and node.base.bnb_quantized:

@@ -23,6 +23,8 @@ FORMATS = {
     "from_pretrained": "from_pretrained kwargs",
     "peft": "peft LoraConfig (adapter_config.json / peft.json)",
     "memfit_apply": "memfit_apply.json (memfit.apply_)",
+    "litgpt": "LitGPT finetune config",
+    "lightning_cli": "LightningCLI config (trainer: block)",
 }
 """Format key -> what it is called in messages."""
 
@@ -42,6 +44,15 @@ _TRAINING_ARGS = frozenset({
     "deepspeed", "fsdp", "fsdp_config", "logging_steps", "save_steps", "eval_strategy", "save_strategy",
     "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "report_to",
     "torch_compile", "per_device_eval_batch_size", "dataloader_num_workers", "tf32", "optim_args"})
+_LITGPT = frozenset({"checkpoint_dir", "out_dir", "precision", "quantize", "devices", "num_nodes", "lora_r",
+                     "lora_alpha", "lora_dropout", "lora_query", "lora_key", "lora_value", "lora_projection",
+                     "lora_mlp", "lora_head", "data", "train", "eval", "log", "optimizer", "logger_name", "seed",
+                     "resume", "access_token"})
+"""litgpt finetune_lora / finetune_full setup() arguments (litgpt 0.5.13): memfit.readers.litgpt."""
+_LITGPT_OWN = frozenset({"quantize", "lora_r", "lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp",
+                         "lora_head"})
+_LIGHTNING_CLI = frozenset({"trainer", "model", "data", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path"})
+"""A LightningCLI config's top-level keys (lightning/pytorch/cli.py: the subcommand's arguments)."""
 _FROM_PRETRAINED = frozenset({"attn_implementation", "dtype", "torch_dtype", "quantization_config"})
 _FROM_PRETRAINED_ALL = _FROM_PRETRAINED | {"use_cache", "low_cpu_mem_usage", "device_map", "trust_remote_code",
                                            "revision", "quantization_config", "use_safetensors", "variant"}
@@ -178,7 +189,8 @@ def _yaml_budget(yaml, text: str, shown: str) -> None:
 def detect_format(data: Mapping) -> str | None:
     """The config format its keys say (FORMATS), or None. Content decides, never the file name: a torchtune recipe
     has `_component_` entries, accelerate a distributed_type / compute_environment, DeepSpeed its batch / ZeRO keys or
-    bf16 / fp16 blocks, a peft LoraConfig its peft_type (memfit's peft.json a lora_config), LLaMA-Factory and
+    bf16 / fp16 blocks, a peft LoraConfig its peft_type (memfit's peft.json a lora_config), LitGPT a checkpoint_dir with its
+    LoRA flags / quantize / train block (and no key LitGPT's finetune scripts lack), LLaMA-Factory and
     axolotl their own keys (checked before TrainingArguments, whose keys they
     also carry), TrainingArguments its own field names, from_pretrained kwargs only loading keys."""
     keys = {str(k) for k in data}
@@ -188,6 +200,10 @@ def detect_format(data: Mapping) -> str | None:
         return "torchtune"
     if "peft_type" in keys or isinstance(data.get("lora_config"), Mapping):
         return "peft"
+    if "checkpoint_dir" in keys and keys <= _LITGPT and (keys & _LITGPT_OWN or isinstance(data.get("train"), Mapping)):
+        return "litgpt"
+    if isinstance(data.get("trainer"), Mapping) and keys <= _LIGHTNING_CLI:
+        return "lightning_cli"
     if keys & _ACCELERATE:
         return "accelerate"
     if keys & _DEEPSPEED or isinstance(data.get("bf16"), Mapping) or isinstance(data.get("fp16"), Mapping):

@@ -15,7 +15,7 @@ from ._reader import NOT_RELEVANT, NOT_SIZED, OFF, Reader, _positive, _value
 from .files import detect_format, display_path, flatten, load_mapping, resolve_reference
 from .hf import (OPTIMIZERS, PAGED, read_deepspeed_optimizer, read_fsdp, read_fsdp_plan, read_mixed_precision,
                  read_compile, read_precision, read_sharding, read_training_args, read_zero)
-from . import lora
+from . import lightning, litgpt, lora
 from .float8 import axolotl_float8, torchtune_float8
 from .memfit_apply import map_memfit_apply
 from ..techniques.base import FRAGMENTS
@@ -740,10 +740,23 @@ def map_peft(read: Reader, data: dict, ctx: Context) -> None:
     finish(read, data, {**lora.PEFT_TABLE, **{"lora_config." + k: v for k, v in lora.PEFT_TABLE.items()}})
 
 
+def map_litgpt(read: Reader, data: dict, ctx: Context) -> None:
+    """LitGPT's finetune_lora / finetune_full YAML (memfit.readers.litgpt)."""
+    litgpt.map_litgpt(read, data, ctx)
+    finish(read, data, litgpt.TABLE)
+
+
+def map_lightning_cli(read: Reader, data: dict, ctx: Context) -> None:
+    """A LightningCLI config's trainer block (memfit.readers.lightning)."""
+    lightning.map_lightning_cli(read, data, ctx)
+    finish(read, data, lightning.CLI_TABLE)
+
+
 MAPPERS: dict[str, Callable[[Reader, dict, Context], None]] = {
     "training_args": map_training_args, "deepspeed": map_deepspeed, "accelerate": map_accelerate,
     "axolotl": map_axolotl, "llamafactory": map_llamafactory, "torchtune": map_torchtune,
     "from_pretrained": map_from_pretrained, "peft": map_peft, "memfit_apply": map_memfit_apply,
+    "litgpt": map_litgpt, "lightning_cli": map_lightning_cli,
 }
 
 __all__ = ["ConfigFile", "Context", "MAPPERS", "load_dtype", "read_deepspeed_optimizer", "torchtune_model"]

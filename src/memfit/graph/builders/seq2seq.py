@@ -3,6 +3,8 @@ transformers 5: an encoder Stack over the source, a decoder Stack over the targe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..kinds.embedding import Embedding
 from ..kinds.heads import Seq2SeqLMHead
 from ..kinds.linear import Linear
@@ -27,9 +29,12 @@ def t5(c: Cfg, name: str) -> ModelGraph:
         act = "gelu_new"
 
     def ff(label: str) -> object:
-        if gated:
-            return gated_mlp(d, d_ff, act, names=("wi_0", "wi_1", "wo"), name=label)
-        return plain_mlp(d, d_ff, act, bias=False, names=("wi", "wo"), name=label)
+        # T5PreTrainedModel._keep_in_fp32_modules = ["wo"]: transformers' bitsandbytes quantizer passes it to
+        # modules_to_not_convert (quantizer_bnb_4bit.py / _8bit.py _process_model_before_weight_loading), so a 4-bit
+        # or 8-bit T5 keeps every wo unpacked, in the load dtype (fp32 only under fp16)
+        mlp = (gated_mlp(d, d_ff, act, names=("wi_0", "wi_1", "wo"), name=label) if gated else
+               plain_mlp(d, d_ff, act, bias=False, names=("wi", "wo"), name=label))
+        return replace(mlp, down=replace(mlp.down, bnb_quantized=False))
 
     drops = dropouts(residual=c.number("dropout_rate"))
 
