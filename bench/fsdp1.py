@@ -1,0 +1,157 @@
+"""FSDP1 (FullyShardedDataParallel, flat parameters) on real gloo ranks (CPU) vs memfit's formulas
+(memfit.estimate.fsdp1), and what memfit answered before it sized FSDP1 (FSDP2's per-parameter sharding).
+
+    OMP_NUM_THREADS=1 python bench/fsdp1.py            # run, print the table, a few minutes
+    OMP_NUM_THREADS=1 python bench/fsdp1.py --write    # and write bench/results/fsdp1.md
+    python bench/fsdp1.py --filter lora --keep /tmp/fsdp1.json   # only those setups; keep / reuse the measurements
+
+Each setup is run by tests/fsdp1_worker.py: the tiny Llama of tests/tiny_configs.py (full fine-tune, or peft LoRA
+on every Linear), wrapped by memfit._torch.fsdp1.wrap as accelerate / the HF Trainer (fsdp_version 1: peft's
+auto-wrap policy gives each adapter Linear a unit of its own) or Lightning / LitGPT (1-blocks: the blocks are the
+only units, use_orig_params=True) wrap it, AdamW, two steps under memfit._torch.rank_memory.PeakMeter. gloo frees
+some buffers on its own threads, which the profiler does not see: each rank's peak is an interval [peak - unseen,
+peak]; the error is the formula's distance to it (0 inside), per rank; the table gives the median and the worst
+over the setups. Offload rows (CPUOffload(offload_params=True)): on a CPU the host and the device are one memory,
+so their measured figure is the compute side, the last step's peak less each rank's flat-parameter shards, their
+gradient shards and the optimizer states, against memfit's device peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "src"))
+
+from tiny_configs import TINY_LLAMA  # noqa: E402
+
+from memfit.estimate.analytic import estimate  # noqa: E402
+from memfit.hardware import cpu_device, make_hardware  # noqa: E402
+from memfit.setup import TrainingSetup  # noqa: E402
+from memfit.sources import resolve_model  # noqa: E402
+
+LORA = {"method": "lora", "rank": 8, "alpha": 16, "targets": ["all-linear"]}
+
+
+def cases(ranks: int = 2) -> dict[str, tuple[dict, TrainingSetup]]:
+    out: dict[str, dict] = {}
+    for sharding in ("zero3", "zero2"):
+        for precision in ("fp32", "amp-bf16"):
+            for ckpt in ("none", "full"):
+                out[f"full-{sharding}-{precision}-ckpt_{ckpt}"] = dict(
+                    sharding=sharding, precision=precision, checkpointing=ckpt, fsdp_version="1")
+            for version in ("1", "1-blocks"):
+                out[f"lora-v{version}-{sharding}-{precision}"] = dict(
+                    sharding=sharding, precision=precision, checkpointing="none", fsdp_version=version, finetune=LORA)
+    out["lora-v1-blocks-zero3-amp-bf16-ckpt_full"] = dict(sharding="zero3", precision="amp-bf16", checkpointing="full",
+                                                          fsdp_version="1-blocks", finetune=LORA)
+    out["full-zero3-amp-bf16-offload"] = dict(sharding="zero3", precision="amp-bf16", checkpointing="none",
+                                              fsdp_version="1", offload="optimizer+params")
+    for version in ("1", "1-blocks"):
+        out[f"lora-v{version}-zero3-amp-bf16-offload"] = dict(
+            sharding="zero3", precision="amp-bf16", checkpointing="none", fsdp_version=version,
+            offload="optimizer+params", finetune=LORA)
+    return {name: (dict(TINY_LLAMA), TrainingSetup(micro_batch_size=2, seq_len=128, optimizer="adamw", engine="torch",
+                                                   num_gpus=ranks, **fields)) for name, fields in out.items()}
+
+
+def run_all(chosen: dict, ranks: int) -> dict[str, list[dict]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")])}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path, out = Path(tmp) / "config.json", Path(tmp) / "out"
+        config_path.write_text(json.dumps(dict(TINY_LLAMA)))
+        setups = {n: {k: v for k, v in s.to_dict().items() if k != "notes"} for n, (_, s) in chosen.items()}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                str(REPO / "tests" / "fsdp1_worker.py"), str(config_path), str(out), json.dumps(setups), "2"]
+        done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=3600)
+        if done.returncode:
+            raise SystemExit(done.stderr[-4000:])
+        for name in chosen:
+            results[name] = [json.loads((out / name / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return results
+
+
+def measured_interval(rank: dict, offloaded: bool) -> tuple[int, int]:
+    """[low, high] of a rank's peak; under CPU offload the compute side: the peak less the host-side tensors (the
+    flat-parameter shards, one gradient shard per trainable one, the optimizer states)."""
+    low, high = rank["peak_bytes"] - rank["unseen_at_peak_bytes"], rank["peak_bytes"]
+    if offloaded:
+        host = (sum(f["bytes"] for f in rank["flat"]) + sum(f["bytes"] for f in rank["flat"] if f["trainable"])
+                + rank["optimizer_bytes"])
+        low, high = low - host, high - host
+    return low, high
+
+
+def error(predicted: int, interval: tuple[int, int]) -> float:
+    low, high = interval
+    return 0.0 if low <= predicted <= high else (predicted - high) / high if predicted > high else (
+        predicted - low) / low
+
+
+def table(chosen: dict, results: dict, ranks: int) -> str:
+    hardware = make_hardware(cpu_device(64 * 1024**3), gpus_per_node=ranks)
+    lines = ["| setup | measured peak B (per rank) | memfit FSDP1 B | error | moment | memfit before (FSDP2) B | "
+             "error before |", "| --- | --- | ---: | ---: | --- | ---: | ---: |"]
+    errors, before_errors = [], []
+    for name, (config, setup) in chosen.items():
+        failed = [rank["error"] for rank in results[name] if "error" in rank]
+        if failed:
+            lines.append(f"| {name} | {failed[0]} | | | | | |")
+            continue
+        spec = resolve_model(config)
+        predicted = estimate(spec, setup, hardware)
+        before = estimate(spec, setup.replace(fsdp_version="2"), hardware)
+        offloaded = setup.offload.value != "none"
+        intervals = [measured_interval(rank, offloaded) for rank in results[name]]
+        worst = max((error(predicted.tensor_bytes, i) for i in intervals), key=abs)
+        worst_before = max((error(before.tensor_bytes, i) for i in intervals), key=abs)
+        errors.append(worst)
+        before_errors.append(worst_before)
+        spans = "; ".join(f"{low:,}" if low == high else f"{low:,}..{high:,}" for low, high in intervals)
+        lines.append(f"| {name} | {spans} | {predicted.tensor_bytes:,} | {100 * worst:+.2f}% | "
+                     f"{predicted.peak_phase.value} | {before.tensor_bytes:,} | {100 * worst_before:+.2f}% |")
+
+    def summary(values: list[float]) -> str:
+        return (f"median {100 * statistics.median(abs(e) for e in values):.2f}%, worst "
+                f"{100 * max(values, key=abs):+.2f}%, within 2%: {sum(abs(e) <= 0.02 for e in values)}/{len(values)}")
+
+    return (f"# FSDP1 (flat parameters): formulas vs real {ranks}-rank gloo steps (CPU)\n\nGenerated by "
+            f"`bench/fsdp1.py`. {len(errors)} setups on {ranks} gloo ranks (torch FullyShardedDataParallel wrapped "
+            "as accelerate / the HF Trainer (`v1`) or Lightning / LitGPT (`v1-blocks`) wrap it). memfit FSDP1: "
+            f"{summary(errors)}. Before (FSDP2's sizing): {summary(before_errors)}. Offload rows: the compute side "
+            "(the last step's peak less the flat shards, their gradient shards and the optimizer states, which "
+            "CPUOffload keeps on the host).\n\n" + "\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ranks = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 2
+    chosen = cases(ranks)
+    if "--filter" in sys.argv:
+        word = sys.argv[sys.argv.index("--filter") + 1]
+        chosen = {name: case for name, case in chosen.items() if word in name}
+    keep = Path(sys.argv[sys.argv.index("--keep") + 1]) if "--keep" in sys.argv else None
+    kept = json.loads(keep.read_text()) if keep is not None and keep.exists() else {}
+    missing = {name: case for name, case in chosen.items() if name not in kept}
+    if missing:
+        kept.update(run_all(missing, ranks))
+        if keep is not None:
+            keep.write_text(json.dumps(kept))
+    text = table(chosen, kept, ranks)
+    print(text)
+    if "--write" in sys.argv:
+        (HERE / "results" / "fsdp1.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
