@@ -13,7 +13,8 @@ its per-rank memory can be measured against memfit.estimate.fsdp1.
   the model in fp32 under bf16-mixed, so "1-blocks" upcasts the whole model first (one dtype per flat parameter);
 - offload: CPUOffload(offload_params=True) for optimizer+params;
 - limit_all_gathers=True (both frameworks' default), backward_prefetch BACKWARD_PRE (FSDP1's default),
-  sync_module_states off, use_orig_params False under "1" (accelerate's default), True under "1-blocks".
+  sync_module_states off, use_orig_params=True: the HF Trainer's default (transformers 5.x TrainingArguments
+  `fsdp_config.get("use_orig_params", "true")`), `accelerate config`'s suggested answer and Lightning's.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def wrap(model: nn.Module, setup: TrainingSetup) -> nn.Module:
                                       else ShardingStrategy.SHARD_GRAD_OP),
                    mixed_precision=MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low) if mixed else None,
                    cpu_offload=CPUOffload(offload_params=setup.offload is Offload.OPTIMIZER_AND_PARAMS),
-                   use_orig_params=lightning, limit_all_gathers=True, sync_module_states=False,
+                   use_orig_params=True, limit_all_gathers=True, sync_module_states=False,
                    device_id=torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu"))
     if mixed:
         for module in FSDP.fsdp_modules(wrapped):  # accelerate: trainable flat parameters held in fp32

@@ -92,6 +92,21 @@ def _storage_bytes(setup: TrainingSetup, t: ParamTensor, trainable: bool) -> int
     return t.nbytes // max(t.numel, 1) or setup.precision.param_bytes
 
 
+def mixes_frozen(setup: TrainingSetup) -> bool:
+    """A block's flat parameter holds its frozen base and its adapters (LoRA, blocks as the only units): every
+    weight of the block is a view that requires grad, so forward saves what the frozen weights' gradients need
+    (the norms' normalized inputs) and backward computes them (memfit.estimate.lora.adapted_layer)."""
+    return applies(setup) and setup.fsdp_version is FsdpVersion.V1_BLOCKS and setup.finetune.adapters
+
+
+def adapters_cast_input(setup: TrainingSetup) -> bool:
+    """peft's policy gives each adapter Linear a unit of its own: outside that unit's forward its weight is the
+    fp32 shard view (use_orig_params=True), so peft's lora.Linear casts x to fp32 (`_cast_input_dtype`) and the
+    adapter's autocast linear saves its own bf16 copy of x instead of sharing the base's (measured on gloo)."""
+    return (applies(setup) and setup.fsdp_version is FsdpVersion.V1 and setup.finetune.adapters
+            and mixed_precision(setup))
+
+
 def mixed_precision(setup: TrainingSetup) -> bool:
     """MixedPrecision(param_dtype=bf16 / fp16): amp-* and bf16-master, as accelerate and Lightning run them."""
     return setup.precision.is_autocast or setup.precision.master_weights
@@ -125,7 +140,7 @@ def units(spec: ModelSpec, setup: TrainingSetup) -> list[FlatUnit]:
             return
         sizes = [(t.numel, _storage_bytes(setup, t, trainable)) for t, trainable in tensors]
         storage = max(elem for _, elem in sizes)
-        out.append(FlatUnit(name, _aligned(sizes, orig), sum(t.numel for t, trainable in tensors if trainable), count,
+        out.append(FlatUnit(name, _aligned(sizes, True), sum(t.numel for t, trainable in tensors if trainable), count,
                             storage, low or storage, in_block))
 
     unit("root", root, 1, False)
@@ -187,14 +202,11 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full, static):
     params = sum(u.count * u.shard(n) * u.storage_bytes for u in trained)
     frozen = sum(u.count * u.shard(n) * u.storage_bytes for u in flat if not u.requires_grad)
     grads = params
-    if setup.fsdp_version is FsdpVersion.V1_BLOCKS and setup.optimizer.torch_adam:
-        # the optimizer sees the original parameters' views into the shard, in the flat parameter's dtype
+    if setup.optimizer.torch_adam:
+        # use_orig_params=True: the optimizer steps the original parameters' views into the shard (their elements
+        # in this rank's shard), in the flat parameter's dtype, and one `step` per trainable parameter
         elem = max(u.storage_bytes for u in trained) if trained else 4
         optimizer = 2 * elem * spec.num_params // n + 4 * sum(p.count for p in spec.params)
-    elif setup.fsdp_version is FsdpVersion.V1_BLOCKS:
-        optimizer = full.states_bytes // n
-    elif setup.optimizer.torch_adam:  # AdamW over the trainable flat parameters: padding and one `step` each
-        optimizer = sum(2 * u.count * u.shard(n) * u.storage_bytes + 4 * u.count for u in trained)
     else:
         optimizer = full.states_bytes // n
     block = [u for u in flat if u.in_block]
