@@ -42,42 +42,53 @@ LORA = {"method": "lora", "rank": 8, "alpha": 16, "targets": ["all-linear"]}
 
 
 def cases(ranks: int = 2) -> dict[str, tuple[dict, TrainingSetup]]:
-    out: dict[str, dict] = {}
+    out: dict[str, tuple[dict, dict]] = {}
+    big, small = dict(TINY_LLAMA), dict(TINY_LLAMA, vocab_size=64)  # small: the peak moves into the blocks
     for sharding in ("zero3", "zero2"):
         for precision in ("fp32", "amp-bf16"):
             for ckpt in ("none", "full"):
-                out[f"full-{sharding}-{precision}-ckpt_{ckpt}"] = dict(
-                    sharding=sharding, precision=precision, checkpointing=ckpt, fsdp_version="1")
+                out[f"full-{sharding}-{precision}-ckpt_{ckpt}"] = (big, dict(
+                    sharding=sharding, precision=precision, checkpointing=ckpt, fsdp_version="1"))
             for version in ("1", "1-blocks"):
-                out[f"lora-v{version}-{sharding}-{precision}"] = dict(
-                    sharding=sharding, precision=precision, checkpointing="none", fsdp_version=version, finetune=LORA)
-    out["lora-v1-blocks-zero3-amp-bf16-ckpt_full"] = dict(sharding="zero3", precision="amp-bf16", checkpointing="full",
-                                                          fsdp_version="1-blocks", finetune=LORA)
-    out["full-zero3-amp-bf16-offload"] = dict(sharding="zero3", precision="amp-bf16", checkpointing="none",
-                                              fsdp_version="1", offload="optimizer+params")
-    for version in ("1", "1-blocks"):
-        out[f"lora-v{version}-zero3-amp-bf16-offload"] = dict(
-            sharding="zero3", precision="amp-bf16", checkpointing="none", fsdp_version=version,
-            offload="optimizer+params", finetune=LORA)
-    return {name: (dict(TINY_LLAMA), TrainingSetup(micro_batch_size=2, seq_len=128, optimizer="adamw", engine="torch",
-                                                   num_gpus=ranks, **fields)) for name, fields in out.items()}
+                out[f"lora-v{version}-{sharding}-{precision}"] = (big, dict(
+                    sharding=sharding, precision=precision, checkpointing="none", fsdp_version=version,
+                    finetune=LORA))
+    out["lora-v1-blocks-zero3-amp-bf16-ckpt_full"] = (big, dict(
+        sharding="zero3", precision="amp-bf16", checkpointing="full", fsdp_version="1-blocks", finetune=LORA))
+    out["lora-v1-blocks-zero3-bf16"] = (big, dict(sharding="zero3", precision="bf16", checkpointing="none",
+                                                  fsdp_version="1-blocks", finetune=LORA))
+    for precision in ("fp32", "amp-bf16"):
+        for ckpt in ("none", "full"):
+            out[f"full-zero3-{precision}-ckpt_{ckpt}-v64"] = (small, dict(
+                sharding="zero3", precision=precision, checkpointing=ckpt, fsdp_version="1"))
+            for version in ("1", "1-blocks"):
+                out[f"lora-v{version}-zero3-{precision}-ckpt_{ckpt}-v64"] = (small, dict(
+                    sharding="zero3", precision=precision, checkpointing=ckpt, fsdp_version=version,
+                    finetune=LORA))
+    return {name: (config, TrainingSetup(micro_batch_size=2, seq_len=128 if config is big else 256,
+                                         optimizer="adamw", engine="torch", num_gpus=ranks, **fields))
+            for name, (config, fields) in out.items()}
 
 
 def run_all(chosen: dict, ranks: int) -> dict[str, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")])}
+    by_config: dict[str, dict] = {}
+    for name, (config, setup) in chosen.items():
+        by_config.setdefault(json.dumps(config, sort_keys=True), {})[name] = setup
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        config_path, out = Path(tmp) / "config.json", Path(tmp) / "out"
-        config_path.write_text(json.dumps(dict(TINY_LLAMA)))
-        setups = {n: {k: v for k, v in s.to_dict().items() if k != "notes"} for n, (_, s) in chosen.items()}
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                str(REPO / "tests" / "fsdp1_worker.py"), str(config_path), str(out), json.dumps(setups), "2"]
-        done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=3600)
-        if done.returncode:
-            raise SystemExit(done.stderr[-4000:])
-        for name in chosen:
-            results[name] = [json.loads((out / name / f"rank{r}.json").read_text()) for r in range(ranks)]
+        for index, (config, group) in enumerate(by_config.items()):
+            config_path, out = Path(tmp) / f"config{index}.json", Path(tmp) / f"out{index}"
+            config_path.write_text(config)
+            setups = {n: {k: v for k, v in s.to_dict().items() if k != "notes"} for n, s in group.items()}
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                    str(REPO / "tests" / "fsdp1_worker.py"), str(config_path), str(out), json.dumps(setups), "2"]
+            done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=3600)
+            if done.returncode:
+                raise SystemExit(done.stderr[-4000:])
+            for name in group:
+                results[name] = [json.loads((out / name / f"rank{r}.json").read_text()) for r in range(ranks)]
     return results
 
 

@@ -28,8 +28,8 @@ from ..setup import Checkpointing, Engine, Loss, Precision, Sharding, TrainingSe
 from . import activations as act
 from . import (bnb_cpu, compiled, context_parallel, deepspeed_zero3, dora, fits, float8, heads, lora, moe,
                offload_activations, padding, pipeline, tensor_parallel)
-from .backward_moments import (embedding_gradient, end_of_backward, first_block_backward, in_backward_moments,
-                               root_reduce, second_block_backward)
+from .backward_moments import (embedding_gradient, end_of_backward, first_block_backward, flat_gradient,
+                               in_backward_moments, root_reduce, second_block_backward)
 from .device import runtime_overhead_terms
 from .forward_terms import CPU_RNG_STATE_BYTES, activation_terms, linear_weight_parts
 from .loss_moments import final_norm_backward, loss_backward, loss_forward
@@ -234,6 +234,8 @@ def step_moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, s
     moments.set(MomentKey.LOSS_BACKWARD, loss_backward(step, forward))
     moments.set(MomentKey.FIRST_BLOCK_BACKWARD, first_block_backward(step, early_grads))
     moments.set(MomentKey.SECOND_BLOCK_BACKWARD, second_block_backward(step, early_grads))
+    if hasattr(static.fsdp, "flat_gradient_terms"):  # FSDP1 (memfit.estimate.fsdp1)
+        moments.set(MomentKey.FLAT_GRADIENT, flat_gradient(step, early_grads))
     moments.set(MomentKey.END_OF_BACKWARD, end_of_backward(step))
     moments.set(MomentKey.EMBEDDING_GRADIENT, embedding_gradient(step))
     moments.set(MomentKey.ROOT_REDUCE, root_reduce(step))

@@ -62,7 +62,29 @@ def second_block_backward(step: StepModel, early_grads: int) -> list[Term]:
     units = step.static.fsdp
     if units is None or step.spec.num_layers < 2:
         return []
-    terms = step.static_terms(early_grads) + units.block_terms(first=False)
+    terms = step.static_terms(early_grads) + units.block_terms(first=False) + _acts_after_first_block(step)
+    terms.append(step.layer_temporaries(rebuilt_core=True))
+    if step.setup.checkpointing.checkpointed(step.spec.num_layers - 2):
+        terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
+    return terms
+
+
+def flat_gradient(step: StepModel, early_grads: int) -> list[Term]:
+    """FSDP1 only: the end of the first block's backward, its weight gradients and the flat gradient they are
+    concatenated into (memfit.estimate.fsdp1.Fsdp1Units.flat_gradient_terms), its activations gone and the
+    gradient it passes on to the next block alive."""
+    units = step.static.fsdp
+    if not hasattr(units, "flat_gradient_terms"):
+        return []
+    passed = Term(TermKey.INCOMING_GRADIENT, Category.TEMPORARIES,
+                  step.tokens * step.spec.hidden_size * step.dtypes.residual,
+                  "B x T x h: the gradient of the block's input, passed on to the next block", "autograd")
+    return step.static_terms(early_grads) + units.flat_gradient_terms() + _acts_after_first_block(step) + [passed]
+
+
+def _acts_after_first_block(step: StepModel) -> list[Term]:
+    """The activations once the first block's backward has run: its saved tensors (or its checkpoint) gone."""
+    out = []
     mode, layers = step.setup.checkpointing, step.spec.num_layers
     last_wrapped = mode.checkpointed(layers - 1)  # the block whose backward ran first: its share is gone
     wrapped = mode.checkpointed_blocks(layers)
@@ -77,11 +99,8 @@ def second_block_backward(step: StepModel, early_grads: int) -> list[Term]:
                                                 TermKey.NORMS):
             plain = layers - wrapped
             term = replace(term, num_bytes=term.num_bytes * (plain - 1) // plain)
-        terms.append(term)
-    terms.append(step.layer_temporaries(rebuilt_core=True))
-    if mode.checkpointed(layers - 2):
-        terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
-    return terms
+        out.append(term)
+    return out
 
 
 def end_of_backward(step: StepModel) -> list[Term]:

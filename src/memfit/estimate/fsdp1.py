@@ -161,6 +161,11 @@ class Fsdp1Units(Fsdp2Units):
 
     mixed_flat: bool = False
     """A block's flat parameter mixes its frozen base and its adapters (use_orig_params=True, blocks alone)."""
+    peak_block_grads: int = 0
+    """Elements of a block's weight gradients made before its backward peaks: its MLP output projection's (I x h),
+    the first matmul backward of a Llama block (memfit.estimate.backward_moments._down_projection_grads)."""
+    padded_block: int = 0
+    """Elements of a block's unsharded flat gradient (its flat parameter padded to the ranks)."""
 
     def block_terms(self, *, first: bool) -> list[Term]:
         """Unsharded buffers while one block runs backward: the LM head's gradient (until the root's reduce), the
@@ -169,14 +174,29 @@ class Fsdp1Units(Fsdp2Units):
         terms = [Term(TermKey.ROOT_UNSHARDED, Category.GRADIENTS, self.head_params * self.compute_bytes,
                       "V x h x compute dtype: the LM head's gradient, unsharded until the root's post-backward",
                       SOURCE),
-                 Term(TermKey.GRAD_REDUCE_SCATTER, Category.TEMPORARIES, self.block_bytes,
-                      "one block's weight gradients (compute dtype), until SplitWithSizesBackward makes its flat "
-                      "gradient and the post-backward hook reduce-scatters it" + (
-                          "; the frozen base's too: its views of the flat parameter require grad"
-                          if self.mixed_flat else ""), SOURCE)]
+                 Term(TermKey.GRAD_REDUCE_SCATTER, Category.TEMPORARIES, self.peak_block_grads * self.compute_bytes,
+                      "the block's weight gradients made before its backward peaks (its MLP output projection's, "
+                      "compute dtype)" + (", the frozen one's too: its view of the flat parameter requires grad"
+                                          if self.mixed_flat else ""), SOURCE)]
         if self.reshard_after_forward and self.num_blocks > 1:
             terms.append(Term(TermKey.PREFETCHED, Category.PARAMETERS, self.gathered_bytes(1) - self.gathered_bytes(0),
                               "the next block's unsharded flat parameter (BackwardPrefetch.BACKWARD_PRE)", SOURCE))
+        return terms
+
+    def flat_gradient_terms(self) -> list[Term]:
+        """The end of a block's backward: all its weight gradients, held by SplitWithSizesBackward's input buffer,
+        and the unsharded flat gradient it concatenates them into (padded), before AccumulateGrad's post-backward
+        hook reduce-scatters it and frees both; the LM head's gradient; the next block prefetched."""
+        terms = self.block_terms(first=False)[:1]
+        terms += [Term(TermKey.GRAD_REDUCE_SCATTER, Category.TEMPORARIES, self.block_bytes,
+                       "one block's weight gradients (compute dtype)" + (
+                           ", its frozen base's too: their views of the flat parameter require grad"
+                           if self.mixed_flat else ""), SOURCE),
+                  Term(TermKey.GRAD_REDUCE_SCATTER, Category.TEMPORARIES, self.padded_block * self.compute_bytes,
+                       "their concatenation, the block's unsharded flat gradient (SplitWithSizesBackward), the "
+                       "reduce-scatter input", SOURCE)]
+        if self.reshard_after_forward and self.num_blocks > 1:
+            terms += self.block_terms(first=False)[2:]
         return terms
 
     def root_gradient_terms(self) -> list[Term]:
@@ -222,7 +242,10 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full, static):
                       gathered_block_bytes=sum(u.padded(n) * u.count * u.compute_bytes for u in block)
                       // max(spec.num_layers, 1),
                       gathered_root_bytes=root.padded(n) * root.compute_bytes if root is not None else 0,
-                      mixed_flat=any(0 < u.trainable < u.numel for u in block))
+                      mixed_flat=any(0 < u.trainable < u.numel for u in block),
+                      peak_block_grads=spec.intermediate_size * spec.hidden_size if per_block_grads > spec.intermediate_size * spec.hidden_size else 0,
+                      padded_block=sum(u.padded(n) * u.count for u in block if u.requires_grad)
+                      // max(spec.num_layers, 1))
     working = fsdp.gathered_bytes(1 if setup.sharding.stage >= 3 else spec.num_layers)
     notes = (f"FSDP1: {len(flat)} kinds of flat parameter, each padded to a multiple of {n} ranks"
              + ("; a block's flat parameter holds its frozen base and its adapters (use_orig_params=True): its "
