@@ -355,6 +355,8 @@ def adapter_reads(setup: TrainingSetup, d) -> tuple[bool, str]:
     ft = setup.finetune
     if fsdp1.adapters_cast_input(setup):  # FSDP1 + peft's policy: lora_A keeps its own bf16 x
         return False, "c16"
+    if fsdp1.mixes_frozen(setup):  # one dtype per flat parameter: the adapters compute in the base's
+        return ft.dropout == 0, "c16" if d.compute == 2 else "f32"
     in_compute = fsdp2_mixed_precision(setup) or adapter_bytes(setup) == 2
     if in_compute:
         same = d.compute == 2 and d.residual == 2 or fsdp2_mixed_precision(setup)
