@@ -39,6 +39,7 @@ from memfit.setup import TrainingSetup  # noqa: E402
 from memfit.sources import resolve_model  # noqa: E402
 
 LORA = {"method": "lora", "rank": 8, "alpha": 16, "targets": ["all-linear"]}
+FSDP2 = "@fsdp2"
 
 
 def cases(ranks: int = 2) -> dict[str, tuple[dict, TrainingSetup]]:
@@ -70,7 +71,7 @@ def cases(ranks: int = 2) -> dict[str, tuple[dict, TrainingSetup]]:
             for name, (config, fields) in out.items()}
 
 
-def run_all(chosen: dict, ranks: int) -> dict[str, list[dict]]:
+def run_all(chosen: dict, ranks: int, worker: str = "fsdp1_worker.py") -> dict[str, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")])}
     by_config: dict[str, dict] = {}
@@ -83,7 +84,7 @@ def run_all(chosen: dict, ranks: int) -> dict[str, list[dict]]:
             config_path.write_text(config)
             setups = {n: {k: v for k, v in s.to_dict().items() if k != "notes"} for n, s in group.items()}
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                    str(REPO / "tests" / "fsdp1_worker.py"), str(config_path), str(out), json.dumps(setups), "2"]
+                    str(REPO / "tests" / worker), str(config_path), str(out), json.dumps(setups), "2"]
             done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=3600)
             if done.returncode:
                 raise SystemExit(done.stderr[-4000:])
@@ -112,12 +113,13 @@ def error(predicted: int, interval: tuple[int, int]) -> float:
 def table(chosen: dict, results: dict, ranks: int) -> str:
     hardware = make_hardware(cpu_device(64 * 1024**3), gpus_per_node=ranks)
     lines = ["| setup | measured peak B (per rank) | memfit FSDP1 B | error | moment | memfit before (FSDP2) B | "
-             "error before |", "| --- | --- | ---: | ---: | --- | ---: | ---: |"]
+             "error before | FSDP1 - FSDP2 measured B | memfit's FSDP1 - FSDP2 B |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     errors, before_errors = [], []
     for name, (config, setup) in chosen.items():
         failed = [rank["error"] for rank in results[name] if "error" in rank]
         if failed:
-            lines.append(f"| {name} | {failed[0]} | | | | | |")
+            lines.append(f"| {name} | {failed[0]} | | | | | | | |")
             continue
         spec = resolve_model(config)
         predicted = estimate(spec, setup, hardware)
@@ -129,8 +131,11 @@ def table(chosen: dict, results: dict, ranks: int) -> str:
         errors.append(worst)
         before_errors.append(worst_before)
         spans = "; ".join(f"{low:,}" if low == high else f"{low:,}..{high:,}" for low, high in intervals)
+        fsdp2 = max(rank["peak_bytes"] for rank in results[name + FSDP2]) if name + FSDP2 in results else None
+        added = "" if fsdp2 is None else f"{max(r['peak_bytes'] for r in results[name]) - fsdp2:+,}"
         lines.append(f"| {name} | {spans} | {predicted.tensor_bytes:,} | {100 * worst:+.2f}% | "
-                     f"{predicted.peak_phase.value} | {before.tensor_bytes:,} | {100 * worst_before:+.2f}% |")
+                     f"{predicted.peak_phase.value} | {before.tensor_bytes:,} | {100 * worst_before:+.2f}% | "
+                     f"{added} | {predicted.tensor_bytes - before.tensor_bytes:+,} |")
 
     def summary(values: list[float]) -> str:
         return (f"median {100 * statistics.median(abs(e) for e in values):.2f}%, worst "
@@ -155,6 +160,13 @@ def main() -> int:
     missing = {name: case for name, case in chosen.items() if name not in kept}
     if missing:
         kept.update(run_all(missing, ranks))
+        if keep is not None:
+            keep.write_text(json.dumps(kept))
+    # the same steps under FSDP2 (memfit's engine, tests/lora_fsdp_worker.py): what FSDP1 adds, measured
+    missing = {name + FSDP2: (config, setup.replace(fsdp_version="2")) for name, (config, setup) in chosen.items()
+               if name + FSDP2 not in kept}
+    if missing:
+        kept.update(run_all(missing, ranks, "lora_fsdp_worker.py"))
         if keep is not None:
             keep.write_text(json.dumps(kept))
     text = table(chosen, kept, ranks)

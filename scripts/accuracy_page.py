@@ -65,6 +65,8 @@ SOURCES = (
            "the same script run for real on CPU"),
     Source("torchtune_lora.md", "error", "formulas: torchtune's LoRA / QLoRA recipes", "real CPU steps (profiler)"),
     Source("lora_fsdp.md", "error", "formulas: LoRA / QLoRA under FSDP2, per rank", "2 real gloo ranks"),
+    Source("fsdp1.md", "error", "formulas: FSDP1 flat parameters (accelerate / HF Trainer, Lightning / LitGPT), full "
+           "and LoRA, per rank", "2 real gloo ranks"),
     Source("lora_deepspeed.md", "error", "formulas: LoRA under DeepSpeed ZeRO-2 / 3, per rank", "2 real gloo ranks"),
     Source("crosscheck.md", "error", "formulas at full size (7B-70B shapes, every catalog family), H100 target",
            "the trace, same layout"),

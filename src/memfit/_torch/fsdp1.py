@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from ..setup import FsdpVersion, Offload, Precision, Sharding, TrainingSetup
 from . import blocks as block_tools
@@ -28,10 +31,6 @@ from . import blocks as block_tools
 
 def wrap(model: nn.Module, setup: TrainingSetup) -> nn.Module:
     """`model` (built by memfit._torch.step.build_hf_model: adapters and checkpointing applied) in FSDP1."""
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
     blocks = block_tools.find_blocks(model)
     mixed = setup.precision in (Precision.AMP_BF16, Precision.AMP_FP16, Precision.BF16_MASTER)
     low = torch.float16 if setup.precision is Precision.AMP_FP16 else torch.bfloat16
