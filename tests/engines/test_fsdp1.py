@@ -98,3 +98,20 @@ def test_fsdp1_refuses_what_it_does_not_size(fields, words):
     base = dict(micro_batch_size=2, seq_len=128, engine="torch", num_gpus=2, sharding="zero3", fsdp_version="1")
     with pytest.raises(ConfigError, match=words):
         TrainingSetup(**{**base, **fields})
+
+
+@pytest.mark.parametrize("finetune", [{}, LORA])
+def test_cpu_offload_keeps_the_gradient_shards_on_the_device_through_backward(finetune):
+    """CPUOffload(offload_params=True) (read off torch 2.13: `_offload_grad` copies each shard to `_cpu_grad`, the
+    device's `_saved_grad_shard` lives to the end of backward): the host holds the flat shards, a gradient copy and
+    AdamW's states; the device no shard at rest but every gradient shard late in backward. LoRA is sized too."""
+    setup = _setup(sharding="zero3", precision="amp-bf16", fsdp_version="1", offload="optimizer+params",
+                   finetune=finetune or "full")
+    sized = setup.replace(precision="bf16-master")
+    spec = adapted_spec(SPEC, setup)
+    units = fsdp1.units(spec, sized)
+    shards = sum(u.count * u.shard(RANKS) * u.storage_bytes for u in units)
+    grads = sum(u.count * u.shard(RANKS) * u.storage_bytes for u in units if u.requires_grad)
+    result = estimate(SPEC, setup, HARDWARE)
+    assert result.cpu_bytes == shards + grads + 2 * 4 * spec.num_params // RANKS + 4 * sum(p.count for p in spec.params)
+    assert "parameters" not in {t.name for t in result.terms}  # no shard at rest on the device

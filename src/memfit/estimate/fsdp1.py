@@ -27,8 +27,11 @@ fully_sharded_data_parallel.py) and measured on real gloo ranks (bench/fsdp1.py,
   backward;
 - backward: a unit's post-backward hook (on the flat parameter's AccumulateGrad) reshards it and reduce-scatters its
   flat gradient at once (`_post_backward_hook`, `_reduce_grad`): nothing is held to the next unit, unlike FSDP2;
-- CPU offload (CPUOffload(offload_params=True)): the flat shards, their gradient shards (`_cpu_grad`) and the
-  optimizer on the host; the device holds what is gathered;
+- CPU offload (CPUOffload(offload_params=True)): the flat shards, a copy of their gradient shards (`_cpu_grad`)
+  and the optimizer on the host; the device holds what is gathered and, unlike FSDP2's CPUOffloadPolicy, each
+  reduce-scattered gradient shard until backward ends (`_saved_grad_shard`, deleted by
+  `FlatParamHandle.prepare_gradient_for_optim`). FSDP1's CPUOffload needs an accelerator (torch 2.13 refuses it on a
+  CPU-only build), so this part is read off the code, not measured;
 - limit_all_gathers bounds the CUDA caching allocator's in-flight all-gathers to two (`_limiter_utils`); a CPU step
   is synchronous and the sizing counts live tensors, so it moves no number here; sync_module_states broadcasts at
   wrap time only.
@@ -254,8 +257,10 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full, static):
                   param_working_set_bytes=working, fsdp=fsdp, master_grad_upcast=False, comm_buffers_bytes=0,
                   notes=static.notes + notes)
     if setup.offload is Offload.OPTIMIZER_AND_PARAMS:
-        # CPUOffload(offload_params=True): flat shards, their gradient shards and the optimizer on the host
-        out = replace(out, params_bytes=0, grads_bytes=0, optimizer_bytes=0, frozen_bytes=0,
+        # CPUOffload(offload_params=True): flat shards, a host copy of their gradient shards (`_cpu_grad`) and the
+        # optimizer on the host. The reduce-scattered shard itself stays on the device as `_saved_grad_shard`
+        # until the end of backward (`_offload_grad` copies it; `prepare_gradient_for_optim` deletes it)
+        out = replace(out, params_bytes=0, optimizer_bytes=0, frozen_bytes=0,
                       cpu_bytes=params + frozen + grads + optimizer)
     return out
 
