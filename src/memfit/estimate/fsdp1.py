@@ -235,6 +235,9 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full, static):
     block = [u for u in flat if u.in_block]
     per_block_grads = sum(u.numel * u.count for u in block if u.requires_grad) // max(spec.num_layers, 1)
     root = next((u for u in flat if u.name == "root"), None)
+    # the block's own flat parameter gets gradients (full fine-tune, or a mixed block); peft's adapter units reduce
+    # each adapter's gradient as soon as it is made
+    block_grads = any(u.requires_grad for u in block if u.name == "block")
     head_trained = any(p.name.endswith("lm_head.weight") for p in spec.params)
     fsdp = Fsdp1Units(block_params=per_block_grads,
                       root_params=root.numel if root is not None and root.requires_grad else 0,
@@ -246,7 +249,7 @@ def layout(spec: ModelSpec, setup: TrainingSetup, full, static):
                       // max(spec.num_layers, 1),
                       gathered_root_bytes=root.padded(n) * root.compute_bytes if root is not None else 0,
                       mixed_flat=any(0 < u.trainable < u.numel for u in block),
-                      peak_block_grads=spec.intermediate_size * spec.hidden_size if per_block_grads > spec.intermediate_size * spec.hidden_size else 0,
+                      peak_block_grads=spec.intermediate_size * spec.hidden_size if block_grads else 0,
                       padded_block=sum(u.padded(n) * u.count for u in block if u.requires_grad)
                       // max(spec.num_layers, 1))
     working = fsdp.gathered_bytes(1 if setup.sharding.stage >= 3 else spec.num_layers)
