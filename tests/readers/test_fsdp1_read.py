@@ -52,3 +52,23 @@ def test_qlora_under_fsdp1_is_sized_as_fsdp2_and_says_why(tmp_path, monkeypatch)
     assert setup.fsdp_version.value == "2" and setup.finetune.method.value == "qlora"
     notes = [note for entry in reading.read for note in ([entry.note] if isinstance(entry.note, str) else entry.note)]
     assert any("sized as FSDP2" in note and "QLoRA" in note for note in notes)
+
+
+def test_lightning_fsdp_strategy_and_accelerate_plugin_read_as_fsdp1():
+    """Lightning's FSDPStrategy is FullyShardedDataParallel with the blocks as units and use_orig_params=True
+    (1-blocks); its ModelParallelStrategy runs fully_shard (2); accelerate's plugin without fsdp_version is FSDP1."""
+    from types import SimpleNamespace
+
+    from memfit.callbacks import setup_from_accelerator, setup_from_lightning
+
+    FSDPStrategy = type("FSDPStrategy", (), {})
+    ModelParallelStrategy = type("ModelParallelStrategy", (), {})
+    for strategy, expected in ((FSDPStrategy(), "1-blocks"), (ModelParallelStrategy(), "2")):
+        trainer = SimpleNamespace(precision="bf16-mixed", accumulate_grad_batches=1, num_devices=4, num_nodes=1,
+                                  strategy=strategy)
+        assert str(setup_from_lightning(trainer).fields.get("fsdp_version", "2")) == expected
+    for version, expected in ((1, "1"), (2, "2")):
+        plugin = SimpleNamespace(sharding_strategy="FULL_SHARD", reshard_after_forward=None, fsdp_version=version)
+        accelerator = SimpleNamespace(gradient_accumulation_steps=1, num_processes=4, mixed_precision="bf16",
+                                      state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=plugin))
+        assert str(setup_from_accelerator(accelerator).fields.get("fsdp_version", "2")) == expected

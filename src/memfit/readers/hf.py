@@ -501,7 +501,7 @@ def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | No
                               "--gpus N / num_gpus=)", text=f"fsdp={raw!r}: over {world} GPU it shards nothing")
     else:
         read.set("sharding", Sharding(f"zero{stage}"), key, raw)
-        read.set("engine", Engine.TORCH, key, raw, "FSDP2")
+        read.set("engine", Engine.TORCH, key, raw, "FSDP1" if fsdp1 else "FSDP2")
     if offload is not None:
         if stage == 3 and sharded:
             read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], (
