@@ -208,7 +208,7 @@ class TrainingSetup:
     """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
     bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
     on engine torch with zero2 / zero3 only."""
-    fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version", keep=("fsdp",),
+    fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version",
                                         option=Option(("--fsdp-version",), "engine torch, zero2 / zero3: {choices} "
                                                       "(1 = FullyShardedDataParallel's flat parameters as accelerate / "
                                                       "the HF Trainer run it; 1-blocks = Lightning / LitGPT's, adapters "
