@@ -7,7 +7,6 @@ parameter's local elements and bytes, the sharded gradients, the optimizer's sta
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -26,7 +25,7 @@ def run(config: dict, setup, steps: int) -> dict:
         model = build_hf_model(config, setup)
         wrapped = wrap(model, setup)
         optimizer = torch_step.make_optimizer(wrapped, _optimizer_setup(setup))
-        hooks = torch_step.EngineHooks(autocast=os.environ.get("NOAC") is None)  # accelerate and Lightning autocast over MixedPrecision
+        hooks = torch_step.EngineHooks(autocast=True)  # accelerate and Lightning autocast over MixedPrecision
         offloaded = setup.offload.value != "none"
         losses = []
         with contextlib.nullcontext() if offloaded else meter.window():

@@ -210,9 +210,10 @@ class TrainingSetup:
     on engine torch with zero2 / zero3 only."""
     fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version",
                                         option=Option(("--fsdp-version",), "engine torch, zero2 / zero3: {choices} "
-                                                      "(1 = FullyShardedDataParallel's flat parameters as accelerate / "
-                                                      "the HF Trainer run it; 1-blocks = Lightning / LitGPT's, adapters "
-                                                      "in their block's flat parameter). Default: {default}.", "choice"))
+                                                      "(1 = FullyShardedDataParallel's flat parameters as accelerate "
+                                                      "/ the HF Trainer run it; 1-blocks = Lightning / LitGPT's, "
+                                                      "adapters in their block's flat parameter). Default: {default}.",
+                                                      "choice"))
     """torch's FSDP2 (`fully_shard`) or FSDP1 (FullyShardedDataParallel, flat parameters: memfit.estimate.fsdp1)."""
     # -- DeepSpeed's ZeRO buffers as the user's config sets them (memfit.zero_knobs) --
     zero_knobs: ZeroKnobs = setting(ZeroKnobs(), section="parallel", label="DeepSpeed buckets")

@@ -48,7 +48,8 @@ def wrap(model: nn.Module, setup: TrainingSetup) -> nn.Module:
     wrapped = FSDP(model, auto_wrap_policy=policy,
                    sharding_strategy=(ShardingStrategy.FULL_SHARD if setup.sharding is Sharding.ZERO3
                                       else ShardingStrategy.SHARD_GRAD_OP),
-                   mixed_precision=MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low) if mixed else None,
+                   mixed_precision=(MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low)
+                                    if mixed else None),
                    cpu_offload=CPUOffload(offload_params=setup.offload is Offload.OPTIMIZER_AND_PARAMS),
                    use_orig_params=True, limit_all_gathers=True, sync_module_states=False,
                    device_id=torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu"))

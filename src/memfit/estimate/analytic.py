@@ -211,7 +211,8 @@ def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[
         return setup, ()
     if setup.fsdp_version.is_fsdp1:
         return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
-            f"{setup.precision} under FSDP1 runs as MixedPrecision(param_dtype=reduce_dtype={setup.precision.compute_dtype}) "
+            f"{setup.precision} under FSDP1 runs as MixedPrecision(param_dtype=reduce_dtype="
+            f"{setup.precision.compute_dtype}) "
             "under autocast, as accelerate and Lightning run it: fp32 trainable flat shards (accelerate's upcast), "
             "low-precision unsharded flat parameters and gradients; sized like bf16-master",)
     shards = ("the adapters' fp32 shards (the frozen base keeps its storage dtype)" if setup.finetune.adapters
