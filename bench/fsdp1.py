@@ -169,7 +169,7 @@ def main() -> int:
     text = table(chosen, kept, ranks)
     print(text)
     if "--write" in sys.argv:
-        (HERE / "results" / "fsdp1.md").write_text(text)
+        (HERE / "results" / ("fsdp1.md" if ranks == 2 else f"fsdp1_{ranks}ranks.md")).write_text(text)
     return 0
 
 
