@@ -70,6 +70,8 @@ SOURCES = (
     Source("litgpt.md", "error %", "formulas from LitGPT's config_hub recipes (A10G)",
            "LitGPT's published peak memory", needs="published peak (GB)"),
     Source("lora_fsdp.md", "error", "formulas: LoRA / QLoRA under FSDP2, per rank", "2 real gloo ranks"),
+    Source("fsdp1.md", "error", "formulas: FSDP1 flat parameters (accelerate / HF Trainer, Lightning / LitGPT), full "
+           "and LoRA, per rank", "2 real gloo ranks"),
     Source("lora_deepspeed.md", "error", "formulas: LoRA under DeepSpeed ZeRO-2 / 3, per rank", "2 real gloo ranks"),
     Source("crosscheck.md", "error", "formulas at full size (7B-70B shapes, every catalog family), H100 target",
            "the trace, same layout"),

@@ -26,7 +26,7 @@ from .readers._reader import ReadSetup, Reader as _Reader, _get, _positive, _val
 from .readers.hf import deepspeed_config as _deepspeed_config
 from .readers.hf import read_mixed_precision, read_sharding as _read_sharding, read_training_args
 from .readers.lightning import read_lightning_precision
-from .setup import Attention, Checkpointing, TrainingSetup
+from .setup import Attention, Checkpointing, FsdpVersion, TrainingSetup
 from .units import format_bytes
 
 logger = logging.getLogger("memfit")
@@ -98,7 +98,9 @@ def setup_from_accelerator(accelerator: Any, model: Any = None) -> ReadSetup:
         reshard = getattr(fsdp_plugin, "reshard_after_forward", None)
         if isinstance(reshard, bool):
             strategy = "full_shard" if reshard else "shard_grad_op"
-        _read_sharding(read, {"fsdp": strategy.replace("shardingstrategy.", "")}, None, world)
+        version = getattr(fsdp_plugin, "fsdp_version", 1)  # accelerate's plugin: FSDP1 unless it says 2
+        _read_sharding(read, {"fsdp": strategy.replace("shardingstrategy.", ""), "fsdp_config": {"version": version}},
+                       None, world)
     if world > 1:
         read.set("num_gpus", world, f"num_processes={world}")
     if "attention" not in read.fields:
@@ -385,7 +387,11 @@ def setup_from_lightning(trainer: Any, model: Any = None) -> ReadSetup:
         config = dict(getattr(trainer.strategy, "config", None) or {})
         _read_sharding(read, None, config, world)
     elif strategy in ("FSDPStrategy", "ModelParallelStrategy"):
-        _read_sharding(read, {"fsdp": "full_shard"}, None, world)
+        fsdp1 = strategy == "FSDPStrategy"  # FullyShardedDataParallel; ModelParallelStrategy runs fully_shard
+        _read_sharding(read, {"fsdp": "full_shard", "fsdp_config": {"version": 1 if fsdp1 else 2}}, None, world)
+        if read.fields.get("fsdp_version") is FsdpVersion.V1:  # the blocks are its units, use_orig_params=True
+            read.set("fsdp_version", FsdpVersion.V1_BLOCKS, "strategy", strategy,
+                     "Lightning's FSDPStrategy: FSDP1 with use_orig_params=True (memfit.estimate.fsdp1)")
     if world > 1:
         read.set("num_gpus", world, f"num_devices x num_nodes = {world}")
     _read_model_checkpointing(read, model)

@@ -314,3 +314,22 @@ class Float8(_Choice):
     @property
     def is_on(self) -> bool:
         return self is not Float8.OFF
+
+
+class FsdpVersion(_Choice):
+    """Which torch FSDP shards a torch-engine ZeRO-2 / ZeRO-3 setup: their per-rank memory differs
+    (memfit.estimate.fsdp1 for FSDP1's flat parameters)."""
+
+    V2 = "2"  # fully_shard: per-parameter DTensor shards (torchtitan, accelerate fsdp_version 2)
+    V1 = "1"  # FullyShardedDataParallel, one flat parameter per transformer block (accelerate fsdp_version 1, HF
+    # Trainer `fsdp`); with peft, peft's fsdp_auto_wrap_policy gives each trainable LoRA Linear a unit of its own
+    V1_BLOCKS = "1-blocks"  # FSDP1 with the blocks as the only units and use_orig_params=True (Lightning Fabric /
+    # LitGPT FSDPStrategy): a block's frozen base and its adapters share one flat parameter
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"2": ("fsdp2", "v2"), "1": ("fsdp1", "v1", "accelerate", "hf"),
+                "1-blocks": ("lightning", "litgpt", "fabric", "1-orig")}[self.value]
+
+    @property
+    def is_fsdp1(self) -> bool:
+        return self is not FsdpVersion.V2

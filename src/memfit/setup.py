@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 from . import fields as _fields
 from .choice import Choice as _Choice
 # the choices a setup is made of live in memfit.choices; callers find them here too
-from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, Engine, Float8, Loss,  # noqa: F401
-                      Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
+from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, Engine, Float8, FsdpVersion,  # noqa: F401
+                      Loss, Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
 from .errors import ConfigError
 from .fields import MAX_ACCUM, MAX_DEGREE, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_SEQ_LEN, Option, setting
 from .zero_knobs import ZeroKnobs
@@ -205,6 +205,13 @@ class TrainingSetup:
     """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
     bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
     on engine torch with zero2 / zero3 only."""
+    fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version",
+                                        option=Option(("--fsdp-version",), "engine torch, zero2 / zero3: {choices} "
+                                                      "(1 = FullyShardedDataParallel's flat parameters as accelerate "
+                                                      "/ the HF Trainer run it; 1-blocks = Lightning / LitGPT's, "
+                                                      "adapters in their block's flat parameter). Default: {default}.",
+                                                      "choice"))
+    """torch's FSDP2 (`fully_shard`) or FSDP1 (FullyShardedDataParallel, flat parameters: memfit.estimate.fsdp1)."""
     # -- DeepSpeed's ZeRO buffers as the user's config sets them (memfit.zero_knobs) --
     zero_knobs: ZeroKnobs = setting(ZeroKnobs(), section="parallel", label="DeepSpeed buckets")
     """engine deepspeed: reduce_bucket_size, stage3_param_persistence_threshold and stage3_max_reuse_distance as the
@@ -267,8 +274,28 @@ class TrainingSetup:
                             "seq_len tokens)")
         if not problems:
             problems += self._combination_problems() + self._float8_problems()
+            problems += self._fsdp1_problems()
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _fsdp1_problems(self) -> list[str]:
+        """What memfit sizes of FSDP1 (memfit.estimate.fsdp1, measured by bench/fsdp1.py)."""
+        if not self.fsdp_version.is_fsdp1:
+            return []
+        ft, way = self.finetune, "use --fsdp-version 2"
+        checks = [(self.engine is not Engine.TORCH, "FSDP1 is torch's: needs --engine torch"),
+                  (self.sharding is Sharding.ZERO1, "FSDP1 has no ZeRO-1 (NO_SHARD is DDP): use zero2 or zero3"),
+                  (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.dp_shard > 0,
+                   f"FSDP1 with tensor / pipeline / context parallelism or HSDP is not sized: {way}"),
+                  (self.float8.is_on or self.compile, f"FSDP1 with float8 or torch.compile is not sized: {way}"),
+                  (ft.adapters and (ft.method.value != "lora" or ft.dora or ft.torchtune or bool(ft.modules_to_save)),
+                   f"FSDP1 is sized for plain peft LoRA on a 16-bit or fp32 base (not QLoRA, DoRA, torchtune or "
+                   f"modules_to_save): {way}"),
+                  (self.optimizer_in_backward or self.activation_offload or self.cpu_offload_optimizer.value != "off",
+                   f"FSDP1 with optimizer in backward, activation offload or torchao CPU offload is not sized: {way}"),
+                  (self.offload is Offload.OPTIMIZER, "FSDP1 offloads parameters, gradients and the step together "
+                   "(CPUOffload(offload_params=True)): use --offload optimizer+params")]
+        return [why for bad, why in checks if bad]
 
     def _float8_problems(self) -> list[str]:
         """What torchao's float8 training runs and memfit sizes (torchao 0.18 float8/config.py, float8_linear.py)."""

@@ -143,9 +143,38 @@ def _fsdp_part(setup: TrainingSetup) -> tuple[dict, dict[str, str]]:
             "recompute each block in backward; set here rather than in TrainingArguments, which would add a "
             "redundant all-gather" if fsdp["fsdp_activation_checkpointing"] else "no checkpointing in the plan"),
     }
+    if setup.fsdp_version.is_fsdp1:
+        return _fsdp1_part(setup, mixed, fsdp, comments)
     if setup.finetune.adapters:
         # no fsdp_use_orig_params: FSDP2 always keeps the original parameters (accelerate warns it is obsolete),
         # which a frozen base beside trainable adapters needs
         comments["fsdp_config.fsdp_version"] += ("; it shards the frozen base with its block and reduce-scatters "
                                                  "only the adapters' gradients, as sized")
+    return {"distributed_type": "FSDP", "mixed_precision": mixed, "fsdp_config": fsdp}, comments
+
+
+def _fsdp1_part(setup: TrainingSetup, mixed: str, fsdp: dict, comments: dict[str, str]) -> tuple[dict, dict[str, str]]:
+    """The FSDP1 config accelerate 1.15 reads (FullyShardedDataParallelPlugin, fsdp_version 1): what
+    memfit.estimate.fsdp1 sized (memfit._torch.fsdp1.wrap measures the same wrapping)."""
+    zero3 = setup.sharding is Sharding.ZERO3
+    fsdp = {"fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD" if zero3 else "SHARD_GRAD_OP",
+            **{k: v for k, v in fsdp.items() if k not in ("fsdp_version", "fsdp_reshard_after_forward")},
+            "fsdp_use_orig_params": True, "fsdp_limit_all_gathers": True, "fsdp_sync_module_states": True,
+            "fsdp_backward_prefetch": "BACKWARD_PRE"}
+    comments = {k: v for k, v in comments.items() if k not in ("fsdp_config.fsdp_version",
+                                                                  "fsdp_config.fsdp_reshard_after_forward")}
+    comments.update({
+        "distributed_type": f"{setup.sharding} as FSDP1 (FullyShardedDataParallel, flat parameters)",
+        "fsdp_config.fsdp_version": "FSDP1: one flat parameter per transformer block, padded to the GPU count",
+        "fsdp_config.fsdp_sharding_strategy": ("zero3: reshard each block after its forward" if zero3 else
+                                               "zero2: keep every block gathered from forward to backward"),
+        "fsdp_config.fsdp_use_orig_params": "the optimizer steps the original parameters' shard views, as sized",
+        "fsdp_config.fsdp_limit_all_gathers": "at most two all-gathers in flight (the CUDA caching allocator's share)",
+        "fsdp_config.fsdp_sync_module_states": ("rank 0's weights broadcast at wrap time, which accelerate's "
+                                                  "cpu_ram_efficient_loading needs: no memory after it"),
+        "fsdp_config.fsdp_backward_prefetch": "the next block's all-gather before this one's gradients, as sized"})
+    if setup.finetune.adapters:
+        comments["fsdp_config.fsdp_version"] += (
+            "; with a PeftModel the Trainer wraps each LoRA Linear in a unit of its own (peft fsdp_auto_wrap_policy),"
+            " so the frozen base's flat parameters get no gradient")
     return {"distributed_type": "FSDP", "mixed_precision": mixed, "fsdp_config": fsdp}, comments

@@ -15,6 +15,9 @@ def fsdp2_unsupported(setup: TrainingSetup) -> str | None:
     """Why fully_shard alone cannot express the setup, or None when it can."""
     if setup.sharding is Sharding.NONE:
         return "the plan does not shard, so there is nothing for FSDP2 to do (plain DDP or one GPU)"
+    if setup.fsdp_version.is_fsdp1:
+        return ("the plan runs FSDP1 (--fsdp-version 1): accelerate.yaml (fsdp_version 1) and the Trainer's "
+                "fsdp_config carry it; fully_shard is FSDP2")
     if setup.sharding is Sharding.ZERO1:
         return ("FSDP2 has no ZeRO-1: fully_shard always shards gradients with the parameters; "
                 "use deepspeed.json (DeepSpeed ZeRO-1)")

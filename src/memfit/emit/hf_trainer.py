@@ -167,6 +167,18 @@ def _activation_offload_part(setup: TrainingSetup, **_):
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):
+    if uses_fsdp(setup) and setup.fsdp_version.is_fsdp1:
+        zero3 = setup.sharding.stage == 3
+        content = {"fsdp": "full_shard auto_wrap" if zero3 else "shard_grad_op auto_wrap",
+                   "fsdp_config": {"version": 1, "use_orig_params": True, "limit_all_gathers": True,
+                                   "backward_prefetch": "backward_pre",
+                                   "cpu_offload": setup.offload.value == "optimizer+params"}}
+        comments = {"fsdp": f"{setup.sharding} through torch FSDP1 (FullyShardedDataParallel, one flat parameter "
+                            "per transformer block)",
+                    "fsdp_config": "FSDP1 as sized (memfit.estimate.fsdp1): use_orig_params, two all-gathers in "
+                                   "flight at most, the next block prefetched in backward; cpu_offload = flat "
+                                   "shards, gradients and the step on the CPU"}
+        return content, comments, []
     if uses_fsdp(setup):
         zero3 = setup.sharding.stage == 3
         content = {"fsdp": True,

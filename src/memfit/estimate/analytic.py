@@ -28,8 +28,8 @@ from ..setup import Checkpointing, Engine, Loss, Precision, Sharding, TrainingSe
 from . import activations as act
 from . import (bnb_cpu, compiled, context_parallel, deepspeed_zero3, dora, fits, float8, heads, lora, moe,
                offload_activations, padding, pipeline, tensor_parallel)
-from .backward_moments import (embedding_gradient, end_of_backward, first_block_backward, in_backward_moments,
-                               root_reduce, second_block_backward)
+from .backward_moments import (embedding_gradient, end_of_backward, first_block_backward, flat_gradient,
+                               in_backward_moments, root_reduce, second_block_backward)
 from .device import runtime_overhead_terms
 from .forward_terms import CPU_RNG_STATE_BYTES, activation_terms, linear_weight_parts
 from .loss_moments import final_norm_backward, loss_backward, loss_forward
@@ -209,6 +209,12 @@ def _as_run(setup: TrainingSetup, layout: Engine) -> tuple[TrainingSetup, tuple[
             "cache; sized like bf16-master",)
     if not fsdp2_mixed_precision(setup, layout):
         return setup, ()
+    if setup.fsdp_version.is_fsdp1:
+        return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
+            f"{setup.precision} under FSDP1 runs as MixedPrecision(param_dtype=reduce_dtype="
+            f"{setup.precision.compute_dtype}) "
+            "under autocast, as accelerate and Lightning run it: fp32 trainable flat shards (accelerate's upcast), "
+            "low-precision unsharded flat parameters and gradients; sized like bf16-master",)
     shards = ("the adapters' fp32 shards (the frozen base keeps its storage dtype)" if setup.finetune.adapters
               else "fp32 shards")
     return dataclasses.replace(setup, precision=Precision.BF16_MASTER), (
@@ -234,6 +240,8 @@ def step_moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, s
     moments.set(MomentKey.LOSS_BACKWARD, loss_backward(step, forward))
     moments.set(MomentKey.FIRST_BLOCK_BACKWARD, first_block_backward(step, early_grads))
     moments.set(MomentKey.SECOND_BLOCK_BACKWARD, second_block_backward(step, early_grads))
+    if hasattr(static.fsdp, "flat_gradient_terms"):  # FSDP1 (memfit.estimate.fsdp1)
+        moments.set(MomentKey.FLAT_GRADIENT, flat_gradient(step, early_grads))
     moments.set(MomentKey.END_OF_BACKWARD, end_of_backward(step))
     moments.set(MomentKey.EMBEDDING_GRADIENT, embedding_gradient(step))
     moments.set(MomentKey.ROOT_REDUCE, root_reduce(step))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Loss, Optimizer, TrainingSetup
 from . import activations as act
-from . import fsdp2, heads
+from . import heads
 from .forward_terms import CPU_RNG_STATE_BYTES, linear_weight_elems
 from .moments import MomentKey
 from .result import Category, Term
@@ -22,7 +22,7 @@ def first_block_backward(step: StepModel, early_grads: int) -> list[Term]:
     with checkpointing, that block rebuilt). Under FSDP2 the head's and the block's gradients are unsharded."""
     spec, static = step.spec, step.static
     if static.fsdp is not None:
-        terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(static.fsdp, first=True)
+        terms = step.static_terms(early_grads) + static.fsdp.block_terms(first=True)
     else:
         head = head_grads(spec, static)
         if step.setup.optimizer_in_backward and not spec.tie_word_embeddings:
@@ -62,7 +62,29 @@ def second_block_backward(step: StepModel, early_grads: int) -> list[Term]:
     units = step.static.fsdp
     if units is None or step.spec.num_layers < 2:
         return []
-    terms = step.static_terms(early_grads) + fsdp2.block_backward_terms(units, first=False)
+    terms = step.static_terms(early_grads) + units.block_terms(first=False) + _acts_after_first_block(step)
+    terms.append(step.layer_temporaries(rebuilt_core=True))
+    if step.setup.checkpointing.checkpointed(step.spec.num_layers - 2):
+        terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
+    return terms
+
+
+def flat_gradient(step: StepModel, early_grads: int) -> list[Term]:
+    """FSDP1 only: the end of the first block's backward, its weight gradients and the flat gradient they are
+    concatenated into (memfit.estimate.fsdp1.Fsdp1Units.flat_gradient_terms), its activations gone and the
+    gradient it passes on to the next block alive."""
+    units = step.static.fsdp
+    if not hasattr(units, "flat_gradient_terms"):
+        return []
+    passed = Term(TermKey.INCOMING_GRADIENT, Category.TEMPORARIES,
+                  step.tokens * step.spec.hidden_size * step.dtypes.residual,
+                  "B x T x h: the gradient of the block's input, passed on to the next block", "autograd")
+    return step.static_terms(early_grads) + units.flat_gradient_terms() + _acts_after_first_block(step) + [passed]
+
+
+def _acts_after_first_block(step: StepModel) -> list[Term]:
+    """The activations once the first block's backward has run: its saved tensors (or its checkpoint) gone."""
+    out = []
     mode, layers = step.setup.checkpointing, step.spec.num_layers
     last_wrapped = mode.checkpointed(layers - 1)  # the block whose backward ran first: its share is gone
     wrapped = mode.checkpointed_blocks(layers)
@@ -77,11 +99,8 @@ def second_block_backward(step: StepModel, early_grads: int) -> list[Term]:
                                                 TermKey.NORMS):
             plain = layers - wrapped
             term = replace(term, num_bytes=term.num_bytes * (plain - 1) // plain)
-        terms.append(term)
-    terms.append(step.layer_temporaries(rebuilt_core=True))
-    if mode.checkpointed(layers - 2):
-        terms.append(step.recomputed_block("one block's saved tensors, rebuilt during backward"))
-    return terms
+        out.append(term)
+    return out
 
 
 def end_of_backward(step: StepModel) -> list[Term]:
@@ -108,7 +127,7 @@ def end_of_backward(step: StepModel) -> list[Term]:
         temporaries = replace(temporaries, num_bytes=temporaries.num_bytes + freed)
     if static.fsdp is not None:
         grads = static.fsdp.block_share(static.grads_bytes, static.fsdp.last_prefetching_block)
-        return (step.static_terms(grads, _gathered(static, 1)) + fsdp2.block_backward_terms(static.fsdp, first=False)
+        return (step.static_terms(grads, _gathered(static, 1)) + static.fsdp.block_terms(first=False)
                 + embeddings
                 + [temporaries, rebuilt])
     detailed = _measured_block_order(spec) and not spec.frozen
@@ -172,7 +191,7 @@ def embedding_gradient(step: StepModel) -> list[Term]:
     embeddings = [t for t in step.acts if t.name == TermKey.EMBEDDINGS]
     if static.fsdp is not None:
         grads = static.fsdp.block_share(static.grads_bytes, spec.num_layers)
-        return step.static_terms(grads, _gathered(static, 0)) + fsdp2.root_gradient_terms(static.fsdp) + embeddings
+        return step.static_terms(grads, _gathered(static, 0)) + static.fsdp.root_gradient_terms() + embeddings
     if not spec.tie_word_embeddings or spec.frozen:
         return []
     head = head_grads(spec, static)
@@ -188,7 +207,7 @@ def root_reduce(step: StepModel) -> list[Term]:
     if units is None:
         return []
     grads = units.block_share(step.static.grads_bytes, step.spec.num_layers)
-    return step.static_terms(grads, _gathered(step.static, 0)) + fsdp2.root_reduce_terms(units)
+    return step.static_terms(grads, _gathered(step.static, 0)) + units.root_reduce_terms()
 
 
 def _gathered(static: ShardedStatic, blocks: int) -> ShardedStatic:

@@ -65,6 +65,16 @@ class Fsdp2Units:
         root = self.root_params * self.compute_bytes if self.gathered_root_bytes is None else self.gathered_root_bytes
         return root + blocks * block
 
+    def block_terms(self, *, first: bool) -> list[Term]:
+        """What is unsharded while one block runs backward (memfit.estimate.fsdp1.Fsdp1Units: FSDP1's)."""
+        return block_backward_terms(self, first=first)
+
+    def root_gradient_terms(self) -> list[Term]:
+        return root_gradient_terms(self)
+
+    def root_reduce_terms(self) -> list[Term]:
+        return root_reduce_terms(self)
+
     def block_share(self, grads_sharded: int, blocks: int) -> int:
         """Per-rank sharded gradient bytes of `blocks` blocks, out of `grads_sharded` for the whole model."""
         total = self.block_params * self.num_blocks + self.root_params

@@ -40,7 +40,7 @@ from ..model_spec import ModelSpec, ParamTensor
 from ..setup import TrainingSetup, deepspeed_casts_module, fsdp2_mixed_precision
 from ..units import DTYPE_BYTES
 from . import derived as derive
-from . import dora, lora_checkpoint
+from . import dora, fsdp1, lora_checkpoint
 from .moe import has_experts
 
 BNB_4BIT_BLOCK = 64  # bnb_4bit_blocksize default (BitsAndBytesConfig / bnb.nn.Params4bit blocksize=64)
@@ -340,6 +340,8 @@ def adapted_layer(spec: ModelSpec, setup: TrainingSetup, items: list, d) -> list
             kept.append(replace(item, role="", readers=1))
         elif item.role in _GROUP_OF_ROLE and int8_keeps_inputs(setup, d):
             kept.append(replace(item, role="int8", readers=1))
+        elif fsdp1.mixes_frozen(setup):  # FSDP1: the frozen weights' views require grad (memfit.estimate.fsdp1)
+            kept.append(item)
     for role, linears in roles.items():
         group = _GROUP_OF_ROLE[role]
         for node in linears:
@@ -363,6 +365,10 @@ def adapter_reads(setup: TrainingSetup, d) -> tuple[bool, str]:
     in: fp32 adapters on an fp32 stream without autocast; 16-bit adapters (torchtune, or FSDP2's MixedPrecisionPolicy
     casting the gathered adapters) on a 16-bit stream."""
     ft = setup.finetune
+    if fsdp1.adapters_cast_input(setup):  # FSDP1 + peft's policy: lora_A keeps its own bf16 x
+        return False, "c16"
+    if fsdp1.mixes_frozen(setup):  # one dtype per flat parameter: the adapters compute in the base's
+        return ft.dropout == 0, "c16" if d.compute == 2 else "f32"
     in_compute = fsdp2_mixed_precision(setup) or adapter_bytes(setup) == 2
     if in_compute:
         same = d.compute == 2 and d.residual == 2 or fsdp2_mixed_precision(setup)

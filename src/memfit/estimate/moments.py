@@ -30,6 +30,8 @@ class MomentKey(StrEnum):
     FINAL_NORM_BACKWARD = "final norm backward"
     FIRST_BLOCK_BACKWARD = "first block backward"
     SECOND_BLOCK_BACKWARD = "second block backward"
+    FLAT_GRADIENT = "flat gradient"
+    """FSDP1: the first block's weight gradients concatenated into its flat gradient (memfit.estimate.fsdp1)."""
     END_OF_BACKWARD = "end of backward"
     EMBEDDING_GRADIENT = "embedding gradient"
     ROOT_REDUCE = "root reduce-scatter"

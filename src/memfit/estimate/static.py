@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
-from . import float8, muon
+from . import float8, fsdp1, muon
 from .fsdp2 import Fsdp2Units
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
@@ -260,6 +260,8 @@ def shard(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, *, layout: E
     deepspeed_runs = setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE
     engine = _deepspeed_layout if (layout or setup.engine) is Engine.DEEPSPEED and deepspeed_runs else _torch_layout
     out = engine(spec, setup, full, ShardedStatic(params, grads, optimizer, 0, 0, frozen_bytes=full.frozen_bytes))
+    if engine is _torch_layout and fsdp1.applies(setup):
+        return fsdp1.layout(spec, setup, full, out)  # FSDP1's flat parameters, its CPU offload included
     for section in setup.techniques:  # a technique that lays the step out itself (TechniqueSection.static_layout)
         laid = section.static_layout(spec, setup, full, out)
         if laid is not None:

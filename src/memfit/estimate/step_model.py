@@ -36,7 +36,8 @@ def _parameter_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStati
                       "peft get_peft_model(autocast_adapter_dtype=True): adapters upcast to fp32"),
                  Term(TermKey.FROZEN, Category.PARAMETERS, static.frozen_bytes,
                       f"{spec.num_frozen_params:,} frozen base parameters as stored "
-                      f"({lora.base_label(spec, setup)})" + (f", FSDP2 shards / {n} ranks" if static.fsdp else ""),
+                      f"({lora.base_label(spec, setup)})" + (f", {_fsdp_name(static)} shards / {n} ranks"
+                                                             if static.fsdp else ""),
                       lora.BASE_SOURCE + ("; " + lora_sharded.SOURCE if static.fsdp else ""))]
     else:
         terms = [Term(TermKey.PARAMETERS, Category.PARAMETERS, static.params_bytes,
@@ -49,13 +50,18 @@ def _parameter_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStati
     if static.param_working_set_bytes:
         what = ("every block, gathered from its forward to its backward" if setup.sharding is Sharding.ZERO2 else
                 "unsharded root (embeddings, head) + the block being computed")
-        source = "FSDP2 all-gather"
+        source = f"{_fsdp_name(static)} all-gather"
         if setup.engine is Engine.DEEPSPEED:
             what = ("what is fetched again in backward within stage3_max_reuse_distance (1e9 elements) of its "
                     "forward, at least the block being computed, besides the persistent parameters")
             source = "DeepSpeed partitioned_param_coordinator.py __params_to_release (memfit.estimate.deepspeed_zero3)"
         terms.append(Term(TermKey.GATHERED, Category.PARAMETERS, static.param_working_set_bytes, what, source))
     return terms
+
+
+def _fsdp_name(static: ShardedStatic) -> str:
+    """FSDP1's flat parameters (memfit.estimate.fsdp1.Fsdp1Units) or FSDP2's per-parameter shards."""
+    return "FSDP1" if hasattr(static.fsdp, "flat_gradient_terms") else "FSDP2"
 
 
 def static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, grads: int,

@@ -189,6 +189,11 @@ class Reader:
         self.mapped.append(f"{source} -> {label(field)} {_value(value)}")
         self._entry(key, raw, ((field, value),), note)
 
+    def annotate(self, field: str, note: str) -> None:
+        """Add `note` to the entry that set `field` (a later look at the whole setup changed what it means)."""
+        if field in self.sources:
+            self._entries.setdefault(self.sources[field], [None, [], []])[2].append(note)
+
     def set_part(self, field: str, part: str, value: Any, key: str, raw: Any = _MISSING, note: str = "") -> None:
         """The config's `key` (= `raw`) gives one part of the composite setup `field` (set whole by `set`): it
         is recorded as read, with what it gave ('lora_r=16 -> LoRA rank 16')."""

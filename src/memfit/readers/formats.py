@@ -277,9 +277,6 @@ def map_accelerate(read: Reader, data: dict, ctx: Context) -> None:
         read.defer("distributed_type", kind, "FSDP")
         version = fsdp.get("fsdp_version", 1)
         config = {k: v for k, v in fsdp.items() if k != "fsdp_version"}
-        if "fsdp_version" not in fsdp:
-            read.ignore("fsdp_config.fsdp_version", None, f"absent: accelerate's default FSDP1, whose flat parameters "
-                                                          f"are {NOT_SIZED}: sized as FSDP2")
         read_fsdp(read, True, config, world, key="distributed_type", shown=kind, offload_keys=("offload_params",),
                   trainer=False, version=("fsdp_config.fsdp_version", version) if "fsdp_version" in fsdp else None)
     else:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..optimizers import hf_optim_names
-from ..setup import Checkpointing, Engine, Loss, Offload, Optimizer, Padding, Precision, Sharding
+from ..setup import Checkpointing, Engine, FsdpVersion, Loss, Offload, Optimizer, Padding, Precision, Sharding
 from ..zero_knobs import DEEPSPEED_DEFAULTS, ZeroKnobs
 from ._reader import NOT_SIZED, OFF, Reader, _get, _positive, _value
 
@@ -479,15 +479,18 @@ def _fsdp_stage(read: Reader, key: str, raw: Any) -> int | None:
 def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | None, *,
                    offload: tuple[str, Any] | None = None, checkpointing: tuple[str, Any] | None = None,
                    version: tuple[str, Any] | None = None, default_version: int = 2) -> None:
-    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2 (FSDP2).
-    `default_version`: the FSDP the framework runs when the config names none (transformers 5's Trainer: 2;
-    accelerate's FSDP plugin and axolotl: 1)."""
-    if version is not None and str(_value(version[1])) == "1":
-        read.ignore(version[0], version[1], f"FSDP1's flat parameters are {NOT_SIZED}: sized as FSDP2 (memfit's torch "
-                                            "engine)")
+    """FSDP as memfit's torch engine: full shard -> zero3, shard_grad_op / no reshard -> zero2, as FSDP1 (flat
+    parameters, memfit.estimate.fsdp1) or FSDP2. `default_version`: the FSDP the framework runs when the config
+    names none (transformers 5's Trainer: 2; accelerate's FSDP plugin and axolotl: 1)."""
+    fsdp1 = str(_value(version[1]) if version is not None else default_version) == "1"
+    sharded = world is None or world >= 2
+    if fsdp1 and stage >= 2 and sharded:
+        where = version or (key, raw)
+        read.set("fsdp_version", FsdpVersion.V1, where[0], where[1],
+                 "FSDP1 (FullyShardedDataParallel): one flat parameter per transformer block, padded to the ranks"
+                 + ("" if version is not None else "; no fsdp_version given: the framework's default"))
     elif version is not None:
         read.consume(version[0])
-    sharded = world is None or world >= 2
     if stage == 0:
         if sharded:
             read.set("engine", Engine.TORCH, key, raw, "NO_SHARD: whole parameters on every GPU, as DDP")
@@ -498,13 +501,12 @@ def read_fsdp_plan(read: Reader, stage: int, key: str, raw: Any, world: int | No
                               "--gpus N / num_gpus=)", text=f"fsdp={raw!r}: over {world} GPU it shards nothing")
     else:
         read.set("sharding", Sharding(f"zero{stage}"), key, raw)
-        read.set("engine", Engine.TORCH, key, raw, "FSDP2")
+        read.set("engine", Engine.TORCH, key, raw, "FSDP1" if fsdp1 else "FSDP2")
     if offload is not None:
         if stage == 3 and sharded:
-            fsdp1 = str(_value(version[1]) if version is not None else default_version) == "1"
             read.set("offload", Offload.OPTIMIZER_AND_PARAMS, offload[0], offload[1], (
-                f"FSDP1 CPUOffload(offload_params=True), sized as FSDP2's CPUOffloadPolicy (FSDP1's flat parameters "
-                f"are {NOT_SIZED})" if fsdp1 else "FSDP2 CPUOffloadPolicy: shards, gradients and the step on the host"))
+                "FSDP1 CPUOffload(offload_params=True): flat shards, their gradients and the step on the host"
+                if fsdp1 else "FSDP2 CPUOffloadPolicy: shards, gradients and the step on the host"))
         else:
             read.ignore(offload[0], offload[1], f"FSDP CPU offload without full sharding over 2+ GPUs: {NOT_SIZED}")
     if checkpointing is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..setup import FIELD_LABELS
+from ..setup import FIELD_LABELS, FsdpVersion, TrainingSetup
 from ._reader import IgnoredEntry, ReadEntry, Reader, _value, jsonable, label, show
 from .files import FORMATS, detect_format, display_path, load_mapping, unknown_format
 from .formats import MAPPERS, ConfigFile, Context, load_dtype
@@ -126,6 +126,7 @@ def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
     readers, records, _ = run(world, referenced)
     overrides, model, nodes = _merge(readers)
     _finetune(readers, overrides, overridden)
+    _fsdp1_sized(readers, overrides)
     if num_gpus is not None:
         overrides.pop("num_gpus", None)
     seen: set[tuple[str, str]] = set()
@@ -167,6 +168,23 @@ def _finetune(readers: list[Reader], overrides: dict[str, Any], overridden: Mapp
     ft = overrides.get("finetune")
     if ft is not None and "precision" in overrides:
         overrides["finetune"] = same_as_auto(ft, overrides["precision"].compute_dtype)
+
+
+def _fsdp1_sized(readers: list[Reader], overrides: dict[str, Any]) -> None:
+    """A config that runs FSDP1 where memfit does not size FSDP1 yet (QLoRA, DoRA, ...: TrainingSetup's FSDP1
+    check) is sized as FSDP2, as before, and says so on the entry that named FSDP1."""
+    if overrides.get("fsdp_version") is not FsdpVersion.V1:
+        return
+    try:
+        TrainingSetup(**overrides)
+    except ConfigError as error:
+        if "FSDP1" not in str(error):
+            return
+        overrides["fsdp_version"] = FsdpVersion.V2
+        for read in readers:
+            read.annotate("fsdp_version", f"sized as FSDP2: {error}")
+    except TypeError:
+        return
 
 
 def read_source(readers: list[Reader], name: str) -> str:
