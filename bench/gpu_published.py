@@ -81,6 +81,7 @@ ZERO_ONE_PROCESS = "ZeRO / offload on a single process"
 NOT_IN_CATALOG = "model not in the catalog"
 MODEL_DIFFERS = "model numbers differ from the catalog entry"
 SEQ_UNKNOWN = "sequence length unknown"
+CLASSIFIER = "classification head of a model memfit builds no classifier for"
 OTHER = "other"
 
 
@@ -356,7 +357,11 @@ def _map_loss(m: Mapped, loss) -> dict:
         return {"loss": Loss.CHUNKED}
     if loss == "classification_head":  # AutoModelForSequenceClassification: memfit.sources.task
         if m.spec is not None:
-            m.spec = with_task(m.spec, SEQUENCE_CLASSIFICATION, int(m.norm["model"].get("num_labels") or 2))
+            try:
+                m.spec = with_task(m.spec, SEQUENCE_CLASSIFICATION, int(m.norm["model"].get("num_labels") or 2))
+            except MemfitError as error:  # e.g. a vision classifier: memfit builds text classifiers only
+                m.missing.append((CLASSIFIER, str(error)))
+                m.spec = None
     else:
         m.missing.append((OTHER, f"loss {loss}"))
     return {}
