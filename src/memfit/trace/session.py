@@ -61,6 +61,7 @@ def build_hf_model(config: dict, setup: TrainingSetup, notes: list[str] | None =
     notes = notes if notes is not None else []
     with _values_free_init(notes):
         model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
+    _one_fake_mode(model)
     if _has_experts(model):
         notes.append(MOE_NOTE)
     return model
@@ -112,6 +113,28 @@ def _values_free_init(notes: list[str]):
         yield
     if mode.assumed:
         notes.append(INIT_NOTE.format(n=mode.assumed))
+
+
+def _one_fake_mode(model: nn.Module) -> None:
+    """Put every fake parameter and buffer in the active fake mode. copy.deepcopy of a fake tensor makes one in a new
+    FakeTensorMode (torch 2.13), and peft deep-copies each of `modules_to_save` (ModulesToSaveWrapper.update, peft
+    utils/other.py), so the copies' first op fails with 'Mixing fake modes'. Values do not change memory: a copy
+    is a new empty tensor of the same size, stride, dtype and requires_grad."""
+    from torch._guards import active_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = active_fake_mode()
+    if mode is None:
+        return
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if not isinstance(tensor, FakeTensor) or tensor.fake_mode is mode:
+                    continue
+                with mode:
+                    fresh = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+                table[name] = (nn.Parameter(fresh, requires_grad=tensor.requires_grad)
+                               if isinstance(tensor, nn.Parameter) else fresh)
 
 
 def _has_experts(model: nn.Module) -> bool:
