@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._torch import step as runner
@@ -59,9 +60,11 @@ def build_hf_model(config: dict, setup: TrainingSetup, notes: list[str] | None =
     that read values (`trunc_normal_`'s `.any()` in ViT) get a stand-in value, and MoE experts run a path whose
     shapes do not depend on the routing. `notes` gets a line for each of these that applied."""
     notes = notes if notes is not None else []
-    with _values_free_init(notes):
+    # peft deep-copies each of `modules_to_save` (ModulesToSaveWrapper, peft utils/other.py): on fake tensors the
+    # copies must stay in the active fake mode (_FakeDeepcopy), else their first op fails with 'Mixing fake modes'
+    fake = active_fake_mode() is not None
+    with _values_free_init(notes), _FakeDeepcopy() if fake else contextlib.nullcontext():
         model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
-    _one_fake_mode(model)
     if _has_experts(model):
         notes.append(MOE_NOTE)
     return model
@@ -103,8 +106,6 @@ class _ValuesFreeInit(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _values_free_init(notes: list[str]):
-    from torch._guards import active_fake_mode
-
     if active_fake_mode() is None:
         yield
         return
@@ -113,28 +114,6 @@ def _values_free_init(notes: list[str]):
         yield
     if mode.assumed:
         notes.append(INIT_NOTE.format(n=mode.assumed))
-
-
-def _one_fake_mode(model: nn.Module) -> None:
-    """Put every fake parameter and buffer in the active fake mode. copy.deepcopy of a fake tensor makes one in a new
-    FakeTensorMode (torch 2.13), and peft deep-copies each of `modules_to_save` (ModulesToSaveWrapper.update, peft
-    utils/other.py), so the copies' first op fails with 'Mixing fake modes'. Values do not change memory: a copy
-    is a new empty tensor of the same size, stride, dtype and requires_grad."""
-    from torch._guards import active_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    mode = active_fake_mode()
-    if mode is None:
-        return
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if not isinstance(tensor, FakeTensor) or tensor.fake_mode is mode:
-                    continue
-                with mode:
-                    fresh = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
-                table[name] = (nn.Parameter(fresh, requires_grad=tensor.requires_grad)
-                               if isinstance(tensor, nn.Parameter) else fresh)
 
 
 def _has_experts(model: nn.Module) -> bool:
@@ -187,8 +166,6 @@ def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup,
 def _construct(factory: Callable[[], nn.Module]) -> nn.Module:
     """`factory()`; on fake tensors, deep copies made while building (nn.TransformerEncoder clones its layer) are
     new fake tensors of the active fake mode (torch's default deep-copies the fake mode itself along with them)."""
-    from torch._guards import active_fake_mode
-
     with _FakeDeepcopy() if active_fake_mode() is not None else contextlib.nullcontext():
         return factory()
 
