@@ -1,6 +1,6 @@
 """peft's modules_to_save on fake tensors: peft deep-copies each saved module, and a deep copy of a fake tensor
-lands in a new FakeTensorMode, so the trace used to stop with 'Mixing fake modes'. The trace now re-homes those
-copies and equals the real CPU step; it runs under FSDP2 too, on a derived family (Phi)."""
+lands in a new FakeTensorMode, so the trace used to stop with 'Mixing fake modes'. The trace builds under the session's
+_FakeDeepcopy (one fake mode) and equals the real CPU step; it runs under FSDP2 too, on a derived family (Phi)."""
 
 from __future__ import annotations
 
