@@ -750,7 +750,6 @@ def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[R
     worst = sorted((r for r in rows if r.mapped.expressible and r.err_pct is not None),
                    key=lambda r: -abs(r.err_pct))[:5]
     lines += ["", "Worst expressible points: " + ", ".join(f"{r.mapped.pid} ({r.err_pct:+.1f}%)" for r in worst)]
-    lines += _verdict_section(rows)
     lines += ["", "## Not expressible (the roadmap)", "",
               "| feature | points needing it | points it alone blocks |", "|---|---|---|"]
     for feature, count in stats["features"].items():
@@ -778,6 +777,7 @@ def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[R
             model = (r.mapped.norm.get("model") or {}).get("key") or "-"
             lines.append(f"| {r.mapped.pid} | {r.mapped.norm['source']} | {model} | {predicted} | "
                          f"{r.mapped.reason() or '-'} |")
+    lines += _verdict_section(rows)
     return "\n".join(lines) + "\n"
 
 
