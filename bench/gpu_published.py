@@ -38,6 +38,7 @@ DEFAULT_POINTS = "../shared/gpu-published/points.jsonl"
 """Relative to the repository root."""
 DEFAULT_OUT = "bench/results/gpu_published.md"
 
+from memfit.diagnose import diagnose  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
 from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
@@ -81,6 +82,7 @@ ZERO_ONE_PROCESS = "ZeRO / offload on a single process"
 NOT_IN_CATALOG = "model not in the catalog"
 MODEL_DIFFERS = "model numbers differ from the catalog entry"
 SEQ_UNKNOWN = "sequence length unknown"
+CLASSIFIER = "classification head of a model memfit builds no classifier for"
 OTHER = "other"
 
 
@@ -356,7 +358,11 @@ def _map_loss(m: Mapped, loss) -> dict:
         return {"loss": Loss.CHUNKED}
     if loss == "classification_head":  # AutoModelForSequenceClassification: memfit.sources.task
         if m.spec is not None:
-            m.spec = with_task(m.spec, SEQUENCE_CLASSIFICATION, int(m.norm["model"].get("num_labels") or 2))
+            try:
+                m.spec = with_task(m.spec, SEQUENCE_CLASSIFICATION, int(m.norm["model"].get("num_labels") or 2))
+            except MemfitError as error:  # e.g. a vision classifier: memfit builds text classifiers only
+                m.missing.append((CLASSIFIER, str(error)))
+                m.spec = None
     else:
         m.missing.append((OTHER, f"loss {loss}"))
     return {}
@@ -503,6 +509,13 @@ class Row:
     head_gib: float = 0.0
     capacity_gib: float | None = None
     error: str = ""
+    fits: bool | None = None
+    """memfit's verdict (memfit.diagnose): the least reserve the step runs with at the limit + outside <= budget."""
+    fits_with_room: bool | None = None
+    """The verdict on what the step reserves with room to spare (before the retry rule was modelled)."""
+    at_limit_gib: float | None = None
+    with_room_gib: float | None = None
+    budget_gib: float | None = None
 
     @property
     def err_pct(self) -> float | None:
@@ -541,6 +554,12 @@ def predict(mapped: Mapped) -> Row:
         row.error = str(error)
         return row
     num_bytes, row.figure = figure_bytes(est, group)
+    verdict = diagnose(est, mapped.hardware)
+    row.fits = verdict.fits
+    row.with_room_gib = (verdict.with_room_bytes or verdict.required_bytes) / GiB
+    row.at_limit_gib = verdict.at_limit_bytes / GiB
+    row.budget_gib = verdict.budget_bytes / GiB
+    row.fits_with_room = row.with_room_gib <= row.budget_gib
     row.capacity_gib = mapped.hardware.gpu.memory_bytes / GiB
     row.head_gib = sum(t.num_bytes for t in est.terms if "logits" in t.name or t.name == "activations/loss") / GiB
     if mapped.expressible:
@@ -758,7 +777,32 @@ def render(rows: list[Row], stats: dict, *, points_label: str, extra_oom: list[R
             model = (r.mapped.norm.get("model") or {}).get("key") or "-"
             lines.append(f"| {r.mapped.pid} | {r.mapped.norm['source']} | {model} | {predicted} | "
                          f"{r.mapped.reason() or '-'} |")
+    lines += _verdict_section(rows)
     return "\n".join(lines) + "\n"
+
+
+def _verdict_section(rows: list[Row]) -> list[str]:
+    """memfit's fits verdict (memfit.diagnose, 5% margin) on each expressible point that says whether the step ran
+    or ran out of memory, on the reserve with room to spare and on the least reserve at the limit (the caching
+    allocator frees its cached segments and retries before an OOM): every flip listed."""
+    judged = [r for r in rows if r.mapped.expressible and r.fits is not None]
+    right = lambda r, fits: fits != r.is_oom  # noqa: E731
+    flips = [r for r in judged if r.fits != r.fits_with_room]
+    lines = ["", "## Fits verdicts near the limit", "",
+             f"{len(judged)} expressible points (OOM rows: the step did not run; the others ran). Right with the "
+             f"reserve held with room: {sum(right(r, r.fits_with_room) for r in judged)}; right with the least "
+             f"reserve at the limit (memfit's verdict): {sum(right(r, r.fits) for r in judged)}; flips: "
+             f"{len(flips)} ({sum(right(r, r.fits) for r in flips)} to right, "
+             f"{sum(not right(r, r.fits) for r in flips)} to wrong).", "",
+             "| id | model | measured | budget GiB | with room GiB | at the limit GiB | verdict with room | "
+             "memfit's verdict | flip |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in judged:
+        word = {True: "fits", False: "OOM"}
+        flip = "" if r.fits == r.fits_with_room else ("to right" if right(r, r.fits) else "TO WRONG")
+        lines.append(f"| {r.mapped.pid} | {r.mapped.spec.name} | {'OOM' if r.is_oom else 'ran'} | "
+                     f"{r.budget_gib:.2f} | {r.with_room_gib:.2f} | {r.at_limit_gib:.2f} | {word[r.fits_with_room]} "
+                     f"| {word[r.fits]} | {flip} |")
+    return lines
 
 
 def row_json(r: Row) -> dict:
@@ -767,7 +811,8 @@ def row_json(r: Row) -> dict:
             "assumed": r.mapped.assumed, "setup": r.mapped.setup.to_dict() if r.mapped.setup else None,
             "metric": r.metric, "metric_group": r.group, "figure": r.figure, "measured_gib": r.measured_gib,
             "memfit_gib": r.predicted_gib, "nearest_gib": r.nearest_gib, "error_pct": r.err_pct,
-            "is_oom": r.is_oom, "predicted_oom": r.predicted_oom}
+            "is_oom": r.is_oom, "predicted_oom": r.predicted_oom, "fits": r.fits,
+            "fits_with_room": r.fits_with_room}
 
 
 def run(points_file: Path) -> tuple[list[Row], dict, list[Row], list[dict], list[Row]]:

@@ -50,6 +50,19 @@ class Diagnosis:
     """Paged optimizer states (CUDA unified memory): on the device while resident, but evicted to host RAM when a
     device allocation needs the room (bitsandbytes paged optimizers; QLoRA, Dettmers et al. 2023 sec. 3), so
     they slow a step down instead of making it OOM. Not in `required_bytes`."""
+    at_limit_bytes: int = 0
+    """The least the step runs with when the device is full: the allocator's least reserve at the limit + outside,
+    less evictable (the verdict's figure; shown in `to_dict` only when it decides)."""
+    with_room_bytes: int = 0
+    """Set only when the step fits because the allocator frees its cache before it raises OOM: what it would hold
+    with room to spare (reserved + outside, less evictable), over the budget; `required_bytes` is then the figure
+    at the limit."""
+
+    @property
+    def fits_by_retry(self) -> bool:
+        """The step fits only because a failed cudaMalloc makes the caching allocator free its cached segments and
+        retry: near the limit it runs with less reserved than it holds with room to spare."""
+        return self.with_room_bytes > 0
 
     @property
     def headroom_bytes(self) -> int:
@@ -65,8 +78,11 @@ class Diagnosis:
         paged = (f"; {format_bytes(self.evictable_bytes)} of paged optimizer states come on top while they fit and "
                  "are paged to host RAM when they do not") if self.evictable_bytes else ""
         if self.fits:
+            retry = (f"; it reserves {format_bytes(self.with_room_bytes)} when there is room, and near the limit the "
+                     "caching allocator frees its cached segments and retries before an out-of-memory error"
+                     ) if self.fits_by_retry else ""
             return (f"fits: needs {need} of {budget} usable ({format_bytes(self.headroom_bytes)} headroom)"
-                    + paged)
+                    + retry + paged)
         over = format_bytes(-self.headroom_bytes)
         what = {Bottleneck.STATIC: "static memory (parameters + gradients + optimizer states)",
                 Bottleneck.ACTIVATIONS: "activation memory",
@@ -99,7 +115,11 @@ class Diagnosis:
                 "activation_bytes": self.activation_bytes, "cache_bytes": self.cache_bytes, "margin": self.margin,
                 "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
                 "outside_allocator_bytes": self.outside_allocator_bytes, "evictable_bytes": self.evictable_bytes,
-                "required_is": "reserved + outside the allocator (device used), less evictable paged states"}
+                "required_is": "reserved + outside the allocator (device used), less evictable paged states",
+                **({"required_is": "the least reserve the step runs with at the limit (the caching allocator frees "
+                                   "its cached segments and retries before an OOM) + outside the allocator, less "
+                                   "evictable paged states",
+                    "with_room_bytes": self.with_room_bytes} if self.fits_by_retry else {})}
 
 
 PAGED_STATES = TermKey.PAGED_STATES
@@ -115,10 +135,21 @@ def static_floor_bytes(estimate: MemoryEstimate) -> int:
     return estimate.static_bytes + fixed
 
 
+def cache_freed_at_limit(estimate: MemoryEstimate) -> int:
+    """Bytes of the allocator's reserve that a full device takes back: the reserve with room less the least the
+    step runs with (Term.at_limit of the reserve terms, memfit.estimate.allocator.least_capacity)."""
+    return sum(t.num_bytes - max(0, min(t.at_limit, t.num_bytes)) for t in estimate.terms
+               if t.name == TermKey.ALLOCATOR_RESERVE and t.at_limit is not None)
+
+
 def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> Diagnosis:
     """The step fits when what it holds on the device stays within the budget: the caching allocator's reserved
     segments + the memory outside it (CUDA context, NCCL), i.e. the predicted device-used figure; allocated alone
-    would miss the cache that makes a real step OOM.
+    would miss the cache that makes a real step OOM. Over the budget with that figure, it still fits when the
+    least reserve it runs with at the limit does: a failed cudaMalloc makes the allocator free every cached
+    segment with no block in use and retry (CUDACachingAllocator.cpp, DeviceCachingAllocator::malloc:
+    release_available_cached_blocks, release_cached_blocks), so only the segments live blocks keep (split,
+    partly in use) and the rounding count then (memfit.estimate.allocator.least_capacity).
 
     A component is a bottleneck when it alone takes more than half of the budget: then no change to the other
     can make the step fit. Over budget, at least one of the two always does."""
@@ -130,6 +161,10 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
     reserved, outside = estimate.reserved_bytes, estimate.outside_allocator_bytes
     evictable = sum(t.num_bytes for t in estimate.terms if t.name == PAGED_STATES)
     required = reserved + outside - evictable
+    with_room = 0
+    at_limit = required - cache_freed_at_limit(estimate)
+    if required > budget >= at_limit:
+        with_room, required = required, at_limit
     if required <= budget:
         bottleneck = Bottleneck.FITS
     else:
@@ -139,4 +174,4 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
     return Diagnosis(bottleneck=bottleneck, capacity_bytes=capacity, budget_bytes=budget, required_bytes=required,
                      static_bytes=static, activation_bytes=activ, margin=margin, cache_bytes=cache,
                      allocated_bytes=estimate.allocated_bytes, reserved_bytes=reserved, outside_allocator_bytes=outside,
-                     evictable_bytes=evictable)
+                     evictable_bytes=evictable, at_limit_bytes=at_limit, with_room_bytes=with_room)

@@ -147,9 +147,15 @@ def peak_and_diagnosis(console: Console, estimate: MemoryEstimate, diagnosis: Di
     if diagnosis.reserved_bytes:
         paged = (f" - evictable paged optimizer states {gib(diagnosis.evictable_bytes)} GiB"
                  if diagnosis.evictable_bytes else "")
-        rows.append(("", f"needs = reserved {gib(diagnosis.reserved_bytes)} GiB + outside the allocator "
-                         f"{gib(diagnosis.outside_allocator_bytes)} GiB (CUDA context, NCCL){paged}: what a CUDA OOM "
-                         "is decided on"))
+        outside = f"outside the allocator {gib(diagnosis.outside_allocator_bytes)} GiB (CUDA context, NCCL){paged}"
+        if diagnosis.fits_by_retry:
+            least = diagnosis.required_bytes - diagnosis.outside_allocator_bytes + diagnosis.evictable_bytes
+            rows.append(("", f"needs = the least the allocator runs with at the limit {gib(least)} GiB + {outside}: "
+                             f"what a CUDA OOM is decided on (reserved {gib(diagnosis.reserved_bytes)} GiB with room; "
+                             "a failed cudaMalloc frees the cached segments and retries)"))
+        else:
+            rows.append(("", f"needs = reserved {gib(diagnosis.reserved_bytes)} GiB + {outside}: what a CUDA OOM "
+                             "is decided on"))
     cache = f", allocator cache {gib(diagnosis.cache_bytes)} GiB" if diagnosis.cache_bytes else ""
     rows.append(("", f"static {gib(diagnosis.static_bytes)} GiB (params + grads + optimizer + fixed runtime), "
                      f"activations {gib(diagnosis.activation_bytes)} GiB{cache}, headroom "

@@ -159,3 +159,20 @@ def test_runs_end_to_end_and_lists_every_in_scope_point_once(points, tmp_path):
 def test_missing_points_file_is_one_error(tmp_path, capsys):
     assert gp.main(["--points", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "r.md")]) == 2
     assert "no points file" in capsys.readouterr().err
+
+
+def test_a_classification_point_on_a_model_without_a_classifier_is_not_expressible(points, tmp_path):
+    """A classification-head point on a model memfit builds no sequence classifier for (a ViT, here P003's BERT
+    setup with the model swapped) is marked not expressible with memfit's own reason, and the run goes on."""
+    vit = json.loads(json.dumps(points["P003"]))
+    vit["normalized"].update(id="P900", model={"key": "vit-base-patch16-224", "layers": 12, "hidden": 768})
+    mapped = gp.map_point(vit)
+    assert not mapped.expressible and mapped.features == [gp.CLASSIFIER]
+    assert "'vit'" in mapped.reason()
+    path = tmp_path / "points.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in (points["P003"], vit)) + "\n")
+    out, js = tmp_path / "r.md", tmp_path / "r.json"
+    assert gp.main(["--points", str(path), "--out", str(out), "--json", str(js)]) == 0
+    rows = {r["id"]: r for r in json.loads(js.read_text())["rows"]}
+    assert rows["P003"]["expressible"] and rows["P003"]["memfit_gib"] > 0
+    assert not rows["P900"]["expressible"] and gp.CLASSIFIER in rows["P900"]["reason"]

@@ -81,6 +81,8 @@ class ReplayResult:
     oom: bool
     """A request could not be served within the capacity even after releasing the cache."""
     events: int
+    peak_mapped_live: int = 0
+    """Expandable segments: peak bytes of the pages under live blocks (what no release can unmap)."""
 
 
 def round_size(size: int, divisions: int = 0) -> int:
@@ -136,6 +138,8 @@ class CachingAllocator:
         self.cuda_mallocs = 0
         self.released = 0
         self.oom = False
+        self._pages: dict[tuple[bool, int], int] = {}  # expandable: (pool, page) -> live blocks on it
+        self.mapped_live = self.peak_mapped_live = 0
 
     # ---- pool bookkeeping ------------------------------------------------------------------------------------
 
@@ -168,7 +172,10 @@ class CachingAllocator:
 
     def _new_segment(self, alloc: int, small: bool) -> _Block | None:
         if self.capacity is not None and self.reserved + alloc > self.capacity:
-            self._release_cached()
+            if self.config.max_split_size is not None:
+                self._release_oversize(alloc)
+            if self.reserved + alloc > self.capacity:
+                self._release_cached()
             if self.reserved + alloc > self.capacity:
                 self.oom = True  # counted anyway: the figures say how far over it goes
         addr = self._next_addr
@@ -178,6 +185,26 @@ class CachingAllocator:
         self.reserved += alloc
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return _Block(addr, alloc, small, self._segments)
+
+    def _release_oversize(self, alloc: int) -> None:
+        """release_available_cached_blocks (only with max_split_size): cudaFree cached oversize segments (at least
+        max_split_size, never split) before anything else: the smallest one that covers the new segment, else the
+        largest ones until they do."""
+        limit = self.config.max_split_size
+        oversize = [self._by_key[(False, size, addr)] for size, addr in self._free[False] if size >= limit]
+        oversize = [block for block in oversize if self._whole(block)]  # by size, then address
+        need = self.reserved + alloc - self.capacity
+        cover = [b for b in oversize if b.size >= need]
+        for block in cover[:1] or reversed(oversize):
+            if need <= 0:
+                break
+            self._remove(block)
+            self.reserved -= block.size
+            self.released += 1
+            need -= block.size
+
+    def _whole(self, block: _Block) -> bool:
+        return block.prev is None and block.next is None and self._expand[block.small] is None
 
     def _release_cached(self) -> None:
         """release_cached_blocks: cudaFree every cached segment that has no block in use (one whole free block)."""
@@ -250,6 +277,8 @@ class CachingAllocator:
             self._insert(rest)
         block.allocated = True
         block.requested = orig
+        if config.expandable_segments:
+            self._count_pages(block, 1)
         self.allocated += block.size
         self.requested += orig
         if self.allocated > self.peak_allocated:
@@ -258,8 +287,29 @@ class CachingAllocator:
             self.peak_requested = self.requested
         return block
 
+    def _count_pages(self, block: _Block, step: int) -> None:
+        """Expandable segments: the pages a live block lies on, which no release can unmap."""
+        page = EXPANDABLE_PAGE[block.small]
+        pages = self._pages
+        start = block.addr - self._expand[block.small][0]  # pages are counted from the segment's base
+        for index in range(start // page, (start + block.size - 1) // page + 1):
+            key = (block.small, index)
+            count = pages.get(key, 0) + step
+            if count:
+                pages[key] = count
+            else:
+                del pages[key]
+            if count == step == 1:
+                self.mapped_live += page
+            elif count == 0:
+                self.mapped_live -= page
+        if self.mapped_live > self.peak_mapped_live:
+            self.peak_mapped_live = self.mapped_live
+
     def free(self, block: _Block) -> None:
         block.allocated = False
+        if self.config.expandable_segments:
+            self._count_pages(block, -1)
         self.allocated -= block.size
         self.requested -= block.requested
         state = self._expand[block.small]
@@ -284,7 +334,7 @@ class CachingAllocator:
     def result(self, events: int = 0) -> ReplayResult:
         return ReplayResult(peak_requested=self.peak_requested, peak_allocated=self.peak_allocated,
                             peak_reserved=self.peak_reserved, segments=self.cuda_mallocs, released=self.released,
-                            oom=self.oom, events=events)
+                            oom=self.oom, events=events, peak_mapped_live=self.peak_mapped_live)
 
 
 def replay(events: Iterable[tuple[object, int]], config: AllocatorConfig | None = None, *,
@@ -307,3 +357,36 @@ def replay(events: Iterable[tuple[object, int]], config: AllocatorConfig | None 
                 free(old)
             live[key] = malloc(nbytes)
     return allocator.result(count)
+
+
+def least_capacity(events: Iterable[tuple[object, int]], config: AllocatorConfig | None = None) -> int:
+    """The fewest bytes the allocator can be given (device memory less what lives outside it) and still run the
+    stream without an out-of-memory error: the OOM condition, where `replay`'s peak_reserved is what it holds when
+    there is room.
+
+    When cudaMalloc fails the allocator does not raise at once (CUDACachingAllocator.cpp, DeviceCachingAllocator::
+    malloc): it frees cached oversize segments (release_available_cached_blocks, with max_split_size only), then
+    every cached segment with no block in use (release_cached_blocks: blocks "not split") and retries. A segment
+    that is split and partly in use cannot be freed, so the step OOMs when the segments holding live blocks plus
+    the new one exceed the device, which can be well under the peak it reserves with room to spare.
+
+    Default segments: the caching layout depends on when segments are freed, so the capacity is searched (in
+    2 MiB, cudaMalloc's granularity for these segment sizes) between the peak allocated and the peak reserved,
+    replaying with the release-and-retry rule at each. Expandable segments: release_cached_blocks unmaps every
+    free page (unmap_block) and a free block keeps its place when unmapped, so the layout is the same at any
+    capacity and the answer is the peak of the pages under live blocks (2 MiB pages in the small pool, 20 MiB in
+    the large one)."""
+    config = config or AllocatorConfig()
+    events = list(events)
+    free_run = replay(events, config)
+    if config.expandable_segments:
+        return free_run.peak_mapped_live
+    low = (free_run.peak_allocated - 1) // ROUND_LARGE  # 2 MiB units known too few: under the peak allocated
+    high = -(-free_run.peak_reserved // ROUND_LARGE)  # enough: the run with room never reaches it
+    while high - low > 1:
+        middle = (low + high) // 2
+        if replay(events, config, capacity=middle * ROUND_LARGE).oom:
+            low = middle
+        else:
+            high = middle
+    return min(high * ROUND_LARGE, free_run.peak_reserved)

@@ -48,6 +48,8 @@ class DeviceReplay:
 
     rounding_bytes: int
     reserve_bytes: int
+    limit_reserve_bytes: int
+    """The least reserve the step runs with when the device is full: allocator.least_capacity - peak allocated."""
     stream: str
     """'trace' (the step's real events) or 'formulas' (the representative stream)."""
     config: str
@@ -84,7 +86,7 @@ def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Har
     if replay.stream == "peak only":
         reserve_formula += "; no event stream was given, so fragmentation is not modelled"
     out.append(Term(RESERVE, Category.OVERHEAD, replay.reserve_bytes, reserve_formula, alloc.SOURCE,
-                    figure="reserved"))
+                    figure="reserved", at_limit=min(replay.limit_reserve_bytes, replay.reserve_bytes)))
     if constants.cuda_context_bytes:
         out.append(Term(CONTEXT, Category.OVERHEAD, constants.cuda_context_bytes,
                         f"CUDA context, {hardware.cuda_runtime} module loading (outside PyTorch's allocator)",
@@ -107,15 +109,20 @@ def device_replay(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *,
     if events is not None:
         stream = [(("ws", i), size) for i, size in enumerate(workspaces)] + list(events)
         result = alloc.replay(stream, config)
+        least = alloc.least_capacity(stream, config)
         return DeviceReplay(max(0, result.peak_allocated - result.peak_requested),
-                            max(0, result.peak_reserved - result.peak_allocated), "trace", config.describe())
+                            max(0, result.peak_reserved - result.peak_allocated),
+                            max(0, least - result.peak_allocated), "trace", config.describe())
     if spec is None or not terms or not spec.params:
-        result = alloc.replay([(i, s) for i, s in enumerate((*workspaces, tensor_peak)) if s], config)
+        stream = [(i, s) for i, s in enumerate((*workspaces, tensor_peak)) if s]
+        result = alloc.replay(stream, config)
         return DeviceReplay(result.peak_allocated - result.peak_requested,
-                            result.peak_reserved - result.peak_allocated, "peak only", config.describe())
+                            result.peak_reserved - result.peak_allocated,
+                            max(0, alloc.least_capacity(stream, config) - result.peak_allocated), "peak only",
+                            config.describe())
     shape = _shape(spec, setup, terms, workspaces, offload)
-    rounding, reserve = _extended(shape, config, spec.num_layers, tensor_peak)
-    return DeviceReplay(rounding, reserve, "formulas", config.describe())
+    rounding, reserve, limit = _extended(shape, config, spec.num_layers, tensor_peak)
+    return DeviceReplay(rounding, reserve, limit, "formulas", config.describe())
 
 
 # ------------------------------------------------------------------------------------------ the formula stream
@@ -332,20 +339,24 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
 
 
 @lru_cache(maxsize=512)
-def _replayed(shape: _Shape, blocks: int, config: alloc.AllocatorConfig) -> tuple[int, int, int]:
-    result = alloc.replay(formula_stream(shape, blocks), config)
+def _replayed(shape: _Shape, blocks: int, config: alloc.AllocatorConfig) -> tuple[int, int, int, int]:
+    """(peak requested, rounding, reserve with room, reserve at the limit) of the sample's stream."""
+    stream = formula_stream(shape, blocks)
+    result = alloc.replay(stream, config)
     return (result.peak_requested, max(0, result.peak_allocated - result.peak_requested),
-            max(0, result.peak_reserved - result.peak_allocated))
+            max(0, result.peak_reserved - result.peak_allocated),
+            max(0, alloc.least_capacity(stream, config) - result.peak_allocated))
 
 
-def _extended(shape: _Shape, config: alloc.AllocatorConfig, layers: int, tensor_peak: int) -> tuple[int, int]:
+def _extended(shape: _Shape, config: alloc.AllocatorConfig, layers: int,
+              tensor_peak: int) -> tuple[int, int, int]:
     """Replay SAMPLE_BLOCKS blocks (all of them when the model has fewer) and scale the overheads by the tensor
     peak: the sample's rounding and cache as fractions of its own peak, applied to the formulas' peak. (Blocks
     repeat the same allocations, but how their blocks pack into segments does not grow linearly with depth, so a
     fraction is steadier than an extrapolation.)"""
     blocks = min(SAMPLE_BLOCKS, layers)
-    requested, rounding, reserve = _replayed(shape, blocks, config)
+    requested, rounding, reserve, limit = _replayed(shape, blocks, config)
     if blocks == layers or not requested:
-        return rounding, reserve
+        return rounding, reserve, limit
     scale = tensor_peak / requested
-    return int(rounding * scale), int(reserve * scale)
+    return int(rounding * scale), int(reserve * scale), int(limit * scale)

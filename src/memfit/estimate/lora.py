@@ -85,6 +85,9 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
         raise ConfigError(f"{ft.method} on '{spec.name}' (an encoder-decoder, sized by its stacks' traced fits) is "
                           "not sized by memfit yet: size a full fine-tune, or a decoder-only model")
     if spec.derived is not None and _traces_adapters(spec, setup):
+        if getattr(spec.derived, "stacked", False):  # memfit.derive.stacks traces its copies without adapters
+            raise ConfigError(f"{ft.method} on '{spec.name}' is not sized yet: its activations come from traces of "
+                              "copies per stack (memfit.derive.stacks), which carry no adapters; use `memfit trace`")
         # a family sized by derived formulas: its fits are traced with these adapters on the copies (issue 20)
         spec = replace(spec, derived=spec.derived.with_adapters(Adapters.of(ft, compute, derive_targets(graph, ft))))
     base = ft.base_storage(compute)

@@ -32,6 +32,10 @@ class Term:
     """Which device figure the term first counts in: 'allocated' (tensors, the allocator's rounding, kernel
     workspaces), 'reserved' (segments cached beyond the allocated peak) or 'outside' (the allocator: CUDA context,
     NCCL, a paged optimizer's unified-memory states). Empty: 'allocated' for tensor categories, by name for overhead terms (see `device_figure`)."""
+    at_limit: int | None = field(default=None, compare=False)
+    """The allocator reserve only: the least of it the step runs with when the device is full (the allocator frees
+    its cached segments and retries before it raises OOM; memfit.estimate.allocator.least_capacity). None: not
+    known, `num_bytes` is taken. Not serialized: a figure for the fits verdict (memfit.diagnose), not a term."""
 
     def __post_init__(self) -> None:
         # a name given as its text (a measured step's keys, code not yet on TermKey) becomes its member, so an

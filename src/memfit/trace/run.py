@@ -21,6 +21,13 @@ from .tracker import KIND_TERMS, StepTracker, _Kind
 
 ModelRef = str | dict | Callable[[], nn.Module]
 SOURCE = "traced: the training step run on fake tensors (FakeTensorMode), every allocation and free counted"
+COMPILE_REFUSAL = (
+    "a trace cannot size --compile: it counts every allocation through a torch dispatch mode, and dynamo runs every "
+    "frame eager while one is active (torch/_dynamo/convert_frame.py: 'non-infra torch dispatch mode present'), so "
+    "the step would be eager's; `memfit estimate --compile` sizes the compiled blocks (AOTAutograd's min-cut "
+    "partition of each block, traced on its own), or drop --compile")
+"""Why `trace` refuses --compile. (Partitioning each block with AOTAutograd outside the tracer and replaying its
+graphs inside would size it; memfit.estimate.compiled does the first half for the estimate.)"""
 _ALWAYS_SHOWN = (_Kind.PARAMETERS, _Kind.GRADIENTS, _Kind.OPTIMIZER, _Kind.ACTIVATIONS, _Kind.TEMPORARIES)
 
 
@@ -39,9 +46,8 @@ def trace(model_ref: ModelRef, setup: TrainingSetup | None = None, *,
     setup = getattr(setup, "final_setup", setup) or TrainingSetup()
     if not isinstance(setup, TrainingSetup):
         raise ConfigError(f"trace needs a TrainingSetup (or a Plan), got {type(setup).__name__}")
-    if setup.compile:  # dynamo compiles nothing under the tracer's dispatch mode: the trace would be eager's
-        raise ConfigError("a trace runs the step eager (dynamo does not compile under its dispatch mode): size "
-                          "--compile with `memfit estimate` (the compiled blocks' partition) or drop --compile")
+    if setup.compile:
+        raise ConfigError(COMPILE_REFUSAL)
     if not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive whole number, got {steps!r}")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._torch import step as runner
@@ -59,7 +60,10 @@ def build_hf_model(config: dict, setup: TrainingSetup, notes: list[str] | None =
     that read values (`trunc_normal_`'s `.any()` in ViT) get a stand-in value, and MoE experts run a path whose
     shapes do not depend on the routing. `notes` gets a line for each of these that applied."""
     notes = notes if notes is not None else []
-    with _values_free_init(notes):
+    # peft deep-copies each of `modules_to_save` (ModulesToSaveWrapper, peft utils/other.py): on fake tensors the
+    # copies must stay in the active fake mode (_FakeDeepcopy), else their first op fails with 'Mixing fake modes'
+    fake = active_fake_mode() is not None
+    with _values_free_init(notes), _FakeDeepcopy() if fake else contextlib.nullcontext():
         model = runner.build_hf_model(config, _model_setup(setup), device="cpu")
     if _has_experts(model):
         notes.append(MOE_NOTE)
@@ -102,8 +106,6 @@ class _ValuesFreeInit(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _values_free_init(notes: list[str]):
-    from torch._guards import active_fake_mode
-
     if active_fake_mode() is None:
         yield
         return
@@ -164,8 +166,6 @@ def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup,
 def _construct(factory: Callable[[], nn.Module]) -> nn.Module:
     """`factory()`; on fake tensors, deep copies made while building (nn.TransformerEncoder clones its layer) are
     new fake tensors of the active fake mode (torch's default deep-copies the fake mode itself along with them)."""
-    from torch._guards import active_fake_mode
-
     with _FakeDeepcopy() if active_fake_mode() is not None else contextlib.nullcontext():
         return factory()
 
