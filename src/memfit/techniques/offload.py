@@ -5,7 +5,7 @@ from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSet
 from ..units import format_bytes
 from ..estimate import torchao_offload
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
-from .costs import Cost, offload_step_cost, offload_traffic
+from .costs import Cost, offload_cost, offload_step_cost
 
 
 @register
@@ -70,7 +70,7 @@ class CpuOffload(Technique):
             chosen, host_need = _torchao_where_deepspeed_cannot(ctx, chosen, host_need)
         if isinstance(chosen, Skip):
             return chosen
-        return Proposal(chosen, _change(chosen), offload_traffic(ctx.spec, chosen, ctx.hardware),
+        return Proposal(chosen, _change(chosen), offload_cost(ctx.spec, chosen, ctx.hardware),
                         _why(setup, chosen, host_need, one_gpu))
 
 
