@@ -17,6 +17,7 @@ from .model_spec import ModelSpec
 from .setup import TrainingSetup, setup_changes
 from .techniques import LADDERS, REGISTRY, Context, Proposal, Skip
 from .techniques.base import STATIC_OVER, EstimateFn, pin_reason, static_over_budget
+from .techniques.costs import Cost
 from .units import format_bytes
 
 
@@ -29,7 +30,10 @@ class PlanStep:
     diagnosis: Diagnosis
     change: str
     cost: str
+    """What the rung costs, as printed: `typed_cost.text`."""
     why: str
+    typed_cost: Cost = Cost()
+    """The rung's typed Cost (memfit.techniques.costs): its numbers, packages, what it rules out, caveats."""
 
     def to_dict(self) -> dict:
         return {"technique": self.technique, "title": self.title, "change": self.change, "cost": self.cost,
@@ -75,7 +79,8 @@ def walk(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, start: tuple
         no_gain.clear()
         why = explain(current, prop.setup, prop.why, explicit)
         current, est, diag = prop.setup, after, after_diag
-        steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost, why))
+        steps.append(PlanStep(key, REGISTRY[key].title, current, est, diag, prop.change, prop.cost.text, why,
+                              prop.cost))
     return Walked(tuple(steps), skipped, current, est, diag)
 
 

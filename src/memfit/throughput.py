@@ -2,7 +2,8 @@
 
 time/sample = (compute + exposed communication + offload) / effective batch, where
 - compute = 6 P tokens FLOPs (Kaplan et al. 2020), 8 P tokens with full checkpointing (one extra forward), at a
-  model FLOP utilisation that falls for small micro-batches (fewer tokens per matmul) and for eager attention;
+  model FLOP utilisation that falls for small micro-batches (fewer tokens per matmul), for eager attention and for
+  fp32 (the techniques' `mfu_factor`);
 - ZeRO traffic (ZeRO paper sec. 7) over NVLink within a node or the network across nodes, half of it hidden
   behind compute;
 - offload: the engine's host<->device copies over PCIe (techniques.costs.offload_traffic_bytes) and a CPU Adam
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from .hardware import Hardware
 from .model_spec import ModelSpec
-from .setup import Attention, Precision, TrainingSetup
+from .setup import TrainingSetup
 from .techniques.costs import CPU_ADAM_PARAMS_PER_S  # noqa: F401  (re-exported: the model's CPU Adam rate)
 from .techniques import REGISTRY
 from .techniques.costs import Cost, combined
@@ -37,11 +38,7 @@ def relative_step_time(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware
     tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps
     cost = step_cost(spec, setup, hardware)
     flops_per_token = 6 * spec.num_params * (1 + cost.recompute_fraction)
-    mfu = BASE_MFU * min(1.0, (setup.micro_batch_size * setup.seq_len / 4096) ** 0.25)
-    if setup.attention is Attention.EAGER:
-        mfu *= 0.85
-    if setup.precision is Precision.FP32:
-        mfu *= 0.5  # tf32 tensor cores run at half the bf16 rate
+    mfu = BASE_MFU * min(1.0, (setup.micro_batch_size * setup.seq_len / 4096) ** 0.25) * cost.mfu_factor
     peak = (hardware.gpu.peak_tflops_bf16 or 100.0) * 1e12
     compute = tokens * flops_per_token / (peak * mfu) * cost.step_time_factor
     comm = 0.0

@@ -191,7 +191,7 @@ def test_a_full_fine_tune_that_cannot_fit_reaches_lora_after_the_seed_rungs():
     assert REGISTRY["lora"].beyond_seed and all(not REGISTRY[k].beyond_seed for k in keys[:at])
     assert all(REGISTRY[k].cuts_static for k in keys[:at]) and all(not REGISTRY[k].cuts_static for k in keys[at + 1:])
     lora = result.steps[at]
-    assert "a different method" in lora.cost and "(beyond the seed)" in lora.title
+    assert lora.typed_cost.new_method and lora.cost == lora.typed_cost.text
 
 
 def test_a_lora_user_gets_the_seed_ladder_on_top():

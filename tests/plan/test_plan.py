@@ -20,7 +20,7 @@ from memfit.techniques import REGISTRY
 from memfit.techniques.base import static_over_budget
 from memfit.plan import optimize, plan
 from memfit.search import candidate_setups
-from memfit.setup import FIELD_LABELS, KEEP_NAMES, TrainingSetup
+from memfit.setup import FIELD_LABELS, KEEP_NAMES, Checkpointing, Sharding, TrainingSetup
 from memfit.sources import resolve_model
 
 NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
@@ -203,9 +203,11 @@ def test_the_zero_rung_and_the_suggestion_give_one_gpu_count():
     assert dict(result.skipped)["ZeRO sharding"].endswith("; " + more)
     # static memory alone is still over one GPU, so the count is the ladder walked again on more GPUs: ZeRO-3 and
     # the activation rungs it then needs, the micro-batch asked for left alone
-    num_gpus = int(more.split("fits on ")[1].split(" x ")[0])
+    found = result.more_gpus  # what the suggestion says, as the plan holds it
+    num_gpus = found.num_gpus
     assert f"fits on {num_gpus} x custom-24GiB (--gpus {num_gpus})" in more
-    assert "sharding none -> zero3" in more and "checkpointing none -> full" in more and "micro-batch 4 ->" not in more
+    assert (found.setup.sharding, found.setup.checkpointing, found.setup.micro_batch_size, found.setup.num_gpus) == (
+        Sharding.ZERO3, Checkpointing.FULL, 4, num_gpus)
     assert dict(result.skipped)["CPU offload of optimizer states"].startswith("host RAM is the limit: offload needs")
     # It is the fewest: the ladder does not fit on half as many; taking that many GPUs, it fits.
     def walked(n: int) -> bool:

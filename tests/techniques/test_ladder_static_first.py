@@ -55,8 +55,9 @@ def test_no_activation_rung_when_static_memory_never_fits():
     assert {t for t, r in result.skipped if r.startswith(STATIC_OVER)} == {
         REGISTRY[k].title for k in ACTIVATION_RUNGS}
     assert not any(s.startswith(("a shorter sequence", "gradient checkpointing:")) for s in result.suggestions)
-    (more,) = [s for s in result.suggestions if s.startswith("more GPUs: it fits on")]
-    assert "sharding none -> zero3" in more and "checkpointing none -> full" in more  # the walk on more GPUs
+    assert len([s for s in result.suggestions if s.startswith("more GPUs: it fits on")]) == 1
+    walked = result.more_gpus.setup  # the walk on more GPUs: ZeRO-3, then the activation rungs
+    assert (walked.sharding.value, walked.checkpointing.value) == ("zero3", "full")
 
 
 def test_a_static_rung_that_grows_activations_is_still_progress():

@@ -88,3 +88,23 @@ def test_cli_json_and_errors(tmp_path):
                  ["vlm", str(path), "--tower", "sideways"]):
         bad = runner.invoke(app, args)
         assert bad.exit_code == 2 and bad.output.count("error:") == 1, bad.output
+
+
+def test_cli_takes_the_shared_setup_options_and_its_own_spellings(tmp_path):
+    """`memfit vlm` takes the generated setup and hardware options (cli/options.with_setup_options): --method /
+    --lora-rank and its older --finetune / --rank size the same step, --zero and --gpus reach the traced setup, and
+    a shared option that does not apply to a VLM step is one error line."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config("qwen2_vl")))
+    runner = CliRunner()
+    base = ["vlm", str(path), "--image-size", "300x500", "--max-pixels", "200704", "--text-len", "24", "--json"]
+    shared = json.loads(runner.invoke(app, [*base, "--method", "lora", "-r", "4", "--gpus", "2", "--zero", "3"]).output)
+    older = json.loads(runner.invoke(app, [*base, "--finetune", "lora", "--rank", "4", "--gpus", "2",
+                                           "--zero", "3"]).output)
+    assert shared == older
+    setup = shared["estimate"]["setup"]
+    assert (setup["finetune"]["method"], setup["finetune"]["rank"], setup["sharding"], setup["num_gpus"]) == (
+        "lora", 4, "zero3", 2)
+    assert (setup["micro_batch_size"], setup["precision"], setup["seq_len"]) == (1, "bf16", shared["lm_seq"])
+    bad = runner.invoke(app, [*base, "--seq", "128"])
+    assert bad.exit_code == 2 and bad.output.count("error:") == 1 and "Traceback" not in bad.output

@@ -3,8 +3,9 @@
 The setup's options are generated from the fields' declarations (memfit.fields: flags, help, parser, bounds, in
 the order of the setup's sections); the others (model, hardware, --config, --keep, output) are `Annotated` aliases
 written here. `with_setup_options` adds the whole set to a command in place of its `opts: SetupOptions` parameter,
-so a new command (trace, measure, launch) takes the same options by writing one parameter. Values are checked
-here, so a bad number is one line naming the option, never a traceback.
+so a new command (trace, measure, launch) takes the same options by writing one parameter; a parameter of the
+command's own named like a shared option replaces it (vlm's --image-size). Values are checked here, so a bad number
+is one line naming the option, never a traceback.
 """
 
 from __future__ import annotations
@@ -328,6 +329,13 @@ class _GivenOptions:
                               "add --method lora (or qlora)")
         return Finetune(method=method, **given)
 
+    def given_setup(self, hardware: Hardware, **defaults: Any) -> TrainingSetup:
+        """The TrainingSetup of the fields given (and --config's), `defaults` for the others and TrainingSetup()'s
+        beyond those, on `hardware`'s world size: for a command that sizes no catalog text model (vlm), where no
+        model's typical choices (typical_setup) apply."""
+        given = {name: value for name, value in self._setup_fields().items() if value is not None}
+        return TrainingSetup(**{**defaults, **given, "num_gpus": hardware.world_size})
+
     @property
     def explicit(self) -> frozenset[str]:
         """The TrainingSetup fields given on the command line (--gpus / --nodes set num_gpus)."""
@@ -390,7 +398,9 @@ def option_parameters(*, planning: bool = False) -> list[inspect.Parameter]:
 
 def with_setup_options(command: Callable) -> Callable:
     """Replace the command's `opts: SetupOptions` parameter by the shared options, and call it with them collected
-    into a SetupOptions. Typer reads the signature, so `--help` lists the options in their panels."""
+    into a SetupOptions. Typer reads the signature, so `--help` lists the options in their panels. A shared option
+    whose name is one of the command's own parameters is left out (the command's replaces it; its SetupOptions
+    attribute stays None)."""
     signature = inspect.signature(command)
     names = list(signature.parameters)
     if "opts" not in names:
@@ -400,7 +410,7 @@ def with_setup_options(command: Callable) -> Callable:
               for p in list(signature.parameters.values())[:at]]
     positional_model = any(_is_model_argument(p) for p in list(signature.parameters.values())[:at])
     after = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in list(signature.parameters.values())[at + 1:]]
-    shared = option_parameters(planning=command.__name__ in _PLANNING_COMMANDS)
+    shared = [p for p in option_parameters(planning=command.__name__ in _PLANNING_COMMANDS) if p.name not in names]
     options = [p.name for p in shared]
 
     @functools.wraps(command)

@@ -1,17 +1,29 @@
 """`memfit vlm`: a vision-language model's training step from the images a sample carries (memfit.vlm): the vision
 tokens the processor makes, the language model's sequence, each stack's parameters, the traced peak, and the largest
-max_pixels or images per sample that fit the GPU. Parse -> memfit.vlm -> print; its own options (the shared setup
-options are about text models)."""
+max_pixels or images per sample that fit the GPU. Parse -> memfit.vlm -> print. It takes the sizing commands'
+generated setup and hardware options (cli/options.with_setup_options) beside its own (images, pixels, text length,
+tower, search); its --image-size is the images', not the setup's image-classifier field."""
 
+from dataclasses import replace
 from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import ConfigError
+from ..finetune import Method
+from ..setup import Checkpointing, Precision
 from .common import DOES_NOT_FIT, app, console, examples, print_json
+from .options import MAX_MICRO_BATCH, JsonOpt, SetupOptions, choice, whole_number, with_setup_options
 
 GIB = 2 ** 30
+
+VLM_DEFAULTS = {"micro_batch_size": 1, "precision": Precision.BF16, "checkpointing": Checkpointing.NONE}
+"""What a setup option left out means here (TrainingSetup()'s for the rest): one sample of pure bf16 weights,
+nothing recomputed."""
+NOT_FOR_VLM = {"seq": "--seq", "target_len": "--target-len", "padding": "--padding",
+               "longest_sample": "--longest-sample", "task": "--task", "num_labels": "--num-labels"}
+"""Shared options a VLM step has no use for: its sequence is --text-len plus the images' tokens, its head the LM's."""
 
 
 class Search(str, Enum):
@@ -32,24 +44,27 @@ def parse_size(value: str) -> tuple[int, int]:
     return (numbers[0], numbers[-1])
 
 
-def _setup(micro_batch: int, precision: str, finetune: str, rank: int, checkpointing: str, optimizer: Optional[str]):
-    from ..finetune import Finetune
-    from ..setup import TrainingSetup
-
-    fields = {"micro_batch_size": micro_batch, "precision": precision, "checkpointing": checkpointing,
-              "finetune": Finetune(method=finetune, rank=rank)}
-    if optimizer:
-        fields["optimizer"] = optimizer
-    return TrainingSetup(**fields)
+def vlm_options(opts: SetupOptions, micro_batch: int | None, finetune: Method | None,
+                rank: int | None) -> SetupOptions:
+    """`opts` with vlm's older spellings (--micro-batch, --finetune, --rank) where the shared ones (--batch,
+    --method, --lora-rank) were not given; a shared option that does not apply is one error line."""
+    for name, flag in NOT_FOR_VLM.items():
+        if getattr(opts, name) is not None:
+            raise ConfigError(f"{flag} does not apply to memfit vlm: the language model's sequence is --text-len "
+                              "plus the images' tokens")
+    return replace(opts, batch=opts.batch or micro_batch, method=opts.method or finetune,
+                   lora_rank=opts.lora_rank or rank)
 
 
 @app.command("vlm", epilog=examples(
-    "memfit vlm Qwen2.5-VL-7B-Instruct --images 4 --image-size 768x768 --finetune lora --gpu A100-80GB",
-    "memfit vlm Qwen2.5-VL-7B-Instruct --image-size 1920x1080 --finetune lora --gpu 4090 --search max-pixels",
+    "memfit vlm Qwen2.5-VL-7B-Instruct --images 4 --image-size 768x768 --method lora --gpu A100-80GB",
+    "memfit vlm Qwen2.5-VL-7B-Instruct --image-size 1920x1080 --method lora --gpu 4090 --search max-pixels",
     "memfit vlm ./config.json --images 2 --max-pixels 1003520 --json"))
+@with_setup_options
 def vlm_command(
         model: Annotated[str, typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, ...) or a "
                                                   "config.json of a qwen2_vl / qwen2_5_vl / llava model.")],
+        opts: SetupOptions,
         images: Annotated[int, typer.Option("--images", min=0, help="Images per sample.")] = 1,
         image_size: Annotated[str, typer.Option("--image-size",
                                                 help="HEIGHTxWIDTH of each image in pixels.")] = "768x768",
@@ -57,24 +72,21 @@ def vlm_command(
                                                           "(default: the hub processor's 12,845,056).")] = None,
         min_pixels: Annotated[Optional[int], typer.Option("--min-pixels", min=1)] = None,
         text_len: Annotated[int, typer.Option("--text-len", min=1, help="Text tokens per sample.")] = 512,
-        micro_batch: Annotated[int, typer.Option("--batch", "-b", "--micro-batch", min=1)] = 1,
-        gpu: Annotated[str, typer.Option("--gpu")] = "A100-80GB",
-        precision: Annotated[str, typer.Option("--precision")] = "bf16",
-        finetune: Annotated[str, typer.Option("--method", "--finetune", help="full, lora or qlora.")] = "full",
-        rank: Annotated[int, typer.Option("--lora-rank", "-r", "--rank", min=1)] = 8,
         tower: Annotated[str, typer.Option("--tower", help="The vision tower: frozen, trained or lora.")] = "frozen",
-        checkpointing: Annotated[str, typer.Option("--checkpointing")] = "none",
-        optimizer: Annotated[Optional[str], typer.Option("--optimizer")] = None,
         search: Annotated[Search, typer.Option("--search", help="Also find the largest max-pixels or images per "
                                                               "sample that fit (a few more traces).")] = Search.NONE,
-        json_output: Annotated[bool, typer.Option("--json")] = False) -> None:
+        micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", hidden=True,
+                                                           parser=whole_number(MAX_MICRO_BATCH))] = None,
+        finetune: Annotated[Optional[Method], typer.Option("--finetune", hidden=True, parser=choice(Method))] = None,
+        rank: Annotated[Optional[int], typer.Option("--rank", hidden=True, parser=whole_number(65_536))] = None,
+        json_output: JsonOpt = False) -> None:
     """The memory of a VLM training step from its images: vision tokens, sequences, stacks, and what fits."""
-    from ..api import as_hardware
     from ..vlm.api import estimate_vlm, fits
 
     size = parse_size(image_size)
-    setup = _setup(micro_batch, precision, finetune, rank, checkpointing, optimizer)
-    hardware = as_hardware(gpu)
+    opts = vlm_options(opts, micro_batch, finetune, rank)
+    hardware = opts.hardware()
+    setup = opts.given_setup(hardware, **VLM_DEFAULTS)
     common = {"image_size": size, "min_pixels": min_pixels, "text_len": text_len, "setup": setup, "tower": tower,
               "hardware": hardware}
     result = estimate_vlm(model, images=images, max_pixels=max_pixels, **common)

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -141,12 +142,104 @@ def _first_block_unsaved(input_grads: dict[str, Any], one: dict[str, Any]) -> in
     return input_grads["forward_end"] - one["forward_end"] - input_grads["leaf_bytes"]
 
 
+class _Probe:
+    """What _measure's hooks record through one forward + backward: the order modules first ran in, the storages at
+    the block stack's edges (block 0's input, the embedding output, the last block's output, the logits; weak
+    references), their bytes when backward starts, and the tracker's event count where the last block's backward
+    starts and ends (gradient hooks on its output and on its input)."""
+
+    def __init__(self, model, tracker):
+        import torch
+
+        self.tensor = torch.Tensor
+        self.tracker = tracker
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.marks: dict[str, int] = {}
+        self.order: list[str] = []
+        self.seen: set[str] = set()
+        self.edges: dict[str, weakref.ref] = {}
+        self.edge_bytes: dict[str, int] = {}
+        self.lm_head = ""
+
+    def attach(self, model, first, last) -> list:
+        """Install the hooks on `model` (block 0 `first`, the last block `last`); the handles to remove."""
+        from torch.nn.modules import module as nn_module
+
+        output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.lm_head = self.names.get(id(output_embeddings), "") if output_embeddings is not None else ""
+        handles = [nn_module.register_module_forward_pre_hook(self.first_call),
+                   first.register_forward_pre_hook(self.first_in, with_kwargs=True),
+                   last.register_forward_pre_hook(self.block_in, with_kwargs=True),
+                   last.register_forward_hook(self.block_out, with_kwargs=True)]
+        if output_embeddings is not None:
+            handles.append(output_embeddings.register_forward_hook(self.head_out))
+        input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if input_embeddings is not None:
+            handles.append(input_embeddings.register_forward_hook(self.embedding_out))
+        return handles
+
+    def first_call(self, module, _args):
+        name = self.names.get(id(module))
+        if name is not None and name not in self.seen:
+            self.seen.add(name)
+            self.order.append(name)
+
+    def _hidden(self, args, kwargs):
+        return args[0] if args else next((v for v in kwargs.values() if isinstance(v, self.tensor)), None)
+
+    def first_in(self, _module, args, kwargs):
+        hidden = self._hidden(args, kwargs)
+        if isinstance(hidden, self.tensor):
+            self.edges.setdefault("in", weakref.ref(hidden.untyped_storage()))
+            self.edge_bytes.setdefault("leaf", _apart_bytes(self.edges.get("embedding"), hidden))
+
+    def embedding_out(self, _module, _args, output):
+        if isinstance(output, self.tensor):
+            self.edges.setdefault("embedding", weakref.ref(output.untyped_storage()))
+
+    def block_in(self, _module, args, kwargs):
+        hidden = self._hidden(args, kwargs)
+        if isinstance(hidden, self.tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda g: self.marks.setdefault("end", self.tracker.events) and None)
+
+    def block_out(self, _module, _args, _kwargs, output):
+        out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
+        if isinstance(out, self.tensor):
+            self.edges["out"] = weakref.ref(out.untyped_storage())
+            if out.requires_grad:
+                out.register_hook(lambda g: self.marks.setdefault("start", self.tracker.events) and None)
+
+    def head_out(self, _module, _args, output):
+        if isinstance(output, self.tensor):
+            self.edges["logits"] = weakref.ref(output.untyped_storage())
+
+    def phase(self, phase):
+        """The step's phase callback: the edges' bytes as backward starts, then the tracker's mark."""
+        if str(phase) == "backward" and "in" not in self.edge_bytes:
+            self.edge_bytes.update({edge: activation_bytes(self.tracker, self.edges.get(edge))
+                                    for edge in ("in", "out", "logits")})
+        self.tracker.mark(phase)
+
+    def result(self, blocks: list[tuple[str, Any]], counted: tuple[int, ...]) -> dict[str, Any]:
+        """_measure's answer; `counted`: the tracker's kinds (columns of its history) that are not static."""
+        tracker = self.tracker
+        history = tracker._history  # live bytes per kind after each event
+
+        def live(index: int) -> int:
+            return sum(history[index - 1][k] for k in counted) if index > 0 else 0
+
+        backward_at = next(e for e, _s, phase in tracker.marks if str(getattr(phase, "value", phase)) == "backward")
+        start, end = self.marks.get("start", backward_at), self.marks.get("end", tracker.events)
+        edge = self.edge_bytes
+        return {"forward_end": live(backward_at), "saved": dict(tracker.saved_by_module), "order": self.order,
+                "blocks": [n for n, _ in blocks], "in_bytes": edge.get("in", 0), "out_bytes": edge.get("out", 0),
+                "logits_bytes": edge.get("logits", 0), "leaf_bytes": edge.get("leaf", 0), "lm_head": self.lm_head,
+                "window": [live(i) for i in range(max(start, 1), max(end, start) + 1)]}
+
+
 def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> dict[str, Any]:
     """One forward + backward at `setup`'s shape: live bytes at forward end, saved bytes per allocating module, the
     order modules first ran in, and the live (non-static) bytes through the last block's backward."""
-    import torch
-    from torch.nn.modules import module as nn_module
-
     from .._torch import step as runner
     from ..trace.kernels import device_kernels, hidden_scratch
     from ..trace.session import make_hf_batch, routed_experts
@@ -158,92 +251,20 @@ def _measure(model, config: dict[str, Any], setup, kernels: str, fake_mode) -> d
     if not blocks:
         raise ModelSourceError(f"model_type '{config.get('model_type')}': no repeated blocks found to derive from")
     tracker = StepTracker(num_steps=1, hidden_scratch=hidden_scratch(kernels))  # the trace's kernel model
-    marks: dict[str, int] = {}
-    order: list[str] = []
-    names = {id(m): n for n, m in model.named_modules()}
-    last = blocks[-1][1]
-    first = blocks[0][1]
-    edges: dict[str, weakref.ref] = {}
-    edge_bytes: dict[str, int] = {}
-
-    def first_call(module, _args):
-        name = names.get(id(module))
-        if name is not None and name not in seen:
-            seen.add(name)
-            order.append(name)
-
-    seen: set[str] = set()
-
-    def _hidden(args, kwargs):
-        return args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-
-    def first_in(_module, args, kwargs):
-        hidden = _hidden(args, kwargs)
-        if isinstance(hidden, torch.Tensor):
-            edges.setdefault("in", weakref.ref(hidden.untyped_storage()))
-            edge_bytes.setdefault("leaf", _apart_bytes(edges.get("embedding"), hidden))
-
-    def embedding_out(_module, _args, output):
-        if isinstance(output, torch.Tensor):
-            edges.setdefault("embedding", weakref.ref(output.untyped_storage()))
-
-    def block_in(_module, args, kwargs):
-        hidden = _hidden(args, kwargs)
-        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            hidden.register_hook(lambda g: marks.setdefault("end", tracker.events) and None)
-
-    def block_out(_module, _args, _kwargs, output):
-        out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
-        if isinstance(out, torch.Tensor):
-            edges["out"] = weakref.ref(out.untyped_storage())
-            if out.requires_grad:
-                out.register_hook(lambda g: marks.setdefault("start", tracker.events) and None)
-
-    def head_out(_module, _args, output):
-        if isinstance(output, torch.Tensor):
-            edges["logits"] = weakref.ref(output.untyped_storage())
-
-    def forward_end(phase):
-        if str(phase) == "backward" and "in" not in edge_bytes:
-            edge_bytes.update({edge: activation_bytes(tracker, edges.get(edge)) for edge in ("in", "out", "logits")})
-        tracker.mark(phase)
-
-    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    lm_head_name = names.get(id(output_embeddings), "") if output_embeddings is not None else ""
-    handles = [nn_module.register_module_forward_pre_hook(first_call),
-               first.register_forward_pre_hook(first_in, with_kwargs=True),
-               last.register_forward_pre_hook(block_in, with_kwargs=True),
-               last.register_forward_hook(block_out, with_kwargs=True)]
-    if output_embeddings is not None:
-        handles.append(output_embeddings.register_forward_hook(head_out))
-    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if input_embeddings is not None:
-        handles.append(input_embeddings.register_forward_hook(embedding_out))
-    step_setup = setup.replace(grad_accum_steps=1)
+    probe = _Probe(model, tracker)
+    handles = probe.attach(model, blocks[0][1], blocks[-1][1])
     try:
         tracker.watch_module(model)
         tracker.register_tree(batch, _Kind.INPUTS)
         with device_kernels(kernels), routed_experts(), fake_mode, tracker:
-            runner.forward_backward(model, None, batch, step_setup, phase_callback=forward_end)
+            runner.forward_backward(model, None, batch, setup.replace(grad_accum_steps=1), phase_callback=probe.phase)
     finally:
         for handle in handles:
             handle.remove()
         for param in model.parameters():
             param.grad = None
     static = (_Kind.PARAMETERS, _Kind.BUFFERS, _Kind.OPTIMIZER, _Kind.GATHERED)
-    history = tracker._history  # live bytes per kind after each event
-
-    def live(index: int) -> int:
-        row = history[index - 1] if index > 0 else (0,) * len(_Kind)
-        return sum(v for k, v in enumerate(row) if _Kind(k) not in static)
-
-    backward_at = next(e for e, _s, phase in tracker.marks if str(getattr(phase, "value", phase)) == "backward")
-    start, end = marks.get("start", backward_at), marks.get("end", tracker.events)
-    return {"forward_end": live(backward_at), "saved": dict(tracker.saved_by_module), "order": order,
-            "blocks": [n for n, _ in blocks], "in_bytes": edge_bytes.get("in", 0),
-            "out_bytes": edge_bytes.get("out", 0), "logits_bytes": edge_bytes.get("logits", 0),
-            "leaf_bytes": edge_bytes.get("leaf", 0),
-            "lm_head": lm_head_name, "window": [live(i) for i in range(max(start, 1), max(end, start) + 1)]}
+    return probe.result(blocks, tuple(k for k in _Kind if k not in static))
 
 
 def _apart_bytes(embedded: weakref.ref | None, hidden) -> int:
@@ -345,8 +366,6 @@ def derive_kind(config: dict[str, Any], kind: str, *, progress: Progress | None 
                      (CHECK_SHAPE[0], window + CHECK_SHAPE[1]), progress)
     if window <= max(seq for _, seq in (*FIT_SHAPES, CHECK_SHAPE)):
         return beyond  # the shapes straddle the window: below it, this over-counts the sliding layers' mask
-    from dataclasses import replace
-
     below = _derive(config, kind, FIT_SHAPES, CHECK_SHAPE, progress)
     return replace(below, window=window, beyond=beyond)
 
@@ -369,23 +388,62 @@ def sliding_window(config: dict[str, Any], kind: str) -> int:
     return window
 
 
-def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress: Progress | None) -> KindFit:
+@dataclass(frozen=True)
+class _Depth:
+    """Which short copies a model needs: the repeated block's, with a dense prefix (`first_k_dense_replace`) the
+    dense block's too, and with several layer types (`layer_types`) one per type; the estimator multiplies one
+    block by the depth, so the derived block is their depth-weighted mean."""
+
+    num_layers: int
+    num_dense: int
+    mix: dict[str, int]
+    """layer type -> how many layers have it (empty with a dense prefix or one type)"""
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> _Depth:
+        num_layers = num_layers_of(config)
+        num_dense = dense_prefix(config, num_layers)
+        return cls(num_layers, num_dense, {} if num_dense else layer_type_counts(config))
+
+    @property
+    def copies(self) -> list[tuple[bool, str | None]]:
+        """(dense, layer type) of each copy to build at 1 and 2 blocks."""
+        return [(False, None)] + ([(True, None)] if self.num_dense else []) + [(False, t) for t in self.mix]
+
+    def block(self, runs: dict, i: int, grouped: dict[str, int]) -> dict[str, int]:
+        """The block at shape `i`: the repeated copy's `grouped`, or the depth-weighted mean of the copies'."""
+        if self.num_dense:
+            # DeepSeek's first_k_dense_replace: the leading blocks have a dense MLP and keep other tensors than the
+            # routed ones (modeling_deepseek_v2.DeepseekV2DecoderLayer picks DeepseekV2MLP or DeepseekV2MoE by
+            # layer index). Exact for what all blocks keep together.
+            dense = _block_groups(runs[(True, None), 1][i], runs[(True, None), 2][i])
+            routed = self.num_layers - self.num_dense
+            return {g: round(Fraction(self.num_dense * dense[g] + routed * grouped[g], self.num_layers))
+                    for g in GROUPS}
+        if self.mix:
+            # layers of several types (Gemma 3 under sdpa: a sliding layer keeps the float mask its memory-efficient
+            # kernel is handed, a full layer none; ATen sdp_utils convert_boolean_attn_mask): the same mean
+            by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in self.mix}
+            return {g: round(Fraction(sum(n * by_type[t][g] for t, n in self.mix.items()), self.num_layers))
+                    for g in GROUPS}
+        return grouped
+
+
+def _trace_copies(config: dict[str, Any], kind: str, depth: _Depth, shapes: list[tuple[int, int]],
+                  progress: Progress | None) -> dict:
+    """(copy, 1 or 2 blocks) -> _measure at each of `shapes`; under LoRA also ((False, 'input-grads'), 1): the
+    1-block copy again, its embedding output requiring grad (block 0 under LoRA)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     base, kernels = kind_setup(kind)
-    shapes = list(fit_shapes) + [check_shape]
-    num_layers = num_layers_of(config)
-    num_dense = dense_prefix(config, num_layers)
-    mix = {} if num_dense else layer_type_counts(config)
-    copies = [(False, None)] + ([(True, None)] if num_dense else []) + [(False, t) for t in mix]
-    runs: dict[tuple[tuple[bool, str | None], int], list[dict[str, Any]]] = {}
     adapters = kind_adapters(kind) is not None
-    total = (2 * len(copies) + adapters) * len(shapes)
+    runs: dict[tuple[tuple[bool, str | None], int], list[dict[str, Any]]] = {}
+    total = (2 * len(depth.copies) + adapters) * len(shapes)
     done = 0
-    if adapters:  # block 0 under LoRA: the 1-block copy again, its embedding output requiring grad
+    if adapters:
         runs[(False, "input-grads"), 1] = _input_grads_runs(config, base, shapes, kernels)
         done += len(shapes)
-    for dense, layer_type in copies:
+    for dense, layer_type in depth.copies:
         for layers in (1, 2):
             fake_mode = FakeTensorMode()
             model, _notes = build_short(config, layers, base, fake_mode, dense=dense, layer_type=layer_type)
@@ -399,61 +457,65 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
                 done += 1
     if progress is not None:
         progress("fitting", 1.0)
-    vocab, hidden = _vocab_hidden(config)
-    grad_bytes = base.precision.param_bytes
-    if kind_adapters(kind) is not None:
-        grad_bytes = 0  # under LoRA the LM head is frozen: no gradient of it to count as the estimator's
-    per_shape = []
-    for i, (batch, seq) in enumerate(shapes):
-        one, two = runs[(False, None), 1][i], runs[(False, None), 2][i]
-        split_one = _split(one, 0)
-        grouped = _block_groups(one, two)
-        routed_total = sum(grouped.values())  # the 2-block copy's backward window holds two of these
-        if num_dense:
-            # DeepSeek's first_k_dense_replace: the leading blocks have a dense MLP and keep other tensors than the
-            # routed ones (modeling_deepseek_v2.DeepseekV2DecoderLayer picks DeepseekV2MLP or DeepseekV2MoE by
-            # layer index). The estimator multiplies one block by the depth, so the block is their depth-weighted
-            # mean: exact for what all blocks keep together.
-            dense = _block_groups(runs[(True, None), 1][i], runs[(True, None), 2][i])
-            grouped = {g: round(Fraction(num_dense * dense[g] + (num_layers - num_dense) * grouped[g], num_layers))
-                       for g in GROUPS}
-        elif mix:
-            # layers of several types (Gemma 3 under sdpa: a sliding layer keeps the float mask its memory-efficient
-            # kernel is handed, a full layer none; ATen sdp_utils convert_boolean_attn_mask): the same mean
-            by_type = {t: _block_groups(runs[(False, t), 1][i], runs[(False, t), 2][i]) for t in mix}
-            grouped = {g: round(Fraction(sum(n * by_type[t][g] for t, n in mix.items()), num_layers)) for g in GROUPS}
-        tokens = batch * seq
-        first = _first_block_unsaved(runs[(False, "input-grads"), 1][i], one) if adapters else 0
-        reference = (2 * routed_total - first + split_one["embedding"] - one["in_bytes"] + 16 * tokens
-                     + vocab * hidden * grad_bytes)
-        # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
-        # norm reads it), the last block's output is saved by the head's final norm: count them where they are saved
-        embedding_saved = split_one["embedding"] - one["in_bytes"]
-        head_saved = split_one["head"] + one["out_bytes"]
-        per_shape.append({"block": grouped, "embedding": embedding_saved, "head": head_saved, "first": first,
-                          "leaf": one["leaf_bytes"],
-                          "window": [v - reference for v in two["window"]]})
-    fit_rows = [_basis(b, t) for b, t in fit_shapes]
-    n_fit = len(fit_shapes)
+    return runs
 
-    def fit(values: list[int]) -> Linear:
-        return _solve(fit_rows, values[:n_fit])
 
-    block = {g: fit([s["block"][g] for s in per_shape]) for g in GROUPS}
-    embedding = fit([s["embedding"] for s in per_shape])
-    head = fit([s["head"] for s in per_shape])
-    lengths = {len(s["window"]) for s in per_shape}
-    if len(lengths) == 1:
-        lines = [fit([s["window"][j] for s in per_shape]) for j in range(lengths.pop())]
-    else:  # the op sequence changed with the shape: fit the peak itself
-        lines = [fit([max(s["window"]) for s in per_shape])]
-    temporaries = _envelope(lines, shapes) if lines else (Linear(),)
-    lora = {what: fit([s[what] for s in per_shape]) for what in ("first", "leaf")} if adapters else {}
+def _shape_terms(runs: dict, i: int, tokens: int, depth: _Depth, adapters: bool, head_grad: int) -> dict[str, Any]:
+    """What the traces at shape `i` (`tokens` = batch x seq) give each fitted term: the block by group, the
+    embedding and head sides, block 0's LoRA terms, and the last block's backward window beyond what the estimator
+    counts then (`head_grad`: the LM head's gradient bytes)."""
+    one, two = runs[(False, None), 1][i], runs[(False, None), 2][i]
+    split_one = _split(one, 0)
+    grouped = _block_groups(one, two)
+    routed_total = sum(grouped.values())  # the 2-block copy's backward window holds two of these
+    first = _first_block_unsaved(runs[(False, "input-grads"), 1][i], one) if adapters else 0
+    reference = 2 * routed_total - first + split_one["embedding"] - one["in_bytes"] + 16 * tokens + head_grad
+    # the hidden state entering the first block is allocated by the embedding side but saved by the block (its
+    # norm reads it), the last block's output is saved by the head's final norm: count them where they are saved
+    return {"block": depth.block(runs, i, grouped), "embedding": split_one["embedding"] - one["in_bytes"],
+            "head": split_one["head"] + one["out_bytes"], "first": first, "leaf": one["leaf_bytes"],
+            "window": [v - reference for v in two["window"]]}
+
+
+@dataclass(frozen=True)
+class _Fitted:
+    """The lines fitted at the fit shapes."""
+
+    block: dict[str, Linear]
+    embedding: Linear
+    head: Linear
+    temporaries: tuple[Linear, ...]
+    lora: dict[str, Linear]
+
+    @classmethod
+    def of(cls, per_shape: list[dict[str, Any]], fit_shapes, shapes: list[tuple[int, int]],
+           adapters: bool) -> _Fitted:
+        fit_rows = [_basis(b, t) for b, t in fit_shapes]
+        n_fit = len(fit_shapes)
+
+        def fit(values: list[int]) -> Linear:
+            return _solve(fit_rows, values[:n_fit])
+
+        lengths = {len(s["window"]) for s in per_shape}
+        if len(lengths) == 1:
+            lines = [fit([s["window"][j] for s in per_shape]) for j in range(lengths.pop())]
+        else:  # the op sequence changed with the shape: fit the peak itself
+            lines = [fit([max(s["window"]) for s in per_shape])]
+        return cls(block={g: fit([s["block"][g] for s in per_shape]) for g in GROUPS},
+                   embedding=fit([s["embedding"] for s in per_shape]), head=fit([s["head"] for s in per_shape]),
+                   temporaries=_envelope(lines, shapes) if lines else (Linear(),),
+                   lora={what: fit([s[what] for s in per_shape]) for what in ("first", "leaf")} if adapters else {})
+
+
+def _check(config: dict[str, Any], fitted: _Fitted, per_shape: list[dict[str, Any]], fit_shapes,
+           check_shape: tuple[int, int]) -> float:
+    """The largest relative error of the fitted lines at the held-out `check_shape` (per_shape's last); a line
+    off by more than TOLERANCE is refused."""
     check_b, check_t = check_shape
     held = per_shape[-1]
-    checks = {f"block {g}": (block[g], held["block"][g]) for g in GROUPS}
-    checks.update({"embedding": (embedding, held["embedding"]), "head": (head, held["head"])})
-    checks.update({f"block 0 under LoRA ({what})": (line, held[what]) for what, line in lora.items()})
+    checks = {f"block {g}": (fitted.block[g], held["block"][g]) for g in GROUPS}
+    checks.update({"embedding": (fitted.embedding, held["embedding"]), "head": (fitted.head, held["head"])})
+    checks.update({f"block 0 under LoRA ({what})": (line, held[what]) for what, line in fitted.lora.items()})
     worst = 0.0
     for what, (line, measured) in checks.items():
         predicted = line(check_b * check_t, check_t)
@@ -468,16 +530,34 @@ def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress
                 f"({what}: fit {predicted:,} B vs traced {measured:,} B at batch {check_b} x seq {check_t}; traced "
                 f"at the fit shapes {traced}); use `memfit trace` for this model")
         worst = max(worst, error / max(scale, 1))
-    predicted_peak = max(t(check_b * check_t, check_t) for t in temporaries)
+    predicted_peak = max(t(check_b * check_t, check_t) for t in fitted.temporaries)
     measured_peak = max(held["window"]) if held["window"] else 0
     scale = sum(abs(v) for v in held["block"].values())
     if abs(predicted_peak - measured_peak) > TOLERANCE * scale + 512:
         raise ModelSourceError(
             f"model_type '{config.get('model_type')}': a block's backward peak is not linear in batch and sequence "
             f"(fit {predicted_peak:,} B vs traced {measured_peak:,} B); use `memfit trace` for this model")
-    worst = max(worst, abs(predicted_peak - measured_peak) / max(scale, 1))
-    return KindFit(kind=kind, block=block, head=head, embedding=embedding, temporaries=temporaries,
-                   fit_error=worst, shapes=tuple(shapes), versions=versions(), lora=lora)
+    return max(worst, abs(predicted_peak - measured_peak) / max(scale, 1))
+
+
+def _derive(config: dict[str, Any], kind: str, fit_shapes, check_shape, progress: Progress | None) -> KindFit:
+    """Trace the short copies at `fit_shapes` and `check_shape`, fit each term on the first and check it on the
+    second."""
+    base, _kernels = kind_setup(kind)
+    shapes = list(fit_shapes) + [check_shape]
+    depth = _Depth.of(config)
+    adapters = kind_adapters(kind) is not None
+    runs = _trace_copies(config, kind, depth, shapes, progress)
+    vocab, hidden = _vocab_hidden(config)
+    # under LoRA the LM head is frozen: no gradient of it to count as the estimator's
+    head_grad = 0 if adapters else vocab * hidden * base.precision.param_bytes
+    per_shape = [_shape_terms(runs, i, batch * seq, depth, adapters, head_grad)
+                 for i, (batch, seq) in enumerate(shapes)]
+    fitted = _Fitted.of(per_shape, fit_shapes, shapes, adapters)
+    worst = _check(config, fitted, per_shape, fit_shapes, check_shape)
+    return KindFit(kind=kind, block=fitted.block, head=fitted.head, embedding=fitted.embedding,
+                   temporaries=fitted.temporaries, fit_error=worst, shapes=tuple(shapes), versions=versions(),
+                   lora=fitted.lora)
 
 
 def _vocab_hidden(config: dict[str, Any]) -> tuple[int, int]:

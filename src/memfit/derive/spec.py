@@ -7,8 +7,10 @@ from typing import Any
 
 from ..errors import ModelSourceError
 from ..model_spec import ModelSpec, ParamTensor
+from ..setup import Attention, TrainingSetup
 from .cache import cache_path, failures_cached, read_json, shipped_data, write_json
 from .cache import first_line as _first_line
+from .fit import _blocks, build_short, dense_prefix
 from .model import DerivedModel
 from .progress import reporting
 
@@ -37,39 +39,18 @@ def _hf_config(config: dict[str, Any], source: str):
                                f"offline ({_first_line(error)})") from None
 
 
+BUILD_SETUP = TrainingSetup(attention=Attention.EAGER)
+"""The copies' setup: the attention implementation changes no parameter, and some models (gpt_oss) refuse sdpa."""
+
+
 def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[list[ParamTensor], dict[str, Any]]:
     """Root and per-block parameter tensors, from the shortened copies (tied weights once), and facts about them."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..setup import Attention, TrainingSetup
-    from .fit import _blocks, build_short, dense_prefix
-
-    # eager attention: the attention implementation changes no parameter, and some models (gpt_oss) refuse sdpa
-    build_setup = TrainingSetup(attention=Attention.EAGER)
     dense = dense_prefix(config, num_layers)
-    found = {}
-    castable: set[str] = set()
-    for layers in (1, 2):
-        try:
-            model, _ = build_short(config, layers, build_setup, FakeTensorMode())
-        except ModelSourceError:
-            raise
-        except Exception as error:  # noqa: BLE001 - any failure to build means: cannot derive this architecture
-            raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' "
-                                   f"offline from this config ({_first_line(error)})") from None
-        blocks = [name for name, _ in _blocks(model)]
-        if not blocks:
-            raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' has no repeated blocks to "
-                                   "derive a memory model from; use `memfit trace`")
-        params = [(n, int(p.numel())) for n, p in model.named_parameters()]
-        castable |= _autocast_weights(model)
-        inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        tied = (inputs is not None and outputs is not None and getattr(outputs, "weight", None) is not None
-                and outputs.weight is getattr(inputs, "weight", None))
-        found[layers] = (blocks, params, tied, type(model).__name__, model)
-    buffers = [_buffer_bytes(found[layers][4]) for layers in (1, 2)]
-    blocks, params, tied, class_name, model = found[2]
+    found = {layers: _short_copy(config, layers, source) for layers in (1, 2)}
+    castable = found[1]["castable"] | found[2]["castable"]
+    buffers = [_buffer_bytes(found[layers]["model"]) for layers in (1, 2)]
+    blocks, params, model = found[2]["blocks"], found[2]["params"], found[2]["model"]
+    class_name = type(model).__name__
     prefix = blocks[0].rpartition(".")[0]
     repeated = num_layers - dense
     rows: dict[tuple[str, int], int] = {}
@@ -80,7 +61,7 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
         rows[key] = 1 if block is None else repeated
         if name in castable:
             cast_rows.add(key)
-    one = sum(n for _, n in found[1][1])
+    one = sum(n for _, n in found[1]["params"])
     two = sum(n for _, n in params)
     total = sum(n * c for (_, n), c in rows.items())
     expected = one + (two - one) * (repeated - 1)
@@ -88,26 +69,59 @@ def _param_rows(config: dict[str, Any], num_layers: int, source: str) -> tuple[l
         raise ModelSourceError(f"{source}: the blocks of model_type '{config.get('model_type')}' are not all alike "
                                "(parameters do not scale with depth); use `memfit trace`")
     if dense:  # the leading dense blocks (first_k_dense_replace), from a 1-block copy of the dense block
-        try:
-            dense_model, _ = build_short(config, 1, build_setup, FakeTensorMode(), dense=True)
-        except Exception as error:  # noqa: BLE001 - as above
-            raise ModelSourceError(f"{source}: transformers cannot build the dense block of model_type "
-                                   f"'{config.get('model_type')}' offline ({_first_line(error)})") from None
-        (dense_block, _), = _blocks(dense_model)
-        dense_castable = _autocast_weights(dense_model)
-        for name, p in dense_model.named_parameters():
-            if name.startswith(dense_block + "."):
-                key = (f"{prefix}.*.{name[len(dense_block) + 1:]}", int(p.numel()))
-                rows[key] = rows.get(key, 0) + dense
-                if name in dense_castable:
-                    cast_rows.add(key)
-    facts = {"tied": tied, "class": class_name, "block_prefix": prefix,
+        _add_dense_rows(config, dense, prefix, rows, cast_rows, source)
+    facts = {"tied": found[2]["tied"], "class": class_name, "block_prefix": prefix,
              "buffer_bytes": buffers[0] + (buffers[1] - buffers[0]) * (num_layers - 1),
              "routed_experts": _has_experts(model),
              "linear_weight_elems": sum(key[1] * rows[key] for key in cast_rows),
              "is_decoder": class_name.endswith("ForCausalLM"),
              "supports_sdpa": bool(getattr(type(model), "_supports_sdpa", True))}
     return [ParamTensor(name, numel, count) for (name, numel), count in rows.items()], facts
+
+
+def _short_copy(config: dict[str, Any], layers: int, source: str) -> dict[str, Any]:
+    """The `layers`-block copy on fake tensors: its model, block names, (name, numel) parameters, the weights autocast
+    casts, and whether its output embedding is its input embedding (tied)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        model, _ = build_short(config, layers, BUILD_SETUP, FakeTensorMode())
+    except ModelSourceError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure to build means: cannot derive this architecture
+        raise ModelSourceError(f"{source}: transformers cannot build model_type '{config.get('model_type')}' "
+                               f"offline from this config ({_first_line(error)})") from None
+    blocks = [name for name, _ in _blocks(model)]
+    if not blocks:
+        raise ModelSourceError(f"{source}: model_type '{config.get('model_type')}' has no repeated blocks to "
+                               "derive a memory model from; use `memfit trace`")
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = (inputs is not None and outputs is not None and getattr(outputs, "weight", None) is not None
+            and outputs.weight is getattr(inputs, "weight", None))
+    return {"model": model, "blocks": blocks, "params": [(n, int(p.numel())) for n, p in model.named_parameters()],
+            "castable": _autocast_weights(model), "tied": tied}
+
+
+def _add_dense_rows(config: dict[str, Any], dense: int, prefix: str, rows: dict[tuple[str, int], int],
+                    cast_rows: set[tuple[str, int]], source: str) -> None:
+    """Count the `dense` leading dense blocks' parameters (first_k_dense_replace) into `rows` (and the weights
+    autocast casts into `cast_rows`), from a 1-block copy of the dense block."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        dense_model, _ = build_short(config, 1, BUILD_SETUP, FakeTensorMode(), dense=True)
+    except Exception as error:  # noqa: BLE001 - as in _short_copy
+        raise ModelSourceError(f"{source}: transformers cannot build the dense block of model_type "
+                               f"'{config.get('model_type')}' offline ({_first_line(error)})") from None
+    (dense_block, _), = _blocks(dense_model)
+    dense_castable = _autocast_weights(dense_model)
+    for name, p in dense_model.named_parameters():
+        if name.startswith(dense_block + "."):
+            key = (f"{prefix}.*.{name[len(dense_block) + 1:]}", int(p.numel()))
+            rows[key] = rows.get(key, 0) + dense
+            if name in dense_castable:
+                cast_rows.add(key)
 
 
 def _autocast_weights(model) -> set[str]:

@@ -82,8 +82,6 @@ def _build(config: dict[str, Any], setup):
 
 
 def _trace(config: dict[str, Any], built, setup, kernels: str, stacks: list[str], *, timeline: bool) -> dict:
-    import torch
-
     from .._torch import step as runner
     from ..trace.kernels import device_kernels, hidden_scratch
     from ..trace.session import make_hf_batch
@@ -98,6 +96,32 @@ def _trace(config: dict[str, Any], built, setup, kernels: str, stacks: list[str]
     blocks = {id(block): stack for stack, (_, modules) in zip(stacks, _block_lists(model, stacks))
               for block in modules}
     events: dict[tuple[str, int], int] = {}
+    handles = _block_hooks(model, blocks, tracker, events)
+    try:
+        tracker.watch_module(model)
+        tracker.register_tree(batch, _Kind.INPUTS)
+        with device_kernels(kernels), fake_mode, tracker:
+            if timeline:
+                runner.forward_backward(model, None, batch, setup.replace(grad_accum_steps=1),
+                                        phase_callback=tracker.mark)
+            else:  # a longer copy: only what forward leaves (its gradients are its block's parameter sizes)
+                tracker.mark("forward")
+                with runner.autocast_factory(setup, "cpu")():
+                    loss = runner.setup_loss(setup)(model, batch)
+                tracker.mark("backward")  # with the loss alive: its graph holds what backward would use
+                del loss
+    finally:
+        for handle in handles:
+            handle.remove()
+    columns = (len(_Kind), tuple(k for k in range(len(_Kind)) if _Kind(k).name in _STATIC), int(_Kind.GRADIENTS))
+    return _trace_result(model, stacks, tracker, blocks, events, columns, timeline=timeline)
+
+
+def _block_hooks(model, blocks: dict[int, str], tracker, events: dict[tuple[str, int], int]) -> list:
+    """Hooks on every block of `blocks` (module id -> stack) noting in `events` the tracker's event count where its
+    forward ends ("forward") and its backward starts ("start": its output's gradient) and ends ("end": its input's);
+    the handles to remove."""
+    import torch
 
     def hidden(args, kwargs):
         found = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
@@ -122,28 +146,19 @@ def _trace(config: dict[str, Any], built, setup, kernels: str, stacks: list[str]
         if id(module) in blocks:
             handles += [module.register_forward_pre_hook(block_in, with_kwargs=True),
                         module.register_forward_hook(block_out, with_kwargs=True)]
-    try:
-        tracker.watch_module(model)
-        tracker.register_tree(batch, _Kind.INPUTS)
-        with device_kernels(kernels), fake_mode, tracker:
-            if timeline:
-                runner.forward_backward(model, None, batch, setup.replace(grad_accum_steps=1),
-                                        phase_callback=tracker.mark)
-            else:  # a longer copy: only what forward leaves (its gradients are its block's parameter sizes)
-                tracker.mark("forward")
-                with runner.autocast_factory(setup, "cpu")():
-                    loss = runner.setup_loss(setup)(model, batch)
-                tracker.mark("backward")  # with the loss alive: its graph holds what backward would use
-                del loss
-    finally:
-        for handle in handles:
-            handle.remove()
+    return handles
+
+
+def _trace_result(model, stacks: list[str], tracker, blocks: dict[int, str], events: dict,
+                  columns: tuple[int, tuple[int, ...], int], *, timeline: bool) -> dict:
+    """_trace's answer from the tracker's history: the activations at forward end, the gradients at the end, each
+    stack's last block's parameter bytes and, with `timeline`, each block's backward segments. `columns`: how many
+    kinds the tracker's history rows hold, those that are static, and the gradients' one."""
     history = tracker._history
-    static = [k for k in range(len(_Kind)) if _Kind(k).name in _STATIC]
-    grads_kind = int(_Kind.GRADIENTS)
+    kinds, static, grads_kind = columns
 
     def at(index: int) -> tuple[int, int]:
-        row = history[index - 1] if index > 0 else (0,) * len(_Kind)
+        row = history[index - 1] if index > 0 else (0,) * kinds
         acts = sum(v for k, v in enumerate(row) if k not in static and k != grads_kind)
         return acts, row[grads_kind]
 

@@ -60,7 +60,7 @@ class ActivationOffload(Technique):
             "torchtune: enable_activation_offloading: True" + (", enable_activation_checkpointing: True" if paired
                                                               else "") + "  # TRL SFTConfig / axolotl: "
             "activation_offloading: true; HF Trainer: memfit.apply_(model, {'activation_offload': True})",
-            activation_offload_cost(moved, chosen, ctx.hardware).text,
+            activation_offload_cost(moved, chosen, ctx.hardware),
             "tensors saved for backward wait in pinned host RAM and stream back block by block; the LM head's and "
             "the loss's stay on the device" + ("; with full checkpointing only each block's input moves" if
                                                chosen.checkpointing is Checkpointing.FULL else ""))

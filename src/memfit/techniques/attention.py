@@ -3,6 +3,7 @@ from __future__ import annotations
 from ..change import Change
 from ..setup import Attention, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
+from .costs import Cost, attention_cost, attention_step_cost
 from .convert import Target, conversion
 
 
@@ -11,6 +12,9 @@ class FlashAttention(Technique):
     key = "flash_attention"
     cuts_static = False
     title = "FlashAttention / SDPA"
+
+    def step_cost(self, spec, setup: TrainingSetup, hardware) -> Cost:
+        return attention_step_cost(setup)
 
     def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
         return {"attention": [Attention.SDPA]}  # never slower nor larger than eager where it runs
@@ -22,7 +26,7 @@ class FlashAttention(Technique):
             return Skip(f"transformers has no sdpa attention for {ctx.spec.model_type} (eager only)")
         return Proposal(ctx.setup.replace(attention=Attention.SDPA),
                         f"{ctx.spec.auto_class}.from_pretrained(..., attn_implementation=\"sdpa\")",
-                        "none: usually faster than eager attention",
+                        attention_cost(),
                         "drops the B x H x T x T softmax every layer keeps for backward")
 
 

@@ -87,8 +87,8 @@ class Proposal:
     setup: TrainingSetup
     change: str
     """The one-line change to make (code or config)."""
-    cost: str
-    """What it costs: compute, communication, traffic, convergence caveats."""
+    cost: Cost
+    """What it costs: compute, communication, traffic, convergence caveats (the ladder prints its text)."""
     why: str
 
 

@@ -60,7 +60,7 @@ class GradientCheckpointing(Technique):
         if isinstance(picked, Skip):
             return picked
         mode = picked.checkpointing
-        return Proposal(picked, _change(ctx, mode), checkpointing_cost(ctx.spec, picked).text, _HOW[mode] if mode in _HOW else _HOW[
+        return Proposal(picked, _change(ctx, mode), checkpointing_cost(ctx.spec, picked), _HOW[mode] if mode in _HOW else _HOW[
             Checkpointing.EVERY_2].replace("2nd", f"{mode.every}th"))
 
 

@@ -8,14 +8,11 @@ from ..change import Change
 from ..errors import MemfitError
 from ..setup import TrainingSetup
 from .base import Context, Proposal, Skip, Technique, pin_reason, register
+from .costs import compile_cost
 from .convert import Target, conversion
 
 CHANGE = ("HF: TrainingArguments(torch_compile=True); torchtune: compile: True; torchtitan: [compile] enable = true "
           "(each block compiled)")
-COST = ("compile time before the first step (tens of seconds to minutes per distinct block, again after each "
-        "recompile); dynamic shapes (a new sequence length) recompile unless marked dynamic, and past "
-        "torch._dynamo.config.recompile_limit the block runs eager; a graph break splits the block and keeps what "
-        "eager keeps at the break. Usually faster per step once compiled")
 WHY = ("each block keeps what AOTAutograd's min-cut partitioner saves: norm internals, activations and rotary "
        "products recomputed in backward, matmul and attention outputs kept; embedding, LM head and loss stay eager")
 
@@ -50,7 +47,7 @@ class Compile(Technique):
             ctx.size(setup)
         except (MemfitError, RuntimeError) as error:  # the block could not be traced compiled
             return Skip(f"the compiled block could not be traced: {error}")
-        return Proposal(setup, CHANGE, COST, WHY)
+        return Proposal(setup, CHANGE, compile_cost(), WHY)
 
 
 @conversion("compile")

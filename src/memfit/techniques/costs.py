@@ -1,6 +1,7 @@
-"""Costs a technique adds, in the units users weigh: compute, bytes over the wire per step, seconds.
+"""Costs a technique adds, in the units users weigh: compute, bytes over the wire per step, seconds, packages, what
+it rules out.
 
-Each is a typed `Cost`: the ladder prints its `text` (rendered from its numbers), memfit.throughput and
+Each is a typed `Cost`: the ladder prints its `text` (rendered from its fields), memfit.throughput and
 `plan --optimize` read the numbers (`step_cost`)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from ..estimate.comm import comm_volume, data_parallel_bytes, describe_runtime
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
 from ..estimate.static import param_elem_bytes
-from ..setup import Engine, Offload, Precision, TrainingSetup
+from ..setup import LOSS_CHUNKS, Attention, Engine, Offload, Precision, TrainingSetup
 from ..units import format_bytes
 
 
@@ -39,6 +40,17 @@ class Cost:
     """Pinned host RAM per GPU (activation offload)."""
     step_time_factor: float = 1.0
     """What the technique multiplies compute time by, where modelled (low-bit optimizer states: 1.01)."""
+    mfu_factor: float = 1.0
+    """What the setup multiplies the model FLOP utilisation by, where modelled (memfit.throughput): fp32 runs on
+    TF32 tensor cores at half the bf16 rate (FP32_MFU_FACTOR), eager attention at EAGER_MFU_FACTOR."""
+    loss_chunks: int = 0
+    """Head matmuls and cross-entropies per sequence instead of one (the chunked loss: LOSS_CHUNKS)."""
+    requires: tuple[str, ...] = ()
+    """Packages the technique needs installed beyond torch and transformers (the fused loss: liger-kernel)."""
+    gives_up: tuple[str, ...] = ()
+    """Training features the technique rules out (the optimizer step in backward: clipping, accumulation)."""
+    new_method: bool = False
+    """The technique trains something else (LoRA, QLoRA: adapters on a frozen base), not the same model."""
     caveats: tuple[str, ...] = ()
     template: str = "{caveats}"
 
@@ -46,6 +58,8 @@ class Cost:
         return {"recompute_percent": 100 * self.recompute_fraction, "wire": format_bytes(self.wire_bytes),
                 "host_link": format_bytes(self.host_link_bytes), "host_link_seconds": self.host_link_seconds,
                 "cpu_step_seconds": self.cpu_step_seconds, "host": format_bytes(self.host_bytes),
+                "loss_chunks": self.loss_chunks, "requires": ", ".join(self.requires),
+                "gives_up": " and ".join(f"no {what}" for what in self.gives_up),
                 "caveat": self.caveats, "caveats": "; ".join(self.caveats)}
 
     @property
@@ -253,5 +267,108 @@ def combined(costs) -> Cost:
                      cpu_step_seconds=total.cpu_step_seconds + cost.cpu_step_seconds,
                      host_bytes=total.host_bytes + cost.host_bytes,
                      step_time_factor=total.step_time_factor * cost.step_time_factor,
-                     caveats=total.caveats + cost.caveats)
+                     mfu_factor=total.mfu_factor * cost.mfu_factor,
+                     loss_chunks=max(total.loss_chunks, cost.loss_chunks),
+                     requires=total.requires + cost.requires, gives_up=total.gives_up + cost.gives_up,
+                     new_method=total.new_method or cost.new_method, caveats=total.caveats + cost.caveats)
     return total
+
+
+# ------------------------------------------------------------------------ the rungs whose costs are not bytes
+
+FP32_MFU_FACTOR = 0.5
+"""fp32 matmuls run on TF32 tensor cores at half the bf16 rate (memfit.throughput)."""
+EAGER_MFU_FACTOR = 0.85
+"""Eager attention (the B x H x T x T softmax written out and read back) against a fused kernel (memfit.throughput)."""
+
+
+def precision_step_cost(setup: TrainingSetup) -> Cost:
+    """What the setup's precision does to a step's speed: fp32 runs at FP32_MFU_FACTOR of the bf16 rate."""
+    return Cost(mfu_factor=FP32_MFU_FACTOR if setup.precision is Precision.FP32 else 1.0)
+
+
+_PRECISION_CAVEATS = {
+    Precision.AMP_FP16: "loss scaling needed for fp16",
+    Precision.AMP_BF16: "weights stay fp32",
+    Precision.BF16: "bf16 weight updates lose small steps: prefer stochastic rounding or Kahan summation for long runs",
+}
+
+
+def precision_cost(proposed: Precision) -> Cost:
+    """The mixed-precision rung's cost: nothing in compute (autocast from fp32 runs on the faster 16-bit tensor
+    cores), and what the proposed precision risks."""
+    faster = " (faster tensor cores)" if proposed.is_autocast else ""
+    return Cost(caveats=(_PRECISION_CAVEATS[proposed],), template=f"none in compute{faster}; {{caveats}}")
+
+
+def attention_step_cost(setup: TrainingSetup) -> Cost:
+    """What the setup's attention does to a step's speed: eager runs at EAGER_MFU_FACTOR of a fused kernel."""
+    return Cost(mfu_factor=EAGER_MFU_FACTOR if setup.attention is Attention.EAGER else 1.0)
+
+
+def attention_cost() -> Cost:
+    """The FlashAttention / SDPA rung's cost: none (memfit.throughput: eager runs at EAGER_MFU_FACTOR)."""
+    return Cost(template="none: usually faster than eager attention")
+
+
+def low_bit_optimizer_cost(state_bits: int) -> Cost:
+    """The low-bit optimizer rung's cost: LOW_BIT_STEP_FACTOR of step time, and how well the states train."""
+    if state_bits == 8:
+        return Cost(step_time_factor=LOW_BIT_STEP_FACTOR,
+                    caveats=("matches 32-bit Adam on LM fine-tuning (Dettmers et al. 2022)",),
+                    template="negligible step time; {caveats}")
+    return Cost(step_time_factor=LOW_BIT_STEP_FACTOR,
+                caveats=("4-bit states (torchao AdamW4bit, Li et al. 2023, arXiv:2309.01507) matched 32-bit AdamW on "
+                         "the paper's fine-tuning and pre-training runs, but are newer and less tried than 8-bit",
+                         "the step is torch.compile'd (first-step compile)", "watch the loss curve"))
+
+
+def fused_loss_cost() -> Cost:
+    """The fused loss's cost: Liger's kernel, a package of its own (Triton, CUDA)."""
+    return Cost(requires=("liger-kernel",),
+                template="none: Liger's fused linear cross-entropy is usually faster; needs {requires} (Triton, "
+                         "CUDA) installed")
+
+
+def chunked_loss_cost() -> Cost:
+    """The chunked loss's cost: LOSS_CHUNKS smaller head matmuls and cross-entropies (torchtune
+    CEWithChunkedOutputLoss)."""
+    return Cost(loss_chunks=LOSS_CHUNKS,
+                template="a little compute: {loss_chunks} smaller head matmuls and cross-entropies instead of one")
+
+
+def optimizer_in_backward_cost() -> Cost:
+    """The optimizer step in backward's cost: nothing in compute; it rules out clipping and accumulation (torchtune
+    optimizer_in_bwd)."""
+    return Cost(gives_up=("gradient clipping", "gradient accumulation"), template="none in compute; {gives_up}")
+
+
+def compile_cost() -> Cost:
+    """torch.compile's cost: compile time and what recompiles and graph breaks do."""
+    return Cost(caveats=("compile time before the first step (tens of seconds to minutes per distinct block, again "
+                         "after each recompile)",
+                         "dynamic shapes (a new sequence length) recompile unless marked dynamic, and past "
+                         "torch._dynamo.config.recompile_limit the block runs eager",
+                         "a graph break splits the block and keeps what eager keeps at the break"),
+                template="{caveats}. Usually faster per step once compiled")
+
+
+def lora_cost(*, quantized: bool) -> Cost:
+    """LoRA's and QLoRA's cost: a different method, and for QLoRA the 4-bit base's error and dequantization."""
+    if quantized:
+        return Cost(new_method=True,
+                    caveats=("NF4 quantization error in the frozen base (on par with 16-bit LoRA in Dettmers et al. "
+                             "2023, arXiv:2305.14314) and a dequantization of every Linear weight in forward and "
+                             "again in backward (slower steps than LoRA)",),
+                    template="LoRA's trade-off, plus {caveats}")
+    return Cost(new_method=True,
+                caveats=("trains a rank-r update of the targeted projections instead of every weight (close to full "
+                         "fine-tuning on instruction tuning, behind it on large domain shifts: Biderman et al. 2024, "
+                         "arXiv:2405.09673)", "backward skips the frozen weights' gradients"),
+                template="a different method: {caveats}")
+
+
+def micro_batch_cost(effective_batch: int, micro_steps: int, was: int) -> Cost:
+    """The micro-batch rung's cost: the same effective batch in more micro-steps, each using the GPU less well."""
+    return Cost(caveats=(f"same effective batch ({effective_batch}) in {micro_steps} micro-steps instead of {was}",
+                         "smaller matmuls use the GPU less well"))

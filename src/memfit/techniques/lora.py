@@ -10,14 +10,8 @@ from ..estimate.lora import rung_targets
 from ..finetune import BaseWeights, Finetune, Method
 from ..setup import Offload, Sharding, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
+from .costs import lora_cost
 from .convert import Target, conversion
-
-LORA_COST = ("a different method: trains a rank-r update of the targeted projections instead of every weight "
-             "(close to full fine-tuning on instruction tuning, behind it on large domain shifts: Biderman et al. "
-             "2024, arXiv:2405.09673); backward skips the frozen weights' gradients")
-QLORA_COST = ("LoRA's trade-off, plus NF4 quantization error in the frozen base (on par with 16-bit LoRA in Dettmers "
-              "et al. 2023, arXiv:2305.14314) and a dequantization of every Linear weight in forward and again in "
-              "backward (slower steps than LoRA)")
 
 
 def _adapted(ctx: Context, finetune: Finetune) -> TrainingSetup | Skip:
@@ -63,7 +57,7 @@ class Lora(Technique):
         setup = _adapted(ctx, Finetune(method=Method.LORA, targets=rung_targets(ctx.spec)))
         if isinstance(setup, Skip):
             return setup
-        return Proposal(setup, _lora_config(setup.finetune, _targets_text(setup.finetune)), LORA_COST,
+        return Proposal(setup, _lora_config(setup.finetune, _targets_text(setup.finetune)), lora_cost(quantized=False),
                         "the base weights are frozen: no gradients or optimizer states for them, only for "
                         "the adapters (peft keeps those in fp32)")
 
@@ -90,7 +84,7 @@ class Qlora(Technique):
         return Proposal(setup, "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
                                "bnb_4bit_quant_type=\"nf4\", bnb_4bit_use_double_quant=True, "
                                "bnb_4bit_compute_dtype=torch.bfloat16)); prepare_model_for_kbit_training(model); "
-                        + _lora_config(new, _targets_text(new)), QLORA_COST,
+                        + _lora_config(new, _targets_text(new)), lora_cost(quantized=True),
                         "the frozen Linear weights are stored in 4 bits (0.5 B plus ~0.127 bits of block constants "
                         "per weight); embeddings, head and norms stay unquantized (fp32 after "
                         "prepare_model_for_kbit_training)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..setup import Loss, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
+from .costs import chunked_loss_cost, fused_loss_cost, optimizer_in_backward_cost
 
 
 @register
@@ -38,12 +39,11 @@ class ChunkedOrFusedLoss(Technique):
         if chosen.loss is Loss.FUSED:
             return Proposal(chosen, "TrainingArguments(use_liger_kernel=True)  # pip install liger-kernel; or "
                                     "Apple's cut-cross-entropy",
-                            "none: Liger's fused linear cross-entropy is usually faster; needs liger-kernel (Triton, "
-                            "CUDA) installed",
+                            fused_loss_cost(),
                             "head, loss and their gradients chunk by chunk in forward: no B x T x V logits, no "
                             "fp32 log-softmax, only the B x T x h and V x h gradients kept")
         return Proposal(chosen, "torchtune loss: torchtune.modules.loss.CEWithChunkedOutputLoss (num_output_chunks=8)",
-                        "a little compute: 8 smaller head matmuls and cross-entropies instead of one",
+                        chunked_loss_cost(),
                         "upcasts and back-propagates the logits one sequence chunk at a time: the fp32 copy and the "
                         "log-softmax gradients shrink to an eighth")
 
@@ -72,7 +72,7 @@ class OptimizerInBackward(Technique):
             return Skip("does not fit on its own, and it rules out ZeRO and gradient accumulation")
         chosen = setup
         return Proposal(chosen, "torchtune: optimizer_in_bwd: True  # per-parameter register_post_accumulate_grad_hook",
-                        "none in compute; no gradient clipping and no gradient accumulation",
+                        optimizer_in_backward_cost(),
                         "each parameter steps as soon as its gradient is complete and the gradient is freed: one "
                         "parameter's gradient at a time instead of all of them, and no optimizer-step peak")
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from ..change import Change
 from .base import Context, Proposal, Skip, Technique, register
+from .costs import micro_batch_cost
 from .convert import Target, conversion
 
 
@@ -29,8 +30,7 @@ class MicroBatchAccumulation(Technique):
         nb, na = chosen.micro_batch_size, chosen.grad_accum_steps
         return Proposal(chosen,
                         f"TrainingArguments(per_device_train_batch_size={nb}, gradient_accumulation_steps={na})",
-                        f"same effective batch ({chosen.effective_batch_size}) in {na} micro-steps instead of "
-                        f"{accum}; smaller matmuls use the GPU less well",
+                        micro_batch_cost(chosen.effective_batch_size, na, accum),
                         f"activations scale with the micro-batch: {b} -> {nb}")
 
 

@@ -8,7 +8,7 @@ from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
 from ..units import format_bytes
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
-from .costs import Cost, offload_step_cost, offload_traffic
+from .costs import Cost, offload_cost, offload_step_cost
 
 
 class HostStep(Protocol):
@@ -110,7 +110,7 @@ class CpuOffload(Technique):
         if isinstance(chosen, Skip):
             return chosen
         alt = _alternative_of(chosen)
-        cost = alt.cost(ctx.spec, chosen, ctx.hardware).text if alt else offload_traffic(ctx.spec, chosen, ctx.hardware)
+        cost = alt.cost(ctx.spec, chosen, ctx.hardware) if alt else offload_cost(ctx.spec, chosen, ctx.hardware)
         return Proposal(chosen, _change(chosen), cost, _why(setup, chosen, host_need, one_gpu))
 
 

@@ -12,12 +12,8 @@ from __future__ import annotations
 from ..change import Change
 from ..setup import Offload, Optimizer
 from .base import Context, Proposal, Skip, Technique, register, static_over_budget, with_engine_that_can
-from .costs import LOW_BIT_STEP_FACTOR, Cost
+from .costs import LOW_BIT_STEP_FACTOR, Cost, low_bit_optimizer_cost
 from .convert import Target, conversion
-
-FOUR_BIT_CAVEAT = ("4-bit states (torchao AdamW4bit, Li et al. 2023, arXiv:2309.01507) matched 32-bit AdamW on the "
-                   "paper's fine-tuning and pre-training runs, but are newer and less tried than 8-bit; the step is "
-                   "torch.compile'd (first-step compile); watch the loss curve")
 
 
 @register
@@ -59,11 +55,11 @@ class Adam8bit(Technique):
             chosen = four
         if chosen.optimizer is Optimizer.ADAMW_4BIT:
             return Proposal(chosen, "TrainingArguments(optim=\"adamw_torch_4bit\")  # torchao.optim.AdamW4bit",
-                            FOUR_BIT_CAVEAT,
+                            low_bit_optimizer_cost(4),
                             "8-bit states are not enough: block-wise 4-bit states, ~1.06 B/param instead of 8 B/param "
                             "(an eighth)")
         return Proposal(chosen, "TrainingArguments(optim=\"adamw_bnb_8bit\")  # bitsandbytes.optim.AdamW8bit",
-                        "negligible step time; matches 32-bit Adam on LM fine-tuning (Dettmers et al. 2022)",
+                        low_bit_optimizer_cost(8),
                         "block-wise 8-bit states: ~2 B/param instead of 8 B/param (a quarter, not a half)")
 
 

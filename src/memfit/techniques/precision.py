@@ -4,6 +4,7 @@ from ..change import Change
 from ..diagnose import Bottleneck
 from ..setup import Offload, Optimizer, Precision, TrainingSetup, needs_bf16
 from .base import Context, Proposal, Skip, Technique, register
+from .costs import Cost, precision_cost, precision_step_cost
 from .convert import Target, conversion
 
 
@@ -15,6 +16,9 @@ class MixedPrecision(Technique):
 
     key = "mixed_precision"
     title = "mixed precision"
+
+    def step_cost(self, spec, setup: TrainingSetup, hardware) -> Cost:
+        return precision_step_cost(setup)
 
     def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:
         """The setup's precision, autocast bf16 and pure bf16 on a GPU with bf16; fp16 autocast from fp32 on one
@@ -37,7 +41,7 @@ class MixedPrecision(Technique):
             if current is Precision.FP32:
                 return Proposal(ctx.setup.replace(precision=Precision.AMP_FP16),
                                 "TrainingArguments(fp16=True)  # torch.autocast(fp16) + GradScaler",
-                                "none in compute (faster tensor cores); loss scaling needed for fp16",
+                                precision_cost(Precision.AMP_FP16),
                                 f"{ctx.hardware.gpu.name} has no bf16: fp16 autocast halves most activations")
             return Skip(f"{ctx.hardware.gpu.name} has no bf16, and pure fp16 training is unstable")
         if wants_static and current in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16,
@@ -45,14 +49,13 @@ class MixedPrecision(Technique):
             return Proposal(ctx.setup.replace(precision=Precision.BF16),
                             f"model = {ctx.spec.auto_class}.from_pretrained(..., {_dtype_keyword()}=torch.bfloat16)"
                             "  # pure bf16",
-                            "none in compute; bf16 weight updates lose small steps: prefer stochastic rounding or "
-                            "Kahan summation for long runs",
+                            precision_cost(Precision.BF16),
                             "the only precision change that cuts static memory: autocast keeps fp32 weights, "
                             "gradients and states, and fp32 master weights cost 16 B/param like fp32 Adam")
         if current is Precision.FP32:
             return Proposal(ctx.setup.replace(precision=Precision.AMP_BF16),
                             "TrainingArguments(bf16=True)  # torch.autocast(bf16)",
-                            "none in compute (faster tensor cores); weights stay fp32",
+                            precision_cost(Precision.AMP_BF16),
                             "bf16 activations are half the size (+2 B/param of cached bf16 weight copies)")
         if current is Precision.BF16 and ctx.setup.optimizer.state_bits < 32:
             return Skip("already pure bf16")

@@ -5,7 +5,7 @@ from ..errors import ConfigError
 from ..setup import Engine, Sharding
 from .base import Context, Proposal, Skip, Technique, register, with_engine_that_can
 from .convert import Target, conversion
-from .costs import Cost, zero_traffic, zero_traffic_bytes
+from .costs import Cost, zero_cost, zero_traffic_bytes
 
 
 @register
@@ -54,7 +54,7 @@ class ZeroSharding(Technique):
         elif chosen.engine is not ctx.setup.engine:
             why += (f" (with torch's FSDP2: DeepSpeed cannot shard this setup, "
                     f"{ctx.setup.finetune.method if ctx.setup.finetune.adapters else chosen.optimizer} included)")
-        return Proposal(chosen, change, zero_traffic(ctx.spec, chosen), why)
+        return Proposal(chosen, change, zero_cost(ctx.spec, chosen), why)
 
 
 @conversion("engine")
