@@ -71,8 +71,9 @@ def test_cli_keeps_the_options_given():
 
 def test_an_explicit_field_is_changed_only_with_its_reason():
     # 8 GiB of host RAM: too little for any CPU offload of a 3B model; pure bf16 brings static memory under the
-    # budget, so the activation rungs are open and micro-batch is the last rung left
-    spec, hw = resolve_model("llama-3.2-3b"), make_hardware("24GiB", cpu_ram="8GiB")
+    # budget, so the activation rungs are open and micro-batch is the last rung left. 23 GiB, not 24: on 24 GiB the
+    # compiled micro-batch-4 step fits once the allocator's free-and-retry at the limit is counted (diagnose)
+    spec, hw = resolve_model("llama-3.2-3b"), make_hardware("23GiB", cpu_ram="8GiB")
     setup = TrainingSetup(micro_batch_size=4, seq_len=8192)
     result = plan(spec, setup, hw, explicit=frozenset({"micro_batch_size", "seq_len"}))
     (step,) = [s for s in result.steps if s.technique == "micro_batch"]
