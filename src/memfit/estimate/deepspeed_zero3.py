@@ -126,10 +126,27 @@ def frozen_partition_bytes(spec: ModelSpec, setup: TrainingSetup, n: int, elem_b
                * (t.nbytes // t.numel if t.nbytes else elem_bytes) for t in spec.frozen)
 
 
+def gathers_views(setup: TrainingSetup) -> bool:
+    """One rank whose partitions are on the device: ZeRO-3 "gathers" nothing. With a partition world size of 1,
+    fetching a parameter points its data at its own partition (partition_parameters.py all_gather_coalesced ->
+    _no_gather_coalesced -> NoGatherHandle: `param.data = param.ds_tensor.data.to(device).view(ds_shape)`, no copy
+    when the partition is already there), persistent ones included. offload_param keeps the partitions on the host,
+    so there the fetch copies them to the device."""
+    from ..setup import Offload
+
+    return setup.shard_size == 1 and setup.offload is not Offload.OPTIMIZER_AND_PARAMS
+
+
 def layout(spec: ModelSpec, setup: TrainingSetup, static, elem_bytes: int, bucket_elems: int):
     """`static` (memfit.estimate.static's ZeRO-3 split of the trainable tensors) with DeepSpeed's ZeRO-3 buffers:
-    the frozen partitions, the persistent parameters whole, what stays gathered into backward, the ipg bucket."""
+    the frozen partitions, the persistent parameters whole, what stays gathered into backward, the ipg bucket
+    (`bucket_elems`: reduce_bucket_size, 0 without contiguous_gradients). On one rank (`gathers_views`) the
+    partitions are the whole parameters and nothing more is gathered."""
     n = setup.shard_size
+    if gathers_views(setup):
+        return replace(static, frozen_bytes=sum(t.count * t.numel * (t.nbytes // t.numel if t.nbytes else elem_bytes)
+                                                for t in spec.frozen),
+                       param_working_set_bytes=0, comm_buffers_bytes=elem_bytes * bucket_elems)
     params = static.params_bytes + elem_bytes * persistent_elems(persistence_threshold(spec, setup), spec.params)
     return replace(static, params_bytes=params, frozen_bytes=frozen_partition_bytes(spec, setup, n, elem_bytes),
                    param_working_set_bytes=elem_bytes * gathered_elems(spec, setup),
@@ -146,7 +163,7 @@ def step_changes(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> l
     head = _head_input_term(spec, setup, compute_bytes)
     if head is not None:
         changes.append(AddBeside(head, TermKey.HEAD))
-    released = recompute_released_bytes(spec, setup)
+    released = 0 if gathers_views(setup) else recompute_released_bytes(spec, setup)
     if released:
         changes.append(ShrinkBeside(TermKey.GATHERED, TermKey.RECOMPUTED_BLOCK, released,
                                     "; the recomputed block's frozen tensors released but the one its backward uses "
