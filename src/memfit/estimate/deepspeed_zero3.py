@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..model_spec import ModelSpec, ParamTensor
-from ..setup import Checkpointing, TrainingSetup
+from ..setup import Checkpointing, Offload, TrainingSetup
 from .result import Category, Term
 from .moments import AddBeside, ShrinkBeside, StepChange
 from .terms import TermKey
@@ -132,8 +132,6 @@ def gathers_views(setup: TrainingSetup) -> bool:
     _no_gather_coalesced -> NoGatherHandle: `param.data = param.ds_tensor.data.to(device).view(ds_shape)`, no copy
     when the partition is already there), persistent ones included. offload_param keeps the partitions on the host,
     so there the fetch copies them to the device."""
-    from ..setup import Offload
-
     return setup.shard_size == 1 and setup.offload is not Offload.OPTIMIZER_AND_PARAMS
 
 
