@@ -117,6 +117,9 @@ def _stage_reason(setup: TrainingSetup, stage: int) -> str:
             3: ("ZeRO-3 on one GPU shards nothing; with offload_param the parameters live in CPU RAM and each "
                 "module's are fetched to the GPU when it runs (ZeRO-Infinity on CPU)"),
         }[stage]
+    if setup.num_gpus == 1 and stage >= 1 and setup.offload is Offload.NONE:
+        return (f"ZeRO-{stage} on one GPU (world size 1) shards nothing: every partition is whole, and DeepSpeed "
+                "still keeps its fp32 partition copy and reduce buckets (memfit sized them)")
     return {
         0: "no ZeRO: every rank holds whole parameters, gradients and optimizer states (data parallel only)",
         1: ("ZeRO-1: optimizer states sharded over the ranks" if setup.sharding is Sharding.ZERO1 else
