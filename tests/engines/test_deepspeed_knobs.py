@@ -177,3 +177,20 @@ def test_one_rank_zero2_peaks_equal_the_formulas(tmp_path):
         low, high = rank["peak_bytes"] - rank["unseen_at_peak_bytes"], rank["peak_bytes"]
         print(f"{name}: measured {low:,}..{high:,} B, memfit {predicted:,} B")
         assert low * 0.98 <= predicted <= high * 1.02, (name, low, high, predicted)
+
+
+def test_zero3_steps_one_sub_group_at_a_time():
+    """stage3.py _create_fp16_sub_groups closes a sub-group once it reaches sub_group_size: on the tiny Llama the
+    largest is the last one, the final norm (64) and the 32,768-element LM head; the step holds its fp32 flat gradient and AdamW's two
+    temporaries (12 B per element; measured on 1 CPU rank in bench/results/deepspeed_knobs.md, b1s8 rows)."""
+    from memfit.estimate.deepspeed_zero3 import largest_sub_group
+
+    setup = BASE.replace(sharding="zero3", num_gpus=1, micro_batch_size=1, seq_len=8)
+    small = setup.replace(zero_knobs=ZeroKnobs(sub_group_size=8192))
+    assert largest_sub_group(SPEC, setup) == P  # 1e9 by default: the whole partition
+    last = H + TINY_LLAMA["vocab_size"] * H
+    assert largest_sub_group(SPEC, small) == last == 32_832
+    whole, sub = estimate(SPEC, setup, CPU), estimate(SPEC, small, CPU)
+    assert whole.term("temporaries/optimizer_step").num_bytes == 12 * P
+    assert sub.term("temporaries/optimizer_step").num_bytes == 12 * last
+    assert whole.tensor_bytes - sub.tensor_bytes == 12 * (P - last)

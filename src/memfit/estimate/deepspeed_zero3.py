@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..model_spec import ModelSpec, ParamTensor
-from ..setup import Checkpointing, Offload, TrainingSetup
+from ..setup import Checkpointing, Offload, Optimizer, TrainingSetup
 from .result import Category, Term
 from .moments import AddBeside, ShrinkBeside, StepChange
 from .terms import TermKey
@@ -197,3 +197,45 @@ def _head_input_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) 
                 setup.tokens_per_micro_step * spec.hidden_size * compute_bytes,
                 "B x T x h: the frozen LM head's input, saved by DeepSpeed's ZeRO-3 linear",
                 "DeepSpeed runtime/zero/linear.py LinearFunctionForZeroStage3 (memory_efficient_linear)")
+
+
+def _partition_order(spec: ModelSpec, n: int) -> list[int]:
+    """Each trainable tensor's partition elements (ceil(numel / N)) in the module's order, a repeated block's rows
+    once per layer."""
+    rows = [(p.numel, ".*." in p.name) for p in spec.params]
+    first = next((i for i, (_, block) in enumerate(rows) if block), len(rows))
+    last = max((i for i, (_, block) in enumerate(rows) if block), default=-1)
+    block = [numel for numel, is_block in rows if is_block]
+    ordered = [numel for numel, _ in rows[:first]] + block * max(spec.num_layers, 1 if block else 0) + \
+        [numel for numel, _ in rows[last + 1:]]
+    return [-(-numel // n) for numel in ordered]
+
+
+def largest_sub_group(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Elements of the largest optimizer sub-group on a rank: stage3.py _create_fp16_sub_groups closes a sub-group
+    once its partitions reach sub_group_size (so one may overshoot by its last tensor), the whole partition when it
+    is under sub_group_size."""
+    parts = _partition_order(spec, setup.shard_size)
+    limit = setup.zero_knobs.sub_group_size
+    if limit >= sum(parts):
+        return sum(parts)
+    largest = current = 0
+    for numel in parts:
+        current += numel
+        if current >= limit:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
+def step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
+    """A rank's optimizer-step temporaries under ZeRO-3 without optimizer offload: the step runs one sub-group at a
+    time (stage3.py step -> _prepare_sub_group -> _prepare_fp32_grad_for_sub_group: `self.flatten(averaged_gradients)
+    .to(fp32)`, a new fp32 flat gradient of the sub-group, dropped by _release_sub_group), and the optimizer steps
+    that one flat fp32 tensor: torch's single-tensor AdamW (memfit's config: torch_adam, foreach false) makes two
+    sub-group-sized fp32 temporaries for its denominator, the foreach one one. So 4 + 8 (4) B per element of the
+    largest sub-group (memfit.zero_knobs sub_group_size; 1e9 by default, the whole partition below that). Measured on
+    1 CPU rank (bench/deepspeed_knobs.py): within 0.1% but the fp32 whole-partition step (-2.7%)."""
+    sub = largest_sub_group(spec, setup)
+    optimizer = {Optimizer.ADAMW: 8, Optimizer.ADAMW_FOREACH: 4}.get(setup.optimizer, 0)
+    return (4 + optimizer) * sub, (f"the largest optimizer sub-group ({sub:,} elements): its fp32 flat gradient"
+                                   + (f" + {optimizer // 4} fp32 AdamW temporaries" if optimizer else ""))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
-from . import float8, muon
+from . import deepspeed_zero3, float8, muon
 from .fsdp2 import Fsdp2Units
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
@@ -191,6 +191,10 @@ def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[in
     if setup.offload is not Offload.NONE:
         return 0, ("step runs on the CPU (FSDP2 CPUOffloadPolicy: the optimizer steps the host shards)"
                    if setup.engine is Engine.TORCH else "step runs on the CPU (DeepSpeed CPU Adam)")
+    if (setup.engine is Engine.DEEPSPEED and setup.sharding.stage >= 3 and setup.optimizer.torch_adam
+            and setup.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH)):
+        per_rank, why = deepspeed_zero3.step_temp_bytes(spec, setup)
+        return per_rank * setup.shard_size, why  # the caller divides by the shards
     p_bytes = 4 if setup.precision.master_weights else param_elem_bytes(setup.precision)
     largest = _largest_bytes(spec, p_bytes)
     opt = setup.optimizer
@@ -290,8 +294,6 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
     s = replace(s, optimizer_bytes=optimizer, comm_buffers_bytes=comm, grads_preallocated=stage == 3,
                 comm_buffers_with_grads=stage in (1, 2) and setup.offload is Offload.NONE, notes=tuple(notes))
     if stage == 3:  # frozen partitions, persistent parameters, what stays gathered, the ipg bucket
-        from . import deepspeed_zero3
-
         s = deepspeed_zero3.layout(spec, setup, s, full.param_bytes_per_elem,
                                    deepspeed_reduce_bucket_elems(spec, setup) * setup.zero_knobs.reduce_buckets(3))
     return s
