@@ -145,7 +145,8 @@ class ZeroKnobs:
     def changed(self) -> dict:
         """The knobs that differ from memfit's defaults ("auto"), by field name."""
         default = ZeroKnobs()
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
 
     def __str__(self) -> str:
         if self.is_auto:

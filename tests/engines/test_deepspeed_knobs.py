@@ -181,8 +181,9 @@ def test_one_rank_zero2_peaks_equal_the_formulas(tmp_path):
 
 def test_zero3_steps_one_sub_group_at_a_time():
     """stage3.py _create_fp16_sub_groups closes a sub-group once it reaches sub_group_size: on the tiny Llama the
-    largest is the last one, the final norm (64) and the 32,768-element LM head; the step holds its fp32 flat gradient and AdamW's two
-    temporaries (12 B per element; measured on 1 CPU rank in bench/results/deepspeed_knobs.md, b1s8 rows)."""
+    largest is the last one, the final norm (64) and the 32,768-element LM head; the step holds its fp32 flat
+    gradient and AdamW's two temporaries (12 B per element; measured on 1 CPU rank in
+    bench/results/deepspeed_knobs.md, b1s8 rows)."""
     from memfit.estimate.deepspeed_zero3 import largest_sub_group
 
     setup = BASE.replace(sharding="zero3", num_gpus=1, micro_batch_size=1, seq_len=8)

@@ -51,7 +51,8 @@ class Example:
 OFFLOAD_KNOBS = ZeroKnobs(reduce_bucket_size=50_000_000, param_persistence_threshold=100_000,
                           prefetch_bucket_size=50_000_000, overlap_comm=True, gather_16bit_weights_on_model_save=True)
 ZERO2_FILE_KNOBS = ZeroKnobs(allgather_bucket_size=200_000_000, overlap_comm=True)
-"""deepspeed_zero2.json: overlap_comm doubles ZeRO-2's reduce bucket; allgather_bucket_size is carried (no GPU bytes)."""
+"""deepspeed_zero2.json: overlap_comm doubles ZeRO-2's reduce bucket; allgather_bucket_size is carried (no GPU
+bytes)."""
 LF_ZERO3_KNOBS = ZeroKnobs(overlap_comm=False, gather_16bit_weights_on_model_save=True)
 """deepspeed_zero3_offload.json's buffer sizes (its stage3_max_reuse_distance left out: DeepSpeed's 1e9)."""
 
@@ -261,7 +262,8 @@ EXAMPLES = {
               "zero_optimization.stage3_prefetch_bucket_size zero_optimization.contiguous_gradients"),
         not_sized="",
         other=("zero_optimization.overlap_comm zero_optimization.offload_optimizer.pin_memory "
-               "zero_optimization.offload_param.pin_memory zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+               "zero_optimization.offload_param.pin_memory "
+               "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
         quiet=("gradient_clipping steps_per_print optimizer.params.lr optimizer.params.betas optimizer.params.eps "
                "optimizer.params.weight_decay")),
     "accelerate_deepspeed.yaml": Example(

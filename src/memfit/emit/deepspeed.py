@@ -250,8 +250,8 @@ def _user_buckets(setup: TrainingSetup, stage: int, zero: dict, comments: dict[s
         if value is None or stage < min_stage:
             continue
         zero[key] = value
-        comments[f"zero_optimization.{key}"] = (f"{value}, as your config set it" if isinstance(value, bool) else
-                                                f"{value:,} elements, as your config set it") + " (memfit sized this value)"
+        said = f"{value}" if isinstance(value, bool) else f"{value:,} elements"
+        comments[f"zero_optimization.{key}"] = f"{said}, as your config set it (memfit sized this value)"
     if not knobs.offload_pin_memory:
         for block in ("offload_optimizer", "offload_param"):
             if block in zero:
