@@ -73,6 +73,10 @@ SOURCES = (
     Source("fsdp1.md", "error", "formulas: FSDP1 flat parameters (accelerate / HF Trainer, Lightning / LitGPT), full "
            "and LoRA, per rank", "2 real gloo ranks"),
     Source("lora_deepspeed.md", "error", "formulas: LoRA under DeepSpeed ZeRO-2 / 3, per rank", "2 real gloo ranks"),
+    Source("deepspeed_knobs.md", "error", "formulas: DeepSpeed ZeRO knobs as the user sets them (buckets, "
+           "overlap_comm, contiguous gradients, sub-groups, reuse / prefetch) and ZeRO on one GPU without offload, "
+           "per rank",
+           "real DeepSpeed ranks on CPU (1 and 2 gloo ranks)"),
     Source("crosscheck.md", "error", "formulas at full size (7B-70B shapes, every catalog family), H100 target",
            "the trace, same layout"),
     Source("gpu_published.md", "error %", "device figures on published GPU runs (in scope)",

@@ -561,14 +561,18 @@ class TrainingSetup:
 
     def _one_gpu_sharding_problems(self) -> list[str]:
         """ZeRO on one GPU: with nothing to shard over, a stage saves memory only by moving its partitions to the
-        host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param)."""
+        host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param).
+        DeepSpeed also runs ZeRO-1/2/3 on one rank without offload (world size 1: every partition is whole, plus
+        its fp32 partition copy and buckets; memfit.estimate.static), as users launch it; torch's engines do not."""
         if self.tp > 1:
             return [f"{self.sharding} shards over the data-parallel ranks, num_gpus / tp = {self.dp_size}: it needs "
                     f"at least 2 (give --gpus {2 * self.tp} or more)"]
+        if self.offload is Offload.NONE and self.engine is Engine.DEEPSPEED:
+            return []
         if self.offload is Offload.NONE:
             return [f"{self.sharding} shards over GPUs and needs at least 2 (got num_gpus={self.num_gpus}): on one "
                     "GPU it saves nothing unless it offloads to the CPU (--offload optimizer, or optimizer+params "
-                    "with zero3)"]
+                    "with zero3); DeepSpeed runs it on one rank anyway (--engine deepspeed)"]
         if self.engine is not Engine.DEEPSPEED:
             return [refusal(f"{self.sharding} with CPU offload on one GPU runs on DeepSpeed (ZeRO-Offload)",
                             engine_way_out(self, Engine.DEEPSPEED), "2+ GPUs for torch's FSDP2")]

@@ -49,7 +49,9 @@ ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLIN
 def test_one_gpu_allows_zero_with_offload_on_deepspeed_only():
     assert ZERO2.num_gpus == 1 and ZERO3.num_gpus == 1
     with pytest.raises(ConfigError, match="needs at least 2 .*saves nothing unless it offloads"):
-        TrainingSetup(sharding="zero2", num_gpus=1)
+        TrainingSetup(sharding="zero2", num_gpus=1, engine="torch")
+    # DeepSpeed runs ZeRO at world size 1 without offload too (tests/engines/test_deepspeed_knobs.py)
+    assert TrainingSetup(sharding="zero2", num_gpus=1, engine="deepspeed").sharding.stage == 2
     with pytest.raises(ConfigError, match="use --engine deepspeed"):
         TrainingSetup(sharding="zero3", offload="optimizer+params", num_gpus=1, engine="torch")
     with pytest.raises(ConfigError, match="needs zero3"):
@@ -61,7 +63,7 @@ def test_cli_refusals_stay_one_line_and_exit_2():
 
     from memfit.cli.app import app
 
-    result = CliRunner().invoke(app, ["plan", "llama-3.1-8b", "--zero", "zero2"])
+    result = CliRunner().invoke(app, ["plan", "llama-3.1-8b", "--zero", "zero2", "--engine", "torch"])
     assert result.exit_code == 2 and "saves nothing" in result.output and "Traceback" not in result.output
 
 

@@ -48,7 +48,12 @@ class Example:
     quiet: str
 
 
-OFFLOAD_KNOBS = ZeroKnobs(reduce_bucket_size=50_000_000, param_persistence_threshold=100_000)
+OFFLOAD_KNOBS = ZeroKnobs(reduce_bucket_size=50_000_000, param_persistence_threshold=100_000,
+                          prefetch_bucket_size=50_000_000, overlap_comm=True, gather_16bit_weights_on_model_save=True)
+ZERO2_FILE_KNOBS = ZeroKnobs(allgather_bucket_size=200_000_000, overlap_comm=True)
+"""deepspeed_zero2.json: overlap_comm doubles ZeRO-2's reduce bucket; allgather_bucket_size is carried (no GPU
+bytes)."""
+LF_ZERO3_KNOBS = ZeroKnobs(overlap_comm=False, gather_16bit_weights_on_model_save=True)
 """deepspeed_zero3_offload.json's buffer sizes (its stage3_max_reuse_distance left out: DeepSpeed's 1e9)."""
 
 
@@ -57,17 +62,17 @@ EXAMPLES = {
         "axolotl", 'meta-llama/Llama-3.1-8B',
         dict(padding='max-length', micro_batch_size=2, grad_accum_steps=4, seq_len=4096, precision='bf16-master',
              optimizer='adamw-fused', checkpointing='full', attention='sdpa',
-             finetune=Finetune("lora", rank=32, alpha=16, dropout=0.05, targets=(ALL_LINEAR,))),
-        read=("pad_to_sequence_len "
+             finetune=Finetune("lora", rank=32, alpha=16, dropout=0.05, targets=(ALL_LINEAR,)), sharding='zero2',
+             engine='deepspeed', zero_knobs=ZERO2_FILE_KNOBS),
+        read=("pad_to_sequence_len deepspeed_zero2:zero_optimization.stage deepspeed_zero2:zero_optimization "
+              "deepspeed_zero2:zero_optimization.overlap_comm deepspeed_zero2:zero_optimization.contiguous_gradients "
               "base_model micro_batch_size gradient_accumulation_steps sequence_len sample_packing deepspeed "
               "deepspeed_zero2:bf16.enabled bf16 fp16 deepspeed_zero2:train_micro_batch_size_per_gpu "
               "deepspeed_zero2:gradient_accumulation_steps deepspeed_zero2:train_batch_size optimizer "
               "gradient_checkpointing flash_attention deepspeed_zero2:zero_optimization.reduce_bucket_size "
               "load_in_4bit load_in_8bit adapter lora_r lora_alpha lora_dropout lora_target_linear"),
-        not_sized=("deepspeed_zero2:zero_optimization.allgather_bucket_size "
-                   "deepspeed_zero2:zero_optimization.overlap_comm "
-                   "deepspeed_zero2:zero_optimization.contiguous_gradients"),
-        other="deepspeed_zero2:zero_optimization.stage",
+        not_sized="",
+        other="deepspeed_zero2:zero_optimization.allgather_bucket_size",
         quiet=("model_type tokenizer_type datasets dataset_prepared_path val_set_size "
                "output_dir num_epochs lr_scheduler learning_rate logging_steps warmup_steps "
                "evals_per_epoch saves_per_epoch weight_decay special_tokens.pad_token "
@@ -86,7 +91,7 @@ EXAMPLES = {
     "llamafactory_full.yaml": Example(
         "llamafactory", 'Qwen/Qwen2.5-7B-Instruct',
         dict(seq_len=2048, micro_batch_size=1, grad_accum_steps=2, precision='bf16-master',
-             checkpointing='full'),
+             checkpointing='full', sharding='zero3', engine='deepspeed', zero_knobs=LF_ZERO3_KNOBS),
         read=("model_name_or_path stage finetuning_type cutoff_len deepspeed per_device_train_batch_size "
               "gradient_accumulation_steps deepspeed_zero3:bf16.enabled bf16 "
               "deepspeed_zero3:train_micro_batch_size_per_gpu deepspeed_zero3:gradient_accumulation_steps "
@@ -94,19 +99,19 @@ EXAMPLES = {
               "deepspeed_zero3:zero_optimization.reduce_bucket_size "
               "deepspeed_zero3:zero_optimization.stage3_prefetch_bucket_size "
               "deepspeed_zero3:zero_optimization.stage3_param_persistence_threshold "
-              "deepspeed_zero3:zero_optimization.stage3_max_reuse_distance"),
-        not_sized=("deepspeed_zero3:zero_optimization.contiguous_gradients "
-                   "deepspeed_zero3:zero_optimization.sub_group_size "
-                   "deepspeed_zero3:zero_optimization.stage3_max_live_parameters"),
-        other="deepspeed_zero3:zero_optimization.stage",
+              "deepspeed_zero3:zero_optimization.stage3_max_reuse_distance deepspeed_zero3:zero_optimization.stage "
+              "deepspeed_zero3:zero_optimization deepspeed_zero3:zero_optimization.contiguous_gradients "
+              "deepspeed_zero3:zero_optimization.sub_group_size "
+              "deepspeed_zero3:zero_optimization.stage3_max_live_parameters"),
+        not_sized="",
+        other=("deepspeed_zero3:zero_optimization.overlap_comm "
+               "deepspeed_zero3:zero_optimization.stage3_gather_16bit_weights_on_model_save"),
         quiet=("trust_remote_code do_train dataset template max_samples overwrite_cache preprocessing_num_workers "
                "output_dir logging_steps save_steps plot_loss overwrite_output_dir report_to learning_rate "
                "num_train_epochs lr_scheduler_type warmup_ratio ddp_timeout deepspeed_zero3:gradient_clipping "
                "deepspeed_zero3:zero_allow_untested_optimizer deepspeed_zero3:fp16.loss_scale "
                "deepspeed_zero3:fp16.loss_scale_window deepspeed_zero3:fp16.initial_scale_power "
-               "deepspeed_zero3:fp16.hysteresis deepspeed_zero3:fp16.min_loss_scale "
-               "deepspeed_zero3:zero_optimization.overlap_comm "
-               "deepspeed_zero3:zero_optimization.stage3_gather_16bit_weights_on_model_save")),
+               "deepspeed_zero3:fp16.hysteresis deepspeed_zero3:fp16.min_loss_scale")),
     "llamafactory_lora.yaml": Example(
         "llamafactory", 'meta-llama/Llama-3.1-8B-Instruct',
         dict(padding='longest', seq_len=4096, micro_batch_size=2, grad_accum_steps=8, precision='amp-bf16',
@@ -219,31 +224,31 @@ EXAMPLES = {
               "deepspeed_zero3_offload:zero_optimization.offload_param.device "
               "deepspeed_zero3_offload:optimizer.type activation_checkpointing "
               "deepspeed_zero3_offload:zero_optimization deepspeed_zero3_offload:zero_optimization.reduce_bucket_size "
-              "deepspeed_zero3_offload:zero_optimization.stage3_param_persistence_threshold"),
-        not_sized=("deepspeed_zero3_offload:zero_optimization.stage3_prefetch_bucket_size "
-                   "deepspeed_zero3_offload:zero_optimization.overlap_comm "
-                   "deepspeed_zero3_offload:zero_optimization.contiguous_gradients"),
-        other="",
+              "deepspeed_zero3_offload:zero_optimization.stage3_param_persistence_threshold "
+              "deepspeed_zero3_offload:zero_optimization.stage3_prefetch_bucket_size "
+              "deepspeed_zero3_offload:zero_optimization.contiguous_gradients"),
+        not_sized="",
+        other=("deepspeed_zero3_offload:zero_optimization.overlap_comm "
+               "deepspeed_zero3_offload:zero_optimization.offload_optimizer.pin_memory "
+               "deepspeed_zero3_offload:zero_optimization.offload_param.pin_memory "
+               "deepspeed_zero3_offload:zero_optimization.stage3_gather_16bit_weights_on_model_save"),
         quiet=("output_dir learning_rate adam_beta2 weight_decay num_train_epochs lr_scheduler_type warmup_steps "
                "logging_steps save_strategy save_steps report_to deepspeed_zero3_offload:gradient_clipping "
                "deepspeed_zero3_offload:steps_per_print deepspeed_zero3_offload:optimizer.params.lr "
                "deepspeed_zero3_offload:optimizer.params.betas deepspeed_zero3_offload:optimizer.params.eps "
-               "deepspeed_zero3_offload:optimizer.params.weight_decay "
-               "deepspeed_zero3_offload:zero_optimization.offload_optimizer.pin_memory "
-               "deepspeed_zero3_offload:zero_optimization.offload_param.pin_memory "
-               "deepspeed_zero3_offload:zero_optimization.stage3_gather_16bit_weights_on_model_save")),
+               "deepspeed_zero3_offload:optimizer.params.weight_decay")),
     "training_args.yaml": Example(
         "training_args", None,
         dict(micro_batch_size=4, grad_accum_steps=4, precision='bf16-master', optimizer='adamw-fused',
-             checkpointing='full'),
+             checkpointing='full', sharding='zero2', engine='deepspeed', zero_knobs=ZERO2_FILE_KNOBS),
         read=("deepspeed per_device_train_batch_size gradient_accumulation_steps deepspeed_zero2:bf16.enabled bf16 "
               "deepspeed_zero2:train_micro_batch_size_per_gpu deepspeed_zero2:gradient_accumulation_steps "
               "deepspeed_zero2:train_batch_size optim gradient_checkpointing "
-              "deepspeed_zero2:zero_optimization.reduce_bucket_size"),
-        not_sized=("deepspeed_zero2:zero_optimization.allgather_bucket_size "
-                   "deepspeed_zero2:zero_optimization.overlap_comm "
-                   "deepspeed_zero2:zero_optimization.contiguous_gradients"),
-        other="deepspeed_zero2:zero_optimization.stage",
+              "deepspeed_zero2:zero_optimization.reduce_bucket_size deepspeed_zero2:zero_optimization.stage "
+              "deepspeed_zero2:zero_optimization deepspeed_zero2:zero_optimization.overlap_comm "
+              "deepspeed_zero2:zero_optimization.contiguous_gradients"),
+        not_sized="",
+        other="deepspeed_zero2:zero_optimization.allgather_bucket_size",
         quiet=("output_dir per_device_eval_batch_size learning_rate max_steps "
                "gradient_checkpointing_kwargs.use_reentrant logging_steps report_to "
                "deepspeed_zero2:gradient_clipping deepspeed_zero2:wall_clock_breakdown")),
@@ -253,14 +258,14 @@ EXAMPLES = {
              engine='deepspeed', offload='optimizer+params', zero_knobs=OFFLOAD_KNOBS),
         read=("bf16.enabled train_micro_batch_size_per_gpu gradient_accumulation_steps train_batch_size "
               "zero_optimization.stage zero_optimization.offload_param.device optimizer.type zero_optimization "
-              "zero_optimization.reduce_bucket_size zero_optimization.stage3_param_persistence_threshold"),
-        not_sized=("zero_optimization.stage3_prefetch_bucket_size zero_optimization.overlap_comm "
-                   "zero_optimization.contiguous_gradients"),
-        other="",
-        quiet=("gradient_clipping steps_per_print optimizer.params.lr optimizer.params.betas optimizer.params.eps "
-               "optimizer.params.weight_decay zero_optimization.offload_optimizer.pin_memory "
+              "zero_optimization.reduce_bucket_size zero_optimization.stage3_param_persistence_threshold "
+              "zero_optimization.stage3_prefetch_bucket_size zero_optimization.contiguous_gradients"),
+        not_sized="",
+        other=("zero_optimization.overlap_comm zero_optimization.offload_optimizer.pin_memory "
                "zero_optimization.offload_param.pin_memory "
-               "zero_optimization.stage3_gather_16bit_weights_on_model_save")),
+               "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+        quiet=("gradient_clipping steps_per_print optimizer.params.lr optimizer.params.betas optimizer.params.eps "
+               "optimizer.params.weight_decay")),
     "accelerate_deepspeed.yaml": Example(
         "accelerate", None,
         dict(num_gpus=8, sharding='zero3', engine='deepspeed', offload='optimizer', grad_accum_steps=4,
@@ -316,8 +321,9 @@ def test_example_reads_as_documented(name, in_configs):
 
 def test_what_memfit_cannot_size_yet_says_so(in_configs):
     lora = read_config("axolotl_lora_deepspeed.yaml")
-    why = {e.field: e.why for e in lora.ignored}
-    assert "shards nothing" in why["zero_optimization.stage"]
+    # one GPU: DeepSpeed runs the stage at world size 1 (no longer sized unsharded), and says so
+    notes = {e.field: e.note for e in lora.read}
+    assert "world size 1" in notes["zero_optimization.stage"] and lora.overrides["sharding"].value == "zero2"
     tune = {e.field: e.why for e in read_config("torchtune_full.yaml").ignored}
     assert read_config("torchtune_full.yaml").overrides["optimizer"].is_paged  # PagedAdamW8bit: sized as paged
     assert tune["enable_activation_offloading"].startswith("off")
@@ -347,7 +353,8 @@ def test_the_gpu_count_decides_what_zero_shards(in_configs, tmp_path):
     assert "num_gpus" not in full.overrides  # the caller's, not the file's
     assert read_config("training_args.yaml", num_gpus=4).overrides["sharding"] is Sharding.ZERO2
     one = read_config("training_args.yaml")
-    assert "sharding" not in one.overrides and any("shards nothing" in e.why for e in one.ignored)
+    # one GPU: DeepSpeed runs the stage at world size 1 (whole partitions, fp32 copy, buckets), sized as such
+    assert one.overrides["sharding"] is Sharding.ZERO2 and one.overrides["engine"] is Engine.DEEPSPEED
     tune = read_config("torchtune_full.yaml", num_gpus=2).overrides  # distributed recipes shard with FSDP2
     assert (tune["sharding"], tune["engine"]) == (Sharding.ZERO3, Engine.TORCH)
     assert read_config("deepspeed_zero3_offload.json", num_gpus=4).overrides["sharding"] is Sharding.ZERO3
@@ -870,12 +877,14 @@ def test_deepspeed_bucket_sizes_are_read_as_given_and_defaulted_as_deepspeed_doe
     knobs = read_config(str(path), num_gpus=2).overrides["zero_knobs"]
     # a number as given, "auto" as the HF Trainer fills it, a key left out as DeepSpeed's own default
     assert knobs == ZeroKnobs(reduce_bucket_size=50_000_000, param_persistence_threshold=None,
-                              max_reuse_distance=DEEPSPEED_DEFAULTS.max_reuse_distance)
+                              max_reuse_distance=DEEPSPEED_DEFAULTS.max_reuse_distance,
+                              prefetch_bucket_size=DEEPSPEED_DEFAULTS.prefetch_bucket_size)
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     # below stage 3 only the reduce bucket means anything: DeepSpeed's 5e8 elements
     assert read_config(str(path), num_gpus=2).overrides["zero_knobs"] == ZeroKnobs(
         reduce_bucket_size=DEEPSPEED_DEFAULTS.reduce_bucket_size)
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                      "stage3_prefetch_bucket_size": "auto",
                                                       "stage3_param_persistence_threshold": "auto"}}))
     assert "zero_knobs" not in read_config(str(path), num_gpus=2).overrides  # memfit's own emitted file
 
@@ -890,6 +899,11 @@ def test_a_read_bucket_size_is_what_the_estimate_and_the_emitted_config_use(tmp_
 
     spec, hw = resolve_model("llama-3.2-1b"), make_hardware("H100", gpus_per_node=2)
     setup = TrainingSetup(num_gpus=2, sharding="zero2", zero_knobs=ZeroKnobs(reduce_bucket_size=500_000_000))
-    bucket = estimate(spec, setup, hw).term("gradients/comm_buffers").num_bytes
+    # ZeRO-2 allocates its bucket when the first gradient is ready: it is in the moments that make gradients
+    from memfit.estimate.static import full_static, shard
+
+    sized = setup.replace(precision="bf16-master") if setup.precision.is_autocast else setup
+    bucket = shard(spec, sized, full_static(spec, sized)).comm_buffers_bytes
+    assert estimate(spec, setup, hw).tensor_bytes > 0
     assert bucket == 500_000_000 * 2  # bf16 under DeepSpeed's bf16 engine: 1 GB, not hidden^2's 8 MiB
     assert deepspeed_config(setup)["zero_optimization"]["reduce_bucket_size"] == 500_000_000

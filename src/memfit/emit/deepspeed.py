@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..estimate.comm.runtime import deepspeed_stage as zero_stage  # the estimator's, one definition
-from ..zero_knobs import DEFAULT_MAX_REUSE_DISTANCE
 from ..setup import Offload, Optimizer, Precision, Sharding, TrainingSetup
 from .emitted import EmittedConfig
 
@@ -118,6 +117,9 @@ def _stage_reason(setup: TrainingSetup, stage: int) -> str:
             3: ("ZeRO-3 on one GPU shards nothing; with offload_param the parameters live in CPU RAM and each "
                 "module's are fetched to the GPU when it runs (ZeRO-Infinity on CPU)"),
         }[stage]
+    if setup.num_gpus == 1 and stage >= 1 and setup.offload is Offload.NONE:
+        return (f"ZeRO-{stage} on one GPU (world size 1) shards nothing: every partition is whole, and DeepSpeed "
+                "still keeps its fp32 partition copy and reduce buckets (memfit sized them)")
     return {
         0: "no ZeRO: every rank holds whole parameters, gradients and optimizer states (data parallel only)",
         1: ("ZeRO-1: optimizer states sharded over the ranks" if setup.sharding is Sharding.ZERO1 else
@@ -228,15 +230,29 @@ def _client_optimizer_part(setup: TrainingSetup, offloaded: bool):
 
 
 def _user_buckets(setup: TrainingSetup, stage: int, zero: dict, comments: dict[str, str]) -> None:
-    """The ZeRO buffer sizes the user's config set (memfit.zero_knobs), written back as numbers: the figure was
-    sized with them, so the emitted file keeps them instead of "auto"."""
+    """The ZeRO knobs the user's config set (memfit.zero_knobs), written back as numbers / switches: the figure was
+    sized with them, so the emitted file keeps them instead of "auto" or DeepSpeed's defaults."""
     knobs = setup.zero_knobs
-    values = (("reduce_bucket_size", knobs.reduce_bucket_size, 0),
-              ("stage3_param_persistence_threshold", knobs.param_persistence_threshold, 3),
-              ("stage3_max_reuse_distance",
-               None if knobs.max_reuse_distance == DEFAULT_MAX_REUSE_DISTANCE else knobs.max_reuse_distance, 3))
-    for key, value, min_stage in values:
+    changed = knobs.changed()
+    values = (("reduce_bucket_size", "reduce_bucket_size", 0),
+              ("stage3_param_persistence_threshold", "param_persistence_threshold", 3),
+              ("stage3_max_reuse_distance", "max_reuse_distance", 3),
+              ("stage3_prefetch_bucket_size", "prefetch_bucket_size", 3),
+              ("stage3_max_live_parameters", "max_live_parameters", 3),
+              ("allgather_bucket_size", "allgather_bucket_size", 1),
+              ("sub_group_size", "sub_group_size", 3),
+              ("overlap_comm", "overlap_comm", 1),
+              ("contiguous_gradients", "contiguous_gradients", 1),
+              ("round_robin_gradients", "round_robin_gradients", 1),
+              ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", 3))
+    for key, attr, min_stage in values:
+        value = changed.get(attr)
         if value is None or stage < min_stage:
             continue
         zero[key] = value
-        comments[f"zero_optimization.{key}"] = f"{value:,} elements, as your config set it (memfit sized this value)"
+        said = f"{value}" if isinstance(value, bool) else f"{value:,} elements"
+        comments[f"zero_optimization.{key}"] = f"{said}, as your config set it (memfit sized this value)"
+    if not knobs.offload_pin_memory:
+        for block in ("offload_optimizer", "offload_param"):
+            if block in zero:
+                zero[block]["pin_memory"] = False

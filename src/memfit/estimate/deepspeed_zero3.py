@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..model_spec import ModelSpec, ParamTensor
-from ..setup import Checkpointing, TrainingSetup
+from ..setup import Checkpointing, Offload, Optimizer, TrainingSetup
 from .result import Category, Term
 from .moments import AddBeside, ShrinkBeside, StepChange
 from .terms import TermKey
@@ -126,10 +126,25 @@ def frozen_partition_bytes(spec: ModelSpec, setup: TrainingSetup, n: int, elem_b
                * (t.nbytes // t.numel if t.nbytes else elem_bytes) for t in spec.frozen)
 
 
+def gathers_views(setup: TrainingSetup) -> bool:
+    """One rank whose partitions are on the device: ZeRO-3 "gathers" nothing. With a partition world size of 1,
+    fetching a parameter points its data at its own partition (partition_parameters.py all_gather_coalesced ->
+    _no_gather_coalesced -> NoGatherHandle: `param.data = param.ds_tensor.data.to(device).view(ds_shape)`, no copy
+    when the partition is already there), persistent ones included. offload_param keeps the partitions on the host,
+    so there the fetch copies them to the device."""
+    return setup.shard_size == 1 and setup.offload is not Offload.OPTIMIZER_AND_PARAMS
+
+
 def layout(spec: ModelSpec, setup: TrainingSetup, static, elem_bytes: int, bucket_elems: int):
     """`static` (memfit.estimate.static's ZeRO-3 split of the trainable tensors) with DeepSpeed's ZeRO-3 buffers:
-    the frozen partitions, the persistent parameters whole, what stays gathered into backward, the ipg bucket."""
+    the frozen partitions, the persistent parameters whole, what stays gathered into backward, the ipg bucket
+    (`bucket_elems`: reduce_bucket_size, 0 without contiguous_gradients). On one rank (`gathers_views`) the
+    partitions are the whole parameters and nothing more is gathered."""
     n = setup.shard_size
+    if gathers_views(setup):
+        return replace(static, frozen_bytes=sum(t.count * t.numel * (t.nbytes // t.numel if t.nbytes else elem_bytes)
+                                                for t in spec.frozen),
+                       param_working_set_bytes=0, comm_buffers_bytes=elem_bytes * bucket_elems)
     params = static.params_bytes + elem_bytes * persistent_elems(persistence_threshold(spec, setup), spec.params)
     return replace(static, params_bytes=params, frozen_bytes=frozen_partition_bytes(spec, setup, n, elem_bytes),
                    param_working_set_bytes=elem_bytes * gathered_elems(spec, setup),
@@ -146,7 +161,7 @@ def step_changes(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) -> l
     head = _head_input_term(spec, setup, compute_bytes)
     if head is not None:
         changes.append(AddBeside(head, TermKey.HEAD))
-    released = recompute_released_bytes(spec, setup)
+    released = 0 if gathers_views(setup) else recompute_released_bytes(spec, setup)
     if released:
         changes.append(ShrinkBeside(TermKey.GATHERED, TermKey.RECOMPUTED_BLOCK, released,
                                     "; the recomputed block's frozen tensors released but the one its backward uses "
@@ -182,3 +197,45 @@ def _head_input_term(spec: ModelSpec, setup: TrainingSetup, compute_bytes: int) 
                 setup.tokens_per_micro_step * spec.hidden_size * compute_bytes,
                 "B x T x h: the frozen LM head's input, saved by DeepSpeed's ZeRO-3 linear",
                 "DeepSpeed runtime/zero/linear.py LinearFunctionForZeroStage3 (memory_efficient_linear)")
+
+
+def _partition_order(spec: ModelSpec, n: int) -> list[int]:
+    """Each trainable tensor's partition elements (ceil(numel / N)) in the module's order, a repeated block's rows
+    once per layer."""
+    rows = [(p.numel, ".*." in p.name) for p in spec.params]
+    first = next((i for i, (_, block) in enumerate(rows) if block), len(rows))
+    last = max((i for i, (_, block) in enumerate(rows) if block), default=-1)
+    block = [numel for numel, is_block in rows if is_block]
+    ordered = [numel for numel, _ in rows[:first]] + block * max(spec.num_layers, 1 if block else 0) + \
+        [numel for numel, _ in rows[last + 1:]]
+    return [-(-numel // n) for numel in ordered]
+
+
+def largest_sub_group(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Elements of the largest optimizer sub-group on a rank: stage3.py _create_fp16_sub_groups closes a sub-group
+    once its partitions reach sub_group_size (so one may overshoot by its last tensor), the whole partition when it
+    is under sub_group_size."""
+    parts = _partition_order(spec, setup.shard_size)
+    limit = setup.zero_knobs.sub_group_size
+    if limit >= sum(parts):
+        return sum(parts)
+    largest = current = 0
+    for numel in parts:
+        current += numel
+        if current >= limit:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
+def step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, str]:
+    """A rank's optimizer-step temporaries under ZeRO-3 without optimizer offload: the step runs one sub-group at a
+    time (stage3.py step -> _prepare_sub_group -> _prepare_fp32_grad_for_sub_group: `self.flatten(averaged_gradients)
+    .to(fp32)`, a new fp32 flat gradient of the sub-group, dropped by _release_sub_group), and the optimizer steps
+    that one flat fp32 tensor: torch's single-tensor AdamW (memfit's config: torch_adam, foreach false) makes two
+    sub-group-sized fp32 temporaries for its denominator, the foreach one one. So 4 + 8 (4) B per element of the
+    largest sub-group (memfit.zero_knobs sub_group_size; 1e9 by default, the whole partition below that). Measured on
+    1 CPU rank (bench/deepspeed_knobs.py): within 0.1% but the fp32 whole-partition step (-2.7%)."""
+    sub = largest_sub_group(spec, setup)
+    optimizer = {Optimizer.ADAMW: 8, Optimizer.ADAMW_FOREACH: 4}.get(setup.optimizer, 0)
+    return (4 + optimizer) * sub, (f"the largest optimizer sub-group ({sub:,} elements): its fp32 flat gradient"
+                                   + (f" + {optimizer // 4} fp32 AdamW temporaries" if optimizer else ""))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..model_spec import ModelSpec
 from ..setup import Engine, Offload, Optimizer, Precision, Sharding, TrainingSetup
-from . import float8, fsdp1, muon
+from . import deepspeed_zero3, float8, fsdp1, muon
 from .fsdp2 import Fsdp2Units
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes: tensors smaller than this keep 32-bit state
@@ -192,6 +192,10 @@ def optimizer_step_temp_bytes(spec: ModelSpec, setup: TrainingSetup) -> tuple[in
     if setup.offload is not Offload.NONE:
         return 0, ("step runs on the CPU (FSDP2 CPUOffloadPolicy: the optimizer steps the host shards)"
                    if setup.engine is Engine.TORCH else "step runs on the CPU (DeepSpeed CPU Adam)")
+    if (setup.engine is Engine.DEEPSPEED and setup.sharding.stage >= 3 and setup.optimizer.torch_adam
+            and setup.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH)):
+        per_rank, why = deepspeed_zero3.step_temp_bytes(spec, setup)
+        return per_rank * setup.shard_size, why  # the caller divides by the shards
     p_bytes = 4 if setup.precision.master_weights else param_elem_bytes(setup.precision)
     largest = _largest_bytes(spec, p_bytes)
     opt = setup.optimizer
@@ -242,6 +246,10 @@ class ShardedStatic:
     """Frozen parameters on this rank: whole (DDP, DeepSpeed ZeRO-1/2) or FSDP2's shards (lora_sharded)."""
     fsdp: Fsdp2Units | None = None
     """FSDP2's units (torch layout, ZeRO-2/3): what its backward keeps unsharded (memfit.estimate.fsdp2)."""
+    comm_buffers_with_grads: bool = False
+    """The buckets exist only while backward makes gradients: DeepSpeed ZeRO-1/2 allocates its reduce bucket(s)
+    when the first gradient is ready (stage_1_and_2.py process_gradients -> setup_buckets) and drops them at the
+    backward epilogue (_release_ipg_buffers), so neither the loss's backward nor the optimizer step sees them."""
     master_grad_upcast: bool = False
     """The optimizer step upcasts each bf16 gradient to fp32 for the master copy, releasing the bf16 one as it goes."""
     notes: tuple[str, ...] = ()
@@ -274,22 +282,23 @@ def _deepspeed_layout(spec: ModelSpec, setup: TrainingSetup, full: StaticBytes, 
     if stage == 0 and setup.offload is Offload.NONE:
         # BF16_Optimizer (bf16 without ZeRO) keeps fp32 gradients for the fp32 master step beside the bf16 ones
         s = replace(s, master_grad_upcast=setup.precision.master_weights)
-    if n == 1 and setup.offload is Offload.NONE:
-        return s
+    # One rank without offload (world size 1) is laid out as any other world size: every partition is whole, the
+    # fp32 partition copy and the buckets are there all the same (measured, bench/deepspeed_knobs.py)
     optimizer, comm, notes = s.optimizer_bytes, 0, []
     if stage >= 1 and setup.precision in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16):
         # DeepSpeed's ZeRO optimizer keeps an fp32 copy of each rank's partition even when the weights are fp32
         optimizer += 4 * spec.num_params // n
         notes.append("DeepSpeed keeps an fp32 copy of each rank's parameter partition (+4 B/param / N)")
     if stage in (0, 1, 2):
-        # reduce_bucket_size = hidden^2 elements, the value HF's "auto" fills in (memfit emits "auto")
-        comm = deepspeed_reduce_bucket_elems(spec, setup) * full.param_bytes_per_elem
+        # reduce_bucket_size = hidden^2 elements, the value HF's "auto" fills in (memfit emits "auto"); none without
+        # contiguous_gradients, two under overlap_comm (memfit.zero_knobs.ZeroKnobs.reduce_buckets)
+        comm = deepspeed_reduce_bucket_elems(spec, setup) * full.param_bytes_per_elem * setup.zero_knobs.reduce_buckets(
+            stage)
     s = replace(s, optimizer_bytes=optimizer, comm_buffers_bytes=comm, grads_preallocated=stage == 3,
-                notes=tuple(notes))
+                comm_buffers_with_grads=stage in (1, 2) and setup.offload is Offload.NONE, notes=tuple(notes))
     if stage == 3:  # frozen partitions, persistent parameters, what stays gathered, the ipg bucket
-        from . import deepspeed_zero3
-
-        s = deepspeed_zero3.layout(spec, setup, s, full.param_bytes_per_elem, deepspeed_reduce_bucket_elems(spec, setup))
+        s = deepspeed_zero3.layout(spec, setup, s, full.param_bytes_per_elem,
+                                   deepspeed_reduce_bucket_elems(spec, setup) * setup.zero_knobs.reduce_buckets(3))
     return s
 
 

@@ -76,10 +76,11 @@ def static_terms(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, g
         g_bytes = lora.adapter_bytes(setup) if spec.frozen else p_bytes
         terms.append(Term(TermKey.GRADIENTS, Category.GRADIENTS, grads, f"P x {g_bytes} B{g_note}",
                           "ZeRO paper sec. 3.1"))
-    if static.comm_buffers_bytes:
+    if static.comm_buffers_bytes and (grads or not static.comm_buffers_with_grads):
         terms.append(Term(TermKey.COMM_BUFFERS, Category.GRADIENTS, static.comm_buffers_bytes,
                           "DDP gradient buckets (1 x gradients)" if setup.engine.value == "torch" else
-                          "DeepSpeed reduce bucket: hidden^2 elements (HF 'auto')",
+                          "DeepSpeed reduce bucket(s): reduce_bucket_size elements (HF 'auto': hidden^2), two "
+                          "under ZeRO-1/2 overlap_comm, none without contiguous_gradients (memfit.zero_knobs)",
                           "torch DistributedDataParallel / DeepSpeed ZeRO stage 1-2 (ZeRO-3: its ipg bucket, "
                           "stage3.py), measured on 2 gloo ranks"))
     if static.optimizer_bytes:
@@ -150,6 +151,8 @@ class StepModel:
     def optimizer_step(self, step_temp: int) -> list[Term]:
         """Parameters (shards only: nothing is gathered), gradients, states and the step's temporaries."""
         static = self.static
+        if static.comm_buffers_with_grads:  # DeepSpeed ZeRO-1/2 released its buckets at the backward epilogue
+            static = replace(static, comm_buffers_bytes=0)
         terms = self.static_terms(static.grads_bytes, _without_gathered(static))
         if static.master_grad_upcast:
             terms.append(Term(TermKey.MASTER_GRADIENTS, Category.TEMPORARIES, static.grads_bytes,

@@ -141,10 +141,6 @@ def _whole(read: Reader, field_: str, data: Mapping, key: str, note: str = "") -
 
 DEEPSPEED_TABLE = {
     "_memfit_warning": f"{NOT_RELEVANT} (memfit's does-not-fit warning)",
-    "zero_optimization.stage3_max_live_parameters": NOT_SIZED,
-    "zero_optimization.sub_group_size": NOT_SIZED,
-    "zero_optimization.overlap_comm": f"{NOT_SIZED} (overlapped buckets)",
-    "zero_optimization.contiguous_gradients": NOT_SIZED,
     "zero_optimization.offload_optimizer.ratio": f"{NOT_SIZED} (partial offload)",
     "zero_optimization.offload_optimizer.": HOST,
     "zero_optimization.offload_param.": HOST,
@@ -152,7 +148,6 @@ DEEPSPEED_TABLE = {
     "zero_optimization.zero_quantized_gradients": NOT_SIZED,
     "zero_optimization.zero_hpz_partition_size": NOT_SIZED,
     "zero_optimization.mics_shard_size": NOT_SIZED,
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": SAVING,
     "activation_checkpointing.": f"{NOT_SIZED} (DeepSpeed's own checkpointing API; the model's checkpointing "
                                  "switch decides)",
     "communication_data_type": NOT_SIZED,
@@ -162,27 +157,11 @@ DEEPSPEED_TABLE = {
     "tensor_parallel.": NOT_SIZED,
     "compression_training.": NOT_SIZED,
 }
-_BUCKETS = ("allgather_bucket_size", "stage3_prefetch_bucket_size")
-"""Buckets memfit does not size: read for their "auto", a fixed size is said not to be followed."""
-def _deepspeed_buckets(read: Reader, ds: Mapping) -> None:
-    zero = ds.get("zero_optimization") or {}
-    if not isinstance(zero, Mapping):
-        return
-    for name in _BUCKETS:
-        if name not in zero:
-            continue
-        key, value = f"zero_optimization.{name}", zero[name]
-        if value == "auto":
-            read.defer(key, value, "'auto': the HF Trainer / accelerate size it from hidden_size")
-        else:
-            read.ignore(key, value, f"{NOT_SIZED}: a fixed {name} is not followed")
 
 
 def _finish_deepspeed(read: Reader, ds: dict | None, file: str, prefix: str) -> None:
     if ds is None:
         return
-    with read.scope(file, prefix):
-        _deepspeed_buckets(read, ds)
     finish(read, ds, DEEPSPEED_TABLE, file=file, prefix=prefix)
 
 

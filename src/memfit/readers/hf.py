@@ -341,14 +341,14 @@ def read_zero(read: Reader, stage: Any, opt_dev: Any, par_dev: Any, world: int |
         if device not in ("none", "cpu", "nvme") and read.strict:
             read.unmappable("offload", key, device, "DeepSpeed offloads to none, cpu or nvme")
     opt, par = opt_dev in _OFFLOAD_DEVICES, par_dev in _OFFLOAD_DEVICES
-    # one rank: a stage shards nothing, but with offload it is DeepSpeed's ZeRO-Offload / ZeRO-Infinity, which
-    # memfit sizes (TrainingSetup._one_gpu_sharding_problems)
-    sharded = world is None or world >= 2 or opt or par
-    if stage and not sharded:
-        read.ignore(stage_key, stage, f"DeepSpeed ZeRO stage {stage} over {world} GPU shards nothing: sized "
-                                      "unsharded (give the GPU count, --gpus N / num_gpus=, for the per-rank size)")
-    elif stage:
-        read.set("sharding", Sharding(f"zero{stage}"), stage_key, stage)
+    # one rank: a stage shards nothing, but DeepSpeed runs it all the same (world size 1: whole partitions, its fp32
+    # partition copy and buckets), with offload as ZeRO-Offload / ZeRO-Infinity; memfit sizes both
+    # (TrainingSetup._one_gpu_sharding_problems, memfit.estimate.static)
+    if stage:
+        one = world == 1 and not (opt or par)
+        read.set("sharding", Sharding(f"zero{stage}"), stage_key, stage,
+                 f"one GPU: DeepSpeed runs ZeRO-{stage} at world size 1, sharding nothing but keeping its fp32 "
+                 "partition copy and buckets (give --gpus N / num_gpus= for the per-rank size over N)" if one else "")
         read.set("engine", Engine.DEEPSPEED, stage_key, stage, "DeepSpeed ZeRO")
     elif has_stage and read.strict:
         read.set("sharding", Sharding.NONE, stage_key, stage)
@@ -534,35 +534,101 @@ def read_mixed_precision(read: Reader, mp: Any, dtype: str, *, key: str = "mixed
                         fallback=NOT_SIZED)
 
 
-_KNOBS = {"reduce_bucket_size": "reduce_bucket_size",
-          "stage3_param_persistence_threshold": "param_persistence_threshold",
-          "stage3_max_reuse_distance": "max_reuse_distance"}
-"""DeepSpeed keys -> memfit.zero_knobs.ZeroKnobs fields: the buffers memfit sizes as the config sets them."""
+_KNOBS = {
+    "reduce_bucket_size": ("reduce_bucket_size", (1, 2, 3)),
+    "stage3_param_persistence_threshold": ("param_persistence_threshold", (3,)),
+    "stage3_max_reuse_distance": ("max_reuse_distance", (3,)),
+    "stage3_prefetch_bucket_size": ("prefetch_bucket_size", (3,)),
+    "stage3_max_live_parameters": ("max_live_parameters", (3,)),
+    "sub_group_size": ("sub_group_size", (3,)),
+    "overlap_comm": ("overlap_comm", (1, 2)),
+    "contiguous_gradients": ("contiguous_gradients", (1, 2, 3)),
+    "allgather_bucket_size": ("allgather_bucket_size", ()),
+    "round_robin_gradients": ("round_robin_gradients", ()),
+    "stage3_gather_16bit_weights_on_model_save": ("gather_16bit_weights_on_model_save", ()),
+}
+"""DeepSpeed keys -> (memfit.zero_knobs.ZeroKnobs field, the ZeRO stages at which it changes a rank's GPU bytes)."""
+_AUTO_FILLED = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+"""The knobs the HF Trainer / accelerate fill from the model's hidden size (hidden^2, 0.9 x hidden^2, 10 x hidden)."""
+_NO_GPU_BYTES = {
+    "allgather_bucket_size": "no GPU bytes: ZeRO-1/2 gathers the updated partitions with all_gather_into_tensor "
+                             "straight into the flat 16-bit group, no bucket (DeepSpeed runtime/utils.py "
+                             "all_gather_dp_groups); kept in the emitted config",
+    "round_robin_gradients": "no GPU bytes: it reorders which rank owns which gradients, same sizes; kept in the "
+                             "emitted config",
+    "stage3_gather_16bit_weights_on_model_save": "save time only, not the step: each module's 16-bit parameters "
+                                                 "gathered in turn on the GPU, the whole 16-bit model in rank 0's "
+                                                 "host RAM (DeepSpeed engine.py _zero3_consolidated_16bit_state_dict)",
+    "overlap_comm": "no GPU bytes at ZeRO-3: one ipg bucket either way (the switch picks the reduction stream); at "
+                    "ZeRO-1/2 it doubles the reduce bucket",
+    "stage3_": "a ZeRO-3 knob: nothing below stage 3",
+    "sub_group_size": "no GPU bytes below ZeRO-3: ZeRO-1/2 steps each parameter group's partition whole",
+    "pin_memory": "host RAM only: page-locked (the OS cannot swap it out), the same bytes either way, nothing on the "
+                  "GPU",
+}
+
+
+def _knob_value(read: Reader, key: str, name: str, value: Any) -> tuple[bool, Any]:
+    """(usable, value) of one knob: a whole number of elements or a switch, as its ZeroKnobs field takes."""
+    switch = isinstance(getattr(ZeroKnobs(), _KNOBS[name][0]), bool) or name == "overlap_comm"
+    if switch:
+        if isinstance(value, bool):
+            return True, value
+        read.unmappable("zero_knobs", key, value, "not true or false")
+        return False, None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == int(value):
+        return True, int(value)
+    read.unmappable("zero_knobs", key, value, "not a whole number of elements" + (
+        "" if value != "auto" else " ('auto' is filled only for reduce_bucket_size, stage3_prefetch_bucket_size and "
+                                   "stage3_param_persistence_threshold)"))
+    return False, None
 
 
 def read_zero_knobs(read: Reader, zero: Mapping) -> None:
-    """The ZeRO buffer sizes memfit sizes (memfit.zero_knobs): a number as given, "auto" as the HF Trainer fills
-    it, a key left out as DeepSpeed's own default (5e8-element reduce bucket, 1e5 persistence, 1e9 reuse)."""
-    knobs: dict[str, int | None] = {}
-    stage3 = zero.get("stage") == 3
-    for name, attr in _KNOBS.items():
+    """DeepSpeed's ZeRO knobs (memfit.zero_knobs): a number or switch as given, "auto" as the HF Trainer fills it,
+    a key left out as DeepSpeed's own default (5e8-element reduce bucket, 1e5 persistence, 1e9 reuse, 5e7
+    prefetch...). A knob that changes no GPU bytes at the config's stage is recorded (and written back by memfit's
+    emitted config) but listed as ignored with the reason."""
+    knobs: dict[str, Any] = {}
+    stage = _value(zero.get("stage", 0))
+    stage3 = stage == 3
+    for name, (attr, stages) in _KNOBS.items():
         key = f"zero_optimization.{name}"
         if name not in zero:  # a stage-3 knob means nothing below stage 3: left at memfit's default there
             knobs[attr] = getattr(DEEPSPEED_DEFAULTS if stage3 or not name.startswith("stage3_") else ZeroKnobs(),
                                   attr)
             continue
         value = zero[name]
-        if value == "auto":
+        if value == "auto" and name in _AUTO_FILLED:
             knobs[attr] = getattr(ZeroKnobs(), attr)
-            read.defer(key, value, "'auto': the HF Trainer / accelerate fill it from the model (hidden^2, 10 x "
-                                   "hidden), as memfit sizes it")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == int(value):
-            knobs[attr] = int(value)
-            read.set_part("zero_knobs", attr, int(value), key, value)
+            read.defer(key, value, "'auto': the HF Trainer / accelerate fill it from the model (hidden^2, 0.9 x "
+                                   "hidden^2, 10 x hidden), as memfit sizes it")
+            continue
+        usable, number = _knob_value(read, key, name, value)
+        if not usable:
+            continue
+        knobs[attr] = number
+        if stage in stages:
+            read.set_part("zero_knobs", attr, number, key, value)
         else:
-            read.unmappable("zero_knobs", key, value, "not a whole number of elements")
+            why = _NO_GPU_BYTES.get(name) or (_NO_GPU_BYTES["stage3_"] if name.startswith("stage3_") else
+                                                _NO_GPU_BYTES.get(name, f"no GPU bytes at ZeRO-{stage}"))
+            if name == "contiguous_gradients" or (name == "reduce_bucket_size" and not stage):
+                why = f"no GPU bytes at ZeRO-{stage}: DeepSpeed keeps no reduce bucket without ZeRO"
+            read.ignore(key, value, why)
+    for block in ("offload_optimizer", "offload_param"):
+        section = zero.get(block)
+        if isinstance(section, Mapping) and "pin_memory" in section:
+            pinned = section["pin_memory"]
+            if isinstance(pinned, bool):
+                knobs["offload_pin_memory"] = knobs.get("offload_pin_memory", True) and pinned
+                read.ignore(f"zero_optimization.{block}.pin_memory", pinned, _NO_GPU_BYTES["pin_memory"])
+            else:
+                read.unmappable("zero_knobs", f"zero_optimization.{block}.pin_memory", pinned, "not true or false")
     found = ZeroKnobs(**knobs)
     if not found.is_auto:
-        absent = [name for name in _KNOBS if name not in zero and (stage3 or not name.startswith("stage3_"))]
-        read.set("zero_knobs", found, "zero_optimization", {name: zero.get(name, "left out") for name in _KNOBS},
+        absent = [name for name in _KNOBS if name not in zero and (stage3 or not name.startswith("stage3_"))
+                  and getattr(DEEPSPEED_DEFAULTS, _KNOBS[name][0]) != getattr(ZeroKnobs(), _KNOBS[name][0])]
+        read.set("zero_knobs", found, "zero_optimization", {name: zero.get(name, "left out") for name in _KNOBS
+                                                            if name in zero or name in absent},
                  note=f"{', '.join(absent)} left out: DeepSpeed's default" if absent else "")
