@@ -20,9 +20,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .._torch.lora import apply_adapters
+from .._torch.step import cast_floating, param_dtype
 from ..errors import ConfigError
 from ..finetune import Finetune
+from ..measure import measure
 from ..setup import TrainingSetup
+from ..trace.run import trace
 from ..vlm.model import _kept, _restore_dtypes
 from .latents import Shapes
 from .presets import DiffusionModel
@@ -62,10 +66,7 @@ def weight_dtype(setup: TrainingSetup) -> torch.dtype:
 def build_denoiser(model: DiffusionModel, setup: TrainingSetup, *, lora_dtype: str = "fp32"):
     """The denoiser as the scripts train it under `setup` (precision, finetune full / lora with its rank and
     targets, checkpointing on or off): see the module docstring."""
-    import diffusers
-
-    from .._torch.lora import apply_adapters
-    from .._torch.step import cast_floating, param_dtype
+    import diffusers  # an optional dependency: imported when a denoiser is built
 
     net = getattr(diffusers, model.denoiser.cls).from_config(model.denoiser.config)
     lora = setup.finetune.adapters
@@ -134,8 +135,6 @@ def loop_setup(setup: TrainingSetup, batch: int) -> TrainingSetup:
 def trace_denoiser(model: DiffusionModel, shp: Shapes, setup: TrainingSetup, *, batch: int = 1,
                    kernels: str = "cuda", lora_dtype: str = "fp32", keep: dict | None = None):
     """memfit.trace of the denoiser's step (a MemoryEstimate, method "traced"); `keep["model"]`: the fake model."""
-    from ..trace.run import trace
-
     keep = {} if keep is None else keep
     dtype = weight_dtype(setup)
 
@@ -151,8 +150,6 @@ def trace_denoiser(model: DiffusionModel, shp: Shapes, setup: TrainingSetup, *, 
 def measure_denoiser(model: DiffusionModel, shp: Shapes, setup: TrainingSetup, *, batch: int = 1, steps: int = 2,
                      lora_dtype: str = "fp32"):
     """memfit.measure of real CPU steps of the same denoiser and batch (tiny configs: bench/diffusion.py, tests)."""
-    from ..measure import measure
-
     torch.manual_seed(0)
     net = build_denoiser(model, setup, lora_dtype=lora_dtype)
     data = make_batch(model, shp, batch, weight_dtype(setup))
