@@ -105,6 +105,10 @@ def _from_config(config: dict[str, Any], name: str) -> DiffusionModel:
     return DiffusionModel(name=name, family=FAMILIES[cls], denoiser=Component(name, cls, config))
 
 
+TINY_VAE = {"latent_channels": 4, "block_out_channels": [8, 8, 8, 8], "norm_num_groups": 4, "layers_per_block": 1,
+            "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4}
+
+
 def tiny_model(family: str) -> DiffusionModel:
     """Two blocks of each kind and narrow widths, small enough to train for real on a CPU in seconds: what
     bench/diffusion.py and the tests measure against the trace. Text encoders and VAE are left out (frozen,
@@ -114,14 +118,14 @@ def tiny_model(family: str) -> DiffusionModel:
                   "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
                   "pooled_projection_dim": 24, "guidance_embeds": True, "axes_dims_rope": [4, 6, 6]}
         cls, tokens = "FluxTransformer2DModel", {"clip-l": 77, "t5-xxl": 24}
-        vae = {"latent_channels": 4, "block_out_channels": [8, 8, 8, 8]}
+        vae = TINY_VAE
     elif family == "sd3":
         config = {"sample_size": 16, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 16,
                   "num_attention_heads": 2, "joint_attention_dim": 32, "caption_projection_dim": 32,
                   "pooled_projection_dim": 24, "out_channels": 4, "pos_embed_max_size": 32, "qk_norm": "rms_norm",
                   "dual_attention_layers": [0]}
         cls, tokens = "SD3Transformer2DModel", {"clip-l-proj": 8, "t5-xxl": 16}
-        vae = {"latent_channels": 4, "block_out_channels": [8, 8, 8, 8]}
+        vae = TINY_VAE
     elif family == "sdxl":
         config = {"sample_size": 16, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
                   "block_out_channels": [16, 32], "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
@@ -130,7 +134,7 @@ def tiny_model(family: str) -> DiffusionModel:
                   "use_linear_projection": True, "addition_embed_type": "text_time", "addition_time_embed_dim": 8,
                   "projection_class_embeddings_input_dim": 24 + 6 * 8}
         cls, tokens = "UNet2DConditionModel", {"clip-l": 12}
-        vae = {"latent_channels": 4, "block_out_channels": [8, 8, 8, 8]}
+        vae = TINY_VAE
     else:
         raise ConfigError(f"no tiny config for family '{family}' (flux, sd3, sdxl)")
     return DiffusionModel(name=f"tiny-{family}", family=family, denoiser=Component(f"tiny-{family}", cls, config),
