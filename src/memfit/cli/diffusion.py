@@ -57,7 +57,7 @@ def diffusion_command(
                                                  "encoders leave the GPU.")] = False,
         gpu: Annotated[str, typer.Option("--gpu")] = "RTX-4090",
         json_output: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """The memory of a diffusion fine-tune by phase (Flux, SD3 / 3.5, SDXL): latents, tokens, encoders, and what fits."""
+    """A diffusion fine-tune's memory by phase (Flux, SD3 / 3.5, SDXL): latents, tokens, encoders, what fits."""
     from ..diffusion import api  # torch and diffusers load when the command runs
 
     size = parse_resolution(resolution)
@@ -107,6 +107,7 @@ def _print(result, hardware, ok, required, budget) -> None:
         marker = " <- peak" if phase is result.peak else ""
         out.print(f"  [bold]{phase.name}[/bold]: {phase.bytes / GIB:.2f} GiB{marker}")
         for name, num in phase.parts:
-            out.print(f"      {name:<30} {num / GIB:8.2f} GiB")
+            if num:
+                out.print(f"      {name:<30} {num / GIB:8.2f} GiB")
     verdict = "[green]fits[/green]" if ok else "[red]does not fit[/red]"
     out.print(f"  on {hardware.gpu.name}: {required / GIB:.2f} of {budget / GIB:.2f} GiB usable -> {verdict}")

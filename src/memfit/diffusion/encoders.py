@@ -100,9 +100,10 @@ def frozen_parts(model: DiffusionModel, dtype: torch.dtype, *, batch: int, size:
     parts = []
     for component in model.text_encoders:
         count = param_count(component)
+        tokens = model.text_tokens.get(component.name, 77)
         parts.append(Frozen(component.name, "text", count, count * DTYPE_BYTES[dtype],
-                            forward_bytes(component, dtype, batch=batch, tokens=model.text_tokens.get(component.name, 77),
-                                          kernels=kernels), str(dtype).removeprefix("torch.")))
+                            forward_bytes(component, dtype, batch=batch, tokens=tokens, kernels=kernels),
+                            str(dtype).removeprefix("torch.")))
     if model.vae is not None:
         vae_dtype = torch.float32 if model.family == "sdxl" else dtype
         count = param_count(model.vae)
