@@ -28,7 +28,7 @@ from ..finetune import Finetune
 from ..setup import TrainingSetup
 from .encoders import Frozen, frozen_parts
 from .latents import Shapes, shapes
-from .model import lora_targets, trace_denoiser, weight_dtype
+from .model import DTYPES, lora_targets, trace_denoiser, weight_dtype
 from .presets import DiffusionModel, resolve_model
 
 
@@ -97,6 +97,8 @@ def estimate_diffusion(model: str | dict | DiffusionModel, *, resolution: int | 
     height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
     if not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"the batch is a positive whole number of images, got {batch!r}")
+    if lora_dtype not in DTYPES:
+        raise ConfigError(f"--lora-dtype is one of {', '.join(DTYPES)}, got '{lora_dtype}'")
     setup = setup or diffusion_setup(family=spec.family, batch=batch)
     shp = shapes(spec, int(height), int(width))
     keep: dict = {}
@@ -174,9 +176,9 @@ def size_run(model: str | dict, *, resolution: tuple[int, int], batch: int = 1, 
              cache_text: bool = False, gpu: str = "RTX-4090"):
     """`memfit diffusion`'s one call: (DiffusionEstimate, Hardware, fits(...)) from the command's values."""
     spec = resolve_model(model)
+    hardware = as_hardware(gpu)  # a bad GPU name before minutes of tracing
     setup = diffusion_setup(method=method, rank=rank, targets=targets, family=spec.family, precision=precision,
                             checkpointing=checkpointing, optimizer=optimizer, batch=batch)
-    hardware = as_hardware(gpu)
     result = estimate_diffusion(spec, resolution=resolution, batch=batch, setup=setup, cache_latents=cache_latents,
                                 cache_text=cache_text, lora_dtype=lora_dtype, hardware=hardware)
     return result, hardware, fits(result, hardware)
