@@ -29,6 +29,9 @@ SETUPS = {
     "LoRA r8 all targets, amp-bf16, checkpointing": dict(method="lora", rank=8, precision="amp-bf16",
                                                           targets="all", checkpointing=True),
     "LoRA r8 pure bf16, bf16 adapters": dict(method="lora", rank=8, precision="bf16", lora_dtype="bf16"),
+    "full amp-bf16, 8-bit AdamW": dict(method="full", precision="amp-bf16", optimizer="adamw8bit"),
+    "LoRA r8 amp-bf16, checkpointing, 8-bit AdamW": dict(method="lora", rank=8, precision="amp-bf16",
+                                                           checkpointing=True, optimizer="adamw8bit"),
 }
 
 
@@ -64,7 +67,7 @@ def main() -> int:
         f"{RESOLUTION} x {RESOLUTION} px, batch {BATCH}; peak tensor bytes of two real optimizer steps on CPU "
         "(torch.profiler allocation events, memfit.measure) against the trace on fake tensors with the CPU's "
         "kernels. LoRA: peft on to_k / to_q / to_v / to_out.0 (all: the context stream and feed-forwards too); "
-        "checkpointing: diffusers' enable_gradient_checkpointing.", "",
+        "checkpointing: diffusers' enable_gradient_checkpointing; 8-bit AdamW: bitsandbytes' CPU step.", "",
         "| family | setup | measured B | traced B | error |", "|---|---|---|---|---|", *rows, "",
         summary, "", *lines, ""])
     RESULTS.write_text(text)

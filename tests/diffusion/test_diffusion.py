@@ -87,8 +87,9 @@ def test_cli_json_and_errors(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["image_tokens"] == 16 and data["latent"] == [4, 8, 8] and data["fits"]
-    assert data["phases"][-1]["bytes"] == data["estimate"]["tensor_bytes"] if "tensor_bytes" in data["estimate"] \
-        else data["phases"][-1]["bytes"] > 0
+    step = data["phases"][-1]
+    assert step["name"] == "training step (denoiser)" and step["bytes"] == sum(step["parts"].values()) > 0
+    assert data["denoiser_params"] == _count({"class": model.denoiser.cls, "config": model.denoiser.config})
     for args, words in ((["flux.1-dev", "--resolution", "1000"], "multiple of 16"),
                         (["no-such-model"], "unknown diffusion model"),
                         (["flux.1-dev", "--method", "qlora"], "full or lora")):
