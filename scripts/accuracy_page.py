@@ -62,6 +62,8 @@ SOURCES = (
            "real TRL steps on CPU, per phase (profiler)", needs="phase"),
     Source("vlm.md", "error", "trace: vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5) with processor-made "
            "inputs", "real CPU steps (profiler)"),
+    Source("diffusion.md", "error", "trace: diffusion denoisers (Flux, SD3, SDXL UNet; diffusers) full / LoRA, "
+           "checkpointing, fp32 / bf16", "real CPU steps (profiler)"),
     Source("frameworks.md", "error", "`memfit trace -- python SCRIPT`: plain loop, HF Trainer, Lightning, Fabric, TRL",
            "the same script run for real on CPU"),
     Source("torchtune_lora.md", "error", "formulas: torchtune's LoRA / QLoRA recipes", "real CPU steps (profiler)"),

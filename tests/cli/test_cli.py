@@ -507,5 +507,6 @@ def test_cli_modules_do_not_import_app():
             "sorted(c.name for c in memfit.cli.common.app.registered_commands))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "False ['launch', 'measure', 'trace']", proc.stderr
-    assert sorted(c.name for c in app.registered_commands) == ["estimate", "fit", "gpus", "launch", "measure",
-                                                               "models", "plan", "rl", "serve", "trace", "vlm"]
+    assert sorted(c.name for c in app.registered_commands) == ["diffusion", "estimate", "fit", "gpus", "launch",
+                                                               "measure", "models", "plan", "rl", "serve", "trace",
+                                                               "vlm"]

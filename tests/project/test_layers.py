@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "memfit.solve", "memfit.throughput", "memfit.verify", "memfit.readers", "memfit.readers.*",
                   "memfit.emit", "memfit.emit.*", "memfit.apply", "memfit.fit", "memfit.measure", "memfit.launch",
                   "memfit._torch.engine", "memfit._torch.rank_memory", "memfit.api", "memfit.rl", "memfit.rl.*",
-                  "memfit.vlm", "memfit.vlm.*")),
+                  "memfit.vlm", "memfit.vlm.*", "memfit.diffusion", "memfit.diffusion.*")),
     # the library's face: the package's lazy names, the HF callback, what prints or draws a result
     ("library", ("memfit", "memfit.callbacks", "memfit.plan_output", "memfit.render", "memfit.report",
                  "memfit.report.*", "memfit.config_snippets")),

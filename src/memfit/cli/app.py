@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..diagnose import diagnose
 from ..errors import ConfigError
 from . import progress
 from .common import (DOES_NOT_FIT, app, check_report_paths, console, examples, print_json, quiet_libraries, resolve,
@@ -156,7 +157,6 @@ def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: 
 def estimate_command(model: ModelArg, opts: SetupOptions, json_output: JsonOpt = False,
                      verbose: VerboseOpt = False) -> None:
     """The per-GPU memory breakdown of one training step, and its diagnosis (no plan)."""
-    from ..diagnose import diagnose
     from ..estimate.analytic import estimate
 
     spec, setup, hardware = resolve(model, opts)
@@ -231,3 +231,4 @@ from . import fit  # noqa: E402,F401  (fit)
 from . import serve  # noqa: E402,F401  (serve)
 from . import rl  # noqa: E402,F401  (rl)
 from . import vlm  # noqa: E402,F401  (vlm)
+from . import diffusion  # noqa: E402,F401  (diffusion)

@@ -1,0 +1,113 @@
+"""`memfit diffusion`: a diffusion fine-tune's memory by phase (memfit.diffusion): the latent and tokens a resolution
+gives, the denoiser's traced step, the text encoders and VAE on the GPU or cached, and whether it fits. Parse ->
+memfit.diffusion -> print. Its own options, named as the shared setup options where they mean the same (--precision,
+--optimizer, --lora-rank / --rank, --batch / --micro-batch, --gpu); the text-model ones (--seq-len, ZeRO, ...) do
+not apply to this first slice."""
+
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ConfigError
+from .common import DOES_NOT_FIT, app, console, examples, print_json
+
+GIB = 2 ** 30
+
+
+def parse_resolution(value: str) -> tuple[int, int]:
+    """'1024' or '768x1344' (height x width) -> (1024, 1024) / (768, 1344)."""
+    parts = str(value).lower().replace("*", "x").split("x")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2) or min(numbers) < 1:
+        raise ConfigError(f"--resolution takes pixels, one side or HEIGHTxWIDTH (e.g. 1024 or 768x1344), got '{value}'")
+    return (numbers[0], numbers[-1])
+
+
+@app.command("diffusion", epilog=examples(
+    "memfit diffusion flux.1-dev --resolution 1024 --method lora --rank 16 --gpu RTX-4090 --cache-latents "
+    "--cache-text --checkpointing",
+    "memfit diffusion sdxl-base --resolution 1024 --method full --optimizer adamw8bit --gpu A100-40GB --json",
+    "memfit diffusion ./transformer/config.json --resolution 512"))
+def diffusion_command(
+        model: Annotated[str, typer.Argument(help="A catalog entry (flux.1-dev, sd3.5-large, sdxl-base), its hub "
+                                                  "id, or a denoiser config.json with its _class_name.")],
+        resolution: Annotated[str, typer.Option("--resolution", help="Training pixels: one side or HEIGHTxWIDTH.")]
+        = "1024",
+        batch: Annotated[int, typer.Option("--batch", "-b", "--micro-batch", min=1, max=4096)] = 1,
+        method: Annotated[str, typer.Option("--method", "--finetune", help="full or lora.")] = "lora",
+        rank: Annotated[int, typer.Option("--rank", "--lora-rank", "-r", min=1, max=65536)] = 16,
+        targets: Annotated[Optional[str], typer.Option(
+            "--lora-targets", help="attention (to_k,to_q,to_v,to_out.0: the diffusers scripts' default), all, or "
+                                   "module names separated by commas.")] = None,
+        lora_dtype: Annotated[str, typer.Option("--lora-dtype", help="The adapters' dtype: fp32 (peft, "
+                                                "cast_training_params) or bf16 / fp16.")] = "fp32",
+        precision: Annotated[str, typer.Option("--precision", help="amp-bf16 (--mixed_precision bf16: frozen "
+                                               "weights bf16, full fine-tune weights fp32), bf16, fp32, amp-fp16."
+                                               )] = "amp-bf16",
+        checkpointing: Annotated[bool, typer.Option("--checkpointing/--no-checkpointing",
+                                                    help="diffusers' enable_gradient_checkpointing.")] = False,
+        optimizer: Annotated[Optional[str], typer.Option("--optimizer", help="adamw (default), adamw8bit, ...")]
+        = None,
+        cache_latents: Annotated[bool, typer.Option("--cache-latents", help="Latents encoded once before "
+                                                    "training; the VAE leaves the GPU.")] = False,
+        cache_text: Annotated[bool, typer.Option("--cache-text", help="Prompt embeddings computed once; the text "
+                                                 "encoders leave the GPU.")] = False,
+        gpu: Annotated[str, typer.Option("--gpu")] = "RTX-4090",
+        json_output: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """A diffusion fine-tune's memory by phase (Flux, SD3 / 3.5, SDXL): latents, tokens, encoders, what fits."""
+    from ..diffusion import api  # torch and diffusers load when the command runs
+
+    size = parse_resolution(resolution)
+    result, hardware, (ok, required, budget) = api.size_run(
+        model, resolution=size, batch=batch, method=method, rank=rank, targets=targets, lora_dtype=lora_dtype,
+        precision=precision, checkpointing=checkpointing, optimizer=optimizer, cache_latents=cache_latents,
+        cache_text=cache_text, gpu=gpu)
+    if json_output:
+        print_json(_json(result, hardware, ok, required, budget))
+    else:
+        _print(result, hardware, ok, required, budget)
+    if not ok:
+        raise typer.Exit(DOES_NOT_FIT)
+
+
+def _json(result, hardware, ok, required, budget) -> dict:
+    import dataclasses
+
+    return {"model": result.model, "family": result.family, "gpu": hardware.gpu.name, "fits": ok,
+            "required_bytes": required, "budget_bytes": budget, "peak_phase": result.peak.name,
+            "resolution": [result.shapes.height, result.shapes.width], "batch": result.batch,
+            "latent": list(result.shapes.latent), "image_tokens": result.shapes.image_tokens,
+            "text_tokens": result.shapes.text_tokens, "method": result.method,
+            "rank": result.rank if result.method == "lora" else None, "lora_targets": list(result.targets),
+            "denoiser_params": result.denoiser_params, "trainable_params": result.trainable_params,
+            "cache_latents": result.cache_latents, "cache_text": result.cache_text,
+            "frozen": [dataclasses.asdict(f) for f in result.frozen],
+            "phases": [{"name": p.name, "bytes": p.bytes, "parts": dict(p.parts)} for p in result.phases],
+            "estimate": result.memory.to_dict(), "notes": list(result.notes)}
+
+
+def _print(result, hardware, ok, required, budget) -> None:
+    out = console()
+    shp = result.shapes
+    c, h, w = shp.latent
+    tokens = (f"{shp.image_tokens:,} image + {shp.text_tokens:,} text tokens" if shp.image_tokens
+              else f"UNet on the latent, cross-attention over {shp.text_tokens} text tokens")
+    out.print(f"[bold]{result.model}[/bold]  {shp.height}x{shp.width} px, batch {result.batch}: latent {c}x{h}x{w}; "
+              f"{tokens}")
+    what = "full fine-tune" if result.method == "full" else f"LoRA r{result.rank} on {', '.join(result.targets)}"
+    out.print(f"  denoiser {result.denoiser_params:,} params; {what}: {result.trainable_params:,} trainable")
+    for part in result.frozen:
+        where = "cached, leaves the GPU" if part not in result.resident else "on the GPU"
+        out.print(f"  {part.name:<16} {part.params:>15,} params  {part.weight_bytes / GIB:6.2f} GiB {part.dtype}  "
+                  f"forward {part.forward_bytes / GIB:5.2f} GiB  ({where})")
+    for phase in result.phases:
+        marker = " <- peak" if phase is result.peak else ""
+        out.print(f"  [bold]{phase.name}[/bold]: {phase.bytes / GIB:.2f} GiB{marker}")
+        for name, num in phase.parts:
+            if num:
+                out.print(f"      {name:<30} {num / GIB:8.2f} GiB")
+    verdict = "[green]fits[/green]" if ok else "[red]does not fit[/red]"
+    out.print(f"  on {hardware.gpu.name}: {required / GIB:.2f} of {budget / GIB:.2f} GiB usable -> {verdict}")
