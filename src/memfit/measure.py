@@ -63,9 +63,9 @@ def measure(model_or_config, setup: TrainingSetup, *, steps: int = 2, device=Non
     The first step creates the optimizer state; the result is the peak over all steps (normally step 2's, the
     steady state) and its notes give each step's peak. On CPU the numbers come from torch.profiler's allocation
     events and the total equals the profiler's peak of live bytes exactly; on CUDA from the caching allocator.
-    A CPU step runs on the cores other processes leave free (memfit._torch.threads: a loaded machine's busy cores
-    stall every parallel kernel). `progress(message, fraction)` is called as the model is built and each phase of
-    each step begins.
+    A CPU step runs on one intra-op thread whatever the machine, its load or OMP_NUM_THREADS (memfit._torch.threads:
+    the CPU flash attention's scratch is per thread, so the peak would change with the count). `progress(message,
+    fraction)` is called as the model is built and each phase of each step begins.
     """
     setup = getattr(setup, "final_setup", setup)
     if not isinstance(setup, TrainingSetup):
@@ -117,6 +117,9 @@ def _measure_model(model, name: str, notes: list[str], setup: TrainingSetup, ste
             report("replaying the profiler's allocation events", 1.0)
             measured = summarise(result)
             device_name = str(where)
+            threads = torch.get_num_threads()
+            notes.append(f"measured on {threads} intra-op thread{'s' * (threads != 1)}: CPU kernels' per-thread scratch "
+                         "(flash attention, oneDNN) would move the peak with the count (memfit._torch.threads)")
     finally:
         model.train(was_training)
     notes += list(measured.notes)

@@ -13,6 +13,7 @@ from tiny_configs import TINY_CONFIGS
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from memfit._torch import threads  # noqa: E402
 from memfit._torch.replay import PREEXISTING_TERM, Allocation, Mark, replay  # noqa: E402
 from memfit._torch.step import build_hf_model, make_batch, make_optimizer, training_step  # noqa: E402
 from memfit.measure import measure  # noqa: E402
@@ -81,7 +82,7 @@ def test_onednn_scratch_is_its_own_term_and_the_tensor_figures_are_the_same_on_e
     setup = FP32_ADAMW.replace(precision="amp-bf16", checkpointing="full")
     config = task_config(TINY_CONFIGS["llama"], 2)
     torch.set_num_threads(2)  # the autouse fixture restores the count
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # measure keeps it (memfit._torch.threads), whatever the load
+    monkeypatch.setattr(threads, "MEASURE_THREADS", 2)  # measure's count (one by default), where oneDNN has scratch
     with_onednn = measure(config, setup)
     with torch.backends.mkldnn.flags(enabled=False):
         without = measure(config, setup)
