@@ -7,6 +7,10 @@ prepare_model_for_kbit_training, no enable_input_require_grads, and for QLoRA ev
 torchao's NF4Tensor (memfit._torch.lora.quantize_torchao_nf4). Shapes are multiples of 16,384 elements, as
 torchao's to_nf4 requires.
 
+The measured figure is the step's tensors (MemoryEstimate.tensor_bytes): measure() runs it on one intra-op thread
+(memfit._torch.threads) and keeps oneDNN's bf16 matmul scratch, which depends on the CPU and the thread count and
+which no CUDA step has, out of it (measure_cpu).
+
     python bench/torchtune_lora.py            # prints the table, writes bench/results/torchtune_lora.md
 """
 
@@ -23,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.finetune import Finetune  # noqa: E402
+from memfit._torch.threads import MEASURE_THREADS  # noqa: E402
 from memfit.hardware import cpu_device, make_hardware  # noqa: E402
 from memfit.setup import TrainingSetup  # noqa: E402
 from memfit.sources import resolve_model  # noqa: E402
@@ -66,7 +71,7 @@ def measure_case(case: tuple) -> tuple[int, int]:
         measured = measure(dict(CONFIGS[case[0]]), setup, steps=2, device="cpu")
     spec = resolve_model(dict(CONFIGS[case[0]]))
     formulas = estimate(spec, setup, make_hardware(cpu_device(64 * 1024**3)))
-    return measured.allocated_bytes, formulas.allocated_bytes
+    return measured.tensor_bytes, formulas.tensor_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print(lines[-1], flush=True)
     worst = max(errors, key=abs)
     head = (f"# torchtune's LoRA / QLoRA recipe: formulas vs measured CPU steps\n\n{len(errors)} cases (bf16 model, "
-            f"bf16 adapters, torchao NF4 base for QLoRA, AdamW, 2 x 64 tokens): median |error| "
+            f"bf16 adapters, torchao NF4 base for QLoRA, AdamW, 2 x 64 tokens; measured: tensor bytes of real CPU "
+            f"steps on {MEASURE_THREADS} intra-op thread, oneDNN's scratch apart): median |error| "
             f"{statistics.median(abs(e) for e in errors):.2f}%, worst {worst:+.2f}%; "
             f"{time.perf_counter() - start:.0f} s\n\n")
     Path(args.out).write_text(head + "\n".join(lines) + "\n", encoding="utf-8")
