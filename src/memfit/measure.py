@@ -118,8 +118,8 @@ def _measure_model(model, name: str, notes: list[str], setup: TrainingSetup, ste
             measured = summarise(result)
             device_name = str(where)
             threads = torch.get_num_threads()
-            notes.append(f"measured on {threads} intra-op thread{'s' * (threads != 1)}: CPU kernels' per-thread scratch "
-                         "(flash attention, oneDNN) would move the peak with the count (memfit._torch.threads)")
+            notes.append(f"measured on {threads} intra-op thread{'s' * (threads != 1)}: CPU kernels' per-thread "
+                         "scratch (flash attention, oneDNN) would move the peak with the count (memfit._torch.threads)")
     finally:
         model.train(was_training)
     notes += list(measured.notes)

@@ -36,13 +36,16 @@ def _scratch_peaks(prof) -> dict[str, int]:
         if not node.name.startswith(FLASH):
             continue
         allocations = sorted(_allocations_under(node), key=lambda c: c.start_time_ns)
-        made = {c.extra_fields.ptr for c in allocations if c.extra_fields.alloc_size > 0}
-        freed = {c.extra_fields.ptr for c in allocations if c.extra_fields.alloc_size < 0} & made
+        opened, scratch = {}, set()  # an allocation is scratch when its free follows inside the op
+        for order, child in enumerate(allocations):
+            if child.extra_fields.alloc_size > 0:
+                opened[child.extra_fields.ptr] = order
+            elif child.extra_fields.ptr in opened:
+                scratch |= {opened.pop(child.extra_fields.ptr), order}
         live = peak = 0
-        for child in allocations:
-            if child.extra_fields.ptr in freed:
-                live += child.extra_fields.alloc_size
-                peak = max(peak, live)
+        for order in sorted(scratch):
+            live += allocations[order].extra_fields.alloc_size
+            peak = max(peak, live)
         peaks[node.name] = peak
     return peaks
 

@@ -11,12 +11,14 @@ depends on `torch.get_num_threads()` (a GPU kernel has no such per-thread buffer
 - oneDNN's bf16 matmul scratchpad on CPUs with native bf16 (measure_cpu keeps it out of the tensor figures, as a
   labelled overhead term), whose blocking depends on the thread count.
 
-On this project's AVX512-BF16 machine, torchtune's LoRA recipe (bench/torchtune_lora.py, llama/lora/r4/all-linear,
-full checkpointing, one step) measured 1,892,732 B of tensors at 1, 2 and 4 threads alike, but its oneDNN scratch
-added 0, 15,464 and 82,280 B to the profiler's peak; the flash attention's buffers were not live at that peak, nor in
-a plain tiny Llama's (fp32/bf16, 64/256 tokens, with and without checkpointing). One thread is also what a loaded machine can give without
-stalling every parallel region at its barrier (a parked thread holds the others up for a time slice). The user's
-OMP_NUM_THREADS / MKL_NUM_THREADS does not change the measurement: the count is restored after the step.
+On an AVX512-BF16 CPU, torchtune's LoRA recipe (bench/torchtune_lora.py, llama/lora/r4/all-linear, full
+checkpointing, one step) measured 1,892,732 B of tensors at 1, 2 and 4 threads alike, but its oneDNN scratch added 0,
+15,464 and 82,280 B to the profiler's peak. The flash attention's buffers were live at no peak measured on one thread
+(tiny Llama / Qwen2, fp32 / bf16, 64 / 256 tokens, with and without checkpointing: the peak without them is the
+same), so the estimator has no CPU-only term for them: it would change no CPU comparison, and a GPU has no such
+buffer. One thread is also what a loaded machine can give without stalling every parallel region at its barrier (a
+parked thread holds the others up for a time slice). The user's OMP_NUM_THREADS / MKL_NUM_THREADS does not change
+the measurement: torch's count is restored after the step.
 """
 
 from __future__ import annotations
