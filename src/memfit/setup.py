@@ -11,7 +11,7 @@ from . import fields as _fields
 from .choice import Choice as _Choice
 # the choices a setup is made of live in memfit.choices; callers find them here too
 from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, Engine, Float8, FsdpVersion,  # noqa: F401
-                      Loss, Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
+                      Loss, ModelCode, Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
 from .errors import ConfigError
 from .fields import MAX_ACCUM, MAX_DEGREE, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_SEQ_LEN, Option, setting
 from .zero_knobs import ZeroKnobs
@@ -95,6 +95,11 @@ class TrainingSetup:
         "CEWithChunkedOutputLoss), fused with the LM head (Liger; needs liger-kernel) or the cross-entropy under "
         "torch.compile (torchtitan's build_cross_entropy_loss). Default: standard.", "choice"))
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
+    model_code: ModelCode = setting(ModelCode.HF, section="memory", label="model code", keep=("model_code",),
+                                    option=Option(("--model-code",), "{choices}: whose module runs the model: the "
+                                                  "Hugging Face class, or LitGPT's own GPT stepped as litgpt finetune "
+                                                  "steps it (set by a LitGPT config). Default: hf.", "choice"))
+    """Whose code runs the model: transformers' (hf) or LitGPT's GPT (memfit.estimate.litgpt)."""
     optimizer_in_backward: bool = setting(False, section="optimizer", label="optimizer in backward",
                                           keep=("optimizer_in_backward", "in_backward"), option=Option(
         ("--optimizer-in-backward",), "Step each parameter in backward and free its gradient (torchtune "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Sharding, TrainingSetup, deepspeed_casts_module
 from . import activations as act
-from . import compiled, heads, lora, lora_sharded, moe, tensor_parallel
+from . import compiled, heads, litgpt, lora, lora_sharded, moe, tensor_parallel
 from .forward_terms import activation_terms
 from .result import Category, Term
 from .static import ShardedStatic, paged_state_bytes
@@ -127,7 +127,14 @@ class StepModel:
         saved_by_block = compiled.layer_saved_bytes if setup.compile else act.layer_saved_bytes
         per_layer = saved_by_block(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
         dtypes = act.dtypes(spec, setup, on_cpu)
-        return cls(spec, setup, static, activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
+        acts = activation_terms(spec, setup, per_layer, dtypes)
+        if litgpt.applies(setup):  # LitGPT's GPT keeps more per block and in its final norm (memfit.estimate.litgpt)
+            extra = litgpt.block_extra(spec, setup, setup.tokens_per_micro_step, dtypes.compute, dtypes.residual)
+            per_layer = {group: n + extra.get(group, 0) for group, n in per_layer.items()}
+            acts = activation_terms(spec, setup, per_layer, dtypes)
+            final = litgpt.norm_extra(spec, setup.tokens_per_micro_step, dtypes.residual)
+            acts = [replace(t, num_bytes=t.num_bytes + final) if t.name == TermKey.HEAD else t for t in acts]
+        return cls(spec, setup, static, acts, per_layer, dtypes)
 
     @classmethod
     def for_block(cls, spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> StepModel:
