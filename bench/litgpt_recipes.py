@@ -6,8 +6,8 @@ Llama-shaped config, under Lightning Fabric with the recipe's precision, stepped
 (`model(input_ids, lm_head_chunk_size=128)`, `chunked_cross_entropy`, fabric.backward, AdamW): the profiler's peak over
 building the model and two optimizer steps (every CPU allocation, oneDNN's matmul scratch left out, as
 memfit._torch.measure_cpu.profiled_peak). memfit's side: the same recipe written as a LitGPT YAML, read by
-memfit.readers.read_config, sized by the formulas for the Hugging Face model of the same shape; and, to split the
-error, that Hugging Face model stepped for real under the same setup (memfit.measure). --quantize is not measured here:
+memfit.readers.read_config (which sets model_code litgpt: memfit.estimate.litgpt), sized on the Hugging Face model of
+the same shape; and, to split the error, that Hugging Face model stepped for real under the same setup (memfit.measure). --quantize is not measured here:
 Lightning refuses its bitsandbytes plugin off CUDA.
 
 (2) Out of sample: config_hub/finetune/README.md (Lightning-AI/litgpt, README last changed 2024-09-27, read at commit
@@ -139,8 +139,10 @@ def measured_rows() -> list[dict]:
         setup = setup.replace(optimizer="adamw")  # torch's AdamW runs its for-loop kernel on CPU tensors
         real = litgpt_step(precision, flags)
         formula = estimate(resolve_model(dict(TINY_HF)), setup, cpu).tensor_bytes
-        hf_real = measure(dict(TINY_HF), setup, steps=2, device="cpu").allocated_bytes
-        rows.append(dict(label=label, precision=precision, setup=setup, real=real, formula=formula, hf=hf_real))
+        hf_formula = estimate(resolve_model(dict(TINY_HF)), setup.replace(model_code="hf"), cpu).tensor_bytes
+        hf_real = measure(dict(TINY_HF), setup.replace(model_code="hf"), steps=2, device="cpu").allocated_bytes
+        rows.append(dict(label=label, precision=precision, setup=setup, real=real, formula=formula, hf=hf_real,
+                         hf_formula=hf_formula))
         print(f"{label:14s} {precision:10s} LitGPT {real:>10,}  formula {formula:>10,}  HF real {hf_real:>10,}  "
               f"{(formula - real) / real:+.2%}", flush=True)
     return rows
@@ -177,15 +179,17 @@ def write(measured: list[dict], published: list[dict]) -> str:
     lines = ["# LitGPT recipes: memfit's reader and formulas vs LitGPT's own model", "",
              "`python bench/litgpt_recipes.py` (litgpt 0.5.13, lightning 2.6.6, torch "
              f"{_torch_version()}). Each recipe is a LitGPT finetune YAML read by `memfit.readers` (the LitGPT "
-             "reader), sized by the formulas.", "",
+             "reader, which sets model_code litgpt), sized by the formulas.", "",
              f"## Measured: LitGPT's GPT on this CPU (tiny Llama shape: h {H}, {LAYERS} layers, vocab {VOCAB}; "
              f"micro-batch {BATCH} x {SEQ} tokens, 2 AdamW steps)", "",
              "| recipe | precision | memfit setup | LitGPT real peak (B) | memfit formula (B) | error | "
-             "HF model, same setup, real (B) | LitGPT vs HF |", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "HF-code formula (B) | its error | HF model, same setup, real (B) | LitGPT vs HF |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in measured:
         s = r["setup"]
         lines.append(f"| {r['label']} | {r['precision']} | {s.precision.value}, {s.finetune} | {r['real']:,} | "
-                     f"{r['formula']:,} | {(r['formula'] - r['real']) / r['real']:+.2%} | {r['hf']:,} | "
+                     f"{r['formula']:,} | {(r['formula'] - r['real']) / r['real']:+.2%} | {r['hf_formula']:,} | "
+                     f"{(r['hf_formula'] - r['real']) / r['real']:+.2%} | {r['hf']:,} | "
                      f"{(r['real'] - r['hf']) / r['hf']:+.2%} |")
     lines += ["", "## Out of sample: LitGPT's published peak memory (config_hub/finetune/README.md, 1 x A10G)", "",
               "| recipe | memfit model | memfit setup | published peak (GB) | memfit max_memory_allocated (GB) | "
@@ -204,11 +208,14 @@ def write(measured: list[dict], published: list[dict]) -> str:
 NOTES = """
 Notes:
 - "LitGPT vs HF" is how far LitGPT's own module is from the Hugging Face model of the same shape under the same setup
-  (both real steps); "error" is memfit's formulas against LitGPT. What differs in LitGPT's module (litgpt 0.5.13
-  model.py, lora.py, utils.py): one fused qkv Linear, whose LoRA update is zero-padded to the whole q/k/v width
-  (LoRAQKVLinear.zero_pad, a B x T x (q+k+v) tensor per layer); the logits in the model's dtype over 128-token chunks
-  of the head, each chunk's cross-entropy in that dtype (Hugging Face's loss upcasts the logits to fp32); the rope
-  cos / sin tables as buffers. memfit does not model LitGPT's module yet: the HF-shaped formulas are what it sizes.
+  (both real steps); "HF-code formula" is memfit with model_code hf (what it sized before it knew LitGPT's module);
+  "error" is memfit's formulas with model_code litgpt (set by the LitGPT reader; memfit.estimate.litgpt) against
+  LitGPT. Read off the profiler's live tensors at the peak (litgpt 0.5.13 model.py, lora.py, utils.py; lightning
+  fabric): the fused qkv output stays alive through v's view (q + k widths more per layer); with LoRA on some of
+  q / k / v, zero_pad's index_copy_ keeps its B x T x (enabled widths) source; with trainable norms, RMSNorm saves
+  x_normed in fp32; Fabric casts the 128-token head chunks to fp32 and the loop holds them through backward, where
+  every chunk's cross-entropy backward runs before any head backward. Not yet attributed: about B x T x h x 2 B per
+  layer more when the attention output projection trains (LoRA all, full), the -2% / -1.7% left in those rows.
 - The two full fine-tunes' published peaks (Llama 3.2 1B and 3B, one A10G, bf16-true AdamW) are below what their
   weights, gradients and two AdamW states alone hold in bf16 (8 B per parameter; the 3B one above the A10G's 24 GB):
   no step of the recipe as configured fits under them, so they are not counted as errors. What those runs did
