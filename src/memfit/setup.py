@@ -680,8 +680,10 @@ class TrainingSetup:
         return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     def to_dict(self) -> dict:
-        """Every field as JSON holds it, the technique sections' flat among the setup's own (field_names)."""
-        return {name: _fields.plain(getattr(self, name)) for name in field_names()}
+        """Every field as JSON holds it, the technique sections' flat among the setup's own (field_names); the model
+        code only when it is not the default (hf), so answers that never name it read as before it existed."""
+        return {name: _fields.plain(getattr(self, name)) for name in field_names()
+                if name != "model_code" or self.model_code is not ModelCode.HF}
 
 
 def _taking_technique_fields(init):

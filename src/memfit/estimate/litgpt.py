@@ -4,12 +4,17 @@ CausalSelfAttention / RMSNorm / GPT.forward, lora.py LoRAQKVLinear, utils.py chu
 `fit`) and lightning 2.6 (fabric wrappers _FabricModule.forward -> precision.convert_output); measured term by term
 against the HF LlamaForCausalLM step on CPU (bench/litgpt_recipes.py, the profiler's live tensors at the peak).
 
-Per block, beyond the HF rows (StepModel.per_layer):
-- fused qkv: `q, k, v = qkv.split(...)` are views of one B x T x (q + k + v) tensor; scaled_dot_product_attention
-  saves v, so the whole fused output stays alive: q + k widths more than HF's separate v_proj output.
-- LoRA on some but not all of q / k / v: LoRAQKVLinear.zero_pad index_copy_'s the conv1d update (B x T x the enabled
-  widths) into a zero tensor; IndexCopyBackward keeps its `source` (torch's derivative expands the gradient
-  `as(source)`), so that update stays alive too. With all three on, zero_pad returns it as is and nothing stays.
+Per block, beyond the HF rows (StepModel.per_layer), each measured against LlamaForCausalLM (peft for LoRA) at the
+same shape with saved-tensor hooks, multi-head and grouped-query:
+- fused qkv: `q, k, v = qkv.split(...)` are views of one B x T x (q + k + v) tensor. Multi-head: SDPA saves v, so the
+  whole fused output stays alive (q + k widths more than HF's separate v). Grouped-query: k and v are
+  repeat_interleave'd to every query head before SDPA, which saves those copies (HF's SDPA takes them grouped):
+  2 x (q - kv) widths more, the fused output freed.
+- LoRA on some but not all of q / k / v: LoRAQKVLinear.zero_pad index_copy_'s the conv1d update into a zero tensor
+  and autograd keeps one of them: the B x T x (enabled widths) update (multi-head) or the zero-padded B x T x
+  (q + k + v) result (grouped-query). With all three on, zero_pad returns the update as is and nothing stays.
+- A trainable output projection (full fine-tune, lora_projection): SDPA's output is (B, heads, T, hs); its
+  transpose's reshape to B x T x C copies, and the projection keeps that copy beside SDPA's own output.
 - RMSNorm runs in fp32 (`x.float()`); with a trainable weight, `x_normed * weight.float()` saves the fp32 x_normed
   where HF saves it in the model's dtype: (4 - residual dtype) B more per token x h per norm (the final norm too).
 
@@ -56,13 +61,26 @@ def _lora_qkv(setup: TrainingSetup) -> tuple[bool, bool, bool]:
     return tuple(name in targets for name in ("q_proj", "k_proj", "v_proj"))  # type: ignore[return-value]
 
 
+def _projection_trains(spec: ModelSpec, setup: TrainingSetup) -> bool:
+    if setup.finetune.method is Method.FULL:
+        return True
+    targets = set(setup.finetune.targets)
+    return bool(targets & {"all-linear", "o_proj", "dense"})
+
+
 def block_extra(spec: ModelSpec, setup: TrainingSetup, tokens: int, compute: int, residual: int) -> dict[str, int]:
-    """Bytes one LitGPT block keeps beyond the HF rows, by StepModel.per_layer group."""
+    """Bytes one LitGPT block keeps beyond the HF rows, by StepModel.per_layer group (measured per block against
+    LlamaForCausalLM / peft under saved-tensor hooks, MHA and GQA)."""
     q, kv = _widths(spec)
-    attention = (q + kv) * tokens * compute  # the fused qkv output, alive through v's view
+    grouped = kv < q
+    # MHA: the fused qkv output, alive through v's view (HF keeps v alone); GQA: k and v repeat_interleave'd to
+    # every query head and saved so by SDPA (HF's SDPA takes them grouped), the fused output freed
+    attention = (2 * (q - kv) if grouped else q + kv) * tokens * compute
     enabled = _lora_qkv(setup)
-    if any(enabled) and not all(enabled):
-        attention += sum(w for w, on in zip((q, kv, kv), enabled) if on) * tokens * compute  # zero_pad's source
+    if any(enabled) and not all(enabled):  # zero_pad's index_copy_: MHA keeps its source, GQA its padded result
+        attention += (q + 2 * kv if grouped else sum(w for w, on in zip((q, kv, kv), enabled) if on)) * tokens * compute
+    if _projection_trains(spec, setup):  # y.reshape of SDPA's transposed output copies; proj keeps the copy
+        attention += q * tokens * compute
     norms = 2 * norm_extra(spec, tokens, residual)
     return {"attention": attention, "norms": norms}
 
