@@ -274,6 +274,10 @@ class TrainingSetup:
             problems += [problem for section in self.techniques for problem in section.problems(self)]
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
+        if self.model_code is ModelCode.LITGPT and (self.loss is not Loss.STANDARD or self.compile is True or any(
+                isinstance(n, int) and n > 1 for n in (self.tp, self.pp, self.cp))):
+            problems.append("model code litgpt is sized for LitGPT's own loss (128-token head chunks), eager, without "
+                            "tensor, context or pipeline parallelism: use loss standard and none of those")
         if self.longest_sample_len is not None and self.padding is not Padding.LONGEST:
             problems.append("a longest sample length needs padding longest (with max-length every sequence holds "
                             "seq_len tokens)")

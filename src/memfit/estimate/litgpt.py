@@ -97,6 +97,13 @@ def logits_bytes(spec: ModelSpec, tokens: int) -> int:
     return tokens * spec.vocab_size * 4
 
 
+def held_logits(spec: ModelSpec, tokens: int) -> Term:
+    """The fp32 head chunks `fit` still holds while the layers' backward and the optimizer step run."""
+    return Term(TermKey.LOGITS, Category.ACTIVATIONS, logits_bytes(spec, tokens),
+                "B x T x V x 4 B: Fabric's fp32 head chunks, held by fit's `logits` until the next forward returns",
+                SOURCE)
+
+
 def loss_forward(forward: list[Term], spec: ModelSpec, tokens: int) -> list[Term]:
     """End of the loss's forward: the held fp32 logits (no further upcast: cross-entropy reads them as they are)."""
     return [replace(t, num_bytes=logits_bytes(spec, tokens),

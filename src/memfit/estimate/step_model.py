@@ -165,6 +165,8 @@ class StepModel:
             terms.append(Term(TermKey.MASTER_GRADIENTS, Category.TEMPORARIES, static.grads_bytes,
                               "P x 2 B more: each bf16 gradient upcast to fp32 for the master copy's step (the bf16 "
                               "one released as it goes)", "memfit._torch.master.MasterWeightsOptimizer"))
+        if litgpt.applies(self.setup) and self.spec.is_decoder:
+            terms.append(litgpt.held_logits(self.spec, self.tokens))  # and through the optimizer step
         if step_temp:
             shards = self.setup.shard_size if self.setup.sharding.stage >= 1 else 1
             terms.append(Term(TermKey.OPTIMIZER_STEP, Category.TEMPORARIES, step_temp // shards,
@@ -173,7 +175,10 @@ class StepModel:
         return terms
 
     def acts_except(self, *names: TermKey) -> list[Term]:
-        return [t for t in self.acts if t.name not in names]
+        kept = [t for t in self.acts if t.name not in names]
+        if TermKey.LOGITS in names and litgpt.applies(self.setup) and self.spec.is_decoder:
+            kept.append(litgpt.held_logits(self.spec, self.tokens))  # LitGPT's loop holds them through backward
+        return kept
 
     def recomputed_block(self, what: str, kept_counted: bool = True) -> Term:
         """One block rebuilt in its backward. Under selective-op the block's kept outputs are handed back to the
