@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from memfit._torch.measure_cpu import profiled_peak
+from memfit.errors import ConfigError
 from memfit.estimate.analytic import estimate
 from memfit.hardware import cpu_device, make_hardware
 from memfit.readers import read_config
@@ -69,3 +70,11 @@ def test_litgpt_model_code_sizes_litgpts_own_step(tmp_path):
     hf = estimate(spec, setup.replace(model_code="hf"), cpu).tensor_bytes
     assert abs(litgpt - real) / real < 0.03, (litgpt, real)
     assert abs(hf - real) > 2 * abs(litgpt - real)  # the HF module's formulas miss what LitGPT's keeps
+
+
+def test_litgpt_model_code_refuses_what_it_does_not_size_and_stays_out_of_default_json():
+    with pytest.raises(ConfigError, match="model code litgpt"):
+        TrainingSetup(model_code="litgpt", loss="chunked")
+    assert "model_code" not in TrainingSetup().to_dict()  # answers that never name it read as before
+    assert TrainingSetup(**{k: v for k, v in TrainingSetup(model_code="litgpt").to_dict().items()
+                            if k != "notes"}).model_code is ModelCode.LITGPT
