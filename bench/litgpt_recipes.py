@@ -7,8 +7,8 @@ Llama-shaped config, under Lightning Fabric with the recipe's precision, stepped
 building the model and two optimizer steps (every CPU allocation, oneDNN's matmul scratch left out, as
 memfit._torch.measure_cpu.profiled_peak). memfit's side: the same recipe written as a LitGPT YAML, read by
 memfit.readers.read_config (which sets model_code litgpt: memfit.estimate.litgpt), sized on the Hugging Face model of
-the same shape; and, to split the error, that Hugging Face model stepped for real under the same setup (memfit.measure). --quantize is not measured here:
-Lightning refuses its bitsandbytes plugin off CUDA.
+the same shape; and, to split the error, that Hugging Face model stepped for real under the same setup
+(memfit.measure). --quantize is not measured here: Lightning refuses its bitsandbytes plugin off CUDA.
 
 (2) Out of sample: config_hub/finetune/README.md (Lightning-AI/litgpt, README last changed 2024-09-27, read at commit
 26857050) lists "Peak memory" per recipe on an A10G: LitGPT prints torch.cuda.max_memory_allocated() / 1e9
@@ -184,8 +184,8 @@ def write(measured: list[dict], published: list[dict]) -> str:
              "`python bench/litgpt_recipes.py` (litgpt 0.5.13, lightning 2.6.6, torch "
              f"{_torch_version()}). Each recipe is a LitGPT finetune YAML read by `memfit.readers` (the LitGPT "
              "reader, which sets model_code litgpt), sized by the formulas.", "",
-             f"## Measured: LitGPT's GPT on this CPU (tiny Llama shape: h {H}, {LAYERS} layers, {HEADS} heads (GQA rows: "
-             f"{GROUPS} key/value heads), vocab {VOCAB}; "
+             f"## Measured: LitGPT's GPT on this CPU (tiny Llama shape: h {H}, {LAYERS} layers, {HEADS} heads "
+             f"(GQA rows: {GROUPS} key/value heads), vocab {VOCAB}; "
              f"micro-batch {BATCH} x {SEQ} tokens, 2 AdamW steps)", "",
              "| recipe | precision | memfit setup | LitGPT real peak (B) | memfit formula (B) | error | "
              "HF-code formula (B) | its error | HF model, same setup, real (B) | LitGPT vs HF |",

@@ -23,8 +23,9 @@ What LitGPT does that the mapping follows:
 
 LitGPT's own GPT module (fused qkv, its LoRA zero-padding of the q/k/v update, fp32 RMSNorm, the loss over Fabric's
 fp32 copies of 128-token head chunks) is sized with model_code litgpt (memfit.estimate.litgpt, measured in
-bench/results/litgpt.md) on the Hugging Face model of the checkpoint's shape; under --quantize Lightning's plugin also packs the output head (memfit keeps
-it 16-bit) and LitGPT's adapters are 16-bit (memfit's peft recipe sizes them fp32).
+bench/results/litgpt.md) on the Hugging Face model of the checkpoint's shape; under --quantize Lightning's plugin
+also packs the output head (memfit keeps it 16-bit) and LitGPT's adapters are 16-bit (memfit's peft recipe sizes them
+fp32).
 """
 
 from __future__ import annotations
