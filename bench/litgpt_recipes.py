@@ -6,9 +6,9 @@ Llama-shaped config, under Lightning Fabric with the recipe's precision, stepped
 (`model(input_ids, lm_head_chunk_size=128)`, `chunked_cross_entropy`, fabric.backward, AdamW): the profiler's peak over
 building the model and two optimizer steps (every CPU allocation, oneDNN's matmul scratch left out, as
 memfit._torch.measure_cpu.profiled_peak). memfit's side: the same recipe written as a LitGPT YAML, read by
-memfit.readers.read_config, sized by the formulas for the Hugging Face model of the same shape; and, to split the
-error, that Hugging Face model stepped for real under the same setup (memfit.measure). --quantize is not measured here:
-Lightning refuses its bitsandbytes plugin off CUDA.
+memfit.readers.read_config (which sets model_code litgpt: memfit.estimate.litgpt), sized on the Hugging Face model of
+the same shape; and, to split the error, that Hugging Face model stepped for real under the same setup
+(memfit.measure). --quantize is not measured here: Lightning refuses its bitsandbytes plugin off CUDA.
 
 (2) Out of sample: config_hub/finetune/README.md (Lightning-AI/litgpt, README last changed 2024-09-27, read at commit
 26857050) lists "Peak memory" per recipe on an A10G: LitGPT prints torch.cuda.max_memory_allocated() / 1e9
@@ -41,8 +41,11 @@ TINY_HF = dict(model_type="llama", hidden_size=H, intermediate_size=I, num_hidde
                tie_word_embeddings=False, rms_norm_eps=1e-5)
 QV = dict(lora_query=True, lora_key=False, lora_value=True, lora_projection=False, lora_mlp=False)
 ALL = dict(lora_query=True, lora_key=True, lora_value=True, lora_projection=True, lora_mlp=True)
-MEASURED = (("LoRA q,v r8", "bf16-true", QV), ("LoRA all r8", "bf16-true", ALL), ("LoRA q,v r8", "32-true", QV),
-            ("LoRA q,v r8", "bf16-mixed", QV), ("full", "bf16-true", None))
+GROUPS = 2  # the grouped-query rows: 4 query heads over 2 key/value heads
+MEASURED = (("LoRA q,v r8", "bf16-true", QV, HEADS), ("LoRA all r8", "bf16-true", ALL, HEADS),
+            ("LoRA q,v r8", "32-true", QV, HEADS), ("LoRA q,v r8", "bf16-mixed", QV, HEADS),
+            ("full", "bf16-true", None, HEADS), ("LoRA q,v r8, GQA", "bf16-true", QV, GROUPS),
+            ("LoRA all r8, GQA", "bf16-true", ALL, GROUPS), ("full, GQA", "bf16-true", None, GROUPS))
 
 PUBLISHED = (
     # config_hub/finetune/<dir>/<recipe>.yaml settings (model, micro-batch; every row: bf16-true, lora_r 32, alpha 16,
@@ -91,7 +94,7 @@ def read_setup(data: dict, model=None):
     return TrainingSetup(**fields), reading
 
 
-def litgpt_step(precision: str, flags: dict | None) -> int:
+def litgpt_step(precision: str, flags: dict | None, groups: int = HEADS) -> int:
     """Peak bytes of LitGPT's own tiny GPT stepped as its finetune scripts step it (module build + 2 steps)."""
     import lightning as L
     import torch
@@ -105,7 +108,7 @@ def litgpt_step(precision: str, flags: dict | None) -> int:
     torch.manual_seed(0)
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
     shape = dict(name="tiny", block_size=512, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS,
-                 n_head=HEADS, n_embd=H, n_query_groups=HEADS, rotary_percentage=1.0, parallel_residual=False,
+                 n_head=HEADS, n_embd=H, n_query_groups=groups, rotary_percentage=1.0, parallel_residual=False,
                  bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=I)
     lora = dict(lora_r=8, lora_alpha=16, lora_dropout=0.0, **flags) if flags is not None else {}
     config = Config(**shape, **lora)
@@ -137,13 +140,16 @@ def measured_rows() -> list[dict]:
 
     cpu = make_hardware(cpu_device(64 * 1024**3))
     rows = []
-    for label, precision, flags in MEASURED:
+    for label, precision, flags, groups in MEASURED:
         setup, _ = read_setup(recipe_yaml("tiny/llama", precision, flags))
         setup = setup.replace(optimizer="adamw")  # torch's AdamW runs its for-loop kernel on CPU tensors
-        real = litgpt_step(precision, flags)
-        formula = estimate(resolve_model(dict(TINY_HF)), setup, cpu).tensor_bytes
-        hf_real = measure(dict(TINY_HF), setup, steps=2, device="cpu").tensor_bytes  # oneDNN scratch apart, as above
-        rows.append(dict(label=label, precision=precision, setup=setup, real=real, formula=formula, hf=hf_real))
+        shape = dict(TINY_HF, num_key_value_heads=groups)
+        real = litgpt_step(precision, flags, groups)
+        formula = estimate(resolve_model(dict(shape)), setup, cpu).tensor_bytes
+        hf_formula = estimate(resolve_model(dict(shape)), setup.replace(model_code="hf"), cpu).tensor_bytes
+        hf_real = measure(dict(shape), setup.replace(model_code="hf"), steps=2, device="cpu").tensor_bytes  # oneDNN scratch apart, as above
+        rows.append(dict(label=label, precision=precision, setup=setup, real=real, formula=formula, hf=hf_real,
+                         hf_formula=hf_formula))
         print(f"{label:14s} {precision:10s} LitGPT {real:>10,}  formula {formula:>10,}  HF real {hf_real:>10,}  "
               f"{(formula - real) / real:+.2%}", flush=True)
     return rows
@@ -180,15 +186,18 @@ def write(measured: list[dict], published: list[dict]) -> str:
     lines = ["# LitGPT recipes: memfit's reader and formulas vs LitGPT's own model", "",
              "`python bench/litgpt_recipes.py` (litgpt 0.5.13, lightning 2.6.6, torch "
              f"{_torch_version()}). Each recipe is a LitGPT finetune YAML read by `memfit.readers` (the LitGPT "
-             "reader), sized by the formulas.", "",
-             f"## Measured: LitGPT's GPT on this CPU (tiny Llama shape: h {H}, {LAYERS} layers, vocab {VOCAB}; "
+             "reader, which sets model_code litgpt), sized by the formulas.", "",
+             f"## Measured: LitGPT's GPT on this CPU (tiny Llama shape: h {H}, {LAYERS} layers, {HEADS} heads "
+             f"(GQA rows: {GROUPS} key/value heads), vocab {VOCAB}; "
              f"micro-batch {BATCH} x {SEQ} tokens, 2 AdamW steps)", "",
              "| recipe | precision | memfit setup | LitGPT real peak (B) | memfit formula (B) | error | "
-             "HF model, same setup, real (B) | LitGPT vs HF |", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "HF-code formula (B) | its error | HF model, same setup, real (B) | LitGPT vs HF |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in measured:
         s = r["setup"]
         lines.append(f"| {r['label']} | {r['precision']} | {s.precision.value}, {s.finetune} | {r['real']:,} | "
-                     f"{r['formula']:,} | {(r['formula'] - r['real']) / r['real']:+.2%} | {r['hf']:,} | "
+                     f"{r['formula']:,} | {(r['formula'] - r['real']) / r['real']:+.2%} | {r['hf_formula']:,} | "
+                     f"{(r['hf_formula'] - r['real']) / r['real']:+.2%} | {r['hf']:,} | "
                      f"{(r['real'] - r['hf']) / r['hf']:+.2%} |")
     lines += ["", "## Out of sample: LitGPT's published peak memory (config_hub/finetune/README.md, 1 x A10G)", "",
               "| recipe | memfit model | memfit setup | published peak (GB) | memfit max_memory_allocated (GB) | "
@@ -207,11 +216,14 @@ def write(measured: list[dict], published: list[dict]) -> str:
 NOTES = """
 Notes:
 - "LitGPT vs HF" is how far LitGPT's own module is from the Hugging Face model of the same shape under the same setup
-  (both real steps); "error" is memfit's formulas against LitGPT. What differs in LitGPT's module (litgpt 0.5.13
-  model.py, lora.py, utils.py): one fused qkv Linear, whose LoRA update is zero-padded to the whole q/k/v width
-  (LoRAQKVLinear.zero_pad, a B x T x (q+k+v) tensor per layer); the logits in the model's dtype over 128-token chunks
-  of the head, each chunk's cross-entropy in that dtype (Hugging Face's loss upcasts the logits to fp32); the rope
-  cos / sin tables as buffers. memfit does not model LitGPT's module yet: the HF-shaped formulas are what it sizes.
+  (both real steps); "HF-code formula" is memfit with model_code hf (what it sized before it knew LitGPT's module);
+  "error" is memfit's formulas with model_code litgpt (set by the LitGPT reader; memfit.estimate.litgpt) against
+  LitGPT. Read off the profiler's live tensors at the peak (litgpt 0.5.13 model.py, lora.py, utils.py; lightning
+  fabric; memfit.estimate.litgpt has each term and how it was measured): the fused qkv output stays alive through
+  v's view (GQA: k and v repeated to every query head are saved instead); with LoRA on some of q / k / v, zero_pad's
+  index_copy_ keeps a B x T tensor; a trainable output projection keeps a copy of the attention output; with
+  trainable norms, RMSNorm saves x_normed in fp32; Fabric casts the 128-token head chunks to fp32 and the loop holds
+  them through backward, where every chunk's cross-entropy backward runs before any head backward.
 - The two full fine-tunes' published peaks (Llama 3.2 1B and 3B, one A10G, bf16-true AdamW) are below what their
   weights, gradients and two AdamW states alone hold in bf16 (8 B per parameter; the 3B one above the A10G's 24 GB):
   no step of the recipe as configured fits under them, so they are not counted as errors. What those runs did

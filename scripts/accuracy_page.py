@@ -67,7 +67,7 @@ SOURCES = (
     Source("frameworks.md", "error", "`memfit trace -- python SCRIPT`: plain loop, HF Trainer, Lightning, Fabric, TRL",
            "the same script run for real on CPU"),
     Source("torchtune_lora.md", "error", "formulas: torchtune's LoRA / QLoRA recipes", "real CPU steps (profiler)"),
-    Source("litgpt.md", "error", "formulas from LitGPT finetune configs (the LitGPT reader), HF-shaped",
+    Source("litgpt.md", "error", "formulas from LitGPT finetune configs (the LitGPT reader, model code litgpt)",
            "LitGPT's own GPT stepped on CPU (profiler)"),
     Source("litgpt.md", "error %", "formulas from LitGPT's config_hub recipes (A10G)",
            "LitGPT's published peak memory", needs="published peak (GB)"),

@@ -206,6 +206,21 @@ class Loss(_Choice):
         return "loss"
 
 
+class ModelCode(_Choice):
+    """Whose module code runs the model: the Hugging Face class of the checkpoint, or LitGPT's own GPT (its fused qkv,
+    fp32 RMSNorm, LoRA zero-padding and 128-token head chunks: memfit.estimate.litgpt)."""
+
+    HF = "hf"  # transformers' modeling code (and what peft / torchtune / the rest wrap)
+    LITGPT = "litgpt"  # litgpt.model.GPT / litgpt.lora.GPT stepped as litgpt finetune_* steps it
+
+    def aliases(self) -> tuple[str, ...]:
+        return {"hf": ("transformers", "huggingface"), "litgpt": ("lit-gpt", "lightning")}[self.value]
+
+    @classmethod
+    def label(cls) -> str:
+        return "model code"
+
+
 class Padding(_Choice):
     """How the batches' sequences get their length: what sets the run's peak (TrainingSetup.peak_seq_len)."""
 

@@ -11,7 +11,7 @@ from . import fields as _fields
 from .choice import Choice as _Choice
 # the choices a setup is made of live in memfit.choices; callers find them here too
 from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, Engine, Float8, FsdpVersion,  # noqa: F401
-                      Loss, Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
+                      Loss, ModelCode, Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
 from .errors import ConfigError
 from .fields import MAX_ACCUM, MAX_DEGREE, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_SEQ_LEN, Option, setting
 from .zero_knobs import ZeroKnobs
@@ -95,6 +95,11 @@ class TrainingSetup:
         "CEWithChunkedOutputLoss), fused with the LM head (Liger; needs liger-kernel) or the cross-entropy under "
         "torch.compile (torchtitan's build_cross_entropy_loss). Default: standard.", "choice"))
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
+    model_code: ModelCode = setting(ModelCode.HF, section="memory", label="model code", keep=("model_code",),
+                                    option=Option(("--model-code",), "{choices}: whose module runs the model: the "
+                                                  "Hugging Face class, or LitGPT's own GPT stepped as litgpt finetune "
+                                                  "steps it (set by a LitGPT config). Default: hf.", "choice"))
+    """Whose code runs the model: transformers' (hf) or LitGPT's GPT (memfit.estimate.litgpt)."""
     optimizer_in_backward: bool = setting(False, section="optimizer", label="optimizer in backward",
                                           keep=("optimizer_in_backward", "in_backward"), option=Option(
         ("--optimizer-in-backward",), "Step each parameter in backward and free its gradient (torchtune "
@@ -269,6 +274,10 @@ class TrainingSetup:
             problems += [problem for section in self.techniques for problem in section.problems(self)]
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
+        if self.model_code is ModelCode.LITGPT and (self.loss is not Loss.STANDARD or self.compile is True or any(
+                isinstance(n, int) and n > 1 for n in (self.tp, self.pp, self.cp))):
+            problems.append("model code litgpt is sized for LitGPT's own loss (128-token head chunks), eager, without "
+                            "tensor, context or pipeline parallelism: use loss standard and none of those")
         if self.longest_sample_len is not None and self.padding is not Padding.LONGEST:
             problems.append("a longest sample length needs padding longest (with max-length every sequence holds "
                             "seq_len tokens)")
@@ -675,8 +684,10 @@ class TrainingSetup:
         return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     def to_dict(self) -> dict:
-        """Every field as JSON holds it, the technique sections' flat among the setup's own (field_names)."""
-        return {name: _fields.plain(getattr(self, name)) for name in field_names()}
+        """Every field as JSON holds it, the technique sections' flat among the setup's own (field_names); the model
+        code only when it is not the default (hf), so answers that never name it read as before it existed."""
+        return {name: _fields.plain(getattr(self, name)) for name in field_names()
+                if name != "model_code" or self.model_code is not ModelCode.HF}
 
 
 def _taking_technique_fields(init):

@@ -56,7 +56,8 @@ def test_keep_names_pin_what_they_pinned_before_the_declarations():
         "activation_offload": ("activation_offload",), "compile": ("compile",),
         "padding": ("padding", "longest_sample_len"), "pp": ("pp", "pp_schedule", "pp_virtual_stages"),
         "dp_shard": ("dp_shard",), "hsdp": ("dp_shard",), "cp": ("cp", "cp_rotate"),
-        "float8": ("float8", "float8_all_gather")}
+        "float8": ("float8", "float8_all_gather"),
+        "model_code": ("model_code",)}  # added with the field (memfit.estimate.litgpt)
     assert KEEP_NAMES == before
     renamed = {f: keep_name(f) for f in FIELD_LABELS if keep_name(f) != f}
     assert renamed == {"micro_batch_size": "micro_batch", "seq_len": "seq", "grad_accum_steps": "accum",

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from ..setup import LOSS_CHUNKS, Loss, TrainingSetup
 from . import activations as act
-from . import compiled_loss, heads
+from . import compiled_loss, heads, litgpt
 from .forward_terms import CHUNKED_SOURCE, FUSED_SOURCE, fused_chunk_rows, linear_weight_elems, loss_elem_bytes
 from .result import Category, Term
 from .step_model import StepModel, head_grads
@@ -32,6 +32,8 @@ def loss_forward(step: StepModel, forward: list[Term]) -> list[Term]:
     spec, setup = step.spec, step.setup
     if setup.loss is Loss.FUSED:
         return _fused_loss_forward(step, forward)
+    if litgpt.applies(setup) and spec.is_decoder:
+        return litgpt.loss_forward(forward, spec, step.tokens)
     if not spec.is_decoder or step.dtypes.compute == 4 or heads.classifier(spec) is not None:
         return []  # only ForCausalLMLoss upcasts the logits
     upcast = spec.vocab_size * (max(_chunk_tokens(setup)) if setup.loss is Loss.CHUNKED else step.tokens) * 4
@@ -71,6 +73,8 @@ def loss_backward(step: StepModel, forward: list[Term]) -> list[Term]:
     makes nothing here (its gradients exist already); the chunked one runs chunk by chunk (`_chunked_backward`)."""
     if step.setup.loss is Loss.FUSED:
         return []
+    if litgpt.applies(step.setup) and step.spec.is_decoder:
+        return litgpt.loss_backward(forward, step.spec, step.setup, step.tokens)
     if step.setup.loss is Loss.CHUNKED:
         return _chunked_loss_backward(step, forward)
     if compiled_loss.whole(step.setup):  # the kept logits and their one gradient (memfit.estimate.compiled_loss)

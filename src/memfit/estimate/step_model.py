@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Sharding, TrainingSetup, deepspeed_casts_module
 from . import activations as act
-from . import compiled, heads, lora, lora_sharded, moe, tensor_parallel
+from . import compiled, heads, litgpt, lora, lora_sharded, moe, tensor_parallel
 from .forward_terms import activation_terms
 from .result import Category, Term
 from .static import ShardedStatic, paged_state_bytes
@@ -127,7 +127,14 @@ class StepModel:
         saved_by_block = compiled.layer_saved_bytes if setup.compile else act.layer_saved_bytes
         per_layer = saved_by_block(spec, setup, setup.tokens_per_micro_step, setup.seq_len, on_cpu)
         dtypes = act.dtypes(spec, setup, on_cpu)
-        return cls(spec, setup, static, activation_terms(spec, setup, per_layer, dtypes), per_layer, dtypes)
+        acts = activation_terms(spec, setup, per_layer, dtypes)
+        if litgpt.applies(setup):  # LitGPT's GPT keeps more per block and in its final norm (memfit.estimate.litgpt)
+            extra = litgpt.block_extra(spec, setup, setup.tokens_per_micro_step, dtypes.compute, dtypes.residual)
+            per_layer = {group: n + extra.get(group, 0) for group, n in per_layer.items()}
+            acts = activation_terms(spec, setup, per_layer, dtypes)
+            final = litgpt.norm_extra(spec, setup.tokens_per_micro_step, dtypes.residual)
+            acts = [replace(t, num_bytes=t.num_bytes + final) if t.name == TermKey.HEAD else t for t in acts]
+        return cls(spec, setup, static, acts, per_layer, dtypes)
 
     @classmethod
     def for_block(cls, spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> StepModel:
@@ -158,6 +165,8 @@ class StepModel:
             terms.append(Term(TermKey.MASTER_GRADIENTS, Category.TEMPORARIES, static.grads_bytes,
                               "P x 2 B more: each bf16 gradient upcast to fp32 for the master copy's step (the bf16 "
                               "one released as it goes)", "memfit._torch.master.MasterWeightsOptimizer"))
+        if litgpt.applies(self.setup) and self.spec.is_decoder:
+            terms.append(litgpt.held_logits(self.spec, self.tokens))  # and through the optimizer step
         if step_temp:
             shards = self.setup.shard_size if self.setup.sharding.stage >= 1 else 1
             terms.append(Term(TermKey.OPTIMIZER_STEP, Category.TEMPORARIES, step_temp // shards,
@@ -166,7 +175,10 @@ class StepModel:
         return terms
 
     def acts_except(self, *names: TermKey) -> list[Term]:
-        return [t for t in self.acts if t.name not in names]
+        kept = [t for t in self.acts if t.name not in names]
+        if TermKey.LOGITS in names and litgpt.applies(self.setup) and self.spec.is_decoder:
+            kept.append(litgpt.held_logits(self.spec, self.tokens))  # LitGPT's loop holds them through backward
+        return kept
 
     def recomputed_block(self, what: str, kept_counted: bool = True) -> Term:
         """One block rebuilt in its backward. Under selective-op the block's kept outputs are handed back to the

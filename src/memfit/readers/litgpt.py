@@ -21,10 +21,11 @@ What LitGPT does that the mapping follows:
 - More than one device: finetune_lora runs ModelParallelStrategy (FSDP2 fully_shard per Linear and block, each block
   checkpointed); finetune_full runs FSDPStrategy (FSDP1 FULL_SHARD, each Block checkpointed).
 
-What memfit sizes differently (bench/results/litgpt.md measures it): LitGPT's own GPT module (fused qkv, its LoRA
-zero-padding of the q/k/v update, the loss in the model's dtype over 128-token chunks of the head) is sized as the
-Hugging Face model of the checkpoint; under --quantize Lightning's plugin also packs the output head (memfit keeps
-it 16-bit) and LitGPT's adapters are 16-bit (memfit's peft recipe sizes them fp32).
+LitGPT's own GPT module (fused qkv, its LoRA zero-padding of the q/k/v update, fp32 RMSNorm, the loss over Fabric's
+fp32 copies of 128-token head chunks) is sized with model_code litgpt (memfit.estimate.litgpt, measured in
+bench/results/litgpt.md) on the Hugging Face model of the checkpoint's shape; under --quantize Lightning's plugin
+also packs the output head (memfit keeps it 16-bit) and LitGPT's adapters are 16-bit (memfit's peft recipe sizes them
+fp32).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 from ..finetune import BaseWeights, LoraRecipe, Method
 from ..optimizers import config_class_names
-from ..setup import Checkpointing, Optimizer, Precision
+from ..setup import Checkpointing, ModelCode, Optimizer, Precision
 from ..sources.catalog import find_entry
 from ._reader import NOT_RELEVANT, NOT_SIZED, Reader, _positive
 from .hf import read_fsdp_plan
@@ -96,6 +97,9 @@ def map_litgpt(read: Reader, data: dict, ctx: Any) -> None:
     elif "checkpoint_dir" in data:
         read.ignore("checkpoint_dir", data["checkpoint_dir"], "not a model in memfit's catalog: give MODEL")
     model_type = found[1] if found else ""
+    read.set("model_code", ModelCode.LITGPT, "checkpoint_dir", data.get("checkpoint_dir"),
+             "LitGPT's own GPT (litgpt.model / litgpt.lora), stepped with 128-token head chunks",
+             text="a LitGPT finetune config")
     lora = bool({*LORA_FLAGS, "lora_r", "lora_alpha", "lora_dropout"} & set(data))
     quantize = data.get("quantize")
     if quantize is not None and not lora:
