@@ -167,48 +167,82 @@ ESTIMATORS = {"gae": "ppo", "grpo": "grpo", "rloo": "rloo"}
 estimator (grpo, rloo, reinforce_plus_plus, remax, opo, ...) is critic-free and sized as GRPO's phases."""
 
 
+@dataclass
+class _Keys:
+    """A reading under way: the file's keys, the RLSetup settings they gave so far, the keys handled; `flag` is how
+    the file writes a key ('' verl, '--' OpenRLHF); a null value is the key's absence when `null_is_absent`."""
+
+    read: Reader
+    keys: Mapping[str, Any]
+    out: dict[str, Any]
+    flag: str = ""
+    null_is_absent: bool = True
+    handled: set[str] = field(default_factory=set)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.keys.get(key, default)
+
+    def take(self, key: str, target: str, convert, note: str = "", transform=lambda v: v) -> Any:
+        """keys[key], converted (ConfigError on the wrong type), as the setting `target`; None when absent."""
+        self.handled.add(key)
+        if key not in self.keys or (self.null_is_absent and self.keys[key] is None):
+            return None
+        value = transform(convert(self.read, self.flag + key, self.keys[key]))
+        self.out[target] = value
+        self.read.set(target, value, self.flag + key, self.keys[key], note)
+        return value
+
+
 def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
     read = Reader(file=shown, strict=True)
     get = flat.get
-    out: dict[str, Any] = {"engine": "torch"}
+    keys = _Keys(read, flat, {"engine": "torch"})
     gpus = _int(read, "trainer.n_gpus_per_node", get("trainer.n_gpus_per_node", 8)) * _int(
         read, "trainer.nnodes", get("trainer.nnodes", 1))
     n = _int(read, R + "n", get(R + "n", 1))
     estimator = get("algorithm.adv_estimator", "gae")
     trainer = ESTIMATORS.get(str(estimator), "grpo")
-    out["trainer"] = trainer
+    keys.out["trainer"] = trainer
     read.set("trainer", trainer, "algorithm.adv_estimator", estimator,
              "GAE: a critic" if trainer == "ppo" else "critic-free")
-    handled = {"algorithm.adv_estimator", "trainer.n_gpus_per_node", "trainer.nnodes"}
+    keys.handled |= {"algorithm.adv_estimator", "trainer.n_gpus_per_node", "trainer.nnodes"}
+    _verl_switches(keys)
+    _verl_rollout(keys, shown)
+    _verl_reference(keys)
+    _verl_batches(keys, gpus, n)
+    _verl_sharding(keys, gpus, shown)
+    _verl_rest(keys, trainer, estimator, shown)
+    model_name = read.model[0] if read.model else None
+    deferred = _done(read, flat, keys.handled, shown)
+    return Reading(VERL, keys.out, model_name, gpus, tuple(read.mapped), tuple(read.ignored), deferred)
 
-    def take(key: str, target: str, convert, note: str = "") -> Any:
-        handled.add(key)
-        if key not in flat or flat[key] is None:
-            return None
-        value = convert(read, key, flat[key])
-        out[target] = value
-        read.set(target, value, key, flat[key], note)
-        return value
 
-    take("data.max_prompt_length", "max_prompt_length", _int)
-    take("data.max_response_length", "max_completion_length", _int)
-    take(R + "n", "num_generations", _int, "responses per prompt")
-    if take(R + "gpu_memory_utilization", "vllm_gpu_memory_utilization", _float) is None:
-        out["vllm_gpu_memory_utilization"] = 0.5  # ppo_trainer.yaml's default
-    take(R + "tensor_model_parallel_size", "vllm_tensor_parallel_size", _int)
+def _verl_switches(keys: _Keys) -> None:
+    """Lengths, vLLM settings, gradient checkpointing, the FSDP workers' offload, the reward model."""
+    keys.take("data.max_prompt_length", "max_prompt_length", _int)
+    keys.take("data.max_response_length", "max_completion_length", _int)
+    keys.take(R + "n", "num_generations", _int, "responses per prompt")
+    if keys.take(R + "gpu_memory_utilization", "vllm_gpu_memory_utilization", _float) is None:
+        keys.out["vllm_gpu_memory_utilization"] = 0.5  # ppo_trainer.yaml's default
+    keys.take(R + "tensor_model_parallel_size", "vllm_tensor_parallel_size", _int)
     # ppo_trainer.yaml's rollout defaults where the file is silent: enforce_eager True, max_num_seqs 1024,
     # free_cache_engine True (the engine sleeps between rollouts)
-    out.update(vllm_enforce_eager=True, vllm_max_num_seqs=1024, vllm_enable_sleep_mode=True)
-    take(R + "enforce_eager", "vllm_enforce_eager", _bool)
-    take(R + "max_num_seqs", "vllm_max_num_seqs", _int)
-    take(R + "free_cache_engine", "vllm_enable_sleep_mode", _bool,
-         "the engine sleeps between rollouts (weights offloaded, KV cache freed)")
-    take(M + "enable_gradient_checkpointing", "gradient_checkpointing", _bool)
-    take(A + "fsdp_config.param_offload", "param_offload", _bool)
-    take(A + "fsdp_config.optimizer_offload", "optimizer_offload", _bool)
-    take(REF + "fsdp_config.param_offload", "ref_offload", _bool)
-    take("reward_model.enable", "reward_model", _bool)
-    handled.add(R + "name")
+    keys.out.update(vllm_enforce_eager=True, vllm_max_num_seqs=1024, vllm_enable_sleep_mode=True)
+    keys.take(R + "enforce_eager", "vllm_enforce_eager", _bool)
+    keys.take(R + "max_num_seqs", "vllm_max_num_seqs", _int)
+    keys.take(R + "free_cache_engine", "vllm_enable_sleep_mode", _bool,
+              "the engine sleeps between rollouts (weights offloaded, KV cache freed)")
+    keys.take(M + "enable_gradient_checkpointing", "gradient_checkpointing", _bool)
+    keys.take(A + "fsdp_config.param_offload", "param_offload", _bool)
+    keys.take(A + "fsdp_config.optimizer_offload", "optimizer_offload", _bool)
+    keys.take(REF + "fsdp_config.param_offload", "ref_offload", _bool)
+    keys.take("reward_model.enable", "reward_model", _bool)
+
+
+def _verl_rollout(keys: _Keys, shown: str) -> None:
+    """The rollout engine (vLLM colocated with the FSDP workers, or HF generate) and a LoRA actor."""
+    read, out, get = keys.read, keys.out, keys.get
+    keys.handled.add(R + "name")
     name = get(R + "name", "vllm")
     if name == "vllm":
         out.update(use_vllm=True, vllm_mode="colocate")
@@ -218,13 +252,17 @@ def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
         read.set("use_vllm", False, R + "name", name, "HF generate")
     else:
         raise ConfigError(f"{shown}: {R}name={show(name)}: memfit sizes vLLM and HF rollouts, not {name}")
-    handled.add(M + "lora_rank")
+    keys.handled.add(M + "lora_rank")
     rank = get(M + "lora_rank", 0) or 0
     if _int(read, M + "lora_rank", rank) > 0:
         out.update(lora=True, lora_rank=rank)
         read.set("lora", True, M + "lora_rank", rank, "LoRA actor; the reference is the base, adapters off")
-    # the reference policy exists when the KL is a loss or a reward penalty (verl ray_trainer need_reference_policy)
-    handled |= {A + "use_kl_loss", A + "kl_loss_coef", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef"}
+
+
+def _verl_reference(keys: _Keys) -> None:
+    """A reference policy when the KL is a loss or a reward penalty (verl ray_trainer need_reference_policy)."""
+    read, get = keys.read, keys.get
+    keys.handled |= {A + "use_kl_loss", A + "kl_loss_coef", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef"}
     kl_loss = _bool(read, A + "use_kl_loss", get(A + "use_kl_loss", False))
     kl_reward = _bool(read, "algorithm.use_kl_in_reward", get("algorithm.use_kl_in_reward", False))
     beta = 0.0
@@ -234,10 +272,14 @@ def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
     elif kl_reward:
         beta = _float(read, "algorithm.kl_ctrl.kl_coef", get("algorithm.kl_ctrl.kl_coef", 0.001))
         read.set("beta", beta, "algorithm.kl_ctrl.kl_coef", beta, "use_kl_in_reward: a reference model")
-    out["beta"] = beta
-    # the per-GPU micro-batch of the update: sequences, or a token budget with use_dynamic_bsz
-    handled |= {A + "ppo_micro_batch_size_per_gpu", A + "ppo_micro_batch_size", A + "use_dynamic_bsz",
-                A + "ppo_max_token_len_per_gpu", A + "ppo_mini_batch_size", "data.train_batch_size"}
+    keys.out["beta"] = beta
+
+
+def _verl_batches(keys: _Keys, gpus: int, n: int) -> None:
+    """The update's per-GPU micro-batch (sequences, or tokens with use_dynamic_bsz); how many a generation makes."""
+    read, out, get = keys.read, keys.out, keys.get
+    keys.handled |= {A + "ppo_micro_batch_size_per_gpu", A + "ppo_micro_batch_size", A + "use_dynamic_bsz",
+                     A + "ppo_max_token_len_per_gpu", A + "ppo_mini_batch_size", "data.train_batch_size"}
     seq = out.get("max_prompt_length", 512) + out.get("max_completion_length", 512)
     micro = None
     if _bool(read, A + "use_dynamic_bsz", get(A + "use_dynamic_bsz", False)):
@@ -263,37 +305,44 @@ def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
     if get(A + "ppo_mini_batch_size") is not None:
         read.defer(A + "ppo_mini_batch_size", get(A + "ppo_mini_batch_size"),
                    "the optimizer step's batch: gradients accumulate in place, no memory of its own")
+
+
+def _verl_sharding(keys: _Keys, gpus: int, shown: str) -> None:
+    """The workers' FSDP full shard, and the model."""
+    read, get = keys.read, keys.get
     strategy = get(A + "strategy", "fsdp")
-    handled.add(A + "strategy")
+    keys.handled.add(A + "strategy")
     if strategy in ("fsdp", "fsdp2"):
-        out["sharding"] = "zero3" if gpus > 1 else "none"
-        read.set("sharding", out["sharding"], A + "strategy", strategy, f"FSDP full shard over {gpus} GPUs")
+        keys.out["sharding"] = "zero3" if gpus > 1 else "none"
+        read.set("sharding", keys.out["sharding"], A + "strategy", strategy, f"FSDP full shard over {gpus} GPUs")
     else:
         raise ConfigError(f"{shown}: {A}strategy={show(strategy)}: memfit sizes verl's FSDP workers, not {strategy}")
     model = get(M + "path")
-    handled.add(M + "path")
+    keys.handled.add(M + "path")
     if isinstance(model, str) and model:
         read.set_model(model, M + "path", model)
+
+
+def _verl_rest(keys: _Keys, trainer: str, estimator: Any, shown: str) -> None:
+    """Ulysses and a critic offloading otherwise than the actor (not sized), and every other key (not relevant)."""
+    read, get, flat = keys.read, keys.get, keys.keys
     for key in (A + "ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"):
-        handled.add(key)
+        keys.handled.add(key)
         if get(key) not in (None, 1):
             read.ignore(key, get(key), NOT_SIZED + ": Ulysses sequence parallelism (sized as 1)")
     for key in ("critic.model.fsdp_config.param_offload", "critic.model.fsdp_config.optimizer_offload"):
-        handled.add(key)
+        keys.handled.add(key)
         mine = "param_offload" if key.endswith("param_offload") else "optimizer_offload"
-        if key in flat and flat[key] is not None and bool(flat[key]) != out.get(mine, False):
+        if key in flat and flat[key] is not None and bool(flat[key]) != keys.out.get(mine, False):
             read.ignore(key, flat[key], f"{NOT_SIZED}: the critic offloads as the actor does ({mine} "
-                                        f"{out.get(mine, False)})")
+                                        f"{keys.out.get(mine, False)})")
     for key, value in flat.items():
-        if key in handled or key in read.consumed.get(shown, set()):
+        if key in keys.handled or key in read.consumed.get(shown, set()):
             continue
         if trainer != "ppo" and key.startswith("critic."):
             read.ignore(key, value, f"no critic with adv_estimator {estimator}")
         else:
             read.ignore(key, value, NOT_RELEVANT)
-    model_name = read.model[0] if read.model else None
-    deferred = _done(read, flat, handled, shown)
-    return Reading(VERL, out, model_name, gpus, tuple(read.mapped), tuple(read.ignored), deferred)
 
 
 # --- OpenRLHF ----------------------------------------------------------------------------------------------------
@@ -346,28 +395,36 @@ def _arguments(words: list[str]) -> dict[str, Any]:
 def openrlhf_settings(words: list[str], shown: str) -> Reading:
     args = _arguments(words)
     read = Reader(file=shown, strict=True)
-    out: dict[str, Any] = {"engine": "deepspeed"}
+    keys = _Keys(read, args, {"engine": "deepspeed"}, flag="--", null_is_absent=False)
     get = args.get
-    handled: set[str] = set()
-
-    def take(key: str, target: str, convert, note: str = "", transform=lambda v: v) -> Any:
-        handled.add(key)
-        if key not in args:
-            return None
-        value = transform(convert(read, "--" + key, args[key]))
-        out[target] = value
-        read.set(target, value, "--" + key, args[key], note)
-        return value
-
     gpus = _int(read, "--actor_num_gpus_per_node", get("actor_num_gpus_per_node", 8)) * _int(
         read, "--actor_num_nodes", get("actor_num_nodes", 1))
-    handled |= {"actor_num_gpus_per_node", "actor_num_nodes"}
+    keys.handled |= {"actor_num_gpus_per_node", "actor_num_nodes"}
     estimator = get("advantage_estimator", "gae")
-    handled.add("advantage_estimator")
+    keys.handled.add("advantage_estimator")
     trainer = {"gae": "ppo", "rloo": "rloo"}.get(str(estimator), "grpo")
-    out["trainer"] = trainer
+    keys.out["trainer"] = trainer
     read.set("trainer", trainer, "--advantage_estimator", estimator,
              "GAE: a critic" if trainer == "ppo" else "critic-free")
+    _openrlhf_switches(keys)
+    colocate = _openrlhf_vllm(keys)
+    _openrlhf_models(keys, trainer, colocate)
+    _openrlhf_batches(keys, gpus)
+    for key in ("ring_attn_size", "ds_tensor_parallel_size"):
+        keys.handled.add(key)
+        if get(key) not in (None, 1):
+            read.ignore(key, get(key), NOT_SIZED + " (sized as 1)")
+    for key, value in args.items():
+        if key not in keys.handled:
+            read.ignore("--" + key, value, NOT_RELEVANT)
+    model = read.model[0] if read.model else None
+    deferred = _done(read, {"--" + k: v for k, v in args.items()}, {"--" + k for k in keys.handled}, shown)
+    return Reading(OPENRLHF, keys.out, model, gpus, tuple(read.mapped), tuple(read.ignored), deferred)
+
+
+def _openrlhf_switches(keys: _Keys) -> None:
+    """The settings one flag gives, train_ppo_ray.py's defaults where the command line is silent."""
+    read, out, get, take = keys.read, keys.out, keys.get, keys.take
     take("prompt_max_len", "max_prompt_length", _int)
     take("generate_max_len", "max_completion_length", _int)
     take("n_samples_per_prompt", "num_generations", _int)
@@ -378,7 +435,7 @@ def openrlhf_settings(words: list[str], shown: str) -> Reading:
     take("gradient_checkpointing", "gradient_checkpointing", _bool)
     take("adam_offload", "optimizer_offload", _bool)
     take("ref_reward_offload", "ref_offload", _bool)
-    handled.add("deepspeed_enable_sleep")
+    keys.handled.add("deepspeed_enable_sleep")
     if get("deepspeed_enable_sleep"):
         # the DeepSpeed models' states leave the GPU between their own phases (openrlhf utils/deepspeed
         # offload_deepspeed_states / reload_deepspeed_states around each model's work)
@@ -386,17 +443,22 @@ def openrlhf_settings(words: list[str], shown: str) -> Reading:
         read.set("param_offload", True, "--deepspeed_enable_sleep", True, "and the optimizer state")
     if take("zero_stage", "sharding", _int, "DeepSpeed ZeRO", lambda v: "none" if v == 0 else f"zero{v}") is None:
         out["sharding"] = "zero2"  # train_ppo_ray.py: --zero_stage defaults to 2
-    if "vllm_gpu_memory_utilization" not in args:
+    if "vllm_gpu_memory_utilization" not in keys.keys:
         out["vllm_gpu_memory_utilization"] = 0.95  # train_ppo_ray.py's default
     take("lora_rank", "lora_rank", _int)
     if out.get("lora_rank"):
         out["lora"] = True
     out.setdefault("gradient_checkpointing", False)  # store_true: off unless given
     out["bf16"] = bool(get("bf16", False))
-    handled.add("bf16")
+    keys.handled.add("bf16")
     read.set("bf16", out["bf16"], "--bf16", get("bf16", False), "" if out["bf16"] else "absent: fp32")
+
+
+def _openrlhf_vllm(keys: _Keys) -> bool:
+    """vLLM on the training GPUs (--colocate_all_models, returned), on GPUs of its own, or none (HF generate)."""
+    read, out, get = keys.read, keys.out, keys.get
     colocate = bool(get("colocate_all_models", False))
-    handled |= {"colocate_all_models", "vllm_num_engines", "vllm_enable_sleep"}
+    keys.handled |= {"colocate_all_models", "vllm_num_engines", "vllm_enable_sleep"}
     engines = get("vllm_num_engines")
     if engines:
         out["use_vllm"] = True
@@ -410,7 +472,13 @@ def openrlhf_settings(words: list[str], shown: str) -> Reading:
     else:
         out["use_vllm"] = False
         read.ignore("vllm_num_engines", engines, "no vLLM engine: the actor generates with HF generate")
-    handled |= {"init_kl_coef", "use_kl_loss", "colocate_actor_ref", "colocate_critic_reward"}
+    return colocate
+
+
+def _openrlhf_models(keys: _Keys, trainer: str, colocate: bool) -> None:
+    """Which of the reference, critic and reward model share the actor's GPUs, and the model."""
+    read, out, get = keys.read, keys.out, keys.get
+    keys.handled |= {"init_kl_coef", "use_kl_loss", "colocate_actor_ref", "colocate_critic_reward"}
     kl = _float(read, "--init_kl_coef", get("init_kl_coef", 0.01))
     # train_ppo_ray.py: without --colocate_all_models the critic and reward model have GPUs of their own, and the
     # reference too unless --colocate_actor_ref; memfit sizes the actor's GPUs
@@ -422,7 +490,7 @@ def openrlhf_settings(words: list[str], shown: str) -> Reading:
     if trainer == "ppo" and not colocate:
         out["critic"] = False
         read.set("critic", False, "--colocate_all_models", False, "the critic on GPUs of its own")
-    handled |= {"reward_pretrain", "remote_rm_url", "critic_pretrain", "pretrain"}
+    keys.handled |= {"reward_pretrain", "remote_rm_url", "critic_pretrain", "pretrain"}
     out["reward_model"] = bool(get("reward_pretrain")) and not get("remote_rm_url") and colocate
     if get("reward_pretrain"):
         read.set("reward_model", out["reward_model"], "--reward_pretrain", get("reward_pretrain"),
@@ -430,21 +498,16 @@ def openrlhf_settings(words: list[str], shown: str) -> Reading:
                  if get("remote_rm_url") else "the reward model on GPUs of its own")
     if isinstance(get("pretrain"), str):
         read.set_model(get("pretrain"), "--pretrain", get("pretrain"))
-    handled |= {"rollout_batch_size", "micro_rollout_batch_size"}
-    rollout = _int(read, "--rollout_batch_size", get("rollout_batch_size", 1024))
+
+
+def _openrlhf_batches(keys: _Keys, gpus: int) -> None:
+    """How many micro-batches one rollout's samples make on each GPU."""
+    read, out = keys.read, keys.out
+    keys.handled |= {"rollout_batch_size", "micro_rollout_batch_size"}
+    rollout = _int(read, "--rollout_batch_size", keys.get("rollout_batch_size", 1024))
     per_gpu = max(1, -(-rollout * out.get("num_generations", 1) // gpus))
     micro = out.get("per_device_train_batch_size", 4)
     out.setdefault("per_device_train_batch_size", micro)
     out["steps_per_generation"] = max(1, -(-per_gpu // micro))
     read.set("steps_per_generation", out["steps_per_generation"], "--rollout_batch_size", rollout,
              f"x n_samples_per_prompt / {gpus} GPUs = {per_gpu} samples generated per GPU at once")
-    for key in ("ring_attn_size", "ds_tensor_parallel_size"):
-        handled.add(key)
-        if get(key) not in (None, 1):
-            read.ignore(key, get(key), NOT_SIZED + " (sized as 1)")
-    for key, value in args.items():
-        if key not in handled:
-            read.ignore("--" + key, value, NOT_RELEVANT)
-    model = read.model[0] if read.model else None
-    deferred = _done(read, {"--" + k: v for k, v in args.items()}, {"--" + k for k in handled}, shown)
-    return Reading(OPENRLHF, out, model, gpus, tuple(read.mapped), tuple(read.ignored), deferred)
