@@ -177,27 +177,7 @@ def axolotl_finetune(read: Reader, data: Mapping) -> Finetune | None:
 
 
 def _axolotl(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
-    adapter = data.get("adapter")
-    peft = data.get("peft") if isinstance(data.get("peft"), Mapping) else {}
-    four, eight = _on(data.get("load_in_4bit")), _on(data.get("load_in_8bit"))
-    four_key, eight_key = "load_in_4bit", "load_in_8bit"
-    backend = peft.get("backend")
-    if backend is not None:
-        if str(backend).lower() != "bnb":
-            parts.refuse("peft.backend", backend, "memfit sizes a bitsandbytes-quantized base (load_in_4bit / "
-                                                  "load_in_8bit, or peft.backend bnb)")
-        dtype = str(peft.get("weight_dtype") or "").lower()
-        if dtype == "nf4" and "load_in_4bit" not in data:
-            four, four_key = True, "peft.weight_dtype"
-            adapter = "qlora" if str(adapter).lower() == "lora" else adapter
-        elif dtype == "int8" and "load_in_8bit" not in data:
-            eight, eight_key = True, "peft.weight_dtype"
-        elif dtype not in ("nf4", "int8"):
-            parts.refuse("peft.weight_dtype", peft.get("weight_dtype"), "axolotl's bnb backend takes nf4 or int8")
-        read.defer("peft.backend", backend, "bitsandbytes")
-    for key, value in (("load_in_4bit", four), ("load_in_8bit", eight)):
-        if value is None:
-            parts.refuse(key, data[key], "not true or false")
+    adapter, (four, four_key), (eight, eight_key) = _axolotl_quantized(read, data, parts)
     if not adapter:
         if four or eight:
             key = four_key if four else eight_key
@@ -228,6 +208,40 @@ def _axolotl(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
     for key in ("load_in_4bit", "load_in_8bit"):
         if key in data and not _on(data[key]):
             read.defer(key, data[key], "not quantized in this way")
+    _axolotl_adapter(read, data, parts, adapter)
+    return parts.finish(method, "adapter", adapter)
+
+
+def _axolotl_quantized(read: Reader, data: Mapping, parts: LoraParts) -> tuple[Any, tuple[Any, str], tuple[Any, str]]:
+    """The adapter and how the base is quantized: (adapter, (4-bit, its key), (8-bit, its key)), from load_in_4bit /
+    load_in_8bit or axolotl's `peft` block (backend bnb, weight_dtype nf4 / int8; nf4 makes adapter lora qlora)."""
+    adapter = data.get("adapter")
+    peft = data.get("peft") if isinstance(data.get("peft"), Mapping) else {}
+    four, eight = _on(data.get("load_in_4bit")), _on(data.get("load_in_8bit"))
+    four_key, eight_key = "load_in_4bit", "load_in_8bit"
+    backend = peft.get("backend")
+    if backend is not None:
+        if str(backend).lower() != "bnb":
+            parts.refuse("peft.backend", backend, "memfit sizes a bitsandbytes-quantized base (load_in_4bit / "
+                                                  "load_in_8bit, or peft.backend bnb)")
+        dtype = str(peft.get("weight_dtype") or "").lower()
+        if dtype == "nf4" and "load_in_4bit" not in data:
+            four, four_key = True, "peft.weight_dtype"
+            adapter = "qlora" if str(adapter).lower() == "lora" else adapter
+        elif dtype == "int8" and "load_in_8bit" not in data:
+            eight, eight_key = True, "peft.weight_dtype"
+        elif dtype not in ("nf4", "int8"):
+            parts.refuse("peft.weight_dtype", peft.get("weight_dtype"), "axolotl's bnb backend takes nf4 or int8")
+        read.defer("peft.backend", backend, "bitsandbytes")
+    for key, value in (("load_in_4bit", four), ("load_in_8bit", eight)):
+        if value is None:
+            parts.refuse(key, data[key], "not true or false")
+    return adapter, (four, four_key), (eight, eight_key)
+
+
+def _axolotl_adapter(read: Reader, data: Mapping, parts: LoraParts, adapter: Any) -> None:
+    """The adapter's rank, alpha, dropout, targets (lora_target_modules / lora_target_linear), the modules saved in
+    full, DoRA and rsLoRA."""
     for key in ("lora_r", "lora_alpha"):
         if data.get(key) is None:
             parts.refuse(key, data.get(key), f"adapter {adapter} without {key}: axolotl hands peft none")
@@ -264,7 +278,6 @@ def _axolotl(read: Reader, data: Mapping, parts: LoraParts) -> Finetune | None:
         parts.flag("dora", data["peft_use_dora"], "peft_use_dora")
     if "peft_use_rslora" in data:
         parts.flag("rslora", data["peft_use_rslora"], "peft_use_rslora", RSLORA_NOTE)
-    return parts.finish(method, "adapter", adapter)
 
 
 def _axolotl_bnb(data: Mapping, parts: LoraParts, four_key: str) -> None:
