@@ -120,6 +120,13 @@ def _int(read: Reader, key: str, value: Any) -> int:
     return value
 
 
+def _count(read: Reader, key: str, value: Any, least: int = 1) -> int:
+    """A whole number of at least `least`: GPUs, nodes, a micro-batch, a length (the readers divide by them)."""
+    if _int(read, key, value) < least:
+        raise ConfigError(f"{read.file}: {key} must be at least {least}, got {show(value)}")
+    return value
+
+
 def _bool(read: Reader, key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{read.file}: {key} must be true or false, got {show(value)}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ...readers._reader import NOT_RELEVANT, NOT_SIZED, Reader
-from .common import OPENRLHF, Reading, _bool, _done, _float, _int, _Keys, _scalar, _tokens
+from .common import OPENRLHF, Reading, _bool, _count, _done, _float, _int, _Keys, _scalar, _tokens
 
 OPENRLHF_FLAGS = frozenset((
     "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep", "enforce_eager",
@@ -59,7 +59,7 @@ def openrlhf_settings(words: list[str], shown: str) -> Reading:
     read = Reader(file=shown, strict=True)
     keys = _Keys(read, args, {"engine": "deepspeed"}, flag="--", null_is_absent=False)
     get = args.get
-    gpus = _int(read, "--actor_num_gpus_per_node", get("actor_num_gpus_per_node", 8)) * _int(
+    gpus = _count(read, "--actor_num_gpus_per_node", get("actor_num_gpus_per_node", 8)) * _count(
         read, "--actor_num_nodes", get("actor_num_nodes", 1))
     keys.handled |= {"actor_num_gpus_per_node", "actor_num_nodes"}
     estimator = get("advantage_estimator", "gae")
@@ -90,7 +90,7 @@ def _openrlhf_switches(keys: _Keys) -> None:
     take("prompt_max_len", "max_prompt_length", _int)
     take("generate_max_len", "max_completion_length", _int)
     take("n_samples_per_prompt", "num_generations", _int)
-    take("micro_train_batch_size", "per_device_train_batch_size", _int)
+    take("micro_train_batch_size", "per_device_train_batch_size", _count)
     take("vllm_gpu_memory_utilization", "vllm_gpu_memory_utilization", _float)
     take("vllm_tensor_parallel_size", "vllm_tensor_parallel_size", _int)
     take("enforce_eager", "vllm_enforce_eager", _bool)

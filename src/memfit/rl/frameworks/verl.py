@@ -10,7 +10,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...readers._reader import NOT_RELEVANT, NOT_SIZED, Reader, show
 from ...readers.files import load_mapping
-from .common import VERL, Reading, _bool, _done, _float, _int, _Keys, _resolve, _scalar, _tokens, flatten
+from .common import VERL, Reading, _bool, _count, _done, _float, _int, _Keys, _resolve, _scalar, _tokens, flatten
 
 A, R, REF, M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref.", \
     "actor_rollout_ref.model."
@@ -42,7 +42,7 @@ def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
     read = Reader(file=shown, strict=True)
     get = flat.get
     keys = _Keys(read, flat, {"engine": "torch"})
-    gpus = _int(read, "trainer.n_gpus_per_node", get("trainer.n_gpus_per_node", 8)) * _int(
+    gpus = _count(read, "trainer.n_gpus_per_node", get("trainer.n_gpus_per_node", 8)) * _count(
         read, "trainer.nnodes", get("trainer.nnodes", 1))
     n = _int(read, R + "n", get(R + "n", 1))
     estimator = get("algorithm.adv_estimator", "gae")
@@ -64,8 +64,8 @@ def verl_settings(flat: Mapping[str, Any], shown: str) -> Reading:
 
 def _verl_switches(keys: _Keys) -> None:
     """Lengths, vLLM settings, gradient checkpointing, the FSDP workers' offload, the reward model."""
-    keys.take("data.max_prompt_length", "max_prompt_length", _int)
-    keys.take("data.max_response_length", "max_completion_length", _int)
+    keys.take("data.max_prompt_length", "max_prompt_length", lambda read, key, value: _count(read, key, value, 0))
+    keys.take("data.max_response_length", "max_completion_length", _count)
     keys.take(R + "n", "num_generations", _int, "responses per prompt")
     if keys.take(R + "gpu_memory_utilization", "vllm_gpu_memory_utilization", _float) is None:
         keys.out["vllm_gpu_memory_utilization"] = 0.5  # ppo_trainer.yaml's default
@@ -133,7 +133,7 @@ def _verl_batches(keys: _Keys, gpus: int, n: int) -> None:
         read.set("per_device_train_batch_size", micro, A + "ppo_max_token_len_per_gpu", tokens,
                  f"use_dynamic_bsz: {tokens} tokens // {seq} per full-length sequence")
     elif get(A + "ppo_micro_batch_size_per_gpu") is not None:
-        micro = _int(read, A + "ppo_micro_batch_size_per_gpu", get(A + "ppo_micro_batch_size_per_gpu"))
+        micro = _count(read, A + "ppo_micro_batch_size_per_gpu", get(A + "ppo_micro_batch_size_per_gpu"))
         read.set("per_device_train_batch_size", micro, A + "ppo_micro_batch_size_per_gpu", micro)
     elif get(A + "ppo_micro_batch_size") is not None:
         micro = max(1, _int(read, A + "ppo_micro_batch_size", get(A + "ppo_micro_batch_size")) // gpus)
