@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..finetune import TORCHTUNE_ATTENTION, TORCHTUNE_MLP, BaseWeights, Finetune, LoraRecipe, Method
 from ..optimizers import config_class_names
 from ..setup import Checkpointing, Loss, Optimizer, Precision
 from ..sources.catalog import find_entry
 from ..techniques.base import FRAGMENTS
-from . import lora
 from ._mapper import (ADAPTER, QUANTIZED, WRAPPING, Context, _activation_offloading, _packing, _truthy, _whole,
                       finish)
 from ._reader import NOT_RELEVANT, NOT_SIZED, OFF, Reader
 from .float8 import torchtune_float8
 from .hf import PAGED, read_fsdp_plan
+from .lora import HEAD_REFUSED, LoraParts, _on, _run
 
 TORCHTUNE_TABLE = {
     "model.lora_": ADAPTER, "model.apply_lora_": ADAPTER, "model.use_dora": ADAPTER, "model.quantize_base": QUANTIZED,
@@ -54,7 +55,7 @@ def map_torchtune(read: Reader, data: dict, ctx: Context) -> None:
             read.set_model(name, "model._component_", component, "the catalog model of that architecture")
         else:
             read.ignore("model._component_", component, "not a model in memfit's catalog: give MODEL")
-        lora.torchtune_finetune(read, model, component)
+        torchtune_finetune(read, model, component)
     _whole(read, "micro_batch_size", data, "batch_size")
     _whole(read, "grad_accum_steps", data, "gradient_accumulation_steps")
     tokenizer = data.get("tokenizer") if isinstance(data.get("tokenizer"), Mapping) else {}
@@ -146,3 +147,76 @@ def _torchtune_sharding(read: Reader, data: Mapping, world: int | None) -> None:
     read_fsdp_plan(read, 3 if _truthy(reshard) else 2, key, data.get(key, True), world, offload=offload)
     for name in keys:
         read.consume(name)
+
+
+# --------------------------------------------------------------------------------------------- the adapter
+
+TORCHTUNE_DORA = ("torchtune's DoRALinear is not sized (its weight norm and saved tensors are its own): memfit "
+                  "sizes peft's DoRA (use_dora in a peft LoraConfig)")
+TORCHTUNE_NF4 = ("torchtune's recipe: every block Linear stored as torchao's NF4Tensor (block 64, scaler block 256), "
+                 "adapters, embeddings, norms and head in the recipe's dtype (memfit --lora-recipe torchtune)")
+TORCHTUNE_LORA = "torchtune's recipe: adapters in the recipe's dtype (memfit --lora-recipe torchtune)"
+
+
+def torchtune_finetune(read: Reader, model: Mapping, component: str) -> Finetune | None:
+    """model: lora_* / qlora_* builders and their lora_* / apply_lora_* / use_dora / quantize_base arguments."""
+    return _run(lambda: _torchtune(read, model, component, LoraParts(read)))
+
+
+def _torchtune(read: Reader, model: Mapping, component: str, parts: LoraParts) -> Finetune | None:
+    name = component.rsplit(".", 1)[-1]
+    quantize = _on(model.get("quantize_base"))
+    if quantize is None:
+        parts.refuse("model.quantize_base", model["quantize_base"], "not true or false")
+    if not name.startswith(("lora_", "qlora_", "dora_")):
+        if quantize:
+            parts.refuse("model.quantize_base", model["quantize_base"], "a quantized base trains only through "
+                                                                        "LoRA: use a lora_ / qlora_ model builder")
+        return None
+    method = Method.QLORA if name.startswith("qlora_") or quantize else Method.LORA
+    parts.add("recipe", LoraRecipe.TORCHTUNE, "model._component_", component)
+    if method is Method.QLORA:
+        parts.add("base", BaseWeights.NF4, "model.quantize_base" if quantize else "model._component_",
+                  model.get("quantize_base", component))
+        parts.default("double_quant", True, "torchao NF4 always quantizes its block scalers")
+    if "lora_attn_modules" not in model:
+        parts.refuse("model._component_", component, "a LoRA builder without model.lora_attn_modules (torchtune "
+                                                     "requires it)")
+    attn = model["lora_attn_modules"]
+    if not isinstance(attn, (list, tuple)) or not all(isinstance(n, str) for n in attn):
+        parts.refuse("model.lora_attn_modules", attn, "not a list of module names")
+    unknown = [n for n in attn if n not in TORCHTUNE_ATTENTION]
+    if unknown:
+        parts.refuse("model.lora_attn_modules", attn, f"{', '.join(unknown)}: torchtune's attention modules are "
+                                                      "q_proj, k_proj, v_proj and output_proj")
+    names = [TORCHTUNE_ATTENTION[n] for n in attn]
+    mlp = _on(model.get("apply_lora_to_mlp"))
+    if mlp is None:
+        parts.refuse("model.apply_lora_to_mlp", model["apply_lora_to_mlp"], "not true or false")
+    if mlp:
+        names += TORCHTUNE_MLP
+        read.defer("model.apply_lora_to_mlp", model["apply_lora_to_mlp"], "adds gate_proj, up_proj, down_proj "
+                                                                          "(torchtune's w1, w3, w2)")
+    elif "apply_lora_to_mlp" in model:
+        read.defer("model.apply_lora_to_mlp", model["apply_lora_to_mlp"], "no LoRA on the MLP")
+    output = _on(model.get("apply_lora_to_output"))
+    if output is None or output:
+        parts.refuse("model.apply_lora_to_output", model["apply_lora_to_output"],
+                     HEAD_REFUSED if output else "not true or false")
+    if "apply_lora_to_output" in model:
+        read.defer("model.apply_lora_to_output", False, "no LoRA on the output head")
+    parts.targets(tuple(dict.fromkeys(names)), "model.lora_attn_modules", attn,
+                  "output_proj is o_proj" if "output_proj" in attn else "")
+    for part, key, default, check in (("rank", "lora_rank", 8, parts.rank), ("alpha", "lora_alpha", 16.0, parts.alpha),
+                                      ("dropout", "lora_dropout", 0.0, parts.dropout)):
+        if key in model:
+            check(model[key], f"model.{key}")
+        else:
+            parts.default(part, default, "torchtune's LoRA builders' default")
+    if name.startswith("dora_") or _on(model.get("use_dora")):
+        parts.refuse("model.use_dora" if "use_dora" in model else "model._component_",
+                     model.get("use_dora", component), TORCHTUNE_DORA)
+    if "use_dora" in model:
+        parts.flag("dora", model["use_dora"], "model.use_dora")
+    return parts.finish(method, "model._component_", component,
+                        TORCHTUNE_NF4 if method is Method.QLORA else TORCHTUNE_LORA)
