@@ -118,3 +118,23 @@ def test_cli_reads_each_format(tmp_path):
     result = runner.invoke(app, ["rl", "llama-3.1-8b", "--config", str(bad)])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "actor_rollout_ref.rollout.n must be an integer" in result.output
+
+
+@pytest.mark.parametrize("words", [
+    "python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.n=2 trainer.n_gpus_per_node=0",
+    "python3 -m verl.trainer.main_ppo actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0",
+    "python3 -m openrlhf.cli.train_ppo_ray --pretrain m --actor_num_nodes 0",
+    "python3 -m openrlhf.cli.train_ppo_ray --pretrain m --micro_train_batch_size 0",
+])
+def test_a_zero_count_is_one_line_not_a_division_by_zero(tmp_path, words):
+    """GPUs, nodes and the micro-batch divide the batch: 0 is refused by name (it once raised ZeroDivisionError)."""
+    from typer.testing import CliRunner
+
+    from memfit.cli.app import app
+
+    bad = tmp_path / "run.sh"
+    bad.write_text(words + "\n")
+    result = CliRunner().invoke(app, ["rl", "llama-3.1-8b", "--config", str(bad)])
+    key = words.split()[-1].split("=")[0] if "=" in words else words.split()[-2]
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"{key} must be at least 1, got 0" in result.output

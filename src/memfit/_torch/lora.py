@@ -39,29 +39,8 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
     fake = any(_is_fake(p) for p in model.parameters())
     targets = _targets(model, ft)
     done = []
-
-    def quantize() -> None:
-        if ft.torchtune:
-            count = quantize_torchao_nf4(model, _DTYPES[setup.precision.compute_dtype])
-            done.append(f"{count} Linears stored as torchao NF4Tensor (torchtune quantize_base)")
-            return
-        storage = torch.bfloat16 if fsdp2_shards(setup) else torch.uint8  # what memfit emits for FSDP-QLoRA
-        count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype], storage)
-        done.append(f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}"
-                    + (" (FakeLinear4bit: bitsandbytes' storage and transients on fake tensors)" if fake else ""))
-        # peft prepare_model_for_kbit_training: the rest (embeddings, norms, head) in fp32; without it (kbit_prep
-        # False) the rest stays in the compute dtype from_pretrained(dtype=...) loads it in
-        upcast = ft.upcasts_unquantized()
-        target = torch.float32 if upcast else _DTYPES[setup.precision.compute_dtype]
-        cast = (torch.float16, torch.bfloat16) if upcast else (torch.float16, torch.bfloat16, torch.float32)
-        for param in model.parameters():
-            if type(param).__name__ == "Params4bit":
-                continue  # a bf16 quant_storage holds packed bytes, which peft leaves alone too
-            if param.dtype in cast and param.dtype != target and "lora_" not in _name_of(model, param):
-                param.data = param.data.to(target)
-
     if base.quantized and not fake:
-        quantize()
+        done.append(_quantize(model, setup, base, fake))
     config = LoraConfig(r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets,
                         modules_to_save=list(ft.modules_to_save) or None, use_dora=ft.dora, use_rslora=ft.rslora,
                         bias="none")
@@ -76,7 +55,7 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
         if "lora_" in name and param.dtype != adapter_dtype:
             param.data = param.data.to(adapter_dtype)  # get_peft_model(autocast_adapter_dtype=True) does this
     if base.quantized and fake:
-        quantize()
+        done.append(_quantize(model, setup, base, fake))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     done.append(f"LoRA r={ft.rank} on {targets if isinstance(targets, str) else ', '.join(targets)} "
@@ -87,6 +66,30 @@ def apply_adapters(model: nn.Module, setup: TrainingSetup) -> tuple[bool, str]:
         model.enable_input_require_grads()
         done.append("enable_input_require_grads (checkpointing with a frozen embedding)")
     return True, "; ".join(done)
+
+
+def _quantize(model: nn.Module, setup: TrainingSetup, base: BaseWeights, fake: bool) -> str:
+    """The planned base quantization of `model`'s Linears (torchao NF4 for torchtune's recipe, else bitsandbytes or
+    FakeLinear4bit on fake tensors) and the rest cast as peft's kbit preparation leaves it; what it did, in words."""
+    ft = setup.finetune
+    if ft.torchtune:
+        count = quantize_torchao_nf4(model, _DTYPES[setup.precision.compute_dtype])
+        return f"{count} Linears stored as torchao NF4Tensor (torchtune quantize_base)"
+    storage = torch.bfloat16 if fsdp2_shards(setup) else torch.uint8  # what memfit emits for FSDP-QLoRA
+    count = quantize_linears(model, base, ft.double_quant, _DTYPES[setup.precision.compute_dtype], storage)
+    done = (f"{count} Linears quantized to {base}{' (double quantization)' if ft.double_quant else ''}"
+            + (" (FakeLinear4bit: bitsandbytes' storage and transients on fake tensors)" if fake else ""))
+    # peft prepare_model_for_kbit_training: the rest (embeddings, norms, head) in fp32; without it (kbit_prep
+    # False) the rest stays in the compute dtype from_pretrained(dtype=...) loads it in
+    upcast = ft.upcasts_unquantized()
+    target = torch.float32 if upcast else _DTYPES[setup.precision.compute_dtype]
+    cast = (torch.float16, torch.bfloat16) if upcast else (torch.float16, torch.bfloat16, torch.float32)
+    for param in model.parameters():
+        if type(param).__name__ == "Params4bit":
+            continue  # a bf16 quant_storage holds packed bytes, which peft leaves alone too
+        if param.dtype in cast and param.dtype != target and "lora_" not in _name_of(model, param):
+            param.data = param.data.to(target)
+    return done
 
 
 def _name_of(model: nn.Module, param) -> str:

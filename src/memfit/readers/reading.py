@@ -87,24 +87,19 @@ def _load(ref: str | os.PathLike) -> _File:
 def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
                 overridden: Mapping[str, str] | None = None) -> ConfigReading:
     """Read TrainingArguments (JSON / YAML), DeepSpeed JSON, accelerate YAML, axolotl, LLaMA-Factory and torchtune
-    recipe files and peft LoraConfigs (adapter_config.json, memfit's peft.json), alone or together; the format comes from each file's keys. `num_gpus`: the data-parallel size when
-    the caller knows it (otherwise the files' own: accelerate num_processes, DeepSpeed train_batch_size; else 1).
-    `overridden`: setup fields the caller sets itself ({'optimizer': '--optimizer'}): the files' values for them are
-    recorded as overridden and never raise. A file that cannot be read, has no known format or holds a value memfit
-    cannot map is a one-line ConfigError naming the file, field and value."""
+    recipe files and peft LoraConfigs (adapter_config.json, memfit's peft.json), alone or together; the format comes
+    from each file's keys. `num_gpus`: the data-parallel size when the caller knows it (otherwise the files' own:
+    accelerate num_processes, DeepSpeed train_batch_size; else 1). `overridden`: setup fields the caller sets itself
+    ({'optimizer': '--optimizer'}): the files' values for them are recorded as overridden and never raise.
+    A file that cannot be read, has no known format or holds a value memfit cannot map is a one-line ConfigError
+    naming the file, field and value."""
     if not paths:
         raise ConfigError("read_config needs at least one config file")
     overridden = dict(overridden or {})
     if num_gpus is not None:
         overridden.setdefault("num_gpus", "num_gpus=")
     files = [_load(p) for p in paths]
-    dtype, dtype_from = "", ""
-    for f in files:
-        found = load_dtype(f.data) if f.format == "from_pretrained" else None
-        if found and found[0] in ("bf16", "fp32", "fp16"):
-            if dtype and dtype != found[0]:
-                raise ConfigError(f"{dtype_from} loads the weights in {dtype} but {f.shown} in {found[0]}")
-            dtype, dtype_from = found[0], f.shown
+    dtype = _weights_dtype(files)
 
     def run(world: int | None, skip: set[Path]) -> tuple[list[Reader], list[ConfigFile], set[Path]]:
         readers, records, referenced = [], [], set()
@@ -129,6 +124,25 @@ def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
     _fsdp1_sized(readers, overrides)
     if num_gpus is not None:
         overrides.pop("num_gpus", None)
+    read_entries, ignored = _entries(readers)
+    unique = list({f.path: f for f in records}.values())
+    return ConfigReading(tuple(unique), overrides, model, read_entries, ignored, nodes)
+
+
+def _weights_dtype(files: list[_File]) -> str:
+    """The weights' load dtype the from_pretrained kwargs files agree on ('' when none says)."""
+    dtype, dtype_from = "", ""
+    for f in files:
+        found = load_dtype(f.data) if f.format == "from_pretrained" else None
+        if found and found[0] in ("bf16", "fp32", "fp16"):
+            if dtype and dtype != found[0]:
+                raise ConfigError(f"{dtype_from} loads the weights in {dtype} but {f.shown} in {found[0]}")
+            dtype, dtype_from = found[0], f.shown
+    return dtype
+
+
+def _entries(readers: list[Reader]) -> tuple[tuple[ReadEntry, ...], tuple[IgnoredEntry, ...]]:
+    """Each file's field read once (the first reading of it), and each (file, field, reason) left out once."""
     seen: set[tuple[str, str]] = set()
     read_entries = []
     for r in readers:
@@ -143,8 +157,7 @@ def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
             if key not in ignored_seen:
                 ignored_seen.add(key)
                 ignored.append(entry)
-    unique = list({f.path: f for f in records}.values())
-    return ConfigReading(tuple(unique), overrides, model, tuple(read_entries), tuple(ignored), nodes)
+    return tuple(read_entries), tuple(ignored)
 
 
 def _finetune(readers: list[Reader], overrides: dict[str, Any], overridden: Mapping[str, str]) -> None:
