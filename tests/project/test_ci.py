@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _steps(text: str) -> list[str]:
-    return [" ".join(step.replace(" -q -c ", " -c ").split()) for step in re.split(r"&&", text) if step.strip()]
+    return [" ".join(re.sub(r" -q(?= )", "", step).split()) for step in re.split(r"&&", text) if step.strip()]
 
 
 def test_ci_runs_the_readme_test_command():
