@@ -81,13 +81,11 @@ def adapted_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     _check_rank(adapted, ft)
     compute = setup.precision.compute_dtype
     if spec.derived is not None and not hasattr(spec.derived, "with_adapters"):
-        # a stacked model (memfit.derive.stacks: the encoder-decoders) has no traced adapter fits yet
-        raise ConfigError(f"{ft.method} on '{spec.name}' (an encoder-decoder, sized by its stacks' traced fits) is "
-                          "not sized by memfit yet: size a full fine-tune, or a decoder-only model")
+        # a stacked model (memfit.derive.stacks: encoder-decoders, vision encoders) has no traced adapter fits yet
+        raise ConfigError(f"{ft.method} on '{spec.name}' is not sized yet: its activations come from traces of "
+                          "copies per stack (memfit.derive.stacks), which carry no adapters; use `memfit trace`, or "
+                          "size a full fine-tune")
     if spec.derived is not None and _traces_adapters(spec, setup):
-        if getattr(spec.derived, "stacked", False):  # memfit.derive.stacks traces its copies without adapters
-            raise ConfigError(f"{ft.method} on '{spec.name}' is not sized yet: its activations come from traces of "
-                              "copies per stack (memfit.derive.stacks), which carry no adapters; use `memfit trace`")
         # a family sized by derived formulas: its fits are traced with these adapters on the copies (issue 20)
         spec = replace(spec, derived=spec.derived.with_adapters(Adapters.of(ft, compute, derive_targets(graph, ft))))
     base = ft.base_storage(compute)
