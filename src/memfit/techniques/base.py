@@ -164,10 +164,12 @@ def register(cls: type[Technique]) -> type[Technique]:
     return cls
 
 
-FRAGMENT_SLOTS = ("hf_trainer", "torchtune.optimizer")
+FRAGMENT_SLOTS = ("hf_trainer", "hf_trainer.memory", "torchtune.optimizer")
 """Where a technique module plugs text into an emitter or a reader, besides what those name themselves:
 hf_trainer: `fragment(setup, **_) -> (TrainingArguments kwargs, their comments, notes)`, run by
-memfit.emit.hf_trainer after the precision part (before the optimizer's); torchtune.optimizer:
+memfit.emit.hf_trainer after the precision part (before the optimizer's); hf_trainer.memory: the same, run after the
+checkpointing and loss parts (before torch.compile's), also given `apply_line` (the line that applies
+memfit_apply.json, or None); torchtune.optimizer:
 `fragment(read, optimizer) -> bool`, run by memfit.readers.formats on a torchtune recipe's `optimizer` mapping
 before its own components; True: the fragment read it."""
 
