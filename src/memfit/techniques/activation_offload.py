@@ -22,7 +22,7 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Loss, TrainingSetup
 from ..units import format_bytes
 from .base import Context, Proposal, Skip, Technique, fragment, register
-from .convert import MEMFIT_LOOP, Target, conversion
+from .convert import MEMFIT_LOOP, ApplyItem, Target, apply_item, conversion
 from .costs import activation_offload_cost
 
 
@@ -182,3 +182,17 @@ def hf_trainer_fragment(setup: TrainingSetup, *, apply_line: str | None = None,
                     "before Trainer(...) (TRL `SFTConfig(activation_offloading=True)`, axolotl "
                     "`activation_offloading: true` and torchtune `enable_activation_offloading: True` are the same "
                     "hooks). It needs CUDA and pinned host RAM."]
+
+
+# ---- its memfit_apply.json item: TrainingArguments has no activation offloading ----------------------------------
+
+def _apply_parse(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("true or false")
+    return value
+
+
+apply_item(ApplyItem("activation_offload", lambda setup: True if setup.activation_offload else None,
+                     "torchtune's OffloadActivations rule on the model's forward (memfit._torch.offload_activations): "
+                     "saved tensors to pinned host RAM; needs CUDA", lambda value: "activation offloading",
+                     _apply_parse))

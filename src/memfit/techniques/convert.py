@@ -52,9 +52,44 @@ CONVERSIONS: dict[str, tuple[Conversion, ...]] = {}
 """Each item's conversions, in registration order: its technique module's, then any other module's that adds to the
 item (an optimizer wrapper says how to wrap the loop's optimizer)."""
 
-ALONE = ("checkpointing", "activation_offload")
-"""The items apply_ takes alone (a mapping, or the memfit_apply.json `memfit plan --emit` writes): what only code
-can put on a model, since TrainingArguments cannot say it."""
+
+@dataclass(frozen=True)
+class ApplyItem:
+    """A setup field that only code can put on a model, since TrainingArguments cannot say it: `memfit plan --emit`
+    writes it to memfit_apply.json (memfit.emit.apply_file), memfit's reader reads it back
+    (memfit.readers.memfit_apply) and apply_ takes it alone. Its name is its conversion item (one of ORDER) and the
+    setup field it sets."""
+
+    name: str
+    value: Callable[[TrainingSetup], Any]
+    """The JSON value memfit_apply.json holds for the setup, or None when the file does not need it."""
+    comment: str
+    """The emitted file's comment on the item."""
+    summary: Callable[[Any], str]
+    """Its JSON value in the words of the notes ("activation offloading")."""
+    parse: Callable[[Any], Any]
+    """Its JSON value as the setup field's value; ValueError (its text: what the item takes) when it is none."""
+
+
+_APPLY_ITEMS: dict[str, ApplyItem] = {}
+
+
+def apply_item(item: ApplyItem) -> ApplyItem:
+    """Register a technique module's ApplyItem (its item must be one of ORDER)."""
+    if item.name not in ORDER:
+        raise ValueError(f"{item.name} is not in memfit.techniques.convert.ORDER")
+    _APPLY_ITEMS[item.name] = item
+    return item
+
+
+def apply_items() -> tuple[ApplyItem, ...]:
+    """The registered ApplyItems in ORDER (the order of memfit_apply.json and of apply_'s report)."""
+    return tuple(_APPLY_ITEMS[name] for name in ORDER if name in _APPLY_ITEMS)
+
+
+def alone() -> tuple[str, ...]:
+    """The items apply_ takes alone (a mapping, or the memfit_apply.json `memfit plan --emit` writes)."""
+    return tuple(item.name for item in apply_items())
 
 
 def conversion(item: str) -> Callable[[Conversion], Conversion]:
