@@ -297,6 +297,10 @@ class TechniqueSection:
         """Notes on what `host_activations` returned (how exactly it was counted)."""
         return ()
 
+    def trace_note(self) -> str:
+        """What a trace of the step (memfit.trace, fake tensors) does not see of the technique; "" when it sees all."""
+        return ""
+
 
 SectionClass = type  # a registered TechniqueSection subclass (a frozen dataclass)
 

@@ -9,6 +9,7 @@ memfit.estimate.offload_activations), its rung, its runtime conversion and its H
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,8 +23,9 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Loss, TrainingSetup
 from ..units import format_bytes
 from .base import Context, Proposal, Skip, Technique, fragment, register
-from .convert import MEMFIT_LOOP, ApplyItem, Target, apply_item, conversion
-from .costs import activation_offload_cost
+from .convert import MEMFIT_LOOP, ApplyItem, Target, apply_item, conversion, loop_context
+from ..hardware import Hardware
+from .costs import Cost, host_link_seconds
 
 
 def _positive_int(value: Any) -> bool:
@@ -44,7 +46,7 @@ class ActivationOffloadSection(TechniqueSection):
                                        keep=("activation_offload",), option=Option(
         ("--activation-offload",), "Offload the tensors saved for backward to pinned CPU RAM (torchtune "
         "enable_activation_offloading; TRL / axolotl activation_offloading): the LM head's and the loss's stay. Best "
-        "with --checkpointing full. Default: off.", "flag"))
+        "with --checkpointing full. Default: off.", "flag", page="Precision and memory"))
     """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
     enable_activation_offloading / OffloadActivations, TRL and axolotl activation_offloading); the LM head's and the
     loss's stay on the device."""
@@ -95,10 +97,36 @@ class ActivationOffloadSection(TechniqueSection):
     def host_notes(self, host: sizing.OffloadSizes) -> tuple[str, ...]:
         return sizing.host_term_notes(host)
 
+    def trace_note(self) -> str:
+        if not self.activation_offload:
+            return ""
+        return ("activation offload is not traced: fake tensors have no host to go to, so the saved tensors stay in "
+                "this device peak (the analytic estimate sizes the offload)")
+
 
 def host_bytes(ctx: Context, setup: TrainingSetup) -> int:
     """Pinned host bytes per GPU of the setup's activation offload (the estimate's host RAM less the optimizer's)."""
     return ctx.size(setup).cpu_bytes - ctx.size(setup.replace(activation_offload=False)).cpu_bytes
+
+
+# ---- its cost and its rung --------------------------------------------------------------------------------------
+
+def traffic_bytes(host_bytes_per_micro_step: int, setup: TrainingSetup) -> int:
+    """Activation offloading moves every pack down in forward and back up in backward, each micro-step
+    (memfit.estimate.offload_activations)."""
+    return 2 * host_bytes_per_micro_step * setup.grad_accum_steps
+
+
+def cost(host_bytes_per_micro_step: int, setup: TrainingSetup, hardware: Hardware) -> Cost:
+    """The activation-offload rung's cost: every pack down and up each micro-step, and the pinned host RAM."""
+    traffic = traffic_bytes(host_bytes_per_micro_step, setup)
+    per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
+    return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),
+                host_bytes=host_bytes_per_micro_step,
+                caveats=(per, f"{hardware.gpu.host_link_gb_per_s:g} GB/s",
+                         "overlapped with compute on torchtune's second stream as far as the link keeps up"),
+                template="{host_link} over PCIe per step{caveat[0]} (~{host_link_seconds:.2f} s at {caveat[1]}), "
+                         "{caveat[2]}; {host} of pinned host RAM per GPU")
 
 
 @register
@@ -143,7 +171,7 @@ class ActivationOffload(Technique):
             "torchtune: enable_activation_offloading: True" + (", enable_activation_checkpointing: True" if paired
                                                               else "") + "  # TRL SFTConfig / axolotl: "
             "activation_offloading: true; HF Trainer: memfit.apply_(model, {'activation_offload': True})",
-            activation_offload_cost(moved, chosen, ctx.hardware),
+            cost(moved, chosen, ctx.hardware),
             "tensors saved for backward wait in pinned host RAM and stream back block by block; the LM head's and "
             "the loss's stay on the device" + ("; with full checkpointing only each block's input moves" if
                                                chosen.checkpointing is Checkpointing.FULL else ""))
@@ -156,13 +184,11 @@ def convert(model, setup: TrainingSetup, target: Target):
     itself (offload_activations.context), so a model it trains gets no hooks."""
     if not setup.activation_offload:
         return None
-    from .._torch import offload_activations
-
     if target.loop == MEMFIT_LOOP:
         return Change("activation offload", False, "memfit's training loop offloads around the forward and the loss")
     if getattr(model, "_memfit_activation_offload", None) is not None:
         return Change("activation offload", False, "already installed")
-    offload_activations.install(model)
+    _runtime().install(model)
     return Change("activation offload", True, "saved tensors of >= 1 KiB (parameters aside) go to pinned host RAM in "
                                               "forward and come back in backward; the LM head's and the loss's stay")
 
@@ -196,3 +222,19 @@ apply_item(ApplyItem("activation_offload", lambda setup: True if setup.activatio
                      "torchtune's OffloadActivations rule on the model's forward (memfit._torch.offload_activations): "
                      "saved tensors to pinned host RAM; needs CUDA", lambda value: "activation offloading",
                      _apply_parse))
+
+
+# ---- its runtime: the saved-tensor hooks (memfit._torch.offload_activations; torch is imported there) -------------
+
+def _runtime():
+    """memfit._torch.offload_activations, imported on first use (it imports torch)."""
+    from .._torch import offload_activations
+    return offload_activations
+
+
+@loop_context
+def loop_offloading(model, setup: TrainingSetup):
+    """What memfit's own loop wraps the forward and the loss in: the hooks, unless off or apply_ installed them."""
+    if not setup.activation_offload:
+        return contextlib.nullcontext()
+    return _runtime().context(model, True)

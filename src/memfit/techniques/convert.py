@@ -17,7 +17,8 @@ torch is imported inside the conversions only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,31 @@ def conversion(item: str) -> Callable[[Conversion], Conversion]:
         return convert
 
     return register
+
+
+LoopContext = Callable[[Any, TrainingSetup], contextlib.AbstractContextManager]
+"""(model, setup) -> the context memfit's own loop wraps a micro-step's forward and loss in (a nullcontext when the
+setup does not use the technique)."""
+
+LOOP_CONTEXTS: list[LoopContext] = []
+"""What memfit's own training loop (MEMFIT_LOOP: memfit._torch.step.training_step) wraps each forward and loss in,
+for a technique that acts there rather than on the model (activation offloading's saved-tensor hooks), in
+registration order."""
+
+
+def loop_context(function: LoopContext) -> LoopContext:
+    """Register a technique module's LoopContext (its conversion says "memfit's loop does it" for MEMFIT_LOOP)."""
+    LOOP_CONTEXTS.append(function)
+    return function
+
+
+@contextlib.contextmanager
+def loop_contexts(model, setup: TrainingSetup) -> Iterator[None]:
+    """Every registered LoopContext entered, in registration order (what training_step's forward runs in)."""
+    with contextlib.ExitStack() as stack:
+        for make in LOOP_CONTEXTS:
+            stack.enter_context(make(model, setup))
+        yield
 
 
 def convert_model(model, setup: TrainingSetup, target: Target, items: Sequence[str] | None = None) -> tuple:
