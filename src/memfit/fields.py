@@ -245,6 +245,9 @@ class TechniqueSection:
 
     key: ClassVar[str]
     """The section's name in TrainingSetup.techniques and in messages."""
+    classifier_sized: ClassVar[bool] = True
+    """Whether memfit sizes a sequence classifier's step with the technique on (memfit.estimate.heads.check refuses
+    it otherwise, naming it by `describe`)."""
     after: ClassVar[str | None] = None
     """The setup field its fields follow in declaration order (so `--help`, to_dict and setup_changes keep the order
     they had when the field was the setup's own); None: after the last of their section's own fields."""

@@ -280,8 +280,7 @@ class TrainingSetup:
                   (ft.adapters and (ft.method.value != "lora" or ft.dora or ft.torchtune or bool(ft.modules_to_save)),
                    f"FSDP1 is sized for plain peft LoRA on a 16-bit or fp32 base (not QLoRA, DoRA, torchtune or "
                    f"modules_to_save): {way}"),
-                  (self.optimizer_in_backward or self.activation_offload,
-                   f"FSDP1 with optimizer in backward or activation offload is not sized: {way}"),
+                  (self.optimizer_in_backward, f"FSDP1 with optimizer in backward is not sized: {way}"),
                   (self.offload is Offload.OPTIMIZER, "FSDP1 offloads parameters, gradients and the step together "
                    "(CPUOffload(offload_params=True)): use --offload optimizer+params")]
         return [why for bad, why in checks if bad]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..change import Change
+from ..diagnose import Bottleneck
 from ..errors import ConfigError
 from ..estimate import offload_activations as sizing
 from ..estimate.moments import StepMoments
@@ -41,6 +42,7 @@ class ActivationOffloadSection(TechniqueSection):
 
     key = "activation_offload"
     after = "keep_zeroed_grads"  # where the field sat when it was the setup's own: --help and JSON keep their order
+    classifier_sized = False  # not measured with a sequence classifier's head (memfit.estimate.heads)
 
     activation_offload: bool = setting(False, section="memory", label="activation offload",
                                        keep=("activation_offload",), option=Option(
@@ -71,6 +73,8 @@ class ActivationOffloadSection(TechniqueSection):
                     "every-N or none"]
         if str(setup.loss) == "fused":
             return ["activation offloading with the fused loss is not sized yet: use loss standard or chunked"]
+        if getattr(setup.fsdp_version, "is_fsdp1", False):
+            return ["FSDP1 with activation offload is not sized: use --fsdp-version 2"]
         return []
 
     def describe(self) -> str:
@@ -136,6 +140,8 @@ class ActivationOffload(Technique):
 
     key = "activation_offload"
     cuts_static = False
+    # it costs host RAM and PCIe bandwidth rather than compute, and pairs with checkpointing
+    rung_after = {Bottleneck.ACTIVATIONS: "fused_loss", Bottleneck.BOTH: "fused_loss"}
     title = "activation offloading to the CPU"
 
     def search_values(self, setup: TrainingSetup, hardware) -> dict[str, list]:

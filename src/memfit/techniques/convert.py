@@ -134,5 +134,5 @@ def convert_model(model, setup: TrainingSetup, target: Target, items: Sequence[s
     """Run the registered conversions of `items` (default: all) on `model` in ORDER; their Changes, None dropped.
     Importing memfit.techniques registers every technique module's conversion."""
     wanted = ORDER if items is None else tuple(item for item in ORDER if item in items)
-    changes = (convert(model, setup, target) for item in wanted for convert in CONVERSIONS[item])
+    changes = (convert(model, setup, target) for item in wanted for convert in CONVERSIONS.get(item, ()))
     return tuple(change for change in changes if change is not None)
