@@ -290,9 +290,9 @@ class TechniqueSection:
         return moments
 
     def host_activations(self, spec: Any, setup: Any, acts: Any, on_cpu: bool) -> Any:
-        """What the technique moves off the device per micro-step: a memfit.estimate.offload_activations.
-        OffloadSizes (its host_bytes add to the estimate's host RAM; the runtime model counts the device buffers
-        its copies allocate), or None. `acts()` gives the activation terms alive at the end of forward without it
+        """What the technique moves off the device per micro-step, or None: a value with `host_bytes` (added to the
+        estimate's host RAM), `offloaded_bytes` and `in_flight_bytes` (the device buffers its copies allocate, which
+        memfit.estimate.device replays), as activation offloading's sizing returns. `acts()` gives the activation terms alive at the end of forward without it
         (a call, as only a technique that moves activations needs them)."""
         return None
 

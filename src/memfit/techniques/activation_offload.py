@@ -183,7 +183,7 @@ class ActivationOffload(Technique):
                                                chosen.checkpointing is Checkpointing.FULL else ""))
 
 
-@conversion("activation_offload")
+@conversion("activation_offload", after="engine")
 def convert(model, setup: TrainingSetup, target: Target):
     """torchtune's OffloadActivations hooks around every forward of the model (memfit._torch.offload_activations):
     for loops that call model(**batch), as the HF Trainer does. memfit's own loop wraps its forward and loss

@@ -45,9 +45,10 @@ class Target:
 Conversion = Callable[[Any, TrainingSetup, Target], Any]
 """(model, setup, target) -> memfit.apply.Change, or None when the setup does not use the technique."""
 
-ORDER = ("precision", "finetune", "float8", "attention", "checkpointing", "optimizer", "batching", "engine",
-         "activation_offload", "compile")
-"""The order conversions run in, which is also the order of apply_'s report."""
+ORDER: tuple[str, ...] = ("precision", "finetune", "float8", "attention", "checkpointing", "optimizer", "batching",
+                          "engine", "compile")
+"""The order conversions run in, which is also the order of apply_'s report. A technique module whose item is not
+here places it with `conversion(item, after=...)`."""
 
 CONVERSIONS: dict[str, tuple[Conversion, ...]] = {}
 """Each item's conversions, in registration order: its technique module's, then any other module's that adds to the
@@ -93,10 +94,15 @@ def alone() -> tuple[str, ...]:
     return tuple(item.name for item in apply_items())
 
 
-def conversion(item: str) -> Callable[[Conversion], Conversion]:
-    """Register a technique module's `convert` as a conversion of `item` (one of ORDER)."""
+def conversion(item: str, *, after: str | None = None) -> Callable[[Conversion], Conversion]:
+    """Register a technique module's `convert` as a conversion of `item`: one of ORDER, or a new item that runs
+    right after the item `after` names."""
+    global ORDER
     if item not in ORDER:
-        raise ValueError(f"{item} is not in memfit.techniques.convert.ORDER")
+        if after not in ORDER:
+            raise ValueError(f"{item} is not in memfit.techniques.convert.ORDER: place it with after=")
+        at = ORDER.index(after) + 1
+        ORDER = (*ORDER[:at], item, *ORDER[at:])
 
     def register(convert: Conversion) -> Conversion:
         CONVERSIONS[item] = (*CONVERSIONS.get(item, ()), convert)
