@@ -300,6 +300,10 @@ class TechniqueSection:
         """Notes on what `host_activations` returned (how exactly it was counted)."""
         return ()
 
+    def plan_words(self) -> str:
+        """Its words in the emitted files' one-line plan (memfit.emit.emitted.describe); "" says nothing."""
+        return ""
+
     def trace_note(self) -> str:
         """What a trace of the step (memfit.trace, fake tensors) does not see of the technique; "" when it sees all."""
         return ""

@@ -80,6 +80,9 @@ class ActivationOffloadSection(TechniqueSection):
     def describe(self) -> str:
         return ", activation offload" if self.activation_offload else ""
 
+    def plan_words(self) -> str:
+        return "activation offload" if self.activation_offload else ""
+
     # ---- its change to the step model (memfit.estimate.analytic calls these for every section it holds) ----
 
     def check_model(self, spec: ModelSpec, setup: TrainingSetup) -> None:
