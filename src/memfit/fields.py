@@ -292,7 +292,7 @@ class TechniqueSection:
     def host_activations(self, spec: Any, setup: Any, acts: Any, on_cpu: bool) -> Any:
         """What the technique moves off the device per micro-step, or None: a value with `host_bytes` (added to the
         estimate's host RAM), `offloaded_bytes` and `in_flight_bytes` (the device buffers its copies allocate, which
-        memfit.estimate.device replays), as activation offloading's sizing returns. `acts()` gives the activation terms alive at the end of forward without it
+        memfit.estimate.device replays: a HostMoves), as activation offloading's sizing returns. `acts()` gives the activation terms alive at the end of forward without it
         (a call, as only a technique that moves activations needs them)."""
         return None
 

@@ -46,7 +46,6 @@ CASES = {
         ("_torch/offload_activations.py",  # the saved-tensor hooks (torch), which the module imports on first use
          "estimate/offload_activations.py",  # its sizing, tensor by tensor, in the core the module calls
          "estimate/offload_lora.py",  # the same with a frozen base (adapters)
-         "estimate/device.py",  # the runtime replay's type hint of the sizing's OffloadSizes
          "readers/formats.py"),  # axolotl's and torchtune's switches (being split into modules: a reader slot next)
         "activation_offload", "activation_offload", "--activation-offload", ("activation_offload",),
         ("activation_offload",), {"activation_offload": True}, ("--activation-offload",)),
