@@ -69,7 +69,8 @@ def full_size_table() -> list[tuple]:
     from memfit.hardware import make_hardware
     from memfit.setup import TrainingSetup
     from memfit.sources import resolve_model
-    from memfit.techniques.costs import activation_offload_traffic_bytes, host_link_seconds
+    from memfit.techniques.activation_offload import traffic_bytes as activation_offload_traffic_bytes
+    from memfit.techniques.costs import host_link_seconds
 
     hw = make_hardware("h100")
     rows = []

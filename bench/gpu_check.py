@@ -49,6 +49,7 @@ DEFAULT_OUT = "bench/results"
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, cpu_device, make_hardware  # noqa: E402
 from memfit.setup import TrainingSetup  # noqa: E402
+import memfit.techniques  # noqa: E402,F401  (registers the technique sections: activation_offload)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.units import GiB, MiB  # noqa: E402
 

@@ -63,7 +63,7 @@ def apply_(model, plan_or_setup) -> AppliedChanges:
     """Change `model` (an HF PreTrainedModel or any nn.Module) in place to train as the setup says.
 
     `plan_or_setup`: a Plan (its final setup), a TrainingSetup (every item), or only some items: a mapping of
-    setup fields that only code can put on a model (memfit.techniques.convert.ALONE) or the path of the
+    setup fields that only code can put on a model (memfit.techniques.convert.alone()) or the path of the
     memfit_apply.json `memfit plan --emit` writes for what TrainingArguments cannot express; then only those items
     are applied and the rest of the model is left as it is.
 
@@ -87,7 +87,7 @@ def _what_to_apply(given) -> tuple[TrainingSetup, tuple[str, ...] | None]:
     import os
     from collections.abc import Mapping
 
-    from .techniques.convert import ALONE
+    from .techniques.convert import alone
 
     setup = getattr(given, "final_setup", given)
     if isinstance(setup, TrainingSetup):
@@ -99,9 +99,10 @@ def _what_to_apply(given) -> tuple[TrainingSetup, tuple[str, ...] | None]:
     if not isinstance(given, Mapping):
         raise ConfigError(f"apply_ needs a TrainingSetup, a Plan, a mapping of setup items or the path of "
                           f"memfit_apply.json, got {type(given).__name__}")
-    unknown = sorted(set(given) - set(ALONE))
+    names = alone()
+    unknown = sorted(set(given) - set(names))
     if unknown:
-        raise ConfigError(f"apply_ takes {', '.join(ALONE)} alone, not {', '.join(unknown)}: pass the whole "
+        raise ConfigError(f"apply_ takes {', '.join(names)} alone, not {', '.join(unknown)}: pass the whole "
                           "TrainingSetup for the rest")
-    return TrainingSetup(**given), tuple(name for name in ALONE if name in given)
+    return TrainingSetup(**given), tuple(name for name in names if name in given)
 

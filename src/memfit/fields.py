@@ -132,7 +132,8 @@ def meta(cls: type, name: str) -> FieldMeta:
 def declared(cls: type) -> tuple[tuple[str, FieldMeta], ...]:
     """(field name, FieldMeta) of every declared field of `cls`, in declaration order. A class that holds the
     technique sections (its `TECHNIQUES_FIELD` names the field) lists their fields too, each section's after the
-    last of `cls`'s own fields of the same section (at the end where it has none)."""
+    last of `cls`'s own fields of the same section (at the end where it has none), or after the field its section's
+    `after` names."""
     own = [(f.name, f.metadata[KEY]) for f in dataclasses.fields(cls) if KEY in f.metadata]
     if getattr(cls, "TECHNIQUES_FIELD", None) is None:
         return tuple(own)
@@ -140,7 +141,10 @@ def declared(cls: type) -> tuple[tuple[str, FieldMeta], ...]:
     for name, m in technique_fields_declared():
         if any(field == name for field, _ in own):
             raise ValueError(f"technique field {name} is a field of {cls.__name__} already")
-        last = max((i for i, (_, other) in enumerate(out) if other.section == m.section), default=len(out) - 1)
+        after = getattr(technique_field_owner(name), "after", None)
+        last = next((i for i, (field, _) in enumerate(out) if field == after), None)
+        if last is None:
+            last = max((i for i, (_, other) in enumerate(out) if other.section == m.section), default=len(out) - 1)
         out.insert(last + 1, (name, m))
     return tuple(out)
 
@@ -241,6 +245,12 @@ class TechniqueSection:
 
     key: ClassVar[str]
     """The section's name in TrainingSetup.techniques and in messages."""
+    classifier_sized: ClassVar[bool] = True
+    """Whether memfit sizes a sequence classifier's step with the technique on (memfit.estimate.heads.check refuses
+    it otherwise, naming it by `describe`)."""
+    after: ClassVar[str | None] = None
+    """The setup field its fields follow in declaration order (so `--help`, to_dict and setup_changes keep the order
+    they had when the field was the setup's own); None: after the last of their section's own fields."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # a Choice field takes its text and aliases (memfit.choice.Choice.parse)
@@ -266,6 +276,37 @@ class TechniqueSection:
         """The per-rank static layout where the technique decides where parameters, gradients and optimizer states
         live (memfit.estimate.static.shard, after the engine's layout); None: the engine's offload rules."""
         return None
+
+    # ---- its change to the step's activations (memfit.estimate.analytic calls these for every section held) ----
+
+    def check_model(self, spec: Any, setup: Any) -> None:
+        """Raise a one-line memfit.errors.ConfigError where the technique is not sized on this model (the setup
+        alone passed `problems`); called once the adapters are on the spec, before the engine's per-rank spec."""
+
+    def step_moments(self, moments: Any, spec: Any, setup: Any, acts: Any, on_cpu: bool) -> Any:
+        """The step's moments (memfit.estimate.moments.StepMoments) as the technique changes them on the device,
+        given the activation terms alive at the end of forward without it (`acts`), after the step model built
+        every moment; `moments` itself: no change."""
+        return moments
+
+    def host_activations(self, spec: Any, setup: Any, acts: Any, on_cpu: bool) -> Any:
+        """What the technique moves off the device per micro-step, or None: a value with `host_bytes` (added to the
+        estimate's host RAM), `offloaded_bytes` and `in_flight_bytes` (the device buffers its copies allocate, which
+        memfit.estimate.device replays: a HostMoves), as activation offloading's sizing returns. `acts()` gives the activation terms alive at the end of forward without it
+        (a call, as only a technique that moves activations needs them)."""
+        return None
+
+    def host_notes(self, host: Any) -> tuple[str, ...]:
+        """Notes on what `host_activations` returned (how exactly it was counted)."""
+        return ()
+
+    def plan_words(self) -> str:
+        """Its words in the emitted files' one-line plan (memfit.emit.emitted.describe); "" says nothing."""
+        return ""
+
+    def trace_note(self) -> str:
+        """What a trace of the step (memfit.trace, fake tensors) does not see of the technique; "" when it sees all."""
+        return ""
 
 
 SectionClass = type  # a registered TechniqueSection subclass (a frozen dataclass)

@@ -158,7 +158,7 @@ def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tu
 
 def rung_reason(message: str) -> str:
     """A setup's refusal as the reason a rung was passed over: the advice to drop an option ("...: drop
-    --activation-offload") is for a user who gave it, and the rung's change is what set it here, so it goes."""
+    --compile") is for a user who gave it, and the rung's change is what set it here, so it goes."""
     for lead in (": drop --", "; drop --", ", or drop --"):
         if lead in message:
             return message[:message.index(lead)]

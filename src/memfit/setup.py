@@ -112,16 +112,6 @@ class TrainingSetup:
     """zero_grad(set_to_none=False): gradients zeroed, not freed, after each step, so they live through the next
     forward (torch < 2.0's default for Module / Optimizer.zero_grad, which the HF Trainer's model.zero_grad() used;
     torch 2.0 made set_to_none=True the default, pytorch/pytorch#92731)."""
-    # -- activation offloading (memfit.estimate.offload_activations) --
-    activation_offload: bool = setting(False, section="memory", label="activation offload",
-                                       keep=("activation_offload",), option=Option(
-        ("--activation-offload",), "Offload the tensors saved for backward to pinned CPU RAM (torchtune "
-        "enable_activation_offloading; TRL / axolotl activation_offloading): the LM head's and the loss's stay. Best "
-        "with --checkpointing full. Default: off.", "flag"))
-    """Tensors saved for backward go to pinned host memory in forward and come back in backward (torchtune
-    enable_activation_offloading / OffloadActivations, TRL and axolotl activation_offloading); the LM head's and the
-    loss's stay on the device."""
-
     # --- pipeline / context parallelism and HSDP (memfit.estimate.pipeline, .context_parallel, .static) ---
     pp: int = setting(1, section="parallel", label="pp", keep=("pp",), option=Option(
         ("--pp",), "Pipeline-parallel degree (torch.distributed.pipelining, torchtitan's pipeline_parallel_degree): "
@@ -267,7 +257,6 @@ class TrainingSetup:
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
         if not isinstance(self.keep_zeroed_grads, bool):
             problems.append(f"keep_zeroed_grads must be true or false, got {self.keep_zeroed_grads!r}")
-        problems += self._activation_offload_problems()
         if not isinstance(self.techniques, _fields.Techniques):
             problems.append(f"techniques must be a memfit.fields.Techniques, got {self.techniques!r}")
         else:
@@ -300,8 +289,7 @@ class TrainingSetup:
                   (ft.adapters and (ft.method.value != "lora" or ft.dora or ft.torchtune or bool(ft.modules_to_save)),
                    f"FSDP1 is sized for plain peft LoRA on a 16-bit or fp32 base (not QLoRA, DoRA, torchtune or "
                    f"modules_to_save): {way}"),
-                  (self.optimizer_in_backward or self.activation_offload,
-                   f"FSDP1 with optimizer in backward or activation offload is not sized: {way}"),
+                  (self.optimizer_in_backward, f"FSDP1 with optimizer in backward is not sized: {way}"),
                   (self.offload is Offload.OPTIMIZER, "FSDP1 offloads parameters, gradients and the step together "
                    "(CPUOffload(offload_params=True)): use --offload optimizer+params")]
         return [why for bad, why in checks if bad]
@@ -328,26 +316,6 @@ class TrainingSetup:
             problems.append("float8 all-gather supports tensorwise scaling only (torchao Float8LinearConfig): use "
                             "--float8 tensorwise")
         return problems
-
-    def _activation_offload_problems(self) -> list[str]:
-        """What memfit sizes of activation offloading: full training, on one GPU or each data-parallel rank."""
-        if not isinstance(self.activation_offload, bool):
-            return [f"activation_offload must be true or false, got {self.activation_offload!r}"]
-        ft = self.finetune
-        if self.activation_offload and ft.adapters and (
-                ft.dora or ft.modules_to_save or ft.base_storage(self.precision.compute_dtype).value == "int8"):
-            return [f"activation offloading with {ft.method} is sized for adapters on a 16-bit, fp32 or 4-bit base "
-                    "(bitsandbytes' int8 matmul keeps its input outside the hooks; DoRA and modules_to_save are not "
-                    "counted): drop --activation-offload or those options"]
-        if self.activation_offload and _positive_int(self.tp) and self.tp > 1:
-            return ["activation offloading with tensor parallelism is not sized yet"]
-        if self.activation_offload and str(self.checkpointing) in ("selective-op", "attention"):
-            return [f"activation offloading with checkpointing {self.checkpointing} is not sized yet (the kept "
-                    "outputs live in the checkpoint's own store, which the offload hooks never see): use full, "
-                    "every-N or none"]
-        if self.activation_offload and str(self.loss) == "fused":
-            return ["activation offloading with the fused loss is not sized yet: use loss standard or chunked"]
-        return []
 
     def _moe_problems(self) -> list[str]:
         """Expert parallelism and the capacity factor (whether ep divides the model's experts is checked where the

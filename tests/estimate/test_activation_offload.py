@@ -23,6 +23,7 @@ from memfit.estimate import offload_activations as formulas  # noqa: E402
 from memfit.estimate.analytic import estimate, forward_activation_terms  # noqa: E402
 from memfit.hardware import cpu_device, make_hardware  # noqa: E402
 from memfit.setup import TrainingSetup  # noqa: E402
+import memfit.techniques  # noqa: E402,F401  (registers the technique sections: activation_offload)
 from memfit.sources import resolve_model  # noqa: E402
 
 torch = pytest.importorskip("torch")

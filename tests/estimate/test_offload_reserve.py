@@ -23,6 +23,7 @@ from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.finetune import ALL_LINEAR, Finetune, Method  # noqa: E402
 from memfit.hardware import make_hardware  # noqa: E402
 from memfit.setup import TrainingSetup  # noqa: E402
+import memfit.techniques  # noqa: E402,F401  (registers the technique sections: activation_offload)
 from memfit.sources import resolve_model  # noqa: E402
 
 MiB, GiB = 2**20, 2**30

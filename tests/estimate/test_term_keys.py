@@ -16,6 +16,7 @@ from memfit.estimate.terms import DYNAMIC_NAME, TermKey, category_of, is_term_na
 from memfit.finetune import Finetune
 from memfit.hardware import cpu_device, make_hardware
 from memfit.setup import TrainingSetup
+import memfit.techniques  # noqa: F401  (registers the technique sections: activation_offload)
 from memfit.sources import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]

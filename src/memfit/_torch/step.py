@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ConfigError, MissingDependencyError
 from ..setup import LOSS_CHUNKS, Loss, Optimizer, Precision, TrainingSetup
-from . import offload_activations
+from ..techniques.convert import loop_contexts
 
 PhaseCallback = Callable[[str], None]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -432,7 +432,7 @@ def forward_backward(model: torch.nn.Module, optimizer, batches, setup: Training
     for index, batch in enumerate(micro_batches):
         notify("forward")
         with torch.profiler.record_function("memfit::forward"), autocast(), _mask_hint(model, batch), \
-                offload_activations.context(model, getattr(setup, "activation_offload", False)):
+                loop_contexts(model, setup):
             loss = compute_loss(model, batch)
         notify("backward")
         weight = 1 / setup.grad_accum_steps if weights is None else weights[index]

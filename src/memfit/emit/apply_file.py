@@ -8,7 +8,8 @@ the emitter writes them here, and every route that prints the config names the o
 
 from __future__ import annotations
 
-from ..setup import Checkpointing, TrainingSetup
+from ..setup import TrainingSetup
+from ..techniques.convert import apply_items as registered_items
 from .emitted import EmittedConfig
 
 APPLY_KEY = "memfit_apply"
@@ -17,13 +18,10 @@ APPLY_FILE = "memfit_apply.json"
 
 
 def apply_items(setup: TrainingSetup) -> dict:
-    """{TrainingSetup field: JSON value} of what only memfit.apply_ can put on the model (empty when nothing)."""
-    items: dict = {}
-    if setup.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
-        items["checkpointing"] = str(setup.checkpointing)
-    if setup.activation_offload:
-        items["activation_offload"] = True
-    return items
+    """{TrainingSetup field: JSON value} of what only memfit.apply_ can put on the model (empty when nothing): each
+    registered memfit.techniques.convert.ApplyItem's value."""
+    values = ((item.name, item.value(setup)) for item in registered_items())
+    return {name: value for name, value in values if value is not None}
 
 
 def apply_call(setup: TrainingSetup, path: str | None = None) -> str | None:
@@ -39,9 +37,7 @@ def apply_call(setup: TrainingSetup, path: str | None = None) -> str | None:
 def apply_summary(setup: TrainingSetup) -> str:
     """'checkpointing selective-op and activation offloading': what the file holds, for notes."""
     items = apply_items(setup)
-    parts = ([f"checkpointing {items['checkpointing']}"] if "checkpointing" in items else []) + (
-        ["activation offloading"] if items.get("activation_offload") else [])
-    return " and ".join(parts)
+    return " and ".join(item.summary(items[item.name]) for item in registered_items() if item.name in items)
 
 
 def apply_file(setup: TrainingSetup, *, path: str = APPLY_FILE) -> EmittedConfig | None:
@@ -50,12 +46,7 @@ def apply_file(setup: TrainingSetup, *, path: str = APPLY_FILE) -> EmittedConfig
     items = apply_items(setup)
     if not items:
         return None
-    comments = {f"{APPLY_KEY}.checkpointing": "memfit's block wrapper (memfit._torch.blocks, the one the trace and "
-                                              "measurements use): TrainingArguments checkpoints whole blocks only",
-                f"{APPLY_KEY}.activation_offload": "torchtune's OffloadActivations rule on the model's forward "
-                                                   "(memfit._torch.offload_activations): saved tensors to pinned "
-                                                   "host RAM; needs CUDA"}
-    comments = {k: v for k, v in comments.items() if k.split(".", 1)[1] in items}
+    comments = {f"{APPLY_KEY}.{item.name}": item.comment for item in registered_items() if item.name in items}
     notes = (f"`{apply_call(setup, path)}` on the loaded model (after get_peft_model, before Trainer(...)): "
              f"memfit sized {apply_summary(setup)}, which TrainingArguments cannot express; without this line the "
              "step is not the one memfit sized.",)

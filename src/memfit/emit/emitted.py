@@ -104,7 +104,7 @@ def describe(setup: TrainingSetup) -> str:
              f"offload {setup.offload}"] + ([str(setup.finetune)] if setup.finetune.adapters else []) + (
                  [f"loss {setup.loss}"] if setup.loss.value != "standard" else []) + (
                  ["optimizer in backward"] if setup.optimizer_in_backward else []) + (
-                 ["activation offload"] if setup.activation_offload else []) + (
+                 [words for section in setup.techniques if (words := section.plan_words())]) + (
                  ["torch.compile per block"] if setup.compile else [])
     return ", ".join(parts)
 

@@ -56,10 +56,12 @@ def _build(setup: TrainingSetup, deepspeed_path: str,
                 "gradient_accumulation_steps": "micro-steps per optimizer step; keeps the effective batch at "
                                                f"{setup.effective_batch_size} sequences"}
     notes: list[str] = []
-    for part in (_precision_part, *FRAGMENTS["hf_trainer"], _optimizer_part, _checkpointing_part, loss_technique.hf_trainer_fragment, _activation_offload_part,
+    for part in (_precision_part, *FRAGMENTS["hf_trainer"], _optimizer_part, _checkpointing_part,
+                 loss_technique.hf_trainer_fragment, *FRAGMENTS["hf_trainer.memory"],
                  compile_technique.hf_trainer_fragment, _engine_part):
         part_content, part_comments, part_notes = part(setup, deepspeed_path=deepspeed_path,
-                                                       legacy_names=legacy_names)
+                                                       legacy_names=legacy_names,
+                                                       apply_line=apply_call(setup, APPLY_FILE))
         content.update(part_content)
         comments.update(part_comments)
         notes += part_notes
@@ -152,18 +154,6 @@ def trainer_cannot_express(setup: TrainingSetup) -> list[str]:
     """What the plan sized that neither TrainingArguments nor memfit_apply.json can carry (torchtune's chunked loss,
     the optimizer step in backward): the notes that say where it is expressed instead."""
     return loss_technique.hf_trainer_fragment(setup)[2]
-
-
-def _activation_offload_part(setup: TrainingSetup, **_):
-    """TrainingArguments has no activation offloading; TRL's SFTConfig, axolotl and torchtune run torchtune's
-    OffloadActivations hooks, and memfit.apply_ installs the same hooks on a live model."""
-    if not setup.activation_offload:
-        return {}, {}, []
-    return {}, {}, [f"Activation offloading: TrainingArguments has no such option, so memfit_apply.json holds it: "
-                    f"`{apply_call(setup, APPLY_FILE)}` on the loaded model installs torchtune's saved-tensor hooks "
-                    "before Trainer(...) (TRL `SFTConfig(activation_offloading=True)`, axolotl "
-                    "`activation_offloading: true` and torchtune `enable_activation_offloading: True` are the same "
-                    "hooks). It needs CUDA and pinned host RAM."]
 
 
 def _engine_part(setup: TrainingSetup, *, deepspeed_path: str, **_):

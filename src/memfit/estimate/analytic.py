@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+from typing import Any
 from collections import OrderedDict
 
 from ..errors import ConfigError
@@ -27,7 +28,7 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Loss, Precision, Sharding, TrainingSetup, fsdp2_mixed_precision
 from . import activations as act
 from . import (bnb_cpu, compiled, context_parallel, deepspeed_zero3, dora, fits, float8, heads, lora, moe,
-               offload_activations, padding, pipeline, tensor_parallel)
+               padding, pipeline, tensor_parallel)
 from .backward_moments import (embedding_gradient, end_of_backward, first_block_backward, flat_gradient,
                                in_backward_moments, root_reduce, second_block_backward)
 from .device import runtime_overhead_terms
@@ -67,7 +68,8 @@ def _prepared(spec: ModelSpec, setup: TrainingSetup, world_size: int, layout: En
     _check(spec, setup)
     spec = lora.adapted_spec(spec, setup)
     moe.check(spec, setup)
-    offload_activations.check(spec, setup)
+    for section in setup.techniques:  # what a technique cannot size on this model (one-line ConfigError)
+        section.check_model(spec, setup)
     # MoE: formulas, not the derived model, where they size the precision the engine runs (amp-* under DeepSpeed or
     # FSDP2 runs with 16-bit parameters: _as_run); experts / ep
     spec = moe.ep_local_spec(moe.as_recipe(spec, _as_run(setup, layout or setup.engine)[0]), setup)
@@ -90,7 +92,8 @@ class _Step:
     phase: Phase
     terms: tuple[Term, ...]
     in_allocator: tuple[Term, ...]
-    offloaded: offload_activations.OffloadSizes
+    offloaded: Any
+    """What a technique moves off the device (TechniqueSection.host_activations), or None."""
     phase_peaks: dict
     cpu_bytes: int
     notes: tuple[str, ...]
@@ -115,13 +118,12 @@ def _step(spec: ModelSpec, setup: TrainingSetup, world_size: int, on_cpu: bool, 
     moments = _apply_techniques(moments, spec, asked, sized, on_cpu)
     phase, terms = moments.peak()
     terms = tuple(t for t in terms if t.num_bytes > 0)
-    offloaded = _activation_host(spec, sized, on_cpu)
-    notes = (tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes
-             + offload_activations.host_term_notes(offloaded)
+    offloaded, host_notes = _activation_host(spec, sized, on_cpu)
+    notes = (tuple(rule_of_thumb_notes(spec, sized)) + static.notes + run_notes + host_notes
              + _derived_notes(spec) + moe.notes(spec, sized, on_cpu) + context_parallel.notes(asked)
              + compiled.notes(spec, sized) + padding.notes(asked) + float8.notes(spec, sized))
     return _Step(spec, setup, phase, terms, tuple(t for t in terms if t.device_figure == "allocated"), offloaded,
-                 moments.phase_peaks(), static.cpu_bytes + offloaded.host_bytes, notes,
+                 moments.phase_peaks(), static.cpu_bytes + (offloaded.host_bytes if offloaded else 0), notes,
                  moe.routing_range(spec, sized, on_cpu))
 
 
@@ -173,12 +175,14 @@ def _apply_techniques(moments: StepMoments, spec: ModelSpec, asked: TrainingSetu
                          + deepspeed_zero3.step_changes(spec, sized, compute_bytes))
 
 
-def _activation_host(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> offload_activations.OffloadSizes:
-    """What activation offloading moves to the host (nothing without it, nor on a CPU device, where the saved tensors
-    are in host memory already): memfit.estimate.offload_activations."""
-    if not offload_activations.applies(setup) or on_cpu:
-        return offload_activations.OffloadSizes(0, 0, 0, 0, 0)
-    return offload_activations.sizes(spec, setup, forward_activation_terms(spec, setup, on_cpu))
+def _activation_host(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool) -> tuple[Any, tuple[str, ...]]:
+    """What a technique moves off the device per micro-step and its notes (TechniqueSection.host_activations; the
+    activation terms handed to it are those alive at the end of forward without it), or (None, ())."""
+    for section in setup.techniques:
+        host = section.host_activations(spec, setup, lambda: forward_activation_terms(spec, setup, on_cpu), on_cpu)
+        if host is not None:
+            return host, section.host_notes(host)
+    return None, ()
 
 
 def forward_activation_terms(spec: ModelSpec, setup: TrainingSetup, on_cpu: bool = False) -> list[Term]:
@@ -257,8 +261,8 @@ def step_moments(spec: ModelSpec, setup: TrainingSetup, static: ShardedStatic, s
         moments.update(lora.checkpointed_moments(step, moments))
     if spec.frozen and setup.finetune.dora:
         moments.set(MomentKey.DORA_WEIGHT_NORM, dora.forward_moment(step, forward))
-    if offload_activations.applies(setup) and not on_cpu:  # on a CPU device there is nowhere to move them
-        moments = offload_activations.on_device(moments, spec, setup, step.acts)
+    for section in setup.techniques:  # a technique's change to every moment (activation offloading's)
+        moments = section.step_moments(moments, spec, setup, step.acts, on_cpu)
     return moments
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..hardware import Hardware
 from ..model_spec import ModelSpec
@@ -30,8 +30,14 @@ from . import allocator as alloc
 from .result import Category, Term
 from .terms import TermKey
 
-if TYPE_CHECKING:
-    from .offload_activations import OffloadSizes
+
+
+class HostMoves(Protocol):
+    """What a technique moves off the device per micro-step (memfit.fields.TechniqueSection.host_activations): the
+    device storages that leave for the host in forward, and one block's brought back for its backward."""
+
+    offloaded_bytes: int
+    in_flight_bytes: int
 
 ROUNDING = TermKey.ALLOCATOR_ROUNDING
 WORKSPACE = TermKey.CUBLAS_WORKSPACE
@@ -58,13 +64,13 @@ class DeviceReplay:
 def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *,
                            spec: ModelSpec | None = None, terms: Sequence[Term] = (),
                            events: Sequence[tuple[object, int]] | None = None,
-                           offload: "OffloadSizes | None" = None) -> list[Term]:
+                           offload: "HostMoves | None" = None) -> list[Term]:
     """The terms that turn a tensor peak into the three device figures (empty on a CPU device).
 
     `events`: a traced step's allocation stream (StepTracker.allocation_events). Else `spec` and the peak's `terms`
     build the formulas' representative stream. With neither, only the peak itself is replayed (one block: the
-    rounding of one request, no fragmentation) and the reserve term says so. `offload`: what activation offloading
-    moves (memfit.estimate.offload_activations.sizes), for the device buffers it allocates on the way."""
+    rounding of one request, no fragmentation) and the reserve term says so. `offload`: what a technique moves
+    to the host (HostMoves: activation offloading's), for the device buffers it allocates on the way."""
     if hardware.is_cpu:
         return []
     constants = hardware.device
@@ -101,7 +107,7 @@ def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Har
 
 def device_replay(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *, spec: ModelSpec | None = None,
                   terms: Sequence[Term] = (), events: Sequence[tuple[object, int]] | None = None,
-                  offload: "OffloadSizes | None" = None) -> DeviceReplay:
+                  offload: "HostMoves | None" = None) -> DeviceReplay:
     constants = hardware.device
     workspace = constants.cublas_workspace_bytes
     workspaces = (workspace,) * constants.cublas_workspaces
@@ -187,7 +193,7 @@ def _split_by_block(sizes: list[tuple[int, int]], layers: int) -> tuple[list[int
 
 
 def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspaces: tuple[int, ...],
-           offload: "OffloadSizes | None" = None) -> _Shape:
+           offload: "HostMoves | None" = None) -> _Shape:
     by = {t.name: t.num_bytes for t in terms}
     layers = max(spec.num_layers, 1)
     tokens = setup.tokens_per_micro_step

@@ -47,13 +47,15 @@ def head_weight_elems(spec: ModelSpec) -> int:
 
 def check(spec: ModelSpec, setup: TrainingSetup) -> None:
     """A classifier is sized for a plain step: full fine-tune, the standard loss, one pipeline stage, no tensor
-    parallelism, no activation offload or compile (none of them measured with a classification head)."""
+    parallelism, no compile, no technique section whose `classifier_sized` is False (activation offload): none of
+    them measured with a classification head."""
     if classifier(spec) is None:
         return
     unsized = [what for what, on in (
         ("LoRA / QLoRA", bool(setup.finetune.adapters)), (f"loss {setup.loss}", setup.loss is not Loss.STANDARD),
         ("tensor parallelism", setup.tp > 1), ("pipeline parallelism", setup.pp > 1),
-        ("activation offload", setup.activation_offload), ("torch.compile", setup.compile),
+        *((section.describe().removeprefix(", "), not section.classifier_sized) for section in setup.techniques),
+        ("torch.compile", setup.compile),
         ("optimizer in backward", setup.optimizer_in_backward), ("float8", setup.float8.is_on)) if on]
     if unsized:
         raise ConfigError(f"a sequence classifier is not sized with {', '.join(unsized)} yet: drop "

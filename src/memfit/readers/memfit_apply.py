@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
-from ..setup import Checkpointing
+from ..techniques.convert import alone, apply_items
 from ._reader import NOT_RELEVANT, Reader
 
 APPLY_KEY = "memfit_apply"  # memfit.emit.apply_file.APPLY_KEY (the readers import nothing from emit)
@@ -19,21 +18,18 @@ def map_memfit_apply(read: Reader, data: dict, ctx: Any) -> None:
         read.unmappable("checkpointing", APPLY_KEY, items, "a mapping of setup items ({'checkpointing': ...})")
         return
     with read.scope(read.file, APPLY_KEY + "."):
+        registered = {item.name: item for item in apply_items()}  # memfit.techniques.convert.ApplyItem
         for key, value in items.items():
-            if key == "checkpointing":
-                try:
-                    mode = Checkpointing.parse(str(value))
-                except (ConfigError, ValueError):
-                    read.unmappable("checkpointing", key, value, "not a checkpointing mode memfit sizes")
-                    continue
-                read.set("checkpointing", mode, key, value, "applied by memfit.apply_")
-            elif key == "activation_offload":
-                if not isinstance(value, bool):
-                    read.unmappable("activation_offload", key, value, "true or false")
-                    continue
-                read.set("activation_offload", value, key, value, "applied by memfit.apply_")
-            else:
-                read.unmappable(str(key), key, value, "memfit.apply_ takes checkpointing and activation_offload")
+            item = registered.get(key)
+            if item is None:
+                read.unmappable(str(key), key, value, f"memfit.apply_ takes {' and '.join(alone())}")
+                continue
+            try:
+                parsed = item.parse(value)
+            except ValueError as error:
+                read.unmappable(key, key, value, str(error))
+                continue
+            read.set(key, parsed, key, value, "applied by memfit.apply_")
     for key, value in data.items():
         if key != APPLY_KEY:
             read.ignore(str(key), value, f"{NOT_RELEVANT} (memfit.apply_ reads only {APPLY_KEY})")

@@ -48,7 +48,7 @@ FIRST_FIELDS = ("model", "gpu", "method", "gpus", "batch", "seq")
 """What most questions change, in this order and always shown."""
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Precision and memory", ("precision", "optimizer", "checkpointing", "attention", "accum", "loss",
-                              "activation_offload", "optimizer_in_backward", "keep_zeroed_grads", "compile",
+                              "optimizer_in_backward", "keep_zeroed_grads", "compile",
                               "float8", "float8_all_gather")),
     ("Sharding, offload and parallelism", ("zero", "offload", "engine", "tp", "sequence_parallel", "pp",
                                            "pp_schedule", "pp_virtual_stages", "dp_shard", "cp", "cp_rotate")),

@@ -4,7 +4,7 @@ proposal, so each technique's memory effect is modelled (and tested) once, in th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Mapping
 
 from ..diagnose import Bottleneck, Diagnosis, diagnose
 from ..estimate.analytic import estimate
@@ -113,6 +113,9 @@ class Technique:
     cuts_static: ClassVar[bool] = True
     """Whether the rung can shrink static memory (parameters, gradients, optimizer states). A rung that only cuts
     activations is passed over while static memory alone is over the budget (`static_over_budget`)."""
+    rung_after: ClassVar[Mapping[Bottleneck, str]] = {}
+    """Where a technique module puts its own rung: {ladder: the rung it follows}; `register` inserts its key into
+    LADDERS there (a technique named in LADDERS itself leaves it empty)."""
 
     def propose(self, ctx: Context) -> Proposal | Skip:  # pragma: no cover - interface
         raise NotImplementedError
@@ -160,14 +163,22 @@ REGISTRY: dict[str, Technique] = {}
 
 
 def register(cls: type[Technique]) -> type[Technique]:
+    """Register a technique's rung (and cost); with `rung_after`, its place in the ladders too."""
     REGISTRY[cls.key] = cls()
+    for bottleneck, before in cls.rung_after.items():
+        ladder = LADDERS[bottleneck]
+        if cls.key not in ladder:
+            at = ladder.index(before) + 1
+            LADDERS[bottleneck] = (*ladder[:at], cls.key, *ladder[at:])
     return cls
 
 
-FRAGMENT_SLOTS = ("hf_trainer", "torchtune.optimizer")
+FRAGMENT_SLOTS = ("hf_trainer", "hf_trainer.memory", "torchtune.optimizer")
 """Where a technique module plugs text into an emitter or a reader, besides what those name themselves:
 hf_trainer: `fragment(setup, **_) -> (TrainingArguments kwargs, their comments, notes)`, run by
-memfit.emit.hf_trainer after the precision part (before the optimizer's); torchtune.optimizer:
+memfit.emit.hf_trainer after the precision part (before the optimizer's); hf_trainer.memory: the same, run after the
+checkpointing and loss parts (before torch.compile's), also given `apply_line` (the line that applies
+memfit_apply.json, or None); torchtune.optimizer:
 `fragment(read, optimizer) -> bool`, run by memfit.readers.formats on a torchtune recipe's `optimizer` mapping
 before its own components; True: the fragment read it."""
 
@@ -189,15 +200,14 @@ def fragment(slot: str) -> Callable[[Callable], Callable]:
 # The seed's ladders, cheapest change first (shared/seed: "A Decision Framework").
 LADDERS: dict[Bottleneck, tuple[str, ...]] = {
     Bottleneck.STATIC: ("mixed_precision", "adam_8bit", "optimizer_in_backward", "zero"),
-    Bottleneck.ACTIVATIONS: ("checkpointing", "micro_batch", "flash_attention", "fused_loss", "activation_offload",
-                             "compile"),
+    Bottleneck.ACTIVATIONS: ("checkpointing", "micro_batch", "flash_attention", "fused_loss", "compile"),
     Bottleneck.BOTH: ("mixed_precision", "checkpointing", "adam_8bit", "micro_batch", "flash_attention", "fused_loss",
-                      "activation_offload", "optimizer_in_backward", "zero", "cpu_offload", "compile", "lora", "qlora"),
+                      "optimizer_in_backward", "zero", "cpu_offload", "compile", "lora", "qlora"),
 }
 """The chunked / fused loss follows FlashAttention (free, everywhere) since it costs compute or a package; the
 optimizer step in backward follows 8-bit AdamW and precedes ZeRO: one GPU, no communication, but no accumulation
-or clipping. Activation offloading follows the loss rungs: it costs host RAM and PCIe bandwidth rather than
-compute, and pairs with checkpointing (memfit.techniques.activation_offload). LoRA and QLoRA come after every seed
+or clipping. A technique module may insert its own rung (Technique.rung_after: activation offloading follows the loss
+rungs). LoRA and QLoRA come after every seed
 rung (the combined ladder ends with them): they change what is trained, not only how (memfit.techniques.lora).
 While static memory alone is over the budget, every rung whose `cuts_static` is False waits (static_over_budget)."""
 
@@ -205,7 +215,7 @@ SEARCH: tuple[str, ...] = ("mixed_precision", "adam_8bit", "checkpointing", "mic
                            "flash_attention")
 """The techniques `plan --optimize` combines (memfit.search.candidate_setups), in the order their fields vary in the
 search (the last fastest), which is also how ties between equally fast setups break. fused_loss,
-activation_offload and compile yield values too but are not searched: adding them moves --optimize answers
+compile and the rungs technique modules insert (Technique.rung_after) yield values too but are not searched: adding them moves --optimize answers
 (memfit.search; see its docstring)."""
 
 EstimateFn = Callable[[ModelSpec, TrainingSetup, Hardware], MemoryEstimate]

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 from ..change import Change
+from ..errors import ConfigError
 from ..setup import Attention, Checkpointing, TrainingSetup
 from .base import Context, Proposal, Skip, Technique, register
-from .convert import Target, conversion
+from .convert import ApplyItem, Target, apply_item, conversion
 from .costs import Cost, checkpointing_cost, recompute_fraction
 from ..selective_op import SELECTIVE_OP_POLICY
 
@@ -238,3 +239,21 @@ def enable_checkpointing(model: nn.Module, blocks: nn.ModuleList) -> None:
                 core.plain_core = original
                 source.eager_attention_forward = core
             module.recompute_core = True'''
+
+
+def _apply_value(setup: TrainingSetup) -> str | None:
+    """TrainingArguments checkpoints whole blocks only: any other mode goes to memfit_apply.json."""
+    return None if setup.checkpointing in (Checkpointing.NONE, Checkpointing.FULL) else str(setup.checkpointing)
+
+
+def _apply_parse(value) -> Checkpointing:
+    try:
+        return Checkpointing.parse(str(value))
+    except (ConfigError, ValueError):
+        raise ValueError("not a checkpointing mode memfit sizes") from None
+
+
+apply_item(ApplyItem("checkpointing", _apply_value,
+                     "memfit's block wrapper (memfit._torch.blocks, the one the trace and measurements use): "
+                     "TrainingArguments checkpoints whole blocks only",
+                     lambda value: f"checkpointing {value}", _apply_parse))

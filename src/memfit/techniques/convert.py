@@ -17,7 +17,8 @@ torch is imported inside the conversions only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,23 +45,64 @@ class Target:
 Conversion = Callable[[Any, TrainingSetup, Target], Any]
 """(model, setup, target) -> memfit.apply.Change, or None when the setup does not use the technique."""
 
-ORDER = ("precision", "finetune", "float8", "attention", "checkpointing", "optimizer", "batching", "engine",
-         "activation_offload", "compile")
-"""The order conversions run in, which is also the order of apply_'s report."""
+ORDER: tuple[str, ...] = ("precision", "finetune", "float8", "attention", "checkpointing", "optimizer", "batching",
+                          "engine", "compile")
+"""The order conversions run in, which is also the order of apply_'s report. A technique module whose item is not
+here places it with `conversion(item, after=...)`."""
 
 CONVERSIONS: dict[str, tuple[Conversion, ...]] = {}
 """Each item's conversions, in registration order: its technique module's, then any other module's that adds to the
 item (an optimizer wrapper says how to wrap the loop's optimizer)."""
 
-ALONE = ("checkpointing", "activation_offload")
-"""The items apply_ takes alone (a mapping, or the memfit_apply.json `memfit plan --emit` writes): what only code
-can put on a model, since TrainingArguments cannot say it."""
+
+@dataclass(frozen=True)
+class ApplyItem:
+    """A setup field that only code can put on a model, since TrainingArguments cannot say it: `memfit plan --emit`
+    writes it to memfit_apply.json (memfit.emit.apply_file), memfit's reader reads it back
+    (memfit.readers.memfit_apply) and apply_ takes it alone. Its name is its conversion item (one of ORDER) and the
+    setup field it sets."""
+
+    name: str
+    value: Callable[[TrainingSetup], Any]
+    """The JSON value memfit_apply.json holds for the setup, or None when the file does not need it."""
+    comment: str
+    """The emitted file's comment on the item."""
+    summary: Callable[[Any], str]
+    """Its JSON value in the words of the notes ("activation offloading")."""
+    parse: Callable[[Any], Any]
+    """Its JSON value as the setup field's value; ValueError (its text: what the item takes) when it is none."""
 
 
-def conversion(item: str) -> Callable[[Conversion], Conversion]:
-    """Register a technique module's `convert` as a conversion of `item` (one of ORDER)."""
+_APPLY_ITEMS: dict[str, ApplyItem] = {}
+
+
+def apply_item(item: ApplyItem) -> ApplyItem:
+    """Register a technique module's ApplyItem (its item must be one of ORDER)."""
+    if item.name not in ORDER:
+        raise ValueError(f"{item.name} is not in memfit.techniques.convert.ORDER")
+    _APPLY_ITEMS[item.name] = item
+    return item
+
+
+def apply_items() -> tuple[ApplyItem, ...]:
+    """The registered ApplyItems in ORDER (the order of memfit_apply.json and of apply_'s report)."""
+    return tuple(_APPLY_ITEMS[name] for name in ORDER if name in _APPLY_ITEMS)
+
+
+def alone() -> tuple[str, ...]:
+    """The items apply_ takes alone (a mapping, or the memfit_apply.json `memfit plan --emit` writes)."""
+    return tuple(item.name for item in apply_items())
+
+
+def conversion(item: str, *, after: str | None = None) -> Callable[[Conversion], Conversion]:
+    """Register a technique module's `convert` as a conversion of `item`: one of ORDER, or a new item that runs
+    right after the item `after` names."""
+    global ORDER
     if item not in ORDER:
-        raise ValueError(f"{item} is not in memfit.techniques.convert.ORDER")
+        if after not in ORDER:
+            raise ValueError(f"{item} is not in memfit.techniques.convert.ORDER: place it with after=")
+        at = ORDER.index(after) + 1
+        ORDER = (*ORDER[:at], item, *ORDER[at:])
 
     def register(convert: Conversion) -> Conversion:
         CONVERSIONS[item] = (*CONVERSIONS.get(item, ()), convert)
@@ -69,9 +111,34 @@ def conversion(item: str) -> Callable[[Conversion], Conversion]:
     return register
 
 
+LoopContext = Callable[[Any, TrainingSetup], contextlib.AbstractContextManager]
+"""(model, setup) -> the context memfit's own loop wraps a micro-step's forward and loss in (a nullcontext when the
+setup does not use the technique)."""
+
+LOOP_CONTEXTS: list[LoopContext] = []
+"""What memfit's own training loop (MEMFIT_LOOP: memfit._torch.step.training_step) wraps each forward and loss in,
+for a technique that acts there rather than on the model (activation offloading's saved-tensor hooks), in
+registration order."""
+
+
+def loop_context(function: LoopContext) -> LoopContext:
+    """Register a technique module's LoopContext (its conversion says "memfit's loop does it" for MEMFIT_LOOP)."""
+    LOOP_CONTEXTS.append(function)
+    return function
+
+
+@contextlib.contextmanager
+def loop_contexts(model, setup: TrainingSetup) -> Iterator[None]:
+    """Every registered LoopContext entered, in registration order (what training_step's forward runs in)."""
+    with contextlib.ExitStack() as stack:
+        for make in LOOP_CONTEXTS:
+            stack.enter_context(make(model, setup))
+        yield
+
+
 def convert_model(model, setup: TrainingSetup, target: Target, items: Sequence[str] | None = None) -> tuple:
     """Run the registered conversions of `items` (default: all) on `model` in ORDER; their Changes, None dropped.
     Importing memfit.techniques registers every technique module's conversion."""
     wanted = ORDER if items is None else tuple(item for item in ORDER if item in items)
-    changes = (convert(model, setup, target) for item in wanted for convert in CONVERSIONS[item])
+    changes = (convert(model, setup, target) for item in wanted for convert in CONVERSIONS.get(item, ()))
     return tuple(change for change in changes if change is not None)

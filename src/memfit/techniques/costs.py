@@ -211,24 +211,6 @@ def recompute_fraction(spec: ModelSpec, setup: TrainingSetup) -> float:
     return min(1 / 3, recomputed / max(forward, 1) / 3 + 0.01)
 
 
-def activation_offload_traffic_bytes(host_bytes_per_micro_step: int, setup: TrainingSetup) -> int:
-    """Activation offloading moves every pack down in forward and back up in backward, each micro-step
-    (memfit.estimate.offload_activations)."""
-    return 2 * host_bytes_per_micro_step * setup.grad_accum_steps
-
-
-def activation_offload_cost(host_bytes_per_micro_step: int, setup: TrainingSetup, hardware: Hardware) -> Cost:
-    """The activation-offload rung's cost: every pack down and up each micro-step, and the pinned host RAM."""
-    traffic = activation_offload_traffic_bytes(host_bytes_per_micro_step, setup)
-    per = f" ({setup.grad_accum_steps} micro-steps)" if setup.grad_accum_steps > 1 else ""
-    return Cost(host_link_bytes=traffic, host_link_seconds=host_link_seconds(traffic, hardware),
-                host_bytes=host_bytes_per_micro_step,
-                caveats=(per, f"{hardware.gpu.host_link_gb_per_s:g} GB/s",
-                         "overlapped with compute on torchtune's second stream as far as the link keeps up"),
-                template="{host_link} over PCIe per step{caveat[0]} (~{host_link_seconds:.2f} s at {caveat[1]}), "
-                         "{caveat[2]}; {host} of pinned host RAM per GPU")
-
-
 _RECOMPUTED = {"full": "one extra forward per step",
                "selective-op": "every 2nd matmul of a block and its elementwise ops recomputed",
                "attention": "the attention core's two T x T matmuls and softmax recomputed"}

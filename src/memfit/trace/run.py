@@ -133,9 +133,7 @@ def to_estimate(tracker: StepTracker, session: StepSession, setup: TrainingSetup
     if tracker.values_assumed:
         notes.append(f"the optimizer step read {tracker.values_assumed} tensor values (.item()), which fake tensors do "
                      "not have; the trace took 0 (finite gradients, the step taken)")
-    if setup.activation_offload:
-        notes.append("activation offload is not traced: fake tensors have no host to go to, so the saved tensors "
-                     "stay in this device peak (the analytic estimate sizes the offload)")
+    notes += [note for section in setup.techniques if (note := section.trace_note())]
     if host:
         notes.append("CPU offload: optimizer states (and the step's scratch) live in host memory, outside the "
                      "device peak; cpu_bytes is what stays on the host")
