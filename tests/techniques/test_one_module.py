@@ -46,7 +46,8 @@ CASES = {
         ("_torch/offload_activations.py",  # the saved-tensor hooks (torch), which the module imports on first use
          "estimate/offload_activations.py",  # its sizing, tensor by tensor, in the core the module calls
          "estimate/offload_lora.py",  # the same with a frozen base (adapters)
-         "readers/formats.py"),  # axolotl's and torchtune's switches (being split into modules: a reader slot next)
+         "readers/_mapper.py", "readers/axolotl.py", "readers/torchtune.py"),  # axolotl's and torchtune's switches
+        # and the mappers' shared helper (a reader slot next)
         "activation_offload", "activation_offload", "--activation-offload", ("activation_offload",),
         ("activation_offload",), {"activation_offload": True}, ("--activation-offload",)),
 }

@@ -179,7 +179,7 @@ hf_trainer: `fragment(setup, **_) -> (TrainingArguments kwargs, their comments, 
 memfit.emit.hf_trainer after the precision part (before the optimizer's); hf_trainer.memory: the same, run after the
 checkpointing and loss parts (before torch.compile's), also given `apply_line` (the line that applies
 memfit_apply.json, or None); torchtune.optimizer:
-`fragment(read, optimizer) -> bool`, run by memfit.readers.formats on a torchtune recipe's `optimizer` mapping
+`fragment(read, optimizer) -> bool`, run by memfit.readers.torchtune on a torchtune recipe's `optimizer` mapping
 before its own components; True: the fragment read it."""
 
 FRAGMENTS: dict[str, list[Callable]] = {slot: [] for slot in FRAGMENT_SLOTS}

@@ -260,7 +260,7 @@ def convert(model, setup: TrainingSetup, target: Target) -> Change | None:
 # ---- its torchtune reader ----------------------------------------------------------------------------------------
 
 def _truthy(value: Any) -> bool:
-    """What memfit.readers.formats takes for true (an enum by its value)."""
+    """What the config readers (memfit.readers._mapper) take for true (an enum by its value)."""
     return getattr(value, "value", value) in (True, "true", "True", "auto") or (
         isinstance(value, int) and not isinstance(value, bool) and value > 0)
 
