@@ -52,7 +52,8 @@ class Diagnosis:
     they slow a step down instead of making it OOM. Not in `required_bytes`."""
     at_limit_bytes: int = 0
     """The least the step runs with when the device is full: the allocator's least reserve at the limit + outside,
-    less evictable (the verdict's figure; shown in `to_dict` only when it decides)."""
+    less evictable (the verdict's figure; shown in `to_dict` only when it decides). Searched only when the verdict
+    hangs on it; elsewhere the required figure."""
     with_room_bytes: int = 0
     """Set only when the step fits because the allocator frees its cache before it raises OOM: what it would hold
     with room to spare (reserved + outside, less evictable), over the budget; `required_bytes` is then the figure
@@ -138,8 +139,13 @@ def static_floor_bytes(estimate: MemoryEstimate) -> int:
 def cache_freed_at_limit(estimate: MemoryEstimate) -> int:
     """Bytes of the allocator's reserve that a full device takes back: the reserve with room less the least the
     step runs with (Term.at_limit of the reserve terms, memfit.estimate.allocator.least_capacity)."""
-    return sum(t.num_bytes - max(0, min(t.at_limit, t.num_bytes)) for t in estimate.terms
+    return sum(t.num_bytes - max(0, min(t.at_limit_bytes(), t.num_bytes)) for t in estimate.terms
                if t.name == TermKey.ALLOCATOR_RESERVE and t.at_limit is not None)
+
+
+def _reserve_bytes(estimate: MemoryEstimate) -> int:
+    """The most a full device could take back: the whole reserve with room (the at-limit figure's lower bound)."""
+    return sum(t.num_bytes for t in estimate.terms if t.name == TermKey.ALLOCATOR_RESERVE and t.at_limit is not None)
 
 
 def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> Diagnosis:
@@ -162,7 +168,10 @@ def diagnose(estimate: MemoryEstimate, hardware: Hardware, *, margin: float = DE
     evictable = sum(t.num_bytes for t in estimate.terms if t.name == PAGED_STATES)
     required = reserved + outside - evictable
     with_room = 0
-    at_limit = required - cache_freed_at_limit(estimate)
+    # the least reserve at the limit is searched only where the verdict hangs on it: over the budget with room,
+    # within it were the whole reserve taken back (else the figure at the limit is the required one)
+    borderline = required > budget >= required - _reserve_bytes(estimate)
+    at_limit = required - cache_freed_at_limit(estimate) if borderline else required
     if required > budget >= at_limit:
         with_room, required = required, at_limit
     if required <= budget:

@@ -124,5 +124,5 @@ def test_an_estimate_carries_its_reserve_at_the_limit():
     est = estimate(resolve_model("llama-3.1-8b"), TrainingSetup(micro_batch_size=2, seq_len=2048),
                    make_hardware("A100-80GB"))
     reserve = est.term("overhead/allocator_reserve")
-    assert reserve.at_limit is not None and 0 <= reserve.at_limit <= reserve.num_bytes
+    assert reserve.at_limit is not None and 0 <= reserve.at_limit_bytes() <= reserve.num_bytes
     assert "at_limit" not in reserve.to_dict()  # a verdict figure, not a term of the JSON

@@ -18,9 +18,9 @@ repeat, so the replay runs on a few blocks and the overheads are extended linear
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Protocol
 
 from ..hardware import Hardware
@@ -54,8 +54,10 @@ class DeviceReplay:
 
     rounding_bytes: int
     reserve_bytes: int
-    limit_reserve_bytes: int
-    """The least reserve the step runs with when the device is full: allocator.least_capacity - peak allocated."""
+    limit_reserve: Callable[[], int]
+    """The least reserve the step runs with when the device is full (allocator.least_capacity - peak allocated),
+    computed on first call and cached: the search replays the stream a dozen times, and only a verdict near the
+    limit asks for it (memfit.diagnose)."""
     stream: str
     """'trace' (the step's real events) or 'formulas' (the representative stream)."""
     config: str
@@ -92,7 +94,7 @@ def runtime_overhead_terms(tensor_peak: int, setup: TrainingSetup, hardware: Har
     if replay.stream == "peak only":
         reserve_formula += "; no event stream was given, so fragmentation is not modelled"
     out.append(Term(RESERVE, Category.OVERHEAD, replay.reserve_bytes, reserve_formula, alloc.SOURCE,
-                    figure="reserved", at_limit=min(replay.limit_reserve_bytes, replay.reserve_bytes)))
+                    figure="reserved", at_limit=_capped(replay.limit_reserve, replay.reserve_bytes)))
     if constants.cuda_context_bytes:
         out.append(Term(CONTEXT, Category.OVERHEAD, constants.cuda_context_bytes,
                         f"CUDA context, {hardware.cuda_runtime} module loading (outside PyTorch's allocator)",
@@ -115,20 +117,28 @@ def device_replay(tensor_peak: int, setup: TrainingSetup, hardware: Hardware, *,
     if events is not None:
         stream = [(("ws", i), size) for i, size in enumerate(workspaces)] + list(events)
         result = alloc.replay(stream, config)
-        least = alloc.least_capacity(stream, config)
         return DeviceReplay(max(0, result.peak_allocated - result.peak_requested),
                             max(0, result.peak_reserved - result.peak_allocated),
-                            max(0, least - result.peak_allocated), "trace", config.describe())
+                            _least_reserve(stream, config, result.peak_allocated), "trace", config.describe())
     if spec is None or not terms or not spec.params:
         stream = [(i, s) for i, s in enumerate((*workspaces, tensor_peak)) if s]
         result = alloc.replay(stream, config)
         return DeviceReplay(result.peak_allocated - result.peak_requested,
                             result.peak_reserved - result.peak_allocated,
-                            max(0, alloc.least_capacity(stream, config) - result.peak_allocated), "peak only",
+                            _least_reserve(stream, config, result.peak_allocated), "peak only",
                             config.describe())
     shape = _shape(spec, setup, terms, workspaces, offload)
     rounding, reserve, limit = _extended(shape, config, spec.num_layers, tensor_peak)
     return DeviceReplay(rounding, reserve, limit, "formulas", config.describe())
+
+
+def _least_reserve(stream: list, config: alloc.AllocatorConfig, peak_allocated: int) -> Callable[[], int]:
+    """The least reserve at the limit of `stream`, searched on first call."""
+    return cache(lambda: max(0, alloc.least_capacity(stream, config) - peak_allocated))
+
+
+def _capped(limit: Callable[[], int], reserve: int) -> Callable[[], int]:
+    return cache(lambda: min(limit(), reserve))
 
 
 # ------------------------------------------------------------------------------------------ the formula stream
@@ -345,24 +355,30 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
 
 
 @lru_cache(maxsize=512)
-def _replayed(shape: _Shape, blocks: int, config: alloc.AllocatorConfig) -> tuple[int, int, int, int]:
-    """(peak requested, rounding, reserve with room, reserve at the limit) of the sample's stream."""
-    stream = formula_stream(shape, blocks)
-    result = alloc.replay(stream, config)
+def _replayed(shape: _Shape, blocks: int, config: alloc.AllocatorConfig) -> tuple[int, int, int]:
+    """(peak requested, rounding, reserve with room) of the sample's stream."""
+    result = alloc.replay(formula_stream(shape, blocks), config)
     return (result.peak_requested, max(0, result.peak_allocated - result.peak_requested),
-            max(0, result.peak_reserved - result.peak_allocated),
-            max(0, alloc.least_capacity(stream, config) - result.peak_allocated))
+            max(0, result.peak_reserved - result.peak_allocated))
+
+
+@lru_cache(maxsize=512)
+def _least_replayed(shape: _Shape, blocks: int, config: alloc.AllocatorConfig) -> int:
+    """The sample stream's reserve at the limit (allocator.least_capacity less its peak allocated)."""
+    stream = formula_stream(shape, blocks)
+    return max(0, alloc.least_capacity(stream, config) - alloc.replay(stream, config).peak_allocated)
 
 
 def _extended(shape: _Shape, config: alloc.AllocatorConfig, layers: int,
-              tensor_peak: int) -> tuple[int, int, int]:
+              tensor_peak: int) -> tuple[int, int, Callable[[], int]]:
     """Replay SAMPLE_BLOCKS blocks (all of them when the model has fewer) and scale the overheads by the tensor
     peak: the sample's rounding and cache as fractions of its own peak, applied to the formulas' peak. (Blocks
     repeat the same allocations, but how their blocks pack into segments does not grow linearly with depth, so a
     fraction is steadier than an extrapolation.)"""
     blocks = min(SAMPLE_BLOCKS, layers)
-    requested, rounding, reserve, limit = _replayed(shape, blocks, config)
+    requested, rounding, reserve = _replayed(shape, blocks, config)
     if blocks == layers or not requested:
-        return rounding, reserve, limit
+        return rounding, reserve, cache(lambda: _least_replayed(shape, blocks, config))
     scale = tensor_peak / requested
-    return int(rounding * scale), int(reserve * scale), int(limit * scale)
+    return (int(rounding * scale), int(reserve * scale),
+            cache(lambda: int(_least_replayed(shape, blocks, config) * scale)))

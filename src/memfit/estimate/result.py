@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 from ..setup import TrainingSetup
 from .terms import Category, TermKey
@@ -32,16 +33,22 @@ class Term:
     """Which device figure the term first counts in: 'allocated' (tensors, the allocator's rounding, kernel
     workspaces), 'reserved' (segments cached beyond the allocated peak) or 'outside' (the allocator: CUDA context,
     NCCL, a paged optimizer's unified-memory states). Empty: 'allocated' for tensor categories, by name for overhead terms (see `device_figure`)."""
-    at_limit: int | None = field(default=None, compare=False)
+    at_limit: int | Callable[[], int] | None = field(default=None, compare=False)
     """The allocator reserve only: the least of it the step runs with when the device is full (the allocator frees
     its cached segments and retries before it raises OOM; memfit.estimate.allocator.least_capacity). None: not
-    known, `num_bytes` is taken. Not serialized: a figure for the fits verdict (memfit.diagnose), not a term."""
+    known, `num_bytes` is taken. A callable computes it on first use (the capacity search replays the step a dozen
+    times, and only a verdict near the limit needs it): read it with `at_limit_bytes`. Not serialized: a figure for
+    the fits verdict (memfit.diagnose), not a term."""
 
     def __post_init__(self) -> None:
         # a name given as its text (a measured step's keys, code not yet on TermKey) becomes its member, so an
         # unknown name is the only plain string left (tests/estimate/test_term_keys.py)
         if type(self.name) is str and self.name in _KEYS:
             object.__setattr__(self, "name", _KEYS[self.name])
+
+    def at_limit_bytes(self) -> int | None:
+        """`at_limit`, computed if it is still a callable (memfit.estimate.device caches the search)."""
+        return self.at_limit() if callable(self.at_limit) else self.at_limit
 
     @property
     def device_figure(self) -> str:
