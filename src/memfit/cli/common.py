@@ -131,6 +131,19 @@ def resolve(model: str, opts):
     return opts.resolve(model)
 
 
+def parse_pixels(value: str, option: str, shape: str) -> tuple[int, int]:
+    """An image's pixels as `option` takes them: one side ('1024': square) or HEIGHTxWIDTH ('768x1344'), as
+    (height, width); else a one-line ConfigError that says so (`shape` names the accepted forms)."""
+    parts = str(value).lower().replace("*", "x").split("x")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2) or min(numbers) < 1:
+        raise ConfigError(f"{option} takes {shape}, got '{value}'")
+    return (numbers[0], numbers[-1])
+
+
 def print_json(data: dict) -> None:
     typer.echo(json.dumps(data, indent=2))
 

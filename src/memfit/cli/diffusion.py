@@ -8,22 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import ConfigError
-from .common import DOES_NOT_FIT, app, console, examples, print_json
+from .common import DOES_NOT_FIT, app, console, examples, parse_pixels, print_json
 
 GIB = 2 ** 30
 
 
 def parse_resolution(value: str) -> tuple[int, int]:
     """'1024' or '768x1344' (height x width) -> (1024, 1024) / (768, 1344)."""
-    parts = str(value).lower().replace("*", "x").split("x")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        numbers = []
-    if len(numbers) not in (1, 2) or min(numbers) < 1:
-        raise ConfigError(f"--resolution takes pixels, one side or HEIGHTxWIDTH (e.g. 1024 or 768x1344), got '{value}'")
-    return (numbers[0], numbers[-1])
+    return parse_pixels(value, "--resolution", "pixels, one side or HEIGHTxWIDTH (e.g. 1024 or 768x1344)")
 
 
 @app.command("diffusion", epilog=examples(

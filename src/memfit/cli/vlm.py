@@ -13,7 +13,7 @@ import typer
 from ..errors import ConfigError
 from ..finetune import Method
 from ..setup import Checkpointing, Precision
-from .common import DOES_NOT_FIT, app, console, examples, print_json
+from .common import DOES_NOT_FIT, app, console, examples, parse_pixels, print_json
 from .options import MAX_MICRO_BATCH, JsonOpt, SetupOptions, choice, whole_number, with_setup_options
 
 GIB = 2 ** 30
@@ -34,14 +34,7 @@ class Search(str, Enum):
 
 def parse_size(value: str) -> tuple[int, int]:
     """'768' or '768x1024' (height x width) -> (768, 768) / (768, 1024)."""
-    parts = str(value).lower().replace("*", "x").split("x")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        numbers = []
-    if len(numbers) not in (1, 2) or min(numbers) < 1:
-        raise ConfigError(f"--image-size takes HEIGHTxWIDTH pixels (e.g. 768x1024) or one side, got '{value}'")
-    return (numbers[0], numbers[-1])
+    return parse_pixels(value, "--image-size", "HEIGHTxWIDTH pixels (e.g. 768x1024) or one side")
 
 
 def vlm_options(opts: SetupOptions, micro_batch: int | None, finetune: Method | None,

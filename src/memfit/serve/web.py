@@ -115,19 +115,28 @@ def _json_object(body: bytes):
 _NOT_AN_OBJECT = "send a JSON object of the form's values, e.g. {\"model\": \"llama-3.1-8b\", \"batch\": \"4\"}"
 
 
-async def _plan(request: Request) -> Response:
+async def _read_json(request: Request, what: str) -> tuple[object, Response | None]:
+    """The request's JSON body (parsed, not yet checked to be an object), or the error Response to send: not JSON
+    (415, `what` says what to send), over MAX_BODY_BYTES (413, the connection closed so the rest is never read),
+    cut short, or not text."""
     if _media_type(request.headers.get("content-type", "")) != "application/json":
-        return _error("send the form's values as JSON (Content-Type: application/json)", status=415)
+        return None, _error(f"send {what} as JSON (Content-Type: application/json)", status=415)
     try:
-        body = await _body(request)
-    except _TooLarge:  # and close the connection, so the rest of the body is never read
+        return await _body(request), None
+    except _TooLarge:
         response = _error(f"the request is over {MAX_BODY_BYTES // 1024} KiB", status=413)
         response.headers["Connection"] = "close"
-        return response
+        return None, response
     except ClientDisconnect:
-        return _error("the request ended before its body did")
+        return None, _error("the request ended before its body did")
     except ValueError as error:
-        return _error(str(error))
+        return None, _error(str(error))
+
+
+async def _plan(request: Request) -> Response:
+    body, refused = await _read_json(request, "the form's values")
+    if refused is not None:
+        return refused
     values = _json_object(body)
     if values is None:
         return _error(_NOT_AN_OBJECT)
@@ -144,18 +153,9 @@ async def _plan(request: Request) -> Response:
 
 async def _rl(request: Request) -> Response:
     """The RL phase bars (memfit.serve.rl): {"args": [memfit rl's arguments]} -> its estimate, figure and line."""
-    if _media_type(request.headers.get("content-type", "")) != "application/json":
-        return _error("send {\"args\": [...]} as JSON (Content-Type: application/json)", status=415)
-    try:
-        body = await _body(request)
-    except _TooLarge:
-        response = _error(f"the request is over {MAX_BODY_BYTES // 1024} KiB", status=413)
-        response.headers["Connection"] = "close"
-        return response
-    except ClientDisconnect:
-        return _error("the request ended before its body did")
-    except ValueError as error:
-        return _error(str(error))
+    body, refused = await _read_json(request, "{\"args\": [...]}")
+    if refused is not None:
+        return refused
     values = _json_object(body)
     args = values.get("args") if values is not None else None
     if not isinstance(args, list):
