@@ -170,3 +170,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "browser" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.browser)
+
+
+@pytest.fixture(autouse=True)
+def _no_state_leaks_between_tests():
+    """What one test leaves in the process does not reach the next one on the same xdist worker: os.environ (the
+    Trainer's TrainingArguments and accelerate's launcher write FSDP_* / ACCELERATE_* variables into it), accelerate's
+    process-wide AcceleratorState / PartialState (a Trainer built in a later test would take their FSDP or mixed
+    precision) and torch's intra-op thread count (Lightning sets it; CPU kernels' scratch is per thread)."""
+    environ = dict(os.environ)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
