@@ -16,6 +16,7 @@ import torch
 
 from .._torch.measure_cpu import MARK_PREFIX, _events, storage_baseline
 from .._torch.replay import Mark, replay
+from .._torch.threads import step_threads
 
 WORDS = 400
 """The toy tokenizer's words: w0 .. w399 (ids 3..402 after pad/eos/unk), within the tiny vocab of 512."""
@@ -87,14 +88,19 @@ def phase_peaks(run_step, model, optimizer, extra_tensors, marks: PhaseMarks, *,
     return peaks
 
 
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+TRAINER_ARGS = dict(use_cpu=True, bf16=False, gradient_accumulation_steps=1, learning_rate=1e-4, max_steps=3,
+                    logging_steps=100, save_strategy="no", report_to=[], disable_dropout=True, seed=0,
+                    model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+"""What every measured TRL trainer runs with: CPU, fp32, sdpa, three steps (the second is measured), no saving."""
+
+
+def _peft_config(lora: bool):
+    """peft's LoRA on q_proj / v_proj (r 8) when `lora`, as TRL takes it; else None (a full policy)."""
+    if not lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
 def _prompts(count: int, length: int):
@@ -127,20 +133,13 @@ def measure_grpo(config: dict, *, batch: int, num_generations: int, prompt_len: 
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     config_class, trainer_class = (RLOOConfig, RLOOTrainer) if trainer == "rloo" else (GRPOConfig, GRPOTrainer)
-    args = config_class(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=checkpointing,
-                      per_device_train_batch_size=batch, num_generations=num_generations,
-                      max_completion_length=completion_len, gradient_accumulation_steps=1, beta=beta,
-                      learning_rate=1e-4, max_steps=3, logging_steps=100, save_strategy="no", report_to=[],
-                      generation_kwargs={"min_new_tokens": completion_len}, disable_dropout=True, seed=0,
-                      model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
-    peft_config = None
-    if lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = config_class(output_dir=output_dir, gradient_checkpointing=checkpointing,
+                        per_device_train_batch_size=batch, num_generations=num_generations,
+                        max_completion_length=completion_len, beta=beta,
+                        generation_kwargs={"min_new_tokens": completion_len}, **TRAINER_ARGS)
     run = trainer_class(model=_tiny_model(config, f"{output_dir}/model"), reward_funcs=_length_reward, args=args,
                         train_dataset=_prompts(64, prompt_len), processing_class=toy_tokenizer(),
-                        peft_config=peft_config)
+                        peft_config=_peft_config(lora))
     return _measure_trainer(run, reference_method="_get_per_token_logps_and_entropies", detail=detail)
 
 
@@ -173,7 +172,7 @@ def _measure_trainer(trainer, *, reference_method: str | None, detail: dict | No
             marks.mark("training")
 
     trainer.add_callback(Once())
-    with one_thread(), contextlib.suppress(Profiled):
+    with step_threads(), contextlib.suppress(Profiled):
         trainer.train()  # step 0 runs; step 1 begins and is stopped before its work
     extra = [list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())] if getattr(
         trainer, "ref_model", None) is not None else []
@@ -186,7 +185,7 @@ def _measure_trainer(trainer, *, reference_method: str | None, detail: dict | No
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
 
-    with one_thread():
+    with step_threads():
         # accelerate wraps the torch optimizer; its state is what the baseline names
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         return phase_peaks(step, model, optimizer, extra, marks, detail=detail)
@@ -211,19 +210,12 @@ def measure_dpo(config: dict, *, batch: int, prompt_len: int, completion_len: in
     in the trainer's constructor: measured here on a trainer built to keep its reference)."""
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
-                     per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=1e-4,
-                     max_steps=3, logging_steps=100, save_strategy="no", report_to=[], disable_dropout=True, seed=0,
+    args = DPOConfig(output_dir=output_dir, gradient_checkpointing=False, per_device_train_batch_size=batch,
                      max_length=4 * (prompt_len + completion_len), precompute_ref_log_probs=precompute is True,
-                     model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
-    peft_config = None
-    if lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+                     **TRAINER_ARGS)
     trainer = DPOTrainer(model=_tiny_model(config, f"{output_dir}/model"), args=args,
                          train_dataset=_pairs(64, prompt_len, completion_len), processing_class=toy_tokenizer(),
-                         peft_config=peft_config)
+                         peft_config=_peft_config(lora))
     if precompute == "phase":
         return _measure_precompute(trainer)
     marks = PhaseMarks()
@@ -252,19 +244,11 @@ def measure_kto(config: dict, *, batch: int, prompt_len: int, completion_len: in
     'reference' phase; the policy's own no-grad KL forward runs before its grad forward and is a 'kl' phase."""
     from trl import KTOConfig, KTOTrainer
 
-    args = KTOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
-                     per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=1e-4,
-                     max_steps=3, logging_steps=100, save_strategy="no", report_to=[], disable_dropout=True, seed=0,
-                     max_length=4 * (prompt_len + completion_len),
-                     model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
-    peft_config = None
-    if lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = KTOConfig(output_dir=output_dir, gradient_checkpointing=False, per_device_train_batch_size=batch,
+                     max_length=4 * (prompt_len + completion_len), **TRAINER_ARGS)
     trainer = KTOTrainer(model=_tiny_model(config, f"{output_dir}/model"), args=args,
                          train_dataset=_unpaired(64, prompt_len, completion_len), processing_class=toy_tokenizer(),
-                         peft_config=peft_config)
+                         peft_config=_peft_config(lora))
     marks = PhaseMarks()
     original, calls = trainer._compute_kl_logps, {"n": 0}
 
@@ -296,7 +280,7 @@ def _measure_precompute(trainer) -> dict[str, int]:
         trainer.compute_ref_log_probs(reference, batch)
         marks.mark("other")
 
-    with one_thread():
+    with step_threads():
         return phase_peaks(step, trainer.model, torch.optim.SGD([torch.zeros(1)]), extra + [batch], marks)
 
 
@@ -331,7 +315,7 @@ def measure_logits_head(config: dict, *, batch: int, prompt_len: int, completion
         del logits, logps
         marks.mark("other")
 
-    with one_thread():
+    with step_threads():
         return phase_peaks(step, model, torch.optim.SGD([torch.zeros(1)]), [ids], marks)["logprobs"]
 
 
@@ -365,6 +349,6 @@ def measure_critic(config: dict, *, batch: int, prompt_len: int, completion_len:
         update()
         marks.mark("other")
 
-    with one_thread():
+    with step_threads():
         update()
         return phase_peaks(step, model, optimizer, [ids, old_values, returns], marks)["critic"]
