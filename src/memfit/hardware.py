@@ -12,6 +12,9 @@ from .estimate.allocator import AllocatorConfig
 from .setup import Precision, needs_bf16
 from .units import GiB, MiB, parse_size
 
+DEFAULT_GPU = "A100-80GB"
+"""The GPU the commands size for when none is named (memfit plan, memfit rl, the page)."""
+
 
 @dataclass(frozen=True)
 class GPU:

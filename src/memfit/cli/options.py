@@ -31,7 +31,7 @@ from ..fields import MAX_ACCUM, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_NODES, M
 from ..fields import declared
 from ..fields import options as options_of
 from ..finetune import Finetune, Method
-from ..hardware import GPU, Hardware, get_gpu, make_hardware
+from ..hardware import DEFAULT_GPU, GPU, Hardware, get_gpu, make_hardware
 from ..model_spec import ModelSpec
 from ..setup import KEEP_NAMES, TrainingSetup, _Choice, field_names, parse_keep
 from .. import techniques as _techniques  # noqa: F401  (registers the technique sections: their options too)
@@ -39,7 +39,6 @@ from ..units import parse_size
 from .progress import hidden
 
 MODEL_PANEL, SETUP_PANEL, HARDWARE_PANEL, OUTPUT_PANEL = "Model", "Training setup", "Hardware", "Output"
-DEFAULT_GPU = "A100-80GB"
 
 __all__ = ["MAX_ACCUM", "MAX_MICRO_BATCH", "MAX_SEQ_LEN"]  # the bounds live with the fields (memfit.fields)
 

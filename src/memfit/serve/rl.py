@@ -1,6 +1,6 @@
 """The page's RL phase bars (issue 23), with no web framework: `memfit rl`'s arguments parsed by that command's own
 options (click's make_context on the real command: the same parsers and one-line errors), the recipe built as the
-command builds it (memfit.cli.rl.rl_inputs), and the answer: the `memfit rl --json` estimate, one bar per phase
+command builds it (memfit.rl.rl_inputs), and the answer: the `memfit rl --json` estimate, one bar per phase
 (stacked by category, never summed across phases) as plotly's JSON, and the equivalent command line.
 
 Like the plan page it answers catalog models only and reads no file (`--config` is refused)."""
@@ -12,6 +12,7 @@ import shlex
 from collections.abc import Sequence
 
 from ..errors import MemfitError
+from ..rl import estimate_rl, rl_inputs
 from .core import InputError, _catalog_model, _catalog_spec, _one_line
 
 REFUSED = {"--config": "the page reads no files: run `memfit rl --config FILE` itself",
@@ -80,9 +81,6 @@ def phase_figure(result) -> dict:
 def rl_for(argv: Sequence[str]) -> dict:
     """{"command": the `memfit rl` line, "estimate": what it prints with --json, "figure": the phase bars}.
     A mistake in the arguments raises InputError with the command line's own line."""
-    from ..cli.rl import rl_inputs
-    from ..rl import estimate_rl
-
     params = _parse(argv)
     if params.get("model") is None:
         raise InputError("give a model (a catalog name, see `memfit models`)", field="model")
