@@ -28,6 +28,9 @@ SECTIONS: tuple[str, ...] = ("batch", "precision", "optimizer", "memory", "paral
 """The setup's sections, in the order `--help` lists their options (fields in declaration order within each)."""
 
 KEY = "memfit"
+
+MISSING = object()
+"""A value no field holds (a default to compare with where a field has none)."""
 """The key of a field's FieldMeta in its dataclasses metadata."""
 
 # Upper bounds that no real step reaches; they keep the ladder's divisor search and --optimize's enumeration short.
@@ -107,6 +110,9 @@ class FieldMeta:
     option: Option | None = None
     nested: Any = None
     """A field holding a dataclass whose own fields carry the options (finetune: memfit.finetune.Finetune)."""
+    quiet_default: bool = False
+    """Left out of the setup's JSON while it holds its default: a field added after answers were published (the
+    FSDP version, the model code), so that an answer which never names it reads as it did before."""
 
     @property
     def keepable(self) -> bool:
@@ -114,14 +120,16 @@ class FieldMeta:
 
 
 def setting(default: Any, *, section: str, label: str | None = None, keep: tuple[str, ...] = (),
-            option: Option | None = None, nested: Any = None, **field_options: Any) -> Any:
+            option: Option | None = None, nested: Any = None, quiet_default: bool = False,
+            **field_options: Any) -> Any:
     """A dataclass field with its FieldMeta: `micro_batch_size: int = setting(8, section="batch", ...)`."""
     if section not in SECTIONS:
         raise ValueError(f"unknown section {section!r}")
     if option is not None:
         kind = type(default) if option.parser == "choice" else None
         option = dataclasses.replace(option, default=default, kind=kind, section=section)
-    meta = FieldMeta(section=section, label=label, keep=keep, option=option, nested=nested)
+    meta = FieldMeta(section=section, label=label, keep=keep, option=option, nested=nested,
+                     quiet_default=quiet_default)
     return dataclasses.field(default=default, metadata={KEY: meta}, **field_options)
 
 

@@ -96,6 +96,7 @@ class TrainingSetup:
         "torch.compile (torchtitan's build_cross_entropy_loss). Default: standard.", "choice"))
     """How the logits become the loss: all at once (transformers), per chunk (torchtune) or fused (Liger)."""
     model_code: ModelCode = setting(ModelCode.HF, section="memory", label="model code", keep=("model_code",),
+                                    quiet_default=True,
                                     option=Option(("--model-code",), "{choices}: whose module runs the model: the "
                                                   "Hugging Face class, or LitGPT's own GPT stepped as litgpt finetune "
                                                   "steps it (set by a LitGPT config). Default: hf.", "choice"))
@@ -200,7 +201,7 @@ class TrainingSetup:
     """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
     bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
     on engine torch with zero2 / zero3 only."""
-    fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version",
+    fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version", quiet_default=True,
                                         option=Option(("--fsdp-version",), "engine torch, zero2 / zero3: {choices} "
                                                       "(1 = FullyShardedDataParallel's flat parameters as accelerate "
                                                       "/ the HF Trainer run it; 1-blocks = Lightning / LitGPT's, "
@@ -652,10 +653,10 @@ class TrainingSetup:
         return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     def to_dict(self) -> dict:
-        """Every field as JSON holds it, the technique sections' flat among the setup's own (field_names); the model
-        code only when it is not the default (hf), so answers that never name it read as before it existed."""
+        """Every field as JSON holds it, the technique sections' flat among the setup's own (field_names); a field
+        declared `quiet_default` only when it differs from its default."""
         return {name: _fields.plain(getattr(self, name)) for name in field_names()
-                if name != "model_code" or self.model_code is not ModelCode.HF}
+                if getattr(self, name) != _QUIET_DEFAULTS.get(name, _fields.MISSING)}
 
 
 def _taking_technique_fields(init):
@@ -682,6 +683,10 @@ def field_names() -> tuple[str, ...]:
     shown = tuple(name for name, _ in _fields.declared(TrainingSetup))
     return tuple(n for n in shown if n != "notes") + ("notes",)
 
+
+_QUIET_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingSetup)
+                   if _fields.KEY in f.metadata and f.metadata[_fields.KEY].quiet_default}
+"""The fields left out of to_dict at their default (FieldMeta.quiet_default), with that default."""
 
 _CHOICE_FIELDS = tuple((f.name, type(f.default)) for f in dataclasses.fields(TrainingSetup)
                        if isinstance(f.default, _Choice))
