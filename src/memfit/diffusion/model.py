@@ -26,8 +26,7 @@ from ..errors import ConfigError
 from ..finetune import Finetune
 from ..measure import measure
 from ..setup import TrainingSetup
-from ..trace.run import trace
-from ..vlm.model import _kept, _restore_dtypes
+from ..trace.run import BuiltDtypes, trace
 from .latents import Shapes
 from .presets import DiffusionModel
 
@@ -135,15 +134,16 @@ def loop_setup(setup: TrainingSetup, batch: int) -> TrainingSetup:
 def trace_denoiser(model: DiffusionModel, shp: Shapes, setup: TrainingSetup, *, batch: int = 1,
                    kernels: str = "cuda", lora_dtype: str = "fp32", keep: dict | None = None):
     """memfit.trace of the denoiser's step (a MemoryEstimate, method "traced"); `keep["model"]`: the fake model."""
-    keep = {} if keep is None else keep
-    dtype = weight_dtype(setup)
+    dtype, kept = weight_dtype(setup), BuiltDtypes()
 
     def inputs(_setup):
-        _restore_dtypes(keep["model"], keep["dtypes"])  # the trace casts a factory's floats to its setup's dtype
+        kept.restore()  # the trace casts a factory's floats to its setup's dtype
         return make_batch(model, shp, batch, dtype)
 
-    result = trace(lambda: _kept(build_denoiser(model, setup, lora_dtype=lora_dtype), keep),
+    result = trace(kept.factory(lambda: build_denoiser(model, setup, lora_dtype=lora_dtype)),
                    loop_setup(setup, batch), input_builder=inputs, loss_fn=loss_fn(model.family), kernels=kernels)
+    if keep is not None:
+        keep["model"] = kept.model
     return dataclasses.replace(result, setup=setup.replace(micro_batch_size=batch))
 
 

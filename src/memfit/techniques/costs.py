@@ -180,10 +180,6 @@ def host_step_cost(traffic: int, cpu_seconds: float, setup: TrainingSetup, hardw
                          "CPU Adam step (~{cpu_step_seconds:.1f} s at {caveat[2]})")
 
 
-def offload_traffic(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware) -> str:
-    return offload_cost(spec, setup, hardware).text
-
-
 def recompute_fraction(spec: ModelSpec, setup: TrainingSetup) -> float:
     """Extra compute of the setup's checkpointing, as a share of a step without it (forward + backward = 3 forwards
     of matmul FLOPs, 2 x P per token each). full: one more forward, 1/3; every-N: 1/(3N); selective-op: the

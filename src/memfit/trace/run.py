@@ -15,7 +15,8 @@ from ..estimate.result import Category, MemoryEstimate, Phase, Term, TimelinePoi
 from ..setup import Optimizer, TrainingSetup
 from . import distributed, hf
 from .kernels import Kernels, cpu_rng_states, device_kernels, hidden_scratch, kernel_note
-from .session import LossFn, StepSession, build_hf_session, build_module_session, repeated_blocks, routed_experts
+from .session import (BuiltDtypes, LossFn, StepSession, build_hf_session, build_module_session,  # noqa: F401
+                      repeated_blocks, routed_experts)
 from .timeline import TraceProgress
 from .tracker import KIND_TERMS, StepTracker, _Kind
 

@@ -163,6 +163,39 @@ def build_module_session(factory: Callable[[], nn.Module], setup: TrainingSetup,
     return _finish(model, batch, setup, loss_fn=loss_fn or module_loss, shard=shard, notes=notes)
 
 
+@dataclass
+class BuiltDtypes:
+    """A factory's model kept in the dtypes it was built in (peft's fp32 adapters on a bf16 base, fp32 rotary
+    tables) across build_module_session's cast of its floats to the setup's dtype: trace `kept.factory(f)`, and
+    call `kept.restore()` from the input builder (after the cast, before the optimizer is made). `model`: the
+    (fake) model once built. Tensors are replaced as the cast does: Module.to cannot swap fake tensors."""
+
+    model: nn.Module | None = None
+    dtypes: dict = field(default_factory=dict)
+
+    def factory(self, build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def built() -> nn.Module:
+            self.model = build()
+            self.dtypes = {(id(module), name, kind): tensor.dtype for module in self.model.modules()
+                           for kind, tensors in (("p", module.named_parameters(recurse=False)),
+                                                 ("b", module.named_buffers(recurse=False)))
+                           for name, tensor in tensors}
+            return self.model
+        return built
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module in self.model.modules():
+                for name, param in list(module.named_parameters(recurse=False)):
+                    original = self.dtypes.get((id(module), name, "p"), param.dtype)
+                    if param.dtype != original:
+                        module._parameters[name] = nn.Parameter(param.detach().to(original), param.requires_grad)
+                for name, buffer in list(module.named_buffers(recurse=False)):
+                    original = self.dtypes.get((id(module), name, "b"), buffer.dtype)
+                    if buffer is not None and buffer.dtype != original:
+                        module._buffers[name] = buffer.to(original)
+
+
 def _construct(factory: Callable[[], nn.Module]) -> nn.Module:
     """`factory()`; on fake tensors, deep copies made while building (nn.TransformerEncoder clones its layer) are
     new fake tensors of the active fake mode (torch's default deep-copies the fake mode itself along with them)."""

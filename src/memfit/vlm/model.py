@@ -202,49 +202,24 @@ def constant_inputs(limit: int):
 def trace_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str = "frozen",
               kernels: str = "cuda", keep: dict | None = None):
     """memfit.trace of one VLM step (a MemoryEstimate, method "traced"). `keep["model"]` gets the (fake) model."""
-    from ..trace.run import trace
+    from ..trace.run import BuiltDtypes, trace
 
     check_family(config)
     setup = setup.replace(micro_batch_size=inputs.micro_batch, seq_len=inputs.lm_seq)
     with constant_inputs(max(1 << 22, 4 * inputs.micro_batch * inputs.lm_seq)):
         # checkpointing is applied by build_vlm (HF's switch, as for text models), not again by the module session
         plain = setup.replace(checkpointing="none")
-        keep = {} if keep is None else keep
+        kept = BuiltDtypes()
 
         def batch(_setup):
-            _restore_dtypes(keep["model"], keep["dtypes"])
+            kept.restore()
             return make_batch(config, inputs)
 
-        result = trace(lambda: _kept(build_vlm(config, setup, tower), keep), plain, input_builder=batch,
+        result = trace(kept.factory(lambda: build_vlm(config, setup, tower)), plain, input_builder=batch,
                        kernels=kernels)
+    if keep is not None:
+        keep["model"] = kept.model
     return dataclasses.replace(result, setup=setup)
-
-
-def _kept(model, keep: dict):
-    keep["model"] = model
-    keep["dtypes"] = {(id(module), name, kind): tensor.dtype for module in model.modules()
-                      for kind, tensors in (("p", module.named_parameters(recurse=False)),
-                                            ("b", module.named_buffers(recurse=False)))
-                      for name, tensor in tensors}
-    return model
-
-
-def _restore_dtypes(model, dtypes: dict) -> None:
-    """Undo memfit.trace's cast of a module factory's floats to the setup's dtype (build_module_session): this model
-    was built in the dtypes a real run has (peft's fp32 adapters on a bf16 base, fp32 rotary tables). Tensors are
-    replaced as that cast does (Module.to cannot swap fake tensors); it runs before the optimizer is made."""
-    import torch
-
-    with torch.no_grad():
-        for module in model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                original = dtypes.get((id(module), name, "p"), param.dtype)
-                if param.dtype != original:
-                    module._parameters[name] = torch.nn.Parameter(param.detach().to(original), param.requires_grad)
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                original = dtypes.get((id(module), name, "b"), buffer.dtype)
-                if buffer is not None and buffer.dtype != original:
-                    module._buffers[name] = buffer.to(original)
 
 
 def measure_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str = "frozen", steps: int = 2):
