@@ -152,6 +152,10 @@ def prepare(model: nn.Module, setup: TrainingSetup, *, engine: Engine | str | No
     (default: memfit._torch.blocks.find_blocks, the transformer blocks).
     """
     setup = _on_engine(setup, engine)
+    if setup.engine is Engine.TORCH and setup.fsdp_version.is_fsdp1:
+        raise ConfigError("memfit's torch engine shards with FSDP2 (fully_shard); a plan sized for FSDP1 "
+                          "(--fsdp-version 1) runs under accelerate / the HF Trainer / Lightning from the configs "
+                          "`memfit plan --emit` writes, or use --fsdp-version 2")
     ranks = world_size()
     if setup.sharding is not Sharding.NONE and setup.num_gpus != ranks:
         raise ConfigError(f"the setup shards over num_gpus={setup.num_gpus} but this job has {ranks} rank(s): launch "
