@@ -117,20 +117,41 @@ def test_the_one_loop_runs_with_offload_and_changes_no_numbers():
     assert losses[0] == losses[1]
 
 
+MEASURED_PAIR = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tiny_configs import TINY_CONFIGS
+import memfit.techniques
+from memfit.measure import measure
+from memfit.setup import TrainingSetup
+setup = TrainingSetup(micro_batch_size=2, seq_len=128, precision="fp32", optimizer="adamw", activation_offload=True,
+                      checkpointing="full")
+hooks = measure(TINY_CONFIGS["llama"], setup, steps=2).tensor_bytes
+plain = measure(TINY_CONFIGS["llama"], setup.replace(activation_offload=False), steps=2).tensor_bytes
+print(json.dumps([hooks, plain]))
+"""
+
+
+@pytest.mark.processes
 def test_on_a_cpu_device_nothing_moves_and_the_measured_step_agrees():
     """torchtune refuses a CPU device; memfit's loop runs the hooks there but nothing can move: the estimate for a CPU
-    device is the no-offload one, and the measured step (the one loop, with the hooks) has the same peak."""
-    from memfit.measure import measure
+    device is the no-offload one, and the measured step (the one loop, with the hooks) has the same peak.
+
+    The two real steps run in a process of their own: inside a full -n 2 run the hooked step sometimes measured
+    32,768 or 131,328 B more than the plain one (the size of a B x 1 x T x T bool / fp32 attention mask here), never
+    when the file runs alone; what an earlier test on the same worker leaves behind is not found yet."""
+    import subprocess
 
     setup = setup_of(checkpointing="full")
     spec = resolve_model(TINY_CONFIGS["llama"])
     with_hooks = estimate(spec, setup, CPU)
     assert with_hooks.total_bytes == estimate(spec, setup.replace(activation_offload=False), CPU).total_bytes
     assert with_hooks.cpu_bytes == 0
-    measured = measure(TINY_CONFIGS["llama"], setup, steps=2)
-    plain = measure(TINY_CONFIGS["llama"], setup.replace(activation_offload=False), steps=2)
-    assert measured.tensor_bytes == plain.tensor_bytes
-    assert abs(with_hooks.tensor_bytes - measured.tensor_bytes) / measured.tensor_bytes < 0.01
+    done = subprocess.run([sys.executable, "-c", MEASURED_PAIR, str(Path(__file__).resolve().parents[1])],
+                          capture_output=True, text=True, timeout=600, check=True)
+    measured, plain = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured == plain
+    assert abs(with_hooks.tensor_bytes - measured) / measured < 0.01
 
 
 def test_the_estimate_moves_the_stack_to_the_host():
