@@ -37,8 +37,9 @@ def _local(tensor):
     return getattr(tensor, "_local_tensor", tensor)
 
 
-def _live_before(session) -> int:
-    """Distinct storages alive before the profiled steps: parameters, buffers, the batch, optimizer tensors."""
+def _live_before(session) -> dict[int, int]:
+    """Distinct storages alive before the profiled steps (address -> bytes): parameters, buffers, the batch,
+    optimizer tensors."""
     from torch.utils._pytree import tree_leaves
 
     tensors = [*session.model.parameters(), *session.model.buffers(), *tree_leaves(session.batch)]
@@ -51,7 +52,7 @@ def _live_before(session) -> int:
         if isinstance(tensor, torch.Tensor):
             storage = _local(tensor).untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return storages
 
 
 def measured_peak(session, steps: int = STEPS) -> int:
@@ -65,7 +66,7 @@ def measured_peak(session, steps: int = STEPS) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
             session.run(lambda phase: None)
-    return before + profiled_peak(prof)
+    return profiled_peak(prof, before)
 
 
 # ---- plain torch models ----------------------------------------------------------------------------------------

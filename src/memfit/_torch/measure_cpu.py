@@ -11,7 +11,7 @@ every x86 CPU, and the scratch is one labelled overhead term: what it added to t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch._C._profiler import _EventType
@@ -155,16 +155,27 @@ def _events(prof, marks: dict[str, Mark]) -> tuple[list[Allocation | Mark], list
     return kept, everything
 
 
-def profiled_peak(prof) -> int:
+def profiled_peak(prof, preexisting: Mapping[int, int] | None = None) -> int:
     """The peak of live tensor bytes over a profiled run (torch.profiler with profile_memory), from its allocation
-    events in time order, without oneDNN's matmul scratch: what a real CPU step is checked on."""
+    events in time order, without oneDNN's matmul scratch: what a real CPU step is checked on.
+
+    What counts: the blocks allocated while profiling, plus `preexisting` (address -> bytes of the storages alive
+    before it that the caller counts, e.g. the model and its optimizer); a free lowers the figure only for a block
+    counted. Any other storage made before profiling (an earlier run's objects, collected by the garbage collector
+    mid-run) was never counted, so its free must not lower the figure."""
     walked = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     scratch = matmul_scratch(walked)
-    live = peak = 0
-    for _, size in sorted((node.start_time_ns, node.extra_fields.alloc_size) for order, node in enumerate(walked)
-                          if node.tag == _EventType.Allocation and order not in scratch):
-        live += size
-        peak = max(peak, live)
+    counted = dict(preexisting or {})  # address -> bytes of the blocks counted and not yet freed
+    live = peak = sum(counted.values())
+    for _, size, ptr in sorted((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr)
+                               for order, node in enumerate(walked)
+                               if node.tag == _EventType.Allocation and order not in scratch):
+        if size > 0:
+            counted[ptr] = size
+            live += size
+            peak = max(peak, live)
+        else:
+            live -= counted.pop(ptr, 0)
     return peak
 
 
