@@ -12,13 +12,24 @@ from .emit import config_path, deepspeed_config, hf_model_kwargs, hf_trainer_kwa
 from .emit.apply_file import APPLY_FILE, apply_call, apply_summary
 from .emit.hf_trainer import trainer_cannot_express
 from .emit.peft import base_dtype, bnb_config_kwargs, lora_config_kwargs, prepare_line
+from .emit.litgpt import litgpt_file
 from .errors import MemfitError
+from .setup import ModelCode
 
 
-def config_snippets(setup, *, emitted: Path | None = None, auto_class: str = "AutoModelForCausalLM") -> dict[str, str]:
+def config_snippets(setup, *, emitted: Path | None = None, auto_class: str = "AutoModelForCausalLM",
+                    hub_id: str | None = None, model_type: str = "") -> dict[str, str]:
     """HF kwargs always; the DeepSpeed JSON when the setup shards or offloads. With
     --emit DIR, the kwargs name DIR's deepspeed.json as training_args.json does. `auto_class`: the transformers
-    class that loads the model (ModelSpec.auto_class)."""
+    class that loads the model (ModelSpec.auto_class). A setup sized with LitGPT's own model that LitGPT's scripts
+    can run: LitGPT's config instead (`hub_id` / `model_type`: its checkpoint and family)."""
+    if setup.model_code is ModelCode.LITGPT:
+        try:
+            litgpt = litgpt_file(setup, hub_id=hub_id, model_type=model_type or "llama")
+        except MemfitError:
+            pass
+        else:
+            return {f"LitGPT config ({litgpt.notes[0].removeprefix('run: ')}):": litgpt.render().rstrip()}
     deepspeed_path = config_path(emitted, "deepspeed.json") if emitted is not None else "deepspeed.json"
     items = {"transformers.TrainingArguments (add output_dir, schedule):":
              render.python_call("TrainingArguments", hf_trainer_kwargs(setup, deepspeed_path=deepspeed_path)),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .diagnose import Bottleneck, Diagnosis, diagnose, static_floor_bytes
 from .errors import ConfigError
 from .estimate.result import MemoryEstimate
+from .frameworks import speak
 from .hardware import Hardware
 from .model_spec import ModelSpec
 from .setup import TrainingSetup, setup_changes
@@ -130,7 +131,7 @@ def _next_proposal(ctx: Context, tried: set[str], skipped: dict[str, str]) -> tu
         if skipped.get(key, "").startswith(STATIC_OVER):  # static memory fits now: ask the rung afresh
             del skipped[key]
         try:
-            result = REGISTRY[key].propose(ctx)
+            result = speak(ctx, REGISTRY[key].propose(ctx))
         except ConfigError as error:  # the rung's change does not combine with the setup as it now is
             result = Skip(rung_reason(str(error)))
         if isinstance(result, Proposal) and ctx.pinned_changes(result.setup):

@@ -16,6 +16,7 @@ from .estimate import moe
 from .estimate.analytic import estimate
 from .estimate.comm import comm_volume
 from .estimate.result import MemoryEstimate
+from .frameworks import cannot, runs_as
 from .graph.saved import NotModelledError
 from .hardware import Hardware, check_precision, gpu_catalog
 from .model_spec import ModelSpec
@@ -178,6 +179,7 @@ def _walked_gpus(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, m
     """The fewest GPUs (powers of two, as gpus_to_fit) on which `setup` with ZeRO-3, then the ladder's rungs, fits:
     a count whose static memory alone is over the budget is passed over without a walk."""
     for n, candidate, hw in scaled_out_setups(setup, hardware, keep=keep):
+        candidate = runs_as(spec, candidate)
         est = estimator(spec, candidate, hw)
         diag = diagnose(est, hw, margin=margin)
         if static_floor_bytes(est) < diag.budget_bytes:
@@ -321,14 +323,15 @@ def _activation_suggestions(ctx: Context) -> list[str]:
             out.append(f"a shorter sequence: seq {seq} is the longest that fits with this setup "
                        f"({_sized(ctx, setup.replace(seq_len=seq))}; searched in steps of {_seq_step(setup.seq_len)})")
     if setup.checkpointing is Checkpointing.NONE:
-        out.append(f"gradient checkpointing: {_sized(ctx, setup.replace(checkpointing=Checkpointing.FULL))}"
+        refused = cannot(ctx.spec, setup, checkpointing=Checkpointing.FULL)
+        out.append(f"gradient checkpointing: {refused or _sized(ctx, setup.replace(checkpointing=Checkpointing.FULL))}"
                    + _pinned_note(ctx, "checkpointing"))
     if setup.micro_batch_size > 1:
         smaller = setup.replace(micro_batch_size=1, grad_accum_steps=setup.grad_accum_steps * setup.micro_batch_size)
         out.append(f"micro-batch 1 x accum {smaller.grad_accum_steps}: {_sized(ctx, smaller)}"
                    + _pinned_note(ctx, "micro_batch_size", "grad_accum_steps"))
     out.append(NOT_SIZED)
-    if ctx.setup.loss.value == "standard":
+    if ctx.setup.loss.value == "standard" and not cannot(ctx.spec, ctx.setup, loss="fused"):
         loss = sum(t.num_bytes for t in ctx.estimate.terms if "loss" in t.name or "logits" in t.name)
         out.append(FUSED_LOSS_HINT.format(loss=f": {format_bytes(loss)} here" if loss else ""))
     return out

@@ -19,7 +19,8 @@ from .hardware import GPU, Hardware
 from .launch import SETUP_FILE, engine_description
 from .model_spec import ModelSpec
 from .plan_output import launch_section_for
-from .setup import TrainingSetup
+from .emit.litgpt import script as litgpt_script
+from .setup import ModelCode, TrainingSetup
 from .units import GiB, format_bytes
 
 
@@ -356,7 +357,13 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
     console.print(Text(f" {engine_description(section.setup, section.engine)} over {hardware.world_size} ranks "
                        f"({hardware.num_nodes} node(s) x {hardware.gpus_per_node}): "
                        f"{gib(section.per_rank_bytes)} GiB per rank", overflow="fold"))
-    nodes = list(section.commands)
+    if section.setup.model_code is ModelCode.LITGPT:  # LitGPT's own model: its scripts start their ranks
+        _bullets(console, [f"litgpt {litgpt_script(section.setup)} --config litgpt.yaml on each node: Fabric starts "
+                           f"the node's ranks itself (devices {hardware.gpus_per_node}); memfit's torchrun command "
+                           "would run the Hugging Face model"])
+        nodes = []
+    else:
+        nodes = list(section.commands)
     shown = nodes if len(nodes) <= MAX_NODE_COMMANDS else nodes[:2] + nodes[-1:]
     for node in shown:  # whole commands, environment included, each on one unwrapped line
         console.print(Text(f" node {node.node_rank} (one line, paste it whole):", style="dim"))
@@ -365,9 +372,10 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
             console.print(Text(f" nodes 2 to {len(nodes) - 2}: the same command with --node-rank 2 to "
                                f"{len(nodes) - 2} (all of them: --json)", style="dim"))
     unwritten = [f"{SETUP_FILE} is not written yet: `memfit plan ... --emit DIR` writes it (--json: launch.files)"
-                 ] if setup_file is None else []
-    if section.notes or unwritten:
-        _bullets(console, [*section.notes, *unwritten])
+                 ] if setup_file is None and nodes else []
+    notes = list(section.notes) if nodes else []  # the notes are about memfit's command
+    if notes or unwritten:
+        _bullets(console, [*notes, *unwritten])
     _heading(console, "Communication per step")
     lines = [f"per rank: {format_bytes(comm.per_rank_bytes)} ({comm.psi_multiple:g} x Psi, ZeRO paper sec. 7)"]
     if comm.tp > 1:

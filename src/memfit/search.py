@@ -12,6 +12,7 @@ from .diagnose import DEFAULT_MARGIN, diagnose
 from .errors import ConfigError
 from .estimate.analytic import estimate
 from .estimate.result import MemoryEstimate
+from .frameworks import runs_as
 from .hardware import Hardware
 from .model_spec import ModelSpec
 from .setup import Offload, Sharding, TrainingSetup, setup_changes
@@ -111,6 +112,7 @@ def gpus_to_fit(spec: ModelSpec, setup: TrainingSetup, hardware: Hardware, *, ma
     """The fewest GPUs on which `scaled_out(setup, n)` fits the GPU's budget (scaled_out_setups); None up to
     `limit` or when --keep pins the GPU count or forbids sharding."""
     for n, candidate, hw in scaled_out_setups(setup, hardware, keep=keep, limit=limit):
+        candidate = runs_as(spec, candidate)
         est = estimator(spec, candidate, hw)
         if diagnose(est, hw, margin=margin).fits:
             return GpusToFit(n, candidate, hw, est, setup)

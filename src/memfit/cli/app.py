@@ -85,7 +85,7 @@ def plan_command(model: ModelArg, opts: SetupOptions, optimize: OptimizeOpt = Fa
     fits = result.fits or choice is not None
     warning = None if fits else (f"memfit plan: {result.final_diagnosis.summary()}. Nothing on the ladder makes "
                                  "it fit: this setup will run out of memory as it is.")
-    written, unmarked = (_emit(chosen, hardware, emit, force, warning, spec.auto_class) if emit is not None
+    written, unmarked = (_emit(chosen, hardware, emit, force, warning, spec) if emit is not None
                          else ([], {}))
     traced = None
     if verify:
@@ -141,7 +141,9 @@ def _print_plan(result, chosen, which: str, *, optimize: bool, choice, verbose: 
                      + ": README.md says it for them")
         notes.append(note)
     render.plan_report(out, result, verbose=verbose, optimize_requested=optimize, optimized_choice=choice,
-                       config_snippets=config_snippets(chosen, emitted=emit_dir, auto_class=result.spec.auto_class),
+                       config_snippets=config_snippets(chosen, emitted=emit_dir, auto_class=result.spec.auto_class,
+                                                       hub_id=result.spec.extra.get("hub_id"),
+                                                       model_type=result.spec.model_type),
                        config_title=title,
                        show_config=result.fits or which == "optimized", emitted_paths=written + reports,
                        emitted_notes=notes, setup_file=setup_file)
@@ -204,19 +206,20 @@ def gpus_command(json_output: JsonOpt = False, verbose: Annotated[bool, typer.Op
 
 
 def _emit(setup, hardware, directory: Path, force: bool, warning: str | None,
-          auto_class: str) -> tuple[list[str], dict[str, str]]:
+          spec) -> tuple[list[str], dict[str, str]]:
     """Write the engine files; (paths written, {file: why it cannot carry the warning})."""
     try:
         from ..emit import emitted_files, unmarked_files, write_all
     except ImportError:
         raise ConfigError("--emit needs memfit.emit, which this install does not have") from None
+    model = {"auto_class": spec.auto_class, "hub_id": spec.extra.get("hub_id"), "model_type": spec.model_type}
     try:
         paths = [str(path) for path in write_all(setup, hardware, directory, force=force, warning=warning,
-                                                     auto_class=auto_class)]
+                                                     **model)]
     except OSError as error:
         raise ConfigError(f"cannot write the configs into {directory}: {error.strerror or error}") from None
     unmarked = unmarked_files(emitted_files(setup, hardware, directory, warning=warning,
-                                               auto_class=auto_class)[0]) if warning else {}
+                                               **model)[0]) if warning else {}
     return paths, unmarked
 
 

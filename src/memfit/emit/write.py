@@ -13,13 +13,14 @@ from pathlib import Path
 from ..atomic import write_files
 from ..errors import ConfigError
 from ..hardware import Hardware
-from ..setup import TrainingSetup
+from ..setup import ModelCode, TrainingSetup
 from .accelerate import accelerate_file
 from .apply_file import APPLY_FILE, apply_file
 from .deepspeed import deepspeed_file
 from .emitted import EmittedConfig, describe, uses_deepspeed
 from .fsdp import fsdp2_file, fsdp2_unsupported
 from .hf_trainer import hf_model_file, hf_trainer_file
+from .litgpt import litgpt_file
 from .peft import peft_file
 
 MANIFEST = ".memfit-emit.json"
@@ -39,10 +40,20 @@ def config_path(directory: str | Path, filename: str) -> str:
 
 
 def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *, warning: str | None = None,
-                  auto_class: str = "AutoModelForCausalLM") -> tuple[list[EmittedConfig], dict]:
+                  auto_class: str = "AutoModelForCausalLM", hub_id: str | None = None,
+                  model_type: str = "") -> tuple[list[EmittedConfig], dict]:
     """The files for the plan, and {filename: why it is not written} for the ones that do not apply. With
     `warning` (e.g. "does not fit"), every file that can carry it starts with it; see EmittedConfig.warning.
-    `auto_class`: the transformers class that loads the model (ModelSpec.auto_class)."""
+    `auto_class`: the transformers class that loads the model (ModelSpec.auto_class); `hub_id` / `model_type`:
+    the checkpoint and its family, for a LitGPT config. A setup sized with LitGPT's own model (model code litgpt)
+    gets LitGPT's config alone: the other files would run the Hugging Face model, which is sized differently."""
+    if setup.model_code is ModelCode.LITGPT:
+        litgpt = _litgpt_files(setup, hub_id, model_type)
+        if litgpt is not None:
+            files, skipped = litgpt
+            if warning:
+                files = [replace(f, warning=warning) for f in files]
+            return files + [_readme(setup, files, skipped, "", warning)], skipped
     deepspeed_path = config_path(directory, "deepspeed.json")
     files = [hf_trainer_file(setup, deepspeed_path=deepspeed_path), hf_model_file(setup, auto_class=auto_class)]
     skipped: dict[str, str] = {}
@@ -74,6 +85,20 @@ def emitted_files(setup: TrainingSetup, hardware: Hardware, directory: Path, *, 
     return files, skipped
 
 
+def _litgpt_files(setup: TrainingSetup, hub_id: str | None,
+                  model_type: str) -> tuple[list[EmittedConfig], dict[str, str]] | None:
+    """LitGPT's config and why the rest is not written; None when LitGPT's scripts cannot run the setup (its
+    other files are written then, for the setup as sized)."""
+    try:
+        litgpt = litgpt_file(setup, hub_id=hub_id, model_type=model_type or "llama")
+    except ConfigError:
+        return None
+    why = ("sized with LitGPT's own model (model code litgpt): litgpt.yaml runs it; this file would run the Hugging "
+           "Face model, which memfit sizes differently")
+    return [litgpt], {name: why for name in ("training_args.json", "model_kwargs.json", "deepspeed.json",
+                                             "accelerate.yaml")}
+
+
 def _launch_setup_file(setup: TrainingSetup) -> EmittedConfig | None:
     """memfit_setup.json when `memfit plan` prints launch commands for the setup: they name it (MEMFIT_SETUP_FILE)
     instead of repeating ~1,000 characters of JSON on every node's line."""
@@ -94,7 +119,8 @@ def unmarked_files(files: list[EmittedConfig]) -> dict[str, str]:
 
 
 def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *, force: bool = False,
-              warning: str | None = None, auto_class: str = "AutoModelForCausalLM") -> list[Path]:
+              warning: str | None = None, auto_class: str = "AutoModelForCausalLM", hub_id: str | None = None,
+              model_type: str = "") -> list[Path]:
     """Write the plan's engine files into `directory` (created if missing) and return their paths.
 
     Replaces files memfit wrote there before and nobody changed since; refuses, naming every such file, to replace
@@ -105,7 +131,8 @@ def write_all(setup: TrainingSetup, hardware: Hardware, directory: str | Path, *
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{directory} is a file, not a directory: choose a directory for the engine configs")
-    files, _ = emitted_files(setup, hardware, directory, warning=warning, auto_class=auto_class)
+    files, _ = emitted_files(setup, hardware, directory, warning=warning, auto_class=auto_class, hub_id=hub_id,
+                             model_type=model_type)
     _refuse_non_regular(directory, [f.filename for f in files] + [MANIFEST])
     written = _read_manifest(directory)
     if not force:

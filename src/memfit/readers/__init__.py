@@ -13,7 +13,7 @@ for the live objects of a training script."""
 from ._reader import NOT_RELEVANT, NOT_SIZED, IgnoredEntry, ReadEntry
 from .files import FORMATS, detect_format
 from .formats import ConfigFile
-from .reading import ConfigReading, read_config
+from .reading import ConfigReading, InMemory, read_config
 
-__all__ = ["FORMATS", "NOT_RELEVANT", "NOT_SIZED", "ConfigFile", "ConfigReading", "IgnoredEntry", "ReadEntry",
+__all__ = ["FORMATS", "NOT_RELEVANT", "NOT_SIZED", "ConfigFile", "ConfigReading", "IgnoredEntry", "InMemory", "ReadEntry",
            "detect_format", "read_config"]

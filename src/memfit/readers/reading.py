@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..setup import FIELD_LABELS, FsdpVersion, TrainingSetup
+from ..typical import typical_setup
 from ._reader import IgnoredEntry, ReadEntry, Reader, _value, jsonable, label, show
 from .files import FORMATS, detect_format, display_path, load_mapping, unknown_format
 from .formats import MAPPERS, ConfigFile, Context, load_dtype
@@ -49,9 +50,7 @@ class ConfigReading:
 
     def setup(self, spec: Any, hardware: Any, **given: Any):
         """The TrainingSetup: the files' fields, then `given` (the caller's, which win), a typical fine-tune's
-        defaults for the rest (memfit.api.typical_setup; the world size is the hardware's)."""
-        from ..api import typical_setup
-
+        defaults for the rest (memfit.typical.typical_setup; the world size is the hardware's)."""
         fields = {k: v for k, v in self.overrides.items() if k != "num_gpus"}
         fields.update({k: v for k, v in given.items() if v is not None})
         return typical_setup(spec, hardware, **fields)
@@ -74,7 +73,21 @@ class _File:
         self.resolved = self.path.resolve()
 
 
-def _load(ref: str | os.PathLike) -> _File:
+@dataclass(frozen=True)
+class InMemory:
+    """A config held as a mapping rather than a file (what memfit's own emitters write, read back to check it):
+    `name` stands for the file in what is read and ignored."""
+
+    name: str
+    data: Mapping[str, Any]
+
+
+def _load(ref: str | os.PathLike | InMemory) -> _File:
+    if isinstance(ref, InMemory):
+        kind = detect_format(dict(ref.data))
+        if kind is None:
+            raise unknown_format(ref.name, dict(ref.data))
+        return _File(Path(ref.name), ref.name, dict(ref.data), kind)
     path = Path(ref).expanduser()
     shown = display_path(path) if path.is_absolute() else str(ref)
     data = load_mapping(path, shown)
@@ -84,7 +97,7 @@ def _load(ref: str | os.PathLike) -> _File:
     return _File(path, shown, data, kind)
 
 
-def read_config(*paths: str | os.PathLike, num_gpus: int | None = None,
+def read_config(*paths: str | os.PathLike | InMemory, num_gpus: int | None = None,
                 overridden: Mapping[str, str] | None = None) -> ConfigReading:
     """Read TrainingArguments (JSON / YAML), DeepSpeed JSON, accelerate YAML, axolotl, LLaMA-Factory and torchtune
     recipe files and peft LoraConfigs (adapter_config.json, memfit's peft.json), alone or together; the format comes

@@ -345,7 +345,9 @@ def view(result) -> dict:
         "suggestions": list(result.suggestions) if not result.fits else [],
         "setup_notes": list(result.initial_setup.notes),
         "notes": list(result.initial_estimate.notes),
-        "snippets": config_snippets(result.final_setup, auto_class=result.spec.auto_class) if result.fits else {},
+        "snippets": config_snippets(result.final_setup, auto_class=result.spec.auto_class,
+                                    hub_id=result.spec.extra.get("hub_id"), model_type=result.spec.model_type)
+        if result.fits else {},
     }
 
 
