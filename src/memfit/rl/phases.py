@@ -13,7 +13,7 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup
 from . import logprobs
 from .generation import default_max_num_seqs, hf_generate_terms, hf_kv_cache_bytes, vllm_budget, vllm_terms
-from .workload import Phase, RLEstimate, RLSetup, VllmAdvice, term
+from .workload import REFERENCE_FREE, Phase, RLEstimate, RLSetup, VllmAdvice, term
 
 GRPO = "trl/trainer/grpo_trainer.py"
 DPO = "trl/trainer/dpo_trainer.py"
@@ -285,9 +285,26 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
     return phases, core
 
 
+def preference_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[Phase], MemoryEstimate]:
+    """ORPO, CPO and SimPO (trl.experimental, trl 1.16): chosen and rejected concatenated (2 x batch rows of
+    prompt + completion) through the policy alone, no reference model, the logits materialised: one phase, the
+    policy's step, whose peak is the head's backward (logprobs.preference_head_terms) or the core's own peak."""
+    rows = 2 * rl.per_device_train_batch_size
+    core = estimate(spec, training_setup(rl, hardware, rows), hardware)
+    head = logprobs.preference_head_terms(spec, rows, rl.seq_len, nll=rl.trainer != "simpo",
+                                          logits_bytes=_dtype_bytes(rl), triton=rl.triton, head_trainable=not rl.lora)
+    head_point = (_pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _saved_activations(spec, rl, core, rows)
+                  + head + logprobs.rl_loss_terms(rows, rl.seq_len - 1, trainer=rl.trainer, with_reference=False))
+    train = _training(core, head_point, []) + _overhead(core)
+    return [Phase("training", tuple(train), ("policy",), f"policy forward + backward, {rows} rows (chosen + "
+                  "rejected)")], core
+
+
 def estimate_rl(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> RLEstimate:
     if rl.online:
         phases, core = grpo_phases(spec, rl, hardware)
+    elif rl.trainer in REFERENCE_FREE:
+        phases, core = preference_phases(spec, rl, hardware)
     else:
         phases, core = dpo_phases(spec, rl, hardware)
     advice = None

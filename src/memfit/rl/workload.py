@@ -11,12 +11,19 @@ from dataclasses import dataclass, field, replace
 
 from ..estimate.result import Category, Term
 
-TRAINERS = ("grpo", "rloo", "ppo", "dpo", "kto")
+TRAINERS = ("grpo", "rloo", "ppo", "dpo", "kto", "orpo", "cpo", "simpo")
 ONLINE = ("grpo", "rloo", "ppo")
-"""Trainers that generate their rollouts; the others (DPO, KTO) train on a fixed preference dataset."""
-DEFAULT_BETA = {"grpo": 0.0, "rloo": 0.05, "ppo": 0.05, "dpo": 0.1, "kto": 0.1}
+"""Trainers that generate their rollouts; the others (DPO, KTO, ORPO, CPO, SimPO) train on a fixed preference
+dataset."""
+REFERENCE_FREE = ("orpo", "cpo", "simpo")
+"""Preference trainers with no reference model (trl.experimental.orpo / .cpo, trl 1.16): chosen and rejected
+concatenated through the policy alone, over materialised logits. 'simpo' is CPOTrainer with loss_type 'simpo' and
+cpo_alpha 0 (no NLL term on the chosen half); 'cpo' keeps cpo_alpha's default 1.0; ORPO always adds the NLL."""
+DEFAULT_BETA = {"grpo": 0.0, "rloo": 0.05, "ppo": 0.05, "dpo": 0.1, "kto": 0.1, "orpo": 0.1, "cpo": 0.1,
+                "simpo": 0.1}
 """The KL / preference weight each trainer's config defaults to (trl 1.16 grpo_config.py, rloo_config.py,
-dpo_config.py, kto_config.py; PPO: TRL 0.x PPOConfig kl_coef 0.05)."""
+dpo_config.py, kto_config.py, experimental orpo_config.py / cpo_config.py; PPO: TRL 0.x PPOConfig kl_coef 0.05).
+ORPO's beta is the odds-ratio weight; none of the three loads a reference for it."""
 VLLM_MODES = ("colocate", "server")
 KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16", "half", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 """vLLM CacheConfig.cache_dtype values memfit sizes (vllm/config/cache.py CacheDType)."""
@@ -124,7 +131,7 @@ class RLSetup:
     def has_reference_model(self) -> bool:
         """A second copy of the weights: GRPO with beta > 0, DPO without precomputed log-probs; never for a LoRA
         policy, whose reference is the base with the adapters disabled (trl `use_adapter(model, None)`)."""
-        if self.lora:
+        if self.lora or self.trainer in REFERENCE_FREE:
             return False
         if self.trainer in ONLINE:
             return self.beta > 0.0
@@ -132,6 +139,8 @@ class RLSetup:
 
     @property
     def needs_reference_logprobs(self) -> bool:
+        if self.trainer in REFERENCE_FREE:
+            return False
         return self.beta > 0.0 if self.trainer in ONLINE else True
 
     @property
