@@ -1,4 +1,4 @@
-"""`memfit rl MODEL --trainer grpo|rloo|ppo|dpo|kto`: an RL post-training step (TRL's trainers, verl, OpenRLHF) as
+"""`memfit rl MODEL --trainer grpo|rloo|ppo|dpo|kto|orpo|cpo|simpo`: an RL post-training step (TRL's trainers, verl, OpenRLHF) as
 phases, one bar per phase, the peak phase, for a colocated vLLM the gpu_memory_utilization to set, and with --plan
 the RL ladder and the settings that make it fit (memfit.rl). The options it shares with the sizing commands (--batch,
 --accum, --method, --lora-rank, --zero, --gpus, --nodes) are the generated ones (memfit.fields via
@@ -28,9 +28,10 @@ RlModelArg = Annotated[Optional[str], typer.Argument(
     help="A catalog name (see `memfit models`), a path to a config.json or a folder holding one, or a Hugging Face "
          "hub id. Optional when --config has model_name_or_path.")]
 TrainerOpt = Annotated[Optional[str], _opt(
-    "--trainer", metavar="grpo|rloo|ppo|dpo|kto",
-    help="The trainer: grpo, rloo (TRL RLOOTrainer), ppo (policy + critic: verl / OpenRLHF GAE), dpo, kto. "
-         "Default: grpo, or what --config says.")]
+    "--trainer", metavar="grpo|rloo|ppo|dpo|kto|orpo|cpo|simpo",
+    help="The trainer: grpo, rloo (TRL RLOOTrainer), ppo (policy + critic: verl / OpenRLHF GAE), dpo, kto, orpo, "
+         "cpo, simpo (trl.experimental: no reference model; simpo is CPOTrainer with loss_type simpo, cpo_alpha "
+         "0). Default: grpo, or what --config says.")]
 TrlConfigOpt = Annotated[Optional[Path], _opt(
     "--config", metavar="FILE",
     help="The recipe you have: TRL's GRPOConfig / DPOConfig / ... YAML or JSON (`trl grpo --config`), verl's "
@@ -106,8 +107,9 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
                ref_offload: RefOffloadOpt = None, reward_model: RewardOpt = None, plan: PlanOpt = False,
                max_field: MaxOpt = None, fewest_gpus: FewestOpt = False, json_output: JsonOpt = False,
                verbose: VerboseOpt = False) -> None:
-    """Size an RL post-training step (TRL GRPO / RLOO / DPO / KTO, verl and OpenRLHF PPO / GRPO) phase by phase:
-    rollout generation, reference / old-policy log-probs, the policy's training step, the critic's. The peak per
+    """Size an RL post-training step (TRL GRPO / RLOO / DPO / KTO / ORPO / CPO / SimPO, verl and OpenRLHF PPO /
+    GRPO) phase by phase: rollout generation, reference / old-policy log-probs, the policy's training step, the
+    critic's. The peak per
     GPU is the largest phase; with a colocated vLLM, the vllm_gpu_memory_utilization that leaves the trainer its
     room; --plan, --max and --fewest-gpus say what makes it fit. Exit 0: fits; 1: does not; 2: a mistake."""
     from .. import rl as rl_lib
