@@ -73,6 +73,9 @@ class RLSetup:
     critic: bool | None = None
     """A value model trained beside the policy (PPO's critic, verl `critic.*`, adv_estimator 'gae'); None: PPO
     only."""
+    critic_micro_batch_size: int | None = None
+    """The critic update's micro-batch (verl critic.ppo_micro_batch_size_per_gpu); None: the actor's (OpenRLHF's
+    --micro_train_batch_size is shared)."""
     reward_model: bool = False
     """A reward model's weights on the trainer's GPUs (verl reward_model.enable, OpenRLHF --reward_pretrain); TRL's
     GRPO / RLOO here score with functions."""
@@ -110,6 +113,8 @@ class RLSetup:
                      "gradient_accumulation_steps", "num_iterations", "vllm_tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.critic_micro_batch_size is not None and self.critic_micro_batch_size < 1:
+            raise ValueError(f"critic_micro_batch_size must be at least 1, got {self.critic_micro_batch_size}")
         if self.max_prompt_length < 0:
             raise ValueError(f"max_prompt_length must be >= 0, got {self.max_prompt_length}")
 
@@ -146,6 +151,10 @@ class RLSetup:
     @property
     def online(self) -> bool:
         return self.trainer in ONLINE
+
+    @property
+    def critic_batch(self) -> int:
+        return self.critic_micro_batch_size or self.per_device_train_batch_size
 
     @property
     def has_critic(self) -> bool:
