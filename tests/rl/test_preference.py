@@ -67,7 +67,7 @@ def test_simpo_drops_the_nll_log_softmax_and_no_trainer_loads_a_reference():
 
 def test_orpo_and_simpo_configs_read_as_trl_parses_them():
     orpo = rl_inputs(trainer="orpo", config=CONFIGS / "trl_orpo.yaml", resolve=lambda name: as_spec("llama-3.1-8b"))
-    assert (orpo.rl.trainer, orpo.rl.per_device_train_batch_size, orpo.rl.seq_len) == ("orpo", 2, 2048)
+    assert (orpo.rl.trainer, orpo.rl.per_device_train_batch_size, orpo.rl.seq_len) == ("orpo", 4, 2048)
     simpo = rl_inputs(trainer="cpo", config=CONFIGS / "trl_simpo.yaml", resolve=lambda name: as_spec("llama-3.1-8b"))
     assert (simpo.rl.trainer, simpo.rl.gradient_accumulation_steps) == ("simpo", 16)
     # CPOConfig's loss_type alphapo is simpo without the NLL (cpo_config.py __post_init__); cpo_alpha 1 keeps it
