@@ -154,3 +154,11 @@ def test_critic_runs_its_own_micro_batch(tmp_path):
     assert phase(own, "training").total_bytes == phase(same, "training").total_bytes
     activations = lambda p: p.by_category()[Category.ACTIVATIONS.value]  # noqa: E731
     assert activations(phase(own, "critic")) > 3 * activations(phase(same, "critic"))
+
+
+def test_cli_critic_batch_sizes_the_critic_phase():
+    from memfit.rl import rl_inputs
+
+    inputs = rl_inputs(model="llama-3.1-8b", trainer="ppo", batch=2, critic_batch=8)
+    assert (inputs.rl.per_device_train_batch_size, inputs.rl.critic_batch) == (2, 8)
+    assert rl_inputs(model="llama-3.1-8b", trainer="ppo", batch=2).rl.critic_batch == 2

@@ -58,6 +58,9 @@ RefOffloadOpt = Annotated[Optional[bool], _opt(
                                            "phase (verl ref param_offload, OpenRLHF --ref_reward_offload).")]
 RewardOpt = Annotated[Optional[bool], _opt("--reward-model/--no-reward-model",
                                            help="A reward model's weights on the GPU (verl reward_model.enable).")]
+CriticBatchOpt = Annotated[Optional[int], _opt(
+    "--critic-batch", metavar="N", parser=whole_number(1 << 16),
+    help="PPO: the critic update's micro-batch (verl critic.ppo_micro_batch_size_per_gpu). Default: the actor's.")]
 GenerationsOpt = Annotated[Optional[int], _opt("--num-generations", metavar="N", parser=whole_number(1 << 12),
                                                help="GRPO: completions per prompt. Default: 8.")]
 PromptOpt = Annotated[Optional[int], _opt("--prompt-len", metavar="N", parser=whole_number(1 << 21),
@@ -104,7 +107,8 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
                lora: LoraOpt = None, method: MethodOpt = None, lora_rank: LoraRankOpt = None,
                precompute_ref: PrecomputeOpt = None, checkpointing: CheckpointOpt = None,
                logprob_head: HeadOpt = None, zero: ZeroOpt = None, offload_trainer: OffloadOpt = None,
-               ref_offload: RefOffloadOpt = None, reward_model: RewardOpt = None, plan: PlanOpt = False,
+               ref_offload: RefOffloadOpt = None, reward_model: RewardOpt = None,
+               critic_batch: CriticBatchOpt = None, plan: PlanOpt = False,
                max_field: MaxOpt = None, fewest_gpus: FewestOpt = False, json_output: JsonOpt = False,
                verbose: VerboseOpt = False) -> None:
     """Size an RL post-training step (TRL GRPO / RLOO / DPO / KTO / ORPO / CPO / SimPO, verl and OpenRLHF PPO /
@@ -121,7 +125,8 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
                        vllm_util=vllm_util, sleep=sleep, vllm_tp=vllm_tp, kv_cache_dtype=kv_cache_dtype, lora=lora,
                        method=method, lora_rank=lora_rank, precompute_ref=precompute_ref,
                        checkpointing=checkpointing, logprob_head=logprob_head, zero=zero,
-                       offload_trainer=offload_trainer, ref_offload=ref_offload, reward_model=reward_model)
+                       offload_trainer=offload_trainer, ref_offload=ref_offload, reward_model=reward_model,
+                       critic_batch=critic_batch)
     spec, rl, hardware, margin = inputs.spec, inputs.rl, inputs.hardware, inputs.margin
     framework, read_lines = inputs.framework, inputs.read
     if sum(bool(x) for x in (plan, max_field, fewest_gpus)) > 1:
