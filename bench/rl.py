@@ -4,8 +4,8 @@ formulas and published logs.
     OMP_NUM_THREADS=1 python bench/rl.py            # every case (a few minutes on one core), writes bench/results/rl.md
     OMP_NUM_THREADS=1 python bench/rl.py --quick    # two cases, printed only
 
-Each measured case runs TRL's GRPOTrainer / RLOOTrainer (use_vllm=False: HF generate), DPOTrainer or KTOTrainer
-on a tiny model (tests/
+Each measured case runs TRL's GRPOTrainer / RLOOTrainer (use_vllm=False: HF generate), DPOTrainer, KTOTrainer, or
+trl.experimental's ORPOTrainer / CPOTrainer (CPO, and SimPO: loss_type simpo, cpo_alpha 0) on a tiny model (tests/
 tiny_configs.py) in fp32 on CPU and profiles its second step with the profiler's memory events; every phase's peak
 (generation, reference / old-policy log-probs, training) is compared with memfit's figure for that phase
 (memfit.rl.measure, memfit.rl.phases). vLLM cannot run here: its page sizes and budget are checked against the
