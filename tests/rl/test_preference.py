@@ -80,3 +80,20 @@ def test_orpo_and_simpo_configs_read_as_trl_parses_them():
         trl_settings({"is_encoder_decoder": True}, "orpo.yaml")
     with pytest.raises(ConfigError, match="cpo_alpha must be a number"):
         trl_settings({"cpo_alpha": "none"}, "cpo.yaml")
+
+
+def test_orpo_plan_on_a_24gb_card_reads_back():
+    """ORPO has no reference rung and no fused-head rung (its logits are always materialised): LoRA, then smaller
+    micro-batches; the emitted TRL settings read back to the plan's final recipe."""
+    from memfit.diagnose import DEFAULT_MARGIN
+    from memfit.rl.ladder import plan_rl
+
+    spec = as_spec("llama-3.1-8b")
+    orpo = RLSetup(trainer="orpo", per_device_train_batch_size=4, max_prompt_length=1024, max_completion_length=1024,
+                   gradient_accumulation_steps=8)
+    plan = plan_rl(spec, orpo, make_hardware("L4"), margin=DEFAULT_MARGIN)
+    assert plan.fits and [r.name for r in plan.rungs] == ["lora", "micro-batch", "micro-batch"]
+    fields = {k: getattr(orpo, k) for k in ("per_device_train_batch_size", "max_prompt_length",
+                                            "max_completion_length", "gradient_accumulation_steps")}
+    settings, _ = trl_settings(dict(plan.settings), "plan")
+    assert build_setup("orpo", {**fields, **settings}) == plan.rungs[-1].setup
