@@ -4,8 +4,8 @@ formulas and published logs.
     OMP_NUM_THREADS=1 python bench/rl.py            # every case (a few minutes on one core), writes bench/results/rl.md
     OMP_NUM_THREADS=1 python bench/rl.py --quick    # two cases, printed only
 
-Each measured case runs TRL's GRPOTrainer / RLOOTrainer (use_vllm=False: HF generate), DPOTrainer or KTOTrainer
-on a tiny model (tests/
+Each measured case runs TRL's GRPOTrainer / RLOOTrainer (use_vllm=False: HF generate), DPOTrainer, KTOTrainer, or
+trl.experimental's ORPOTrainer / CPOTrainer (CPO, and SimPO: loss_type simpo, cpo_alpha 0) on a tiny model (tests/
 tiny_configs.py) in fp32 on CPU and profiles its second step with the profiler's memory events; every phase's peak
 (generation, reference / old-policy log-probs, training) is compared with memfit's figure for that phase
 (memfit.rl.measure, memfit.rl.phases). vLLM cannot run here: its page sizes and budget are checked against the
@@ -60,7 +60,19 @@ KTO_CASES = (
     ("llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
     ("qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=8, prompt_len=16, completion_len=32)),
 )
-BETA = {"grpo": 0.04, "rloo": 0.05, "dpo": 0.1, "kto": 0.1}
+PREFERENCE_CASES = (
+    ("orpo", "llama", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48)),
+    ("orpo", "llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
+    ("orpo", "llama checkpointing", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, checkpointing=True)),
+    ("orpo", "qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=8, prompt_len=16, completion_len=32)),
+    ("cpo", "llama", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48)),
+    ("cpo", "qwen2 (GQA, tied)", TINY_QWEN2, dict(batch=2, prompt_len=64, completion_len=16)),
+    ("simpo", "llama", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48)),
+    ("simpo", "llama LoRA", TINY_LLAMA, dict(batch=4, prompt_len=32, completion_len=48, lora=True)),
+)
+"""ORPO, CPO and SimPO (trl.experimental): (trainer, case, config, fields)."""
+PREFERENCE = ("orpo", "cpo", "simpo")
+BETA = {"grpo": 0.04, "rloo": 0.05, "dpo": 0.1, "kto": 0.1, "orpo": 0.1, "cpo": 0.1, "simpo": 0.1}
 NAMES = {"log-probs": "reference"}
 HEAD_CASES = ((8, 16, 64), (4, 64, 32), (16, 8, 128))
 """(batch, prompt, completion) for TRL 0.x's heads over materialised logits, measured without a trainer."""
@@ -124,8 +136,9 @@ def critic_rows() -> list[tuple[str, str, str, int, int]]:
 def _rl_setup(trainer: str, fields: dict):
     from memfit.rl import RLSetup
 
-    # KTOTrainer appends the EOS token to every (non-conversational) completion (kto_trainer.py `add_eos`)
-    completion = fields["completion_len"] + (1 if trainer == "kto" else 0)
+    # KTOTrainer appends the EOS token to every (non-conversational) completion (kto_trainer.py `add_eos`), ORPO and
+    # CPO to chosen and rejected (`add_eos_token_if_needed`)
+    completion = fields["completion_len"] + (1 if trainer in ("kto",) + PREFERENCE else 0)
     return RLSetup(trainer=trainer, per_device_train_batch_size=fields["batch"],
                    num_generations=fields.get("num_generations", 8), max_prompt_length=fields["prompt_len"],
                    max_completion_length=completion, beta=fields.get("beta", BETA[trainer]),
@@ -147,6 +160,8 @@ def run_case(trainer: str, label: str, config: dict, fields: dict) -> list[tuple
                                             trainer=trainer, **measured_fields)
         elif trainer == "kto":
             measured = measure.measure_kto(config, output_dir=out, **measured_fields)
+        elif trainer in PREFERENCE:
+            measured = measure.measure_preference(config, trainer=trainer, output_dir=out, **measured_fields)
         else:
             measured = measure.measure_dpo(config, output_dir=out, **measured_fields)
     result = estimate_rl(as_spec(dict(config)), _rl_setup(trainer, fields), make_hardware(cpu_device(1 << 40)))
@@ -208,7 +223,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = [("grpo", *GRPO_CASES[0]), ("dpo", *DPO_CASES[0])] if args.quick else \
         [("grpo", *case) for case in GRPO_CASES] + [("dpo", *case) for case in DPO_CASES] + \
-        [("rloo", *case) for case in RLOO_CASES] + [("kto", *case) for case in KTO_CASES]
+        [("rloo", *case) for case in RLOO_CASES] + [("kto", *case) for case in KTO_CASES] + list(PREFERENCE_CASES)
     rows = []
     for trainer, label, config, fields in cases:
         rows += run_case(trainer, label, config, fields)
@@ -216,7 +231,7 @@ def main() -> None:
     heads = [] if args.quick else head_rows()
     critic = [] if args.quick else critic_rows()
     lines = table(rows) + ["", summary(rows)] + [
-        f"- {trainer}: {summary([r for r in rows if r[0] == trainer])}" for trainer in ("grpo", "rloo", "dpo", "kto")
+        f"- {trainer}: {summary([r for r in rows if r[0] == trainer])}" for trainer in ("grpo", "rloo", "dpo", "kto") + PREFERENCE
         if any(r[0] == trainer for r in rows)]
     if heads:
         lines += ["", "### TRL 0.x heads over materialised logits (no trainer: the model and the head)", "",

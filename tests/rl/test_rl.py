@@ -239,7 +239,7 @@ def test_cli_rl_json_and_errors(tmp_path):
     result = runner.invoke(app, ["rl", "llama-3.1-8b", "--config", str(bad)])
     assert result.exit_code == 2
     assert "unknown key num_gen" in result.output and "Traceback" not in result.output
-    result = runner.invoke(app, ["rl", "llama-3.1-8b", "--trainer", "orpo"])
+    result = runner.invoke(app, ["rl", "llama-3.1-8b", "--trainer", "ppo2"])
     assert result.exit_code == 2
     named = tmp_path / "dpo.json"
     named.write_text(json.dumps({"model_name_or_path": "llama-3.1-8b", "per_device_train_batch_size": 2,

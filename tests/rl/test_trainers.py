@@ -134,3 +134,31 @@ def test_ppo_phases_and_offloads():
         assert next(p for p in off.phases if p.name == phase).total_bytes < before
     optimizer = {p.name: p.by_category().get(Category.OPTIMIZER.value, 0) for p in off.phases}
     assert optimizer["generation"] == optimizer["log-probs"] == 0 < optimizer["training"]
+
+
+def test_critic_runs_its_own_micro_batch(tmp_path):
+    """verl's critic.ppo_micro_batch_size_per_gpu sizes the critic phase alone; the actor's phases keep theirs."""
+    from memfit.rl.frameworks import read_verl
+
+    script = tmp_path / "run.sh"
+    script.write_text("python3 -m verl.trainer.main_ppo algorithm.adv_estimator=gae data.max_prompt_length=512 "
+                      "data.max_response_length=512 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+                      "critic.ppo_micro_batch_size_per_gpu=16 trainer.n_gpus_per_node=1\n")
+    reading = read_verl(script)
+    assert (reading.settings["per_device_train_batch_size"], reading.settings["critic_micro_batch_size"]) == (4, 16)
+    spec, gpu = as_spec("llama-3.1-8b"), make_hardware("H100")
+    base = RLSetup(trainer="ppo", per_device_train_batch_size=4, max_prompt_length=512, max_completion_length=512,
+                   beta=0.0, gradient_checkpointing=False)
+    same, own = estimate_rl(spec, base, gpu), estimate_rl(spec, base.replace(critic_micro_batch_size=16), gpu)
+    phase = lambda result, name: next(p for p in result.phases if p.name == name)  # noqa: E731
+    assert phase(own, "training").total_bytes == phase(same, "training").total_bytes
+    activations = lambda p: p.by_category()[Category.ACTIVATIONS.value]  # noqa: E731
+    assert activations(phase(own, "critic")) > 3 * activations(phase(same, "critic"))
+
+
+def test_cli_critic_batch_sizes_the_critic_phase():
+    from memfit.rl import rl_inputs
+
+    inputs = rl_inputs(model="llama-3.1-8b", trainer="ppo", batch=2, critic_batch=8)
+    assert (inputs.rl.per_device_train_batch_size, inputs.rl.critic_batch) == (2, 8)
+    assert rl_inputs(model="llama-3.1-8b", trainer="ppo", batch=2).rl.critic_batch == 2

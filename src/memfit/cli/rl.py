@@ -1,4 +1,4 @@
-"""`memfit rl MODEL --trainer grpo|rloo|ppo|dpo|kto`: an RL post-training step (TRL's trainers, verl, OpenRLHF) as
+"""`memfit rl MODEL --trainer grpo|rloo|ppo|dpo|kto|orpo|cpo|simpo`: an RL post-training step (TRL's trainers, verl, OpenRLHF) as
 phases, one bar per phase, the peak phase, for a colocated vLLM the gpu_memory_utilization to set, and with --plan
 the RL ladder and the settings that make it fit (memfit.rl). The options it shares with the sizing commands (--batch,
 --accum, --method, --lora-rank, --zero, --gpus, --nodes) are the generated ones (memfit.fields via
@@ -28,9 +28,10 @@ RlModelArg = Annotated[Optional[str], typer.Argument(
     help="A catalog name (see `memfit models`), a path to a config.json or a folder holding one, or a Hugging Face "
          "hub id. Optional when --config has model_name_or_path.")]
 TrainerOpt = Annotated[Optional[str], _opt(
-    "--trainer", metavar="grpo|rloo|ppo|dpo|kto",
-    help="The trainer: grpo, rloo (TRL RLOOTrainer), ppo (policy + critic: verl / OpenRLHF GAE), dpo, kto. "
-         "Default: grpo, or what --config says.")]
+    "--trainer", metavar="grpo|rloo|ppo|dpo|kto|orpo|cpo|simpo",
+    help="The trainer: grpo, rloo (TRL RLOOTrainer), ppo (policy + critic: verl / OpenRLHF GAE), dpo, kto, orpo, "
+         "cpo, simpo (trl.experimental: no reference model; simpo is CPOTrainer with loss_type simpo, cpo_alpha "
+         "0). Default: grpo, or what --config says.")]
 TrlConfigOpt = Annotated[Optional[Path], _opt(
     "--config", metavar="FILE",
     help="The recipe you have: TRL's GRPOConfig / DPOConfig / ... YAML or JSON (`trl grpo --config`), verl's "
@@ -57,6 +58,9 @@ RefOffloadOpt = Annotated[Optional[bool], _opt(
                                            "phase (verl ref param_offload, OpenRLHF --ref_reward_offload).")]
 RewardOpt = Annotated[Optional[bool], _opt("--reward-model/--no-reward-model",
                                            help="A reward model's weights on the GPU (verl reward_model.enable).")]
+CriticBatchOpt = Annotated[Optional[int], _opt(
+    "--critic-batch", metavar="N", parser=whole_number(1 << 16),
+    help="PPO: the critic update's micro-batch (verl critic.ppo_micro_batch_size_per_gpu). Default: the actor's.")]
 GenerationsOpt = Annotated[Optional[int], _opt("--num-generations", metavar="N", parser=whole_number(1 << 12),
                                                help="GRPO: completions per prompt. Default: 8.")]
 PromptOpt = Annotated[Optional[int], _opt("--prompt-len", metavar="N", parser=whole_number(1 << 21),
@@ -103,11 +107,13 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
                lora: LoraOpt = None, method: MethodOpt = None, lora_rank: LoraRankOpt = None,
                precompute_ref: PrecomputeOpt = None, checkpointing: CheckpointOpt = None,
                logprob_head: HeadOpt = None, zero: ZeroOpt = None, offload_trainer: OffloadOpt = None,
-               ref_offload: RefOffloadOpt = None, reward_model: RewardOpt = None, plan: PlanOpt = False,
+               ref_offload: RefOffloadOpt = None, reward_model: RewardOpt = None,
+               critic_batch: CriticBatchOpt = None, plan: PlanOpt = False,
                max_field: MaxOpt = None, fewest_gpus: FewestOpt = False, json_output: JsonOpt = False,
                verbose: VerboseOpt = False) -> None:
-    """Size an RL post-training step (TRL GRPO / RLOO / DPO / KTO, verl and OpenRLHF PPO / GRPO) phase by phase:
-    rollout generation, reference / old-policy log-probs, the policy's training step, the critic's. The peak per
+    """Size an RL post-training step (TRL GRPO / RLOO / DPO / KTO / ORPO / CPO / SimPO, verl and OpenRLHF PPO /
+    GRPO) phase by phase: rollout generation, reference / old-policy log-probs, the policy's training step, the
+    critic's. The peak per
     GPU is the largest phase; with a colocated vLLM, the vllm_gpu_memory_utilization that leaves the trainer its
     room; --plan, --max and --fewest-gpus say what makes it fit. Exit 0: fits; 1: does not; 2: a mistake."""
     from .. import rl as rl_lib
@@ -119,7 +125,8 @@ def rl_command(model: RlModelArg = None, trainer: TrainerOpt = None, config: Trl
                        vllm_util=vllm_util, sleep=sleep, vllm_tp=vllm_tp, kv_cache_dtype=kv_cache_dtype, lora=lora,
                        method=method, lora_rank=lora_rank, precompute_ref=precompute_ref,
                        checkpointing=checkpointing, logprob_head=logprob_head, zero=zero,
-                       offload_trainer=offload_trainer, ref_offload=ref_offload, reward_model=reward_model)
+                       offload_trainer=offload_trainer, ref_offload=ref_offload, reward_model=reward_model,
+                       critic_batch=critic_batch)
     spec, rl, hardware, margin = inputs.spec, inputs.rl, inputs.hardware, inputs.margin
     framework, read_lines = inputs.framework, inputs.read
     if sum(bool(x) for x in (plan, max_field, fewest_gpus)) > 1:

@@ -145,6 +145,8 @@ class TermKey(StrEnum):
     LOGPROB_TILE = "temporaries/logprob_tile"
     PREFILL = "temporaries/prefill"
     VLLM_ACTIVATIONS = "temporaries/vllm_activations"
+    LOGITS_SAVED = "activations/logits_saved"
+    NLL_LOG_SOFTMAX = "activations/nll_log_softmax"
 
     @property
     def category(self) -> Category:

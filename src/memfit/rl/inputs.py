@@ -30,7 +30,7 @@ def rl_inputs(*, model=None, trainer=None, config=None, gpu=None, gpus=None, nod
               num_generations=None, prompt_len=None, completion_len=None, accum=None, beta=None, vllm=None,
               vllm_mode=None, vllm_util=None, sleep=None, vllm_tp=None, kv_cache_dtype=None, lora=None, method=None,
               lora_rank=None, precompute_ref=None, checkpointing=None, logprob_head=None, zero=None,
-              offload_trainer=None, ref_offload=None, reward_model=None,
+              offload_trainer=None, ref_offload=None, reward_model=None, critic_batch=None,
               resolve=None) -> RLInputs:
     """`memfit rl`'s parameters (as its options parse them) as RLInputs: what the command and the page's RL
     phase bars (memfit.serve.rl) compute from. `resolve`: how the model is read (default: memfit.sources)."""
@@ -66,7 +66,8 @@ def rl_inputs(*, model=None, trainer=None, config=None, gpu=None, gpus=None, nod
                      lora_rank=lora_rank, precompute_ref_log_probs=precompute_ref,
                      gradient_checkpointing=checkpointing, logprob_head=logprob_head,
                      sharding=zero.value if zero is not None else None, param_offload=offload_trainer,
-                     optimizer_offload=offload_trainer, ref_offload=ref_offload, reward_model=reward_model)
+                     optimizer_offload=offload_trainer, ref_offload=ref_offload, reward_model=reward_model,
+                     critic_micro_batch_size=critic_batch)
     if rl.use_vllm and not rl.online:
         raise ConfigError(f"--vllm is a rollout option: {trainer.upper()} generates nothing")
     spec = (resolve or sources.resolve_model)(model)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from ..hardware import Hardware, make_hardware
 from ..model_spec import ModelSpec
 from .phases import estimate_rl
-from .workload import RLEstimate, RLSetup
+from .workload import REFERENCE_FREE, RLEstimate, RLSetup
 
 MAX_GPUS = 512
 
@@ -88,7 +88,8 @@ def _checkpointing(rl: RLSetup, est: RLEstimate, gpus: int):
 
 
 def _fused_head(rl: RLSetup, est: RLEstimate, gpus: int):
-    if rl.logprob_head != "fused":
+    # ORPO / CPO / SimPO materialise the logits whatever the setting (their concatenated_forward): no rung
+    if rl.logprob_head != "fused" and rl.trainer not in REFERENCE_FREE:
         return rl.replace(logprob_head="fused"), gpus, "log-probs in tiles of the LM head, never B x T x V logits"
     return None
 
@@ -106,8 +107,8 @@ def _reference(rl: RLSetup, est: RLEstimate, gpus: int):
 
 def _lora(rl: RLSetup, est: RLEstimate, gpus: int):
     if not rl.lora:
-        return (rl.replace(lora=True), gpus,
-                "adapters train, the base is frozen and doubles as the reference (adapters disabled)")
+        return (rl.replace(lora=True), gpus, "adapters train, the base is frozen" + (
+            "" if rl.trainer in REFERENCE_FREE else " and doubles as the reference (adapters disabled)"))
     return None
 
 
@@ -169,7 +170,7 @@ RUNGS: tuple[tuple[str, str, Step], ...] = (
     ("checkpointing", "Gradient checkpointing", _checkpointing),
     ("fused-logprobs", "Fused log-probs from the LM head", _fused_head),
     ("reference", "Reference off the GPU", _reference),
-    ("lora", "LoRA policy, the base as reference", _lora),
+    ("lora", "LoRA policy", _lora),
     ("vllm", "vLLM asleep between rollouts, the recommended utilization", _vllm),
     ("offload", "Trainer state offloaded during the rollout", _offload_trainer),
     ("generation-batch", "A smaller generation batch", _generation_batch),

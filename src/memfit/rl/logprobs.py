@@ -110,6 +110,38 @@ def logits_backward_terms(spec: ModelSpec, batch: int, completion: int, *, kind:
                  " x [B, C, V] gradients", source)]
 
 
+PREFERENCE = "trl/experimental/orpo/orpo_trainer.py, cpo/cpo_trainer.py concatenated_forward"
+
+
+def preference_head_terms(spec: ModelSpec, rows: int, seq: int, *, nll: bool, logits_bytes: int, triton: bool,
+                          head_trainable: bool) -> list[Term]:
+    """ORPO / CPO / SimPO's head at the policy's backward peak (its first op): the whole [2B, T, V] logits the model
+    returns (kept by `selective_log_softmax`, whose backward reads them), the fp32 log-softmax of the chosen half
+    that the NLL term (`nn.CrossEntropyLoss` over `logits[:B, :-1]`; cross_entropy runs in fp32 under autocast)
+    saves, the LM head's saved input and the final norm's saved `weight * x` operand ([2B, T, h] each; only when
+    those weights train: a LoRA policy's frozen head and norm save neither, as measured), and the
+    backward of `selective_log_softmax` over the shifted [2B, T - 1, V]: on the torch path (CPU, fp32) each row's
+    logsumexp gradient and their stack (UnbindBackward), two [2B, T - 1, V] fp32; with TRL's Triton kernel
+    (trl/kernels/logprob_entropy.py) its grad_logits [2B, T - 1, V] and the slice's zero-filled [2B, T, V] input
+    gradient, both in the logits' dtype."""
+    v, h = spec.vocab_size, spec.hidden_size
+    logits = rows * seq * v * logits_bytes
+    operands = 2 * rows * seq * h * logits_bytes if head_trainable else 0
+    terms = [term(TermKey.LOGITS_SAVED, Category.ACTIVATIONS, logits + operands, "logits [2B, T, V]" + (
+        " + the LM head's input and the final norm's operand [2B, T, h]" if head_trainable else ""), PREFERENCE)]
+    if nll:
+        terms.append(term(TermKey.NLL_LOG_SOFTMAX, Category.ACTIVATIONS, rows // 2 * (seq - 1) * v * 4,
+                          "the NLL's fp32 log-softmax of the chosen half [B, T - 1, V]", PREFERENCE))
+    shifted = rows * (seq - 1) * v
+    if triton:
+        grads, formula = shifted * logits_bytes + logits, "grad_logits [2B, T-1, V] + the slice's [2B, T, V]"
+    else:
+        grads, formula = 2 * shifted * 4, "2 x [2B, T-1, V] fp32: the rows' logsumexp gradients and their stack"
+    terms.append(term(TermKey.LOGITS_BACKWARD, Category.TEMPORARIES, grads, formula,
+                      "trl/trainer/utils.py selective_log_softmax" + (" (Triton)" if triton else "")))
+    return terms
+
+
 def rl_loss_terms(batch: int, completion: int, *, trainer: str, with_reference: bool) -> list[Term]:
     """The loss's own per-token fp32 tensors over the completions (grpo_trainer.py `_compute_loss`: log-probs,
     old log-probs, ratio, clipped ratio, the two surrogate terms, the masked loss; + the reference log-probs and
@@ -123,6 +155,9 @@ def rl_loss_terms(batch: int, completion: int, *, trainer: str, with_reference: 
              "ppo": 7,
              # the value loss per token: values, old values, returns, clipped values, two squared errors (verl
              # core_algos.compute_value_loss)
-             "critic": 6}.get(trainer, 2 if with_reference else 1)
+             "critic": 6,
+             # ORPO / CPO / SimPO get_batch_logps over every shifted position: the per-token log-probs and
+             # their masked product
+             "orpo": 2, "cpo": 2, "simpo": 2}.get(trainer, 2 if with_reference else 1)
     return [term(TermKey.RL_LOSS, Category.ACTIVATIONS, count * batch * completion * 4,
                  f"{count} fp32 [B, C] per-token tensors", "trl grpo_trainer.py / dpo_trainer.py _compute_loss")]

@@ -352,3 +352,33 @@ def measure_critic(config: dict, *, batch: int, prompt_len: int, completion_len:
     with step_threads():
         update()
         return phase_peaks(step, model, optimizer, [ids, old_values, returns], marks)["critic"]
+
+
+def measure_preference(config: dict, *, batch: int, prompt_len: int, completion_len: int, trainer: str = "orpo",
+                       lora: bool = False, checkpointing: bool = False, output_dir: str,
+                       detail: dict | None = None) -> dict[str, int]:
+    """One step (the second) of TRL's reference-free preference trainers on CPU in fp32 (trl.experimental):
+    ORPOTrainer (trainer='orpo'), CPOTrainer ('cpo': loss_type 'sigmoid', cpo_alpha 1) and SimPO ('simpo':
+    CPOTrainer with loss_type 'simpo', cpo_alpha 0). Chosen and rejected run concatenated through the policy alone;
+    the one phase is 'training'. Each completion gets TRL's EOS (`add_eos_token_if_needed`: + 1 token)."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    common = dict(output_dir=output_dir, gradient_checkpointing=checkpointing, per_device_train_batch_size=batch,
+                  max_length=4 * (prompt_len + completion_len), **TRAINER_ARGS)
+    common.pop("model_init_kwargs")
+    if trainer == "orpo":
+        config_class, trainer_class, extra = ORPOConfig, ORPOTrainer, {}
+    else:
+        config_class, trainer_class = CPOConfig, CPOTrainer
+        extra = {"loss_type": "simpo", "cpo_alpha": 0.0} if trainer == "simpo" else {}
+    from transformers import AutoModelForCausalLM
+
+    path = _tiny_model(config, f"{output_dir}/model")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    pairs = _pairs(64, prompt_len, completion_len)
+    # the prompt and each answer are tokenized as one string (`build_tokenized_answer`): a space keeps words apart
+    pairs = pairs.map(lambda row: {"chosen": " " + row["chosen"], "rejected": " " + row["rejected"]})
+    run = trainer_class(model=model, args=config_class(**common, **extra), train_dataset=pairs,
+                        processing_class=toy_tokenizer(), peft_config=_peft_config(lora))
+    return _measure_trainer(run, reference_method=None, detail=detail)

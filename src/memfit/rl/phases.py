@@ -13,7 +13,7 @@ from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Engine, Loss, Optimizer, Precision, Sharding, TrainingSetup
 from . import logprobs
 from .generation import default_max_num_seqs, hf_generate_terms, hf_kv_cache_bytes, vllm_budget, vllm_terms
-from .workload import Phase, RLEstimate, RLSetup, VllmAdvice, term
+from .workload import REFERENCE_FREE, Phase, RLEstimate, RLSetup, VllmAdvice, term
 
 GRPO = "trl/trainer/grpo_trainer.py"
 DPO = "trl/trainer/dpo_trainer.py"
@@ -192,9 +192,9 @@ def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[
     critic's."""
     batch = rl.per_device_train_batch_size
     core = estimate(spec, training_setup(rl, hardware, batch), hardware)
-    # the critic is a full model (verl / OpenRLHF train it whole even beside a LoRA actor)
-    critic_core = estimate(spec, training_setup(rl.replace(lora=False), hardware, batch), hardware) \
-        if rl.lora and rl.has_critic else core
+    # the critic is a full model (verl / OpenRLHF train it whole even beside a LoRA actor), on its own micro-batch
+    critic_core = estimate(spec, training_setup(rl.replace(lora=False), hardware, rl.critic_batch), hardware) \
+        if rl.has_critic and (rl.lora or rl.critic_batch != batch) else core
     resident = Resident(spec, rl, core, critic_core)
     overhead, rollout = _overhead(core), _rollout_buffers(rl, rl.generation_batch)
     models = resident.models("all")
@@ -226,7 +226,7 @@ def grpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[
     if rl.has_critic:
         critic = _critic_training(spec, rl, critic_core, resident)
         phases.append(Phase("critic", tuple(critic + rollout + overhead),
-                            models, f"critic (value model) forward + backward, {batch} sequences"))
+                            models, f"critic (value model) forward + backward, {rl.critic_batch} sequences"))
     return phases, core
 
 
@@ -238,13 +238,31 @@ def _critic_training(spec: ModelSpec, rl: RLSetup, core: MemoryEstimate, residen
     own = [t for t in core.terms if t.category is not Category.OVERHEAD and t.name not in CE_LOSS_TERMS]
     rename = {Category.PARAMETERS: TermKey.CRITIC, Category.OPTIMIZER: TermKey.CRITIC_OPTIMIZER}
     scaled = [t for t in own if t.category not in (Category.PARAMETERS, Category.OPTIMIZER, Category.GRADIENTS)]
-    scaled += _scaled([t for t in own if t.category in (Category.PARAMETERS, Category.OPTIMIZER,
-                                                        Category.GRADIENTS)], fraction, rename)
+    scaled += _scaled([t for t in own if t.category in (Category.PARAMETERS, Category.OPTIMIZER)], fraction, rename)
+    scaled += _critic_gradients(spec, rl, [t for t in own if t.category is Category.GRADIENTS], fraction)
     others = [t for t in resident.terms("critic") if t not in resident.critic_params
               and t not in resident.critic_optimizer]
-    values = logprobs.rl_loss_terms(rl.per_device_train_batch_size, rl.max_completion_length, trainer="critic",
+    values = logprobs.rl_loss_terms(rl.critic_batch, rl.max_completion_length, trainer="critic",
                                     with_reference=False)
     return scaled + others + values
+
+
+def _critic_gradients(spec: ModelSpec, rl: RLSetup, grads: list[Term], fraction: float) -> list[Term]:
+    """The critic's gradients at its update's peak. When the core's peak holds every gradient (the optimizer step,
+    or the end of backward) they scale with the value model's size. When it holds only some, the peak is in
+    backward and the LM head's [V, h] gradient, the first one computed, is among them: a value model has no LM
+    head, its first gradient is the score head's [1, h] + bias (measured: the critic's peak is its head's backward
+    with no other gradient yet; scaling the LM head's gradient was the ~2% excess). A tied head's gradient lands in
+    the embedding, which the critic computes last. Sharded gradients keep the scaling."""
+    b = _dtype_bytes(rl)
+    total = sum(t.num_bytes for t in grads)
+    if rl.sharding != "none" or not grads or total >= spec.num_params * b:
+        return _scaled(grads, fraction, {})
+    head = spec.vocab_size * spec.hidden_size * b
+    return [term(TermKey.GRADIENTS, Category.GRADIENTS, max(0, total - head) + (spec.hidden_size + 1) * b,
+                 "the core's gradients at its backward peak less the LM head's [V, h], plus the score head's "
+                 "[1, h] + bias", "transformers AutoModelForTokenClassification (num_labels=1): score = "
+                 "nn.Linear(hidden_size, 1)")]
 
 
 def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[Phase], MemoryEstimate]:
@@ -285,9 +303,26 @@ def dpo_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[P
     return phases, core
 
 
+def preference_phases(spec: ModelSpec, rl: RLSetup, hardware: Hardware) -> tuple[list[Phase], MemoryEstimate]:
+    """ORPO, CPO and SimPO (trl.experimental, trl 1.16): chosen and rejected concatenated (2 x batch rows of
+    prompt + completion) through the policy alone, no reference model, the logits materialised: one phase, the
+    policy's step, whose peak is the head's backward (logprobs.preference_head_terms) or the core's own peak."""
+    rows = 2 * rl.per_device_train_batch_size
+    core = estimate(spec, training_setup(rl, hardware, rows), hardware)
+    head = logprobs.preference_head_terms(spec, rows, rl.seq_len, nll=rl.trainer != "simpo",
+                                          logits_bytes=_dtype_bytes(rl), triton=rl.triton, head_trainable=not rl.lora)
+    head_point = (_pick(core, Category.PARAMETERS, Category.OPTIMIZER) + _saved_activations(spec, rl, core, rows)
+                  + head + logprobs.rl_loss_terms(rows, rl.seq_len - 1, trainer=rl.trainer, with_reference=False))
+    train = _training(core, head_point, []) + _overhead(core)
+    return [Phase("training", tuple(train), ("policy",), f"policy forward + backward, {rows} rows (chosen + "
+                  "rejected)")], core
+
+
 def estimate_rl(spec: ModelSpec, rl: RLSetup, hardware: Hardware, *, margin: float = DEFAULT_MARGIN) -> RLEstimate:
     if rl.online:
         phases, core = grpo_phases(spec, rl, hardware)
+    elif rl.trainer in REFERENCE_FREE:
+        phases, core = preference_phases(spec, rl, hardware)
     else:
         phases, core = dpo_phases(spec, rl, hardware)
     advice = None

@@ -1,5 +1,7 @@
 """TRL's GRPOConfig / DPOConfig as its CLI reads them (`trl grpo --config grpo.yaml`: one YAML or JSON mapping
-holding the trainer's config, TrainingArguments and TRL's ModelConfig / ScriptArguments side by side). Like
+holding the trainer's config, TrainingArguments and TRL's ModelConfig / ScriptArguments side by side), and
+trl.experimental's ORPOConfig / CPOConfig in the same mapping as TrlParser's `--config` reads it (trl 1.16 has no
+`trl orpo` command: TRL's example scripts parse them with TrlParser). Like
 memfit.readers: memory-relevant keys map to RLSetup fields, known keys that size nothing are skipped, and any other
 key is one ConfigError line naming it (exit 2)."""
 
@@ -12,7 +14,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..readers.files import load_mapping
 from ..readers._reader import show
-from .workload import RLSetup
+from .workload import REFERENCE_FREE, RLSetup
 
 INT_FIELDS = ("per_device_train_batch_size", "num_generations", "max_prompt_length", "max_completion_length",
               "gradient_accumulation_steps", "steps_per_generation", "num_iterations", "vllm_tensor_parallel_size",
@@ -21,7 +23,8 @@ BOOL_FIELDS = ("use_vllm", "vllm_enable_sleep_mode", "precompute_ref_log_probs",
                "vllm_enforce_eager")
 FLOAT_FIELDS = ("beta", "vllm_gpu_memory_utilization")
 STR_FIELDS = ("vllm_mode", "vllm_kv_cache_dtype")
-RENAMED = {"vllm_max_model_length": None, "max_length": "max_length", "use_peft": "lora", "lora_r": "lora_rank",
+RENAMED = {"vllm_max_model_length": None, "cpo_alpha": "cpo_alpha", "loss_type": "loss_type",
+           "is_encoder_decoder": None, "max_length": "max_length", "use_peft": "lora", "lora_r": "lora_rank",
            "fp16": "fp16", "generation_batch_size": "generation_batch_size"}
 """Keys read with a conversion (see `_special`)."""
 IGNORED = frozenset((
@@ -32,7 +35,7 @@ IGNORED = frozenset((
     "save_total_limit", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "report_to", "seed",
     "data_seed", "push_to_hub", "hub_model_id", "log_level", "dataloader_num_workers", "remove_unused_columns",
     "gradient_checkpointing_kwargs", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "loss_type", "scale_rewards", "reward_weights", "epsilon", "epsilon_high", "delta", "mask_truncated_completions",
+    "scale_rewards", "reward_weights", "epsilon", "epsilon_high", "delta", "mask_truncated_completions",
     "log_completions", "num_completions_to_print", "disable_dropout", "sync_ref_model", "ref_model_mixup_alpha",
     "ref_model_sync_steps", "label_smoothing", "rpo_alpha", "ld_alpha", "use_weighting", "f_divergence_type",
     "truncation_mode", "padding_free", "pad_to_multiple_of", "dataset_num_proc", "model_init_kwargs",
@@ -45,6 +48,8 @@ IGNORED = frozenset((
     "bnb_4bit_quant_type", "use_bnb_nested_quant", "reward_funcs", "reward_model_name_or_path", "tf32",
     "ddp_find_unused_parameters", "bf16_full_eval", "optim", "lr_scheduler_kwargs", "logging_dir", "hub_strategy",
     "beta_schedule", "discopop_tau", "loss_weights", "precompute_ref_log_probs_batch_size",
+    # ORPOConfig / CPOConfig (trl.experimental): loss shape and evaluation, no memory of the step
+    "simpo_gamma", "alpha", "generate_during_eval", "padding_value",
 ))
 
 
@@ -81,8 +86,18 @@ def _convert(key: str, value: Any, shown: str) -> dict[str, Any]:
             raise bad("true or false")
     if key in FLOAT_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise bad("a number")
-    if key in STR_FIELDS and not isinstance(value, str):
+    if key in STR_FIELDS + ("loss_type",) and not isinstance(value, str):
         raise bad("a string")
+    if key == "cpo_alpha":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return {"cpo_alpha": float(value)}
+    if key == "loss_type":
+        return {"loss_type": value}
+    if key == "is_encoder_decoder":
+        if value is True:
+            raise ConfigError(f"{shown}: is_encoder_decoder: memfit rl sizes decoder-only policies")
+        return {}
     if key == "use_peft":
         return {"lora": value}
     if key == "lora_r":
@@ -104,6 +119,16 @@ def build_setup(trainer: str, settings: Mapping[str, Any], **overrides: Any) -> 
     `generation_batch_size` sets steps_per_generation (one device)."""
     merged = {**settings, **{k: v for k, v in overrides.items() if v is not None}}
     merged["trainer"] = trainer
+    # CPOConfig: loss_type 'alphapo' sets loss_type 'simpo' and cpo_alpha 0 (cpo_config.py __post_init__); without
+    # the NLL term on the chosen half CPO is memfit's 'simpo'
+    cpo_alpha = 0.0 if merged.pop("loss_type", None) == "alphapo" else merged.pop("cpo_alpha", None)
+    merged.pop("cpo_alpha", None)
+    if trainer == "cpo" and cpo_alpha == 0.0:
+        merged["trainer"] = "simpo"
+    if trainer in REFERENCE_FREE:
+        # ORPO / CPO read max_completion_length only for encoder-decoder models; max_length (default 1024) bounds
+        # prompt + completion, the answer truncated first
+        merged.pop("max_completion_length", None) if "max_length" in merged else None
     max_length = merged.pop("max_length", None)
     generation = merged.pop("generation_batch_size", None)
     if max_length is not None and "max_completion_length" not in merged:

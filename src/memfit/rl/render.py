@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..units import format_bytes
 from .ladder import RLPlan
-from .workload import RLEstimate
+from .workload import REFERENCE_FREE, RLEstimate
 
 BAR_WIDTH = 40
 CATEGORY_ORDER = ("parameters", "optimizer", "gradients", "activations", "temporaries", "overhead")
@@ -72,7 +72,7 @@ def _vllm(out, result: RLEstimate) -> None:
 
 
 def settings_lines(result: RLEstimate) -> list[str]:
-    """The GRPOConfig / DPOConfig fields this estimate assumed, as YAML lines to paste."""
+    """The GRPOConfig / DPOConfig / ORPOConfig / CPOConfig fields this estimate assumed, as YAML lines to paste."""
     rl = result.setup
     lines = [f"per_device_train_batch_size: {rl.per_device_train_batch_size}",
              f"gradient_accumulation_steps: {rl.gradient_accumulation_steps}",
@@ -89,6 +89,9 @@ def settings_lines(result: RLEstimate) -> list[str]:
             util = advice.recommended if advice and advice.recommended else rl.vllm_gpu_memory_utilization
             lines += [f"vllm_mode: {rl.vllm_mode}", f"vllm_gpu_memory_utilization: {util:.2f}",
                       f"vllm_enable_sleep_mode: {str(rl.vllm_enable_sleep_mode).lower()}"]
+    elif rl.trainer in REFERENCE_FREE:
+        # CPOConfig: SimPO is loss_type simpo without the NLL term (cpo_alpha 0)
+        lines += ["loss_type: simpo", "cpo_alpha: 0.0"] if rl.trainer == "simpo" else []
     else:
         lines.append(f"precompute_ref_log_probs: {str(rl.precompute_ref_log_probs).lower()}")
     if rl.lora:

@@ -11,12 +11,19 @@ from dataclasses import dataclass, field, replace
 
 from ..estimate.result import Category, Term
 
-TRAINERS = ("grpo", "rloo", "ppo", "dpo", "kto")
+TRAINERS = ("grpo", "rloo", "ppo", "dpo", "kto", "orpo", "cpo", "simpo")
 ONLINE = ("grpo", "rloo", "ppo")
-"""Trainers that generate their rollouts; the others (DPO, KTO) train on a fixed preference dataset."""
-DEFAULT_BETA = {"grpo": 0.0, "rloo": 0.05, "ppo": 0.05, "dpo": 0.1, "kto": 0.1}
+"""Trainers that generate their rollouts; the others (DPO, KTO, ORPO, CPO, SimPO) train on a fixed preference
+dataset."""
+REFERENCE_FREE = ("orpo", "cpo", "simpo")
+"""Preference trainers with no reference model (trl.experimental.orpo / .cpo, trl 1.16): chosen and rejected
+concatenated through the policy alone, over materialised logits. 'simpo' is CPOTrainer with loss_type 'simpo' and
+cpo_alpha 0 (no NLL term on the chosen half); 'cpo' keeps cpo_alpha's default 1.0; ORPO always adds the NLL."""
+DEFAULT_BETA = {"grpo": 0.0, "rloo": 0.05, "ppo": 0.05, "dpo": 0.1, "kto": 0.1, "orpo": 0.1, "cpo": 0.1,
+                "simpo": 0.1}
 """The KL / preference weight each trainer's config defaults to (trl 1.16 grpo_config.py, rloo_config.py,
-dpo_config.py, kto_config.py; PPO: TRL 0.x PPOConfig kl_coef 0.05)."""
+dpo_config.py, kto_config.py, experimental orpo_config.py / cpo_config.py; PPO: TRL 0.x PPOConfig kl_coef 0.05).
+ORPO's beta is the odds-ratio weight; none of the three loads a reference for it."""
 VLLM_MODES = ("colocate", "server")
 KV_CACHE_DTYPES = (None, "auto", "bfloat16", "float16", "half", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 """vLLM CacheConfig.cache_dtype values memfit sizes (vllm/config/cache.py CacheDType)."""
@@ -66,6 +73,9 @@ class RLSetup:
     critic: bool | None = None
     """A value model trained beside the policy (PPO's critic, verl `critic.*`, adv_estimator 'gae'); None: PPO
     only."""
+    critic_micro_batch_size: int | None = None
+    """The critic update's micro-batch (verl critic.ppo_micro_batch_size_per_gpu); None: the actor's (OpenRLHF's
+    --micro_train_batch_size is shared)."""
     reward_model: bool = False
     """A reward model's weights on the trainer's GPUs (verl reward_model.enable, OpenRLHF --reward_pretrain); TRL's
     GRPO / RLOO here score with functions."""
@@ -103,6 +113,8 @@ class RLSetup:
                      "gradient_accumulation_steps", "num_iterations", "vllm_tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.critic_micro_batch_size is not None and self.critic_micro_batch_size < 1:
+            raise ValueError(f"critic_micro_batch_size must be at least 1, got {self.critic_micro_batch_size}")
         if self.max_prompt_length < 0:
             raise ValueError(f"max_prompt_length must be >= 0, got {self.max_prompt_length}")
 
@@ -124,7 +136,7 @@ class RLSetup:
     def has_reference_model(self) -> bool:
         """A second copy of the weights: GRPO with beta > 0, DPO without precomputed log-probs; never for a LoRA
         policy, whose reference is the base with the adapters disabled (trl `use_adapter(model, None)`)."""
-        if self.lora:
+        if self.lora or self.trainer in REFERENCE_FREE:
             return False
         if self.trainer in ONLINE:
             return self.beta > 0.0
@@ -132,11 +144,17 @@ class RLSetup:
 
     @property
     def needs_reference_logprobs(self) -> bool:
+        if self.trainer in REFERENCE_FREE:
+            return False
         return self.beta > 0.0 if self.trainer in ONLINE else True
 
     @property
     def online(self) -> bool:
         return self.trainer in ONLINE
+
+    @property
+    def critic_batch(self) -> int:
+        return self.critic_micro_batch_size or self.per_device_train_batch_size
 
     @property
     def has_critic(self) -> bool:

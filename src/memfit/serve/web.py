@@ -72,8 +72,13 @@ async def _static(request: Request) -> Response:
     return Response(_asset(name), media_type=_STATIC[name], headers=_headers(cache=name == "plotly.min.js"))
 
 
+def _all_options() -> dict:
+    """The plan form's fields and the RL section's (memfit.serve.rl.form_fields)."""
+    return {**core.options(), "rl": rl_page.form_fields()}
+
+
 async def _options(request: Request) -> Response:
-    return JSONResponse(await run_in_threadpool(core.options), headers=_headers())
+    return JSONResponse(await run_in_threadpool(_all_options), headers=_headers())
 
 
 def _error(message: str, field: str | None = None, status: int = 400) -> JSONResponse:

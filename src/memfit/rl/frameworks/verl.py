@@ -147,9 +147,37 @@ def _verl_batches(keys: _Keys, gpus: int, n: int) -> None:
     out["steps_per_generation"] = max(1, -(-per_gpu // micro))
     read.set("steps_per_generation", out["steps_per_generation"], "data.train_batch_size", batch,
              f"x n {n} / {gpus} GPUs = {per_gpu} responses generated per GPU at once")
+    _verl_critic_batch(keys, gpus, seq)
     if get(A + "ppo_mini_batch_size") is not None:
         read.defer(A + "ppo_mini_batch_size", get(A + "ppo_mini_batch_size"),
                    "the optimizer step's batch: gradients accumulate in place, no memory of its own")
+
+
+def _verl_critic_batch(keys: _Keys, gpus: int, seq: int) -> None:
+    """The critic update's own micro-batch (verl critic.ppo_micro_batch_size_per_gpu, or the global
+    critic.ppo_micro_batch_size / GPUs, or critic.use_dynamic_bsz's ppo_max_token_len_per_gpu // sequence; verl's
+    dp_critic splits the batch by it as dp_actor does); for a critic-free estimator the keys are listed as such."""
+    read, out, get, C = keys.read, keys.out, keys.get, "critic."
+    if out.get("trainer") != "ppo":
+        return
+    keys.handled |= {C + "ppo_micro_batch_size_per_gpu", C + "ppo_micro_batch_size", C + "use_dynamic_bsz",
+                     C + "ppo_max_token_len_per_gpu"}
+    # ppo_trainer.yaml: critic.use_dynamic_bsz defaults to the actor's, ppo_max_token_len_per_gpu to 32768
+    if _bool(read, C + "use_dynamic_bsz", get(C + "use_dynamic_bsz", get(A + "use_dynamic_bsz", False))):
+        tokens = _int(read, C + "ppo_max_token_len_per_gpu", get(C + "ppo_max_token_len_per_gpu", 32768))
+        micro = max(1, tokens // seq)
+        read.set("critic_micro_batch_size", micro, C + "ppo_max_token_len_per_gpu", tokens,
+                 f"use_dynamic_bsz: {tokens} tokens // {seq} per full-length sequence")
+    elif get(C + "ppo_micro_batch_size_per_gpu") is not None:
+        micro = _count(read, C + "ppo_micro_batch_size_per_gpu", get(C + "ppo_micro_batch_size_per_gpu"))
+        read.set("critic_micro_batch_size", micro, C + "ppo_micro_batch_size_per_gpu", micro)
+    elif get(C + "ppo_micro_batch_size") is not None:
+        micro = max(1, _int(read, C + "ppo_micro_batch_size", get(C + "ppo_micro_batch_size")) // gpus)
+        read.set("critic_micro_batch_size", micro, C + "ppo_micro_batch_size", get(C + "ppo_micro_batch_size"),
+                 f"global, / {gpus} GPUs")
+    else:
+        return
+    out["critic_micro_batch_size"] = micro
 
 
 def _verl_sharding(keys: _Keys, gpus: int, shown: str) -> None:

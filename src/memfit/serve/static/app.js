@@ -201,7 +201,9 @@
     try {
       const reply = await fetch("/api/options");
       if (!reply.ok) throw new Error(`the server answered ${reply.status}`);
-      buildForm(await reply.json());
+      const options = await reply.json();
+      buildForm(options);
+      buildRlForm(options.rl);
     } catch (error) {
       showError("cannot load the form's options: " + error.message, null);
       finish("error");
@@ -210,10 +212,54 @@
     schedule(0);
   }
 
-  // RL phase bars: the arguments of `memfit rl`, split on spaces, posted to /api/rl
+  // RL phase bars: the RL section's fields (memfit rl's own options, from /api/options) and the free-text line
+  // become `memfit rl`'s arguments, posted to /api/rl on submit and whenever a field changes
+  const rl = {fields: []};
+
+  function rlFieldRow(field) {
+    const id = "rl-f-" + field.name;
+    let input;
+    if (field.kind === "choice" || field.kind === "switch") {
+      const fallback = field.default ? `default (${field.default})` : "default";
+      input = el("select", {id, name: field.name}, el("option", {value: "", text: fallback}),
+                 ...field.choices.map((choice) => el("option", {value: choice, text: choice})));
+    } else {
+      input = el("input", {id, name: field.name, type: "text", spellcheck: "false"});
+      input.placeholder = field.default ? `default: ${field.default}` : "";
+    }
+    input.value = field.initial;
+    if (field.help) input.title = field.help;
+    const row = el("div", {className: "field"}, el("label", {for: id, text: field.label}), input);
+    if (field.suggestions) {
+      const list = el("datalist", {id: id + "-list"},
+                      ...field.suggestions.map((s) => el("option", {value: s.value, label: s.label})));
+      input.setAttribute("list", list.id);
+      row.append(list);
+    }
+    input.addEventListener("change", () => sizeRl());
+    return row;
+  }
+
+  function buildRlForm(fields) {
+    rl.fields = fields || [];
+    $("rl-fields").replaceChildren(...rl.fields.map(rlFieldRow));
+  }
+
+  function rlArgs() {
+    const args = [];
+    for (const field of rl.fields) {
+      const value = $("rl-f-" + field.name).value.trim();
+      if (!value) continue;
+      if (field.flag === null) args.unshift(value);
+      else if (field.kind === "switch") args.push(value);
+      else args.push(field.flag, value);
+    }
+    return args.concat($("rl-args").value.trim().split(/\s+/).filter((word) => word));
+  }
+
   async function sizeRl(event) {
     if (event) event.preventDefault();
-    const args = $("rl-args").value.trim().split(/\s+/).filter((word) => word);
+    const args = rlArgs();
     $("rl-error").hidden = true;
     try {
       const reply = await fetch("/api/rl", {method: "POST", headers: {"Content-Type": "application/json"},
@@ -225,6 +271,7 @@
         return;
       }
       const est = data.estimate;
+      $("rl-command").textContent = data.command;
       const gib = (bytes) => (bytes / 2 ** 30).toFixed(2);
       $("rl-verdict").textContent = `peak: ${est.peak_phase} ${gib(est.peak_bytes)} GiB of ` +
         `${gib(est.gpu_memory_bytes)} GiB: ${est.fits ? "fits" : "does not fit"}` +
