@@ -22,6 +22,7 @@ from .model_spec import ModelSpec
 from .optimizers import kind_of
 from .setup import Checkpointing, ModelCode, Optimizer, Precision, TrainingSetup, setup_changes
 from .techniques.base import Context, Proposal, Skip
+from .techniques.lora import UPCAST_NOTE
 
 
 def speak(ctx: Context, result: Proposal | Skip) -> Proposal | Skip:
@@ -43,7 +44,10 @@ def speak(ctx: Context, result: Proposal | Skip) -> Proposal | Skip:
     if missing:
         return Skip(f"LitGPT's finetune config has no key for {', '.join(c.label for c in missing)}")
     runs = proposed.replace(**overrides)
-    return Proposal(runs, _change(runs, before, after), result.cost, result.why)
+    why = result.why
+    if not runs.finetune.upcasts_unquantized():  # LitGPT calls no prepare_model_for_kbit_training
+        why = why.replace(UPCAST_NOTE, " (in the compute dtype: LitGPT upcasts nothing)")
+    return Proposal(runs, _change(runs, before, after), result.cost, why)
 
 
 def runs_as(spec: ModelSpec, setup: TrainingSetup) -> TrainingSetup:

@@ -20,7 +20,7 @@ from .launch import SETUP_FILE, engine_description
 from .model_spec import ModelSpec
 from .plan_output import launch_section_for
 from .emit.litgpt import script as litgpt_script
-from .setup import ModelCode, TrainingSetup
+from .setup import Engine, ModelCode, Sharding, TrainingSetup
 from .units import GiB, format_bytes
 
 
@@ -357,10 +357,9 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
     console.print(Text(f" {engine_description(section.setup, section.engine)} over {hardware.world_size} ranks "
                        f"({hardware.num_nodes} node(s) x {hardware.gpus_per_node}): "
                        f"{gib(section.per_rank_bytes)} GiB per rank", overflow="fold"))
-    if section.setup.model_code is ModelCode.LITGPT:  # LitGPT's own model: its scripts start their ranks
-        _bullets(console, [f"litgpt {litgpt_script(section.setup)} --config litgpt.yaml on each node: Fabric starts "
-                           f"the node's ranks itself (devices {hardware.gpus_per_node}); memfit's torchrun command "
-                           "would run the Hugging Face model"])
+    elsewhere = _launched_elsewhere(section.setup, hardware)
+    if elsewhere:
+        _bullets(console, [elsewhere])
         nodes = []
     else:
         nodes = list(section.commands)
@@ -388,6 +387,21 @@ def launch_and_communication(console: Console, plan, setup: TrainingSetup | None
         lines.append(f"over each node's network link: {format_bytes(comm.inter_node_bytes_per_node)} "
                      "(a ring crosses each node boundary once)")
     _bullets(console, lines)
+
+
+def _launched_elsewhere(setup: TrainingSetup, hardware: Hardware) -> str | None:
+    """What starts the ranks of a setup memfit's own launch line does not run (None: memfit's runs it)."""
+    if setup.model_code is ModelCode.LITGPT:  # LitGPT's own model: its scripts start their ranks
+        return (f"litgpt {litgpt_script(setup)} --config litgpt.yaml on each node: Fabric starts the node's ranks "
+                f"itself (devices {hardware.gpus_per_node}); memfit's torchrun command would run the Hugging Face "
+                "model")
+    if setup.fsdp_version.is_fsdp1 and setup.sharding is not Sharding.NONE and setup.engine is Engine.TORCH:
+        who = ("Lightning's FSDPStrategy starts its ranks (`devices`, `num_nodes`)"
+               if setup.fsdp_version.value == "1-blocks" else
+               "`accelerate launch --config_file <your accelerate FSDP config> train.py` on each node (the HF "
+               "Trainer and accelerate run FSDP1)")
+        return f"{who}; memfit's own engine shards with FSDP2 only, so it prints no command of its own for FSDP1"
+    return None
 
 
 def models_table(console: Console, entries: Sequence[Mapping]) -> None:

@@ -28,3 +28,17 @@ def test_every_flagship_story_is_there():
     for needle in ("8B, full fine-tune on one 80 GB", "8B LoRA on a 24 GB", "8B QLoRA on a 24 GB",
                    "70B QLoRA on one 48 GB", "70B QLoRA on 2 x 24 GB", "Mixtral-8x7B on 8 x H100"):
         assert any(needle in t for t in titles), needle
+
+
+def test_the_frameworks_page_is_what_memfit_prints_today():
+    stories = _generator()
+    assert (ROOT / "docs" / "frameworks.md").read_text() == stories.frameworks_page(), \
+        "docs/frameworks.md is stale: run python scripts/user_stories.py"
+
+
+def test_every_framework_has_a_one_gpu_and_a_multi_gpu_story():
+    titles = [s.title for s in _generator().FRAMEWORK_STORIES]
+    for framework in ("HF Trainer", "DeepSpeed", "LitGPT", "Lightning"):
+        mine = [t for t in titles if framework in t]
+        assert any("one " in t for t in mine) and any(" x " in t for t in mine), (framework, mine)
+    assert any("CPUOffloadOptimizer" in t for t in titles)

@@ -13,6 +13,9 @@ from .base import Context, Proposal, Skip, Technique, register
 from .costs import lora_cost
 from .convert import Target, conversion
 
+UPCAST_NOTE = " (fp32 after prepare_model_for_kbit_training)"
+"""What the QLoRA rung says of the unquantized rest under peft's recipe (memfit.frameworks says it for LitGPT's)."""
+
 
 def _adapted(ctx: Context, finetune: Finetune) -> TrainingSetup | Skip:
     """The current setup training `finetune`, with what memfit cannot size for adapters removed (DeepSpeed ZeRO-3
@@ -86,8 +89,7 @@ class Qlora(Technique):
                                "bnb_4bit_compute_dtype=torch.bfloat16)); prepare_model_for_kbit_training(model); "
                         + _lora_config(new, _targets_text(new)), lora_cost(quantized=True),
                         "the frozen Linear weights are stored in 4 bits (0.5 B plus ~0.127 bits of block constants "
-                        "per weight); embeddings, head and norms stay unquantized (fp32 after "
-                        "prepare_model_for_kbit_training)")
+                        "per weight); embeddings, head and norms stay unquantized" + UPCAST_NOTE)
 
 
 @conversion("finetune")

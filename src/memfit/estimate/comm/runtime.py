@@ -56,4 +56,8 @@ def describe_runtime(setup: TrainingSetup) -> str:
                 "data-parallel groups")
     if runtime is Runtime.DEEPSPEED:
         return f"DeepSpeed ZeRO stage {deepspeed_stage(setup)}"
+    if runtime.is_fsdp2 and setup.fsdp_version.is_fsdp1:
+        strategy = "FULL_SHARD" if runtime is Runtime.FSDP2_RESHARD else "SHARD_GRAD_OP"
+        unit = "block" if setup.fsdp_version.value == "1-blocks" else "wrapped unit"
+        return f"FSDP1 FullyShardedDataParallel, {strategy} (one flat parameter per {unit})"
     return runtime.value
