@@ -29,12 +29,14 @@ BLOCK_LINEARS = {
              "ff_context.net.2", "norm1.linear", "norm1_context.linear", "proj_mlp", "proj_out", "norm.linear"),
     "sd3": ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
             "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-            "ff_context.net.2", "norm1.linear", "norm1_context.linear"),
+            "ff_context.net.2", "norm1.linear", "norm1_context.linear", "attn2.to_k", "attn2.to_q", "attn2.to_v",
+            "attn2.to_out.0"),
     "sdxl": "all",
 }
 """Every Linear inside the denoiser's blocks, as diffusers names them: what kohya's networks.lora_flux /
 lora_sd3 (all Linears of the Double / Single stream and joint blocks, the modulation ones included) and ai-toolkit's
-LoRASpecialNetwork (every Linear whose name holds `transformer_blocks`) adapt. For SDXL kohya's networks.lora adapts
+LoRASpecialNetwork (every Linear whose name holds `transformer_blocks`) adapt; SD3.5 Medium's second attention
+(attn2) too where a model has it. For SDXL kohya's networks.lora adapts
 the Linears of each Transformer2DModel, which is memfit's `--lora-targets all`."""
 
 KOHYA_FUSED = ("kohya's own Flux / SD3 modules fuse q, k, v (and a single block's MLP input) into one Linear with one "

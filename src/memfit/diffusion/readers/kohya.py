@@ -47,6 +47,10 @@ TABLE = {
 }
 
 
+CACHING = ("sd-scripts caches before it moves the denoiser to the GPU (train_network.py: the VAE and text encoders "
+           "go to the GPU, encode, go back to the CPU; the denoiser is placed at accelerator.prepare): memfit's "
+           "caching phase counts the denoiser's weights too, as the diffusers scripts hold them, so when caching is "
+           "the peak, sd-scripts' own peak is the training step")
 DATASET_TABLE = {
     "enable_bucket": f"{NOT_RELEVANT} (buckets keep each image's pixels at most the resolution's)",
     "min_bucket_reso": f"{NOT_RELEVANT} (buckets keep each image's pixels at most the resolution's)",
@@ -117,6 +121,8 @@ def map_kohya(read: Reader, data: dict, script: str, notes: list[str], base: Pat
     if family == "sdxl" and not any(truthy(data.get(k)) for k in ("sdpa", "xformers", "mem_eff_attn")):
         notes.append("sd-scripts' SDXL UNet without --sdpa / --xformers / --mem_eff_attn computes attention "
                      "unfused (the tokens x tokens matrix); memfit sizes a fused kernel: add --sdpa to match")
+    if read.fields.get("cache_latents") or read.fields.get("cache_text"):
+        notes.append(CACHING)
     if isinstance(data.get("dataset_config"), str):
         _dataset_config(read, data, base, files)
     finish(read, data, TABLE)
