@@ -57,12 +57,13 @@ def map_ai_toolkit(read: Reader, data: dict, notes: list[str]) -> None:
                                  "model.quantize): memfit sizes them in the weight dtype, above what they hold")
             else:
                 read.unmappable("base_dtype", "model.qtype", qtype, "memfit sizes 8-bit float bases (qfloat8)")
-        sizes = [d["resolution"] for d in datasets if "resolution" in d]
-        for i, d in enumerate(datasets):
-            if "resolution" in d:
-                flat = [s for size in sizes for s in (size if isinstance(size, list) else [size])]
-                resolution(read, f"datasets.{i}.resolution", flat if len(flat) > 1 else flat[0], width_first=False)
-                break
+        sized = [(i, d["resolution"]) for i, d in enumerate(datasets) if "resolution" in d]
+        if sized:  # every dataset's bucket sizes: the largest sets the peak
+            flat = [s for _, size in sized for s in (size if isinstance(size, list) else [size])]
+            resolution(read, f"datasets.{sized[0][0]}.resolution", flat if len(flat) > 1 else flat[0],
+                       width_first=False)
+            for i, size in sized[1:]:
+                read.defer(f"datasets.{i}.resolution", size, "the largest size of every dataset sets the peak")
         else:
             read.set("resolution", (512, 512), "datasets.resolution", None, "absent: ai-toolkit's default 512")
         for i, d in enumerate(datasets):
@@ -97,7 +98,11 @@ def map_ai_toolkit(read: Reader, data: dict, notes: list[str]) -> None:
             if kind not in ("lora", "locon"):
                 read.unmappable("method", "network.type", network.get("type"), "memfit sizes LoRA adapters only")
             read.set("method", "lora", "network.type", network.get("type", "lora"))
-            positive(read, "rank", "network.linear", network.get("linear", network.get("rank", 4)))
+            rank_key = "network.linear" if "linear" in network else "network.rank"
+            if "linear" in network or "rank" in network:
+                positive(read, "rank", rank_key, network.get("linear", network.get("rank")))
+            else:
+                read.set("rank", 4, "network.linear", None, "absent: ai-toolkit's default 4")
             read.set("lora_dtype", "fp32", "network.type", network.get("type", "lora"), "the network forced to fp32")
             if "linear_alpha" in network:
                 read.defer("network.linear_alpha", network["linear_alpha"], "scales the update; no memory")

@@ -102,6 +102,10 @@ def map_kohya(read: Reader, data: dict, script: str, notes: list[str], base: Pat
         key = "fp8_base" if truthy(data.get("fp8_base")) or "fp8_base_unet" not in data else "fp8_base_unet"
         if truthy(data[key]):
             read.set("base_dtype", "fp8", key, data[key], "the denoiser's frozen weights in float8_e4m3fn")
+        if key == "fp8_base" and not any(truthy(data.get(k)) for k in ("cache_text_encoder_outputs",
+                                                                       "cache_text_encoder_outputs_to_disk")):
+            notes.append("--fp8_base also stores the text encoders in float8 (train_network.py te_weight_dtype); "
+                         "memfit sizes them in the weight dtype, above what they hold")
     if "gradient_checkpointing" in data:
         read.set("checkpointing", truthy(data["gradient_checkpointing"]), "gradient_checkpointing",
                  data["gradient_checkpointing"])
