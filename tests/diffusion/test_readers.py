@@ -140,6 +140,14 @@ def test_an_option_overrides_what_cannot_be_read():
     assert (merged["optimizer"], merged["batch"], merged["rank"], model) == ("adamw", 3, 4, "flux.1-dev")
     with pytest.raises(ConfigError, match="give MODEL"):
         with_config(values, {"optimizer"}, None, DATA / "diffusers_flux_prodigy.sh", None)
+    with pytest.raises(ConfigError, match="not both"):
+        with_config(values, set(), None, DATA / "diffusers_flux_lora.sh", ["sdxl_train.py"])
+    # MODEL wins over the model the config names; the config's is recorded as read
+    _, model, reading = with_config(values, set(), "flux-dev", DATA / "diffusers_flux_lora.sh", None)
+    assert model == "flux-dev" and reading.model is None and reading.family == "flux"
+    assert [e.sets for e in reading.read if e.field == "pretrained_model_name_or_path"] == [()]
+    with pytest.raises(ConfigError, match="trains a flux model"):
+        with_config(values, set(), "sdxl", DATA / "kohya_flux_lora.toml", None)
 
 
 def test_split_words():

@@ -34,7 +34,7 @@ def process(data: Mapping) -> Mapping:
     return procs[0]
 
 
-def map_ai_toolkit(read: Reader, data: dict, notes: list[str]) -> None:
+def map_ai_toolkit(read: Reader, data: dict, notes: list[str]) -> str | None:
     proc = process(data)
     prefix = "config.process.0."
     model = proc.get("model") if isinstance(proc.get("model"), Mapping) else {}
@@ -115,6 +115,7 @@ def map_ai_toolkit(read: Reader, data: dict, notes: list[str]) -> None:
     finish(read, {k: v for k, v in proc.items() if k != "datasets"}, TABLE, prefix=prefix)
     for i, d in enumerate(datasets):
         finish(read, d, TABLE, prefix=f"{prefix}datasets.{i}.")
+    return family
 
 
 def text_cached(train: Mapping, datasets: list) -> bool:

@@ -59,6 +59,9 @@ def catalog_model(read: Reader, key: str, value: Any, family: str | None) -> Non
         return
     if family and spec.family != family:
         raise ConfigError(f"{read.file}: {key}={value!r} is a {spec.family} model, but the script trains {family}")
+    if "model" in read.overridden:
+        read.defer(key, value, f"{spec.name}; overridden by {read.overridden['model']}")
+        return
     read.set_model(spec.name, key, value)
 
 

@@ -34,7 +34,7 @@ TABLE = {
 }
 
 
-def map_diffusers(read: Reader, data: dict, script: str, launcher: dict, notes: list[str]) -> None:
+def map_diffusers(read: Reader, data: dict, script: str, launcher: dict, notes: list[str]) -> str | None:
     family, method = SCRIPTS.get(script, (None, "lora"))
     if "pretrained_model_name_or_path" in data:
         catalog_model(read, "pretrained_model_name_or_path", data["pretrained_model_name_or_path"], family)
@@ -89,6 +89,7 @@ def map_diffusers(read: Reader, data: dict, script: str, launcher: dict, notes: 
         notes.append(f"accelerate launch --num_processes {nodes}: memfit sizes one GPU's step (DDP's gradient "
                      "buckets are not added)")
     finish(read, data, TABLE)
+    return family
 
 
 def _precision(read: Reader, data: dict, launcher: dict, method: str) -> None:

@@ -86,9 +86,11 @@ def family_of(script: str, data: dict, model: str | None) -> str | None:
     return None
 
 
-def map_kohya(read: Reader, data: dict, script: str, notes: list[str], base: Path, files: list[ConfigFile]) -> None:
+def map_kohya(read: Reader, data: dict, script: str, notes: list[str], base: Path,
+              files: list[ConfigFile]) -> str | None:
     """`data`: the run's arguments (TOML tables merged, the command line over them); `base`: the file they came
-    from (a --dataset_config is looked up next to it, then in the current directory)."""
+    from (a --dataset_config is looked up next to it, then in the current directory). Returns the family it
+    trains (None: not known)."""
     family = family_of(script, data, data.get("pretrained_model_name_or_path"))
     if "pretrained_model_name_or_path" in data:
         catalog_model(read, "pretrained_model_name_or_path", data["pretrained_model_name_or_path"], family)
@@ -130,6 +132,7 @@ def map_kohya(read: Reader, data: dict, script: str, notes: list[str], base: Pat
     if isinstance(data.get("dataset_config"), str):
         _dataset_config(read, data, base, files)
     finish(read, data, TABLE)
+    return family
 
 
 def _dataset_config(read: Reader, data: dict, base: Path, files: list[ConfigFile]) -> None:

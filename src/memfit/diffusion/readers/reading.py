@@ -13,7 +13,7 @@ from ...readers._reader import IgnoredEntry, ReadEntry, Reader, jsonable
 from ...readers.files import display_path, load_mapping, read_bounded, resolve_reference
 from . import ai_toolkit, diffusers_scripts, kohya
 from .commandline import Command, parse, split_text
-from ..presets import catalog_names
+from ..presets import catalog_names, resolve_model
 from .common import LEVERS, OPTIONS, load_toml
 
 FORMATS = {"kohya": "kohya sd-scripts arguments", "diffusers": "diffusers DreamBooth script arguments",
@@ -35,6 +35,8 @@ class DiffusionReading:
     read: tuple[ReadEntry, ...]
     ignored: tuple[IgnoredEntry, ...]
     notes: tuple[str, ...] = ()
+    family: str | None = None
+    """The family the script / network / model says it trains (flux, sd3, sdxl; None: not said)."""
 
     @property
     def levers(self) -> dict[str, Any]:
@@ -44,7 +46,8 @@ class DiffusionReading:
     def to_dict(self) -> dict:
         return {"files": [f.to_dict() for f in self.files], "format": self.format, "model": self.model,
                 "kwargs": jsonable(self.kwargs), "read": [e.to_dict() for e in self.read],
-                "ignored": [e.to_dict() for e in self.ignored], "notes": list(self.notes)}
+                "ignored": [e.to_dict() for e in self.ignored], "notes": list(self.notes),
+                "family": self.family}
 
 
 def read_diffusion_config(path: str | Path | None = None, *, command: list[str] | None = None,
@@ -68,14 +71,14 @@ def read_diffusion_config(path: str | Path | None = None, *, command: list[str] 
                               "training arguments' TOML (--config_file), which names it")
         read = Reader(file=shown, strict=True, overridden=overridden)
         files = [ConfigFile(shown, "kohya")]
-        kohya.map_kohya(read, kohya.namespace(data), "", notes, file, files)
-        return _reading(read, files, "kohya", notes)
+        family = kohya.map_kohya(read, kohya.namespace(data), "", notes, file, files)
+        return _reading(read, files, "kohya", notes, family)
     if suffix in (".yaml", ".yml", ".json"):
         data = load_mapping(file, shown)
         if isinstance(data.get("config"), dict) and "process" in data["config"]:
             read = Reader(file=shown, strict=True, overridden=overridden)
-            ai_toolkit.map_ai_toolkit(read, data, notes)
-            return _reading(read, [ConfigFile(shown, "ai-toolkit")], "ai-toolkit", notes)
+            family = ai_toolkit.map_ai_toolkit(read, data, notes)
+            return _reading(read, [ConfigFile(shown, "ai-toolkit")], "ai-toolkit", notes, family)
         if any(str(k).startswith("--") for k in data):
             raise ConfigError(f"{shown} looks like SimpleTuner's config.json: not read yet (memfit reads "
                               + ", ".join(FORMATS.values()) + ")")
@@ -106,13 +109,13 @@ def _command(cmd: Command, shown: str, overridden, notes: list[str], files: list
             read.defer("config_file", args.pop("config_file"), f"reads {shown_toml}; the command line wins")
             files.append(ConfigFile(shown_toml, "kohya", via=f"{files[0].path}: --config_file"))
             args = {**kohya.namespace(load_toml(toml, shown_toml)), **args}
-        kohya.map_kohya(read, args, cmd.script, notes, base, files)
+        family = kohya.map_kohya(read, args, cmd.script, notes, base, files)
         if cmd.launcher.get("mixed_precision"):
             notes.append("accelerate launch --mixed_precision is not what sd-scripts uses: it passes its own "
                          "--mixed_precision (default no) to Accelerator")
     else:
-        diffusers_scripts.map_diffusers(read, dict(cmd.args), cmd.script, cmd.launcher, notes)
-    return _reading(read, files, kind, notes)
+        family = diffusers_scripts.map_diffusers(read, dict(cmd.args), cmd.script, cmd.launcher, notes)
+    return _reading(read, files, kind, notes, family)
 
 
 def _kind(cmd: Command, shown: str) -> str:
@@ -134,20 +137,28 @@ def _kind(cmd: Command, shown: str) -> str:
                       "train_dreambooth_lora_flux.py): its arguments alone do not say which")
 
 
-def _reading(read: Reader, files: list[ConfigFile], kind: str, notes: list[str]) -> DiffusionReading:
+def _reading(read: Reader, files: list[ConfigFile], kind: str, notes: list[str],
+             family: str | None) -> DiffusionReading:
     fields = dict(read.fields)
     model = fields.pop("model", None) or (read.model[0] if read.model else None)
     return DiffusionReading(tuple(files), kind, model, fields, tuple(read.entries()), tuple(read.skipped),
-                            tuple(dict.fromkeys(notes)))
+                            tuple(dict.fromkeys(notes)), family)
 
 
 def with_config(values: dict[str, Any], given: set[str], model: str | None, path: str | Path | None,
                 command: list[str] | None) -> tuple[dict[str, Any], str, DiffusionReading]:
     """`memfit diffusion --config`: the command's `values` (size_run's keywords) with the config's filled in where
     the option was not `given` on the command line; MODEL, else the catalog model the config names."""
-    reading = read_diffusion_config(path, command=command,
-                                    overridden={k: OPTIONS[k] for k in given if k in OPTIONS})
+    if path is not None and command:
+        raise ConfigError("give --config FILE or a command line after --, not both")
+    overridden = {k: OPTIONS[k] for k in given if k in OPTIONS}
+    if model:
+        overridden["model"] = "MODEL"
+    reading = read_diffusion_config(path, command=command, overridden=overridden)
     merged = {**values, **{k: v for k, v in reading.kwargs.items() if k not in given}}
+    if model and reading.family and resolve_model(model).family != reading.family:
+        raise ConfigError(f"{reading.files[0].path} trains a {reading.family} model; MODEL '{model}' is "
+                          f"{resolve_model(model).family}")
     chosen = model or reading.model
     if not chosen:
         named = next((e.value for e in reading.read if e.field.endswith(("pretrained_model_name_or_path",
