@@ -15,6 +15,7 @@ from memfit.diffusion.readers import LEVERS, read_diffusion_config, split_words,
 from memfit.diffusion.readers.commandline import parse, split_text
 from memfit.diffusion.readers.common import BLOCK_LINEARS
 from memfit.readers import NOT_RELEVANT, NOT_SIZED
+from memfit.readers._reader import OFF
 from memfit.readers.files import flatten
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "configs" / "diffusion"
@@ -45,7 +46,8 @@ def test_kohya_command_line_and_its_dataset_config():
     assert dict(read["datasets.0.resolution"].sets) == {"resolution": (1024, 1024)}
     assert read["datasets.1.batch_size"].sets == () and read["datasets.1.resolution"].sets == ()
     ignored = {e.field: e.why for e in reading.ignored}
-    assert ignored["sdpa"].startswith(NOT_RELEVANT) and ignored["learning_rate"] == NOT_RELEVANT
+    assert ignored["sdpa"].startswith(NOT_RELEVANT) and ignored["sdpa"] != NOT_RELEVANT
+    assert ignored["learning_rate"] == NOT_RELEVANT
     args = parse(split_text((DATA / "kohya_flux_lora.sh").read_text(), "f"), "f").args
     assert set(args) <= _accounted(reading)
 
@@ -91,8 +93,13 @@ def test_kohya_full_fine_tune_and_width_first():
      {"method": "lora", "rank": 4, "targets": ",".join(BLOCK_LINEARS["sd3"]), "precision": "amp-fp16",
       "lora_dtype": "fp32", "optimizer": "lion-8bit"}),
 ])
-def test_kohya_defaults(words, expected):
-    assert read_diffusion_config(command=words).kwargs == expected
+def test_kohya_defaults(words, expected, tmp_path):
+    toml = tmp_path / "off.toml"
+    toml.write_text("fp8_base = false\ncache_latents = false\n")
+    reading = read_diffusion_config(command=words + ["--config_file", str(toml)])
+    assert reading.kwargs == expected
+    assert {e.field: e.why for e in reading.ignored if e.field in ("fp8_base", "cache_latents")} == {
+        "fp8_base": OFF, "cache_latents": OFF}
 
 
 def test_diffusers_script():

@@ -24,6 +24,11 @@ DIFFUSERS_OPTIMIZERS = {"adamw": "adamw-foreach"}
 """--optimizer: AdamW (torch.optim.AdamW, or bitsandbytes' AdamW8bit with --use_8bit_adam) or prodigy."""
 
 TABLE = {
+    **{key: f"{NOT_SIZED} (off)" for key in ("cache_latents", "use_8bit_adam", "with_prior_preservation",
+                                              "train_text_encoder")},
+    "pretrained_vae_model_name_or_path": f"{NOT_SIZED} (a VAE kept in the weight dtype: memfit holds SDXL's in "
+                                         "fp32, as the script does with the base VAE)",
+    "revision": f"{NOT_RELEVANT} (model loading)", "variant": f"{NOT_RELEVANT} (model loading)",
     "lora_dropout": f"{NOT_SIZED} (dropout on the adapters)",
     "gradient_accumulation_steps": f"{NOT_SIZED} (gradients kept across micro-steps)",
     "validation_": f"{NOT_SIZED} (validation runs the whole pipeline)",

@@ -24,7 +24,11 @@ OWN_KEYS = frozenset({"network_module", "network_dim", "optimizer_type", "full_b
                       "cache_latents_to_disk", "network_train_unet_only", "t5xxl", "clip_l", "ae"})
 """Arguments only sd-scripts takes (memfit.diffusion.readers tells a bare argument list by them)."""
 
+SWITCHES = ("fp8_base", "fp8_base_unet", "full_bf16", "full_fp16", "cache_latents", "cache_latents_to_disk",
+            "cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "use_8bit_adam", "use_lion_optimizer")
+"""Switches memfit reads when on; off, they are listed as 'off: nothing to size'."""
 TABLE = {
+    **{key: f"{NOT_SIZED} (off)" for key in SWITCHES},
     "network_args": f"{NOT_SIZED} (network_args: per-block ranks, conv_dim, LoRA variants)",
     "network_dropout": f"{NOT_SIZED} (dropout on the adapters)",
     "cpu_offload_checkpointing": f"{NOT_SIZED} (checkpointed block inputs offloaded to the CPU)",
