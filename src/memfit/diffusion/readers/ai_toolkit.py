@@ -8,9 +8,14 @@ from collections.abc import Mapping
 from ...errors import ConfigError
 from ...readers._mapper import finish
 from ...readers._reader import NOT_RELEVANT, NOT_SIZED, Reader
-from .common import BLOCK_LINEARS, KOHYA_OPTIMIZERS, catalog_model, optimizer_name, positive, resolution, truthy
+from .common import BLOCK_LINEARS, catalog_model, optimizer_name, positive, resolution, truthy
 
 ARCH = {"flux": "flux", "sd3": "sd3", "sdxl": "sdxl", "is_flux": "flux", "is_v3": "sd3", "is_xl": "sdxl"}
+OPTIMIZERS = {"adamw": "adamw-foreach", "adam": "adamw-foreach", "adamw8bit": "adamw-8bit", "adam8bit": "adamw-8bit",
+              "lion8bit": "lion-8bit", "lion": "lion", "adafactor": "adafactor"}
+"""train.optimizer (toolkit/optimizer.py get_optimizer): torch's AdamW / Adam (two moments, torch's default kernel),
+bitsandbytes' AdamW8bit / Adam8bit / Lion8bit, lion_pytorch's Lion, its own Adafactor (factored second moment, no
+first moment by default). Prodigy, D-Adaptation, its own adam8 / automagic: not sized yet."""
 QTYPES = {"qfloat8": "fp8", "float8": "fp8"}
 """model.qtype (optimum-quanto's qfloat8, or float8 with layer offloading): 8-bit float weights."""
 TABLE = {
@@ -85,7 +90,7 @@ def map_ai_toolkit(read: Reader, data: dict, notes: list[str]) -> str | None:
         checkpointing = train.get("gradient_checkpointing", True)
         read.set("checkpointing", truthy(checkpointing), "train.gradient_checkpointing", checkpointing,
                  "" if "gradient_checkpointing" in train else "absent: ai-toolkit's default on")
-        optimizer_name(read, "train.optimizer", train.get("optimizer", "adamw"), KOHYA_OPTIMIZERS)
+        optimizer_name(read, "train.optimizer", train.get("optimizer", "adamw"), OPTIMIZERS)
         dtype = str(train.get("dtype", "fp32")).lower()
         mixed = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(dtype)
         read.set("precision", f"amp-{mixed}" if mixed else "fp32", "train.dtype", train.get("dtype", "fp32"),
