@@ -66,29 +66,28 @@ def diffusion_command(
         gpu: Annotated[str, typer.Option("--gpu")] = "RTX-4090",
         json_output: Annotated[bool, typer.Option("--json")] = False) -> None:
     """A diffusion fine-tune's memory by phase (Flux, SD3 / 3.5, SDXL): latents, tokens, encoders, what fits."""
-    from ..diffusion import api  # torch and diffusers load when the command runs
-
     values = dict(resolution=parse_resolution(resolution), batch=batch, method=method, rank=rank, targets=targets,
                   lora_dtype=lora_dtype, precision=precision, checkpointing=checkpointing, optimizer=optimizer,
                   cache_latents=cache_latents, cache_text=cache_text)
     model, words = split_words(model, command)
     reading = None
-    if config is not None or words:
+    if config is not None or words:  # read before torch loads: a bad file is one line at once
         given = {k for k in values  # typer's own click: its ParameterSource named, not imported
                  if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
         values, model, reading = with_config(values, given, model, config, words)
-        _check_levers(api.size_run, values)
     elif model is None:
         raise ConfigError("Missing argument 'MODEL': give a model, or a --config that names one")
+    from ..diffusion import api  # torch and diffusers load when the command runs
+
+    _check_levers(api.size_run, values)
     result, hardware, (ok, required, budget) = api.size_run(model, gpu=gpu, **values)
     if json_output:
         print_json({**_json(result, hardware, ok, required, budget),
                     **({"config": reading.to_dict()} if reading else {})})
-    elif reading is not None:
-        _print(result, hardware, ok, required, budget)
-        typer.echo("\n".join(config_section(reading) + [f"  note: {n}" for n in reading.notes]))
     else:
         _print(result, hardware, ok, required, budget)
+        if reading is not None:
+            typer.echo("\n".join(config_section(reading) + [f"  note: {n}" for n in reading.notes]))
     if not ok:
         raise typer.Exit(DOES_NOT_FIT)
 
