@@ -80,6 +80,17 @@ def test_kohya_full_fine_tune_and_width_first():
     assert [f.format for f in over.files] == ["kohya", "kohya"] and over.files[1].via
 
 
+def test_kohya_dataset_config_falls_back_to_general_then_arguments(tmp_path):
+    (tmp_path / "data.toml").write_text("[general]\nresolution = [1344, 768]\n\n[[datasets]]\n"
+                                        "[[datasets.subsets]]\nimage_dir = 'img'\n")
+    (tmp_path / "run.toml").write_text("network_module = 'networks.lora'\ntrain_batch_size = 3\n"
+                                       "resolution = '512,512'\ndataset_config = 'data.toml'\n")
+    reading = read_diffusion_config(tmp_path / "run.toml")
+    # [general]'s [width, height] over --resolution; no batch_size there: --train_batch_size stays
+    assert (reading.kwargs["resolution"], reading.kwargs["batch"]) == ((768, 1344), 3)
+    assert {e.field for e in reading.read if e.sets} >= {"general.resolution", "train_batch_size"}
+
+
 @pytest.mark.parametrize("words, expected", [
     # sd-scripts' defaults: network_dim 4, mixed_precision no; LoRA for SDXL on the Transformer2DModel Linears
     (["sdxl_train_network.py", "--network_module", "networks.lora"],
@@ -170,6 +181,7 @@ def test_split_words():
     ("d.toml", "[general]\nresolution = 1024\n[[datasets]]\nbatch_size = 1\n", "dataset config"),
     ("bad.toml", "resolution = \n", "not valid TOML"),
     ("m.sh", "accelerate launch flux_kontext_train_network.py --network_dim 16\n", "musubi-tuner"),
+    ("w.toml", "network_module = 'networks.lora_wan'\nnetwork_dim = 32\n", "musubi-tuner"),
     ("o.sh", "python train_text_to_image.py --resolution 512\n", "not a script memfit reads"),
     ("args.txt", "--resolution 512 --seed 1\n", "name the training script"),
     ("r.sh", "python flux_train_network.py --resolution big --network_module networks.lora_flux\n",

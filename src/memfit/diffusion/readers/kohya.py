@@ -194,7 +194,8 @@ def _method(read: Reader, data: dict, script: str, family: str | None, notes: li
         return False
     if module is not None and module not in NETWORKS:
         read.unmappable("method", "network_module", module, "memfit sizes LoRA by networks.lora, networks.lora_flux "
-                        "and networks.lora_sd3 (LyCORIS, OFT and DyLoRA are not sized yet)")
+                        "and networks.lora_sd3 (LyCORIS, OFT and DyLoRA are not sized yet; musubi-tuner's "
+                        "networks.lora_* train models outside memfit's catalog)")
         return True
     read.set("method", "lora", "network_module", module)
     rank = data.get("network_dim", 4)

@@ -18,8 +18,12 @@ from .common import LEVERS, OPTIONS, load_toml
 
 FORMATS = {"kohya": "kohya sd-scripts arguments", "diffusers": "diffusers DreamBooth script arguments",
            "ai-toolkit": "ai-toolkit job config"}
-MUSUBI = ("musubi-tuner's scripts train video models (HunyuanVideo, Wan, FramePack), FLUX.1 Kontext (its reference "
-          "image doubles the image tokens), FLUX.2 and Qwen-Image: none is in memfit's diffusion catalog yet")
+MUSUBI = ("musubi-tuner trains video models (HunyuanVideo, Wan, FramePack) and image models (FLUX.1 Kontext, whose "
+          "reference image doubles the image tokens; FLUX.2, Qwen-Image, Z-Image, HiDream-O1 and more): none is in "
+          "memfit's diffusion catalog yet")
+MUSUBI_SCRIPTS = ("hv_", "wan_", "fpack_", "flux_kontext_", "flux_2_", "qwen_image_", "zimage_", "hidream_",
+                  "kandinsky5_", "krea2_", "ideogram4_")
+"""musubi-tuner's training scripts (src/musubi_tuner/*_train_network.py, *_train.py) by their name's start."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ def _kind(cmd: Command, shown: str) -> str:
     if cmd.script in diffusers_scripts.SCRIPTS:
         return "diffusers"
     if cmd.script:
-        if any(w in cmd.script for w in ("hv_", "wan_", "fpack_", "flux_kontext", "flux_2", "qwen_image")):
+        if cmd.script.startswith(MUSUBI_SCRIPTS):
             raise ConfigError(f"{shown}: {cmd.script}: {MUSUBI}")
         raise ConfigError(f"{shown}: {cmd.script} is not a script memfit reads ("
                           + ", ".join([*kohya.SCRIPTS, *diffusers_scripts.SCRIPTS]) + ")")
