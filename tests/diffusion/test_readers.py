@@ -80,6 +80,15 @@ def test_kohya_full_fine_tune_and_width_first():
     assert [f.format for f in over.files] == ["kohya", "kohya"] and over.files[1].via
 
 
+def test_a_local_checkpoint_is_left_to_model_unopened(tmp_path):
+    (tmp_path / "flux1-dev.safetensors").write_bytes(b"\x00\xff" * 64)
+    (tmp_path / "run.toml").write_text(f"pretrained_model_name_or_path = '{tmp_path / 'flux1-dev.safetensors'}'\n"
+                                       "network_module = 'networks.lora_flux'\n")
+    reading = read_diffusion_config(tmp_path / "run.toml")
+    assert reading.model is None and reading.family == "flux"
+    assert [e.sets for e in reading.read if e.field == "pretrained_model_name_or_path"] == [()]
+
+
 def test_kohya_dataset_config_falls_back_to_general_then_arguments(tmp_path):
     (tmp_path / "data.toml").write_text("[general]\nresolution = [1344, 768]\n\n[[datasets]]\n"
                                         "[[datasets.subsets]]\nimage_dir = 'img'\n")

@@ -46,13 +46,13 @@ KOHYA_FUSED = ("kohya's own Flux / SD3 modules fuse q, k, v (and a single block'
 
 def catalog_model(read: Reader, key: str, value: Any, family: str | None) -> None:
     """The base model a config names -> read.model when it is a catalog name or hub id of `family`; a local
-    checkpoint or another repository is left to MODEL (a note says so)."""
+    checkpoint or folder, or another repository, is left to MODEL (the entry says so)."""
     if not isinstance(value, str) or not value.strip():
         read.ignore(key, value, "no base model named: give MODEL")
         return
-    try:
-        spec = resolve_model(value)
-    except ConfigError:
+    try:  # a local checkpoint is never opened here (resolve_model would read a path as a config.json)
+        spec = None if Path(value).expanduser().exists() else resolve_model(value)
+    except (ConfigError, OSError):
         spec = None
     if spec is None or spec.name not in catalog_names():
         read.defer(key, value, "not in memfit's catalog (" + ", ".join(catalog_names()) + "): give MODEL")
