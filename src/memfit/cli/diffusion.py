@@ -4,11 +4,16 @@ memfit.diffusion -> print. Its own options, named as the shared setup options wh
 --optimizer, --lora-rank / --rank, --batch / --micro-batch, --gpu); the text-model ones (--seq-len, ZeRO, ...) do
 not apply to this first slice."""
 
+import inspect
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from ..diffusion.readers import LEVERS, split_words, with_config
+from ..errors import ConfigError
 from .common import DOES_NOT_FIT, app, console, examples, parse_pixels, print_json
+from .options import config_section
 
 GIB = 2 ** 30
 
@@ -22,10 +27,21 @@ def parse_resolution(value: str) -> tuple[int, int]:
     "memfit diffusion flux.1-dev --resolution 1024 --method lora --rank 16 --gpu RTX-4090 --cache-latents "
     "--cache-text --checkpointing",
     "memfit diffusion sdxl-base --resolution 1024 --method full --optimizer adamw8bit --gpu A100-40GB --json",
-    "memfit diffusion ./transformer/config.json --resolution 512"))
+    "memfit diffusion ./transformer/config.json --resolution 512",
+    "memfit diffusion --config flux_lora.toml --gpu RTX-4090",
+    "memfit diffusion -- accelerate launch train_dreambooth_lora_flux.py --resolution 512 --rank 16"))
 def diffusion_command(
-        model: Annotated[str, typer.Argument(help="A catalog entry (flux.1-dev, sd3.5-large, sdxl-base), its hub "
-                                                  "id, or a denoiser config.json with its _class_name.")],
+        ctx: typer.Context,
+        model: Annotated[Optional[str], typer.Argument(
+            help="A catalog entry (flux.1-dev, sd3.5-large, sdxl-base), its hub id, or a denoiser config.json with "
+                 "its _class_name. Optional when --config names a catalog model.")] = None,
+        command: Annotated[Optional[list[str]], typer.Argument(
+            help="After --: a training command line (accelerate launch / python with a kohya or diffusers "
+                 "script and its arguments), read as --config reads one.", show_default=False)] = None,
+        config: Annotated[Optional[Path], typer.Option(
+            "--config", metavar="FILE", help="Your trainer's config: a kohya sd-scripts TOML, an ai-toolkit YAML, "
+            "or a file holding a kohya / diffusers script's command line. Options given here override it.")]
+        = None,
         resolution: Annotated[str, typer.Option("--resolution", help="Training pixels: one side or HEIGHTxWIDTH.")]
         = "1024",
         batch: Annotated[int, typer.Option("--batch", "-b", "--micro-batch", min=1, max=4096)] = 1,
@@ -50,19 +66,41 @@ def diffusion_command(
         gpu: Annotated[str, typer.Option("--gpu")] = "RTX-4090",
         json_output: Annotated[bool, typer.Option("--json")] = False) -> None:
     """A diffusion fine-tune's memory by phase (Flux, SD3 / 3.5, SDXL): latents, tokens, encoders, what fits."""
+    values = dict(resolution=parse_resolution(resolution), batch=batch, method=method, rank=rank, targets=targets,
+                  lora_dtype=lora_dtype, precision=precision, checkpointing=checkpointing, optimizer=optimizer,
+                  cache_latents=cache_latents, cache_text=cache_text)
+    model, words = split_words(model, command)
+    reading = None
+    if config is not None or words:  # read before torch loads: a bad file is one line at once
+        given = {k for k in values  # typer's own click: its ParameterSource named, not imported
+                 if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+        values, model, reading = with_config(values, given, model, config, words)
+    elif model is None:
+        raise ConfigError("Missing argument 'MODEL': give a model, or a --config that names one")
     from ..diffusion import api  # torch and diffusers load when the command runs
 
-    size = parse_resolution(resolution)
-    result, hardware, (ok, required, budget) = api.size_run(
-        model, resolution=size, batch=batch, method=method, rank=rank, targets=targets, lora_dtype=lora_dtype,
-        precision=precision, checkpointing=checkpointing, optimizer=optimizer, cache_latents=cache_latents,
-        cache_text=cache_text, gpu=gpu)
+    _check_levers(api.size_run, values)
+    result, hardware, (ok, required, budget) = api.size_run(model, gpu=gpu, **values)
     if json_output:
-        print_json(_json(result, hardware, ok, required, budget))
+        print_json({**_json(result, hardware, ok, required, budget),
+                    **({"config": reading.to_dict()} if reading else {})})
     else:
         _print(result, hardware, ok, required, budget)
+        if reading is not None:
+            typer.echo("\n".join(config_section(reading) + [f"  note: {n}" for n in reading.notes]))
     if not ok:
         raise typer.Exit(DOES_NOT_FIT)
+
+
+def _check_levers(size_run, values: dict) -> None:
+    """The levers a config may set that this size_run does not take yet (fp8 / NF4 base, block swap): one line."""
+    missing = [k for k in LEVERS if values.get(k) is not None and k not in inspect.signature(size_run).parameters]
+    if missing:
+        raise ConfigError("the config sets " + ", ".join(f"{k}={values[k]!r}" for k in missing) + ", which memfit "
+                          "diffusion does not size yet (docs/diffusion.md, Not built yet)")
+    for key in LEVERS:
+        if values.get(key) is None:
+            values.pop(key, None)
 
 
 def _json(result, hardware, ok, required, budget) -> dict:
