@@ -19,6 +19,7 @@ optimizer step, its text), which the core calls for every registered section wit
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
@@ -324,6 +325,22 @@ TECHNIQUE_SECTIONS: dict[str, SectionClass] = {}
 _FIELD_OWNER: dict[str, SectionClass] = {}
 _LISTENERS: list[Callable[[], None]] = []
 
+SECTION_PACKAGE = "memfit.techniques"
+"""The registry of the technique modules (its __init__ imports each). The core loads it by name the first time it
+needs the registered sections (`load_sections`), so a setup built from `memfit.setup` alone knows every section,
+whatever was imported first. By name, not by an import statement: the techniques sit a layer above and import the
+core (docs/design.md, "Layers"); loading them imports only core modules and theirs (tests/techniques/
+test_registration.py), the torch side stays unloaded."""
+_loading = False
+
+
+def load_sections() -> None:
+    """Import SECTION_PACKAGE once, which registers every technique section (a no-op once it is imported)."""
+    global _loading
+    if not _loading:
+        _loading = True  # set first: the package's modules build setups while it imports
+        importlib.import_module(SECTION_PACKAGE)
+
 
 def technique_section(cls: SectionClass) -> SectionClass:
     """Register `cls` (a TechniqueSection dataclass) so TrainingSetup takes its fields: its module's one line."""
@@ -358,11 +375,14 @@ def on_sections_changed(listener: Callable[[], None]) -> None:
 
 def technique_field_owner(name: str) -> SectionClass | None:
     """The registered section that declares field `name`, or None."""
+    if name not in _FIELD_OWNER:
+        load_sections()
     return _FIELD_OWNER.get(name)
 
 
 def technique_fields_declared() -> tuple[tuple[str, FieldMeta], ...]:
     """(field, FieldMeta) of every registered section's fields, sections in registration order."""
+    load_sections()
     return tuple(item for cls in TECHNIQUE_SECTIONS.values() for item in declared(cls))
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar, Iterator
 
 from . import fields as _fields
 from .choice import Choice as _Choice
@@ -665,7 +666,8 @@ def _taking_technique_fields(init):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        moved = {name: kwargs.pop(name) for name in [n for n in kwargs if _fields.technique_field_owner(n)]}
+        moved = {name: kwargs.pop(name) for name in [n for n in kwargs if n not in _OWN_FIELDS
+                                                      and _fields.technique_field_owner(n)]}
         if moved:
             held = kwargs.get("techniques", _fields.Techniques())
             kwargs["techniques"] = held.with_fields(moved) if isinstance(held, _fields.Techniques) else held
@@ -675,6 +677,7 @@ def _taking_technique_fields(init):
 
 
 TrainingSetup.__init__ = _taking_technique_fields(TrainingSetup.__init__)
+_OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSetup))
 
 
 def field_names() -> tuple[str, ...]:
@@ -692,7 +695,38 @@ _CHOICE_FIELDS = tuple((f.name, type(f.default)) for f in dataclasses.fields(Tra
                        if isinstance(f.default, _Choice))
 """(field, its Choice enum) of every enum field, which __post_init__ parses."""
 
-FIELD_LABELS: dict[str, str] = _fields.labels(TrainingSetup)
+class _FieldTable(Mapping):
+    """A read-only table derived from TrainingSetup's declared fields, the technique sections' included: built on
+    first read (which loads the sections, memfit.fields.load_sections) and again after a section registers or is
+    taken out, so whoever imported it sees every field whatever was imported first."""
+
+    def __init__(self, build: Callable[[], dict]):
+        self._build, self._table = build, None
+        _fields.on_sections_changed(self._forget)
+
+    def _forget(self) -> None:
+        self._table = None
+
+    def _fresh(self) -> dict:
+        if self._table is None:
+            _fields.load_sections()
+            self._table = self._build()
+        return self._table
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fresh()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fresh())
+
+    def __len__(self) -> int:
+        return len(self._fresh())
+
+    def __repr__(self) -> str:
+        return repr(self._fresh())
+
+
+FIELD_LABELS: Mapping[str, str] = _FieldTable(lambda: _fields.labels(TrainingSetup))
 """How each TrainingSetup field (notes aside) is named in what memfit prints (declared on the fields)."""
 
 
@@ -725,24 +759,10 @@ def setup_changes(before: TrainingSetup, after: TrainingSetup) -> tuple[FieldCha
                  if getattr(before, name) != getattr(after, name))
 
 
-KEEP_NAMES: dict[str, tuple[str, ...]] = _fields.keep_names(TrainingSetup)
+KEEP_NAMES: Mapping[str, tuple[str, ...]] = _FieldTable(lambda: _fields.keep_names(TrainingSetup))
 """What `--keep` accepts, and the TrainingSetup fields each name pins (declared on the fields)."""
 
-
-_KEEP_NAME = {name: _fields.keep_name_of(TrainingSetup, name) for name in FIELD_LABELS}
-
-
-def _refresh_tables() -> None:
-    """FIELD_LABELS, KEEP_NAMES and the --keep names again, in place, once a technique section registers (or is
-    taken out): whoever imported the tables sees its fields."""
-    for table, fresh in ((FIELD_LABELS, _fields.labels(TrainingSetup)), (KEEP_NAMES, _fields.keep_names(TrainingSetup)),
-                         (_KEEP_NAME, {n: _fields.keep_name_of(TrainingSetup, n) for n in _fields.labels(TrainingSetup)})):
-        table.clear()
-        table.update(fresh)
-
-
-_fields.on_sections_changed(_refresh_tables)
-_refresh_tables()
+_KEEP_NAME = _FieldTable(lambda: {n: _fields.keep_name_of(TrainingSetup, n) for n in _fields.labels(TrainingSetup)})
 
 
 def keep_name(field: str) -> str:
