@@ -52,10 +52,8 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (f", {setup.finetune}" if setup.finetune.adapters else "")
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
             + (", optimizer in backward" if setup.optimizer_in_backward else "")
-            + "".join(section.describe() for section in setup.techniques)
             + (", torch.compile" if setup.compile else "")
-            + (f", float8 {setup.float8}" + (" + float8 all-gather" if setup.float8_all_gather else "")
-               if setup.float8.is_on else ""))
+            + "".join(section.describe() for section in setup.techniques))
 
 
 def _heading(console: Console, title: str) -> None:

@@ -20,9 +20,14 @@ from .finetune import Finetune
 from .way_out import checked, engine_way_out, refusal
 
 
-_TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD), ("float8_all_gather", False),
-                ("float8", Float8.OFF))
-"""What TrainingSetup.replace turns back, in this order, when a change cannot combine with it."""
+_TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD))
+"""What TrainingSetup.replace turns back, in this order, when a change cannot combine with it (then each registered
+technique section's `turned_back`)."""
+
+
+def _turned_back() -> tuple[tuple[str, Any], ...]:
+    sections = _fields.TECHNIQUE_SECTIONS.values()
+    return _TURNED_BACK + tuple((name, _fields.field_default(cls, name)) for cls in sections for name in cls.turned_back)
 
 
 @dataclass(frozen=True)
@@ -188,20 +193,6 @@ class TrainingSetup:
         "flag"))
     """torch.compile each transformer block (torchtune `compile: True`, torchtitan `[compile] enable`, HF
     `torch_compile=True`): AOTAutograd's min-cut partitioner decides what a block saves (memfit.estimate.compiled)."""
-    # -- float8 training (memfit.estimate.float8) --
-    float8: Float8 = setting(Float8.OFF, section="precision", label="float8", keep=("float8",), option=Option(
-        ("--float8",), "{choices}: torchao float8 training on every Linear but the LM head (torchtitan "
-        "--model.converters float8, [float8] recipe_name); needs a bf16 compute dtype. Default: off.", "choice"))
-    """torchao Float8Linear on every Linear but the LM head (torchtitan `--model.converters float8`, `[float8]
-    recipe_name`): off, tensorwise or rowwise. Needs a bf16 compute dtype (amp-bf16, bf16, bf16-master)."""
-    float8_all_gather: bool = setting(False, section="precision", label="float8 all-gather", keep=("float8",),
-                                      option=Option(("--float8-all-gather",), "FSDP2 all-gathers the float8 Linears' "
-                                                    "weights in float8, 1 B per element (torchtitan [float8] "
-                                                    "enable_fsdp_float8_all_gather): --engine torch, zero2/zero3, "
-                                                    "tensorwise. Default: off.", "flag"))
-    """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
-    bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
-    on engine torch with zero2 / zero3 only."""
     fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version", quiet_default=True,
                                         option=Option(("--fsdp-version",), "engine torch, zero2 / zero3: {choices} "
                                                       "(1 = FullyShardedDataParallel's flat parameters as accelerate "
@@ -262,7 +253,8 @@ class TrainingSetup:
         if not isinstance(self.techniques, _fields.Techniques):
             problems.append(f"techniques must be a memfit.fields.Techniques, got {self.techniques!r}")
         else:
-            problems += [problem for section in self.techniques for problem in section.problems(self)]
+            problems += [problem for section in self.techniques if not section.checked_late
+                         for problem in section.problems(self)]
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
         if self.model_code is ModelCode.LITGPT and (self.loss is not Loss.STANDARD or self.compile is True or any(
@@ -273,7 +265,9 @@ class TrainingSetup:
             problems.append("a longest sample length needs padding longest (with max-length every sequence holds "
                             "seq_len tokens)")
         if not problems:
-            problems += self._combination_problems() + self._float8_problems()
+            problems += self._combination_problems()
+            problems += [problem for section in self.techniques if section.checked_late
+                         for problem in section.problems(self)]
             problems += self._fsdp1_problems()
         if problems:
             raise ConfigError("; ".join(problems))
@@ -287,7 +281,8 @@ class TrainingSetup:
                   (self.sharding is Sharding.ZERO1, "FSDP1 has no ZeRO-1 (NO_SHARD is DDP): use zero2 or zero3"),
                   (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.dp_shard > 0,
                    f"FSDP1 with tensor / pipeline / context parallelism or HSDP is not sized: {way}"),
-                  (self.float8.is_on or self.compile, f"FSDP1 with float8 or torch.compile is not sized: {way}"),
+                  (self.compile or any(not section.fsdp1_sized() for section in self.techniques),
+                   f"FSDP1 with float8 or torch.compile is not sized: {way}"),
                   (ft.adapters and (ft.method.value != "lora" or ft.dora or ft.torchtune or bool(ft.modules_to_save)),
                    f"FSDP1 is sized for plain peft LoRA on a 16-bit or fp32 base (not QLoRA, DoRA, torchtune or "
                    f"modules_to_save): {way}"),
@@ -295,29 +290,6 @@ class TrainingSetup:
                   (self.offload is Offload.OPTIMIZER, "FSDP1 offloads parameters, gradients and the step together "
                    "(CPUOffload(offload_params=True)): use --offload optimizer+params")]
         return [why for bad, why in checks if bad]
-
-    def _float8_problems(self) -> list[str]:
-        """What torchao's float8 training runs and memfit sizes (torchao 0.18 float8/config.py, float8_linear.py)."""
-        if not isinstance(self.float8_all_gather, bool):
-            return [f"float8_all_gather must be true or false, got {self.float8_all_gather!r}"]
-        if not self.float8.is_on:
-            return ["float8 all-gather needs float8 training: give --float8 tensorwise"] * self.float8_all_gather
-        problems = []
-        if self.precision.compute_dtype != "bf16":
-            problems.append(f"float8 training computes its matmul outputs in bf16: precision {self.precision} cannot "
-                            "run it; use amp-bf16, bf16 or bf16-master")
-        if self.finetune.adapters:
-            problems.append(f"float8 training with {self.finetune.method} is not sized (a frozen or quantized base "
-                            "is no Float8Linear): use method full or --float8 off")
-        if self.pp > 1:
-            problems.append("float8 training with pipeline parallelism is not sized yet: use --float8 off")
-        if self.float8_all_gather and (self.engine is not Engine.TORCH or self.sharding.stage < 2):
-            problems.append(refusal("float8 all-gather is FSDP2's (torchao enable_fsdp_float8_all_gather)",
-                                    engine_way_out(self, Engine.TORCH), "drop --float8-all-gather"))
-        if self.float8_all_gather and self.float8 is not Float8.TENSORWISE:
-            problems.append("float8 all-gather supports tensorwise scaling only (torchao Float8LinearConfig): use "
-                            "--float8 tensorwise")
-        return problems
 
     def _moe_problems(self) -> list[str]:
         """Expert parallelism and the capacity factor (whether ep divides the model's experts is checked where the
@@ -582,7 +554,7 @@ class TrainingSetup:
         try:
             return dataclasses.replace(self, **changes)
         except ConfigError:
-            fallbacks = [(name, off) for name, off in _TURNED_BACK
+            fallbacks = [(name, off) for name, off in _turned_back()
                          if name not in changes and getattr(self, name) != off]
             if not fallbacks:
                 raise
@@ -597,7 +569,7 @@ class TrainingSetup:
 
     def section(self, name: str) -> "_fields.Section":
         """The fields of one section (memfit.fields.SECTIONS: batch, precision, optimizer, memory, parallel,
-        finetune, moe, notes) and their values, as a read-only view: `setup.section("precision").float8`."""
+        finetune, moe, notes) and their values, as a read-only view: `setup.section("precision").precision`."""
         return _fields.Section(name, {f: getattr(self, f) for f in _fields.section_fields(TrainingSetup, name)})
 
     def with_section(self, name: str, **changes) -> "TrainingSetup":
