@@ -21,7 +21,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # bounded file reading that memfit.sources shares with the readers apart)
     ("core", ("memfit._version", "memfit.errors", "memfit.units", "memfit.fields", "memfit.libraries", "memfit.choices", "memfit.selective_op", "memfit.atomic", "memfit.choice",
               "memfit.change",
-              "memfit.zero_knobs", "memfit.optimizers", "memfit.finetune", "memfit.way_out", "memfit.setup",
+              "memfit.zero_knobs", "memfit.optimizers", "memfit.finetune", "memfit.way_out", "memfit.setup_checks",
+              "memfit.setup",
               "memfit.hardware", "memfit.model_spec", "memfit.graph", "memfit.graph.*", "memfit.estimate",
               "memfit.estimate.*", "memfit.diagnose", "memfit.derive.model", "memfit.readers.files",
               "memfit.readers._reader")),

@@ -58,7 +58,7 @@ NAMED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # the step model still reads setup.float8 directly (the hooks next), so memfit without the module is not probed
     "float8": ("float8", r"float8|Float8", (
         "choices.py",  # the Float8 choice, which the step model compares
-        "setup.py",  # FSDP1's refusal, in the words it shares with torch.compile; Float8 re-exported
+        "setup_checks.py",  # FSDP1's refusal, in the words it shares with torch.compile
         "estimate/float8.py",  # its sizing
         "estimate/activations.py", "estimate/analytic.py", "estimate/comm/__init__.py", "estimate/forward_terms.py",
         "estimate/heads.py", "estimate/moments.py", "estimate/static.py", "estimate/terms.py",
