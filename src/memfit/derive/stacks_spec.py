@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import ModelSourceError
 from ..model_spec import ModelSpec, ParamTensor
+from ..setup import Attention, TrainingSetup
 from .stacks import VISION, depths
 from .stacks_estimate import StackedModel
 
@@ -21,7 +22,6 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
     """Parameter tensors, the blocks' folded into `stack.*.name` rows counted once per block."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..setup import Attention, TrainingSetup
     from ..trace.session import build_hf_model
     from .cache import first_line
     from .fit import quiet_transformers

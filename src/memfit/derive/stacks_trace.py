@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from ..errors import ModelSourceError
+from ..setup import Checkpointing
 from .stacks import STACK_KEYS, VISION, copy_config, patch_size
 
 _STATIC = ("PARAMETERS", "BUFFERS", "OPTIMIZER", "GATHERED")
@@ -15,7 +16,6 @@ _STATIC = ("PARAMETERS", "BUFFERS", "OPTIMIZER", "GATHERED")
 
 def shape_setup(config: dict[str, Any], kind: str, shape: tuple[int, ...]):
     """The setup a kind is traced under, at `shape`."""
-    from ..setup import Checkpointing
     from .model import kind_setup
 
     base_kind, ckpt = kind.rsplit("/", 1)
