@@ -42,3 +42,13 @@ def test_a_setup_from_memfit_setup_alone_knows_every_section():
         alone = _probe(*first)
         assert alone == registry_first, first
         assert alone["torch_side"] == []  # the technique modules import the core only until a conversion runs
+
+
+def test_the_library_takes_a_section_field_wherever_it_takes_the_setup_own():
+    """memfit.check and memfit.plan_memory list the setup's fields with field_names (the sections' included)."""
+    from memfit.callbacks import check
+    from memfit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        check("llama-3.2-1b", gpu="A100-80GB", float8="tensorwise", activation_offload=True, bogus=1)
+    assert str(error.value).startswith("unknown setup field(s) bogus:")
