@@ -350,15 +350,16 @@ needs the registered sections (`load_sections`), so a setup built from `memfit.s
 whatever was imported first. By name, not by an import statement: the techniques sit a layer above and import the
 core (docs/design.md, "Layers"); loading them imports only core modules and theirs (tests/techniques/
 test_registration.py), the torch side stays unloaded."""
-_loading = False
+_loaded = False
 
 
 def load_sections() -> None:
-    """Import SECTION_PACKAGE once, which registers every technique section (a no-op once it is imported)."""
-    global _loading
-    if not _loading:
-        _loading = True  # set first: the package's modules build setups while it imports
-        importlib.import_module(SECTION_PACKAGE)
+    """Import SECTION_PACKAGE, which registers every technique section (a no-op once it is imported). Called again
+    while it imports (its modules build setups), it returns at once; another thread waits for the import to end."""
+    global _loaded
+    if not _loaded:
+        package = importlib.import_module(SECTION_PACKAGE)
+        _loaded = not getattr(package.__spec__, "_initializing", False)
 
 
 def technique_section(cls: SectionClass) -> SectionClass:

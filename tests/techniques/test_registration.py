@@ -36,7 +36,7 @@ def _probe(*first: str) -> dict:
 @pytest.mark.processes
 def test_a_setup_from_memfit_setup_alone_knows_every_section():
     registry_first = _probe("memfit.techniques")
-    assert {"torchao_offload", "activation_offload"} <= set(registry_first["sections"])
+    assert {"torchao_offload", "activation_offload", "float8"} <= set(registry_first["sections"])
     assert registry_first["read"] == [True, "on"]
     for first in ((), ("memfit.fields",), ("memfit.estimate.static",), ("memfit.estimate.analytic",)):
         alone = _probe(*first)
