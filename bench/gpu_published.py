@@ -44,7 +44,8 @@ from memfit.finetune import BaseWeights, Finetune, Method  # noqa: E402
 from memfit.estimate.analytic import estimate  # noqa: E402
 from memfit.hardware import GPU, Hardware, get_gpu, make_hardware  # noqa: E402
 import memfit.techniques  # noqa: E402,F401  (registers the technique sections: activation_offload)
-from memfit.setup import (Attention, Checkpointing, Engine, Float8, Loss, Offload, Optimizer, Padding,  # noqa: E402
+from memfit.choices import Float8  # noqa: E402
+from memfit.setup import (Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Padding,  # noqa: E402
                           Precision, Sharding, TrainingSetup)
 from memfit.sources import resolve_model  # noqa: E402
 from memfit.sources.task import SEQUENCE_CLASSIFICATION, with_task  # noqa: E402

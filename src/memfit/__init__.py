@@ -73,8 +73,6 @@ def __getattr__(name: str) -> Any:
         importlib.import_module(f"{__name__}.measure")  # binds the function (_Package.__setattr__)
         return globals()["measure"]
     if name in _HOME:
-        if _HOME[name] == "setup":  # the technique modules declare setup fields of their own: register them
-            importlib.import_module(f"{__name__}.techniques")
         value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
         globals()[name] = value
         return value

@@ -10,8 +10,8 @@ from .estimate.result import MemoryEstimate
 from .hardware import Hardware, make_hardware
 from .model_spec import ModelSpec
 from .plan import Plan, plan
+from .setup import TrainingSetup, field_names, parse_keep
 from .typical import typical_setup  # noqa: F401  (re-exported: memfit.typical_setup)
-from .setup import TrainingSetup, parse_keep
 
 ModelRef = Any
 """A catalog name, a config.json path, a hub id, an HF config dict/PretrainedConfig, an nn.Module or a ModelSpec."""
@@ -49,9 +49,8 @@ def plan_memory(model: ModelRef, setup: TrainingSetup | None = None, hardware: H
     """Walk the seed's ladder until the step fits (or say what would). A `setup` given counts as set by the user
     field by field (rungs change its fields only as a last resort, saying so); `keep` ('precision,optimizer', or
     TrainingSetup field names) pins fields no rung may change."""
-    from dataclasses import fields
-
     spec, hw = as_spec(model), as_hardware(hardware)
+    default = TrainingSetup()  # every field, the technique sections' included (setup.field_names)
     explicit = frozenset() if setup is None else frozenset(
-        f.name for f in fields(TrainingSetup) if f.name != "notes" and getattr(setup, f.name) != f.default)
+        name for name in field_names() if name != "notes" and getattr(setup, name) != getattr(default, name))
     return plan(spec, setup or typical_setup(spec, hw), hw, margin=margin, explicit=explicit, keep=parse_keep(keep))

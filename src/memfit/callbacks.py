@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from .diagnose import DEFAULT_MARGIN, Diagnosis, diagnose
@@ -26,7 +26,7 @@ from .readers._reader import ReadSetup, Reader as _Reader, _get, _positive, _val
 from .readers.hf import deepspeed_config as _deepspeed_config
 from .readers.hf import read_mixed_precision, read_sharding as _read_sharding, read_training_args
 from .readers.lightning import read_lightning_precision
-from .setup import Attention, Checkpointing, FsdpVersion, TrainingSetup
+from .setup import Attention, Checkpointing, FsdpVersion, TrainingSetup, field_names
 from .units import format_bytes
 
 logger = logging.getLogger("memfit")
@@ -228,9 +228,6 @@ class CheckResult:
                 "mapped": list(self.mapped), "ignored": list(self.ignored)}
 
 
-_SETUP_FIELDS = frozenset(f.name for f in fields(TrainingSetup)) - {"notes"}
-
-
 def check(model: Any, args: Any = None, *, gpu: str | GPU | Hardware | None = None, seq_len: int | None = None,
           batch_size: int | None = None, num_gpus: int | None = None, margin: float = DEFAULT_MARGIN,
           estimator: Any = None, accelerator: Any = None, **setup: Any) -> CheckResult:
@@ -244,10 +241,10 @@ def check(model: Any, args: Any = None, *, gpu: str | GPU | Hardware | None = No
     from .estimate.analytic import estimate
     from .plan import plan as make_plan
 
-    unknown = sorted(set(setup) - _SETUP_FIELDS)
+    known = set(field_names()) - {"notes"}  # the technique sections' fields too
+    unknown = sorted(set(setup) - known)
     if unknown:
-        raise ConfigError(f"unknown setup field(s) {', '.join(unknown)}: "
-                          f"choose from {', '.join(sorted(_SETUP_FIELDS))}")
+        raise ConfigError(f"unknown setup field(s) {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
     read = (setup_from_accelerator(accelerator, model) if accelerator is not None
             else setup_from_training_args(args, model, num_gpus=num_gpus))
     given = dict(read.fields)

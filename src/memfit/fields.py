@@ -19,6 +19,7 @@ optimizer step, its text), which the core calls for every registered section wit
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
@@ -133,6 +134,11 @@ def setting(default: Any, *, section: str, label: str | None = None, keep: tuple
     return dataclasses.field(default=default, metadata={KEY: meta}, **field_options)
 
 
+def field_default(cls: type, name: str) -> Any:
+    """The default of `cls`'s field `name`."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
 def meta(cls: type, name: str) -> FieldMeta:
     return next(m for field, m in declared(cls) if field == name)
 
@@ -145,11 +151,13 @@ def declared(cls: type) -> tuple[tuple[str, FieldMeta], ...]:
     own = [(f.name, f.metadata[KEY]) for f in dataclasses.fields(cls) if KEY in f.metadata]
     if getattr(cls, "TECHNIQUES_FIELD", None) is None:
         return tuple(own)
-    out = list(own)
+    out, previous = list(own), (None, None)
     for name, m in technique_fields_declared():
         if any(field == name for field, _ in own):
             raise ValueError(f"technique field {name} is a field of {cls.__name__} already")
-        after = getattr(technique_field_owner(name), "after", None)
+        owner = technique_field_owner(name)
+        after = owner.after and (previous[1] if previous[0] is owner else owner.after)  # its fields in their order
+        previous = (owner, name)
         last = next((i for i, (field, _) in enumerate(out) if field == after), None)
         if last is None:
             last = max((i for i, (_, other) in enumerate(out) if other.section == m.section), default=len(out) - 1)
@@ -207,7 +215,7 @@ def options(cls: type) -> tuple[tuple[str, Option], ...]:
 
 @dataclass(frozen=True, eq=True)
 class Section:
-    """A read-only view of one section of a setup: `setup.section("precision").float8`. What a reader or emitter
+    """A read-only view of one section of a setup: `setup.section("precision").precision`. What a reader or emitter
     that owns a section reads, and hands back through TrainingSetup.with_section."""
 
     name: str
@@ -260,6 +268,13 @@ class TechniqueSection:
     """The setup field its fields follow in declaration order (so `--help`, to_dict and setup_changes keep the order
     they had when the field was the setup's own); None: after the last of their section's own fields."""
 
+    turned_back: ClassVar[tuple[str, ...]] = ()
+    """Its fields that TrainingSetup.replace turns back to their defaults, in this order (after the setup's own),
+    when a change that does not name them cannot combine with them."""
+    checked_late: ClassVar[bool] = False
+    """Whether `problems` is asked only once the setup's own checks pass, after its combination checks (a technique
+    whose refusals assume a valid parallel layout); False: with the setup's own field checks."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # a Choice field takes its text and aliases (memfit.choice.Choice.parse)
             parse = getattr(type(f.default), "parse", None)
@@ -270,6 +285,11 @@ class TechniqueSection:
         """What the technique cannot run or memfit does not size with the rest of `setup` (TrainingSetup's
         validation joins them to its own, one ConfigError for all)."""
         return []
+
+    def fsdp1_sized(self) -> bool:
+        """Whether memfit sizes the section's setting under FSDP1 (TrainingSetup refuses the pair otherwise, in
+        the words it has for torch.compile)."""
+        return True
 
     def describe(self) -> str:
         """Its part of memfit.render.describe_setup (", torchao CPU offload grads"); "" says nothing."""
@@ -324,6 +344,23 @@ TECHNIQUE_SECTIONS: dict[str, SectionClass] = {}
 _FIELD_OWNER: dict[str, SectionClass] = {}
 _LISTENERS: list[Callable[[], None]] = []
 
+SECTION_PACKAGE = "memfit.techniques"
+"""The registry of the technique modules (its __init__ imports each). The core loads it by name the first time it
+needs the registered sections (`load_sections`), so a setup built from `memfit.setup` alone knows every section,
+whatever was imported first. By name, not by an import statement: the techniques sit a layer above and import the
+core (docs/design.md, "Layers"); loading them imports only core modules and theirs (tests/techniques/
+test_registration.py), the torch side stays unloaded."""
+_loaded = False
+
+
+def load_sections() -> None:
+    """Import SECTION_PACKAGE, which registers every technique section (a no-op once it is imported). Called again
+    while it imports (its modules build setups), it returns at once; another thread waits for the import to end."""
+    global _loaded
+    if not _loaded:
+        package = importlib.import_module(SECTION_PACKAGE)
+        _loaded = not getattr(package.__spec__, "_initializing", False)
+
 
 def technique_section(cls: SectionClass) -> SectionClass:
     """Register `cls` (a TechniqueSection dataclass) so TrainingSetup takes its fields: its module's one line."""
@@ -358,11 +395,14 @@ def on_sections_changed(listener: Callable[[], None]) -> None:
 
 def technique_field_owner(name: str) -> SectionClass | None:
     """The registered section that declares field `name`, or None."""
+    if name not in _FIELD_OWNER:
+        load_sections()
     return _FIELD_OWNER.get(name)
 
 
 def technique_fields_declared() -> tuple[tuple[str, FieldMeta], ...]:
     """(field, FieldMeta) of every registered section's fields, sections in registration order."""
+    load_sections()
     return tuple(item for cls in TECHNIQUE_SECTIONS.values() for item in declared(cls))
 
 

@@ -42,6 +42,7 @@ def _params(num_params: int) -> str:
 def describe_setup(setup: TrainingSetup) -> str:
     shape = (f"image {setup.image_size} px ({setup.seq_len} tokens)" if setup.image_size else f"seq {setup.seq_len}")
     shape += f", target {setup.target_len}" if setup.target_len else ""
+    # a section checked late was the setup's own field once, said after torch.compile: it still is
     return (f"micro-batch {setup.micro_batch_size} x {shape}, accum {setup.grad_accum_steps}, "
             f"{setup.precision}, {setup.optimizer}, checkpointing {setup.checkpointing}, {setup.attention}, "
             f"sharding {setup.sharding}, offload {setup.offload}"
@@ -53,10 +54,9 @@ def describe_setup(setup: TrainingSetup) -> str:
             + (f", {setup.finetune}" if setup.finetune.adapters else "")
             + (f", loss {setup.loss}" if setup.loss.value != "standard" else "")
             + (", optimizer in backward" if setup.optimizer_in_backward else "")
-            + "".join(section.describe() for section in setup.techniques)
+            + "".join(section.describe() for section in setup.techniques if not section.checked_late)
             + (", torch.compile" if setup.compile else "")
-            + (f", float8 {setup.float8}" + (" + float8 all-gather" if setup.float8_all_gather else "")
-               if setup.float8.is_on else ""))
+            + "".join(section.describe() for section in setup.techniques if section.checked_late))
 
 
 def _heading(console: Console, title: str) -> None:

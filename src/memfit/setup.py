@@ -5,23 +5,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar, Iterator
 
 from . import fields as _fields
 from .choice import Choice as _Choice
 # the choices a setup is made of live in memfit.choices; callers find them here too
-from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, Engine, Float8, FsdpVersion,  # noqa: F401
+from .choices import (LOSS_CHUNKS, Attention, Checkpointing, CpRotate, Engine, FsdpVersion,  # noqa: F401
                       Loss, ModelCode, Offload, Optimizer, Padding, PipelineSchedule, Precision, Sharding)
 from .errors import ConfigError
 from .fields import MAX_ACCUM, MAX_DEGREE, MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_SEQ_LEN, Option, setting
 from .zero_knobs import ZeroKnobs
 from .finetune import Finetune
-from .way_out import checked, engine_way_out, refusal
+from .setup_checks import (positive_int, combination_problems, deepspeed_casts_module,  # noqa: F401
+                           fsdp1_problems, fsdp2_mixed_precision, moe_problems)
 
 
-_TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD), ("float8_all_gather", False),
-                ("float8", Float8.OFF))
-"""What TrainingSetup.replace turns back, in this order, when a change cannot combine with it."""
+_TURNED_BACK = (("optimizer_in_backward", False), ("loss", Loss.STANDARD))
+"""What TrainingSetup.replace turns back, in this order, when a change cannot combine with it (then each registered
+technique section's `turned_back`)."""
+
+
+def _turned_back() -> tuple[tuple[str, Any], ...]:
+    sections = _fields.TECHNIQUE_SECTIONS.values()
+    return _TURNED_BACK + tuple((name, _fields.field_default(cls, name)) for cls in sections for name in cls.turned_back)
 
 
 @dataclass(frozen=True)
@@ -187,20 +194,6 @@ class TrainingSetup:
         "flag"))
     """torch.compile each transformer block (torchtune `compile: True`, torchtitan `[compile] enable`, HF
     `torch_compile=True`): AOTAutograd's min-cut partitioner decides what a block saves (memfit.estimate.compiled)."""
-    # -- float8 training (memfit.estimate.float8) --
-    float8: Float8 = setting(Float8.OFF, section="precision", label="float8", keep=("float8",), option=Option(
-        ("--float8",), "{choices}: torchao float8 training on every Linear but the LM head (torchtitan "
-        "--model.converters float8, [float8] recipe_name); needs a bf16 compute dtype. Default: off.", "choice"))
-    """torchao Float8Linear on every Linear but the LM head (torchtitan `--model.converters float8`, `[float8]
-    recipe_name`): off, tensorwise or rowwise. Needs a bf16 compute dtype (amp-bf16, bf16, bf16-master)."""
-    float8_all_gather: bool = setting(False, section="precision", label="float8 all-gather", keep=("float8",),
-                                      option=Option(("--float8-all-gather",), "FSDP2 all-gathers the float8 Linears' "
-                                                    "weights in float8, 1 B per element (torchtitan [float8] "
-                                                    "enable_fsdp_float8_all_gather): --engine torch, zero2/zero3, "
-                                                    "tensorwise. Default: off.", "flag"))
-    """FSDP2 all-gathers the float8 Linears' weights in float8 (1 B per element, plus one fp32 scale) instead of
-    bf16 (torchao enable_fsdp_float8_all_gather, torchtitan `[float8] enable_fsdp_float8_all_gather`): tensorwise
-    on engine torch with zero2 / zero3 only."""
     fsdp_version: FsdpVersion = setting(FsdpVersion.V2, section="parallel", label="FSDP version", quiet_default=True,
                                         option=Option(("--fsdp-version",), "engine torch, zero2 / zero3: {choices} "
                                                       "(1 = FullyShardedDataParallel's flat parameters as accelerate "
@@ -246,14 +239,14 @@ class TrainingSetup:
         problems = [f"{name} must be a positive whole number, got {getattr(self, name)!r}"
                     for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "num_gpus", "tp", "pp",
                                  "pp_virtual_stages", "cp")
-                    if not _positive_int(getattr(self, name))]
+                    if not positive_int(getattr(self, name))]
         problems += [f"{name} must be a positive whole number or None, got {getattr(self, name)!r}"
                      for name in ("target_len", "image_size", "longest_sample_len")
-                     if getattr(self, name) is not None and not _positive_int(getattr(self, name))]
+                     if getattr(self, name) is not None and not positive_int(getattr(self, name))]
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if not problems:
-            problems += self._moe_problems()
+            problems += moe_problems(self)
         if not isinstance(self.optimizer_in_backward, bool):
             problems.append(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
         if not isinstance(self.keep_zeroed_grads, bool):
@@ -261,7 +254,8 @@ class TrainingSetup:
         if not isinstance(self.techniques, _fields.Techniques):
             problems.append(f"techniques must be a memfit.fields.Techniques, got {self.techniques!r}")
         else:
-            problems += [problem for section in self.techniques for problem in section.problems(self)]
+            problems += [problem for section in self.techniques if not section.checked_late
+                         for problem in section.problems(self)]
         if not isinstance(self.compile, bool):
             problems.append(f"compile must be true or false, got {self.compile!r}")
         if self.model_code is ModelCode.LITGPT and (self.loss is not Loss.STANDARD or self.compile is True or any(
@@ -272,316 +266,22 @@ class TrainingSetup:
             problems.append("a longest sample length needs padding longest (with max-length every sequence holds "
                             "seq_len tokens)")
         if not problems:
-            problems += self._combination_problems() + self._float8_problems()
-            problems += self._fsdp1_problems()
+            problems += combination_problems(self)
+            problems += [problem for section in self.techniques if section.checked_late
+                         for problem in section.problems(self)]
+            problems += fsdp1_problems(self)
         if problems:
             raise ConfigError("; ".join(problems))
 
-    def _fsdp1_problems(self) -> list[str]:
-        """What memfit sizes of FSDP1 (memfit.estimate.fsdp1, measured by bench/fsdp1.py)."""
-        if not self.fsdp_version.is_fsdp1:
-            return []
-        ft, way = self.finetune, "use --fsdp-version 2"
-        checks = [(self.engine is not Engine.TORCH, "FSDP1 is torch's: needs --engine torch"),
-                  (self.sharding is Sharding.ZERO1, "FSDP1 has no ZeRO-1 (NO_SHARD is DDP): use zero2 or zero3"),
-                  (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.dp_shard > 0,
-                   f"FSDP1 with tensor / pipeline / context parallelism or HSDP is not sized: {way}"),
-                  (self.float8.is_on or self.compile, f"FSDP1 with float8 or torch.compile is not sized: {way}"),
-                  (ft.adapters and (ft.method.value != "lora" or ft.dora or ft.torchtune or bool(ft.modules_to_save)),
-                   f"FSDP1 is sized for plain peft LoRA on a 16-bit or fp32 base (not QLoRA, DoRA, torchtune or "
-                   f"modules_to_save): {way}"),
-                  (self.optimizer_in_backward, f"FSDP1 with optimizer in backward is not sized: {way}"),
-                  (self.offload is Offload.OPTIMIZER, "FSDP1 offloads parameters, gradients and the step together "
-                   "(CPUOffload(offload_params=True)): use --offload optimizer+params")]
-        return [why for bad, why in checks if bad]
-
-    def _float8_problems(self) -> list[str]:
-        """What torchao's float8 training runs and memfit sizes (torchao 0.18 float8/config.py, float8_linear.py)."""
-        if not isinstance(self.float8_all_gather, bool):
-            return [f"float8_all_gather must be true or false, got {self.float8_all_gather!r}"]
-        if not self.float8.is_on:
-            return ["float8 all-gather needs float8 training: give --float8 tensorwise"] * self.float8_all_gather
-        problems = []
-        if self.precision.compute_dtype != "bf16":
-            problems.append(f"float8 training computes its matmul outputs in bf16: precision {self.precision} cannot "
-                            "run it; use amp-bf16, bf16 or bf16-master")
-        if self.finetune.adapters:
-            problems.append(f"float8 training with {self.finetune.method} is not sized (a frozen or quantized base "
-                            "is no Float8Linear): use method full or --float8 off")
-        if self.pp > 1:
-            problems.append("float8 training with pipeline parallelism is not sized yet: use --float8 off")
-        if self.float8_all_gather and (self.engine is not Engine.TORCH or self.sharding.stage < 2):
-            problems.append(refusal("float8 all-gather is FSDP2's (torchao enable_fsdp_float8_all_gather)",
-                                    engine_way_out(self, Engine.TORCH), "drop --float8-all-gather"))
-        if self.float8_all_gather and self.float8 is not Float8.TENSORWISE:
-            problems.append("float8 all-gather supports tensorwise scaling only (torchao Float8LinearConfig): use "
-                            "--float8 tensorwise")
-        return problems
-
-    def _moe_problems(self) -> list[str]:
-        """Expert parallelism and the capacity factor (whether ep divides the model's experts is checked where the
-        model is known: memfit.estimate.moe)."""
-        problems = []
-        if not _positive_int(self.expert_parallel):
-            problems.append(f"expert_parallel must be a positive whole number, got {self.expert_parallel!r}")
-        elif self.num_gpus % self.expert_parallel:
-            problems.append(f"expert_parallel {self.expert_parallel} does not divide num_gpus {self.num_gpus}: the "
-                            "EP group is a slice of the data-parallel ranks")
-        elif self.expert_parallel > 1 and self.sharding is not Sharding.NONE:
-            # the engines shard each expert over its expert-data-parallel group (num_gpus / ep ranks: DeepSpeed-MoE's
-            # expert_data_parallel_group), the rest over all ranks; memfit's layouts shard everything over all ranks
-            problems.append(f"expert parallelism with {self.sharding} is not sized yet (the experts shard over the "
-                            f"{self.num_gpus // self.expert_parallel} ranks of their expert-data-parallel group, not "
-                            "over all of them): use --zero none with --ep, or --ep 1")
-        c = self.capacity_factor
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or c != c or c < 0 or c == float("inf"):
-            problems.append(f"capacity_factor must be 0 (dropless) or a number >= 1, got {c!r}")
-        elif 0 < c < 1:
-            problems.append(f"capacity_factor {c} is below 1: it drops tokens even under balanced routing; give 0 "
-                            "for dropless routing (transformers' experts) or a factor >= 1")
-        return problems
-
-    def _combination_problems(self) -> list[str]:
-        problems = []
-        if self.tp > 1 or self.sequence_parallel:
-            problems += self._tensor_parallel_problems()
-            if problems:
-                return problems
-        if self.pp > 1 or self.pp_virtual_stages > 1:
-            problems += self._pipeline_problems()
-            if problems:
-                return problems
-        if self.cp > 1:
-            problems += self._context_parallel_problems()
-            if problems:
-                return problems
-        if self.dp_shard:
-            problems += self._hsdp_problems()
-            if problems:
-                return problems
-        if self.sharding is not Sharding.NONE and self.shard_size < 2:
-            problems += self._one_gpu_sharding_problems()
-        if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.sharding is not Sharding.ZERO3:
-            problems.append("offloading parameters needs zero3 sharding (DeepSpeed offload_param / FSDP CPUOffload)")
-        if self.offload is not Offload.NONE and self.optimizer.library in ("bitsandbytes", "torchao"):
-            problems.append(f"CPU offload runs DeepSpeed's CPU Adam; it does not combine with {self.optimizer} "
-                            f"({self.optimizer.library})")
-        if self.engine is Engine.TORCH:
-            problems += self._torch_engine_problems()
-        if self.finetune.adapters:
-            problems += self._adapter_problems()
-        if self.optimizer_in_backward:
-            problems += self._in_backward_problems()
-        if self.optimizer is Optimizer.MUON:
-            problems += self._muon_problems()
-        return problems
-
-    def _muon_problems(self) -> list[str]:
-        """torch.optim.Muon orthogonalises whole matrices (Newton-Schulz on each 2-D gradient): sized on one
-        unsharded GPU, full training, without a master copy or per-parameter stepping."""
-        if (self.sharding is not Sharding.NONE or self.offload is not Offload.NONE or self.tp > 1 or self.pp > 1
-                or self.cp > 1):
-            return ["muon is sized without sharding, offload or model parallelism (its Newton-Schulz step needs each "
-                    "whole matrix on one rank): use --sharding none, or an AdamW variant"]
-        if self.finetune.adapters:
-            return [f"muon with {self.finetune.method} is not sized yet: use method full, or an AdamW variant"]
-        if self.precision.master_weights or self.optimizer_in_backward:
-            return ["muon is sized without an fp32 master copy (bf16-master) and without the optimizer in backward: "
-                    "use amp-bf16 or bf16"]
-        return []
-
-    def _in_backward_problems(self) -> list[str]:
-        """Where stepping each parameter inside backward (torchtune optimizer_in_bwd) cannot run, or is not sized."""
-        problems = []
-        if self.grad_accum_steps > 1:
-            problems.append("optimizer in backward steps each parameter as its gradient arrives, so nothing can "
-                            "accumulate over micro-steps (torchtune refuses it too): use accum 1")
-        if self.num_gpus > 1 or self.sharding is not Sharding.NONE or self.offload is not Offload.NONE:
-            problems.append("optimizer in backward is sized on one GPU without sharding or offload (torchtune's "
-                            "single-device recipe); DeepSpeed owns its own step")
-        if self.precision is Precision.AMP_FP16:
-            problems.append("optimizer in backward cannot run amp-fp16: the GradScaler must see every gradient "
-                            "before any step; use amp-bf16")
-        if self.precision.master_weights:
-            problems.append("optimizer in backward with an fp32 master copy (bf16-master) is not sized yet: use "
-                            "amp-bf16 or bf16")
-        if self.finetune.adapters:
-            problems.append(f"optimizer in backward with {self.finetune.method} is not sized yet (the adapters' "
-                            "gradients are small anyway)")
-        return problems
-
-    def _adapter_problems(self) -> list[str]:
-        """What memfit does not size for LoRA / QLoRA (yet), said rather than guessed."""
-        problems = []
-        # engine torch: FSDP2's CPUOffloadPolicy (optimizer+params at zero3, the frozen base's shards on the host
-        # too: memfit.estimate.lora_sharded); its other offloads are refused with the engine's own limits
-        if self.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
-            problems.append(f"checkpointing {self.checkpointing} with {self.finetune.method} is not sized yet: use "
-                            "full or none")
-        if self.loss is Loss.FUSED:
-            problems.append(f"a fused loss with {self.finetune.method} is not sized yet (the frozen head's casts "
-                            "under the fused kernel are not measured): use loss chunked or standard")
-        if self.finetune.dora and self.sharding.stage >= 2 and self.engine is Engine.DEEPSPEED:
-            problems.append(refusal("DoRA under DeepSpeed ZeRO-2/3 is not sized yet (measured unsharded and under "
-                                    "FSDP2)", engine_way_out(self, Engine.TORCH),
-                                    checked(self, sharding=Sharding.ZERO1) or checked(self, sharding=Sharding.NONE)))
-        quantized = self.finetune.base_storage(self.precision.compute_dtype).quantized
-        if quantized and deepspeed_casts_module(self) and self.sharding is not Sharding.ZERO3:
-            # DeepSpeed's bf16 / fp16 engine casts the module (the fp32 norms and embeddings that peft's k-bit
-            # preparation made, the adapters) and keeps fp32 master partitions: not measured with a packed base
-            torch_way = engine_way_out(self, Engine.TORCH)
-            problems.append(refusal(
-                f"{self.finetune.method} under DeepSpeed's {self.precision.compute_dtype} engine (ZeRO or offload) is "
-                "not sized yet", torch_way and torch_way + " (FSDP2 shards a packed base, memfit.estimate.lora_sharded)",
-                checked(self, sharding=Sharding.NONE, offload=Offload.NONE)))
-        elif quantized and self.precision.master_weights and not fsdp2_mixed_precision(self):
-            problems.append("a quantized base has no master weights: use amp-bf16 (HF Trainer bf16=True) for QLoRA")
-        if self.sharding is Sharding.ZERO3 and self.engine is Engine.DEEPSPEED and (quantized or self.offload.value
-                                                                                    != "none"):
-            zero2 = checked(self, sharding=Sharding.ZERO2, offload=Offload.OPTIMIZER if self.offload.value != "none"
-                            else Offload.NONE)
-            # one GPU: ZeRO-2 offload keeps it where DeepSpeed sizes it (not a packed base: then 2 GPUs of FSDP2)
-            torch_way = engine_way_out(self, Engine.TORCH, more_gpus=not zero2)
-            problems.append(refusal(
-                f"{self.finetune.method} under DeepSpeed zero3 is sized for a 16/32-bit base without offload",
-                torch_way and torch_way + " (FSDP2 shards a packed base, memfit.estimate.lora_sharded)",
-                zero2 and zero2 + " (ZeRO-Offload of the adapters)" * (self.offload.value != "none")))
-        return problems
-
-    def _tensor_parallel_problems(self) -> list[str]:
-        """What memfit's tensor parallelism covers: torch DTensor TP on the torch engine, with FSDP2 (zero2/zero3)
-        or DDP over the data-parallel groups."""
-        if self.tp == 1:
-            return ["sequence parallelism splits the sequence between tensor-parallel ranks: it needs tp > 1"]
-        if self.num_gpus % self.tp:
-            return [f"tensor parallel degree {self.tp} must divide the GPU count ({self.num_gpus})"]
-        problems = []
-        if self.engine is not Engine.TORCH:
-            problems.append(refusal("tensor parallelism runs on engine torch (DTensor, as torchtitan does): "
-                                    "DeepSpeed trains with TP only through Megatron-DeepSpeed or its AutoTP, which "
-                                    "memfit does not size", engine_way_out(self, Engine.TORCH)))
-        if self.sharding is Sharding.ZERO1:
-            problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) cannot step tensor-parallel (DTensor) "
-                            "parameters: use zero2 or zero3 (FSDP2 over the data-parallel groups) or none")
-        if self.offload is not Offload.NONE:
-            problems.append("CPU offload with tensor parallelism is not sized yet")
-        if self.finetune.adapters:
-            problems.append(f"{self.finetune.method} with tensor parallelism is not sized yet")
-        return problems
-
-    def _pipeline_problems(self) -> list[str]:
-        """What memfit's pipeline parallelism covers: torch.distributed.pipelining on engine torch, as torchtitan
-        runs it (whether the stages divide the model's layers is checked where the model is known)."""
-        if self.pp == 1:
-            return ["pipeline virtual stages need pipeline parallelism: give pp > 1"]
-        if self.num_gpus % (self.pp * self.tp):
-            return [f"pipeline degree {self.pp} x tensor degree {self.tp} must divide the GPU count ({self.num_gpus})"]
-        problems = []
-        if self.engine is not Engine.TORCH:
-            problems.append(refusal("pipeline parallelism runs on engine torch (torch.distributed.pipelining, as "
-                                    "torchtitan does); DeepSpeed's PipelineModule is not sized",
-                                    engine_way_out(self, Engine.TORCH)))
-        if self.pp_schedule.interleaved != (self.pp_virtual_stages > 1):
-            problems.append("interleaved-1f1b holds 2 or more stages per rank (--pp-virtual-stages 2); gpipe and "
-                            "1f1b hold one" if self.pp_schedule.interleaved or self.pp_virtual_stages == 1 else
-                            f"{self.pp_virtual_stages} stages per rank need --pp-schedule interleaved-1f1b")
-        rounds = max(1, self.grad_accum_steps // self.pp)  # torch ScheduleInterleaved1F1B.number_of_rounds
-        if self.pp_schedule.interleaved and self.grad_accum_steps % rounds:
-            problems.append(f"interleaved-1f1b needs the micro-batches (accum {self.grad_accum_steps}) to be a "
-                            f"multiple of its {rounds} rounds of pp {self.pp} (torch ScheduleInterleaved1F1B): "
-                            f"use accum {rounds * self.pp}")
-        if self.sharding is Sharding.ZERO1:
-            problems.append("torch's ZeRO-1 (ZeroRedundancyOptimizer) is not what torchtitan pairs with pipelining: "
-                            "use zero2 or zero3 (FSDP2 over the data-parallel ranks) or none")
-        if self.offload is not Offload.NONE or self.finetune.adapters or self.optimizer_in_backward:
-            problems.append("pipeline parallelism is sized with full training, no CPU offload and no optimizer in "
-                            "backward")
-        if self.loss is not Loss.STANDARD:
-            problems.append(f"a {self.loss} loss on the last pipeline stage is not sized yet: use loss standard")
-        return problems
-
-    def _context_parallel_problems(self) -> list[str]:
-        """Ring attention as torch's context_parallel runs it (torch 2.13 _context_parallel/_attention.py)."""
-        if self.num_gpus % (self.cp * self.tp * self.pp):
-            return [f"context degree {self.cp} x tensor {self.tp} x pipeline {self.pp} must divide the GPU count "
-                    f"({self.num_gpus})"]
-        problems = []
-        if self.engine is not Engine.TORCH:
-            problems.append(refusal("context parallelism runs on engine torch (torch context_parallel, as "
-                                    "torchtitan does)", engine_way_out(self, Engine.TORCH)))
-        if self.attention is not Attention.SDPA:
-            problems.append("context parallelism replaces the flash / memory-efficient SDPA kernels with ring "
-                            "attention; eager attention cannot run it: use --attention sdpa")
-        if self.seq_len % (2 * self.cp):
-            problems.append(f"context parallelism with load balancing cuts each sequence into 2 x cp = "
-                            f"{2 * self.cp} chunks: seq {self.seq_len} must be a multiple of {2 * self.cp}")
-        if self.sharding is Sharding.ZERO1 or self.offload is not Offload.NONE or self.finetune.adapters:
-            problems.append("context parallelism is sized with full training on FSDP2 (zero2 / zero3) or none, "
-                            "without offload")
-        if self.loss is not Loss.STANDARD:
-            problems.append(f"a {self.loss} loss with context parallelism is not sized yet: use loss standard")
-        return problems
-
-    def _hsdp_problems(self) -> list[str]:
-        """Hybrid sharding: FSDP2 on a 2D (replicate, shard) mesh of the data-parallel ranks."""
-        if not _positive_int(self.dp_shard):
-            return [f"dp_shard (the HSDP shard group) must be a positive whole number, got {self.dp_shard!r}"]
-        if self.dp_size % self.dp_shard:
-            return [f"HSDP shard group {self.dp_shard} must divide the {self.dp_size} data-parallel ranks "
-                    "(num_gpus / (tp x pp))"]
-        problems = []
-        if self.engine is not Engine.TORCH or self.sharding.stage < 2:
-            problems.append(refusal("HSDP (a shard group) is FSDP2 on a 2D mesh with zero2 or zero3 (DeepSpeed's "
-                                    "MiCS / ZeRO++ hpZ are not sized)", engine_way_out(self, Engine.TORCH)))
-        if self.offload is not Offload.NONE:
-            problems.append("CPU offload with HSDP is not sized yet")
-        return problems
-
-    def _one_gpu_sharding_problems(self) -> list[str]:
-        """ZeRO on one GPU: with nothing to shard over, a stage saves memory only by moving its partitions to the
-        host, which DeepSpeed's ZeRO-Offload / ZeRO-Infinity do on one rank (offload_optimizer, offload_param).
-        DeepSpeed also runs ZeRO-1/2/3 on one rank without offload (world size 1: every partition is whole, plus
-        its fp32 partition copy and buckets; memfit.estimate.static), as users launch it; torch's engines do not."""
-        if self.tp > 1:
-            return [f"{self.sharding} shards over the data-parallel ranks, num_gpus / tp = {self.dp_size}: it needs "
-                    f"at least 2 (give --gpus {2 * self.tp} or more)"]
-        if self.offload is Offload.NONE and self.engine is Engine.DEEPSPEED:
-            return []
-        if self.offload is Offload.NONE:
-            return [f"{self.sharding} shards over GPUs and needs at least 2 (got num_gpus={self.num_gpus}): on one "
-                    "GPU it saves nothing unless it offloads to the CPU (--offload optimizer, or optimizer+params "
-                    "with zero3); DeepSpeed runs it on one rank anyway (--engine deepspeed)"]
-        if self.engine is not Engine.DEEPSPEED:
-            return [refusal(f"{self.sharding} with CPU offload on one GPU runs on DeepSpeed (ZeRO-Offload)",
-                            engine_way_out(self, Engine.DEEPSPEED), "2+ GPUs for torch's FSDP2")]
-        return []
-
-    def _torch_engine_problems(self) -> list[str]:
-        """What torch's own engines cannot express (checked against torch 2.13 FSDP2 / ZeroRedundancyOptimizer)."""
-        problems = []
-        if self.offload is Offload.OPTIMIZER:
-            params = checked(self, offload=Offload.OPTIMIZER_AND_PARAMS, sharding=Sharding.ZERO3)
-            deepspeed = engine_way_out(self, Engine.DEEPSPEED)
-            problems.append(refusal("FSDP2 offloads parameters with the optimizer step, never the optimizer alone",
-                                    params, deepspeed and deepspeed + " (ZeRO-Offload)"))
-        if self.sharding.stage >= 2 and self.optimizer.kind.fsdp2:
-            problems.append(refusal(f"{self.optimizer} cannot step FSDP2's sharded (DTensor) parameters",
-                                    engine_way_out(self, Engine.DEEPSPEED)))
-        if self.sharding is Sharding.ZERO1 and (not self.optimizer.kind.zero1
-                                                 or self.precision.master_weights):
-            problems.append(refusal("torch's ZeRO-1 (ZeroRedundancyOptimizer) covers AdamW and SGD without an fp32 "
-                                    "master copy", engine_way_out(self, Engine.DEEPSPEED)))
-        return problems
-
     def replace(self, **changes) -> "TrainingSetup":
         """A copy with `changes`. Where they cannot combine with the optimizer step in backward, a non-standard
-        loss or float8 training that they do not name (accumulation, ZeRO, LoRA, fp16...), those are turned back as
-        well, so the change a technique asks for still happens; setup_changes then names the turned-back fields
-        too."""
+        loss or a technique section's `turned_back` fields that they do not name (accumulation, ZeRO, LoRA,
+        fp16...), those are turned back as well, so the change a technique asks for still happens; setup_changes
+        then names the turned-back fields too."""
         try:
             return dataclasses.replace(self, **changes)
         except ConfigError:
-            fallbacks = [(name, off) for name, off in _TURNED_BACK
+            fallbacks = [(name, off) for name, off in _turned_back()
                          if name not in changes and getattr(self, name) != off]
             if not fallbacks:
                 raise
@@ -596,7 +296,7 @@ class TrainingSetup:
 
     def section(self, name: str) -> "_fields.Section":
         """The fields of one section (memfit.fields.SECTIONS: batch, precision, optimizer, memory, parallel,
-        finetune, moe, notes) and their values, as a read-only view: `setup.section("precision").float8`."""
+        finetune, moe, notes) and their values, as a read-only view: `setup.section("precision").precision`."""
         return _fields.Section(name, {f: getattr(self, f) for f in _fields.section_fields(TrainingSetup, name)})
 
     def with_section(self, name: str, **changes) -> "TrainingSetup":
@@ -630,7 +330,7 @@ class TrainingSetup:
         """Data-parallel ranks: num_gpus / (tp x pp x cp) (num_gpus without them). Every rank of a tensor- or
         context-parallel group sees the same micro-batch, a pipeline passes it from stage to stage; ZeRO and FSDP
         shard over these (and over the context-parallel ranks: `shard_size`)."""
-        if not (_positive_int(self.tp) and _positive_int(self.pp) and _positive_int(self.cp)):
+        if not (positive_int(self.tp) and positive_int(self.pp) and positive_int(self.cp)):
             return self.num_gpus
         return max(1, self.num_gpus // (self.tp * self.pp * self.cp))
 
@@ -638,13 +338,13 @@ class TrainingSetup:
     def shard_size(self) -> int:
         """Ranks ZeRO / FSDP shard static memory over: the HSDP shard group, else every data-parallel rank; times
         cp (torchtitan shards FSDP over the dp_shard x cp mesh)."""
-        group = self.dp_shard if self.dp_shard and _positive_int(self.dp_shard) else self.dp_size
-        return group * (self.cp if _positive_int(self.cp) else 1)
+        group = self.dp_shard if self.dp_shard and positive_int(self.dp_shard) else self.dp_size
+        return group * (self.cp if positive_int(self.cp) else 1)
 
     @property
     def replicas(self) -> int:
         """HSDP replica groups (1 without HSDP): each holds a full sharded copy, gradients all-reduced across."""
-        return max(1, self.dp_size * (self.cp if _positive_int(self.cp) else 1) // self.shard_size)
+        return max(1, self.dp_size * (self.cp if positive_int(self.cp) else 1) // self.shard_size)
 
     @property
     def effective_batch_size(self) -> int:
@@ -665,7 +365,8 @@ def _taking_technique_fields(init):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        moved = {name: kwargs.pop(name) for name in [n for n in kwargs if _fields.technique_field_owner(n)]}
+        moved = {name: kwargs.pop(name) for name in [n for n in kwargs if n not in _OWN_FIELDS
+                                                      and _fields.technique_field_owner(n)]}
         if moved:
             held = kwargs.get("techniques", _fields.Techniques())
             kwargs["techniques"] = held.with_fields(moved) if isinstance(held, _fields.Techniques) else held
@@ -675,6 +376,7 @@ def _taking_technique_fields(init):
 
 
 TrainingSetup.__init__ = _taking_technique_fields(TrainingSetup.__init__)
+_OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSetup))
 
 
 def field_names() -> tuple[str, ...]:
@@ -692,7 +394,38 @@ _CHOICE_FIELDS = tuple((f.name, type(f.default)) for f in dataclasses.fields(Tra
                        if isinstance(f.default, _Choice))
 """(field, its Choice enum) of every enum field, which __post_init__ parses."""
 
-FIELD_LABELS: dict[str, str] = _fields.labels(TrainingSetup)
+class _FieldTable(Mapping):
+    """A read-only table derived from TrainingSetup's declared fields, the technique sections' included: built on
+    first read (which loads the sections, memfit.fields.load_sections) and again after a section registers or is
+    taken out, so whoever imported it sees every field whatever was imported first."""
+
+    def __init__(self, build: Callable[[], dict]):
+        self._build, self._table = build, None
+        _fields.on_sections_changed(self._forget)
+
+    def _forget(self) -> None:
+        self._table = None
+
+    def _fresh(self) -> dict:
+        if self._table is None:
+            _fields.load_sections()
+            self._table = self._build()
+        return self._table
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fresh()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fresh())
+
+    def __len__(self) -> int:
+        return len(self._fresh())
+
+    def __repr__(self) -> str:
+        return repr(self._fresh())
+
+
+FIELD_LABELS: Mapping[str, str] = _FieldTable(lambda: _fields.labels(TrainingSetup))
 """How each TrainingSetup field (notes aside) is named in what memfit prints (declared on the fields)."""
 
 
@@ -725,24 +458,10 @@ def setup_changes(before: TrainingSetup, after: TrainingSetup) -> tuple[FieldCha
                  if getattr(before, name) != getattr(after, name))
 
 
-KEEP_NAMES: dict[str, tuple[str, ...]] = _fields.keep_names(TrainingSetup)
+KEEP_NAMES: Mapping[str, tuple[str, ...]] = _FieldTable(lambda: _fields.keep_names(TrainingSetup))
 """What `--keep` accepts, and the TrainingSetup fields each name pins (declared on the fields)."""
 
-
-_KEEP_NAME = {name: _fields.keep_name_of(TrainingSetup, name) for name in FIELD_LABELS}
-
-
-def _refresh_tables() -> None:
-    """FIELD_LABELS, KEEP_NAMES and the --keep names again, in place, once a technique section registers (or is
-    taken out): whoever imported the tables sees its fields."""
-    for table, fresh in ((FIELD_LABELS, _fields.labels(TrainingSetup)), (KEEP_NAMES, _fields.keep_names(TrainingSetup)),
-                         (_KEEP_NAME, {n: _fields.keep_name_of(TrainingSetup, n) for n in _fields.labels(TrainingSetup)})):
-        table.clear()
-        table.update(fresh)
-
-
-_fields.on_sections_changed(_refresh_tables)
-_refresh_tables()
+_KEEP_NAME = _FieldTable(lambda: {n: _fields.keep_name_of(TrainingSetup, n) for n in _fields.labels(TrainingSetup)})
 
 
 def keep_name(field: str) -> str:
@@ -772,26 +491,3 @@ def parse_keep(text: "str | None | frozenset[str] | set[str] | tuple[str, ...]")
 def needs_bf16(precision: Precision) -> bool:
     """Whether the precision computes or stores in bf16 (a GPU without bf16 cannot run it)."""
     return precision in (Precision.AMP_BF16, Precision.BF16, Precision.BF16_MASTER)
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def fsdp2_mixed_precision(setup: TrainingSetup, engine: Engine | None = None) -> bool:
-    """Whether FSDP2 runs the setup's precision as MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=fp32):
-    fp32 shards (the master copy), low-precision compute with no autocast, fp32 gradient reduction. That is what
-    memfit's torch engine (`memfit._torch.engine.shard`) and its emitted FSDP2 code do for amp-* and bf16-master at
-    ZeRO-2/3, so an amp setup there is sized like bf16-master (same bytes: fp16 and bf16 are both 2 B). `engine`
-    overrides the setup's (a trace always runs FSDP2)."""
-    return ((engine or setup.engine) is Engine.TORCH and setup.sharding.stage >= 2
-            and (setup.precision.is_autocast or setup.precision.master_weights))
-
-
-def deepspeed_casts_module(setup: TrainingSetup) -> bool:
-    """Whether DeepSpeed runs the setup in its bf16 / fp16 mode (the config memfit emits under ZeRO or offload:
-    bf16.enabled / fp16.enabled): the engine casts the whole module, LoRA adapters included, to the 16-bit dtype
-    (runtime/engine.py _configure_distributed_model: module.bfloat16() / .half()) and keeps fp32 master partitions
-    of the trainable tensors in its ZeRO optimizer, with no autocast."""
-    return (setup.engine is Engine.DEEPSPEED and setup.precision is not Precision.FP32
-            and (setup.sharding is not Sharding.NONE or setup.offload is not Offload.NONE))

@@ -63,7 +63,7 @@ def test_every_key_is_one_litgpts_setup_takes(name):
 
 @pytest.mark.parametrize("change, refusal", [
     (dict(checkpointing="full"), "no checkpointing switch"),
-    (dict(activation_offload=True, checkpointing="full"), "no activation offloading"),
+    (dict(activation_offload=True, checkpointing="full"), "no activation offload"),
     (dict(precision="amp-bf16"), "mixed precision"),  # QLoRA under LitGPT is -true only
     (dict(optimizer="adamw-8bit"), "PagedAdamW only"),
 ])
@@ -85,7 +85,7 @@ def test_the_ladder_speaks_litgpt():
     assert result.fits
     skipped = dict(result.skipped)
     assert "no checkpointing switch" in skipped["gradient checkpointing"]
-    assert "no activation offloading" in skipped["activation offloading to the CPU"]
+    assert "no activation offload" in skipped["activation offloading to the CPU"]
     assert all(step.change.startswith("litgpt finetune_lora config: ") for step in result.steps)
     final = result.final_setup
     assert final.checkpointing is Checkpointing.NONE and final.finetune.method is Method.QLORA

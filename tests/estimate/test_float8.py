@@ -10,7 +10,8 @@ from memfit.estimate import float8
 from memfit.estimate.analytic import estimate
 from memfit.estimate.comm import comm_volume
 from memfit.hardware import cpu_device, make_hardware
-from memfit.setup import Float8, TrainingSetup
+from memfit.choices import Float8
+from memfit.setup import TrainingSetup
 from memfit.sources import resolve_model
 
 from tiny_configs import TINY_LLAMA, TINY_QWEN2

@@ -10,7 +10,8 @@ import time
 import pytest
 
 import memfit.techniques  # noqa: F401  (registers the technique sections: activation_offload)
-from memfit.setup import Attention, Checkpointing, Engine, Float8, Optimizer, Precision, Sharding
+from memfit.choices import Float8
+from memfit.setup import Attention, Checkpointing, Engine, Optimizer, Precision, Sharding
 from bench_scripts import load_bench  # noqa: E402
 
 

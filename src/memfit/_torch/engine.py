@@ -36,6 +36,7 @@ from ..emit.deepspeed import deepspeed_config
 from ..errors import ConfigError
 from ..estimate.comm import Runtime, runtime_of
 from ..setup import Engine, Offload, Precision, Sharding, TrainingSetup
+from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 from . import blocks as block_tools
 from . import rank_memory
 from . import step as torch_step
@@ -258,7 +259,6 @@ def _prepare_precision_and_checkpointing(model: nn.Module, setup: TrainingSetup,
 
 def _convert(model: nn.Module, setup: TrainingSetup, items: tuple[str, ...],
              blocks: Sequence[nn.Module] | None = None) -> None:
-    from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 
     convert_model(model, setup, Target(is_hf=torch_step.is_hf_model(model), loop=MEMFIT_LOOP,
                                        blocks=None if blocks is None else tuple(blocks)), items)

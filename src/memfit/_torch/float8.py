@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import MissingDependencyError
-from ..setup import Float8, TrainingSetup
+from ..choices import Float8
+from ..setup import TrainingSetup
 
 HEAD_NAMES = ("lm_head", "output", "embed_out")
 """The LM head's module name in transformers (lm_head), torchtitan (output) and GPT-NeoX (embed_out)."""

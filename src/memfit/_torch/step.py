@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ConfigError, MissingDependencyError
 from ..setup import LOSS_CHUNKS, Loss, Optimizer, Precision, TrainingSetup
-from ..techniques.convert import loop_contexts
+from ..techniques.convert import MEMFIT_LOOP, Target, convert_model, loop_contexts
 
 PhaseCallback = Callable[[str], None]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -148,7 +148,6 @@ def build_hf_model(config: dict, setup: TrainingSetup, *, device="cpu", compile_
         model.to(device)
     # Built in the setup's dtype and attention already (one allocation); the rest is the techniques' conversions,
     # apply_'s path (memfit.techniques.convert.ORDER).
-    from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 
     convert_model(model, setup, Target(is_hf=True, loop=MEMFIT_LOOP, compile_backend=compile_backend))
     model.train()

@@ -9,6 +9,9 @@ from typing import Any
 
 from ..errors import ModelSourceError
 from ..model_spec import ModelSpec, ParamTensor
+from ..setup import Attention, TrainingSetup
+from .cache import cache_path, failures_cached, first_line, read_json, shipped_data, write_json
+from .fit import quiet_transformers
 from .stacks import VISION, depths
 from .stacks_estimate import StackedModel
 
@@ -21,10 +24,7 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
     """Parameter tensors, the blocks' folded into `stack.*.name` rows counted once per block."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..setup import Attention, TrainingSetup
     from ..trace.session import build_hf_model
-    from .cache import first_line
-    from .fit import quiet_transformers
 
     try:
         with quiet_transformers(), FakeTensorMode():
@@ -42,8 +42,6 @@ def _param_rows(config: dict[str, Any], source: str) -> tuple[list[ParamTensor],
 
 
 def stacked_spec(config: dict[str, Any], *, name: str, source: str) -> ModelSpec:
-    from .cache import cache_path, failures_cached, read_json, shipped_data, write_json
-
     path = cache_path(config, PARAMS_KIND)
     data = shipped_data(config, PARAMS_KIND) or read_json(path, path.stem)
     if data is not None and isinstance(data.get("params"), list):

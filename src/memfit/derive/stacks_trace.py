@@ -8,6 +8,9 @@ import json
 from typing import Any
 
 from ..errors import ModelSourceError
+from ..setup import Checkpointing
+from .fit import quiet_transformers
+from .model import kind_setup
 from .stacks import STACK_KEYS, VISION, copy_config, patch_size
 
 _STATIC = ("PARAMETERS", "BUFFERS", "OPTIMIZER", "GATHERED")
@@ -15,9 +18,6 @@ _STATIC = ("PARAMETERS", "BUFFERS", "OPTIMIZER", "GATHERED")
 
 def shape_setup(config: dict[str, Any], kind: str, shape: tuple[int, ...]):
     """The setup a kind is traced under, at `shape`."""
-    from ..setup import Checkpointing
-    from .model import kind_setup
-
     base_kind, ckpt = kind.rsplit("/", 1)
     setup, kernels = kind_setup(base_kind)
     setup = setup.replace(checkpointing=Checkpointing.FULL if ckpt == "ckpt" else Checkpointing.NONE)
@@ -74,7 +74,6 @@ def _build(config: dict[str, Any], setup):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..trace.session import build_hf_model
-    from .fit import quiet_transformers
 
     fake_mode = FakeTensorMode()
     with quiet_transformers(), fake_mode:

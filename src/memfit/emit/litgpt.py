@@ -85,7 +85,8 @@ def litgpt_file(setup: TrainingSetup, *, hub_id: str | None = None, model_type: 
 
 def _refuse_what_litgpt_lacks(setup: TrainingSetup, world: int) -> None:
     finetune = setup.finetune
-    lacking = [(setup.activation_offload, "activation offloading"), (setup.offload is not Offload.NONE, "CPU offload"),
+    sections = [section.describe().lstrip(", ") or type(section).__name__ for section in setup.techniques]
+    lacking = [(sections, ", ".join(sections)), (setup.offload is not Offload.NONE, "CPU offload"),
                (finetune.dora, "DoRA"), (finetune.rslora, "rsLoRA"), (finetune.modules_to_save, "modules_to_save"),
                (setup.optimizer_in_backward, "the optimizer step in backward"), (setup.compile, "torch.compile"),
                (setup.tp > 1 or setup.pp > 1 or setup.cp > 1, "tensor / pipeline / context "

@@ -266,20 +266,13 @@ def _shape(spec: ModelSpec, setup: TrainingSetup, terms: Sequence[Term], workspa
 
 
 def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[object, int]]:
-    """The representative event stream of `steps` training steps over `blocks` blocks."""
+    """The representative event stream of `steps` training steps over `blocks` blocks: the static tensors, then per
+    step forward, the loss, backward and the optimizer step."""
     events: list[tuple[object, int]] = []
     add = events.append
     tensors = [("root", i, n) for i, n in enumerate(shape.root_params)]
     tensors += [(b, i, n) for b in range(blocks) for i, n in enumerate(shape.block_params)]
-    for key in tensors:
-        add((("p",) + key[:2], int(key[2] * shape.param_scale)))
-    for i, size in enumerate(shape.frozen_root):
-        add((("f", "root", i), size))
-    for b in range(blocks):
-        for i, size in enumerate(shape.frozen_block):
-            add((("f", b, i), size))
-    if shape.gathered_root:
-        add((("g", "root"), shape.gathered_root))
+    _static_events(shape, blocks, tensors, add)
     for step in range(steps):
         if step == 0:
             for i, size in enumerate(shape.workspaces):
@@ -289,69 +282,99 @@ def formula_stream(shape: _Shape, blocks: int, steps: int = 2) -> list[tuple[obj
                 add((("d",) + key[:2], int(key[2] * shape.grad_scale)))
         for i, size in enumerate(shape.root_saved):
             add((("re", i), size))
-        for b in range(blocks):  # forward
-            if shape.gathered_block:
-                add((("g", b), shape.gathered_block))
-            for i, size in enumerate(shape.saved_per_block):
-                add((("s", b, i), size))
-            for i, size in enumerate(shape.offloaded_per_block):  # created, copied to the host, freed (one by one)
-                add((("x", i), size))
-                add((("x", i), alloc.FREE))
-            if shape.gathered_block:
-                add((("g", b), alloc.FREE))
-        for i, size in enumerate(shape.head_saved):
-            add((("h", i), size))
-        for i, size in enumerate(shape.loss_temps):  # the loss's backward
-            add((("lt", i), size))
-        for i in range(len(shape.head_saved)):
-            add((("h", i), alloc.FREE))
-        for i in range(len(shape.loss_temps)):
-            add((("lt", i), alloc.FREE))
-        for b in reversed(range(blocks)):  # backward
-            if shape.gathered_block:
-                add((("g", b), shape.gathered_block))
-            for i, size in enumerate(shape.in_flight):  # brought back from the host for this block's backward
-                add((("x", i), size))
-            for i, size in enumerate(shape.recompute):
-                add((("rc", i), size))
-            for i, size in enumerate(shape.block_temps):
-                add((("t", i), size))
-            if not shape.early_grads:
-                for i, n in enumerate(shape.block_params):
-                    add((("d", b, i), int(n * shape.grad_scale)))
-            for i in range(len(shape.saved_per_block)):
-                add((("s", b, i), alloc.FREE))
-            for i in range(len(shape.recompute)):
-                add((("rc", i), alloc.FREE))
-            for i in range(len(shape.in_flight)):
-                add((("x", i), alloc.FREE))
-            for i in range(len(shape.block_temps)):
-                add((("t", i), alloc.FREE))
-            if shape.gathered_block:
-                add((("g", b), alloc.FREE))
+        _forward_events(shape, blocks, add)
+        _loss_events(shape, add)
+        for b in reversed(range(blocks)):
+            _block_backward_events(shape, b, add)
         if not shape.early_grads:
             for i, n in enumerate(shape.root_params):
                 add((("d", "root", i), int(n * shape.grad_scale)))
         for i in range(len(shape.root_saved)):
             add((("re", i), alloc.FREE))
-        if step == 0:  # the first step creates the optimizer state
-            for key in tensors:
-                for j in range(shape.state_tensors):
-                    add((("o",) + key[:2] + (j,), int(key[2] * shape.state_scale)))
-        if shape.step_temps:
-            if shape.step_temp_per_param:  # foreach / master upcast: one temporary per parameter, freed together
-                total = sum(k[2] for k in tensors) or 1
-                for key in tensors:
-                    add((("st",) + key[:2], int(shape.step_temps[0] * key[2] / total)))
-                for key in tensors:
-                    add((("st",) + key[:2], alloc.FREE))
-            else:
-                add((("st",), shape.step_temps[0]))
-                add((("st",), alloc.FREE))
-        if not shape.early_grads:  # zero_grad(set_to_none=True)
-            for key in tensors:
-                add((("d",) + key[:2], alloc.FREE))
+        _optimizer_events(shape, tensors, step, add)
     return events
+
+
+_Add = Callable[[tuple[object, int]], None]
+
+
+def _static_events(shape: _Shape, blocks: int, tensors: list[tuple[object, int, int]], add: _Add) -> None:
+    """The parameters, the frozen tensors and the gathered root, allocated once before the first step."""
+    for key in tensors:
+        add((("p",) + key[:2], int(key[2] * shape.param_scale)))
+    for i, size in enumerate(shape.frozen_root):
+        add((("f", "root", i), size))
+    for b in range(blocks):
+        for i, size in enumerate(shape.frozen_block):
+            add((("f", b, i), size))
+    if shape.gathered_root:
+        add((("g", "root"), shape.gathered_root))
+
+
+def _forward_events(shape: _Shape, blocks: int, add: _Add) -> None:
+    for b in range(blocks):
+        if shape.gathered_block:
+            add((("g", b), shape.gathered_block))
+        for i, size in enumerate(shape.saved_per_block):
+            add((("s", b, i), size))
+        for i, size in enumerate(shape.offloaded_per_block):  # created, copied to the host, freed (one by one)
+            add((("x", i), size))
+            add((("x", i), alloc.FREE))
+        if shape.gathered_block:
+            add((("g", b), alloc.FREE))
+
+
+def _loss_events(shape: _Shape, add: _Add) -> None:
+    """The head's saved tensors and the loss's backward temporaries, then both freed."""
+    for i, size in enumerate(shape.head_saved):
+        add((("h", i), size))
+    for i, size in enumerate(shape.loss_temps):
+        add((("lt", i), size))
+    for i in range(len(shape.head_saved)):
+        add((("h", i), alloc.FREE))
+    for i in range(len(shape.loss_temps)):
+        add((("lt", i), alloc.FREE))
+
+
+def _block_backward_events(shape: _Shape, b: int, add: _Add) -> None:
+    if shape.gathered_block:
+        add((("g", b), shape.gathered_block))
+    for i, size in enumerate(shape.in_flight):  # brought back from the host for this block's backward
+        add((("x", i), size))
+    for i, size in enumerate(shape.recompute):
+        add((("rc", i), size))
+    for i, size in enumerate(shape.block_temps):
+        add((("t", i), size))
+    if not shape.early_grads:
+        for i, n in enumerate(shape.block_params):
+            add((("d", b, i), int(n * shape.grad_scale)))
+    for name, kept in (("s", shape.saved_per_block), ("rc", shape.recompute), ("x", shape.in_flight),
+                       ("t", shape.block_temps)):
+        for i in range(len(kept)):
+            add(((name, b, i) if name == "s" else (name, i), alloc.FREE))
+    if shape.gathered_block:
+        add((("g", b), alloc.FREE))
+
+
+def _optimizer_events(shape: _Shape, tensors: list[tuple[object, int, int]], step: int, add: _Add) -> None:
+    """The optimizer state (created by the first step), the step's temporaries and zero_grad."""
+    if step == 0:
+        for key in tensors:
+            for j in range(shape.state_tensors):
+                add((("o",) + key[:2] + (j,), int(key[2] * shape.state_scale)))
+    if shape.step_temps:
+        if shape.step_temp_per_param:  # foreach / master upcast: one temporary per parameter, freed together
+            total = sum(k[2] for k in tensors) or 1
+            for key in tensors:
+                add((("st",) + key[:2], int(shape.step_temps[0] * key[2] / total)))
+            for key in tensors:
+                add((("st",) + key[:2], alloc.FREE))
+        else:
+            add((("st",), shape.step_temps[0]))
+            add((("st",), alloc.FREE))
+    if not shape.early_grads:  # zero_grad(set_to_none=True)
+        for key in tensors:
+            add((("d",) + key[:2], alloc.FREE))
 
 
 @lru_cache(maxsize=512)

@@ -42,7 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model_spec import ModelSpec
-from ..setup import Float8, TrainingSetup
+from ..choices import Float8
+from ..setup import TrainingSetup
 from .result import Category, Term
 from .moments import AddBeside
 from .terms import TermKey

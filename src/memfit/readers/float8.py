@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..setup import Float8
+from ..choices import Float8
 from ._reader import Reader
 
 _RECIPES = {"tensorwise": Float8.TENSORWISE, "rowwise": Float8.ROWWISE}

@@ -10,7 +10,7 @@ import textwrap
 from dataclasses import dataclass
 
 from ..diagnose import DEFAULT_MARGIN, Diagnosis, diagnose
-from ..errors import MemfitError
+from ..errors import MemfitError, MissingDependencyError
 from ..estimate.result import Category, MemoryEstimate, Phase, TimelinePoint
 from ..hardware import Hardware, make_hardware
 from ..plan import Plan
@@ -165,8 +165,6 @@ def _plotly():
     try:
         import plotly.graph_objects as go
     except ImportError as error:
-        from ..errors import MissingDependencyError
-
         raise MissingDependencyError("the HTML report needs plotly: pip install 'memfit[report]'") from error
     return go
 

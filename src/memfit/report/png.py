@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..atomic import write_files
+from ..errors import MissingDependencyError
 from ..estimate.result import Category, MemoryEstimate
 from ..hardware import Hardware
 from ..plan import Plan
@@ -36,8 +37,6 @@ def write_png(obj: Plan | MemoryEstimate, path: str | Path, *, trace: MemoryEsti
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:
-        from ..errors import MissingDependencyError
-
         raise MissingDependencyError("the PNG report needs matplotlib: pip install 'memfit[report]'") from error
     data = report_data(obj, trace=trace, hardware=hardware, margin=margin)
     height_in = _height_in(data)

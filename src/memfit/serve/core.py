@@ -48,8 +48,7 @@ FIRST_FIELDS = ("model", "gpu", "method", "gpus", "batch", "seq")
 """What most questions change, in this order and always shown."""
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Precision and memory", ("precision", "optimizer", "checkpointing", "attention", "accum", "loss",
-                              "optimizer_in_backward", "keep_zeroed_grads", "compile",
-                              "float8", "float8_all_gather")),
+                              "optimizer_in_backward", "keep_zeroed_grads", "compile")),
     ("Sharding, offload and parallelism", ("zero", "offload", "engine", "tp", "sequence_parallel", "pp",
                                            "pp_schedule", "pp_virtual_stages", "dp_shard", "cp", "cp_rotate")),
     ("LoRA / QLoRA", ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "modules_to_save", "base",

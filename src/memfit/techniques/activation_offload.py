@@ -22,15 +22,12 @@ from ..estimate.result import Term
 from ..fields import Option, TechniqueSection, setting, technique_section
 from ..model_spec import ModelSpec
 from ..setup import Checkpointing, Loss, TrainingSetup
+from ..setup_checks import positive_int
 from ..units import format_bytes
 from .base import Context, Proposal, Skip, Technique, fragment, register
 from .convert import MEMFIT_LOOP, ApplyItem, Target, apply_item, conversion, loop_context
 from ..hardware import Hardware
 from .costs import Cost, host_link_seconds
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # ---- the config section: the setup's field, its option, label and checks --------------------------------------
@@ -65,7 +62,7 @@ class ActivationOffloadSection(TechniqueSection):
             return [f"activation offloading with {ft.method} is sized for adapters on a 16-bit, fp32 or 4-bit base "
                     "(bitsandbytes' int8 matmul keeps its input outside the hooks; DoRA and modules_to_save are not "
                     "counted): drop --activation-offload or those options"]
-        if _positive_int(setup.tp) and setup.tp > 1:
+        if positive_int(setup.tp) and setup.tp > 1:
             return ["activation offloading with tensor parallelism is not sized yet"]
         if str(setup.checkpointing) in ("selective-op", "attention"):
             return [f"activation offloading with checkpointing {setup.checkpointing} is not sized yet (the kept "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import MissingDependencyError
+
 if TYPE_CHECKING:
     from .estimator import traced_estimator
     from .run import trace
@@ -23,8 +25,6 @@ def __getattr__(name: str) -> Any:
     try:
         from . import estimator, run, script, timeline
     except ImportError as error:
-        from ..errors import MissingDependencyError
-
         raise MissingDependencyError(f"memfit trace needs torch ({error.name or error}): "
                                      "pip install 'memfit[torch]'") from error
     return {"trace": run.trace, "traced_estimator": estimator.traced_estimator,

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._torch import step as runner
 from ..errors import ConfigError
 from ..setup import Precision, TrainingSetup
+from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 
 PhaseCallback = Callable[[str], None]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -286,7 +287,6 @@ def module_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 def convert_module(model: nn.Module, setup: TrainingSetup) -> list[str]:
     """A plain module as the setup trains it in memfit's loop: the techniques' conversions (memfit.techniques.convert,
     apply_'s path), each one that applies said in a note."""
-    from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 
     changes = convert_model(model, setup, Target(is_hf=False, loop=MEMFIT_LOOP, compile_backend="partitioned"),
                             _MODULE_ITEMS)
