@@ -55,8 +55,9 @@ def vlm_options(opts: SetupOptions, micro_batch: int | None, finetune: Method | 
     "memfit vlm ./config.json --images 2 --max-pixels 1003520 --json"))
 @with_setup_options
 def vlm_command(
-        model: Annotated[str, typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, ...) or a "
-                                                  "config.json of a qwen2_vl / qwen2_5_vl / llava model.")],
+        model: Annotated[str, typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, gemma-3-4b-it, "
+                                                  "...) or a config.json of a qwen2_vl / qwen2_5_vl / llava / "
+                                                  "llava_next / gemma3 model.")],
         opts: SetupOptions,
         images: Annotated[int, typer.Option("--images", min=0, help="Images per sample.")] = 1,
         image_size: Annotated[str, typer.Option("--image-size",
@@ -100,9 +101,9 @@ def _search(search: Search, model, result, images, max_pixels, common, hardware,
         return fits(estimate_vlm(model, **common, **given), hardware)[1]
 
     if search is Search.MAX_PIXELS:
-        if result.family == "llava":
-            raise ConfigError("LLaVA resizes every image to its tower's square: max_pixels does not apply "
-                              "(--search images does)")
+        if not result.max_pixels_apply:
+            raise ConfigError(f"{result.family} resizes every image (or tile) to its tower's square: max_pixels "
+                              "does not apply (--search images does)")
         ladder = max_pixels_ladder(common["image_size"], min_pixels=common["min_pixels"] or 3136)
         best, traced = largest(ladder, lambda m: required(images=images, max_pixels=m), budget)
         return {"search": "max_pixels", "largest": best, "traced": traced}
@@ -127,7 +128,7 @@ def _json(result, hardware, ok, required, budget, found) -> dict:
 def _print(result, hardware, ok, required, budget, found) -> None:
     out = console()
     image = result.image
-    limit = "" if result.family == "llava" else f" (max_pixels {result.max_pixels:,})"
+    limit = f" (max_pixels {result.max_pixels:,})" if result.max_pixels_apply else ""
     out.print(f"[bold]{result.model}[/bold]  {result.images} image(s) per sample, resized to "
               f"{image.size[0]}x{image.size[1]}{limit}")
     out.print(f"  vision tokens: {image.lm_tokens:,} per image, {result.vision_tokens:,} per sample; vision tower: "

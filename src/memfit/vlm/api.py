@@ -12,16 +12,18 @@ from ..diagnose import diagnose
 from ..errors import ConfigError
 from ..estimate.device import runtime_overhead_terms
 from ..setup import TrainingSetup
-from .model import VlmInputs, check_family, trace_vlm
+from .model import QWEN_TYPES, VlmInputs, check_family, trace_vlm, wrapper_tokens
 from .presets import resolve_vlm_config
-from .tokens import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, ImageTokens, llava_image, qwen_image
+from .tokens import (LLAVA_NEXT_PINPOINTS, QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, ImageTokens, gemma3_image,
+                     llava_image, llava_next_image, qwen_image)
 
 STACKS = (("vision tower", ("model.visual.blocks.", "model.vision_tower.encoder.")),
           ("vision embeddings", ("model.visual.patch_embed.", "model.vision_tower.")),
-          ("merger / projector", ("model.visual.merger.", "model.multi_modal_projector.")),
+          ("merger / projector", ("model.visual.merger.", "model.multi_modal_projector.", "model.image_newline")),
           ("language model", ("model.language_model.",)), ("lm head", ("lm_head.",)))
-"""Module prefixes of each stack (modeling_qwen2_vl.py, modeling_llava.py), first match wins: the CLIP tower's
-embeddings and norms fall in "vision embeddings"."""
+"""Module prefixes of each stack (modeling_qwen2_vl.py, modeling_llava.py, modeling_llava_next.py,
+modeling_gemma3.py), first match wins: the CLIP / SigLIP tower's embeddings and norms fall in "vision embeddings",
+LLaVA-NeXT's image_newline row in the projector's; Gemma 3's head is tied to its embeddings (no lm head row)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ class VlmEstimate:
     @property
     def lm_seq(self) -> int:
         return self.inputs.lm_seq
+
+    @property
+    def max_pixels_apply(self) -> bool:
+        """Whether the processor resizes within [min_pixels, max_pixels] (Qwen-VL) rather than to a fixed square."""
+        return self.family in QWEN_TYPES
 
     @property
     def vision_tokens(self) -> int:
@@ -93,7 +100,7 @@ def estimate_vlm(model: str | Mapping[str, Any], *, images: int = 1, image_size:
     setup = _setup(setup, micro_batch)
     max_pixels = max_pixels or QWEN_MAX_PIXELS
     image = image_tokens(config, image_size, min_pixels=min_pixels, max_pixels=max_pixels)
-    wrapper = 0 if config.get("model_type") == "llava" else 2
+    wrapper = wrapper_tokens(config)
     inputs = VlmInputs((image,) * images, text_len, setup.micro_batch_size, wrapper)
     built: dict[str, Any] = {}
     memory = trace_vlm(config, inputs, setup, tower=tower, kernels=kernels, keep=built)
@@ -109,9 +116,18 @@ def image_tokens(config: Mapping[str, Any], image_size: tuple[int, int], *, min_
                  max_pixels: int | None = None) -> ImageTokens:
     """One image of `image_size` by the family's processor rules (memfit.vlm.tokens), from the model's config."""
     vision = config.get("vision_config", {}) or {}
-    if config.get("model_type") == "llava":  # every image resized and cropped to the tower's square
-        return llava_image(image_size=int(vision.get("image_size", 336)), patch=int(vision.get("patch_size", 14)),
-                           strategy=str(config.get("vision_feature_select_strategy", "default")))
+    family = config.get("model_type")
+    side, patch = int(vision.get("image_size", 336)), int(vision.get("patch_size", 14))
+    strategy = str(config.get("vision_feature_select_strategy", "default"))
+    if family == "llava":  # every image resized and cropped to the tower's square
+        return llava_image(image_size=side, patch=patch, strategy=strategy)
+    if family == "llava_next":  # any-res tiles of the tower's square
+        pinpoints = tuple(tuple(p) for p in config.get("image_grid_pinpoints") or LLAVA_NEXT_PINPOINTS)
+        return llava_next_image(*image_size, pinpoints=pinpoints, crop=side, patch=patch, strategy=strategy)
+    if family == "gemma3":  # resized to the tower's square, pooled to mm_tokens_per_image (no pan and scan: the
+        # processor's default do_pan_and_scan=False)
+        return gemma3_image(*image_size, image_size=int(vision.get("image_size", 896)), patch=patch,
+                            mm_tokens=int(config.get("mm_tokens_per_image") or 256))
     return qwen_image(*image_size, patch=int(vision.get("patch_size", 14)),
                       merge=int(vision.get("spatial_merge_size", 2)), min_pixels=min_pixels or QWEN_MIN_PIXELS,
                       max_pixels=max_pixels or QWEN_MAX_PIXELS)
