@@ -73,9 +73,12 @@ def vlm_command(
                                                            parser=whole_number(MAX_MICRO_BATCH))] = None,
         finetune: Annotated[Optional[Method], typer.Option("--finetune", hidden=True, parser=choice(Method))] = None,
         rank: Annotated[Optional[int], typer.Option("--rank", hidden=True, parser=whole_number(65_536))] = None,
+        plan: Annotated[bool, typer.Option("--plan", help="When it does not fit: the data rungs, cheapest first, "
+                                                          "each re-estimated (fewer pixels, then fewer images per "
+                                                          "sample), with their cost in vision tokens.")] = False,
         json_output: JsonOpt = False) -> None:
     """The memory of a VLM training step from its images: vision tokens, sequences, stacks, and what fits."""
-    from ..vlm.api import estimate_vlm, fits
+    from ..vlm.api import estimate_vlm, fits, plan_data
 
     size = parse_size(image_size)
     opts = vlm_options(opts, micro_batch, finetune, rank)
@@ -86,29 +89,30 @@ def vlm_command(
     result = estimate_vlm(model, images=images, max_pixels=max_pixels, **common)
     ok, required, budget = fits(result, hardware)
     found = _search(search, model, result, images, max_pixels, common, hardware, budget)
+    rungs, skipped = plan_data(model, result, **common) if plan else ((), {})
     if json_output:
-        print_json(_json(result, hardware, ok, required, budget, found))
+        print_json({**_json(result, hardware, ok, required, budget, found),
+                    **({"plan": [r.to_dict() for r in rungs], "plan_skipped": skipped} if plan else {})})
     else:
         _print(result, hardware, ok, required, budget, found)
-    if not ok:
+        if plan:
+            _print_plan(rungs, skipped, ok)
+    if not ok and not (rungs and rungs[-1].fits):
         raise typer.Exit(DOES_NOT_FIT)
 
 
 def _search(search: Search, model, result, images, max_pixels, common, hardware, budget) -> dict | None:
-    from ..vlm.api import estimate_vlm, fits, largest, max_pixels_ladder
+    from ..vlm.api import search_images, search_max_pixels
 
-    def required(**given) -> int:
-        return fits(estimate_vlm(model, **common, **given), hardware)[1]
-
+    given = {k: v for k, v in common.items() if k != "hardware"}
     if search is Search.MAX_PIXELS:
         if not result.max_pixels_apply:
             raise ConfigError(f"{result.family} resizes every image (or tile) to its tower's square: max_pixels "
                               "does not apply (--search images does)")
-        ladder = max_pixels_ladder(common["image_size"], min_pixels=common["min_pixels"] or 3136)
-        best, traced = largest(ladder, lambda m: required(images=images, max_pixels=m), budget)
+        best, traced = search_max_pixels(model, images=images, hardware=hardware, budget=budget, **given)
         return {"search": "max_pixels", "largest": best, "traced": traced}
     if search is Search.IMAGES:
-        best, traced = largest(list(range(1, 65)), lambda n: required(images=n, max_pixels=max_pixels), budget)
+        best, traced = search_images(model, max_pixels=max_pixels, hardware=hardware, budget=budget, **given)
         return {"search": "images", "largest": best, "traced": traced}
     return None
 
@@ -150,3 +154,21 @@ def _print(result, hardware, ok, required, budget, found) -> None:
         best = found["largest"]
         out.print(f"  largest {what} that fits: " + (f"{best:,}" if best is not None else "none") +
                   f" ({len(found['traced'])} traces)")
+
+
+def _print_plan(rungs, skipped, ok) -> None:
+    out = console()
+    if ok:
+        out.print("  plan: it fits as given")
+        return
+    out.print("  plan (cheapest first, re-estimated after each step):")
+    for number, rung in enumerate(rungs, 1):
+        fewer = rung.vision_tokens_before - rung.vision_tokens_after
+        out.print(f"  {number}. {rung.rung:<13} {rung.change:<40} {rung.required_bytes / GIB:8.2f} GiB  "
+                  f"{'fits' if rung.fits else 'does not fit'}; vision tokens per sample "
+                  f"{rung.vision_tokens_before:,} -> {rung.vision_tokens_after:,} "
+                  f"(-{fewer / max(rung.vision_tokens_before, 1):.0%})")
+    for name, why in skipped.items():
+        out.print(f"     {name}: passed over ({why})")
+    if not (rungs and rungs[-1].fits):
+        out.print("  no data rung makes it fit: see memfit plan / memfit estimate for the memory techniques")

@@ -213,3 +213,82 @@ def max_pixels_ladder(image_size: tuple[int, int], *, patch: int = 14, merge: in
             out.append(k * unit)
             last = tokens
     return out
+
+
+# ---- the data rungs: fewer pixels, fewer images ---------------------------------------------------------------------
+
+def search_max_pixels(model, *, images: int, hardware, budget: int, **given) -> tuple[int | None, dict]:
+    """The largest max_pixels (of max_pixels_ladder's candidates) at which `images` images per sample fit `budget`
+    bytes, and {max_pixels: required bytes} of the traces taken (memfit.vlm.api.largest). `given`: estimate_vlm's
+    other arguments (image_size, min_pixels, text_len, setup, tower)."""
+    ladder = max_pixels_ladder(given["image_size"], min_pixels=given.get("min_pixels") or QWEN_MIN_PIXELS)
+    return largest(ladder, lambda m: fits(estimate_vlm(model, images=images, max_pixels=m, hardware=hardware,
+                                                       **given), hardware)[1], budget)
+
+
+def search_images(model, *, max_pixels: int | None, hardware, budget: int, **given) -> tuple[int | None, dict]:
+    """The most images per sample (1 to 64) that fit `budget` bytes at `max_pixels`, and the traces taken."""
+    return largest(list(range(1, 65)), lambda n: fits(estimate_vlm(model, images=n, max_pixels=max_pixels,
+                                                                   hardware=hardware, **given), hardware)[1], budget)
+
+
+@dataclass(frozen=True)
+class DataRung:
+    """One step of `memfit vlm --plan`: what the samples give up (pixels per image, or images per sample), the
+    vision tokens per sample before and after (its cost), and the step re-estimated."""
+
+    rung: str
+    change: str
+    vision_tokens_before: int
+    vision_tokens_after: int
+    estimate: VlmEstimate
+    required_bytes: int
+    fits: bool
+
+    def to_dict(self) -> dict:
+        return {"rung": self.rung, "change": self.change, "vision_tokens_before": self.vision_tokens_before,
+                "vision_tokens_after": self.vision_tokens_after, "max_pixels": self.estimate.max_pixels,
+                "images": self.estimate.images, "lm_seq": self.estimate.lm_seq,
+                "required_bytes": self.required_bytes, "fits": self.fits}
+
+
+def plan_data(model, start: VlmEstimate, *, hardware, **given) -> tuple[tuple[DataRung, ...], dict[str, str]]:
+    """The data rungs from `start` (estimate_vlm's result for `given`), cheapest first, each re-estimated, stopping at
+    the first that fits: fewer pixels (the largest max_pixels that fits; Qwen-VL only: the other processors resize
+    to a fixed square), then fewer images per sample (the most that fit at the pixels reached). Where a rung cannot
+    fit alone it goes as far as it can (the smallest max_pixels, one image) and the next rung goes on from there.
+    Returns the rungs taken and {rung: why it was passed over}."""
+    ok, _, budget = fits(start, hardware)
+    rungs: list[DataRung] = []
+    skipped: dict[str, str] = {}
+    current = start
+    if ok:
+        return (), skipped
+    if not start.max_pixels_apply:
+        skipped["fewer pixels"] = f"{start.family} resizes every image (or tile) to its tower's square"
+    else:
+        best, _ = search_max_pixels(model, images=current.images, hardware=hardware, budget=budget, **given)
+        candidates = max_pixels_ladder(given["image_size"], min_pixels=given.get("min_pixels") or QWEN_MIN_PIXELS)
+        chosen = best if best is not None else candidates[0]
+        after = estimate_vlm(model, images=current.images, max_pixels=chosen, hardware=hardware, **given)
+        if after.vision_tokens < current.vision_tokens:
+            rungs.append(_rung("fewer pixels", f"max_pixels {current.max_pixels:,} -> {chosen:,}", current, after,
+                               hardware))
+            current = after
+        else:
+            skipped["fewer pixels"] = "the images are at their fewest tokens already"
+    if not (rungs and rungs[-1].fits):
+        best, _ = search_images(model, max_pixels=current.max_pixels, hardware=hardware, budget=budget, **given)
+        chosen = best if best is not None else 1
+        if chosen < current.images:
+            after = estimate_vlm(model, images=chosen, max_pixels=current.max_pixels, hardware=hardware, **given)
+            rungs.append(_rung("fewer images", f"images per sample {current.images} -> {chosen}", current, after,
+                               hardware))
+        else:
+            skipped["fewer images"] = f"{current.images} image(s) per sample already"
+    return tuple(rungs), skipped
+
+
+def _rung(name: str, change: str, before: VlmEstimate, after: VlmEstimate, hardware) -> DataRung:
+    ok, required, _ = fits(after, hardware)
+    return DataRung(name, change, before.vision_tokens, after.vision_tokens, after, required, ok)
