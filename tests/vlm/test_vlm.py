@@ -144,12 +144,12 @@ def test_cli_takes_the_shared_setup_options_and_its_own_spellings(tmp_path):
 
 
 def test_plan_takes_the_fewer_pixels_rung_and_it_fits(tmp_path):
-    """`memfit vlm --plan`: three 1400 px images of the tiny Qwen2-VL do not fit 1 GB; the fewer-pixels rung
+    """`memfit vlm --plan`: two 1000 px images of the tiny Qwen2-VL do not fit 1 GB; the fewer-pixels rung
     (the largest max_pixels that fits, by the same search as --search max-pixels) is taken, re-estimated, and fits,
     with fewer vision tokens; fewer images is not needed."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config("qwen2_vl")))
-    result = CliRunner().invoke(app, ["vlm", str(path), "--image-size", "1400x1400", "--images", "3", "--text-len",
+    result = CliRunner().invoke(app, ["vlm", str(path), "--image-size", "1000x1000", "--images", "2", "--text-len",
                                       "24", "--gpu", "1GB", "--precision", "fp32", "--attention", "eager", "--plan",
                                       "--json"])
     assert result.exit_code == 0, result.output
@@ -157,5 +157,5 @@ def test_plan_takes_the_fewer_pixels_rung_and_it_fits(tmp_path):
     assert data["fits"] is False and [rung["rung"] for rung in data["plan"]] == ["fewer pixels"]
     rung = data["plan"][0]
     assert rung["fits"] and rung["required_bytes"] <= data["budget_bytes"] < data["required_bytes"]
-    assert rung["vision_tokens_before"] == 3 * 2500 and rung["vision_tokens_after"] < rung["vision_tokens_before"]
-    assert rung["images"] == 3 and rung["max_pixels"] in max_pixels_ladder((1400, 1400))
+    assert rung["vision_tokens_before"] == 2 * 1296 and rung["vision_tokens_after"] < rung["vision_tokens_before"]
+    assert rung["images"] == 2 and rung["max_pixels"] in max_pixels_ladder((1000, 1000))

@@ -55,10 +55,10 @@ def vlm_options(opts: SetupOptions, micro_batch: int | None, finetune: Method | 
     "memfit vlm ./config.json --images 2 --max-pixels 1003520 --json"))
 @with_setup_options
 def vlm_command(
-        model: Annotated[str, typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, gemma-3-4b-it, "
+        model: Annotated[Optional[str], typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, gemma-3-4b-it, "
                                                   "...) or a config.json of a qwen2_vl / qwen2_5_vl / llava / "
-                                                  "llava_next / gemma3 model.")],
-        opts: SetupOptions,
+                                                  "llava_next / gemma3 model. Optional with a --config that names it.")] = None,
+        opts: SetupOptions = None,  # given by with_setup_options (MODEL before it is optional: --config names it)
         images: Annotated[int, typer.Option("--images", min=0, help="Images per sample.")] = 1,
         image_size: Annotated[str, typer.Option("--image-size",
                                                 help="HEIGHTxWIDTH of each image in pixels.")] = "768x768",
@@ -66,7 +66,13 @@ def vlm_command(
                                                           "(default: the hub processor's 12,845,056).")] = None,
         min_pixels: Annotated[Optional[int], typer.Option("--min-pixels", min=1)] = None,
         text_len: Annotated[int, typer.Option("--text-len", min=1, help="Text tokens per sample.")] = 512,
-        tower: Annotated[str, typer.Option("--tower", help="The vision tower: frozen, trained or lora.")] = "frozen",
+        tower: Annotated[Optional[str], typer.Option("--tower", help="The vision tower: frozen, trained or lora "
+                                                                   "(default frozen).")] = None,
+        config: Annotated[Optional[str], typer.Option("--config", metavar="FILE", help="Read the step from the "
+                                                      "trainer config you already have: an ms-swift `swift sft` "
+                                                      "command line (and its MAX_PIXELS), a LLaMA-Factory YAML or a "
+                                                      "TRL SFTConfig YAML / JSON (with the processor's max_pixels); "
+                                                      "an option overrides a field.")] = None,
         search: Annotated[Search, typer.Option("--search", help="Also find the largest max-pixels or images per "
                                                               "sample that fit (a few more traces).")] = Search.NONE,
         micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", hidden=True,
@@ -79,24 +85,38 @@ def vlm_command(
         json_output: JsonOpt = False) -> None:
     """The memory of a VLM training step from its images: vision tokens, sequences, stacks, and what fits."""
     from ..vlm.api import estimate_vlm, fits, plan_data
+    from ..vlm.readers import pre_resized, read_vlm_config
 
-    size = parse_size(image_size)
+    reading = read_vlm_config(config) if config else None
+    model = model or (reading.model if reading else None)
+    if not model:
+        raise ConfigError("Missing argument 'MODEL': give a preset or a config.json, or a --config that names one")
+    size = pre_resized(parse_size(image_size), reading.pre_resize if reading else None)
     opts = vlm_options(opts, micro_batch, finetune, rank)
     hardware = opts.hardware()
-    setup = opts.given_setup(hardware, **VLM_DEFAULTS)
+    setup = opts.given_setup(hardware, **{**VLM_DEFAULTS, **(reading.setup if reading else {})})
+    max_pixels = max_pixels or (reading.max_pixels if reading else None)
+    min_pixels = min_pixels or (reading.min_pixels if reading else None)
+    tower = tower or (reading.tower if reading else None) or "frozen"
     common = {"image_size": size, "min_pixels": min_pixels, "text_len": text_len, "setup": setup, "tower": tower,
               "hardware": hardware}
     result = estimate_vlm(model, images=images, max_pixels=max_pixels, **common)
     ok, required, budget = fits(result, hardware)
     found = _search(search, model, result, images, max_pixels, common, hardware, budget)
     rungs, skipped = plan_data(model, result, **common) if plan else ((), {})
+    paste = _paste(reading, rungs, parse_size(image_size), result)
     if json_output:
         print_json({**_json(result, hardware, ok, required, budget, found),
-                    **({"plan": [r.to_dict() for r in rungs], "plan_skipped": skipped} if plan else {})})
+                    **({"plan": [r.to_dict() for r in rungs], "plan_skipped": skipped, "paste": paste}
+                       if plan else {}), **({"config": reading.to_dict()} if reading else {})})
     else:
+        if reading:
+            _print_reading(reading)
         _print(result, hardware, ok, required, budget, found)
         if plan:
             _print_plan(rungs, skipped, ok)
+            if paste:
+                console().print(f"  set it: {paste}")
     if not ok and not (rungs and rungs[-1].fits):
         raise typer.Exit(DOES_NOT_FIT)
 
@@ -154,6 +174,30 @@ def _print(result, hardware, ok, required, budget, found) -> None:
         best = found["largest"]
         out.print(f"  largest {what} that fits: " + (f"{best:,}" if best is not None else "none") +
                   f" ({len(found['traced'])} traces)")
+
+
+def _paste(reading, rungs, image_size, result) -> str | None:
+    """The processor setting of the fewer-pixels rung, in the config's words (memfit.vlm.readers.pixel_setting)."""
+    from ..vlm.api import image_tokens
+    from ..vlm.presets import resolve_vlm_config
+    from ..vlm.readers import pixel_setting
+
+    rung = next((r for r in rungs if r.rung == "fewer pixels"), None)
+    if rung is None:
+        return None
+    config, _ = resolve_vlm_config(result.model)
+    tokens = rung.estimate.image.lm_tokens
+    return pixel_setting(reading, rung.estimate.max_pixels, image_size, tokens,
+                         lambda size: image_tokens(config, size, max_pixels=result.max_pixels).lm_tokens)
+
+
+def _print_reading(reading) -> None:
+    out = console()
+    out.print(f"[bold]{reading.file}[/bold] ({reading.format})")
+    for entry in reading.read:
+        out.print(f"  read: {entry.text}")
+    for entry in reading.ignored:
+        out.print(f"  left out: {entry.text}")
 
 
 def _print_plan(rungs, skipped, ok) -> None:
