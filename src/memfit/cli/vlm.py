@@ -13,6 +13,9 @@ import typer
 from ..errors import ConfigError
 from ..finetune import Method
 from ..setup import Checkpointing, Precision
+from ..vlm.api import estimate_vlm, fits, image_tokens, plan_data, search_images, search_max_pixels
+from ..vlm.presets import resolve_vlm_config
+from ..vlm.readers import pixel_setting, pre_resized, read_vlm_config
 from .common import DOES_NOT_FIT, app, console, examples, parse_pixels, print_json
 from .options import MAX_MICRO_BATCH, JsonOpt, SetupOptions, choice, whole_number, with_setup_options
 
@@ -84,9 +87,6 @@ def vlm_command(
                                                           "sample), with their cost in vision tokens.")] = False,
         json_output: JsonOpt = False) -> None:
     """The memory of a VLM training step from its images: vision tokens, sequences, stacks, and what fits."""
-    from ..vlm.api import estimate_vlm, fits, plan_data
-    from ..vlm.readers import pre_resized, read_vlm_config
-
     reading = read_vlm_config(config) if config else None
     model = model or (reading.model if reading else None)
     if not model:
@@ -122,8 +122,6 @@ def vlm_command(
 
 
 def _search(search: Search, model, result, images, max_pixels, common, hardware, budget) -> dict | None:
-    from ..vlm.api import search_images, search_max_pixels
-
     given = {k: v for k, v in common.items() if k != "hardware"}
     if search is Search.MAX_PIXELS:
         if not result.max_pixels_apply:
@@ -178,10 +176,6 @@ def _print(result, hardware, ok, required, budget, found) -> None:
 
 def _paste(reading, rungs, image_size, result) -> str | None:
     """The processor setting of the fewer-pixels rung, in the config's words (memfit.vlm.readers.pixel_setting)."""
-    from ..vlm.api import image_tokens
-    from ..vlm.presets import resolve_vlm_config
-    from ..vlm.readers import pixel_setting
-
     rung = next((r for r in rungs if r.rung == "fewer pixels"), None)
     if rung is None:
         return None
