@@ -79,3 +79,30 @@ def test_pixel_setting_in_each_configs_words():
     value = int(line.split(": ")[1])
     assert tokens(pre_resized((3024, 4032), (value, 1024))) <= planned
     assert tokens(pre_resized((3024, 4032), (value + 28 * 28, 1024))) > planned or value == 1_003_520
+
+
+def test_cli_config_gives_the_model_pixels_and_setup(tmp_path):
+    """`memfit vlm --config swift.sh`: MODEL from --model, max_pixels from MAX_PIXELS, the setup from the
+    arguments; an option on the command line wins over the file; what was read comes back under "config"."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memfit.cli.app import app
+    from memfit.vlm.presets import tiny_config
+
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(tiny_config("qwen2_vl")))
+    script = tmp_path / "train.sh"
+    script.write_text(f"MAX_PIXELS=200704 swift sft --model {model} --train_type lora --lora_rank 4 "
+                      "--per_device_train_batch_size 2 --torch_dtype bfloat16 --max_length 4096\n")
+    result = CliRunner().invoke(app, ["vlm", "--config", str(script), "--image-size", "300x500", "--text-len", "24",
+                                      "--checkpointing", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    setup = data["estimate"]["setup"]
+    assert data["max_pixels"] == 200_704 and data["image"]["lm_tokens"] == vt.qwen_image(300, 500).lm_tokens
+    assert (setup["finetune"]["method"], setup["finetune"]["rank"], setup["micro_batch_size"]) == ("lora", 4, 2)
+    assert setup["checkpointing"] == "none" and data["config"]["format"] == "ms-swift"
+    bad = CliRunner().invoke(app, ["vlm", "--config", str(tmp_path / "missing.sh")])
+    assert bad.exit_code == 2 and bad.output.count("error:") == 1
