@@ -217,19 +217,34 @@ def max_pixels_ladder(image_size: tuple[int, int], *, patch: int = 14, merge: in
 
 # ---- the data rungs: fewer pixels, fewer images ---------------------------------------------------------------------
 
-def search_max_pixels(model, *, images: int, hardware, budget: int, **given) -> tuple[int | None, dict]:
+def search_max_pixels(model, *, images: int, hardware, budget: int, seen: dict | None = None,
+                      **given) -> tuple[int | None, dict]:
     """The largest max_pixels (of max_pixels_ladder's candidates) at which `images` images per sample fit `budget`
     bytes, and {max_pixels: required bytes} of the traces taken (memfit.vlm.api.largest). `given`: estimate_vlm's
-    other arguments (image_size, min_pixels, text_len, setup, tower)."""
+    other arguments (image_size, min_pixels, text_len, setup, tower); `seen` keeps each estimate by (images,
+    max_pixels) for a caller that needs one again."""
     ladder = max_pixels_ladder(given["image_size"], min_pixels=given.get("min_pixels") or QWEN_MIN_PIXELS)
-    return largest(ladder, lambda m: fits(estimate_vlm(model, images=images, max_pixels=m, hardware=hardware,
-                                                       **given), hardware)[1], budget)
+    return largest(ladder, lambda m: _required(model, images, m, hardware, seen, given), budget)
 
 
-def search_images(model, *, max_pixels: int | None, hardware, budget: int, **given) -> tuple[int | None, dict]:
+def search_images(model, *, max_pixels: int | None, hardware, budget: int, seen: dict | None = None,
+                  **given) -> tuple[int | None, dict]:
     """The most images per sample (1 to 64) that fit `budget` bytes at `max_pixels`, and the traces taken."""
-    return largest(list(range(1, 65)), lambda n: fits(estimate_vlm(model, images=n, max_pixels=max_pixels,
-                                                                   hardware=hardware, **given), hardware)[1], budget)
+    return largest(list(range(1, 65)), lambda n: _required(model, n, max_pixels, hardware, seen, given), budget)
+
+
+def _estimate(model, images: int, max_pixels: int | None, hardware, seen: dict | None, given: dict) -> VlmEstimate:
+    key = (images, max_pixels)
+    if seen is not None and key in seen:
+        return seen[key]
+    found = estimate_vlm(model, images=images, max_pixels=max_pixels, hardware=hardware, **given)
+    if seen is not None:
+        seen[key] = found
+    return found
+
+
+def _required(model, images: int, max_pixels: int | None, hardware, seen: dict | None, given: dict) -> int:
+    return fits(_estimate(model, images, max_pixels, hardware, seen, given), hardware)[1]
 
 
 @dataclass(frozen=True)
@@ -259,6 +274,7 @@ def plan_data(model, start: VlmEstimate, *, hardware, **given) -> tuple[tuple[Da
     fit alone it goes as far as it can (the smallest max_pixels, one image) and the next rung goes on from there.
     Returns the rungs taken and {rung: why it was passed over}."""
     ok, _, budget = fits(start, hardware)
+    seen: dict = {(start.images, start.max_pixels): start}  # (images, max_pixels) -> estimate: no trace twice
     rungs: list[DataRung] = []
     skipped: dict[str, str] = {}
     current = start
@@ -267,10 +283,11 @@ def plan_data(model, start: VlmEstimate, *, hardware, **given) -> tuple[tuple[Da
     if not start.max_pixels_apply:
         skipped["fewer pixels"] = f"{start.family} resizes every image (or tile) to its tower's square"
     else:
-        best, _ = search_max_pixels(model, images=current.images, hardware=hardware, budget=budget, **given)
+        best, _ = search_max_pixels(model, images=current.images, hardware=hardware, budget=budget, seen=seen,
+                                    **given)
         candidates = max_pixels_ladder(given["image_size"], min_pixels=given.get("min_pixels") or QWEN_MIN_PIXELS)
         chosen = best if best is not None else candidates[0]
-        after = estimate_vlm(model, images=current.images, max_pixels=chosen, hardware=hardware, **given)
+        after = _estimate(model, current.images, chosen, hardware, seen, given)
         if after.vision_tokens < current.vision_tokens:
             rungs.append(_rung("fewer pixels", f"max_pixels {current.max_pixels:,} -> {chosen:,}", current, after,
                                hardware))
@@ -278,10 +295,11 @@ def plan_data(model, start: VlmEstimate, *, hardware, **given) -> tuple[tuple[Da
         else:
             skipped["fewer pixels"] = "the images are at their fewest tokens already"
     if not (rungs and rungs[-1].fits):
-        best, _ = search_images(model, max_pixels=current.max_pixels, hardware=hardware, budget=budget, **given)
+        best, _ = search_images(model, max_pixels=current.max_pixels, hardware=hardware, budget=budget, seen=seen,
+                                **given)
         chosen = best if best is not None else 1
         if chosen < current.images:
-            after = estimate_vlm(model, images=chosen, max_pixels=current.max_pixels, hardware=hardware, **given)
+            after = _estimate(model, chosen, current.max_pixels, hardware, seen, given)
             rungs.append(_rung("fewer images", f"images per sample {current.images} -> {chosen}", current, after,
                                hardware))
         else:
