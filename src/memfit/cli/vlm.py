@@ -58,9 +58,10 @@ def vlm_options(opts: SetupOptions, micro_batch: int | None, finetune: Method | 
     "memfit vlm ./config.json --images 2 --max-pixels 1003520 --json"))
 @with_setup_options
 def vlm_command(
-        model: Annotated[Optional[str], typer.Argument(help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, gemma-3-4b-it, "
-                                                  "...) or a config.json of a qwen2_vl / qwen2_5_vl / llava / "
-                                                  "llava_next / gemma3 model. Optional with a --config that names it.")] = None,
+        model: Annotated[Optional[str], typer.Argument(
+            help="A preset (Qwen2.5-VL-7B-Instruct, llava-1.5-7b-hf, gemma-3-4b-it, ...) or a config.json of a "
+                 "qwen2_vl / qwen2_5_vl / llava / llava_next / gemma3 model. Optional with a --config that names "
+                 "it.")] = None,
         opts: SetupOptions = None,  # given by with_setup_options (MODEL before it is optional: --config names it)
         images: Annotated[int, typer.Option("--images", min=0, help="Images per sample.")] = 1,
         image_size: Annotated[str, typer.Option("--image-size",
