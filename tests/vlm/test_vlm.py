@@ -12,8 +12,8 @@ from memfit.finetune import Finetune
 from memfit.setup import TrainingSetup
 from memfit.vlm import tokens as vt
 from memfit.vlm.api import estimate_vlm, image_tokens, largest, max_pixels_ladder
-from memfit.vlm.model import VlmInputs, measure_vlm, trace_vlm
-from memfit.vlm.presets import tiny_config
+from memfit.vlm.model import VlmInputs, _hf_config, make_batch, measure_vlm, trace_vlm, wrapper_tokens
+from memfit.vlm.presets import PRESETS, tiny_config
 
 
 @pytest.mark.parametrize("family, fields, tower", [
@@ -21,15 +21,48 @@ from memfit.vlm.presets import tiny_config
     ("qwen2_5_vl", dict(precision="fp32", attention="eager", checkpointing="full"), "trained"),
     ("qwen2_5_vl", dict(precision="bf16", attention="eager", finetune=Finetune(method="lora", rank=8)), "frozen"),
     ("llava", dict(precision="amp-bf16", attention="sdpa"), "trained"),
+    ("llava_next", dict(precision="bf16", attention="eager", finetune=Finetune(method="lora", rank=8)), "frozen"),
+    ("gemma3", dict(precision="amp-bf16", attention="eager"), "trained"),
 ])
 def test_trace_matches_a_real_cpu_step(family, fields, tower):
     config = tiny_config(family)
     image = image_tokens(config, (300, 500), max_pixels=200_704)
-    inputs = VlmInputs((image, image), 24, 2, 0 if family == "llava" else 2)
+    inputs = VlmInputs((image, image), 24, 2, wrapper_tokens(config))
     setup = TrainingSetup(**fields)
     measured = measure_vlm(config, inputs, setup, tower=tower).tensor_bytes
     traced = trace_vlm(config, inputs, setup, tower=tower, kernels="cpu").tensor_bytes
     assert abs(traced - measured) / measured < 0.01, (measured, traced)
+
+
+PARAMS = {"llava-hf/llava-v1.6-mistral-7b-hf": 7_566_747_648, "google/gemma-3-4b-it": 4_300_079_472}
+"""transformers' own classes on the meta device; the hub cards give 7.57B and 4.3B (the Qwen and LLaVA-1.5 presets:
+docs/vlm.md, checked when they were added; building every preset takes a minute on one core)."""
+
+
+def test_presets_have_the_published_parameter_counts():
+    import torch
+    import transformers
+
+    for name, expected in PARAMS.items():
+        with torch.device("meta"):
+            model = transformers.AutoModelForImageTextToText.from_config(_hf_config(PRESETS[name]))
+        assert sum(p.numel() for p in model.parameters()) == expected, name
+
+
+def test_batches_are_shaped_as_the_processors_make_them():
+    """LLaVA-NeXT: every image's tiles + base image as crops, its original size in image_sizes; Gemma 3: begin /
+    end of image around mm_tokens_per_image soft tokens, token_type_ids 1 on those."""
+    config = tiny_config("llava_next")
+    image = image_tokens(config, (300, 500))
+    batch = make_batch(config, VlmInputs((image,), 24, 2, 0))
+    assert tuple(batch["pixel_values"].shape) == (2, image.crops, 3, 112, 112) == (2, 5, 3, 112, 112)
+    assert batch["image_sizes"].tolist() == [[300, 500]] * 2
+    assert batch["input_ids"].shape[1] == 24 + image.lm_tokens
+    config = tiny_config("gemma3")
+    image = image_tokens(config, (300, 500))
+    batch = make_batch(config, VlmInputs((image, image), 24, 2, wrapper_tokens(config)))
+    assert image.lm_tokens == 16 + 2 and batch["input_ids"].shape[1] == 24 + 2 * 18
+    assert batch["token_type_ids"].sum().item() == 2 * 2 * 16 and tuple(batch["pixel_values"].shape) == (4, 3, 112, 112)
 
 
 def test_more_pixels_more_memory_and_the_stacks():
@@ -108,3 +141,21 @@ def test_cli_takes_the_shared_setup_options_and_its_own_spellings(tmp_path):
     assert (setup["micro_batch_size"], setup["precision"], setup["seq_len"]) == (1, "bf16", shared["lm_seq"])
     bad = runner.invoke(app, [*base, "--seq", "128"])
     assert bad.exit_code == 2 and bad.output.count("error:") == 1 and "Traceback" not in bad.output
+
+
+def test_plan_takes_the_fewer_pixels_rung_and_it_fits(tmp_path):
+    """`memfit vlm --plan`: two 1000 px images of the tiny Qwen2-VL do not fit 1 GB; the fewer-pixels rung
+    (the largest max_pixels that fits, by the same search as --search max-pixels) is taken, re-estimated, and fits,
+    with fewer vision tokens; fewer images is not needed."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config("qwen2_vl")))
+    result = CliRunner().invoke(app, ["vlm", str(path), "--image-size", "1000x1000", "--images", "2", "--text-len",
+                                      "24", "--gpu", "1GB", "--precision", "fp32", "--attention", "eager", "--plan",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["fits"] is False and [rung["rung"] for rung in data["plan"]] == ["fewer pixels"]
+    rung = data["plan"][0]
+    assert rung["fits"] and rung["required_bytes"] <= data["budget_bytes"] < data["required_bytes"]
+    assert rung["vision_tokens_before"] == 2 * 1296 and rung["vision_tokens_after"] < rung["vision_tokens_before"]
+    assert rung["images"] == 2 and rung["max_pixels"] in max_pixels_ladder((1000, 1000))

@@ -12,16 +12,18 @@ from ..diagnose import diagnose
 from ..errors import ConfigError
 from ..estimate.device import runtime_overhead_terms
 from ..setup import TrainingSetup
-from .model import VlmInputs, check_family, trace_vlm
+from .model import QWEN_TYPES, VlmInputs, check_family, trace_vlm, wrapper_tokens
 from .presets import resolve_vlm_config
-from .tokens import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, ImageTokens, llava_image, qwen_image
+from .tokens import (LLAVA_NEXT_PINPOINTS, QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, ImageTokens, gemma3_image,
+                     llava_image, llava_next_image, qwen_image)
 
 STACKS = (("vision tower", ("model.visual.blocks.", "model.vision_tower.encoder.")),
           ("vision embeddings", ("model.visual.patch_embed.", "model.vision_tower.")),
-          ("merger / projector", ("model.visual.merger.", "model.multi_modal_projector.")),
+          ("merger / projector", ("model.visual.merger.", "model.multi_modal_projector.", "model.image_newline")),
           ("language model", ("model.language_model.",)), ("lm head", ("lm_head.",)))
-"""Module prefixes of each stack (modeling_qwen2_vl.py, modeling_llava.py), first match wins: the CLIP tower's
-embeddings and norms fall in "vision embeddings"."""
+"""Module prefixes of each stack (modeling_qwen2_vl.py, modeling_llava.py, modeling_llava_next.py,
+modeling_gemma3.py), first match wins: the CLIP / SigLIP tower's embeddings and norms fall in "vision embeddings",
+LLaVA-NeXT's image_newline row in the projector's; Gemma 3's head is tied to its embeddings (no lm head row)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ class VlmEstimate:
     @property
     def lm_seq(self) -> int:
         return self.inputs.lm_seq
+
+    @property
+    def max_pixels_apply(self) -> bool:
+        """Whether the processor resizes within [min_pixels, max_pixels] (Qwen-VL) rather than to a fixed square."""
+        return self.family in QWEN_TYPES
 
     @property
     def vision_tokens(self) -> int:
@@ -93,7 +100,7 @@ def estimate_vlm(model: str | Mapping[str, Any], *, images: int = 1, image_size:
     setup = _setup(setup, micro_batch)
     max_pixels = max_pixels or QWEN_MAX_PIXELS
     image = image_tokens(config, image_size, min_pixels=min_pixels, max_pixels=max_pixels)
-    wrapper = 0 if config.get("model_type") == "llava" else 2
+    wrapper = wrapper_tokens(config)
     inputs = VlmInputs((image,) * images, text_len, setup.micro_batch_size, wrapper)
     built: dict[str, Any] = {}
     memory = trace_vlm(config, inputs, setup, tower=tower, kernels=kernels, keep=built)
@@ -109,9 +116,18 @@ def image_tokens(config: Mapping[str, Any], image_size: tuple[int, int], *, min_
                  max_pixels: int | None = None) -> ImageTokens:
     """One image of `image_size` by the family's processor rules (memfit.vlm.tokens), from the model's config."""
     vision = config.get("vision_config", {}) or {}
-    if config.get("model_type") == "llava":  # every image resized and cropped to the tower's square
-        return llava_image(image_size=int(vision.get("image_size", 336)), patch=int(vision.get("patch_size", 14)),
-                           strategy=str(config.get("vision_feature_select_strategy", "default")))
+    family = config.get("model_type")
+    side, patch = int(vision.get("image_size", 336)), int(vision.get("patch_size", 14))
+    strategy = str(config.get("vision_feature_select_strategy", "default"))
+    if family == "llava":  # every image resized and cropped to the tower's square
+        return llava_image(image_size=side, patch=patch, strategy=strategy)
+    if family == "llava_next":  # any-res tiles of the tower's square
+        pinpoints = tuple(tuple(p) for p in config.get("image_grid_pinpoints") or LLAVA_NEXT_PINPOINTS)
+        return llava_next_image(*image_size, pinpoints=pinpoints, crop=side, patch=patch, strategy=strategy)
+    if family == "gemma3":  # resized to the tower's square, pooled to mm_tokens_per_image (no pan and scan: the
+        # processor's default do_pan_and_scan=False)
+        return gemma3_image(*image_size, image_size=int(vision.get("image_size", 896)), patch=patch,
+                            mm_tokens=int(config.get("mm_tokens_per_image") or 256))
     return qwen_image(*image_size, patch=int(vision.get("patch_size", 14)),
                       merge=int(vision.get("spatial_merge_size", 2)), min_pixels=min_pixels or QWEN_MIN_PIXELS,
                       max_pixels=max_pixels or QWEN_MAX_PIXELS)
@@ -197,3 +213,100 @@ def max_pixels_ladder(image_size: tuple[int, int], *, patch: int = 14, merge: in
             out.append(k * unit)
             last = tokens
     return out
+
+
+# ---- the data rungs: fewer pixels, fewer images ---------------------------------------------------------------------
+
+def search_max_pixels(model, *, images: int, hardware, budget: int, seen: dict | None = None,
+                      **given) -> tuple[int | None, dict]:
+    """The largest max_pixels (of max_pixels_ladder's candidates) at which `images` images per sample fit `budget`
+    bytes, and {max_pixels: required bytes} of the traces taken (memfit.vlm.api.largest). `given`: estimate_vlm's
+    other arguments (image_size, min_pixels, text_len, setup, tower); `seen` keeps each estimate by (images,
+    max_pixels) for a caller that needs one again."""
+    ladder = max_pixels_ladder(given["image_size"], min_pixels=given.get("min_pixels") or QWEN_MIN_PIXELS)
+    return largest(ladder, lambda m: _required(model, images, m, hardware, seen, given), budget)
+
+
+def search_images(model, *, max_pixels: int | None, hardware, budget: int, seen: dict | None = None,
+                  **given) -> tuple[int | None, dict]:
+    """The most images per sample (1 to 64) that fit `budget` bytes at `max_pixels`, and the traces taken."""
+    return largest(list(range(1, 65)), lambda n: _required(model, n, max_pixels, hardware, seen, given), budget)
+
+
+def _estimate(model, images: int, max_pixels: int | None, hardware, seen: dict | None, given: dict) -> VlmEstimate:
+    key = (images, max_pixels)
+    if seen is not None and key in seen:
+        return seen[key]
+    found = estimate_vlm(model, images=images, max_pixels=max_pixels, hardware=hardware, **given)
+    if seen is not None:
+        seen[key] = found
+    return found
+
+
+def _required(model, images: int, max_pixels: int | None, hardware, seen: dict | None, given: dict) -> int:
+    return fits(_estimate(model, images, max_pixels, hardware, seen, given), hardware)[1]
+
+
+@dataclass(frozen=True)
+class DataRung:
+    """One step of `memfit vlm --plan`: what the samples give up (pixels per image, or images per sample), the
+    vision tokens per sample before and after (its cost), and the step re-estimated."""
+
+    rung: str
+    change: str
+    vision_tokens_before: int
+    vision_tokens_after: int
+    estimate: VlmEstimate
+    required_bytes: int
+    fits: bool
+
+    def to_dict(self) -> dict:
+        return {"rung": self.rung, "change": self.change, "vision_tokens_before": self.vision_tokens_before,
+                "vision_tokens_after": self.vision_tokens_after, "max_pixels": self.estimate.max_pixels,
+                "images": self.estimate.images, "lm_seq": self.estimate.lm_seq,
+                "required_bytes": self.required_bytes, "fits": self.fits}
+
+
+def plan_data(model, start: VlmEstimate, *, hardware, **given) -> tuple[tuple[DataRung, ...], dict[str, str]]:
+    """The data rungs from `start` (estimate_vlm's result for `given`), cheapest first, each re-estimated, stopping at
+    the first that fits: fewer pixels (the largest max_pixels that fits; Qwen-VL only: the other processors resize
+    to a fixed square), then fewer images per sample (the most that fit at the pixels reached). Where a rung cannot
+    fit alone it goes as far as it can (the smallest max_pixels, one image) and the next rung goes on from there.
+    Returns the rungs taken and {rung: why it was passed over}."""
+    ok, _, budget = fits(start, hardware)
+    seen: dict = {(start.images, start.max_pixels): start}  # (images, max_pixels) -> estimate: no trace twice
+    rungs: list[DataRung] = []
+    skipped: dict[str, str] = {}
+    current = start
+    if ok:
+        return (), skipped
+    if not start.max_pixels_apply:
+        skipped["fewer pixels"] = f"{start.family} resizes every image (or tile) to its tower's square"
+    else:
+        best, _ = search_max_pixels(model, images=current.images, hardware=hardware, budget=budget, seen=seen,
+                                    **given)
+        candidates = max_pixels_ladder(given["image_size"], min_pixels=given.get("min_pixels") or QWEN_MIN_PIXELS)
+        chosen = best if best is not None else candidates[0]
+        after = _estimate(model, current.images, chosen, hardware, seen, given)
+        if after.vision_tokens < current.vision_tokens:
+            rungs.append(_rung("fewer pixels", f"max_pixels {current.max_pixels:,} -> {chosen:,}", current, after,
+                               hardware))
+            current = after
+        else:
+            skipped["fewer pixels"] = "the images are at their fewest tokens already"
+    if not (rungs and rungs[-1].fits):
+        best, _ = search_images(model, max_pixels=current.max_pixels, hardware=hardware, budget=budget, seen=seen,
+                                **given)
+        chosen = best if best is not None else 1
+        if chosen < current.images:
+            after = _estimate(model, chosen, current.max_pixels, hardware, seen, given)
+            rungs.append(_rung("fewer images", f"images per sample {current.images} -> {chosen}", current, after,
+                               hardware))
+        else:
+            skipped["fewer images"] = f"{current.images} image(s) per sample already"
+    return tuple(rungs), skipped
+
+
+def _rung(name: str, change: str, before: VlmEstimate, after: VlmEstimate, hardware) -> DataRung:
+    ok, required, _ = fits(after, hardware)
+    return DataRung(name, change, before.vision_tokens, after.vision_tokens, after, required, ok)

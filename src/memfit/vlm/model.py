@@ -22,12 +22,16 @@ from ..techniques.convert import MEMFIT_LOOP, Target, convert_model
 from .tokens import ImageTokens
 
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
-FAMILIES = (*QWEN_TYPES, "llava")
-VISION_PREFIXES = {"qwen2_vl": ("model.visual.",), "qwen2_5_vl": ("model.visual.",),
-                   "llava": ("model.vision_tower.", "model.multi_modal_projector.")}
-"""The vision side's modules (tower and merger / projector): modeling_qwen2_vl.py, modeling_llava.py."""
+"""The families whose processor resizes within [min_pixels, max_pixels] (the others resize to the tower's square)."""
+FAMILIES = (*QWEN_TYPES, "llava", "llava_next", "gemma3")
+_TOWER_AND_PROJECTOR = ("model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = {"qwen2_vl": ("model.visual.",), "qwen2_5_vl": ("model.visual.",), "llava": _TOWER_AND_PROJECTOR,
+                   "llava_next": (*_TOWER_AND_PROJECTOR, "model.image_newline"), "gemma3": _TOWER_AND_PROJECTOR}
+"""The vision side's modules (tower and merger / projector): modeling_qwen2_vl.py, modeling_llava.py,
+modeling_llava_next.py (its learned image_newline row), modeling_gemma3.py (SigLIP tower, pooling projector)."""
 TOWER_BLOCKS = {"qwen2_vl": "model.visual.blocks.", "qwen2_5_vl": "model.visual.blocks.",
-                "llava": "model.vision_tower.encoder."}
+                "llava": "model.vision_tower.encoder.", "llava_next": "model.vision_tower.encoder.",
+                "gemma3": "model.vision_tower.encoder."}
 TOWERS = ("frozen", "trained", "lora")
 """How the vision side trains: "frozen" (tower and merger: the defaults of ms-swift, freeze_vit / freeze_aligner, and
 LLaMA-Factory, freeze_vision_tower / freeze_multi_modal_projector), "trained" with the rest (a full fine-tune of
@@ -43,7 +47,8 @@ class VlmInputs:
     micro_batch: int
     wrapper: int = 2
     """Text tokens around each image's placeholders: Qwen's <|vision_start|> / <|vision_end|> (processing_qwen2_vl.py
-    expands one <|image_pad|> between them); none for LLaVA (processing_llava.py repeats <image> alone)."""
+    expands one <|image_pad|> between them); none for LLaVA (processing_llava.py repeats <image> alone) and for
+    Gemma 3 (its begin / end of image tokens are counted in the image's lm_tokens): `wrapper_tokens`."""
 
     @property
     def lm_seq(self) -> int:
@@ -53,6 +58,11 @@ class VlmInputs:
     @property
     def patches(self) -> int:
         return sum(image.tower_tokens for image in self.images)
+
+
+def wrapper_tokens(config: Mapping[str, Any]) -> int:
+    """VlmInputs.wrapper of the config's family."""
+    return 2 if config.get("model_type") in QWEN_TYPES else 0
 
 
 def check_family(config: Mapping[str, Any]) -> str:
@@ -147,8 +157,11 @@ def qwen_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
 
 
 def llava_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
-    """The batch processing_llava.py makes: each image's <image> token repeated image_seq_length times, then the
-    text; pixel_values one image_size square per image (the CLIP processor resizes and crops to it)."""
+    """The batch processing_llava.py / processing_llava_next.py makes: each image's <image> token repeated as many
+    times as the image has features (LLaVA-NeXT: tiles unpadded + a newline per row + the base image), then the
+    text; pixel_values one image_size square per image (LLaVA-1.5: the CLIP processor resizes and crops to it) or,
+    for LLaVA-NeXT, (base image + tiles) squares per image with each image's original (height, width) in
+    image_sizes (made from Python lists: constants on fake tensors, which the unpadding reads)."""
     import torch
 
     image_id = int(config.get("image_token_index") or config.get("image_token_id") or 32000)
@@ -159,13 +172,44 @@ def llava_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
     row += [0] * inputs.text_len
     b = inputs.micro_batch
     batch = {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b)}
-    if inputs.images:
+    if not inputs.images:
+        return batch
+    if config.get("model_type") == "llava_next":
+        crops = max(image.crops for image in inputs.images)  # the processor pads every image to the most tiles
+        batch["pixel_values"] = torch.randn(b * len(inputs.images), crops, 3, size, size)
+        batch["image_sizes"] = torch.tensor([list(image.original or image.size) for image in inputs.images] * b)
+    else:
         batch["pixel_values"] = torch.randn(b * len(inputs.images), 3, size, size)
     return batch
 
 
+def gemma3_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
+    """The batch processing_gemma3.py makes: every image (and pan-and-scan crop) becomes <start_of_image>, then
+    mm_tokens_per_image <image_soft_token>, then <end_of_image>; token_type_ids 1 on the soft tokens (the processor
+    returns them, and with them the language model attends bidirectionally within each image); pixel_values one
+    image_size square per image and crop."""
+    import torch
+
+    image_id = int(config.get("image_token_index") or config.get("image_token_id") or 262_144)
+    boi, eoi = int(config.get("boi_token_index") or 255_999), int(config.get("eoi_token_index") or 256_000)
+    size = int((config.get("vision_config") or {}).get("image_size", 896))
+    row: list[int] = []
+    for image in inputs.images:
+        row += ([boi] + [image_id] * (image.lm_tokens // image.crops - 2) + [eoi]) * image.crops
+    row += [0] * inputs.text_len
+    b = inputs.micro_batch
+    batch = {"input_ids": torch.tensor([row] * b), "labels": torch.tensor([row] * b),
+             "token_type_ids": torch.tensor([[int(t == image_id) for t in row]] * b)}
+    if inputs.images:
+        batch["pixel_values"] = torch.randn(b * sum(image.crops for image in inputs.images), 3, size, size)
+    return batch
+
+
 def make_batch(config: Mapping[str, Any], inputs: VlmInputs) -> dict:
-    return llava_batch(config, inputs) if config.get("model_type") == "llava" else qwen_batch(config, inputs)
+    family = config.get("model_type")
+    if family in QWEN_TYPES:
+        return qwen_batch(config, inputs)
+    return gemma3_batch(config, inputs) if family == "gemma3" else llava_batch(config, inputs)
 
 
 def _window_index(config: Mapping[str, Any], grids: list[list[int]]) -> dict:
@@ -184,6 +228,27 @@ def _window_index(config: Mapping[str, Any], grids: list[list[int]]) -> dict:
                                             int(vision.get("window_size", 112)), int(vision.get("patch_size", 14)))
         index, cu = index.tolist(), cu.tolist()
     return {"image_window_index": torch.tensor(index), "image_cu_window_seqlens": torch.tensor(cu, dtype=torch.int32)}
+
+
+@contextlib.contextmanager
+def fake_safe_init():
+    """SigLIP's weight init (Gemma 3's tower: lecun_normal_) runs torch.nn.init.trunc_normal_ through transformers'
+    TORCH_INIT_FUNCTIONS, and torch's rejection loop there reads values (`mask.any()`), which fake tensors have
+    none of: while the model is built for a trace the truncated normal is a plain normal fill of the same tensor
+    (in place: no byte moves; values change no memory)."""
+    from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+    old = TORCH_INIT_FUNCTIONS["trunc_normal_"]
+
+    def normal_fill(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        tensor.detach().normal_(mean, std, generator=generator)  # detached: the same storage, no autograd record
+        return tensor
+
+    TORCH_INIT_FUNCTIONS["trunc_normal_"] = normal_fill
+    try:
+        yield
+    finally:
+        TORCH_INIT_FUNCTIONS["trunc_normal_"] = old
 
 
 @contextlib.contextmanager
@@ -215,8 +280,11 @@ def trace_vlm(config: Mapping[str, Any], inputs: VlmInputs, setup, *, tower: str
             kept.restore()
             return make_batch(config, inputs)
 
-        result = trace(kept.factory(lambda: build_vlm(config, setup, tower)), plain, input_builder=batch,
-                       kernels=kernels)
+        def build():
+            with fake_safe_init():
+                return build_vlm(config, setup, tower)
+
+        result = trace(kept.factory(build), plain, input_builder=batch, kernels=kernels)
     if keep is not None:
         keep["model"] = kept.model
     return dataclasses.replace(result, setup=setup)

@@ -1,7 +1,8 @@
-"""Configs of the published Qwen-VL and LLaVA-1.5 checkpoints, so that `memfit vlm` sizes them offline: the architecture fields of
-each hub repository's config.json (Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct,
-Qwen/Qwen2.5-VL-7B-Instruct, llava-hf/llava-1.5-7b-hf), nested as transformers 5.x's Qwen2VLConfig / Qwen2_5_VLConfig take them. A config.json
-path or a config dict works for any other."""
+"""Configs of the published Qwen-VL, LLaVA-1.5, LLaVA-NeXT and Gemma 3 checkpoints, so that `memfit vlm` sizes them
+offline: the architecture fields of each hub repository's config.json (Qwen/Qwen2-VL-2B-Instruct,
+Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct, llava-hf/llava-1.5-7b-hf,
+llava-hf/llava-v1.6-mistral-7b-hf, google/gemma-3-4b-it), nested as transformers 5.x's configs take them. A
+config.json path or a config dict works for any other."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def _qwen25_vision(out_hidden):
             "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"}
 
 
+_CLIP_L_336 = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+               "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+               "projection_dim": 768, "hidden_act": "quick_gelu"}
+"""openai/clip-vit-large-patch14-336, the tower of LLaVA-1.5 and LLaVA-NeXT."""
+
 _IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
         "vision_end_token_id": 151653}
 PRESETS: dict[str, dict[str, Any]] = {
@@ -49,12 +55,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llava-hf/llava-1.5-7b-hf": {
         "model_type": "llava", "image_token_index": 32000, "projector_hidden_act": "gelu",
         "vision_feature_select_strategy": "default", "vision_feature_layer": -2, "image_seq_length": 576,
-        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
-                          "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
-                          "projection_dim": 768, "hidden_act": "quick_gelu"},
+        "vision_config": _CLIP_L_336,
         "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
                         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
                         "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}},
+    "llava-hf/llava-v1.6-mistral-7b-hf": {
+        "model_type": "llava_next", "image_token_index": 32000, "projector_hidden_act": "gelu",
+        "vision_feature_select_strategy": "default", "vision_feature_layer": -2, "image_seq_length": 576,
+        "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+        "vision_config": _CLIP_L_336,
+        "text_config": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                        "vocab_size": 32064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}},
+    "google/gemma-3-4b-it": {
+        "model_type": "gemma3", "mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_token_index": 256_000,
+        "image_token_index": 262_144,
+        "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                        "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "vocab_size": 262_208, "sliding_window": 1024, "query_pre_attn_scalar": 256,
+                        "max_position_embeddings": 131_072},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                          "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+                          "vision_use_head": False}},
 }
 
 
@@ -94,6 +117,19 @@ def tiny_config(model_type: str = "qwen2_vl", *, vocab: int = 1000) -> dict[str,
                 "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                 "vocab_size": vocab, "max_position_embeddings": 4096}}
+    elif model_type == "llava_next":  # the 112 px tower's any-res grid: 1 x 2, 2 x 1, 2 x 2, 3 x 1, 1 x 3 tiles
+        return {**tiny_config("llava", vocab=vocab), "model_type": "llava_next",
+                "image_grid_pinpoints": [[112, 224], [224, 112], [224, 224], [336, 112], [112, 336]]}
+    elif model_type == "gemma3":  # SigLIP's 8 x 8 patches pooled 2 x 2 to 16 tokens; one sliding, one full layer
+        return {"model_type": "gemma3", "mm_tokens_per_image": 16, "boi_token_index": vocab - 3,
+                "eoi_token_index": vocab - 2, "image_token_index": vocab - 1,
+                "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "head_dim": 16, "vocab_size": vocab, "sliding_window": 32,
+                                "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"]},
+                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 112,
+                                  "patch_size": 14, "vision_use_head": False}}
     elif model_type == "qwen2_5_vl":
         vision = {**_qwen25_vision(64), "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                   "fullatt_block_indexes": [1]}

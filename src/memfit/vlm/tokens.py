@@ -24,13 +24,15 @@ class ImageTokens:
     placeholders, plus the wrapper tokens the processor adds around them where it adds them); `tower_tokens`: the
     patches the vision tower attends over, summed over crops / tiles; `crops`: the images the tower sees (tiles,
     crops and the global view); `tower_seq`: the patches of one crop (the tower's attention length) — for Qwen the
-    whole image is one sequence; `size`: the (height, width) the processor resizes to (the first crop's)."""
+    whole image is one sequence; `size`: the (height, width) the processor resizes to (the first crop's);
+    `original`: the image's own (height, width) where the model reads it (LLaVA-NeXT's image_sizes), else None."""
 
     lm_tokens: int
     tower_tokens: int
     crops: int
     tower_seq: int
     size: tuple[int, int]
+    original: tuple[int, int] | None = None
 
 
 def _check_size(height: int, width: int) -> None:
@@ -114,7 +116,7 @@ def llava_next_image(height: int, width: int, *, pinpoints=LLAVA_NEXT_PINPOINTS,
     base = side * side + additional
     lm = cur_h * cur_w + cur_h + base - (1 if strategy == "default" else 0)
     crops = 1 + scale_h * scale_w
-    return ImageTokens(lm, crops * base, crops, base, (crop, crop))
+    return ImageTokens(lm, crops * base, crops, base, (crop, crop), (height, width))
 
 
 # ---- Gemma 3 -------------------------------------------------------------------------------------------------------
