@@ -9,7 +9,11 @@ out, as tests/trace/test_trace.py measures memfit's own step), and traced on fak
 (trace_script(device="cpu")). The last column is the same script traced for a CUDA device (H100): the script
 takes its CUDA path, host tensors (its data pipeline's) are off the device, CUDA's kernel choices.
 
+Scripts for several ranks (DDP, FSDP2) run under torchrun: for real on gloo ranks (rank 0's peak, from memfit's
+rank meter), and traced as rank 0 of a fake process group.
+
     python bench/frameworks.py                  # prints the table and writes bench/results/frameworks.md
+    python bench/frameworks.py ddp_loop.py      # only these scripts' rows, printed (the file is left as it is)
 """
 
 from __future__ import annotations
@@ -24,9 +28,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "data" / "scripts"
 RESULTS = ROOT / "bench" / "results" / "frameworks.md"
-CASES = (("plain PyTorch loop (AdamW)", "plain_loop.py"), ("HF Trainer", "hf_trainer.py"),
-         ("Lightning Trainer (LightningModule)", "lightning_module.py"), ("Lightning Fabric", "lightning_fabric.py"),
-         ("TRL SFTTrainer + peft LoRA", "trl_sft.py"))
+# (framework, script, its arguments, ranks): ranks > 1 runs under torchrun (real: gloo ranks; trace: rank 0 of a fake
+# process group)
+CASES = (("plain PyTorch loop (AdamW)", "plain_loop.py", (), 1), ("HF Trainer", "hf_trainer.py", (), 1),
+         ("Lightning Trainer (LightningModule)", "lightning_module.py", (), 1),
+         ("Lightning Fabric", "lightning_fabric.py", (), 1), ("TRL SFTTrainer + peft LoRA", "trl_sft.py", (), 1),
+         ("DDP loop (torchrun)", "ddp_loop.py", (), 2),
+         ("DDP loop, bucket_cap_mb=0.25, gradient_as_bucket_view", "ddp_loop.py",
+          ("--bucket-cap-mb", "0.25", "--gradient-as-bucket-view"), 2),
+         ("DDP loop, find_unused_parameters", "ddp_loop.py", ("--find-unused-parameters",), 2),
+         ("FSDP2 loop (torchrun, fully_shard)", "fsdp2_loop.py", (), 2))
 STEPS = 2
 NOTES = """
 - The script trace counts what memfit's StepTracker sees (every op's output storage); the profiler counts every CPU
@@ -40,11 +51,10 @@ NOTES = """
 """
 
 
-def measure(script: str, mode: str) -> tuple[int, float]:
+def measure(argv: list[str], mode: str) -> tuple[int, float]:
     """(peak bytes, seconds) of one run in this process: mode 'real', 'cpu' (trace) or 'cuda' (trace)."""
     from memfit.trace.script import measured_script_peak, trace_script
 
-    argv = ["python", str(SCRIPTS / script)]
     start = time.perf_counter()
     if mode == "real":
         peak = measured_script_peak(argv, steps=STEPS)
@@ -53,40 +63,89 @@ def measure(script: str, mode: str) -> tuple[int, float]:
     return peak, time.perf_counter() - start
 
 
-def run_case(script: str, work: str) -> dict:
+def measure_rank(out: str, argv: list[str]) -> None:
+    """One real gloo rank (run under torchrun): the script's first STEPS optimizer steps under memfit's rank meter
+    (memfit._torch.rank_memory.PeakMeter, as bench/fsdp1.py measures its ranks). A block that a gloo worker thread
+    frees is invisible to the rank's profiler (DDP's init broadcast flattens every parameter into one buffer that
+    gloo's thread may free last): every block still counted at the end was freed unseen, and `unseen` is their
+    bytes inside the peak, so the rank's true peak lies in [peak - unseen, peak]."""
+    import json
+
+    from memfit._torch.rank_memory import PeakMeter
+    from memfit.trace.script import StepWatch, parse_command, run_steps
+
+    start = time.perf_counter()
+    with PeakMeter() as meter, meter.window():
+        run_steps(parse_command(argv), StepWatch(steps=STEPS))
+    unseen = meter.account_unseen_frees([])
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(
+        {"peak": meter.peak_bytes, "unseen": unseen, "seconds": time.perf_counter() - start}))
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+
+
+def run_real_ranks(script: str, args: tuple, ranks: int, work: str) -> dict:
+    """A real `torchrun --nproc-per-node RANKS` job of the script on gloo; rank 0's figures."""
+    import json
+
+    out = Path(work, "ranks")
+    out.mkdir(exist_ok=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            str(Path(__file__).resolve()), "--rank", str(out), str(SCRIPTS / script), *args]
+    subprocess.run(argv, cwd=work, capture_output=True, text=True, check=True, env=_env(), timeout=1200)
+    rank0 = json.loads((out / "rank0.json").read_text())
+    return {"real": rank0["peak"] - rank0["unseen"], "unseen": rank0["unseen"], "real_s": rank0["seconds"]}
+
+
+def run_case(script: str, args: tuple, ranks: int, work: str) -> dict:
     out = {}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    for mode in ("real", "cpu", "cuda"):
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--case", script, mode], cwd=work,
-                              capture_output=True, text=True, check=True, env=env)
+    argv = ["python", str(SCRIPTS / script), *args]
+    if ranks > 1:
+        argv = ["torchrun", "--nproc_per_node", str(ranks), *argv[1:]]
+        out.update(run_real_ranks(script, args, ranks, work))
+    for mode in ("cpu", "cuda") if ranks > 1 else ("real", "cpu", "cuda"):
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--case", mode, *argv], cwd=work,
+                              capture_output=True, text=True, check=True, env=_env())
         peak, seconds = done.stdout.strip().splitlines()[-1].split()
         out[mode], out[f"{mode}_s"] = int(peak), float(seconds)
-    return {"real": out["real"], "traced": out["cpu"], "error": (out["cpu"] - out["real"]) / out["real"],
-            "cuda": out["cuda"], "real_s": out["real_s"], "traced_s": out["cpu_s"]}
+    return {"real": out["real"], "unseen": out.get("unseen", 0), "traced": out["cpu"],
+            "error": (out["cpu"] - out["real"]) / out["real"], "cuda": out["cuda"], "real_s": out["real_s"],
+            "traced_s": out["cpu_s"]}
 
 
-def table(rows: list[tuple[str, str, dict]]) -> str:
-    lines = ["| framework | script | real CPU peak (B) | script trace, CPU (B) | error | trace for H100 (B) | "
-             "real s | trace s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, script, r in rows:
-        lines.append(f"| {name} | `{script}` | {r['real']:,} | {r['traced']:,} | {r['error']:+.4%} | {r['cuda']:,} | "
-                     f"{r['real_s']:.1f} | {r['traced_s']:.1f} |")
+def table(rows: list[tuple[str, str, tuple, int, dict]]) -> str:
+    lines = ["| framework | script | ranks | real CPU peak, rank 0 (B) | script trace, CPU (B) | error | "
+             "trace for H100 (B) | real s | trace s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, script, args, ranks, r in rows:
+        unseen = f" (+{r['unseen']:,} unseen)" if r["unseen"] else ""
+        command = " ".join((script, *args))
+        lines.append(f"| {name} | `{command}` | {ranks} | {r['real']:,}{unseen} | {r['traced']:,} | {r['error']:+.4%} "
+                     f"| {r['cuda']:,} | {r['real_s']:.1f} | {r['traced_s']:.1f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if sys.argv[1:2] == ["--case"]:
-        peak, seconds = measure(sys.argv[2], sys.argv[3])
+        peak, seconds = measure(sys.argv[3:], sys.argv[2])
         print(peak, f"{seconds:.2f}")
         return
+    if sys.argv[1:2] == ["--rank"]:
+        measure_rank(sys.argv[2], ["python", *sys.argv[3:]])
+        return
+    chosen = [case for case in CASES if not sys.argv[1:] or case[1] in sys.argv[1:]]
     rows = []
     with tempfile.TemporaryDirectory() as work:  # HF Trainer's output_dir, Lightning's logs
-        for name, script in CASES:
-            rows.append((name, script, run_case(script, work)))
-            print(f"{name}: {rows[-1][2]['error']:+.4%}", file=sys.stderr)
+        for name, script, args, ranks in chosen:
+            rows.append((name, script, args, ranks, run_case(script, args, ranks, work)))
+            print(f"{name}: {rows[-1][-1]['error']:+.4%}", file=sys.stderr)
     text = table(rows)
     print(text)
+    if sys.argv[1:]:
+        return
     RESULTS.write_text(
         "# Frameworks' scripts: `memfit trace -- python SCRIPT` vs the real CPU run\n\n"
         "Generated by `python bench/frameworks.py` (" + __doc__.split("\n\n")[1].replace("\n", " ") + ")\n\n"
