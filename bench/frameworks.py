@@ -37,6 +37,7 @@ CASES = (("plain PyTorch loop (AdamW)", "plain_loop.py", (), 1), ("HF Trainer", 
          ("DDP loop, bucket_cap_mb=0.25, gradient_as_bucket_view", "ddp_loop.py",
           ("--bucket-cap-mb", "0.25", "--gradient-as-bucket-view"), 2),
          ("DDP loop, find_unused_parameters", "ddp_loop.py", ("--find-unused-parameters",), 2),
+         ("Lightning Fabric, strategy=ddp", "lightning_fabric.py", ("--devices", "2", "--strategy", "ddp"), 2),
          ("FSDP2 loop (torchrun, fully_shard)", "fsdp2_loop.py", (), 2))
 STEPS = 2
 NOTES = """

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -385,6 +386,7 @@ def loaders_in_process() -> Iterator[None]:
     signature = inspect.signature(original)
     in_process = {"num_workers": 0, "pin_memory": False, "prefetch_factor": None, "persistent_workers": False}
 
+    @functools.wraps(original)  # Lightning re-makes a loader from its __init__'s signature (with a sampler)
     def init(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         bound.arguments.update({k: v for k, v in in_process.items() if k in signature.parameters})
