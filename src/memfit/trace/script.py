@@ -307,6 +307,7 @@ def _watch(tracker, steps: int) -> StepWatch:
 
     def on_root(module, inputs) -> None:
         if id(module) not in roots:
+            refuse_unproven(module)
             roots[id(module)] = module
             tracker.watch_module(module)
         for tensor in _leaves(inputs):
@@ -327,6 +328,15 @@ def _watch(tracker, steps: int) -> StepWatch:
         tracker.classify_optimizer_state(optimizer)
 
     return StepWatch(steps=steps, on_phase=on_phase, on_step=on_step, on_root=on_root)
+
+
+def refuse_unproven(module: torch.nn.Module) -> None:
+    """A DeepSpeed engine runs on fake tensors but is not proven there: HF Trainer with ZeRO-2 on 2 gloo ranks
+    peaks at 2,986,596 B on rank 0 and the trace says 3,577,700 (cause not found), so it is refused, not guessed."""
+    if type(module).__name__ == "DeepSpeedEngine" and type(module).__module__.startswith("deepspeed."):
+        raise ConfigError("deepspeed.initialize (DeepSpeedEngine): a DeepSpeed script is not traced yet (its "
+                          "ZeRO buffers on fake tensors do not match a real run); size it with `memfit plan MODEL "
+                          "--zero N --engine deepspeed` or trace the script without DeepSpeed")
 
 
 def _leaves(tree) -> list[torch.Tensor]:
