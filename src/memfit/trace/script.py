@@ -261,7 +261,8 @@ def trace_script(argv: Sequence[str], *, steps: int = 2, device: str = "cuda", g
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True) if _fake else contextlib.nullcontext())
         stack.enter_context(watch.installed())  # before the tracker's module hooks: the root is named when it runs
         stack.enter_context(tracker)
-        stack.enter_context(_environment(device, tracker, watch, gpu_name, gpu_memory_bytes, notes))
+        stack.enter_context(_environment(device, tracker, watch, gpu_name, gpu_memory_bytes, notes,
+                                         command.world_size))
         stack.enter_context(fake_launch(command.world_size, command.world_size > 1 or command.launched, notes,
                                         lambda bucket: tracker.register(bucket, _Kind.GRADIENTS)))
         _run_refusing(command, watch)
@@ -347,7 +348,7 @@ def _leaves(tree) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: int,
-                 notes: list[str]) -> Iterator[None]:
+                 notes: list[str], ranks: int) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(script_env.weightless_loading(notes))
@@ -363,7 +364,7 @@ def _environment(device: str, tracker, watch: StepWatch, gpu_name: str, memory: 
             stack.enter_context(cpu_rng_states(tracker.see))
         else:
             stack.enter_context(script_env.fake_cuda(gpu_name, memory, lambda: tracker.device_bytes,
-                                                     lambda: tracker.peak_bytes))
+                                                     lambda: tracker.peak_bytes, count=ranks))
 
             def set_host(host: bool) -> bool:
                 previous, tracker.host_birth = tracker.host_birth, host
