@@ -46,9 +46,19 @@ NOTES = """
   trace's figure, so they are an allocation below the dispatcher that no op returns, not a fake-tensor difference.
 - "trace for H100": the scripts' CUDA path. Tensors they make on the CPU (token tables, datasets) are host memory and
   leave the device peak; one batch per step is copied to the device. TRL's script turns on bf16 when CUDA is there.
-- Seconds include the process start and the framework's imports (each run is a fresh process).
-- Not in the table: `torchrun --nproc_per_node 2 fsdp2_loop.py` (rank 0 of a fake process group: exactly half the
-  parameters and AdamW state, tests/trace/test_trace_script.py); DDP is refused (its C++ reducer reads tensor data).
+- 2 ranks: the real job is `torchrun --nproc-per-node 2` on gloo, rank 0 measured by memfit's rank meter; the
+  trace is `memfit trace -- torchrun --nproc_per_node 2 SCRIPT`, rank 0 of a fake process group. DDP's C++ Reducer
+  runs in the trace, so its gradient buckets (the trainable parameters' bytes) are its own allocations. "Counted at
+  the end": bytes of the rank's peak still counted after the run and a garbage collection, either alive then or
+  freed by a gloo worker thread, which the rank's profiler cannot see (DDP's init broadcast buffer, the size of
+  all parameters, when gloo's thread drops it last): the true rank peak lies between the peak less that and the
+  peak.
+- Seconds include the process start and the framework's imports (each run is a fresh process); a 2-rank real run's
+  seconds are rank 0's run from the first statement.
+- Not in the table: HF Trainer / Lightning with FSDP1 (both refuse FSDP on a CPU, so there is no real run to check
+  against here), DeepSpeed (HF Trainer + ZeRO-2, 2 ranks: rank 0's real peak 2,986,596 B, the trace 3,577,700; the
+  trace refuses DeepSpeed engines until that is understood), LitGPT's finetune scripts (need a converted checkpoint
+  folder), torchtune and torchtitan (not installed).
 """
 
 
