@@ -64,8 +64,8 @@ SOURCES = (
            "inputs", "real CPU steps (profiler)"),
     Source("diffusion.md", "error", "trace: diffusion denoisers (Flux, SD3, SDXL UNet; diffusers) full / LoRA, "
            "checkpointing, fp32 / bf16", "real CPU steps (profiler)"),
-    Source("frameworks.md", "error", "`memfit trace -- python SCRIPT`: plain loop, HF Trainer, Lightning, Fabric, TRL",
-           "the same script run for real on CPU"),
+    Source("frameworks.md", "error", "`memfit trace -- SCRIPT`: plain loop, HF Trainer, Lightning, Fabric, TRL; DDP, "
+           "Fabric DDP and FSDP2 on 2 ranks", "the same script run for real on CPU (2 ranks: rank 0 of a gloo job)"),
     Source("torchtune_lora.md", "error", "formulas: torchtune's LoRA / QLoRA recipes", "real CPU steps (profiler)"),
     Source("litgpt.md", "error", "formulas from LitGPT finetune configs (the LitGPT reader, model code litgpt)",
            "LitGPT's own GPT stepped on CPU (profiler)"),

@@ -93,7 +93,7 @@ def test_an_op_fake_tensors_cannot_run_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("argv, says", [
-    ([], "no script"), (["python", "-m"], "module name"), (["accelerate", "launch", "x.py"], "not traced yet"),
+    ([], "no script"), (["python", "-m"], "module name"), (["lightning", "run", "model", "x.py"], "not traced yet"),
     (["python", "missing.py"], "not found"), (["torchrun", "--nnodes", "2", "x.py"], "one node"),
     (["torchrun", "--max-restarts", "3", "x.py"], "not supported")])
 def test_bad_commands(argv, says):

@@ -4,9 +4,10 @@ of a fake process group, as memfit.trace.distributed runs memfit's own FSDP2 ste
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ConfigError
 from .script_env import _cpu, _patched
@@ -46,11 +47,13 @@ def torchrun_options(argv: list[str]) -> tuple[list[str], int]:
 
 
 @contextlib.contextmanager
-def fake_launch(world_size: int, launched: bool, notes: list[str]) -> Iterator[None]:
+def fake_launch(world_size: int, launched: bool, notes: list[str],
+                on_bucket: Callable[[torch.Tensor], None] = lambda bucket: None) -> Iterator[None]:
     """The script is rank 0 of `world_size`: torchrun's environment (when `launched`), and every
     init_process_group joins torch's fake backend (torch.testing._internal.distributed.fake_pg: collectives return
     at once), as memfit.trace.distributed does for its own FSDP2 step. Device meshes asked for on "cuda" are the
-    CPU's (fake tensors are CPU tensors). The process group is destroyed afterwards."""
+    CPU's (fake tensors are CPU tensors); DistributedDataParallel runs as `fake_ddp` says, each gradient bucket handed
+to `on_bucket` as it is reduced. The process group is destroyed afterwards."""
     import os
 
     import torch.distributed as dist
@@ -87,7 +90,7 @@ def fake_launch(world_size: int, launched: bool, notes: list[str]) -> Iterator[N
 
     os.environ.update(env)
     try:
-        with _patched(dist, {"init_process_group": init_process_group}), \
+        with fake_ddp(notes, on_bucket), _patched(dist, {"init_process_group": init_process_group}), \
                 _patched(dist.distributed_c10d, {"init_process_group": init_process_group}), \
                 _patched(device_mesh, {"init_device_mesh": init_device_mesh}), \
                 _patched(device_mesh.DeviceMesh, {"__init__": mesh_init}), \
@@ -112,3 +115,84 @@ def _real_ranks(value):
     if isinstance(value, FakeTensor):
         return torch.arange(value.numel(), dtype=value.dtype).view(tuple(value.shape))
     return value
+
+
+# ---- DistributedDataParallel on a fake process group ---------------------------------------------------------------
+
+@contextlib.contextmanager
+def fake_ddp(notes: list[str], on_bucket: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """torch's DistributedDataParallel runs for real on the fake process group, its C++ Reducer included: the
+    gradient buckets it allocates (one flat tensor per bucket and dtype, together the size of the trainable
+    parameters; bucket_cap_mb, the 1 MiB first bucket after the rebuild, gradient_as_bucket_view) are its own
+    allocations, on fake tensors. Three calls cannot run as they are, and are replaced by what they do on rank 0
+    of ranks that agree:
+
+    - `_verify_param_shape_across_processes` (all-gathers every rank's shapes and compares them): nothing to check;
+    - the allreduce of each bucket: the fake group's work completes with no value, which the Reducer refuses
+      ("expected the hook result is either a Tensor or a TensorList"), so a communication hook returns the bucket
+      itself, reduced in place as allreduce leaves it (torch/csrc/distributed/c10d/reducer.cpp; with a hook the
+      Reducer copies each gradient into its bucket view instead of multiplying it in, the same bytes);
+    - the bucket rebuild before the second forward (`Reducer::rebuild_buckets`) writes rank 0's bucket order into
+      small int tensors it reads back: while the DDP forward runs, tensors made from no fake tensor (those int
+      tensors) are real, so the rebuild and its new buckets run as on rank 0.
+
+    A communication hook of the script's own (`register_comm_hook`) is refused in one line: its collectives'
+    futures carry no value on the fake group either."""
+    try:
+        from torch.nn.parallel import distributed as ddp
+    except ImportError:  # torch built without distributed
+        yield
+        return
+    cls = ddp.DistributedDataParallel
+    original_init, original_pre, original_hook = cls.__init__, cls._pre_forward, cls.register_comm_hook
+    wrapped: list[int] = []
+
+    def init(self, module, *args, **kwargs):
+        # a fake tensor is a CPU tensor: DDP takes `device_ids` (one CUDA device per rank) for a CPU module's
+        # mistake; without them it leaves the inputs where they are, on the device already
+        args = (None, None, *args[2:]) if args else ()
+        kwargs.update({k: None for k in ("device_ids", "output_device") if k in kwargs})
+        original_init(self, module, *args, **kwargs)
+        if getattr(self, "reducer", None) is not None:
+            original_hook(self, on_bucket, _reduced_in_place)
+            wrapped.append(sum(p.numel() * p.element_size() for p in self.parameters() if p.requires_grad))
+
+    def register_comm_hook(self, state, hook):
+        raise ConfigError(f"DistributedDataParallel.register_comm_hook({getattr(hook, '__name__', hook)}): a "
+                          "communication hook cannot run on a fake process group (its collectives return no "
+                          "value); trace the script without it (the hook changes what DDP sends, not what it holds)")
+
+    def pre_forward(self, *args, **kwargs):
+        with _RealOutsideFake():
+            return original_pre(self, *args, **kwargs)
+
+    with _patched(ddp, {"_verify_param_shape_across_processes": lambda *args, **kwargs: None}), \
+            _patched(cls, {"__init__": init, "_pre_forward": pre_forward, "register_comm_hook": register_comm_hook}):
+        yield
+    if wrapped:
+        notes.append(f"DistributedDataParallel ran on the fake process group: its gradient buckets "
+                     f"({sum(wrapped):,} B per model, as many bytes as the trainable parameters) are in the figures")
+
+
+def _reduced_in_place(on_bucket, bucket):
+    on_bucket(bucket.buffer())
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class _RealOutsideFake(TorchDispatchMode):
+    """An op none of whose tensor arguments is fake, that makes an int tensor or reads only real tensors, runs for
+    real, below every mode; everything else goes on to the fake mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made_int = not tensors and kwargs.get("dtype") in (torch.int32, torch.int64)
+        if (made_int or tensors) and not any(isinstance(t, FakeTensor) for t in tensors):
+            with torch._C._DisableTorchDispatch():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)

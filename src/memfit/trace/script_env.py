@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -42,14 +43,16 @@ def _cpu(device: Any) -> Any:
 # ---- torch.cuda as the target GPU --------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def fake_cuda(name: str, memory_bytes: int, live: Callable[[], int], peak: Callable[[], int]) -> Iterator[None]:
-    """torch.cuda reports one `name` device of `memory_bytes`; its memory queries read the tracker (`live()`,
+def fake_cuda(name: str, memory_bytes: int, live: Callable[[], int], peak: Callable[[], int],
+              count: int = 1) -> Iterator[None]:
+    """torch.cuda reports `count` devices `name` of `memory_bytes` (one per rank of the node: Lightning checks the
+    devices it is given exist); the script is on device 0, whose memory queries read the tracker (`live()`,
     `peak()`); seeding, synchronising, streams and cache calls do nothing. Compute capability 9.0 (bf16, flash)."""
     properties = SimpleNamespace(name=name, total_memory=memory_bytes, major=9, minor=0, multi_processor_count=132,
                                  is_integrated=False, is_multi_gpu_board=False, uuid="memfit-fake")
     nothing = lambda *args, **kwargs: None  # noqa: E731
     replacements = {
-        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+        "is_available": lambda: True, "device_count": lambda: count, "current_device": lambda: 0,
         "is_initialized": lambda: True, "_lazy_init": nothing, "init": nothing, "set_device": nothing,
         "get_device_properties": lambda device=None: properties, "get_device_name": lambda device=None: name,
         "get_device_capability": lambda device=None: (9, 0), "is_bf16_supported": lambda *a, **k: True,
@@ -385,6 +388,7 @@ def loaders_in_process() -> Iterator[None]:
     signature = inspect.signature(original)
     in_process = {"num_workers": 0, "pin_memory": False, "prefetch_factor": None, "persistent_workers": False}
 
+    @functools.wraps(original)  # Lightning re-makes a loader from its __init__'s signature (with a sampler)
     def init(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         bound.arguments.update({k: v for k, v in in_process.items() if k in signature.parameters})

@@ -8,9 +8,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=2)
 parser.add_argument("--seq-len", type=int, default=64)
+parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--strategy", default="auto")
 args = parser.parse_args()
 
-fabric = Fabric(accelerator="auto", devices=1)
+fabric = Fabric(accelerator="auto", devices=args.devices, strategy=args.strategy)
 fabric.launch()
 fabric.seed_everything(0)
 config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
