@@ -127,7 +127,7 @@ def estimate_diffusion(model: str | dict | DiffusionModel, *, resolution: int | 
     if fitted:
         step = fit_denoiser(spec, shp, setup, batch=batch, kernels=kernels, lora_dtype=lora_dtype,
                             base_dtype=base_dtype)
-        memory, params, trainable = step.memory, step.params, step.trainable
+        memory, params, trainable, fitted = step.memory, step.params, step.trainable, step.fitted
     else:
         keep: dict = {}
         memory = trace_denoiser(spec, shp, setup, batch=batch, kernels=kernels, lora_dtype=lora_dtype,

@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..estimate.result import MemoryEstimate
 from ..estimate.terms import TermKey
 from ..setup import TrainingSetup
+from .model import weight_dtype
 from .presets import DiffusionModel
 
 STORED_BYTES = {"bf16": None, "fp8": 1}
@@ -81,6 +82,18 @@ def _swapped(model: DiffusionModel, blocks: int) -> tuple[tuple[str, str, int], 
     raise ConfigError(f"--blocks-to-swap: kohya's block swap is for Flux and SD3 transformers, not {model.family}")
 
 
+def most_blocks(model: DiffusionModel) -> int:
+    """The largest --blocks_to_swap kohya accepts for this denoiser (0: no block swap)."""
+    config = model.denoiser.config
+    if model.family == "flux":
+        double, single = int(config.get("num_layers", 19)) - 2, int(config.get("num_single_layers", 38)) - 2
+        return max((n for n in range(0, 2 * (double + single) + 1) if n // 2 <= double and (n - n // 2) * 2 <= single),
+                   default=0)
+    if model.family == "sd3":
+        return max(0, int(config.get("num_layers", 24)) - 2)
+    return 0
+
+
 def linear_weights(model: DiffusionModel, attribute: str, count: int) -> int:
     """Elements of the nn.Linear weights in the last `count` blocks of `attribute`, built on the meta device."""
     import diffusers  # optional dependencies: imported when a swap is sized
@@ -95,8 +108,6 @@ def linear_weights(model: DiffusionModel, attribute: str, count: int) -> int:
 
 def block_swap(model: DiffusionModel, setup: TrainingSetup, blocks: int, base_dtype: str) -> BlockSwap:
     """The host / GPU split of kohya's --blocks_to_swap `blocks` (see the module docstring)."""
-    from .model import weight_dtype  # torch: imported when a swap is sized
-
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
         raise ConfigError(f"--blocks-to-swap is a whole number of blocks, got {blocks!r}")
     if base_dtype == "nf4":
