@@ -127,7 +127,7 @@ def _key(model: DiffusionModel, shp: Shapes, setup: TrainingSetup, batch: int, t
     text = json.dumps({"config": config_hash({"_class": model.denoiser.cls, **model.denoiser.config}),
                        "shape": [shp.height, shp.width, shp.text_tokens, batch], "setup": repr(setup),
                        "traced": traced, "versions": {**library_versions(), "diffusers": diffusers},
-                       "format": FORMAT, "what": "diffusion-blocks"}, sort_keys=True, default=str)
+                       "format": FORMAT, "what": "diffusion-blocks-2"}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
