@@ -66,7 +66,7 @@ def _levers(values: dict[str, Any], family: str) -> list[tuple[str, dict[str, An
     if "8bit" not in str(values.get("optimizer") or ""):
         out.append(("8-bit AdamW", {"optimizer": "adamw8bit"}, "~1% step time; block-wise 8-bit states",
                     "--optimizer_type AdamW8bit", "--use_8bit_adam"))
-    if lora and values.get("base_dtype", "bf16") == "bf16":
+    if lora and values.get("base_dtype", "bf16") == "bf16" and family != "sdxl":  # fp8 not sized for SDXL
         out.append(("fp8 base", {"base_dtype": "fp8"}, "base rounded to e4m3 (quality caveat); a cast per layer",
                     "--fp8_base", "transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, "
                     "compute_dtype=torch.bfloat16)"))
