@@ -2,6 +2,9 @@
 block swap's host bytes against the blocks' own weights, and the ladder's order and stop."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -11,7 +14,7 @@ torch = pytest.importorskip("torch")
 from memfit.diffusion import ladder  # noqa: E402
 from memfit.diffusion.api import DiffusionEstimate, diffusion_setup, estimate_diffusion  # noqa: E402
 from memfit.diffusion.latents import shapes  # noqa: E402
-from memfit.diffusion.model import measure_denoiser, trace_denoiser  # noqa: E402
+from memfit.diffusion.model import trace_denoiser  # noqa: E402
 from memfit.diffusion.presets import tiny_model  # noqa: E402
 from memfit.diffusion.swap import most_blocks  # noqa: E402
 from memfit.errors import ConfigError  # noqa: E402
@@ -40,11 +43,28 @@ def test_per_block_fit_is_the_whole_trace(tmp_path, monkeypatch):
     assert again.memory.tensor_bytes == fitted.memory.tensor_bytes
 
 
+MEASURE_FP8 = """
+from memfit.diffusion.api import diffusion_setup
+from memfit.diffusion.latents import shapes
+from memfit.diffusion.model import measure_denoiser
+from memfit.diffusion.presets import tiny_model
+model = tiny_model("sd3")
+setup = diffusion_setup(family="sd3", method="lora", rank=4, batch=2, base_dtype="fp8")
+print(measure_denoiser(model, shapes(model, 64, 64), setup, batch=2, base_dtype="fp8").tensor_bytes)
+"""
+
+
+@pytest.mark.processes
 def test_fp8_base_trace_matches_a_real_cpu_step():
+    # the real step in a process of its own: after other diffusion steps in this process it measured 1.6% less
+    # (534,408 B against the trace's 542,760 B; alone it is within 0.5%, every run so far): cause not found yet
     model = tiny_model("sd3")
     shp = shapes(model, 64, 64)
     setup = diffusion_setup(family="sd3", method="lora", rank=4, batch=2, base_dtype="fp8")
-    measured = measure_denoiser(model, shp, setup, batch=2, base_dtype="fp8").tensor_bytes
+    run = subprocess.run([sys.executable, "-c", MEASURE_FP8], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = int(run.stdout.split()[-1])
     traced = trace_denoiser(model, shp, setup, batch=2, kernels="cpu", base_dtype="fp8").tensor_bytes
     assert abs(traced - measured) / measured < 0.005, (measured, traced)
 

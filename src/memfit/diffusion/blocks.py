@@ -7,8 +7,9 @@ with one block of each kind and with one more block of one kind, traced on fake 
 setup (memfit.diffusion.model.trace_denoiser, every allocation counted), give every term of the full step:
 term(full) = term(base) + sum over kinds of (blocks of that kind - 1) x (term(one more) - term(base)). The fit is
 checked on a copy with two blocks of every kind (three for a one-kind stack): beyond TOLERANCE, or with the peak in
-another phase in some copy, the whole model is traced instead (an fp8 base under checkpointing is one such setup:
-the compute-dtype copies alive at the peak depend on which block's backward it falls in). `exact=True` (CLI
+another phase in some copy, the whole model is traced instead. An fp8 base under checkpointing is never fitted
+(memfit.diffusion.api): the compute-dtype copies alive at the peak depend on which block's backward it falls in,
+and at Flux-dev 512 px the 2-block check passes while the full-depth figure is 1.5 GiB off. `exact=True` (CLI
 `--exact`) always traces the whole model.
 
 Which copies: Flux's double-stream (`num_layers`) and single-stream (`num_single_layers`) blocks, diffusers
