@@ -128,10 +128,11 @@ def estimate_diffusion(model: str | dict | DiffusionModel, *, resolution: int | 
     swap = block_swap(spec, setup, blocks_to_swap, base_dtype) if blocks_to_swap else None
     # an fp8 base under checkpointing is not linear in the blocks (Flux-dev 512 px: the 2-block check passes, the
     # full-depth figure is 1.5 GiB off): traced whole
-    fitted = not exact and fittable(spec) and not (base_dtype == "fp8" and setup.checkpointing.is_on)
+    whole = base_dtype == "fp8" and setup.checkpointing.is_on
+    fitted = not exact and fittable(spec)
     if fitted:
         step = fit_denoiser(spec, shp, setup, batch=batch, kernels=kernels, lora_dtype=lora_dtype,
-                            base_dtype=base_dtype)
+                            base_dtype=base_dtype, whole=whole)
         memory, params, trainable, fitted = step.memory, step.params, step.trainable, step.fitted
     else:
         keep: dict = {}

@@ -133,26 +133,37 @@ def _key(model: DiffusionModel, shp: Shapes, setup: TrainingSetup, batch: int, t
 
 
 def fit_denoiser(model: DiffusionModel, shp: Shapes, setup: TrainingSetup, *, batch: int = 1, kernels: str = "cuda",
-                 lora_dtype: str = "fp32", base_dtype: str = "bf16") -> FittedStep:
-    """The denoiser's step at full depth from traced copies with few blocks (see the module docstring)."""
+                 lora_dtype: str = "fp32", base_dtype: str = "bf16", whole: bool = False) -> FittedStep:
+    """The denoiser's step at full depth from traced copies with few blocks (see the module docstring); `whole`:
+    the whole model traced, cached the same way (a ladder re-estimates the same step for every rung after it)."""
     if not fittable(model):
         raise ConfigError(f"{model.name}'s denoiser is not fitted per block ({model.family}): trace it whole")
     traced = {"batch": batch, "kernels": kernels, "lora_dtype": lora_dtype, "base_dtype": base_dtype}
-    key = _key(model, shp, setup, batch, traced)
+    key = _key(model, shp, setup, batch, {**traced, "whole": whole})
     path = cache_dir() / f"diffusion-{key}.json"
     data = read_json(path, key)
     if data is None:
-        data = {"key": key, "format": FORMAT, **_fit(model, shp, setup, traced)}
+        if whole:
+            run = _traced(model, shp, setup, traced)
+            found = {**_payload(run, run["terms"], run["phases"], run["params"], run["trainable"]), "check": None,
+                     "fitted": False}
+        else:
+            found = _fit(model, shp, setup, traced)
+        data = {"key": key, "format": FORMAT, **found}
         write_json(path, data)
     return _step(data, setup, batch)
 
 
 def _step(data: dict[str, Any], setup: TrainingSetup, batch: int) -> FittedStep:
     check = data["check"]
-    source = (f"fitted per block: copies with 1 and 2 blocks traced, extrapolated per block kind (checked on "
-              f"{check['blocks']}: {check['fitted']:,} B fitted, {check['traced']:,} B traced)") if data["fitted"] \
-        else (f"traced whole: the per-block fit missed its check ({check['blocks']}: {check['fitted']:,} B fitted, "
-              f"{check['traced']:,} B traced)")
+    if check is None:
+        source = "traced whole (an fp8 base under checkpointing is not fitted per block)"
+    elif data["fitted"]:
+        source = (f"fitted per block: copies with 1 and 2 blocks traced, extrapolated per block kind (checked on "
+                  f"{check['blocks']}: {check['fitted']:,} B fitted, {check['traced']:,} B traced)")
+    else:
+        source = (f"traced whole: the per-block fit missed its check ({check['blocks']}: {check['fitted']:,} B "
+                  f"fitted, {check['traced']:,} B traced)")
     terms = tuple(Term(TermKey(name), Category(category), num, source=f"{src}; {source}" if src else source)
                   for name, category, num, src in data["terms"])
     memory = MemoryEstimate(terms=terms, peak_phase=Phase(data["peak"]), method="traced",
