@@ -212,20 +212,15 @@ def test_bad_files_are_one_line(tmp_path, name, text, words):
     assert len(result.output.strip().splitlines()) == 1
 
 
-def test_levers_this_size_run_does_not_take_are_refused():
-    from memfit.cli.diffusion import _check_levers
+def test_the_levers_a_config_sets_are_size_runs_keywords():
+    """fp8 / NF4 bases and block swap, as the readers set them, are keywords memfit.diffusion.api.size_run takes
+    (and the CLI options that override them are the ones OPTIONS names)."""
+    pytest.importorskip("torch")
+    from memfit.diffusion import api
+    from memfit.diffusion.readers.common import OPTIONS
 
-    def old(model, *, resolution, batch=1):
-        return None
-
-    def new(model, *, resolution, base_dtype=None, blocks_to_swap=None):
-        return None
-
-    with pytest.raises(ConfigError, match="blocks_to_swap=18"):
-        _check_levers(old, {"blocks_to_swap": 18})
-    values = {"blocks_to_swap": 18, "base_dtype": None}
-    _check_levers(new, values)
-    assert values == {"blocks_to_swap": 18} and set(LEVERS) <= set(inspect.signature(new).parameters)
+    assert set(LEVERS) <= set(inspect.signature(api.size_run).parameters)
+    assert {OPTIONS[k] for k in LEVERS} == {"--base-dtype", "--blocks-to-swap"}
 
 
 def test_block_linears_are_every_linear_of_the_blocks():

@@ -4,13 +4,12 @@ memfit.diffusion -> print. Its own options, named as the shared setup options wh
 --optimizer, --lora-rank / --rank, --batch / --micro-batch, --gpu); the text-model ones (--seq-len, ZeRO, ...) do
 not apply to this first slice."""
 
-import inspect
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..diffusion.readers import LEVERS, split_words, with_config
+from ..diffusion.readers import split_words, with_config
 from ..errors import ConfigError
 from .common import DOES_NOT_FIT, app, console, examples, parse_pixels, print_json
 from .options import config_section
@@ -63,12 +62,22 @@ def diffusion_command(
                                                     "training; the VAE leaves the GPU.")] = False,
         cache_text: Annotated[bool, typer.Option("--cache-text", help="Prompt embeddings computed once; the text "
                                                  "encoders leave the GPU.")] = False,
+        base_dtype: Annotated[str, typer.Option("--base-dtype", help="LoRA's frozen base: bf16 (as --precision "
+                                                "says), fp8 (layerwise casting / kohya --fp8_base) or nf4 "
+                                                "(bitsandbytes 4-bit).")] = "bf16",
+        blocks_to_swap: Annotated[int, typer.Option("--blocks-to-swap", min=0, max=4096, help="kohya / "
+                                                    "musubi-tuner block swap: N blocks' weights in host RAM.")] = 0,
+        exact: Annotated[bool, typer.Option("--exact", help="Trace the whole denoiser instead of the per-block "
+                                            "fit (Flux, SD3: minutes instead of seconds).")] = False,
+        plan: Annotated[bool, typer.Option("--plan", help="The diffusion ladder: levers cheapest first until it "
+                                           "fits, with the flags to paste.")] = False,
         gpu: Annotated[str, typer.Option("--gpu")] = "RTX-4090",
         json_output: Annotated[bool, typer.Option("--json")] = False) -> None:
     """A diffusion fine-tune's memory by phase (Flux, SD3 / 3.5, SDXL): latents, tokens, encoders, what fits."""
     values = dict(resolution=parse_resolution(resolution), batch=batch, method=method, rank=rank, targets=targets,
                   lora_dtype=lora_dtype, precision=precision, checkpointing=checkpointing, optimizer=optimizer,
-                  cache_latents=cache_latents, cache_text=cache_text)
+                  cache_latents=cache_latents, cache_text=cache_text, base_dtype=base_dtype,
+                  blocks_to_swap=blocks_to_swap)
     model, words = split_words(model, command)
     reading = None
     if config is not None or words:  # read before torch loads: a bad file is one line at once
@@ -77,10 +86,14 @@ def diffusion_command(
         values, model, reading = with_config(values, given, model, config, words)
     elif model is None:
         raise ConfigError("Missing argument 'MODEL': give a model, or a --config that names one")
-    from ..diffusion import api  # torch and diffusers load when the command runs
+    from ..diffusion import api, ladder  # torch and diffusers load when the command runs
 
-    _check_levers(api.size_run, values)
-    result, hardware, (ok, required, budget) = api.size_run(model, gpu=gpu, **values)
+    size = values.pop("resolution")
+    values["exact"] = exact
+    if plan:
+        _plan(ladder, model, size, gpu, values, json_output)
+        return
+    result, hardware, (ok, required, budget) = api.size_run(model, resolution=size, gpu=gpu, **values)
     if json_output:
         print_json({**_json(result, hardware, ok, required, budget),
                     **({"config": reading.to_dict()} if reading else {})})
@@ -92,17 +105,6 @@ def diffusion_command(
         raise typer.Exit(DOES_NOT_FIT)
 
 
-def _check_levers(size_run, values: dict) -> None:
-    """The levers a config may set that this size_run does not take yet (fp8 / NF4 base, block swap): one line."""
-    missing = [k for k in LEVERS if values.get(k) is not None and k not in inspect.signature(size_run).parameters]
-    if missing:
-        raise ConfigError("the config sets " + ", ".join(f"{k}={values[k]!r}" for k in missing) + ", which memfit "
-                          "diffusion does not size yet (docs/diffusion.md, Not built yet)")
-    for key in LEVERS:
-        if values.get(key) is None:
-            values.pop(key, None)
-
-
 def _json(result, hardware, ok, required, budget) -> dict:
     import dataclasses
 
@@ -111,9 +113,11 @@ def _json(result, hardware, ok, required, budget) -> dict:
             "resolution": [result.shapes.height, result.shapes.width], "batch": result.batch,
             "latent": list(result.shapes.latent), "image_tokens": result.shapes.image_tokens,
             "text_tokens": result.shapes.text_tokens, "method": result.method,
-            "rank": result.rank if result.method == "lora" else None, "lora_targets": list(result.targets),
+            "rank": result.rank if result.method != "full" else None, "lora_targets": list(result.targets),
             "denoiser_params": result.denoiser_params, "trainable_params": result.trainable_params,
-            "cache_latents": result.cache_latents, "cache_text": result.cache_text,
+            "cache_latents": result.cache_latents, "cache_text": result.cache_text, "base_dtype": result.base_dtype,
+            "blocks_to_swap": result.swap.blocks if result.swap else 0,
+            "host_bytes": result.swap.host_bytes if result.swap else 0, "fitted_per_block": result.fitted,
             "frozen": [dataclasses.asdict(f) for f in result.frozen],
             "phases": [{"name": p.name, "bytes": p.bytes, "parts": dict(p.parts)} for p in result.phases],
             "estimate": result.memory.to_dict(), "notes": list(result.notes)}
@@ -128,7 +132,13 @@ def _print(result, hardware, ok, required, budget) -> None:
     out.print(f"[bold]{result.model}[/bold]  {shp.height}x{shp.width} px, batch {result.batch}: latent {c}x{h}x{w}; "
               f"{tokens}")
     what = "full fine-tune" if result.method == "full" else f"LoRA r{result.rank} on {', '.join(result.targets)}"
-    out.print(f"  denoiser {result.denoiser_params:,} params; {what}: {result.trainable_params:,} trainable")
+    base = "" if result.base_dtype == "bf16" else f"; base {result.base_dtype}"
+    how = "fitted per block" if result.fitted else "traced whole"
+    out.print(f"  denoiser {result.denoiser_params:,} params; {what}: {result.trainable_params:,} trainable{base} "
+              f"({how})")
+    if result.swap is not None:
+        out.print(f"  block swap {result.swap.blocks}: {result.swap.describe()} in host RAM, "
+                  f"{result.swap.host_bytes / GIB:.2f} GiB off the GPU")
     for part in result.frozen:
         where = "cached, leaves the GPU" if part not in result.resident else "on the GPU"
         out.print(f"  {part.name:<16} {part.params:>15,} params  {part.weight_bytes / GIB:6.2f} GiB {part.dtype}  "
@@ -141,3 +151,26 @@ def _print(result, hardware, ok, required, budget) -> None:
                 out.print(f"      {name:<30} {num / GIB:8.2f} GiB")
     verdict = "[green]fits[/green]" if ok else "[red]does not fit[/red]"
     out.print(f"  on {hardware.gpu.name}: {required / GIB:.2f} of {budget / GIB:.2f} GiB usable -> {verdict}")
+
+
+def _plan(ladder, model, size, gpu, values, json_output) -> None:
+    first, rungs = ladder.plan(model, resolution=size, gpu=gpu, **values)
+    ok = not rungs or rungs[-1].fits
+    if json_output:
+        print_json({"model": first.model, "gpu": gpu, "fits": ok, "rungs": [
+            {"title": r.title, "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in r.changes.items()},
+             "required_bytes": r.required, "budget_bytes": r.budget, "fits": r.fits, "host_bytes": r.host_bytes,
+             "cost": r.cost, "kohya": r.kohya, "diffusers": r.diffusers} for r in rungs]})
+    else:
+        out = console()
+        out.print(f"[bold]{first.model}[/bold] on {gpu}: diffusion ladder (cheapest first, re-estimated after each)")
+        if not rungs:
+            out.print("  fits as given")
+        for i, r in enumerate(rungs, 1):
+            verdict = "yes" if r.fits else "no"
+            out.print(f"  {i}. {r.title:<28} {r.required / GIB:8.2f} of {r.budget / GIB:.2f} GiB  fits: {verdict}")
+            out.print(f"     cost       {r.cost}")
+            out.print(f"     kohya      {r.kohya}")
+            out.print(f"     diffusers  {r.diffusers}")
+    if not ok:
+        raise typer.Exit(DOES_NOT_FIT)
