@@ -406,6 +406,11 @@ def technique_fields_declared() -> tuple[tuple[str, FieldMeta], ...]:
     return tuple(item for cls in TECHNIQUE_SECTIONS.values() for item in declared(cls))
 
 
+_DEFAULT_SECTIONS: dict[type, Any] = {}
+"""Each registered section class's default value, made once (a setup's every read of an unset section's field
+asked for a new one)."""
+
+
 class Techniques:
     """The technique sections of one setup: an immutable value holding only those that differ from their defaults
     (so a setup built before a section was registered equals one built after). Iterating yields them, in
@@ -423,7 +428,13 @@ class Techniques:
         raise AttributeError("Techniques is immutable")
 
     def get(self, cls: SectionClass) -> Any:
-        return self._held.get(cls.key) or cls()
+        held = self._held.get(cls.key)
+        if held is not None:
+            return held
+        default = _DEFAULT_SECTIONS.get(cls)
+        if default is None:  # a frozen dataclass: one default value per section class serves every setup
+            default = _DEFAULT_SECTIONS[cls] = cls()
+        return default
 
     def with_fields(self, changes: Mapping[str, Any]) -> "Techniques":
         """A copy with `changes` (field -> value) applied to the sections that declare the fields."""

@@ -69,6 +69,7 @@ NAMED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "readers/float8.py", "readers/axolotl.py", "readers/torchtune.py",  # the config keys (a reader slot next)
         "optimizers.py",  # AdamWFp8's float8 moments: another thing of the same name
         "diffusion/readers/kohya.py", "diffusion/readers/ai_toolkit.py",  # a diffusion base stored in float8: the same
+        "diffusion/model.py", "diffusion/ladder.py",  # word, another thing (diffusers' layerwise-cast fp8 base weights)
         "solve.py")),  # a docstring
 }
 """Techniques whose names are pinned to a list that only shrinks (module, how source text names it, the others)."""

@@ -227,94 +227,124 @@ def read_swift(text: str, file: str = "ms-swift") -> VlmReading:
     return _swift(args, env, file)
 
 
+@dataclass
+class _Swift:
+    """One ms-swift command line being read: what each argument set, what was left out, the setup so far."""
+
+    args: dict[str, str]
+    file: str
+    read: list[ReadEntry] = field(default_factory=list)
+    ignored: list[IgnoredEntry] = field(default_factory=list)
+    setup: dict[str, Any] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)
+
+    def take(self, key: str, sets: tuple, note: str = "") -> None:
+        self.read.append(ReadEntry(self.file, f"--{key}", self.args.get(key), sets, note))
+        self.done.add(key)
+
+    def leave(self, key: str, why: str) -> None:
+        self.ignored.append(IgnoredEntry(self.file, f"--{key}", self.args.get(key), why))
+        self.done.add(key)
+
+
 def _swift(args: dict[str, str], env: dict[str, str], file: str) -> VlmReading:
-    read: list[ReadEntry] = []
-    ignored: list[IgnoredEntry] = []
-    setup: dict[str, Any] = {}
-    done: set[str] = set()
-
-    def take(key: str, sets: tuple, note: str = "") -> None:
-        read.append(ReadEntry(file, f"--{key}", args.get(key), sets, note))
-        done.add(key)
-
+    swift = _Swift(args, file)
     model = args.get("model")
     if model:
-        take("model", (("model", model),))
+        swift.take("model", (("model", model),))
+    _swift_method(swift)
+    _swift_step(swift)
+    tower = _swift_tower(swift)
+    pixels = _swift_pixels(swift, env)
+    for key in ("max_length", "truncation_strategy"):
+        if key in args:
+            swift.leave(key, SEQUENCE)
+    for key in ("deepspeed", "fsdp"):
+        if key in args:
+            swift.leave(key, f"{NOT_SIZED} (multi-GPU VLM steps)")
+    for key in [key for key in args if key not in swift.done]:
+        swift.leave(key, NOT_RELEVANT if key in SWIFT_NOT_RELEVANT else "not read by memfit vlm")
+    return VlmReading(file, "ms-swift", model, swift.setup, pixels.get("max_pixels"), pixels.get("min_pixels"), None,
+                      tower, tuple(swift.read), tuple(swift.ignored))
+
+
+def _swift_method(swift: _Swift) -> None:
+    """--train_type / --lora_rank / --quant_bits / --target_modules -> the setup's finetune."""
+    args = swift.args
     train = args.get("train_type", "lora")
     quant = args.get("quant_bits")
     if "target_modules" in args:
         if args["target_modules"] == "all-linear":
-            take("target_modules", (("finetune.targets", "the language model's Linears"),),
-                 "every Linear of the language model (and of the tower when it trains with LoRA)")
+            swift.take("target_modules", (("finetune.targets", "the language model's Linears"),),
+                       "every Linear of the language model (and of the tower when it trains with LoRA)")
         else:
-            ignored.append(IgnoredEntry(file, "--target_modules", args["target_modules"],
-                                        f"{NOT_SIZED} (sized as all-linear)"))
-            done.add("target_modules")
-    if train in ("lora", "full"):
-        method = Method.FULL if train == "full" else Method.QLORA if quant == "4" else Method.LORA
-        rank = int(args.get("lora_rank", 8)) if method is not Method.FULL else None
-        ft = Finetune(method=method, rank=rank) if rank else Finetune(method=method)
-        setup["finetune"] = ft
-        take("train_type", (("finetune", ft),), "" if "train_type" in args else "absent: ms-swift's default lora")
-        if "lora_rank" in args:
-            take("lora_rank", (("finetune.rank", rank),))
-        if quant is not None:
-            take("quant_bits", (("finetune.method", method.value),))
-    else:
-        ignored.append(IgnoredEntry(file, "--train_type", train, f"{NOT_SIZED} (sized as LoRA)"))
-        done.add("train_type")
+            swift.leave("target_modules", f"{NOT_SIZED} (sized as all-linear)")
+    if train not in ("lora", "full"):
+        swift.leave("train_type", f"{NOT_SIZED} (sized as LoRA)")
+        return
+    method = Method.FULL if train == "full" else Method.QLORA if quant == "4" else Method.LORA
+    rank = int(args.get("lora_rank", 8)) if method is not Method.FULL else None
+    ft = Finetune(method=method, rank=rank) if rank else Finetune(method=method)
+    swift.setup["finetune"] = ft
+    swift.take("train_type", (("finetune", ft),), "" if "train_type" in args else "absent: ms-swift's default lora")
+    if "lora_rank" in args:
+        swift.take("lora_rank", (("finetune.rank", rank),))
+    if quant is not None:
+        swift.take("quant_bits", (("finetune.method", method.value),))
+
+
+def _swift_step(swift: _Swift) -> None:
+    """Batch, accumulation, dtype, checkpointing and attention."""
+    args, setup = swift.args, swift.setup
     for key, field_ in (("per_device_train_batch_size", "micro_batch_size"),
                         ("gradient_accumulation_steps", "grad_accum_steps")):
         if key in args:
-            setup[field_] = _positive(args[key], key, file)
-            take(key, ((field_, setup[field_]),))
+            setup[field_] = _positive(args[key], key, swift.file)
+            swift.take(key, ((field_, setup[field_]),))
     if "torch_dtype" in args:
         precision = SWIFT_DTYPES.get(args["torch_dtype"].lower())
         if precision is None:
-            raise ConfigError(f"{file}: memfit vlm sizes --torch_dtype {', '.join(SWIFT_DTYPES)}, got "
+            raise ConfigError(f"{swift.file}: memfit vlm sizes --torch_dtype {', '.join(SWIFT_DTYPES)}, got "
                               f"{args['torch_dtype']!r}")
         setup["precision"] = precision
-        take("torch_dtype", (("precision", precision),))
+        swift.take("torch_dtype", (("precision", precision),))
     on = _flag(args, "gradient_checkpointing", True)
     setup["checkpointing"] = Checkpointing.FULL if on else Checkpointing.NONE
-    take("gradient_checkpointing", (("checkpointing", setup["checkpointing"]),),
-         "" if "gradient_checkpointing" in args else "absent: ms-swift's default true")
+    swift.take("gradient_checkpointing", (("checkpointing", setup["checkpointing"]),),
+               "" if "gradient_checkpointing" in args else "absent: ms-swift's default true")
     if "attn_impl" in args:
         attention = "sdpa" if args["attn_impl"] in ("flash_attn", "flash_attention_2", "sdpa") else "eager"
         setup["attention"] = attention
-        take("attn_impl", (("attention", attention),))
+        swift.take("attn_impl", (("attention", attention),))
+
+
+def _swift_tower(swift: _Swift) -> str:
+    """--freeze_vit / --freeze_aligner -> how the vision tower trains."""
+    args = swift.args
     frozen = _flag(args, "freeze_vit", True)
-    lora = setup.get("finetune") is not None and setup["finetune"].adapters
+    lora = swift.setup.get("finetune") is not None and swift.setup["finetune"].adapters
     tower = "frozen" if frozen else "lora" if lora else "trained"
-    take("freeze_vit", (("tower", tower),), "" if "freeze_vit" in args else "absent: ms-swift's default true")
+    swift.take("freeze_vit", (("tower", tower),), "" if "freeze_vit" in args else "absent: ms-swift's default true")
     if _flag(args, "freeze_aligner", True) != frozen:
-        ignored.append(IgnoredEntry(file, "--freeze_aligner", args.get("freeze_aligner"),
-                                    f"{NOT_SIZED} (the aligner trained apart from the tower: sized with the tower)"))
-    done.add("freeze_aligner")
+        swift.ignored.append(IgnoredEntry(swift.file, "--freeze_aligner", args.get("freeze_aligner"),
+                                          f"{NOT_SIZED} (the aligner trained apart from the tower: sized with the "
+                                          "tower)"))
+    swift.done.add("freeze_aligner")
+    return tower
+
+
+def _swift_pixels(swift: _Swift, env: dict[str, str]) -> dict[str, int]:
+    """--max_pixels / --min_pixels, else ms-swift's MAX_PIXELS / MIN_PIXELS environment."""
     pixels: dict[str, int] = {}
     for key, name in (("max_pixels", "MAX_PIXELS"), ("min_pixels", "MIN_PIXELS")):
-        if key in args:
-            pixels[key] = _whole(args[key], f"--{key}", file)
-            take(key, ((key, pixels[key]),), "the processor's")
+        if key in swift.args:
+            pixels[key] = _whole(swift.args[key], f"--{key}", swift.file)
+            swift.take(key, ((key, pixels[key]),), "the processor's")
         elif name in env:
-            pixels[key] = _whole(env[name], name, file)
-            read.append(ReadEntry(file, name, env[name], ((key, pixels[key]),), "environment: qwen_vl_utils' "
-                                  "smart_resize ceiling / floor"))
-    for key in ("max_length", "truncation_strategy"):
-        if key in args:
-            ignored.append(IgnoredEntry(file, f"--{key}", args[key], SEQUENCE))
-            done.add(key)
-    for key in ("deepspeed", "fsdp"):
-        if key in args:
-            ignored.append(IgnoredEntry(file, f"--{key}", args[key], f"{NOT_SIZED} (multi-GPU VLM steps)"))
-            done.add(key)
-    for key, value in args.items():
-        if key in done:
-            continue
-        why = NOT_RELEVANT if key in SWIFT_NOT_RELEVANT else "not read by memfit vlm"
-        ignored.append(IgnoredEntry(file, f"--{key}", value, why))
-    return VlmReading(file, "ms-swift", model, setup, pixels.get("max_pixels"), pixels.get("min_pixels"), None,
-                      tower, tuple(read), tuple(ignored))
+            pixels[key] = _whole(env[name], name, swift.file)
+            swift.read.append(ReadEntry(swift.file, name, env[name], ((key, pixels[key]),),
+                                        "environment: qwen_vl_utils' smart_resize ceiling / floor"))
+    return pixels
 
 
 def _positive(value: str, key: str, file: str) -> int:
