@@ -119,18 +119,23 @@ def check_shape(data: Any, shown: str, error: type[Exception] = ConfigError, *, 
             stack.extend((v, depth + 1) for v in value)
 
 
+def read_config_bytes(path: Path, shown: str) -> bytes:
+    """read_bounded with its OSErrors worded: a missing or unreadable config file is one ConfigError line."""
+    try:
+        return read_bounded(path, shown)
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no such file") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read {shown}: {error.strerror or error}") from None
+
+
 def load_mapping(path: Path, shown: str | None = None) -> dict:
     """The file's top-level mapping; a ConfigError naming the file when it is not a readable JSON / YAML mapping
     (or not a regular file, too large, too deep, or too many values: read_bounded, check_shape)."""
     shown = shown or str(path)
     if path.is_dir():
         raise ConfigError(f"{shown} is a directory: give the config file itself")
-    try:
-        raw = read_bounded(path, shown)
-    except FileNotFoundError:
-        raise ConfigError(f"{shown}: no such file") from None
-    except OSError as error:
-        raise ConfigError(f"cannot read {shown}: {error.strerror or error}") from None
+    raw = read_config_bytes(path, shown)
     if b"\x00" in raw:
         raise ConfigError(f"{shown} is not a text config file (binary content)")
     try:

@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...optimizers import config_class_names
 from ...readers._reader import Reader
-from ...readers.files import check_shape, read_bounded
+from ...readers.files import check_shape, read_config_bytes
 from ..presets import catalog_names, resolve_model
 
 OPTIONS = {"resolution": "--resolution", "batch": "--batch", "method": "--method", "rank": "--rank",
@@ -68,12 +68,7 @@ def catalog_model(read: Reader, key: str, value: Any, family: str | None) -> Non
 def load_toml(file: Path, shown: str) -> dict:
     """A TOML file's tables (sd-scripts' --config_file and --dataset_config); one ConfigError line when it is
     missing, not a regular file, too large or not TOML (memfit.readers.files' bounds)."""
-    try:
-        raw = read_bounded(file, shown)
-    except FileNotFoundError:
-        raise ConfigError(f"{shown}: no such file") from None
-    except OSError as error:
-        raise ConfigError(f"cannot read {shown}: {error.strerror or error}") from None
+    raw = read_config_bytes(file, shown)
     try:
         data = tomllib.loads(raw.decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:

@@ -10,7 +10,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...readers._mapper import ConfigFile
 from ...readers._reader import IgnoredEntry, ReadEntry, Reader, jsonable
-from ...readers.files import display_path, load_mapping, read_bounded, resolve_reference
+from ...readers.files import display_path, load_mapping, read_config_bytes, resolve_reference
 from . import ai_toolkit, diffusers_scripts, kohya
 from .commandline import Command, parse, split_text
 from ..presets import catalog_names, resolve_model
@@ -90,11 +90,9 @@ def read_diffusion_config(path: str | Path | None = None, *, command: list[str] 
         raise ConfigError(f"{shown}: unknown diffusion config (keys: {keys}): memfit reads "
                           + ", ".join(FORMATS.values()))
     try:
-        text = read_bounded(file, shown).decode("utf-8-sig")
-    except FileNotFoundError:
-        raise ConfigError(f"{shown}: no such file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read {shown}: {getattr(error, 'strerror', None) or error}") from None
+        text = read_config_bytes(file, shown).decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"cannot read {shown}: {error}") from None
     return _command(parse(split_text(text, shown), shown), shown, overridden, notes, [ConfigFile(shown, "")], file)
 
 

@@ -123,22 +123,9 @@ def _verl_reference(keys: _Keys) -> None:
 def _verl_batches(keys: _Keys, gpus: int, n: int) -> None:
     """The update's per-GPU micro-batch (sequences, or tokens with use_dynamic_bsz); how many a generation makes."""
     read, out, get = keys.read, keys.out, keys.get
-    keys.handled |= {A + "ppo_micro_batch_size_per_gpu", A + "ppo_micro_batch_size", A + "use_dynamic_bsz",
-                     A + "ppo_max_token_len_per_gpu", A + "ppo_mini_batch_size", "data.train_batch_size"}
+    keys.handled |= {A + "ppo_mini_batch_size", "data.train_batch_size"}
     seq = out.get("max_prompt_length", 512) + out.get("max_completion_length", 512)
-    micro = None
-    if _bool(read, A + "use_dynamic_bsz", get(A + "use_dynamic_bsz", False)):
-        tokens = _int(read, A + "ppo_max_token_len_per_gpu", get(A + "ppo_max_token_len_per_gpu", 16384))
-        micro = max(1, tokens // seq)
-        read.set("per_device_train_batch_size", micro, A + "ppo_max_token_len_per_gpu", tokens,
-                 f"use_dynamic_bsz: {tokens} tokens // {seq} per full-length sequence")
-    elif get(A + "ppo_micro_batch_size_per_gpu") is not None:
-        micro = _count(read, A + "ppo_micro_batch_size_per_gpu", get(A + "ppo_micro_batch_size_per_gpu"))
-        read.set("per_device_train_batch_size", micro, A + "ppo_micro_batch_size_per_gpu", micro)
-    elif get(A + "ppo_micro_batch_size") is not None:
-        micro = max(1, _int(read, A + "ppo_micro_batch_size", get(A + "ppo_micro_batch_size")) // gpus)
-        read.set("per_device_train_batch_size", micro, A + "ppo_micro_batch_size", get(A + "ppo_micro_batch_size"),
-                 f"global, / {gpus} GPUs")
+    micro = _micro_batch(keys, A, "per_device_train_batch_size", gpus, seq, get(A + "use_dynamic_bsz", False), 16384)
     if micro is not None:
         out["per_device_train_batch_size"] = micro
     batch = _int(read, "data.train_batch_size", get("data.train_batch_size", 1024))
@@ -147,37 +134,42 @@ def _verl_batches(keys: _Keys, gpus: int, n: int) -> None:
     out["steps_per_generation"] = max(1, -(-per_gpu // micro))
     read.set("steps_per_generation", out["steps_per_generation"], "data.train_batch_size", batch,
              f"x n {n} / {gpus} GPUs = {per_gpu} responses generated per GPU at once")
-    _verl_critic_batch(keys, gpus, seq)
+    if out.get("trainer") == "ppo":
+        # the critic update's own micro-batch; verl's dp_critic splits the batch as dp_actor does.
+        # ppo_trainer.yaml: critic.use_dynamic_bsz defaults to the actor's, ppo_max_token_len_per_gpu to 32768
+        critic = _micro_batch(keys, "critic.", "critic_micro_batch_size", gpus, seq,
+                              get("critic.use_dynamic_bsz", get(A + "use_dynamic_bsz", False)), 32768)
+        if critic is not None:
+            out["critic_micro_batch_size"] = critic
     if get(A + "ppo_mini_batch_size") is not None:
         read.defer(A + "ppo_mini_batch_size", get(A + "ppo_mini_batch_size"),
                    "the optimizer step's batch: gradients accumulate in place, no memory of its own")
 
 
-def _verl_critic_batch(keys: _Keys, gpus: int, seq: int) -> None:
-    """The critic update's own micro-batch (verl critic.ppo_micro_batch_size_per_gpu, or the global
-    critic.ppo_micro_batch_size / GPUs, or critic.use_dynamic_bsz's ppo_max_token_len_per_gpu // sequence; verl's
-    dp_critic splits the batch by it as dp_actor does); for a critic-free estimator the keys are listed as such."""
-    read, out, get, C = keys.read, keys.out, keys.get, "critic."
-    if out.get("trainer") != "ppo":
-        return
-    keys.handled |= {C + "ppo_micro_batch_size_per_gpu", C + "ppo_micro_batch_size", C + "use_dynamic_bsz",
-                     C + "ppo_max_token_len_per_gpu"}
-    # ppo_trainer.yaml: critic.use_dynamic_bsz defaults to the actor's, ppo_max_token_len_per_gpu to 32768
-    if _bool(read, C + "use_dynamic_bsz", get(C + "use_dynamic_bsz", get(A + "use_dynamic_bsz", False))):
-        tokens = _int(read, C + "ppo_max_token_len_per_gpu", get(C + "ppo_max_token_len_per_gpu", 32768))
+def _micro_batch(keys: _Keys, prefix: str, field: str, gpus: int, seq: int, dynamic: Any,
+                 tokens_default: int) -> int | None:
+    """verl's micro-batch of one update (`prefix`: the actor's or the critic's keys): use_dynamic_bsz's
+    ppo_max_token_len_per_gpu // the sequence, else ppo_micro_batch_size_per_gpu, else the global
+    ppo_micro_batch_size / GPUs; None when the config says none of them."""
+    read, get = keys.read, keys.get
+    keys.handled |= {prefix + "ppo_micro_batch_size_per_gpu", prefix + "ppo_micro_batch_size",
+                     prefix + "use_dynamic_bsz", prefix + "ppo_max_token_len_per_gpu"}
+    if _bool(read, prefix + "use_dynamic_bsz", dynamic):
+        tokens = _int(read, prefix + "ppo_max_token_len_per_gpu",
+                      get(prefix + "ppo_max_token_len_per_gpu", tokens_default))
         micro = max(1, tokens // seq)
-        read.set("critic_micro_batch_size", micro, C + "ppo_max_token_len_per_gpu", tokens,
+        read.set(field, micro, prefix + "ppo_max_token_len_per_gpu", tokens,
                  f"use_dynamic_bsz: {tokens} tokens // {seq} per full-length sequence")
-    elif get(C + "ppo_micro_batch_size_per_gpu") is not None:
-        micro = _count(read, C + "ppo_micro_batch_size_per_gpu", get(C + "ppo_micro_batch_size_per_gpu"))
-        read.set("critic_micro_batch_size", micro, C + "ppo_micro_batch_size_per_gpu", micro)
-    elif get(C + "ppo_micro_batch_size") is not None:
-        micro = max(1, _int(read, C + "ppo_micro_batch_size", get(C + "ppo_micro_batch_size")) // gpus)
-        read.set("critic_micro_batch_size", micro, C + "ppo_micro_batch_size", get(C + "ppo_micro_batch_size"),
+    elif get(prefix + "ppo_micro_batch_size_per_gpu") is not None:
+        micro = _count(read, prefix + "ppo_micro_batch_size_per_gpu", get(prefix + "ppo_micro_batch_size_per_gpu"))
+        read.set(field, micro, prefix + "ppo_micro_batch_size_per_gpu", micro)
+    elif get(prefix + "ppo_micro_batch_size") is not None:
+        micro = max(1, _int(read, prefix + "ppo_micro_batch_size", get(prefix + "ppo_micro_batch_size")) // gpus)
+        read.set(field, micro, prefix + "ppo_micro_batch_size", get(prefix + "ppo_micro_batch_size"),
                  f"global, / {gpus} GPUs")
     else:
-        return
-    out["critic_micro_batch_size"] = micro
+        return None
+    return micro
 
 
 def _verl_sharding(keys: _Keys, gpus: int, shown: str) -> None:

@@ -9,6 +9,15 @@
   const state = {fields: [], seq: 0, timer: null, controller: null};
   const $ = (id) => document.getElementById(id);
 
+  // A field's suggested values as a datalist under its input (the setup form's and the RL form's).
+  function suggest(row, input, field, id) {
+    if (!field.suggestions) return;
+    const list = el("datalist", {id: id + "-list"},
+                    ...field.suggestions.map((s) => el("option", {value: s.value, label: s.label})));
+    input.setAttribute("list", list.id);
+    row.append(list);
+  }
+
   function el(tag, props = {}, ...children) {
     const node = document.createElement(tag);
     for (const [key, value] of Object.entries(props)) {
@@ -38,12 +47,7 @@
       input.value = value;
     }
     const row = el("div", {className: "field"}, el("label", {for: id, text: field.label}), input);
-    if (field.suggestions) {
-      const list = el("datalist", {id: id + "-list"},
-                      ...field.suggestions.map((s) => el("option", {value: s.value, label: s.label})));
-      input.setAttribute("list", list.id);
-      row.append(list);
-    }
+    suggest(row, input, field, id);
     if (field.help) input.title = field.help;
     const changed = () => schedule();
     input.addEventListener("input", changed);
@@ -230,12 +234,7 @@
     input.value = field.initial;
     if (field.help) input.title = field.help;
     const row = el("div", {className: "field"}, el("label", {for: id, text: field.label}), input);
-    if (field.suggestions) {
-      const list = el("datalist", {id: id + "-list"},
-                      ...field.suggestions.map((s) => el("option", {value: s.value, label: s.label})));
-      input.setAttribute("list", list.id);
-      row.append(list);
-    }
+    suggest(row, input, field, id);
     input.addEventListener("change", () => sizeRl());
     return row;
   }
